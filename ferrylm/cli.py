@@ -1,0 +1,163 @@
+"""`ferry`: the command line. Each subcommand maps its flags 1:1 onto config fields and calls the library;
+errors the library raises on purpose (`FerryError`) print as one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from ferrylm.errors import FerryError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory, .gguf file or ferry store (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory, if not beside the model")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(device=a.device, dtype=a.dtype, seed=a.seed, tokenizer=a.tokenizer, max_num_seqs=a.max_num_seqs,
+                max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+                block_size=a.block_size, kv_cache_memory_gb=a.kv_cache_memory_gb,
+                enable_prefix_caching=not a.no_prefix_caching)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params(a: argparse.Namespace, seed: int | None = None):
+    from ferrylm.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                          min_p=a.min_p, repetition_penalty=a.repetition_penalty, stop=a.stop, seed=seed)
+
+
+def load_llm(a: argparse.Namespace):
+    from rich.progress import Progress
+
+    from ferrylm import LLM
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("loading weights", total=None)
+        llm = LLM(a.model, progress=lambda name: bar.advance(task), **engine_kwargs(a))
+    return llm
+
+
+def stream(llm, prompt_ids: list[int], params) -> tuple[str, int, float]:
+    """Runs one request, printing text as it arrives; returns (text, tokens, seconds after first token)."""
+    engine = llm.engine
+    rid = engine.add_request(prompt_ids, params)
+    printed, t_first, n = "", None, 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id != rid:
+                continue
+            out = o.outputs[0]
+            if t_first is None and out.token_ids:
+                t_first = time.perf_counter()
+            n = len(out.token_ids)
+            sys.stdout.write(out.text[len(printed):])
+            sys.stdout.flush()
+            printed = out.text
+    sys.stdout.write("\n")
+    return printed, n, time.perf_counter() - (t_first or time.perf_counter())
+
+
+def encode_prompt(llm, messages_or_text, chat: bool) -> list[int]:
+    tok = llm.engine.tokenizer_required()
+    if chat:
+        return tok.encode(tok.apply_chat_template(messages_or_text, add_generation_prompt=True), add_special_tokens=False)
+    return tok.encode(messages_or_text)
+
+
+def cmd_generate(a: argparse.Namespace) -> None:
+    llm = load_llm(a)
+    tok = llm.engine.tokenizer_required()
+    chat = a.chat if a.chat is not None else tok.chat_template is not None
+    ids = encode_prompt(llm, [{"role": "user", "content": a.prompt}] if chat else a.prompt, chat)
+    _, n, secs = stream(llm, ids, sampling_params(a, seed=a.seed))
+    if a.stats:
+        rate = (n - 1) / secs if n > 1 and secs > 0 else float("nan")
+        print(f"[{n} tokens, {rate:.1f} tokens/s after the first]", file=sys.stderr)
+
+
+def cmd_chat(a: argparse.Namespace) -> None:
+    llm = load_llm(a)
+    history = [{"role": "system", "content": a.system}] if a.system else []
+    print("ferry chat: type a message, /reset to clear, /exit or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            history = history[:1] if a.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        text, _, _ = stream(llm, encode_prompt(llm, history, chat=True), sampling_params(a))
+        history.append({"role": "assistant", "content": text})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferry", description="ferrylm: LLM inference engine and server")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    g.add_argument("prompt")
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="wrap the prompt in the chat template (default when the model has one)")
+    mode.add_argument("--raw", dest="chat", action="store_false", help="plain completion, no chat template")
+    g.add_argument("--stats", action="store_true", help="print tokens/s to stderr at the end")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat in the terminal")
+    c.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except FerryError as e:
+        print(f"ferry: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Frozen configuration dataclasses: the model's shape and the engine's knobs.
+
+Defaults live here and only here; the CLI maps its flags 1:1 onto these fields. `ModelConfig` is read
+from an HF `config.json` dict (GGUF metadata is translated into that dict by `weights/gguf.py`), so every
+family sees one vocabulary of names. This module knows nothing about tensors or devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ferrylm.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of one checkpoint, in HF `config.json` vocabulary."""
+
+    architecture: str
+    """HF class name, e.g. `LlamaForCausalLM`; selects the model family in `models/registry.py`."""
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    """HF `rope_scaling` dict (`rope_type` llama3/linear/dynamic...), or None."""
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """Bias on q/k/v projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm on each head of q and k before RoPE (Qwen3)."""
+    hidden_act: str = "silu"
+    # Mixture of experts (0 experts = dense).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+    """The checkpoint's own dtype, as config.json says it."""
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+    """The whole source dict, for family-specific fields (e.g. Yuan's `use_lf_gate`)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from an HF config.json dict; unknown keys stay in `raw`."""
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ConfigError("config.json has no 'architectures' entry; cannot tell the model family")
+        text = cfg.get("text_config")
+        if isinstance(text, dict):  # multimodal wrappers keep the LM config nested
+            cfg = {**cfg, **text}
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            layers = int(cfg["num_hidden_layers"])
+            vocab = int(cfg["vocab_size"])
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from None
+        head_dim = cfg.get("head_dim") or hidden // heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        rope_params = cfg.get("rope_parameters")  # transformers v5 spelling
+        if isinstance(rope_params, dict):
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        model_type = cfg.get("model_type", "")
+        return cls(
+            architecture=archs[0],
+            model_type=model_type,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(cfg.get("intermediate_size") or 0),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor", 1.0)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg["attention_bias"] if cfg.get("attention_bias") is not None
+                                else model_type in ("qwen2", "qwen2_moe")),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            num_experts=num_experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type != "qwen2_moe")),
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            raw=dict(cfg),
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int | None = None
+    """Blocks in the pool; None sizes it from `memory_gb` (or the model's context on CPU)."""
+    memory_gb: float | None = None
+    """KV memory to allocate when `num_blocks` is None; None picks a default for the device."""
+    enable_prefix_caching: bool = True
+    """Reuse full blocks whose token prefix was already computed (hash of the block chain)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 64
+    """Sequences running at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decodes count 1 each; prefill chunks fill the rest)."""
+    max_model_len: int | None = None
+    """Longest prompt + output; None means the model's `max_position_embeddings`."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps so decodes are never starved."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `LLMEngine` needs: where the model is and how to run it."""
+
+    model: str | None = None
+    """HF directory, .gguf file or ferry store; None means the embedded SmolLM2 GGUF."""
+    device: str = "cpu"
+    dtype: str = "auto"
+    """float32 | bfloat16 | float16 | auto (float32 on CPU, the checkpoint's dtype on GPU)."""
+    seed: int = 0
+    tokenizer: str | None = None
+    """Tokenizer directory if not beside the model."""
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    model_overrides: dict = field(default_factory=dict)
+    """Family-specific options (e.g. Yuan's `rope_dtype`)."""
+
+    def replace(self, **kw) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)

@@ -1,0 +1,1 @@
+"""The engine: sequences, scheduler, model runner, the step loop and the offline API."""

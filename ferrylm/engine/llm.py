@@ -1,0 +1,83 @@
+"""LLM: the offline API. `LLM(model=...).generate(prompts, SamplingParams(...))` and `.chat(messages)`.
+
+A thin loop over `LLMEngine.step()`; it adds no behaviour of its own beyond ordering outputs as the
+prompts were given and an optional progress bar.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+from ferrylm.config import CacheConfig, EngineConfig, SchedulerConfig
+from ferrylm.engine.llm_engine import LLMEngine, RequestOutput
+from ferrylm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, device: str = "cpu", dtype: str = "auto", seed: int = 0,
+                 tokenizer: str | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
+                 kv_cache_memory_gb: float | None = None, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, model_overrides: dict | None = None, progress=None):
+        config = EngineConfig(
+            model=model, device=device, dtype=dtype, seed=seed, tokenizer=tokenizer,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gb=kv_cache_memory_gb,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill),
+            model_overrides=model_overrides or {},
+        )
+        self.engine = LLMEngine(config, progress=progress)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(p, sp))
+        except Exception:
+            for rid in ids:  # nothing half-submitted stays in the engine
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.tokenizer_required().encode(
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+            add_special_tokens=False) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from rich.progress import Progress
+
+            bar = Progress(transient=True)
+            task = bar.add_task("generating", total=len(ids))
+            bar.start()
+        try:
+            while len(final) < len(ids):
+                for o in self.engine.step():
+                    if o.finished:
+                        final[o.request_id] = o
+                        if bar:
+                            bar.advance(task)
+        finally:
+            if bar:
+                bar.stop()
+        return [final[i] for i in ids]

@@ -1,0 +1,262 @@
+"""LLMEngine: the step loop. schedule -> run the model -> sample -> append, detokenize, check stops.
+
+It owns requests (prompt validation, the `n` sequences of each, stop logic, outputs) and wires the
+scheduler, model runner, sampler and tokenizer together. It knows nothing about HTTP or threads: the
+offline `LLM` and the async server wrapper drive `step()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ferrylm.config import EngineConfig, ModelConfig
+from ferrylm.engine.model_runner import ModelRunner
+from ferrylm.engine.scheduler import Scheduler
+from ferrylm.engine.sequence import Sequence, SequenceStatus
+from ferrylm.errors import InvalidRequestError, ModelLoadError
+from ferrylm.kv.block_manager import BlockManager
+from ferrylm.kv.state_pool import StateSlotPool
+from ferrylm.layers.sampler import Sampler
+from ferrylm.sampling_params import SamplingParams
+from ferrylm.weights.source import open_source
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    """stop | length | abort, None while running."""
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+    """arrival_time, first_scheduled_time, first_token_time, finished_time (time.monotonic)."""
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress=None):
+        self.config = config
+        source = open_source(config.model)
+        try:
+            self.model_config = ModelConfig.from_hf(source.config)
+            self.tokenizer = self._load_tokenizer(source)
+            self.max_model_len = self._max_model_len()
+            self.runner = ModelRunner(config, self.model_config, source, self.max_model_len, progress=progress)
+        finally:
+            source.close()
+        kv = self.runner.kv_cache
+        has_state = self.runner.state_pool is not None
+        self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager,
+            StateSlotPool(self.runner.state_pool.num_slots) if has_state else None,
+        )
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = eos
+        self.sampler = Sampler(eos_token_ids=tuple(sorted(eos)), seed=config.seed)
+        self.requests: dict[str, _Request] = {}
+        self._next_id = 0
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+
+    # -- set-up -----------------------------------------------------------------------------------
+
+    def _load_tokenizer(self, source):
+        from ferrylm.tokenizer import Tokenizer
+
+        path = self.config.tokenizer or source.path
+        try:
+            return Tokenizer.load(path)
+        except ModelLoadError as e:
+            if self.config.tokenizer:
+                raise
+            log.warning("no tokenizer (%s): prompts must be given as token ids", e)
+            return None
+
+    def _max_model_len(self) -> int:
+        limit = self.config.scheduler.max_model_len
+        native = self.model_config.max_position_embeddings
+        if limit is not None and limit > native:
+            log.warning("max_model_len %d exceeds the model's %d positions", limit, native)
+        return limit or native
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        if request_id is None:
+            request_id, self._next_id = str(self._next_id), self._next_id + 1
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: give the prompt as token ids", param="prompt")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        self.check_prompt(ids, params)
+        seqs = [Sequence(list(ids), params, request_id=request_id) for _ in range(params.n)]
+        req = _Request(request_id, text, ids, params, seqs)
+        if self.tokenizer is not None:
+            req.detoks = [self.tokenizer.incremental_detokenizer(params.skip_special_tokens) for _ in seqs]
+        req.texts = ["" for _ in seqs]
+        for s in seqs:
+            self.scheduler.add(s)
+        self.requests[request_id] = req
+        self.stats["prompt_tokens"] += len(ids)
+        return request_id
+
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{len(ids)} tokens, leaving no room to generate. Please reduce the length of the prompt.",
+                param="prompt")
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.abort(request_id)
+        for s in req.seqs:
+            self.sampler.forget(s.seq_id)
+
+    def tokenizer_required(self):
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: give prompts as token ids", param="messages")
+        return self.tokenizer
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step; returns an output for every request that advanced (finished ones last time)."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.monotonic()
+        for s in out.seqs:
+            if s.first_scheduled_time is None:
+                s.first_scheduled_time = now
+        logits = self.runner.execute(out)
+        self.scheduler.update_after_step(out)
+        sampling = [s for i, s in enumerate(out.seqs) if out.samples(i)]
+        if not sampling:
+            return []
+        result = self.sampler(logits, sampling)
+        now = time.monotonic()
+        touched: dict[str, _Request] = {}
+        for row, (seq, tok) in enumerate(zip(sampling, result.token_ids)):
+            req = self.requests[seq.request_id]
+            seq.append_token(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if result.logprobs is not None and result.logprobs[row] is not None:
+                seq.logprobs.append(result.logprobs[row])
+                seq.cumulative_logprob += result.logprobs[row][tok]
+            self.stats["generation_tokens"] += 1
+            self._check_stop(req, seq, tok)
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            outputs.append(self._output(req))
+            if req.finished:
+                req.finished_time = now
+                del self.requests[req.request_id]
+        return outputs
+
+    def _check_stop(self, req: _Request, seq: Sequence, tok: int) -> None:
+        p, i = req.params, req.seqs.index(seq)
+        n_out = seq.num_output_tokens
+        status = None
+        hidden_tok = False  # EOS and stop ids are not shown as text unless asked
+        if tok in self.eos_token_ids and not p.ignore_eos and n_out >= p.min_tokens:
+            status, hidden_tok = SequenceStatus.FINISHED_STOPPED, True
+        elif tok in p.stop_token_ids and n_out >= p.min_tokens:
+            status, seq.stop_reason, hidden_tok = SequenceStatus.FINISHED_STOPPED, tok, not p.include_stop_str_in_output
+        if req.detoks and not hidden_tok:
+            delta = req.detoks[i].add(tok)
+            if delta:
+                prev = req.texts[i]
+                req.texts[i] = prev + delta
+                if p.stop and n_out >= p.min_tokens:
+                    self._check_stop_strings(req, seq, i, len(prev))
+                    if seq.stop_reason is not None and status is None:
+                        status = SequenceStatus.FINISHED_STOPPED
+        if status is None and (p.max_tokens is not None and n_out >= p.max_tokens):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is None and seq.num_tokens >= self.max_model_len:
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            self.sampler.forget(seq.seq_id)
+
+    def _check_stop_strings(self, req: _Request, seq: Sequence, i: int, prev_len: int) -> None:
+        text = req.texts[i]
+        for stop in req.params.stop:
+            # only the new text (plus a stop's length of overlap) can hold a new match
+            at = text.find(stop, max(0, prev_len - len(stop) + 1))
+            if at >= 0:
+                end = at + len(stop) if req.params.include_stop_str_in_output else at
+                req.texts[i] = text[:end]
+                seq.stop_reason = stop
+                return
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = [CompletionOutput(
+            index=i, text=req.texts[i], token_ids=list(s.output_token_ids),
+            finish_reason=s.status.finish_reason, stop_reason=s.stop_reason,
+            logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
+            cumulative_logprob=s.cumulative_logprob) for i, s in enumerate(req.seqs)]
+        first = req.seqs[0]
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=outs, finished=req.finished, num_cached_tokens=first.num_cached_tokens,
+            metrics={"arrival_time": req.arrival_time, "first_scheduled_time": first.first_scheduled_time,
+                     "first_token_time": min((s.first_token_time for s in req.seqs if s.first_token_time), default=None),
+                     "finished_time": time.monotonic() if req.finished else None})

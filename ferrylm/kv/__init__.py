@@ -1,0 +1,1 @@
+"""KV cache: paged block allocation with prefix caching, and per-sequence non-KV state slots."""

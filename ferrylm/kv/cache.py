@@ -1,0 +1,64 @@
+"""The cache tensors: paged K/V blocks for every layer, and per-sequence state rows for models that keep
+state that is not KV (Yuan2.0's filter inputs).
+
+Which block or row belongs to which sequence is decided elsewhere (`kv/block_manager.py`,
+`kv/state_pool.py`); this module only owns memory and the read/write primitives attention uses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """K and V for L layers, each [num_blocks, block_size, kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]
+
+    def write(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # slots: [T]; k, v: [T, Hk, D]
+        self.k[i].view(-1, *k.shape[1:]).index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[i].view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(self.v.dtype))
+
+
+class SequenceStatePool:
+    """Named per-sequence state tensors, each [num_slots, *shape]; a sequence owns one row of each."""
+
+    def __init__(self, num_slots: int, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 device: torch.device | str):
+        self.num_slots = num_slots
+        self.tensors = {name: torch.zeros((num_slots, *shape), dtype=dt, device=device)
+                        for name, (shape, dt) in specs.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def reset(self, slot: int) -> None:
+        for t in self.tensors.values():
+            t[slot].zero_()
+
+    def copy(self, src: int, dst: int) -> None:
+        """Fork: the child gets its own copy of the parent's state, never a shared row."""
+        for t in self.tensors.values():
+            t[dst].copy_(t[src])

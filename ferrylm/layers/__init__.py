@@ -1,0 +1,1 @@
+"""Reusable building blocks: linear, norm, rotary, paged attention, MoE, sampler."""

@@ -1,0 +1,74 @@
+"""Paged attention in plain torch: new K/V go into the block pool, attention reads it back by block table.
+
+Decodes (one new token each) run batched: their context is gathered from the blocks into a padded
+[B, S] view and masked. Prefill chunks run one sequence at a time, causally offset by the tokens already
+cached (prefix-cache hits and earlier chunks). Runs on CPU and CUDA through `scaled_dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrylm.layers.context import get_forward_context
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, Hk, D] -> out: [T, H * D]
+        ctx = get_forward_context()
+        k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx)  # [N, bs, Hk, D] each
+        ctx.kv_cache.write(self.layer_idx, ctx.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        nd = ctx.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, ctx.block_tables[:nd], ctx.decode_seq_lens)
+        for i in range(nd, ctx.num_seqs):
+            a, b = ctx.query_start_loc[i], ctx.query_start_loc[i + 1]
+            out[a:b] = self._prefill(q[a:b], k[a:b], v[a:b], k_cache, v_cache, ctx.block_tables[i],
+                                     ctx.start_pos[i], ctx.seq_lens[i])
+        return out.flatten(1)
+
+    def _sdpa(self, q, k, v, mask=None, causal=False):
+        # q: [B, H, Sq, D]; k, v: [B, Hk, Sk, D]
+        gqa = self.num_heads != self.num_kv_heads
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=self.scale, enable_gqa=gqa)
+
+    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens):
+        # q: [B, H, D]; block_tables: [B, nb]; seq_lens: [B]
+        B, nb = block_tables.shape
+        bs = k_cache.shape[1]
+        max_len = int(seq_lens.max())
+        nb = (max_len + bs - 1) // bs
+        bt = block_tables[:, :nb]
+        k = k_cache[bt].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, Hk, S, D]
+        v = v_cache[bt].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
+        o = self._sdpa(q[:, :, None, :], k, v, mask=mask[:, None, None, :])  # [B, H, 1, D]
+        return o[:, :, 0, :]
+
+    def _prefill(self, q, k, v, k_cache, v_cache, block_table, start, seq_len):
+        # q: [n, H, D]; k, v: [n, Hk, D] (this chunk's own keys, already written to the cache)
+        n = q.shape[0]
+        if start > 0:  # earlier chunks or prefix-cache hits live only in the cache
+            bs = k_cache.shape[1]
+            nb = (seq_len + bs - 1) // bs
+            bt = block_table[:nb]
+            k = k_cache[bt].flatten(0, 1)[:seq_len]  # [S, Hk, D]
+            v = v_cache[bt].flatten(0, 1)[:seq_len]
+        qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        if start == 0:
+            o = self._sdpa(qh, kh, vh, causal=True)
+        else:
+            # query j sits at absolute position start + j and sees keys 0..start + j
+            mask = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=start)
+            o = self._sdpa(qh, kh, vh, mask=mask)
+        return o[0].transpose(0, 1)  # [n, H, D]

@@ -1,0 +1,61 @@
+"""ForwardContext: the per-step metadata that reaches attention (and other stateful layers).
+
+The model runner builds one per step and installs it with `forward_context(ctx)` for the duration of
+the forward pass; layers read it with `get_forward_context()`. Models never see requests or the
+scheduler: this object is the whole interface between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    # Notation: T = tokens in the step, B = sequences in the step.
+    query_start_loc: list[int]
+    """[B + 1] offsets of each sequence's tokens in the flat token batch."""
+    start_pos: list[int]
+    """[B] tokens of each sequence already in the cache before this step."""
+    seq_lens: list[int]
+    """[B] context length of each sequence after this step."""
+    slot_mapping: torch.Tensor
+    """[T] long: cache slot (block * block_size + offset) that receives each new token's K/V."""
+    block_tables: torch.Tensor
+    """[B, max_blocks] int32 padded with 0."""
+    num_decodes: int
+    """The first `num_decodes` sequences compute exactly one token each (the scheduler orders them first)."""
+    kv_cache: "object"
+    """`kv.cache.KVCache` holding every layer's K/V blocks."""
+    state_slots: list[int | None] = field(default_factory=list)
+    """[B] row of each sequence in the per-sequence state pool (models with non-KV state)."""
+    state: "object | None" = None
+    """The per-sequence state tensors (`kv.cache.SequenceStatePool`), if the model has any."""
+    decode_seq_lens: torch.Tensor | None = None
+    """[num_decodes] long on the device, built once per step for the batched decode path."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+_current: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext):
+    global _current
+    prev, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = prev
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no ForwardContext installed: models run inside `forward_context(...)`")
+    return _current

@@ -1,0 +1,90 @@
+"""What every causal LM module shares: the forward signature and checkpoint-name mapping at load time.
+
+Checkpoint names map onto module parameters by rules: separate q/k/v and gate/up projections fill
+shards of fused `Linear`s, per-expert tensors fill rows of `Experts` banks, everything else is copied by
+its own name. A family only adds rules for names of its own.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ferrylm.errors import ModelLoadError
+from ferrylm.layers.linear import Linear
+from ferrylm.layers.moe import Experts
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+_FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")  # transformers v5 in-memory layout
+_SHARD = re.compile(r"^(.*)\.(q|k|v|gate|up)_proj\.(weight|bias)$")
+
+
+class CausalLM(nn.Module):
+    """Base: subclasses build `self.model` and `self.lm_head` and implement `forward`."""
+
+    ignored_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, H] (per-step metadata via ForwardContext)."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, H] -> logits: [N, V] in fp32
+        return self.lm_head(hidden).float()
+
+    def map_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Family-specific names; return True when handled."""
+        return False
+
+    def load_weights(self, source, progress=None) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name in source.keys():
+            if any(name.endswith(s) for s in self.ignored_weights):
+                continue
+            try:
+                self._load_one(name, source.get(name), params, loaded)
+            except (ValueError, KeyError, AttributeError) as e:
+                raise ModelLoadError(f"{source.path}: tensor {name!r} does not fit the model ({e})") from None
+            if progress:
+                progress(name)
+        if getattr(self, "tied", False):
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ModelLoadError(f"{source.path}: checkpoint lacks tensors the model needs: {shown}")
+
+    def _load_one(self, name, tensor, params, loaded) -> None:
+        if self.map_weight(name, tensor):
+            loaded.add(name)
+            return
+        if m := _EXPERT.match(name):
+            mod: Experts = self.get_submodule(m[1])
+            mod.load(int(m[2]), _EXPERT_PART[m[3]], tensor)
+            loaded.update({f"{m[1]}.w13", f"{m[1]}.w2"})
+            return
+        if m := _FUSED_EXPERTS.match(name):
+            mod = self.get_submodule(m[1])
+            for e in range(mod.num_experts):
+                mod.load(e, "gate_up" if m[2] == "gate_up_proj" else "down", tensor[e])
+            loaded.add(f"{m[1]}.{'w13' if m[2] == 'gate_up_proj' else 'w2'}")
+            return
+        if name in params:
+            p = params[name]
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise ValueError(f"shape {tuple(tensor.shape)} != {tuple(p.shape)}")
+            p.data.copy_(tensor)
+            loaded.add(name)
+            return
+        if m := _SHARD.match(name):
+            fused = "qkv_proj" if m[2] in "qkv" else "gate_up_proj"
+            mod_name = f"{m[1]}.{fused}"
+            mod: Linear = self.get_submodule(mod_name)
+            mod.load(m[3], tensor, shard=m[2])
+            loaded.add(f"{mod_name}.{m[3]}")
+            return
+        raise KeyError(f"no parameter for checkpoint tensor {name!r}")

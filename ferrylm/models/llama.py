@@ -1,0 +1,126 @@
+"""The Llama family: Llama-2/3 (llama3 rope scaling), SmolLM2, Mistral, Qwen2/2.5 (qkv bias),
+Qwen3 (per-head q/k RMSNorm). Tied or untied embeddings.
+
+The decoder layer takes its MLP from a factory so the MoE families (mixtral.py, qwen_moe.py) reuse the
+attention block unchanged. Notation: T tokens in the step, H hidden, Hq/Hk heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ferrylm.config import ModelConfig
+from ferrylm.layers.activation import get_act
+from ferrylm.layers.attention import PagedAttention
+from ferrylm.layers.linear import Linear
+from ferrylm.layers.norm import RMSNorm
+from ferrylm.layers.rotary import RotaryEmbedding
+from ferrylm.models.base import CausalLM
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.hq, self.hk, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q, kv = self.hq * self.d, self.hk * self.d
+        self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias,
+                               shards={"q": (0, q), "k": (q, kv), "v": (q + kv, kv)})
+        self.o_proj = Linear(q, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        rot = int(self.d * cfg.partial_rotary_factor)
+        self.rotary = RotaryEmbedding(self.d, rot, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.attn = PagedAttention(layer_idx, self.hq, self.hk, self.d, scale=self.d ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.hq * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
+        q = q.view(-1, self.hq, self.d)  # [T, Hq, D]
+        k = k.view(-1, self.hk, self.d)  # [T, Hk, D]
+        v = v.view(-1, self.hk, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, inter: int, act: str = "silu"):
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = Linear(hidden, 2 * inter, shards={"gate": (0, inter), "up": (inter, inter)})
+        self.down_proj = Linear(inter, hidden)
+        self.act = get_act(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
+        return self.down_proj(self.act(gate) * up)
+
+
+MLPFactory = Callable[[ModelConfig, int], nn.Module]
+
+
+def dense_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+
+
+class DecoderLayer(nn.Module):
+    mlp_name = "mlp"
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, make_mlp: MLPFactory, mlp_name: str = "mlp"):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp_name = mlp_name
+        setattr(self, mlp_name, make_mlp(cfg, layer_idx))  # keeps the checkpoint's module name
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, make_mlp: MLPFactory, mlp_name: str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, make_mlp, mlp_name) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, H]
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(CausalLM):
+    make_mlp: MLPFactory = staticmethod(dense_mlp)
+    mlp_name = "mlp"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, self.make_mlp, self.mlp_name)
+        self.tied = cfg.tie_word_embeddings
+        if self.tied:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def map_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        # A tied checkpoint may still carry lm_head.weight (equal to the embeddings): nothing to do.
+        return self.tied and name == "lm_head.weight"

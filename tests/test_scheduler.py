@@ -193,8 +193,8 @@ def test_no_leaks_after_finish_and_abort():
     r3 = make_seq(6, request_id="r3")
     for s in (*r1, r2, r3):
         sched.add(s)
-    step(sched)  # r1 runs; r2 gets a chunk of 6 tokens... or fewer; r3 waits
-    assert r1[0].status == SequenceStatus.RUNNING and r3.status == SequenceStatus.WAITING
+    out = step(sched)  # r1[0] prefills, r1[1] gets a 6-token chunk; r2 and r3 wait
+    assert out.seqs == r1 and out.num_new_tokens == [10, 6] and sched.num_waiting == 2
     aborted = sched.abort("r1")
     assert set(map(id, aborted)) == set(map(id, r1))
     assert all(s.status == SequenceStatus.FINISHED_ABORTED and s.block_table == [] for s in r1)
@@ -339,7 +339,19 @@ def test_random_engine_loop(seed, chunked, prefix, slots):
     assert all(s.is_finished for s in all_seqs)
     done = [s for s in all_seqs if s.status == SequenceStatus.FINISHED_LENGTH]
     assert all(s.num_output_tokens == max_tokens[s.seq_id] for s in done)
+    assert sched.num_preemptions > 0
     if prefix:
         assert bm.prefix_hits > 0
     if slots is not None:
         assert sched.state_pool.num_free == slots
+
+
+def test_sequence_outgrowing_the_pool_is_a_clear_error():
+    sched = make_scheduler(num_blocks=2)
+    seq = make_seq(3)
+    sched.add(seq)
+    while seq.num_tokens < sched.max_seq_len:  # the engine finishes here (FINISHED_LENGTH) ...
+        step(sched)
+    step(sched)  # ... if it does not, the last slot is used, then nothing more fits
+    with pytest.raises(RuntimeError, match="more than the whole pool"):
+        sched.schedule()

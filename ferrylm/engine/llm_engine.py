@@ -7,6 +7,7 @@ offline `LLM` and the async server wrapper drive `step()`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -89,6 +90,8 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self.sampler = Sampler(eos_token_ids=tuple(sorted(eos)), seed=config.seed)
+        # a sequence ends at the context length or when it alone would fill the KV pool
+        self.max_seq_len = min(self.max_model_len, self.scheduler.max_seq_len)
         self.requests: dict[str, _Request] = {}
         self._next_id = 0
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -132,7 +135,10 @@ class LLMEngine:
         else:
             ids = [int(t) for t in prompt]
         self.check_prompt(ids, params)
-        seqs = [Sequence(list(ids), params, request_id=request_id) for _ in range(params.n)]
+        # n > 1 with a seed: each child gets seed + index, so the completions differ but stay reproducible
+        seqs = [Sequence(list(ids), params if params.seed is None or i == 0 else
+                         dataclasses.replace(params, seed=params.seed + i), request_id=request_id)
+                for i in range(params.n)]
         req = _Request(request_id, text, ids, params, seqs)
         if self.tokenizer is not None:
             req.detoks = [self.tokenizer.incremental_detokenizer(params.skip_special_tokens) for _ in seqs]
@@ -150,9 +156,9 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
-        if len(ids) >= self.max_model_len:
+        if len(ids) >= self.max_seq_len:
             raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"This model's maximum context length is {self.max_seq_len} tokens. However, your prompt has "
                 f"{len(ids)} tokens, leaving no room to generate. Please reduce the length of the prompt.",
                 param="prompt")
 
@@ -183,9 +189,9 @@ class LLMEngine:
         for s in out.seqs:
             if s.first_scheduled_time is None:
                 s.first_scheduled_time = now
+        sampling = [s for i, s in enumerate(out.seqs) if out.samples(i)]  # before postprocess moves counts
         logits = self.runner.execute(out)
-        self.scheduler.update_after_step(out)
-        sampling = [s for i, s in enumerate(out.seqs) if out.samples(i)]
+        self.scheduler.postprocess(out)
         if not sampling:
             return []
         result = self.sampler(logits, sampling)
@@ -230,7 +236,7 @@ class LLMEngine:
                         status = SequenceStatus.FINISHED_STOPPED
         if status is None and (p.max_tokens is not None and n_out >= p.max_tokens):
             status = SequenceStatus.FINISHED_LENGTH
-        if status is None and seq.num_tokens >= self.max_model_len:
+        if status is None and seq.num_tokens >= self.max_seq_len:
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
             self.scheduler.finish(seq, status)

@@ -1,5 +1,10 @@
 """Linear layers. `Linear` holds one dense weight; fused projections (qkv, gate_up) are one `Linear`
 whose rows are filled shard by shard at load time, so a step does one matmul instead of three.
+
+A `Linear` may instead hold its weight quantized (`QuantizedTensor`s from a ferry store, one per shard of a
+fused weight): `finish_load()` keeps that form when the pieces cover every row (the dense weight is then
+released) and forward dequantizes them, then does the matmul; pieces that cover only part of a fused weight
+are dequantized into the dense weight at load.
 """
 
 from __future__ import annotations
@@ -7,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ferrylm.weights.quant import QuantizedTensor
 
 
 class Linear(nn.Module):
@@ -18,9 +25,15 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.shards = shards or {}
         """shard id -> (first row, rows) of a fused weight, e.g. {"q": (0, 576), "k": (576, 192), ...}."""
+        self.qweight: dict[str | None, QuantizedTensor] = {}
+        """Quantized weight pieces by shard id (None: the whole weight); kept only if they cover all rows."""
 
     def load(self, name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """Copy a checkpoint tensor (`name` is `weight` or `bias`) into all rows or into one shard."""
+        if isinstance(tensor, QuantizedTensor):
+            if name == "weight":
+                return self._load_quantized(tensor, shard)
+            tensor = tensor.dequantize(self.bias.dtype)
         param = getattr(self, name)
         if shard is not None:
             a, n = self.shards[shard]
@@ -29,5 +42,35 @@ class Linear(nn.Module):
             raise ValueError(f"shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
         param.data.copy_(tensor)
 
+    def _load_quantized(self, qt: QuantizedTensor, shard: str | None) -> None:
+        rows = self.shards[shard][1] if shard is not None else self.out_features
+        if tuple(qt.shape) != (rows, self.in_features):
+            raise ValueError(f"shape {tuple(qt.shape)} does not fit {(rows, self.in_features)}")
+        self.qweight[shard] = qt.to(self.weight.device, copy=True)  # owned memory, not a view of the file
+
+    def finish_load(self) -> None:
+        """Called once every checkpoint tensor is in: quantized compute if the pieces cover all rows."""
+        if not self.qweight:
+            return
+        whole = None in self.qweight or (self.shards and set(self.qweight) == set(self.shards))
+        if whole:
+            order = [None] if None in self.qweight else sorted(self.shards, key=lambda s: self.shards[s][0])
+            self.qweight = {s: self.qweight[s] for s in order}  # row order, as forward concatenates them
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+            return
+        pieces, self.qweight = self.qweight, {}
+        for shard, qt in pieces.items():
+            self.load("weight", qt.dequantize(self.weight.dtype), shard)
+
+    def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight as a dense [out, in] tensor (dequantized when held quantized)."""
+        if not self.qweight:
+            return self.weight if dtype is None else self.weight.to(dtype)
+        dtype = dtype or self.weight.dtype
+        pieces = [qt.dequantize(dtype) for qt in self.qweight.values()]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)  # [out, in]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight:
+            return F.linear(x, self.dense_weight(x.dtype), self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -3,6 +3,10 @@
 Checkpoint names map onto module parameters by rules: separate q/k/v and gate/up projections fill
 shards of fused `Linear`s, per-expert tensors fill rows of `Experts` banks, everything else is copied by
 its own name. A family only adds rules for names of its own.
+
+A source that can hand out quantized weights (`get_quantized`, the ferry store) gives them for names that
+land on a `Linear` weight (whole, or a shard of a fused one) with the same shape; the `Linear` keeps them
+packed (see `layers/linear.py`). Everything else - experts included - arrives dense via `source.get`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from torch import nn
 from ferrylm.errors import ModelLoadError
 from ferrylm.layers.linear import Linear
 from ferrylm.layers.moe import Experts
+from ferrylm.weights.quant import QuantizedTensor
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
@@ -36,27 +41,49 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def map_weight(self, name: str, tensor: torch.Tensor) -> bool:
-        """Family-specific names; return True when handled."""
+        """Family-specific names; return True when handled. `tensor` is a `QuantizedTensor` only for names
+        that are a Linear's own weight of the same shape (call `.dequantize()` to get values)."""
         return False
 
     def load_weights(self, source, progress=None) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        get_quantized = getattr(source, "get_quantized", None)
         for name in source.keys():
             if any(name.endswith(s) for s in self.ignored_weights):
                 continue
             try:
-                self._load_one(name, source.get(name), params, loaded)
+                tensor = self._quantized_for_linear(name, get_quantized(name), params) if get_quantized else None
+                self._load_one(name, source.get(name) if tensor is None else tensor, params, loaded)
             except (ValueError, KeyError, AttributeError) as e:
                 raise ModelLoadError(f"{source.path}: tensor {name!r} does not fit the model ({e})") from None
             if progress:
                 progress(name)
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.finish_load()
         if getattr(self, "tied", False):
             loaded.add("lm_head.weight")
         missing = sorted(set(params) - loaded)
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"{source.path}: checkpoint lacks tensors the model needs: {shown}")
+
+    def _quantized_for_linear(self, name: str, qt: QuantizedTensor | None, params) -> QuantizedTensor | None:
+        """`qt` when `name` lands on a Linear's weight (or one shard of it) of the same shape, else None."""
+        if qt is None or not name.endswith(".weight") or _EXPERT.match(name):
+            return None
+        if name in params:
+            mod = self.get_submodule(name[: -len(".weight")])
+            return qt if isinstance(mod, Linear) and tuple(params[name].shape) == tuple(qt.shape) else None
+        if m := _SHARD.match(name):
+            try:
+                mod = self.get_submodule(f"{m[1]}.{'qkv_proj' if m[2] in 'qkv' else 'gate_up_proj'}")
+            except AttributeError:
+                return None
+            if isinstance(mod, Linear) and m[2] in mod.shards and tuple(qt.shape) == (mod.shards[m[2]][1], mod.in_features):
+                return qt
+        return None
 
     def _load_one(self, name, tensor, params, loaded) -> None:
         if self.map_weight(name, tensor):
@@ -75,6 +102,10 @@ class CausalLM(nn.Module):
             return
         if name in params:
             p = params[name]
+            if isinstance(tensor, QuantizedTensor):  # a Linear's own weight, kept packed
+                self.get_submodule(name[: -len(".weight")]).load("weight", tensor)
+                loaded.add(name)
+                return
             if tuple(p.shape) != tuple(tensor.shape):
                 raise ValueError(f"shape {tuple(tensor.shape)} != {tuple(p.shape)}")
             p.data.copy_(tensor)

@@ -1,0 +1,364 @@
+"""Yuan2.0 (2B / 51B / 102B, dense) and Yuan2.0-M32 (MoE with the attention router): one family, one file.
+
+Both share the decoder layer. Attention is *localized-filtering* (LF) attention: Q and K come from
+`LF(x) = RMSNorm_lf(conv2(conv1(x)) + x)`, where conv1 (H -> H/2) and conv2 (H/2 -> H) are causal 2-tap
+convolutions over the token axis with bias and zero left padding; V comes from the unfiltered x.
+`cat(q_proj(lf), k_proj(lf))` is read per head as [nh, 2 * hd]: the first hd values are that head's query,
+the next hd its key. M32 differs only in its sizes (head_dim = attention_projection_size / nh, RoPE over
+the first hidden / nh features of each head) and in its MLP: every layer is a 32-expert top-2 MoE whose
+router is itself a tiny attention over experts.
+
+The filter makes decoding stateful beyond KV: token t needs x[t-1] and conv1's output o1[t-1]. Those live
+per sequence and layer in the engine's `SequenceStatePool` (`state_specs()`), 1.5 * H values per layer.
+The state is read only when a step continues a sequence (`start_pos > 0`); a sequence that starts at
+token 0 (new, or recomputed after preemption) uses the zero padding and never reads its row, so a row
+left over from an earlier owner cannot leak. Prefill chunks carry it across steps like a decode does.
+The model never sees forks: a forked sequence owns its own row (`SequenceStatePool.copy`).
+
+Choices that differ from a reference and why:
+- `rope_dtype` (model option, `EngineConfig.model_overrides={"rope_dtype": ...}`). The M32 HF file builds
+  its RoPE tables in bf16 (inv_freq, positions and the angle product all rounded to bf16; even
+  `arange(bf16)` merges positions past 256). "bfloat16" reproduces that bit for bit and is what the
+  golden test uses. The default is "float32", the table the vendor's own vLLM port builds: it is what
+  the served M32 runs, it keeps every position of the 4k context distinct, and it is the same math as
+  the training side's fp32 RoPE. The dense HF file is fp32 already, so fp32 is right for it too.
+- Eod masking: the dense config says `reset_attention_mask=true`, which the HF *eager* path honours
+  (rows after an `<eod>` cannot see columns up to it), but the path the real config serves
+  (`use_flash_attention=true`) applies plain causal attention. We serve plain causal: it is the
+  published serving behaviour, and an eod-aware mask would need a per-sequence segment mask inside paged
+  attention for every step. Positions are never reset at eod in either reference, nor here. M32's config
+  has `reset_attention_mask=false`, so both of its paths are plain causal anyway.
+
+Notation: T tokens in the step, B sequences, H hidden, nh heads, hd head dim, P = nh * hd, E experts.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrylm.config import ModelConfig
+from ferrylm.errors import ConfigError, ModelLoadError
+from ferrylm.layers.activation import get_act
+from ferrylm.layers.attention import PagedAttention
+from ferrylm.layers.context import get_forward_context
+from ferrylm.layers.linear import Linear
+from ferrylm.layers.moe import Experts, route
+from ferrylm.layers.norm import RMSNorm
+from ferrylm.layers.rotary import RotaryEmbedding
+from ferrylm.models.base import CausalLM
+
+log = logging.getLogger(__name__)
+
+LF_NORM_EPS = 1e-6
+"""The reference builds the LF output norm with its default eps, not `rms_norm_eps`."""
+
+_ROPE_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_CONV = re.compile(r"\.lf_gate\.conv[12]\.weight$")
+_W1 = re.compile(r"^(.*\.experts)\.(\d+)\.w1\.weight$")
+
+
+# -- config -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class YuanShape:
+    """The family-specific sizes, read from `ModelConfig.raw` (HF `YuanConfig` key names)."""
+
+    hidden: int
+    heads: int
+    head_dim: int
+    """attention_projection_size / heads (M32), hidden / heads (dense)."""
+    rot_dim: int
+    """hidden / heads in both: all of a dense head, the first half of an M32 head."""
+    num_experts: int
+    top_k: int
+    expert_ffn: int
+    norm_topk_prob: bool
+    tied: bool
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "YuanShape":
+        raw = cfg.raw
+        heads = cfg.num_attention_heads
+        proj = int(raw.get("attention_projection_size") or cfg.hidden_size)
+        moe = raw.get("moe_config") or {}
+        use_moe = bool(raw.get("use_moe", False)) and int(moe.get("moe_num_experts") or 0) > 0
+        if use_moe and not moe.get("gated_linear_unit", True):
+            raise ConfigError("Yuan M32 without gated_linear_unit is not supported")
+        return cls(
+            hidden=cfg.hidden_size, heads=heads, head_dim=proj // heads, rot_dim=cfg.hidden_size // heads,
+            num_experts=int(moe.get("moe_num_experts") or 0) if use_moe else 0,
+            top_k=int(moe.get("moe_top_k") or 2) if use_moe else 0,
+            expert_ffn=int(moe.get("ffn_hidden_size") or 0) if use_moe else 0,
+            norm_topk_prob=bool(moe.get("norm_topk_prob", True)),
+            # YuanConfig's default is tied, and save_pretrained drops keys equal to the default
+            tied=bool(raw.get("tie_word_embeddings", True)),
+        )
+
+
+# -- per-step filter bookkeeping --------------------------------------------------------------------------
+
+@dataclass
+class LFBatch:
+    """Where each sequence's rows sit in the flat batch and where its filter state lives, built once a step."""
+
+    first: torch.Tensor
+    """[B] long: row of each sequence's first token in this step."""
+    last: torch.Tensor
+    """[B] long: row of its last token (the state to keep)."""
+    cont: torch.Tensor
+    """[B, 1] bool: the sequence continues (start_pos > 0), so its first token reads the stored state."""
+    slots: torch.Tensor | None
+    """[B] long: rows in the state pool; None when the step runs without a pool (fresh prefills only)."""
+    state: object | None
+
+    @classmethod
+    def from_context(cls, device: torch.device) -> "LFBatch":
+        ctx = get_forward_context()
+        qsl = ctx.query_start_loc
+        cont = [s > 0 for s in ctx.start_pos]
+        has_pool = ctx.state is not None and all(s is not None for s in ctx.state_slots)
+        if any(cont) and not has_pool:
+            raise RuntimeError("Yuan: a step continues a sequence but the context has no filter state slot")
+        return cls(
+            first=torch.tensor(qsl[:-1], dtype=torch.long, device=device),
+            last=torch.tensor(qsl[1:], dtype=torch.long, device=device) - 1,
+            cont=torch.tensor(cont, dtype=torch.bool, device=device)[:, None],
+            slots=torch.tensor(ctx.state_slots, dtype=torch.long, device=device) if has_pool else None,
+            state=ctx.state if has_pool else None,
+        )
+
+    def shift(self, x: torch.Tensor, name: str, layer: int) -> torch.Tensor:
+        """x: [T, C] -> the previous token's row of x for every token, then keep each sequence's last row.
+
+        Inside a sequence's chunk the previous row is x[t-1]; at its first row it is the stored state of
+        that sequence (continuing) or 0 (the reference's zero padding at token 0).
+        """
+        prev = torch.empty_like(x)
+        prev[1:] = x[:-1]
+        if self.state is None:
+            prev[self.first] = 0
+            return prev
+        store = self.state[name]  # [slots, L, C]
+        stored = store[self.slots, layer]  # [B, C]
+        prev[self.first] = torch.where(self.cont, stored, torch.zeros_like(stored))
+        store[self.slots, layer] = x[self.last]
+        return prev
+
+
+# -- layers -----------------------------------------------------------------------------------------------
+
+class LocalizedFilter(nn.Module):
+    """LF(x) = RMSNorm(conv2(conv1(x)) + x), both convs causal 2-tap with zero left padding.
+
+    The checkpoint's Conv2d weights [out, in, 2, 1] are stored as one Linear over [x[t-1], x[t]]:
+    weight [out, 2 * in] = [tap 0 | tap 1], so each conv is one matmul.
+    """
+
+    def __init__(self, hidden: int, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.conv1 = Linear(2 * hidden, hidden // 2, bias=True)
+        self.conv2 = Linear(hidden, hidden, bias=True)
+        self.output_layernorm = RMSNorm(hidden, LF_NORM_EPS)
+
+    @staticmethod
+    def conv_weight(w: torch.Tensor) -> torch.Tensor:
+        # w: [out, in, 2, 1] (tap 0 reads t-1, tap 1 reads t) -> [out, 2 * in]
+        return w[..., 0].permute(0, 2, 1).reshape(w.shape[0], 2 * w.shape[1])
+
+    def forward(self, x: torch.Tensor, lf: LFBatch) -> torch.Tensor:
+        # x: [T, H]
+        i = self.layer_idx
+        o1 = self.conv1(torch.cat((lf.shift(x, "lf_x", i), x), dim=-1))  # [T, H/2]
+        o2 = self.conv2(torch.cat((lf.shift(o1, "lf_o1", i), o1), dim=-1))  # [T, H]
+        return self.output_layernorm(o2 + x)
+
+
+class BF16RefRotary(RotaryEmbedding):
+    """The M32 HF reference's RoPE table: inv_freq, positions, angles and cos/sin all computed in bf16."""
+
+    def _table(self, device: torch.device, need: int) -> torch.Tensor:
+        if self._cos_sin is None or self._cos_sin.device != device or self._cos_sin.shape[0] < need:
+            n = max(need, self.max_positions)
+            inv_freq = self.inv_freq.to(device).float().to(torch.bfloat16)  # [rot/2]
+            t = torch.arange(n, dtype=torch.bfloat16, device=device)  # bf16: merges positions past 256, as the reference does
+            freqs = torch.einsum("i,j->ij", t, inv_freq)  # [P, rot/2] bf16
+            emb = torch.cat((freqs, freqs), dim=-1)  # [P, rot]
+            self._cos_sin = torch.stack((emb.cos(), emb.sin())).float().transpose(0, 1)
+        return self._cos_sin  # [P, 2, rot]
+
+
+class YuanAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, shape: YuanShape, layer_idx: int, rope_dtype: torch.dtype):
+        super().__init__()
+        self.nh, self.hd = shape.heads, shape.head_dim
+        proj, H = self.nh * self.hd, shape.hidden
+        self.q_proj = Linear(H, proj)
+        self.k_proj = Linear(H, proj)
+        self.v_proj = Linear(H, proj)
+        self.o_proj = Linear(proj, H)
+        self.lf_gate = LocalizedFilter(H, layer_idx)
+        rotary_cls = BF16RefRotary if rope_dtype == torch.bfloat16 else RotaryEmbedding
+        self.rotary = rotary_cls(self.hd, shape.rot_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.attn = PagedAttention(layer_idx, self.nh, self.nh, self.hd, scale=self.hd ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, lf: LFBatch) -> torch.Tensor:
+        # x: [T, H] (already input-normed)
+        f = self.lf_gate(x, lf)  # [T, H]
+        qk = torch.cat((self.q_proj(f), self.k_proj(f)), dim=-1).view(-1, self.nh, 2 * self.hd)  # [T, nh, 2hd]
+        q, k = qk.split(self.hd, dim=-1)  # [T, nh, hd] each: per-head interleave, not a q/k split
+        v = self.v_proj(x).view(-1, self.nh, self.hd)  # V from the unfiltered input
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q.contiguous(), k.contiguous(), v))
+
+
+class YuanMLP(nn.Module):
+    """down(gate(x) * act(up(x))): Yuan puts the activation on up_proj, not gate_proj."""
+
+    def __init__(self, hidden: int, inter: int, act: str):
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = Linear(hidden, 2 * inter, shards={"up": (0, inter), "gate": (inter, inter)})
+        self.down_proj = Linear(inter, hidden)
+        self.act = get_act(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, gate = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
+        return self.down_proj(gate * self.act(up))
+
+
+class AttentionRouter(nn.Module):
+    """M32's router: per token, attention over the E experts, in fp32.
+
+    q, k, v = query(x), key(x), value(x) (each [E]); A = softmax_j(q_i * k_j) (no scaling);
+    router_logits = A @ v.
+    """
+
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.query = Linear(hidden, num_experts)
+        self.key = Linear(hidden, num_experts)
+        self.value = Linear(hidden, num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] -> router logits [T, E] fp32
+        x = x.float()
+        q = F.linear(x, self.query.weight.float())[:, :, None]  # [T, E, 1]
+        k = F.linear(x, self.key.weight.float())[:, None, :]  # [T, 1, E]
+        v = F.linear(x, self.value.weight.float())[:, :, None]  # [T, E, 1]
+        a = torch.softmax(torch.bmm(q, k), dim=-1)  # [T, E, E]
+        return torch.bmm(a, v)[:, :, 0]  # [T, E]
+
+
+class YuanMoE(nn.Module):
+    """Every M32 layer: attention router, top-k of its softmax renormalised, gated experts (w1 = [gate; up])."""
+
+    def __init__(self, cfg: ModelConfig, shape: YuanShape):
+        super().__init__()
+        self.top_k, self.normalize = shape.top_k, shape.norm_topk_prob
+        self.gate = AttentionRouter(shape.hidden, shape.num_experts)
+        self.experts = Experts(shape.num_experts, shape.hidden, shape.expert_ffn, cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]
+        weights, ids = route(self.gate(x), self.top_k, self.normalize)  # [T, k]
+        return self.experts(x, ids, weights)
+
+
+class YuanDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, shape: YuanShape, layer_idx: int, rope_dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = YuanAttention(cfg, shape, layer_idx, rope_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = (YuanMoE(cfg, shape) if shape.num_experts
+                    else YuanMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act))
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, lf: LFBatch) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), lf)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class YuanModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, shape: YuanShape, rope_dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(YuanDecoderLayer(cfg, shape, i, rope_dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        lf = LFBatch.from_context(input_ids.device)
+        h = self.embed_tokens(input_ids)  # [T, H]
+        for layer in self.layers:
+            h = layer(positions, h, lf)
+        return self.norm(h)
+
+
+class YuanForCausalLM(CausalLM):
+    """Yuan2.0 dense and Yuan2.0-M32 (selected by `use_moe` / `moe_config` in config.json).
+
+    Options (`EngineConfig.model_overrides`): `rope_dtype` "float32" (default) or "bfloat16" (the M32 HF
+    reference's tables, see the module docstring).
+    """
+
+    def __init__(self, cfg: ModelConfig, rope_dtype: str | torch.dtype = "float32"):
+        super().__init__()
+        if isinstance(rope_dtype, str):
+            try:
+                rope_dtype = _ROPE_DTYPES[rope_dtype]
+            except KeyError:
+                raise ConfigError(f"Yuan rope_dtype {rope_dtype!r}: choose float32 or bfloat16") from None
+        if rope_dtype not in (torch.float32, torch.bfloat16):
+            raise ConfigError(f"Yuan rope_dtype {rope_dtype}: choose float32 or bfloat16")
+        shape = YuanShape.from_config(cfg)
+        if cfg.head_dim != shape.head_dim:
+            # ModelConfig derives head_dim as hidden / heads, but M32's heads are attention_projection_size /
+            # heads wide, and the runner sizes the KV cache from cfg.head_dim after building the model.
+            # Until ModelConfig.from_hf knows `attention_projection_size`, correct it here.
+            object.__setattr__(cfg, "head_dim", shape.head_dim)
+        if cfg.raw.get("reset_attention_mask") and not cfg.raw.get("use_moe"):
+            log.info("Yuan: reset_attention_mask is set; serving plain causal attention (the flash path)")
+        self.config, self.shape, self.rope_dtype = cfg, shape, rope_dtype
+        self.model = YuanModel(cfg, shape, rope_dtype)
+        self.tied = shape.tied
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._w1_loaded: set[str] = set()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def state_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Per sequence: the last filter input x (H) and the last conv1 output (H/2), for every layer."""
+        L, H = self.config.num_hidden_layers, self.shape.hidden
+        dtype = self.model.embed_tokens.weight.dtype
+        return {"lf_x": ((L, H), dtype), "lf_o1": ((L, H // 2), dtype)}
+
+    def map_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        if _CONV.search(name):  # Conv2d [out, in, 2, 1] -> Linear [out, 2 * in], same parameter name
+            self.get_submodule(name.rsplit(".", 1)[0]).load("weight", LocalizedFilter.conv_weight(tensor))
+            return True
+        if m := _W1.match(name):  # M32's w1 is [gate; up] stacked already
+            self.get_submodule(m[1]).load(int(m[2]), "gate_up", tensor)
+            self._w1_loaded.add(name)
+            return True
+        # A tied checkpoint may still carry lm_head.weight (a copy of the embeddings): nothing to do.
+        return self.tied and name == "lm_head.weight"
+
+    def load_weights(self, source, progress=None) -> None:
+        self._w1_loaded.clear()
+        super().load_weights(source, progress)
+        # The base marks an expert bank loaded on any of its tensors; check every w1 arrived.
+        if self.shape.num_experts:
+            want = self.config.num_hidden_layers * self.shape.num_experts
+            if len(self._w1_loaded) != want:
+                raise ModelLoadError(f"{source.path}: {len(self._w1_loaded)} of {want} expert w1 tensors found")

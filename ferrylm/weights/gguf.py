@@ -1,0 +1,557 @@
+"""GGUF checkpoints: a llama.cpp `.gguf` file read as an HF-named, HF-shaped weight source.
+
+Owns the GGUF container format (header, metadata, tensor table, memory-mapped data), the translation
+of llama.cpp's metadata keys into an HF `config.json`-style dict, the mapping of llama.cpp tensor names
+to HF names, dequantization (through `gguf.quants`) and undoing the converter's q/k row permutation of
+llama-architecture files. It does not know models, devices or tokenization (`ferrylm/tokenizer.py` reads
+the tokenizer from the same metadata through `read_gguf_metadata`).
+
+The header is parsed here rather than with `gguf.GGUFReader`: the reader turns every vocabulary entry
+into numpy arrays, which takes seconds on a 49k-token vocabulary, while this parser needs ~0.1 s and
+reports truncation precisely. Tensor bytes stay memory-mapped until `get()` dequantizes one tensor.
+
+Dimension letters: E experts, R rows (output features), C columns (input features).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import dequantize
+
+from ferrylm.errors import ModelLoadError, UnsupportedArchitectureError
+from ferrylm.weights.source import WeightSource
+
+# ---------------------------------------------------------------------------------------------------
+# Container format
+# ---------------------------------------------------------------------------------------------------
+
+_MAGIC = b"GGUF"
+# metadata value type -> struct format (little-endian prefix added at use)
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NP_SCALAR = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "?", 10: "u8", 11: "i8", 12: "f8"}
+_STRING, _ARRAY = 8, 9
+_DEFAULT_ALIGNMENT = 32
+_Q = gguf.GGMLQuantizationType
+_INT_TYPES = {_Q.I8: np.int8, _Q.I16: np.int16, _Q.I32: np.int32, _Q.I64: np.int64, _Q.F64: np.float64}
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One entry of the tensor table."""
+
+    name: str
+    dims: tuple[int, ...]
+    """GGUF order: `dims[0]` is the contiguous (fastest) axis. The torch shape is `dims` reversed."""
+    ggml_type: int
+    offset: int
+    """Absolute byte offset of the data in the file."""
+    nbytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.dims))
+
+    @property
+    def type_name(self) -> str:
+        return _type_name(self.ggml_type)
+
+
+class _Cursor:
+    """Sequential reads from a buffer; running past its end means the file is truncated."""
+
+    def __init__(self, buf, path: str, endian: str = "<"):
+        self.buf, self.path, self.pos, self.e = buf, path, 0, endian
+        self.size = len(buf)
+
+    def need(self, n: int) -> None:
+        if self.pos + n > self.size:
+            raise ModelLoadError(
+                f"{self.path}: truncated GGUF file ({self.size} bytes; the header continues past the end)"
+            )
+
+    def unpack(self, fmt: str):
+        n = struct.calcsize(self.e + fmt)
+        self.need(n)
+        out = struct.unpack_from(self.e + fmt, self.buf, self.pos)
+        self.pos += n
+        return out if len(out) > 1 else out[0]
+
+    def string(self, len_fmt: str = "Q") -> str:
+        n = self.unpack(len_fmt)
+        self.need(n)
+        raw = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, len_fmt: str, skip_strings: bool = False):
+        if vtype == 6:  # float32: the shortest decimal that round-trips (1e-05, not 9.99999974e-06)
+            return float(str(np.float32(self.unpack("f"))))
+        if vtype in _SCALAR:
+            return self.unpack(_SCALAR[vtype])
+        if vtype == _STRING:
+            return self.string(len_fmt)
+        if vtype == _ARRAY:
+            etype, count = self.unpack("I" + len_fmt)
+            if etype in _NP_SCALAR:  # numbers: one vectorised read
+                dt = np.dtype(self.e + _NP_SCALAR[etype])
+                self.need(count * dt.itemsize)
+                arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos)
+                self.pos += count * dt.itemsize
+                return arr.tolist()
+            if etype == _STRING:
+                if skip_strings:
+                    for _ in range(count):
+                        n = self.unpack(len_fmt)
+                        self.need(n)
+                        self.pos += n
+                    return count
+                return [self.string(len_fmt) for _ in range(count)]
+            return [self.value(etype, len_fmt) for _ in range(count)]  # arrays of arrays
+        raise ModelLoadError(f"{self.path}: corrupt GGUF metadata (unknown value type {vtype})")
+
+
+def _parse(buf, path: str, with_tensors: bool, skip_keys: tuple[str, ...] = ()):
+    """-> (metadata dict, [GGUFTensorInfo]) from the mapped file `buf`."""
+    head = bytes(buf[:8])
+    if len(head) < 8 and _MAGIC.startswith(head[:4]):
+        raise ModelLoadError(f"{path}: truncated GGUF file ({len(head)} bytes)")
+    if head[:4] != _MAGIC:
+        raise ModelLoadError(f"{path}: not a GGUF file (missing 'GGUF' magic bytes)")
+    endian = "<"
+    (version,) = struct.unpack_from("<I", buf, 4)
+    if version & 0xFFFF == 0:  # written on a big-endian host
+        endian = ">"
+        (version,) = struct.unpack_from(">I", buf, 4)
+    if version not in (1, 2, 3):
+        raise ModelLoadError(f"{path}: unsupported GGUF version {version}")
+    len_fmt = "I" if version == 1 else "Q"  # v1 used 32-bit counts and lengths
+    cur = _Cursor(buf, path, endian)
+    cur.pos = 8
+    n_tensors, n_kv = cur.unpack(len_fmt + len_fmt)
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string(len_fmt)
+        vtype = cur.unpack("I")
+        meta[key] = cur.value(vtype, len_fmt, skip_strings=key in skip_keys)
+    if not with_tensors:
+        return meta, []
+    raw = []
+    for _ in range(n_tensors):
+        name = cur.string(len_fmt)
+        n_dims = cur.unpack("I")
+        dims = tuple(int(d) for d in (cur.unpack(len_fmt * n_dims) if n_dims > 1 else (cur.unpack(len_fmt),)))
+        ggml_type, offset = cur.unpack("IQ")
+        raw.append((name, dims, ggml_type, offset))
+    align = int(meta.get("general.alignment", _DEFAULT_ALIGNMENT))
+    data_start = (cur.pos + align - 1) // align * align
+    infos = []
+    for name, dims, ggml_type, offset in raw:
+        nbytes = _nbytes(path, name, dims, ggml_type)
+        infos.append(GGUFTensorInfo(name, dims, ggml_type, data_start + offset, nbytes))
+    end = max((t.offset + t.nbytes for t in infos), default=data_start)
+    if end > len(buf):
+        raise ModelLoadError(f"{path}: truncated GGUF file ({len(buf)} bytes, its tensor table needs {end})")
+    return meta, infos
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        return gguf.GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"unknown ggml type {ggml_type}"
+
+
+def _block(ggml_type: int) -> tuple[int, int] | None:
+    """(elements per block, bytes per block), or None for a type id the gguf package does not know."""
+    try:
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError):
+        return None
+
+
+_readable_cache: dict[int, bool] = {}
+
+
+def _readable(ggml_type: int) -> bool:
+    """Whether `_load` can turn this type into values (probes the gguf package with one zero block)."""
+    if ggml_type not in _readable_cache:
+        blk = _block(ggml_type)
+        ok = blk is not None
+        if ok and _Q(ggml_type) not in (_Q.F32, _Q.F16, _Q.BF16, *_INT_TYPES):
+            try:
+                dequantize(np.zeros((1, blk[1]), dtype=np.uint8), _Q(ggml_type))
+            except NotImplementedError:
+                ok = False
+            except Exception:  # e.g. a lazily built grid failing on the zero block: let get() decide
+                ok = True
+        _readable_cache[ggml_type] = ok
+    return _readable_cache[ggml_type]
+
+
+def _nbytes(path: str, name: str, dims: tuple[int, ...], ggml_type: int) -> int:
+    blk = _block(ggml_type)
+    if blk is None:
+        raise ModelLoadError(f"{path}: tensor {name!r} has {_type_name(ggml_type)}, which ferrylm cannot read")
+    n = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    block_elems, block_bytes = blk
+    if dims and dims[0] % block_elems:
+        raise ModelLoadError(f"{path}: tensor {name!r} row length {dims[0]} is not a multiple of its block size")
+    return n // block_elems * block_bytes
+
+
+def _map(path: str) -> mmap.mmap:
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise ModelLoadError(f"{path}: is a directory, expected a .gguf file")
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                raise ModelLoadError(f"{path}: empty file, not a GGUF model")
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def read_gguf_metadata(path: str, skip_string_arrays: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The metadata key/values of a .gguf file (no tensor data is touched).
+
+    Keys named in `skip_string_arrays` come back as their element count instead of a list.
+    """
+    mm = _map(path)
+    try:
+        meta, _ = _parse(mm, path, with_tensors=False, skip_keys=skip_string_arrays)
+        return meta
+    except ModelLoadError:
+        raise
+    except Exception as e:  # struct/unicode surprises inside a corrupt header
+        raise ModelLoadError(f"{path}: corrupt GGUF header ({type(e).__name__}: {e})") from None
+    finally:
+        mm.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Metadata -> HF config
+# ---------------------------------------------------------------------------------------------------
+
+# GGUF `general.architecture` -> (HF architectures[0], model_type); llama with experts is Mixtral.
+_ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+}
+# Architectures whose converter permuted q/k rows for llama.cpp's interleaved rope (LlamaModel.permute).
+_PERMUTED_QK = {"llama"}
+
+
+def supported_gguf_architectures() -> list[str]:
+    return sorted(_ARCHS)
+
+
+def gguf_to_hf_config(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path: str = "") -> dict:
+    """Translate llama.cpp metadata keys into an HF config.json-style dict."""
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHS:
+        raise UnsupportedArchitectureError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(_ARCHS))}"
+        )
+    names = {t.name for t in tensors}
+
+    def k(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    hf_arch, model_type = _ARCHS[arch]
+    n_experts = int(k("expert_count", 0) or 0)
+    if arch == "llama" and n_experts:
+        hf_arch, model_type = "MixtralForCausalLM", "mixtral"
+    try:
+        hidden = int(k("embedding_length"))
+        heads = int(k("attention.head_count"))
+        layers = int(k("block_count"))
+    except TypeError:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.embedding_length/attention.head_count/block_count")
+    kv_heads = k("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer list in some hybrids; dense models repeat one value
+        kv_heads = max(kv_heads)
+    head_dim = int(k("attention.key_length") or hidden // heads)
+    vocab = k("vocab_size")
+    if vocab is None:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if isinstance(tokens, list) else tokens
+    if vocab is None:
+        emb = next((t for t in tensors if t.name == "token_embd.weight"), None)
+        vocab = emb.shape[0] if emb is not None else None
+    cfg: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(k("feed_forward_length", 0) or 0),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(k("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(k("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(k("context_length", 4096)),
+        "vocab_size": int(vocab) if vocab is not None else None,
+        "tie_word_embeddings": "output.weight" not in names,
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "torch_dtype": _checkpoint_dtype(tensors),
+    }
+    rope_dim = k("rope.dimension_count")
+    if rope_dim and int(rope_dim) != head_dim:
+        cfg["partial_rotary_factor"] = int(rope_dim) / head_dim
+    scaling = k("rope.scaling.type")
+    if scaling and scaling != "none":
+        rs = {"rope_type": scaling, "factor": float(k("rope.scaling.factor", 1.0))}
+        if k("rope.scaling.original_context_length"):
+            rs["original_max_position_embeddings"] = int(k("rope.scaling.original_context_length"))
+        cfg["rope_scaling"] = rs
+    if n_experts:
+        cfg["num_experts_per_tok"] = int(k("expert_used_count", 0) or 0)
+        if model_type == "mixtral":
+            cfg["num_local_experts"] = n_experts
+        else:
+            cfg["num_experts"] = n_experts
+            cfg["moe_intermediate_size"] = int(k("expert_feed_forward_length", 0) or 0)
+            cfg["shared_expert_intermediate_size"] = int(k("expert_shared_feed_forward_length", 0) or 0)
+            cfg["decoder_sparse_step"] = 1
+            cfg["mlp_only_layers"] = []
+            # llama.cpp's qwen3moe graph always renormalizes the top-k weights; qwen2moe never does.
+            cfg["norm_topk_prob"] = model_type == "qwen3_moe"
+    for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                             ("pad_token_id", "padding_token_id")):
+        v = meta.get(f"tokenizer.ggml.{gguf_key}")
+        if v is not None:
+            cfg[hf_key] = int(v)
+    if "rope_freqs.weight" in names:
+        # Llama 3.1-style rope scaling is stored as per-frequency factors, not as HF's parameters.
+        cfg["gguf_rope_freqs"] = True
+    cfg["gguf_architecture"] = arch
+    return cfg
+
+
+def _checkpoint_dtype(tensors: list[GGUFTensorInfo]) -> str:
+    """The half type of the file's matrices; quantized files report bfloat16 (the original models'
+    usual dtype, and safe range-wise for dequantized compute)."""
+    types = {t.ggml_type for t in tensors if len(t.dims) >= 2}
+    if types <= {0}:
+        return "float32"
+    if types <= {0, 1}:
+        return "float16"
+    return "bfloat16"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tensor names
+# ---------------------------------------------------------------------------------------------------
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_STACKED_EXPERTS = re.compile(r"^ffn_(gate|up|down)_exps\.weight$")
+_SPLIT_EXPERT = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")  # older Mixtral files, one per expert
+_MIXTRAL_PART = {"gate": "w1", "down": "w2", "up": "w3"}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """How to produce one HF tensor: which GGUF tensor, optionally one expert of it, optionally un-permuted."""
+
+    info: GGUFTensorInfo
+    expert: int | None = None
+    unpermute_heads: int | None = None
+    unsqueeze: bool = False
+
+
+class GGUFSource(WeightSource):
+    """A .gguf file as a read-only, lazily dequantizing source of HF-named tensors."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._mm = _map(path)
+        try:
+            self.metadata, self.tensors = _parse(self._mm, path, with_tensors=True)
+            self.config = gguf_to_hf_config(self.metadata, self.tensors, path)
+            self._entries = self._build_entries()
+        except ModelLoadError:
+            self.close()
+            raise
+        except Exception as e:
+            self.close()
+            raise ModelLoadError(f"{path}: corrupt GGUF file ({type(e).__name__}: {e})") from None
+
+    # -- names ------------------------------------------------------------------------------------
+
+    def _build_entries(self) -> dict[str, _Entry]:
+        cfg = self.config
+        moe = "block_sparse_moe" if cfg["model_type"] == "mixtral" else "mlp"
+        permuted = cfg["gguf_architecture"] in _PERMUTED_QK
+        entries: dict[str, _Entry] = {}
+        self.unmapped: list[str] = []
+        for t in self.tensors:
+            if not _readable(t.ggml_type):
+                raise ModelLoadError(
+                    f"{self.path}: tensor {t.name!r} is stored as {t.type_name}, which ferrylm cannot dequantize "
+                    f"(the installed gguf package has no dequantizer for it)"
+                )
+            if t.name in _GLOBAL_NAMES:
+                entries[_GLOBAL_NAMES[t.name]] = _Entry(t)
+                continue
+            m = _BLK.match(t.name)
+            if not m:
+                self.unmapped.append(t.name)  # e.g. rope_freqs.weight: not an HF tensor
+                continue
+            layer, leaf = m[1], m[2]
+            prefix = f"model.layers.{layer}."
+            if leaf == "ffn_gate_inp.weight":
+                entries[f"{prefix}{moe}.gate.weight"] = _Entry(t)
+            elif leaf in _BLOCK_NAMES:
+                heads = None
+                if permuted and leaf == "attn_q.weight":
+                    heads = cfg["num_attention_heads"]
+                elif permuted and leaf == "attn_k.weight":
+                    heads = cfg["num_key_value_heads"]
+                # HF keeps the shared-expert gate as a [1, H] Linear weight; GGUF squeezes it to [H].
+                unsqueeze = leaf == "ffn_gate_inp_shexp.weight" and len(t.dims) == 1
+                entries[prefix + _BLOCK_NAMES[leaf]] = _Entry(t, unpermute_heads=heads, unsqueeze=unsqueeze)
+            elif sm := _STACKED_EXPERTS.match(leaf):
+                n_exp = t.shape[0]
+                for e in range(n_exp):
+                    entries[self._expert_name(prefix, moe, e, sm[1])] = _Entry(t, expert=e)
+            elif sm := _SPLIT_EXPERT.match(leaf):
+                entries[self._expert_name(prefix, moe, int(sm[2]), sm[1])] = _Entry(t)
+            else:
+                self.unmapped.append(t.name)
+        return entries
+
+    @staticmethod
+    def _expert_name(prefix: str, moe: str, e: int, part: str) -> str:
+        if moe == "block_sparse_moe":
+            return f"{prefix}block_sparse_moe.experts.{e}.{_MIXTRAL_PART[part]}.weight"
+        return f"{prefix}mlp.experts.{e}.{part}_proj.weight"
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def gguf_name(self, name: str) -> str:
+        """The GGUF tensor an HF name comes from (diagnostics)."""
+        return self._entry(name).info.name
+
+    def ggml_type(self, name: str) -> str:
+        """Storage type of the tensor behind an HF name, e.g. 'Q4_1' (diagnostics, memory planning)."""
+        return self._entry(name).info.type_name
+
+    def _entry(self, name: str) -> _Entry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise ModelLoadError(f"{self.path}: checkpoint has no tensor {name!r}") from None
+
+    # -- data -------------------------------------------------------------------------------------
+
+    def get(self, name: str) -> torch.Tensor:
+        ent = self._entry(name)
+        if self._mm is None:
+            raise ModelLoadError(f"{self.path}: source is closed")
+        t = ent.info
+        out = _load(self._mm, t, self.path, ent.expert)
+        if ent.unpermute_heads:
+            out = _unpermute_qk(out, ent.unpermute_heads)
+        if ent.unsqueeze:
+            out = out.unsqueeze(0)
+        return out
+
+    def close(self) -> None:
+        mm, self._mm = getattr(self, "_mm", None), None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # a numpy view still alive somewhere; the GC will unmap it
+                pass
+
+
+def _load(buf, t: GGUFTensorInfo, path: str, expert: int | None) -> torch.Tensor:
+    """One tensor (or one expert of a stacked [E, R, C] tensor) as a CPU tensor.
+
+    F32/F16/BF16 keep their dtype; quantized blocks are dequantized to float32.
+    """
+    block_elems, block_bytes = _block(t.ggml_type)
+    shape = t.shape  # torch order
+    row_bytes = (shape[-1] if shape else 1) // block_elems * block_bytes
+    lead = shape[:-1]
+    offset, count = t.offset, t.nbytes
+    if expert is not None:  # experts are the outermost axis: a contiguous slab each
+        per = count // shape[0]
+        offset, count, lead, shape = offset + expert * per, per, lead[1:], shape[1:]
+    raw = np.frombuffer(buf, dtype=np.uint8, count=count, offset=offset).reshape(*lead, row_bytes)
+    qt = _Q(t.ggml_type)
+    name = t.name if expert is None else f"{t.name}[expert {expert}]"
+    if qt == _Q.F32:
+        arr = raw.view(np.float32).copy()
+    elif qt == _Q.F16:
+        arr = raw.view(np.float16).copy()
+    elif qt == _Q.BF16:
+        return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16).reshape(shape)
+    elif qt in _INT_TYPES:
+        arr = raw.view(_INT_TYPES[qt]).copy()
+    else:
+        try:
+            arr = dequantize(raw, qt)
+        except NotImplementedError:
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} is stored as {qt.name}, which the installed gguf package cannot "
+                f"dequantize"
+            ) from None
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+    return torch.from_numpy(arr).reshape(shape)
+
+
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's `LlamaModel.permute` of q_proj/k_proj rows.
+
+    The converter regroups each head's rows from HF's rotate-half layout (first half, second half) into
+    interleaved pairs for ggml's rope: rows [h, 2, D/2] -> [h, D/2, 2]. This reverses it.
+    """
+    # w: [n_head * D, C]
+    rows = w.shape[0]
+    d_half = rows // n_head // 2
+    return w.reshape(n_head, d_half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()

@@ -1,0 +1,214 @@
+"""Weight-only quantization schemes and the `QuantizedTensor` that carries packed weights in memory.
+
+Three schemes, each a pair of plain-torch functions (quantize, dequantize) that are the reference every
+faster kernel is checked against:
+
+- `int8`: per-output-channel symmetric INT8. scale[n] = absmax(row n) / 127.
+  Bound: |w - deq| <= scale[n] / 2 per element.
+- `fp8`: per-output-channel FP8 e4m3 (`torch.float8_e4m3fn`, max 448). scale[n] = absmax(row n) / 448.
+  Bound: |w - deq| <= max(2**-4 * |w|, 2**-10 * scale[n]) (half an ulp of a 3-bit mantissa; half the
+  smallest subnormal near zero).
+- `nf4`: group-wise 4-bit NormalFloat (QLoRA's 16 levels) over the row-major flattened weight, one fp32
+  absmax per group of `group_size` (64 or 128) values. Optional double quantization stores the absmaxes
+  as int8 around their mean with one fp32 scale per 256 groups (QLoRA's 8-bit second level).
+  Bound: |w - deq| <= NF4_MAX_HALF_GAP * absmax_g (+ the absmax's own int8 error when double-quantized).
+
+A `QuantizedTensor` is a bag of named parts (packed codes, scales) plus the scheme, its parameters and
+the logical shape; the store writes the parts as they are and maps them back zero-copy. This module
+knows nothing about files, checkpoints or models.
+Notation: N output channels (rows), K input features, M = N*K values, G groups, B double-quant blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+SCHEMES = ("int8", "nf4", "fp8")
+GROUP_SIZES = (64, 128)
+DQ_BLOCK = 256
+"""Groups per fp32 scale when NF4 absmaxes are double-quantized."""
+
+# QLoRA's NF4 levels: quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
+NF4_LEVELS = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+])
+NF4_MAX_HALF_GAP = float((NF4_LEVELS[1:] - NF4_LEVELS[:-1]).max() / 2)
+_NF4_MIDPOINTS = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
+# byte -> (low nibble level, high nibble level): one lookup decodes two codes
+_NF4_PAIRS = torch.stack([NF4_LEVELS[torch.arange(256) & 0xF], NF4_LEVELS[torch.arange(256) >> 4]], dim=-1)
+FP8_MAX = 448.0
+
+
+@dataclass
+class QuantizedTensor:
+    """Packed weight + scales. `dequantize()` gives the dense tensor of `shape` back."""
+
+    scheme: str
+    """int8 | nf4 | fp8"""
+    shape: tuple[int, ...]
+    """Logical (dequantized) shape, e.g. [N, K]."""
+    parts: dict[str, torch.Tensor]
+    """int8/fp8: q [N, K] (int8 / uint8 bits of e4m3), scale [N] fp32.
+    nf4: q [ceil(M/G_size)*G_size/2] uint8 (two codes per byte, low nibble first), and either
+    absmax [G] fp32 or (double-quantized) absmax_q [G] int8, absmax_scale [B] fp32, absmax_mean [1] fp32."""
+    params: dict = field(default_factory=dict)
+    """Scheme parameters: nf4 -> group_size, double_quant."""
+    dtype: torch.dtype = torch.float32
+    """The high-precision dtype the weight had (and dequantizes to by default)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parts.values())
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts["q"].device
+
+    def to(self, device, copy: bool = False) -> "QuantizedTensor":
+        parts = {k: v.to(device, copy=copy) for k, v in self.parts.items()}
+        return QuantizedTensor(self.scheme, self.shape, parts, dict(self.params), self.dtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+        q = self if device is None else self.to(device)
+        out = _DEQUANT[self.scheme](q)  # fp32, on q's device
+        return out.to(dtype or self.dtype)
+
+
+# -- INT8 per channel ------------------------------------------------------------------------------
+
+def _rows(w: torch.Tensor) -> torch.Tensor:
+    # any shape -> [N, K] with N the leading (output) dim
+    return w.reshape(w.shape[0], -1) if w.dim() > 1 else w.reshape(1, -1)
+
+
+def _channel_scale(w2: torch.Tensor, qmax: float) -> torch.Tensor:
+    amax = w2.abs().amax(dim=1)  # [N]
+    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedTensor:
+    w2 = _rows(w.float())  # [N, K]
+    scale = _channel_scale(w2, 127.0)  # [N]
+    q = torch.round(w2 / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedTensor("int8", tuple(w.shape), {"q": q, "scale": scale}, {}, w.dtype)
+
+
+def _dequant_int8(qt: QuantizedTensor) -> torch.Tensor:
+    return (qt.parts["q"].float() * qt.parts["scale"][:, None]).reshape(qt.shape)
+
+
+# -- FP8 e4m3 per channel --------------------------------------------------------------------------
+
+def quantize_fp8(w: torch.Tensor) -> QuantizedTensor:
+    w2 = _rows(w.float())  # [N, K]
+    scale = _channel_scale(w2, FP8_MAX)  # [N]
+    q = (w2 / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return QuantizedTensor("fp8", tuple(w.shape), {"q": q, "scale": scale}, {}, w.dtype)
+
+
+def _dequant_fp8(qt: QuantizedTensor) -> torch.Tensor:
+    q = qt.parts["q"].view(torch.float8_e4m3fn).float()
+    return (q * qt.parts["scale"][:, None]).reshape(qt.shape)
+
+
+# -- NF4 group-wise --------------------------------------------------------------------------------
+
+def quantize_nf4(w: torch.Tensor, group_size: int = 64, double_quant: bool = False) -> QuantizedTensor:
+    if group_size % 2 or group_size <= 0:
+        raise ValueError(f"NF4 group size must be a positive even number, not {group_size}")
+    flat = w.float().reshape(-1)  # [M]
+    m = flat.numel()
+    pad = (-m) % group_size
+    g = torch.nn.functional.pad(flat, (0, pad)).view(-1, group_size)  # [G, gs]
+    absmax = g.abs().amax(dim=1)  # [G]
+    absmax = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    parts: dict[str, torch.Tensor] = {}
+    if double_quant:
+        absmax_q, absmax_scale, mean = _double_quant(absmax)
+        used = _double_dequant(absmax_q, absmax_scale, mean)
+        # a group far below the block's largest absmax would get a tiny or negative scale back: such a
+        # tensor keeps its fp32 absmaxes (the manifest records double_quant=false for it)
+        double_quant = bool((used >= 0.5 * absmax).all())
+        if double_quant:
+            parts.update(absmax_q=absmax_q, absmax_scale=absmax_scale, absmax_mean=mean)
+            absmax = used  # quantize against the absmax we will store
+    if not double_quant:
+        parts["absmax"] = absmax
+    codes = torch.bucketize(g / absmax[:, None], _NF4_MIDPOINTS.to(w.device)).to(torch.uint8).view(-1)  # [G*gs]
+    parts["q"] = codes[0::2] | (codes[1::2] << 4)  # [G*gs/2]
+    return QuantizedTensor("nf4", tuple(w.shape), {"q": parts.pop("q"), **parts},
+                           {"group_size": group_size, "double_quant": double_quant}, w.dtype)
+
+
+def _double_quant(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mean = absmax.mean().reshape(1)
+    c = absmax - mean  # [G]
+    pad = (-c.numel()) % DQ_BLOCK
+    blocks = torch.nn.functional.pad(c, (0, pad)).view(-1, DQ_BLOCK)  # [B, 256]
+    s = blocks.abs().amax(dim=1) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))  # [B]
+    q = torch.round(blocks / s[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)[: c.numel()]
+    return q, s, mean
+
+
+def _double_dequant(q: torch.Tensor, s: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    pad = (-q.numel()) % DQ_BLOCK
+    blocks = torch.nn.functional.pad(q.float(), (0, pad)).view(-1, DQ_BLOCK)  # [B, 256]
+    return (blocks * s[:, None]).view(-1)[: q.numel()] + mean
+
+
+def nf4_absmax(qt: QuantizedTensor) -> torch.Tensor:
+    """The per-group absmax [G] as dequantization uses it."""
+    p = qt.parts
+    if "absmax" in p:
+        return p["absmax"]
+    return _double_dequant(p["absmax_q"], p["absmax_scale"], p["absmax_mean"])
+
+
+def _dequant_nf4(qt: QuantizedTensor) -> torch.Tensor:
+    gs = qt.params["group_size"]
+    packed = qt.parts["q"]
+    vals = _NF4_PAIRS.to(packed.device)[packed.long()].view(-1, gs)  # [G, gs]
+    m = 1
+    for d in qt.shape:
+        m *= d
+    return (vals * nf4_absmax(qt)[:, None]).view(-1)[:m].view(qt.shape)
+
+
+_DEQUANT = {"int8": _dequant_int8, "fp8": _dequant_fp8, "nf4": _dequant_nf4}
+
+
+def quantize(w: torch.Tensor, scheme: str, group_size: int = 64, double_quant: bool = False) -> QuantizedTensor:
+    """Quantize a floating-point weight with one of `SCHEMES`."""
+    if scheme == "int8":
+        return quantize_int8(w)
+    if scheme == "fp8":
+        return quantize_fp8(w)
+    if scheme == "nf4":
+        return quantize_nf4(w, group_size, double_quant)
+    raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+
+
+def error_bound(w: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """Per-element bound on |w - qt.dequantize()| that the scheme guarantees (tests check against it)."""
+    w = w.float()
+    eps = 1e-6 * w.abs()  # fp32 rounding of the scale multiply
+    if qt.scheme == "int8":
+        return (qt.parts["scale"][:, None] / 2).expand(_rows(w).shape).reshape(w.shape) * 1.0001 + eps
+    if qt.scheme == "fp8":
+        scale = qt.parts["scale"][:, None].expand(_rows(w).shape).reshape(w.shape)
+        return torch.maximum(w.abs() * 2.0 ** -4, scale * 2.0 ** -10) * 1.0001 + eps
+    gs = qt.params["group_size"]
+    m = w.numel()
+    pad = (-m) % gs
+    g = torch.nn.functional.pad(w.reshape(-1), (0, pad)).view(-1, gs)  # [G, gs]
+    true_amax = g.abs().amax(dim=1)
+    used = nf4_absmax(qt)
+    # |w - l*a'| <= |w/a' - l| a' ; w/a' can exceed 1 by (a - a')/a' when a' < a
+    bound = NF4_MAX_HALF_GAP * used + (true_amax - used).clamp(min=0)
+    return bound[:, None].expand(g.shape).reshape(-1)[:m].view(w.shape) * 1.0001 + eps

@@ -404,26 +404,29 @@ def _spm_bpe(tokens: list[str], scores: list[float], types: list[int], add_space
         vocab.setdefault(t, i)
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores, special), unk_token=unk_token,
                                  fuse_unk=True, byte_fallback=True))
-    norms = []
-    if charsmap:
-        norms.append(normalizers.Precompiled(charsmap))
-    if remove_extra_whitespaces:
-        norms += [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(" {2,}"), " ")]
-    if add_space_prefix:
-        norms.append(normalizers.Prepend(SPIECE_UNDERLINE))
-    norms.append(normalizers.Replace(" ", SPIECE_UNDERLINE))
-    tok.normalizer = normalizers.Sequence(norms)
-    decs = [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_space_prefix:
-        decs.append(decoders.Strip(content=" ", left=1, right=0))
-    tok.decoder = decoders.Sequence(decs)
+    _spm_text_handling(tok, add_space_prefix, remove_extra_whitespaces, charsmap)
     _add_typed_tokens(tok, tokens, types)
     return tok
 
 
 def _spm_unigram(tokens, scores, types, unk_id, add_space_prefix, remove_extra_whitespaces, charsmap) -> HFTokenizer:
-    """A SentencePiece unigram vocabulary (T5-like)."""
+    """A SentencePiece unigram vocabulary (T5-like): pieces never cross a space."""
     tok = HFTokenizer(models.Unigram(list(zip(tokens, scores)), unk_id, True))
+    _spm_text_handling(tok, add_space_prefix, remove_extra_whitespaces, charsmap)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPIECE_UNDERLINE, prepend_scheme="never", split=True)
+    _add_typed_tokens(tok, tokens, types)
+    return tok
+
+
+def _spm_text_handling(tok: HFTokenizer, add_space_prefix: bool, remove_extra_whitespaces: bool,
+                       charsmap: bytes | None) -> None:
+    """SentencePiece's normalizer (charsmap, whitespace clean-up, dummy prefix, spaces as "▁") and the
+    matching decoder.
+
+    The prefix is prepended to every text fragment between special tokens, as llama.cpp and transformers'
+    legacy LlamaTokenizer do ("a<sep>b" -> a, <sep>, ▁b); SentencePiece on its own would prefix only
+    the start of the text.
+    """
     norms = [normalizers.Precompiled(charsmap)] if charsmap else []
     if remove_extra_whitespaces:
         norms += [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(" {2,}"), " ")]
@@ -431,13 +434,10 @@ def _spm_unigram(tokens, scores, types, unk_id, add_space_prefix, remove_extra_w
         norms.append(normalizers.Prepend(SPIECE_UNDERLINE))
     norms.append(normalizers.Replace(" ", SPIECE_UNDERLINE))
     tok.normalizer = normalizers.Sequence(norms)
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPIECE_UNDERLINE, prepend_scheme="never", split=True)
     decs = [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space_prefix:
         decs.append(decoders.Strip(content=" ", left=1, right=0))
     tok.decoder = decoders.Sequence(decs)
-    _add_typed_tokens(tok, tokens, types)
-    return tok
 
 
 def _sentencepiece_tokenizer(model_file: str) -> HFTokenizer:

@@ -410,6 +410,9 @@ def test_llm_greedy_matches_golden(kind, model_dirs, golden):
         print(f"LLM {kind}{tag}: greedy max |dlogit| = {d:.2e}")
         assert out[0].outputs[0].token_ids == ref_ids
         assert d < TOL
+    # n = 2: two sequences of one request, each with its own filter state row
+    out = llm.generate([g["input_ids"][0].tolist()], SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in out[0].outputs] == [g["greedy_ids"].tolist()] * 2
 
 
 @pytest.mark.parametrize("kind", ["dense", "m32"])

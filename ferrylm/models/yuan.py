@@ -324,7 +324,7 @@ class YuanForCausalLM(CausalLM):
             # heads wide, and the runner sizes the KV cache from cfg.head_dim after building the model.
             # Until ModelConfig.from_hf knows `attention_projection_size`, correct it here.
             object.__setattr__(cfg, "head_dim", shape.head_dim)
-        if cfg.raw.get("reset_attention_mask") and not cfg.raw.get("use_moe"):
+        if cfg.raw.get("reset_attention_mask"):
             log.info("Yuan: reset_attention_mask is set; serving plain causal attention (the flash path)")
         self.config, self.shape, self.rope_dtype = cfg, shape, rope_dtype
         self.model = YuanModel(cfg, shape, rope_dtype)

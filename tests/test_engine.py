@@ -1,0 +1,99 @@
+"""Engine semantics on a tiny random model with token-id prompts (no tokenizer needed)."""
+
+import pytest
+
+from ferrylm import LLM, SamplingParams
+from ferrylm.errors import InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, max_num_seqs=8, max_model_len=128)
+
+
+P = [[1, 2, 3, 4, 5], [9, 8, 7], [100, 101, 102, 103, 104, 105, 106]]
+
+
+def ids(outs):
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+def test_greedy_is_deterministic(llm):
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert ids(llm.generate(P, sp)) == ids(llm.generate(P, sp))
+
+
+def test_seed_reproducible_whatever_the_batch(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = ids(llm.generate([P[0]], sp))[0]
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    mixed = llm.generate([P[1], P[0], P[2]], [other, sp, other])
+    assert mixed[1].outputs[0].token_ids == alone
+    assert ids(llm.generate([P[0]], SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True)))[0] != alone
+
+
+def test_n_completions_with_seed_differ_and_repeat(llm):
+    sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    a = ids(llm.generate([P[0]], sp))
+    assert len(a) == 3 and len({tuple(x) for x in a}) == 3
+    assert ids(llm.generate([P[0]], sp)) == a
+
+
+def test_max_tokens_and_finish_reason(llm):
+    out = llm.generate([P[0]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_stop_token_ids(llm):
+    greedy = ids(llm.generate([P[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))[0]
+    stop = greedy[3]
+    out = llm.generate([P[0]], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == greedy[:greedy.index(stop) + 1]
+
+
+def test_context_length_ends_generation(llm):
+    prompt = list(range(120))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 8 and out.finish_reason == "length"
+
+
+def test_logprobs(llm):
+    out = llm.generate([P[0]], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and len(lp) >= 3
+        assert lp[tok] == max(lp.values())  # greedy picks the most likely token
+
+
+def test_bad_requests_are_refused_and_leave_nothing(llm):
+    free = llm.engine.block_manager.num_free_blocks
+    with pytest.raises(InvalidRequestError, match="maximum context length is 128"):
+        llm.generate([list(range(200))], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 999]], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        llm.generate(["text needs a tokenizer"], SamplingParams())
+    # a bad prompt after good ones: the good ones are withdrawn too
+    with pytest.raises(InvalidRequestError):
+        llm.generate([P[0], list(range(200))], SamplingParams())
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == free
+
+
+def test_abort_frees_blocks(llm):
+    eng = llm.engine
+    free = eng.block_manager.num_free_blocks
+    rid = eng.add_request(P[2], SamplingParams(max_tokens=100, ignore_eos=True))
+    eng.add_request(P[1], SamplingParams(max_tokens=100, ignore_eos=True), request_id="other")
+    for _ in range(3):
+        eng.step()
+    assert eng.block_manager.num_free_blocks < free
+    eng.abort_request(rid)
+    eng.abort_request("other")
+    assert not eng.has_unfinished_requests()
+    assert eng.block_manager.num_free_blocks == free

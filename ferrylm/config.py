@@ -75,7 +75,8 @@ class ModelConfig:
             vocab = int(cfg["vocab_size"])
         except KeyError as e:
             raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from None
-        head_dim = cfg.get("head_dim") or hidden // heads
+        # Yuan-M32 projects attention to `attention_projection_size`, not to hidden
+        head_dim = cfg.get("head_dim") or int(cfg.get("attention_projection_size") or hidden) // heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         rope_scaling = cfg.get("rope_scaling")

@@ -16,8 +16,8 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str):
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.empty(shape, dtype=dtype, device=device)  # never read before written
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @staticmethod

@@ -59,7 +59,8 @@ class RotaryEmbedding(nn.Module):
             t = torch.arange(n, dtype=torch.float32, device=device)
             freqs = torch.outer(t, self.inv_freq.to(device).float())  # [P, rot/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [P, rot]
-            # table_dtype lets a family reproduce a reference that builds its tables in bf16 (Yuan M32).
+            # table_dtype rounds the finished fp32 tables (a family whose reference computes the angles
+            # themselves in low precision, like Yuan-M32, overrides _table).
             self._cos_sin = torch.stack((emb.cos(), emb.sin())).to(self.table_dtype).float().transpose(0, 1)
         return self._cos_sin  # [P, 2, rot]
 

@@ -85,6 +85,12 @@ class _Cursor:
         self.pos += n
         return out if len(out) > 1 else out[0]
 
+    def unpack_tuple(self, fmt: str, count: int) -> tuple:
+        if count == 0:
+            return ()
+        out = self.unpack(fmt * count)
+        return out if count > 1 else (out,)
+
     def string(self, len_fmt: str = "Q") -> str:
         n = self.unpack(len_fmt)
         self.need(n)
@@ -144,11 +150,13 @@ def _parse(buf, path: str, with_tensors: bool, skip_keys: tuple[str, ...] = ()):
         meta[key] = cur.value(vtype, len_fmt, skip_strings=key in skip_keys)
     if not with_tensors:
         return meta, []
+    if endian == ">":
+        raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
     raw = []
     for _ in range(n_tensors):
         name = cur.string(len_fmt)
         n_dims = cur.unpack("I")
-        dims = tuple(int(d) for d in (cur.unpack(len_fmt * n_dims) if n_dims > 1 else (cur.unpack(len_fmt),)))
+        dims = tuple(int(d) for d in cur.unpack_tuple(len_fmt, n_dims))
         ggml_type, offset = cur.unpack("IQ")
         raw.append((name, dims, ggml_type, offset))
     align = int(meta.get("general.alignment", _DEFAULT_ALIGNMENT))
@@ -236,7 +244,14 @@ def read_gguf_metadata(path: str, skip_string_arrays: tuple[str, ...] = ()) -> d
     except Exception as e:  # struct/unicode surprises inside a corrupt header
         raise ModelLoadError(f"{path}: corrupt GGUF header ({type(e).__name__}: {e})") from None
     finally:
+        _unmap(mm)
+
+
+def _unmap(mm: mmap.mmap) -> None:
+    try:
         mm.close()
+    except BufferError:  # a numpy view of it is still alive (e.g. in a traceback); the GC will unmap it
+        pass
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -280,7 +295,8 @@ def gguf_to_hf_config(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path:
         heads = int(k("attention.head_count"))
         layers = int(k("block_count"))
     except TypeError:
-        raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.embedding_length/attention.head_count/block_count")
+        raise ModelLoadError(
+            f"{path}: GGUF metadata lacks {arch}.embedding_length/attention.head_count/block_count") from None
     kv_heads = k("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per-layer list in some hybrids; dense models repeat one value
         kv_heads = max(kv_heads)
@@ -426,11 +442,6 @@ class GGUFSource(WeightSource):
         entries: dict[str, _Entry] = {}
         self.unmapped: list[str] = []
         for t in self.tensors:
-            if not _readable(t.ggml_type):
-                raise ModelLoadError(
-                    f"{self.path}: tensor {t.name!r} is stored as {t.type_name}, which ferrylm cannot dequantize "
-                    f"(the installed gguf package has no dequantizer for it)"
-                )
             if t.name in _GLOBAL_NAMES:
                 entries[_GLOBAL_NAMES[t.name]] = _Entry(t)
                 continue
@@ -459,6 +470,13 @@ class GGUFSource(WeightSource):
                 entries[self._expert_name(prefix, moe, int(sm[2]), sm[1])] = _Entry(t)
             else:
                 self.unmapped.append(t.name)
+        # Fail at open, not halfway through loading a model, on a storage type we cannot turn into values.
+        for info in sorted({e.info for e in entries.values()}, key=lambda t: t.offset):
+            if not _readable(info.ggml_type):
+                raise ModelLoadError(
+                    f"{self.path}: tensor {info.name!r} is stored as {info.type_name}, which ferrylm cannot "
+                    f"dequantize (the installed gguf package has no dequantizer for it)"
+                )
         return entries
 
     @staticmethod
@@ -501,10 +519,7 @@ class GGUFSource(WeightSource):
     def close(self) -> None:
         mm, self._mm = getattr(self, "_mm", None), None
         if mm is not None:
-            try:
-                mm.close()
-            except BufferError:  # a numpy view still alive somewhere; the GC will unmap it
-                pass
+            _unmap(mm)
 
 
 def _load(buf, t: GGUFTensorInfo, path: str, expert: int | None) -> torch.Tensor:
@@ -541,8 +556,6 @@ def _load(buf, t: GGUFTensorInfo, path: str, expert: int | None) -> torch.Tensor
             ) from None
         arr = np.ascontiguousarray(arr, dtype=np.float32)
     return torch.from_numpy(arr).reshape(shape)
-
-
 
 
 def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:

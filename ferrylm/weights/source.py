@@ -56,13 +56,15 @@ class SafetensorsSource(WeightSource):
                 self.config = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ModelLoadError(f"{cfg_path}: cannot read config.json ({e})") from None
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        files = _weight_files(path)
         if not files:
             raise ModelLoadError(f"{path}: no *.safetensors files in the model directory")
         self._handles = {}
         self._where: dict[str, str] = {}
         for fname in files:
             fpath = os.path.join(path, fname)
+            if not os.path.isfile(fpath):
+                raise ModelLoadError(f"{fpath}: shard named in the index is missing")
             _check_safetensors_size(fpath)
             try:
                 h = safe_open(fpath, framework="pt", device="cpu")
@@ -84,6 +86,20 @@ class SafetensorsSource(WeightSource):
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def _weight_files(path: str) -> list[str]:
+    """The checkpoint's shards: the index's files, else `model*.safetensors`, else every *.safetensors
+    (so other safetensors files kept beside a model, e.g. reference outputs, are not taken for weights)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                return sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index}: unreadable shard index ({e})") from None
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    return [f for f in files if f.startswith("model")] or files
 
 
 def _check_safetensors_size(fpath: str) -> None:

@@ -88,8 +88,12 @@ class ModelConfig:
                 rope_scaling = rope_params
         if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
-        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
         model_type = cfg.get("model_type", "")
+        moe = cfg.get("moe_config") if cfg.get("use_moe") else None  # Yuan-M32 nests its MoE settings
+        if isinstance(moe, dict):
+            cfg = {**cfg, "num_experts": moe.get("moe_num_experts"), "num_experts_per_tok": moe.get("moe_top_k"),
+                   "moe_intermediate_size": moe.get("ffn_hidden_size"), "norm_topk_prob": moe.get("norm_topk_prob", True)}
+        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
         return cls(
             architecture=archs[0],
             model_type=model_type,
@@ -105,7 +109,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             partial_rotary_factor=float(cfg.get("partial_rotary_factor", 1.0)),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # save_pretrained drops values equal to the class default, and Yuan's default is tied
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "yuan")),
             attention_bias=bool(cfg["attention_bias"] if cfg.get("attention_bias") is not None
                                 else model_type in ("qwen2", "qwen2_moe")),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),

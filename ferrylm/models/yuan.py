@@ -319,11 +319,7 @@ class YuanForCausalLM(CausalLM):
         if rope_dtype not in (torch.float32, torch.bfloat16):
             raise ConfigError(f"Yuan rope_dtype {rope_dtype}: choose float32 or bfloat16")
         shape = YuanShape.from_config(cfg)
-        if cfg.head_dim != shape.head_dim:
-            # ModelConfig derives head_dim as hidden / heads, but M32's heads are attention_projection_size /
-            # heads wide, and the runner sizes the KV cache from cfg.head_dim after building the model.
-            # Until ModelConfig.from_hf knows `attention_projection_size`, correct it here.
-            object.__setattr__(cfg, "head_dim", shape.head_dim)
+        assert cfg.head_dim == shape.head_dim, "ModelConfig.from_hf reads attention_projection_size"
         if cfg.raw.get("reset_attention_mask"):
             log.info("Yuan: reset_attention_mask is set; serving plain causal attention (the flash path)")
         self.config, self.shape, self.rope_dtype = cfg, shape, rope_dtype

@@ -29,6 +29,8 @@ SCHEMES = ("int8", "nf4", "fp8")
 GROUP_SIZES = (64, 128)
 DQ_BLOCK = 256
 """Groups per fp32 scale when NF4 absmaxes are double-quantized."""
+DQ_MAX_REL_ERR = 0.125
+"""Largest relative error of a double-quantized absmax; beyond it the tensor keeps fp32 absmaxes."""
 
 # QLoRA's NF4 levels: quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
 NF4_LEVELS = torch.tensor([
@@ -131,9 +133,10 @@ def quantize_nf4(w: torch.Tensor, group_size: int = 64, double_quant: bool = Fal
     if double_quant:
         absmax_q, absmax_scale, mean = _double_quant(absmax)
         used = _double_dequant(absmax_q, absmax_scale, mean)
-        # a group far below the block's largest absmax would get a tiny or negative scale back: such a
-        # tensor keeps its fp32 absmaxes (the manifest records double_quant=false for it)
-        double_quant = bool((used >= 0.5 * absmax).all())
+        # a group far below its block's largest absmax would get a scale back that is off by a large
+        # factor (even negative): such a tensor keeps its fp32 absmaxes (its manifest entry says
+        # double_quant=false). DQ_MAX_REL_ERR bounds the scale error double quantization may add.
+        double_quant = bool(((used - absmax).abs() <= DQ_MAX_REL_ERR * absmax).all())
         if double_quant:
             parts.update(absmax_q=absmax_q, absmax_scale=absmax_scale, absmax_mean=mean)
             absmax = used  # quantize against the absmax we will store

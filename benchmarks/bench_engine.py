@@ -1,0 +1,121 @@
+"""Engine throughput against `transformers.generate`, same model, same dtype, same process, same prompts.
+
+Model: the embedded SmolLM2-135M-Instruct GGUF (transformers dequantizes the same file). Cases:
+  - batch 1: decode tokens/s of one chat prompt (fixed output length)
+  - batch B (8, 32), equal output lengths: every request generates `--max-tokens` tokens
+  - batch B, mixed output lengths: per-request max_tokens drawn uniformly from [16, --max-tokens]; a padded
+    `generate` batch runs until its longest member finishes, continuous batching refills the slot.
+Throughput counts only the tokens each request asked for. The last line printed is JSON.
+
+    python benchmarks/bench_engine.py [--device cpu|cuda] [--dtype float32] [--max-tokens 128] [--batches 8 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import torch
+
+from ferrylm import LLM, SamplingParams
+from ferrylm.default_model import default_model_path
+
+QUESTIONS = [
+    "What is the capital of France?", "Explain photosynthesis in two sentences.", "Write a haiku about the sea.",
+    "List three uses of copper.", "Why is the sky blue?", "Give me a tip for learning Python.",
+    "What does a ferry do?", "Summarise the plot of Cinderella.", "How do vaccines work?",
+    "Name five fruits that are red.", "What is 17 times 23?", "Describe a cat to someone who has never seen one.",
+    "What is the tallest mountain on Earth?", "Translate 'good morning' into Spanish.", "What is a prime number?",
+    "Suggest a name for a bakery.",
+]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def ferry_run(llm: LLM, prompts: list[list[int]], max_tokens: list[int], device: str) -> tuple[float, int]:
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    sync(device)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(device)
+    dt = time.perf_counter() - t
+    return dt, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def hf_run(model, prompts: list[list[int]], max_tokens: list[int], pad_id: int, device: str) -> tuple[float, int]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    n = max(max_tokens)
+    sync(device)
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=pad_id)
+    sync(device)
+    dt = time.perf_counter() - t
+    assert out.shape[1] == width + n
+    return dt, sum(max_tokens)  # a padded batch only delivers what each request asked for
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--skip-hf", action="store_true")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    random.seed(0)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
+
+    llm = LLM(device=a.device, dtype=a.dtype, max_num_seqs=max(a.batches + [1]), max_num_batched_tokens=4096)
+    tok = llm.tokenizer
+    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+             for q in QUESTIONS]
+    prompts = [chats[i % len(chats)] for i in range(max(a.batches))]
+
+    hf = None
+    if not a.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        path = default_model_path()
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                  dtype=dtype).to(a.device).eval()
+    pad = tok.eos_token_ids and min(tok.eos_token_ids) or 0
+
+    # warm-up both (allocator, kernels, rope tables)
+    ferry_run(llm, prompts[:2], [8, 8], a.device)
+    if hf is not None:
+        hf_run(hf, prompts[:2], [8, 8], pad, a.device)
+
+    rows = []
+
+    def case(name: str, ps: list[list[int]], mts: list[int]) -> None:
+        f_dt, f_n = ferry_run(llm, ps, mts, a.device)
+        row = {"case": name, "ferry_tok_s": f_n / f_dt}
+        if hf is not None:
+            h_dt, h_n = hf_run(hf, ps, mts, pad, a.device)
+            row |= {"hf_tok_s": h_n / h_dt, "ratio": (f_n / f_dt) / (h_n / h_dt)}
+        rows.append(row)
+        print(" | ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
+    case("batch1", prompts[:1], [a.max_tokens])
+    for b in a.batches:
+        case(f"batch{b}-equal", prompts[:b], [a.max_tokens] * b)
+        mixed = [random.randint(16, a.max_tokens) for _ in range(b)]
+        case(f"batch{b}-mixed", prompts[:b], mixed)
+
+    print(json.dumps({"bench": "engine", "device": a.device, "dtype": a.dtype, "threads": torch.get_num_threads(),
+                      "max_tokens": a.max_tokens, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

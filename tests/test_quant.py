@@ -1,0 +1,96 @@
+"""Quantization schemes against their stated bounds: INT8 / FP8 per channel, NF4 group-wise (with and
+without double-quantized scales), over a sweep of shapes and dtypes; plus NF4 against a brute-force
+nearest-level reference and the `QuantizedTensor` plumbing (dtype, device, copy).
+"""
+
+import pytest
+import torch
+
+from ferrylm.weights import quant as Q
+
+SHAPES = [(64, 128), (33, 17), (1, 64), (7,), (3, 4, 5), (256, 96)]
+CASES = [("int8", {}), ("fp8", {}), ("nf4", {"group_size": 64}), ("nf4", {"group_size": 128}),
+         ("nf4", {"group_size": 64, "double_quant": True})]
+# relative Frobenius error one should expect on Gaussian weights (a sanity ceiling, not the bound)
+TYPICAL = {"int8": 0.012, "fp8": 0.035, "nf4": 0.12}
+
+
+@pytest.mark.parametrize("scheme,kw", CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_round_trip_within_bound(scheme, kw, shape, dtype):
+    torch.manual_seed(hash((scheme, shape)) % 2**31)
+    w = (torch.randn(shape) * 0.05).to(dtype)
+    qt = Q.quantize(w, scheme, **kw)
+    back = qt.dequantize()
+    assert back.dtype == dtype and tuple(back.shape) == tuple(shape)
+    err = (w.float() - qt.dequantize(torch.float32)).abs()
+    bound = Q.error_bound(w, qt)
+    worst = (err - bound).max().item()
+    print(f"{scheme} {kw} {shape} {dtype}: max |err| {err.max():.3e}, max (err - bound) {worst:.3e}")
+    assert worst <= 0, "dequantized values exceed the scheme's bound"
+    if w.numel() >= 1024:
+        rel = (err.norm() / w.float().norm()).item()
+        assert rel < TYPICAL[scheme]
+
+
+def test_outliers_and_zero_rows():
+    w = torch.randn(8, 256) * 0.02
+    w[0] = 0  # all-zero channel / group
+    w[3, 7] = 5.0  # a large outlier
+    for scheme, kw in CASES:
+        qt = Q.quantize(w, scheme, **kw)
+        back = qt.dequantize()
+        assert torch.isfinite(back).all()
+        assert back[0].abs().max() == 0
+        assert ((w - back).abs() <= Q.error_bound(w, qt)).all(), scheme
+
+
+def test_nf4_matches_nearest_level_reference():
+    torch.manual_seed(1)
+    w = torch.randn(4, 64)
+    qt = Q.quantize_nf4(w, group_size=64)
+    absmax = w.abs().amax(dim=1, keepdim=True)  # [4, 1]: one group per row here
+    idx = ((w / absmax)[..., None] - Q.NF4_LEVELS).abs().argmin(dim=-1)  # brute force nearest level
+    ref = Q.NF4_LEVELS[idx] * absmax
+    assert torch.allclose(qt.dequantize(), ref, atol=1e-7)
+    codes = torch.stack([qt.parts["q"] & 0xF, qt.parts["q"] >> 4], dim=-1).view(-1)  # low nibble first
+    assert torch.equal(codes.long(), idx.view(-1))
+    assert qt.parts["q"].numel() == w.numel() // 2  # 4 bits a value
+
+
+def test_nf4_double_quant_is_smaller_and_falls_back_when_it_cannot_hold_the_scales():
+    w = torch.randn(512, 512) * 0.02
+    plain, dq = Q.quantize_nf4(w, 64), Q.quantize_nf4(w, 64, double_quant=True)
+    assert dq.params["double_quant"] and "absmax_q" in dq.parts
+    assert dq.nbytes < plain.nbytes
+    w2 = w.clone()
+    w2[0, 0] = 1000.0  # one group's absmax dwarfs the rest: int8 around the mean cannot represent them
+    fb = Q.quantize_nf4(w2, 64, double_quant=True)
+    assert fb.params["double_quant"] is False and "absmax" in fb.parts
+    assert ((w2 - fb.dequantize()).abs() <= Q.error_bound(w2, fb)).all()
+
+
+def test_fp8_exact_on_representable_values():
+    row = torch.tensor([448.0, -448.0, 1.0, 0.5, -0.25, 0.0, 2.0 ** -9, 240.0])
+    qt = Q.quantize_fp8(row[None, :])
+    assert torch.equal(qt.dequantize()[0], row)
+
+
+def test_int8_per_channel_scales():
+    w = torch.tensor([[1.0, -0.5], [0.01, 0.02]])
+    qt = Q.quantize_int8(w)
+    assert torch.allclose(qt.parts["scale"], torch.tensor([1.0 / 127, 0.02 / 127]))
+    assert qt.parts["q"].dtype == torch.int8
+
+
+def test_quantized_tensor_to_and_dtype():
+    w = torch.randn(16, 64)
+    qt = Q.quantize(w, "nf4")
+    moved = qt.to("cpu", copy=True)
+    assert moved.parts["q"].data_ptr() != qt.parts["q"].data_ptr()
+    assert torch.equal(moved.dequantize(), qt.dequantize())
+    assert qt.dequantize(torch.float16).dtype == torch.float16
+    assert qt.nbytes == sum(p.numel() * p.element_size() for p in qt.parts.values())
+    with pytest.raises(ValueError):
+        Q.quantize(w, "int4")

@@ -141,36 +141,27 @@ def tokenizer_files(src: str, source) -> dict[str, bytes]:
 
 
 def export_gguf_tokenizer(gguf_path: str) -> dict[str, bytes]:
-    """tokenizer.json + tokenizer_config.json (chat template, bos/eos) from the tokenizer a GGUF embeds."""
+    """The tokenizer a GGUF embeds, as HF files: tokenizer.json (the `tokenizers` object ferrylm builds from
+    the GGUF vocabulary), tokenizer_config.json (chat template(s), special tokens, add_bos_token) and
+    generation_config.json (every EOS id), so `Tokenizer.load(store)` behaves as `Tokenizer.load(gguf)`."""
     import json
-    import tempfile
 
     from ferrylm.tokenizer import Tokenizer
 
     tok = Tokenizer.load(gguf_path)
-    if hasattr(tok, "save"):  # the tokenizer module knows how to write itself
-        with tempfile.TemporaryDirectory() as d:
-            tok.save(d)
-            out = {}
-            for f in os.listdir(d):
-                with open(os.path.join(d, f), "rb") as fh:
-                    out[f] = fh.read()
-            return out
-    import tokenizers
-
-    inner = next((v for v in vars(tok).values() if isinstance(v, tokenizers.Tokenizer)), None)
-    if inner is None:
-        raise ModelLoadError(f"{gguf_path}: cannot export the GGUF's tokenizer (no tokenizers.Tokenizer inside)")
-    cfg = {}
-    if getattr(tok, "chat_template", None):
-        cfg["chat_template"] = tok.chat_template
-    for key, ids in (("eos_token", getattr(tok, "eos_token_ids", None)), ("bos_token", [getattr(tok, "bos_token_id", None)])):
-        ids = [i for i in (ids or []) if i is not None]
-        if ids:
-            cfg[key] = inner.id_to_token(int(ids[0]))
-    if getattr(tok, "add_bos_token", None) is not None:
-        cfg["add_bos_token"] = bool(tok.add_bos_token)
-    return {"tokenizer.json": inner.to_str().encode(), "tokenizer_config.json": json.dumps(cfg, indent=1).encode()}
+    cfg: dict = {k: v for k, v in tok.special_tokens.items()}
+    cfg["add_bos_token"] = bool(tok.add_bos)
+    cfg["add_eos_token"] = bool(tok.add_eos)
+    templates = dict(tok.chat_templates)
+    if templates:
+        cfg["chat_template"] = (templates["default"] if list(templates) == ["default"] else
+                                [{"name": k, "template": v} for k, v in templates.items()])
+    gen = {"bos_token_id": tok.bos_token_id,
+           "eos_token_id": [tok.eos_token_id] + sorted(i for i in tok.eos_token_ids if i != tok.eos_token_id)
+           if tok.eos_token_id is not None else sorted(tok.eos_token_ids)}
+    return {"tokenizer.json": tok.backend.to_str().encode(),
+            "tokenizer_config.json": json.dumps(cfg, indent=1, ensure_ascii=False).encode(),
+            "generation_config.json": json.dumps(gen, indent=1).encode()}
 
 
 # -- convert ---------------------------------------------------------------------------------------

@@ -1,0 +1,235 @@
+"""The OpenAI wire format: pydantic request models (unknown fields ignored) and the JSON bodies we answer.
+
+Owns: which request fields exist and how they map onto `SamplingParams`; the shape of completions, chat
+completions, stream chunks, logprobs, usage and the error envelope. Responses are plain dicts built by
+small functions, because a stream chunk goes out per token and pydantic would cost more than the JSON.
+Does not know the engine, HTTP status codes or routing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ferrylm.errors import InvalidRequestError
+from ferrylm.sampling_params import SamplingParams
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = False
+
+
+class _SamplingRequest(_Lenient):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, plus vLLM's extras)."""
+
+    model: str | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = False
+    min_tokens: int | None = 0
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """SamplingParams validate every value and name the bad one (InvalidRequestError -> 400)."""
+        return SamplingParams(
+            n=1 if self.n is None else self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens or 0,
+            stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=bool(self.ignore_eos), include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens is not False,
+        )
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[str, list[str], list[int], list[list[int]], None] = None
+    max_tokens: int | None = 16
+    """OpenAI's default for completions; null means up to the context length."""
+    logprobs: int | None = None
+    echo: bool | None = False
+
+    def sampling_params(self) -> SamplingParams:
+        return self._params(self.max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        if p is None or (isinstance(p, (str, list)) and len(p) == 0):
+            raise InvalidRequestError("prompt must be a non-empty string, list of strings or token ids", param="prompt")
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [list(p)]
+        if any(isinstance(x, list) and not x for x in p):
+            raise InvalidRequestError("a token-id prompt is empty", param="prompt")
+        return list(p)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages with list-of-parts content flattened to text (the templates expect strings)."""
+        if not self.messages:
+            raise InvalidRequestError("messages must be a non-empty list", param="messages")
+        out = []
+        for m in self.messages:
+            if not isinstance(m, dict) or "role" not in m:
+                raise InvalidRequestError("each message needs a role", param="messages")
+            content = m.get("content")
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if isinstance(part, str):
+                        texts.append(part)
+                    elif isinstance(part, dict) and part.get("type") == "text":
+                        texts.append(str(part.get("text", "")))
+                    else:
+                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                        raise InvalidRequestError(f"content parts of type {kind!r} are not supported (text only)",
+                                                  param="messages")
+                m = {**m, "content": "\n".join(texts)}
+            out.append(m)
+        return out
+
+
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    """Default: True for a prompt, False for messages (the template writes its own)."""
+    add_generation_prompt: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------------------
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def model_card(name: str, root: str, max_model_len: int, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "ferrylm", "root": root,
+            "parent": None, "max_model_len": max_model_len}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, stop_reason=None, logprobs=None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def completion(request_id: str, model: str, choices: list[dict], usage_: dict | None, created: int | None = None) -> dict:
+    body = {"id": request_id, "object": "text_completion", "created": created or int(time.time()), "model": model,
+            "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, stop_reason=None, logprobs=None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_delta_choice(index: int, text: str, first: bool, finish_reason: str | None, stop_reason=None,
+                      logprobs=None) -> dict:
+    # the role rides on the first token's chunk: no role-only chunk ahead of it (clients time TTFT from it)
+    delta = {"role": "assistant", "content": text} if first else {"content": text}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def chat_completion(request_id: str, model: str, choices: list[dict], usage_: dict | None,
+                    created: int | None = None, chunk: bool = False) -> dict:
+    body = {"id": request_id, "object": "chat.completion.chunk" if chunk else "chat.completion",
+            "created": created or int(time.time()), "model": model, "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+# -- logprobs ------------------------------------------------------------------------------------------
+
+def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, float]], token_text, num: int,
+                        text_offset: int) -> dict:
+    """OpenAI's legacy completions format: parallel lists, top_logprobs as {token text: logprob}."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(token_ids, entries):
+        s = token_text(tid)
+        tokens.append(s)
+        lps.append(entry.get(tid))
+        tops.append({token_text(t): lp for t, lp in _top(entry, num)} if num > 0 else None)
+        offsets.append(text_offset)
+        text_offset += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], token_text, num: int) -> dict:
+    """The chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        s = token_text(tid)
+        content.append({"token": s, "logprob": entry.get(tid), "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": [{"token": (t := token_text(i)), "logprob": lp,
+                                          "bytes": list(t.encode("utf-8"))} for i, lp in _top(entry, num)]})
+    return {"content": content}

@@ -1,0 +1,84 @@
+"""The embedded SmolLM2-135M-Instruct GGUF end to end: greedy chat output identical to transformers loading
+the same file in fp32, stop strings, and the `ferry` CLI as a user runs it (including its errors)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ferrylm import LLM, SamplingParams
+from ferrylm.default_model import default_model_path
+
+CHATS = ["What is the capital of France?", "Write one sentence about the moon.", "List three colours."]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_num_seqs=4)
+
+
+def test_greedy_chat_equals_transformers(llm):
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    tok = llm.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+               for q in CHATS]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():  # both stop at the end-of-turn token and keep it
+            r = ref.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False)
+        assert o.outputs[0].token_ids == r[0, len(p):].tolist()
+    assert "Paris" in outs[0].outputs[0].text
+
+
+def test_chat_api_and_stop_strings(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
+    cut = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32, stop=["Paris"]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == "Paris"
+    assert "Paris" not in cut.text and out.text.startswith(cut.text)
+
+
+def ferry(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "ferrylm.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_generate_default_model():
+    r = ferry("generate", "What is the capital of France?", "--max-tokens", "24")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+@pytest.mark.parametrize("make_bad, expect", [
+    (lambda d: os.path.join(d, "missing"), "no such file or directory"),
+    (lambda d: _truncated(d), "truncated"),
+    (lambda d: _not_a_model(d), "must be .gguf"),
+])
+def test_cli_bad_model_path_is_a_clear_error(tmp_path, make_bad, expect):
+    r = ferry("generate", "--model", make_bad(str(tmp_path)), "hi", timeout=120)
+    assert r.returncode == 2
+    assert expect in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_invalid_sampling_value():
+    r = ferry("generate", "hi", "--top-p", "1.5", timeout=120)
+    assert r.returncode == 2 and "top_p" in r.stderr and "Traceback" not in r.stderr
+
+
+def _truncated(d: str) -> str:
+    src, dst = default_model_path(), os.path.join(d, "cut.gguf")
+    with open(src, "rb") as f, open(dst, "wb") as g:
+        g.write(f.read(os.path.getsize(src) // 2))
+    return dst
+
+
+def _not_a_model(d: str) -> str:
+    p = os.path.join(d, "weights.bin")
+    open(p, "wb").write(b"\0" * 64)
+    return p

@@ -116,7 +116,7 @@ class Driver:
             query_start_loc=qsl, start_pos=starts, seq_lens=lens, slot_mapping=torch.tensor(slots),
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]), num_decodes=nd,
             kv_cache=self.kv, state_slots=[w[4] for w in work], state=self.pool,
-            decode_seq_lens=torch.tensor(lens[:nd]) if nd else None)
+            decode_seq_lens=torch.tensor(lens[:nd]) if nd else None, decode_max_len=max(lens[:nd], default=0))
         with forward_context(ctx):
             hidden = self.model(torch.tensor(ids), torch.tensor(pos))
         return self.model.compute_logits(hidden[torch.tensor(qsl[1:]) - 1])

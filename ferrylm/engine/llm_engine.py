@@ -16,7 +16,7 @@ from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.model_runner import ModelRunner
 from ferrylm.engine.scheduler import Scheduler
 from ferrylm.engine.sequence import Sequence, SequenceStatus
-from ferrylm.errors import InvalidRequestError, ModelLoadError
+from ferrylm.errors import ConfigError, InvalidRequestError, ModelLoadError
 from ferrylm.kv.block_manager import BlockManager
 from ferrylm.kv.state_pool import StateSlotPool
 from ferrylm.layers.sampler import Sampler
@@ -114,7 +114,7 @@ class LLMEngine:
         limit = self.config.scheduler.max_model_len
         native = self.model_config.max_position_embeddings
         if limit is not None and limit > native:
-            log.warning("max_model_len %d exceeds the model's %d positions", limit, native)
+            raise ConfigError(f"max_model_len {limit} exceeds the model's {native} positions")
         return limit or native
 
     # -- requests ---------------------------------------------------------------------------------

@@ -125,6 +125,7 @@ class ModelRunner:
             num_decodes=num_decodes, kv_cache=self.kv_cache,
             state_slots=[s.state_slot for s in out.seqs], state=self.state_pool,
             decode_seq_lens=torch.tensor(lens[:num_decodes], dtype=torch.long, device=dev) if num_decodes else None,
+            decode_max_len=max(lens[:num_decodes], default=0),
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)

@@ -29,7 +29,8 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         nd = ctx.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, ctx.block_tables[:nd], ctx.decode_seq_lens)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, ctx.block_tables[:nd], ctx.decode_seq_lens,
+                                    ctx.decode_max_len)
         for i in range(nd, ctx.num_seqs):
             a, b = ctx.query_start_loc[i], ctx.query_start_loc[i + 1]
             out[a:b] = self._prefill(q[a:b], k[a:b], v[a:b], k_cache, v_cache, ctx.block_tables[i],
@@ -42,11 +43,10 @@ class PagedAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               scale=self.scale, enable_gqa=gqa)
 
-    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens):
+    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, max_len: int):
         # q: [B, H, D]; block_tables: [B, nb]; seq_lens: [B]
         B = q.shape[0]
         bs = k_cache.shape[1]
-        max_len = int(seq_lens.max())
         nb = (max_len + bs - 1) // bs
         idx = block_tables[:, :nb].flatten()  # index_select: advanced indexing is ~1000x slower on CPU
         k = k_cache.index_select(0, idx).view(B, nb * bs, *k_cache.shape[2:])[:, :max_len]  # [B, S, Hk, D]

@@ -36,6 +36,8 @@ class ForwardContext:
     """The per-sequence state tensors (`kv.cache.SequenceStatePool`), if the model has any."""
     decode_seq_lens: torch.Tensor | None = None
     """[num_decodes] long on the device, built once per step for the batched decode path."""
+    decode_max_len: int = 0
+    """max(decode_seq_lens), known on the host so no layer has to synchronise with the GPU to read it."""
 
     @property
     def num_seqs(self) -> int:

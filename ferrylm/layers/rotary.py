@@ -53,9 +53,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(rot_dim, base, scaling), persistent=False)
         self._cos_sin: torch.Tensor | None = None
 
-    def _table(self, device: torch.device, need: int) -> torch.Tensor:
-        if self._cos_sin is None or self._cos_sin.device != device or self._cos_sin.shape[0] < need:
-            n = max(need, self.max_positions)
+    def _table(self, device: torch.device) -> torch.Tensor:
+        # Built once for every position the model allows: checking a step's max position would
+        # synchronise with the GPU in every layer. The engine never exceeds max_positions.
+        if self._cos_sin is None or self._cos_sin.device != device:
+            n = self.max_positions
             t = torch.arange(n, dtype=torch.float32, device=device)
             freqs = torch.outer(t, self.inv_freq.to(device).float())  # [P, rot/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [P, rot]
@@ -66,7 +68,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [T]; q: [T, Hq, D]; k: [T, Hk, D]
-        cs = self._table(q.device, int(positions.max()) + 1 if positions.numel() else 1)[positions]
+        cs = self._table(q.device)[positions]
         cos, sin = cs[:, 0, None, :].to(q.dtype), cs[:, 1, None, :].to(q.dtype)  # [T, 1, rot]
         r = self.rot_dim
         if r == self.head_dim:

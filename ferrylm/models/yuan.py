@@ -183,9 +183,9 @@ class LocalizedFilter(nn.Module):
 class BF16RefRotary(RotaryEmbedding):
     """The M32 HF reference's RoPE table: inv_freq, positions, angles and cos/sin all computed in bf16."""
 
-    def _table(self, device: torch.device, need: int) -> torch.Tensor:
-        if self._cos_sin is None or self._cos_sin.device != device or self._cos_sin.shape[0] < need:
-            n = max(need, self.max_positions)
+    def _table(self, device: torch.device) -> torch.Tensor:
+        if self._cos_sin is None or self._cos_sin.device != device:
+            n = self.max_positions
             inv_freq = self.inv_freq.to(device).float().to(torch.bfloat16)  # [rot/2]
             t = torch.arange(n, dtype=torch.bfloat16, device=device)  # bf16: merges positions past 256, as the reference does
             freqs = torch.einsum("i,j->ij", t, inv_freq)  # [P, rot/2] bf16

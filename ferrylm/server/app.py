@@ -1,0 +1,539 @@
+"""The OpenAI-compatible HTTP app: `create_app(engine, config)` returns a FastAPI app serving one model.
+
+Owns: routes, turning requests into engine prompts and `SamplingParams`, turning `RequestOutput`s into
+JSON bodies and SSE streams, the error envelope for every failure, aborting requests whose client went
+away, and the engine's start and stop in the app's lifespan.
+Does not know how the engine schedules or samples (`AsyncEngine` owns the thread), the wire shapes
+(`protocol.py`), the metric names (`metrics.py`) or process concerns like signals and ports (`cli.py`).
+
+Prompts are tokenized here, on the event loop, and checked against the context before they are queued,
+so a bad request fails with 400 before any response header is sent, streaming or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import ferrylm
+from ferrylm.engine.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError, RequestStream
+from ferrylm.engine.llm_engine import LLMEngine, RequestOutput
+from ferrylm.errors import FerryError, InvalidRequestError
+from ferrylm.sampling_params import SamplingParams
+from ferrylm.server import protocol as P
+from ferrylm.server.auth import ApiKeyMiddleware, BodyLimitMiddleware
+from ferrylm.server.metrics import CONTENT_TYPE, Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What `ferry serve` adds on top of `EngineConfig`."""
+
+    served_model_names: tuple[str, ...]
+    """Names clients may ask for; the first is the one /v1/models lists first and responses carry."""
+    model_root: str = ""
+    """The model path, shown as `root` in /v1/models."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    """Required as `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize; None: no auth."""
+    max_queued_requests: int | None = 1024
+    """Waiting requests beyond which new ones get 503; None: unbounded."""
+    max_request_bytes: int = 16 * 2**20
+    """Request bodies over this get 413."""
+    shutdown_timeout: float = 30.0
+    """Seconds SIGTERM waits for in-flight requests before aborting them."""
+    access_log: bool = True
+
+
+class ApiError(Exception):
+    """An error answered with the OpenAI envelope."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(P.error_body(self.message, self.type, self.param, self.code), self.status,
+                            headers=self.headers)
+
+
+def api_error(e: Exception) -> ApiError:
+    """Map what the engine and server raise onto an HTTP status and envelope."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, InvalidRequestError):
+        code = "context_length_exceeded" if "maximum context length" in str(e) else None
+        return ApiError(400, str(e), param=e.param, code=code)
+    if isinstance(e, QueueFullError):
+        return ApiError(503, str(e), "server_error", code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(e, EngineUnavailableError):
+        return ApiError(503, str(e), "server_error", code="unavailable")
+    log.error("unexpected error", exc_info=e)
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _sse(obj) -> str:
+    return f"data: {_dumps(obj)}\n\n"
+
+
+class _Outputs:
+    """(prompt index, RequestOutput) from one or several request streams, as they advance."""
+
+    def __init__(self, streams: list[RequestStream]):
+        self.streams = streams
+        self._tasks: list[asyncio.Task] = []
+        if len(streams) > 1:
+            self._queue: asyncio.Queue = asyncio.Queue()
+            self._left = len(streams)
+            self._tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
+
+    async def _pump(self, i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                self._queue.put_nowait((i, out, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            self._queue.put_nowait((i, None, e))
+        self._queue.put_nowait((i, None, StopAsyncIteration()))
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self._tasks:
+            return 0, await self.streams[0].__anext__()
+        while self._left:
+            i, out, err = await self._queue.get()
+            if isinstance(err, StopAsyncIteration):
+                self._left -= 1
+            elif err is not None:
+                raise err
+            else:
+                return i, out
+        raise StopAsyncIteration
+
+    def close(self) -> None:
+        """Abort what has not finished."""
+        for t in self._tasks:
+            t.cancel()
+        for s in self.streams:
+            s.close()
+
+
+@dataclass
+class _ChoiceState:
+    chars: int = 0
+    """Characters of text already sent."""
+    tokens: int = 0
+    """Tokens already sent (their logprobs too)."""
+    offset: int = 0
+    """text_offset of the next token (completions logprobs)."""
+    done: bool = False
+
+
+class Serving:
+    """The handlers' shared state and logic; routes in `create_app` are thin wrappers around it."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: Metrics):
+        self.engine, self.config, self.metrics = engine, config, metrics
+        self.model_name = config.served_model_names[0]
+        self.created = int(time.time())
+
+    # -- checks ---------------------------------------------------------------------------------------
+
+    def core(self) -> LLMEngine:
+        """The loaded engine (for its tokenizer and limits); 503 unless it takes requests now."""
+        self.engine.check_accepting()
+        return self.engine.engine
+
+    def check_model(self, model: str | None) -> None:
+        if model and model not in self.config.served_model_names:
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def token_text(self, core: LLMEngine) -> Callable[[int], str]:
+        tok = core.tokenizer
+        if tok is None:
+            return lambda t: f"token_id:{t}"
+        return lambda t: tok.decode([t], skip_special_tokens=False)
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> _Outputs:
+        """Queue one engine request per prompt; all or none."""
+        streams = []
+        try:
+            for i, ids in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(self.engine.add_request(ids, params, rid))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return _Outputs(streams)
+
+    # -- /v1/completions ------------------------------------------------------------------------------
+
+    def prepare_completion(self, body: P.CompletionRequest):
+        self.check_model(body.model)
+        core = self.core()
+        params = body.sampling_params()
+        texts, prompts = [], []
+        for p in body.prompts():
+            if isinstance(p, str):
+                ids = core.tokenizer_required().encode(p)
+                texts.append(p)
+            else:
+                ids = [int(t) for t in p]
+                texts.append(None)
+            core.check_prompt(ids, params)
+            prompts.append(ids)
+        if body.echo:  # token-id prompts echo their decoded text
+            texts = [t if t is not None else core.tokenizer_required().decode(ids, skip_special_tokens=False)
+                     for t, ids in zip(texts, prompts)]
+        return core, params, texts, prompts
+
+    def _completion_logprobs(self, core, c, start: int, offset: int, num: int):
+        return P.completion_logprobs(c.token_ids[start:], c.logprobs[start:], self.token_text(core), num, offset)
+
+    async def completion(self, body: P.CompletionRequest) -> dict:
+        core, params, texts, prompts = self.prepare_completion(body)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        outputs = self.submit(prompts, params, rid)
+        final: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in outputs:
+                final[i] = out
+        finally:
+            outputs.close()
+        choices, n_out = [], 0
+        for i in range(len(prompts)):
+            prefix = texts[i] if body.echo else ""
+            for c in final[i].outputs:
+                lp = None
+                if params.logprobs is not None and c.logprobs is not None:
+                    lp = self._completion_logprobs(core, c, 0, len(prefix), params.logprobs)
+                choices.append(P.completion_choice(i * params.n + c.index, prefix + c.text, c.finish_reason,
+                                                   c.stop_reason, lp))
+                n_out += len(c.token_ids)
+        return P.completion(rid, self.model_name, choices, P.usage(sum(map(len, prompts)), n_out))
+
+    def completion_stream(self, body: P.CompletionRequest) -> tuple[AsyncIterator[str], _Outputs]:
+        core, params, texts, prompts = self.prepare_completion(body)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        outputs = self.submit(prompts, params, rid)
+        return self._stream(outputs, core, params, rid, chat=False, echo=texts if body.echo else None,
+                            include_usage=body.include_usage, num_prompt_tokens=sum(map(len, prompts))), outputs
+
+    # -- /v1/chat/completions -------------------------------------------------------------------------
+
+    def prepare_chat(self, body: P.ChatCompletionRequest):
+        self.check_model(body.model)
+        core = self.core()
+        params = body.sampling_params()
+        tok = core.tokenizer_required()
+        kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items()
+                  if k not in ("messages", "add_generation_prompt", "tools")}
+        text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt
+                                       is not False, tools=body.tools, **kwargs)
+        ids = tok.encode(text, add_special_tokens=False)
+        try:
+            core.check_prompt(ids, params)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(str(e).replace("your prompt has", "your messages resulted in"),
+                                      param="messages") from None
+        return core, params, ids
+
+    async def chat(self, body: P.ChatCompletionRequest) -> dict:
+        core, params, ids = self.prepare_chat(body)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        outputs = self.submit([ids], params, rid)
+        final = None
+        try:
+            async for _, out in outputs:
+                final = out
+        finally:
+            outputs.close()
+        choices = []
+        for c in final.outputs:
+            lp = None
+            if params.logprobs is not None and c.logprobs is not None:
+                lp = P.chat_logprobs(c.token_ids, c.logprobs, self.token_text(core), params.logprobs)
+            choices.append(P.chat_choice(c.index, c.text, c.finish_reason, c.stop_reason, lp))
+        n_out = sum(len(c.token_ids) for c in final.outputs)
+        return P.chat_completion(rid, self.model_name, choices, P.usage(len(ids), n_out))
+
+    def chat_stream(self, body: P.ChatCompletionRequest) -> tuple[AsyncIterator[str], _Outputs]:
+        core, params, ids = self.prepare_chat(body)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        outputs = self.submit([ids], params, rid)
+        return self._stream(outputs, core, params, rid, chat=True, echo=None, include_usage=body.include_usage,
+                            num_prompt_tokens=len(ids)), outputs
+
+    # -- streaming ------------------------------------------------------------------------------------
+
+    async def _stream(self, outputs: _Outputs, core: LLMEngine, params: SamplingParams, rid: str, *, chat: bool,
+                      echo: list[str] | None, include_usage: bool, num_prompt_tokens: int) -> AsyncIterator[str]:
+        """SSE events: one chunk per choice that advanced, the last with its finish_reason; then usage, [DONE].
+
+        With stop strings, the last (longest stop - 1) characters are held back until the next token shows
+        whether they start a stop string, so text once sent is never taken back.
+        """
+        created, model, n = int(time.time()), self.model_name, params.n
+        holdback = max(map(len, params.stop)) - 1 if params.stop else 0
+        token_text = self.token_text(core) if params.logprobs is not None else None
+        states: dict[int, _ChoiceState] = {}
+        num_out = 0
+        try:
+            async for i, out in outputs:
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    st = states.get(idx)
+                    if st is None:
+                        st = states[idx] = _ChoiceState()
+                    finished = c.finish_reason is not None
+                    ntok = len(c.token_ids)
+                    if st.done or (ntok == st.tokens and not finished):
+                        continue
+                    first = st.tokens == 0 and st.chars == 0
+                    text = c.text
+                    end = len(text) if finished else max(st.chars, len(text) - holdback)
+                    delta = text[st.chars:end]
+                    lp = None
+                    if token_text is not None and c.logprobs is not None:
+                        if chat:
+                            lp = P.chat_logprobs(c.token_ids[st.tokens:], c.logprobs[st.tokens:], token_text,
+                                                 params.logprobs)
+                        else:
+                            lp = P.completion_logprobs(c.token_ids[st.tokens:], c.logprobs[st.tokens:], token_text,
+                                                       params.logprobs, st.offset)
+                            st.offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else st.offset
+                    reason = c.finish_reason if finished else None
+                    stop_reason = c.stop_reason if finished else None
+                    if chat:
+                        choice = P.chat_delta_choice(idx, delta, first, reason, stop_reason, lp)
+                        chunk = P.chat_completion(rid, model, [choice], None, created, chunk=True)
+                    else:
+                        if first and echo is not None:
+                            delta = echo[i] + delta
+                        chunk = P.completion(rid, model, [P.completion_choice(idx, delta, reason, stop_reason, lp)],
+                                             None, created)
+                    st.chars, st.tokens, st.done = end, ntok, finished
+                    if finished:
+                        num_out += ntok
+                    yield _sse(chunk)
+            if include_usage:
+                u = P.usage(num_prompt_tokens, num_out)
+                yield _sse(P.chat_completion(rid, model, [], u, created, chunk=True) if chat
+                           else P.completion(rid, model, [], u, created))
+        except FerryError as e:  # the engine died or refused the request after the headers went out
+            err = api_error(e)
+            yield _sse(P.error_body(err.message, err.type, err.param, err.code))
+        finally:
+            outputs.close()
+        yield "data: [DONE]\n\n"
+
+    # -- tokenizer endpoints --------------------------------------------------------------------------
+
+    def tokenize(self, body: P.TokenizeRequest) -> dict:
+        self.check_model(body.model)
+        core = self.core()
+        tok = core.tokenizer_required()
+        if body.messages is not None:
+            req = P.ChatCompletionRequest(messages=body.messages)
+            text = tok.apply_chat_template(req.template_messages(),
+                                           add_generation_prompt=body.add_generation_prompt is not False)
+            ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        elif body.prompt is not None:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        else:
+            raise InvalidRequestError("give a prompt or messages", param="prompt")
+        strs = [tok.id_to_token(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": core.max_seq_len, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, body: P.DetokenizeRequest) -> dict:
+        self.check_model(body.model)
+        core = self.core()
+        vocab = core.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": core.tokenizer_required().decode(body.tokens, skip_special_tokens=False)}
+
+    def models(self) -> dict:
+        core = self.core()
+        cards = [P.model_card(name, self.config.model_root or name, core.max_seq_len, self.created)
+                 for name in self.config.served_model_names]
+        return {"object": "list", "data": cards}
+
+
+class _SSEResponse(StreamingResponse):
+    """An event stream that aborts its requests however it ends, even if the body never started."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work` unless the client goes away first; then cancel it (which aborts its requests)."""
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watch.cancel()
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    return task.result()
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return ApiError(400, "the request body is not valid JSON")
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    return ApiError(400, f"{where}: {first.get('msg', 'invalid value')}", param=param)
+
+
+def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None = None,
+               on_load_failed: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine thread (loading in the background) and stops it."""
+    metrics = metrics or Metrics(config.served_model_names[0])
+    metrics.attach(engine)
+    serving = Serving(engine, config, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+
+        async def watch_load():
+            try:
+                await engine.wait_loaded()
+                log.info("model loaded: serving %s", ", ".join(config.served_model_names))
+            except BaseException as e:  # noqa: BLE001
+                if on_load_failed is not None:
+                    on_load_failed(e)
+
+        watcher = asyncio.ensure_future(watch_load())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            await engine.drain(1.0)  # uvicorn already waited for connections up to the shutdown timeout
+            engine.shutdown()
+
+    app = FastAPI(title="ferrylm", version=ferrylm.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.serving = serving
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return e.response()
+
+    @app.exception_handler(FerryError)
+    async def _ferry_error(request: Request, e: FerryError):
+        return api_error(e).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        return _validation_error(e).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return ApiError(e.status_code, str(e.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        return api_error(e).response()
+
+    def sse(stream: tuple[AsyncIterator[str], _Outputs]) -> StreamingResponse:
+        events, outputs = stream
+        return _SSEResponse(events, outputs.close)
+
+    @app.get("/health")
+    async def health():
+        if engine.is_ready:
+            return {"status": "ok"}
+        body = {"status": engine.state.name.lower()}
+        if engine.error is not None:
+            body["error"] = str(engine.error)
+        return JSONResponse(body, 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": ferrylm.__version__}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return serving.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        serving.check_model(model_id)
+        return next(c for c in serving.models()["data"] if c["id"] == model_id)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: P.CompletionRequest, request: Request):
+        if body.stream:
+            return sse(serving.completion_stream(body))
+        result = await _unless_disconnected(request, serving.completion(body))
+        return JSONResponse(result) if result is not None else Response(status_code=499)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: P.ChatCompletionRequest, request: Request):
+        if body.stream:
+            return sse(serving.chat_stream(body))
+        result = await _unless_disconnected(request, serving.chat(body))
+        return JSONResponse(result) if result is not None else Response(status_code=499)
+
+    @app.post("/tokenize")
+    async def tokenize(body: P.TokenizeRequest):
+        return serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: P.DetokenizeRequest):
+        return serving.detokenize(body)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    return app

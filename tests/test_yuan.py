@@ -288,7 +288,7 @@ def test_m32_router_logits_and_experts(models, golden):
 def test_m32_rope_tables(models, golden):
     """bf16 option: the reference tables bit for bit. fp32 default: runs, differs from the bf16 golden."""
     g = golden["yuan2-m32-tiny"]
-    cs = models["m32"].model.layers[0].self_attn.rotary._table(torch.device("cpu"), 256)  # [P, 2, rot]
+    cs = models["m32"].model.layers[0].self_attn.rotary._table(torch.device("cpu"))  # [P, 2, rot]
     assert torch.equal(cs[:256, 0], g["rope_cos_cached"]) and torch.equal(cs[:256, 1], g["rope_sin_cached"])
     fp32 = models["m32-fp32rope"]
     assert fp32.rope_dtype == torch.float32  # the default

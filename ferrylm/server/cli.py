@@ -1,0 +1,122 @@
+"""`ferry serve`: flags, building the engine and the app, running uvicorn, and a clean SIGTERM.
+
+Flags map 1:1 onto `ServerConfig` and (through `ferrylm.cli.add_engine_args`) onto the engine's config.
+The HTTP port opens at once and the model loads on the engine thread meanwhile (/health says 503 until
+it is ready); if loading fails the server exits with the load error.
+
+SIGTERM: stop accepting, let in-flight requests finish for up to --shutdown-timeout seconds, abort the
+rest, stop the engine thread and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from ferrylm.cli import add_engine_args, engine_kwargs
+from ferrylm.errors import FerryError
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+"""What the embedded default model is called when no --model is given."""
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use for the model (default: the --model value, or SmolLM2-135M-Instruct)")
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="waiting requests beyond which new ones get 503 (-1: unbounded)")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="larger request bodies get 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for in-flight requests before aborting them")
+    p.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def server_config(a: argparse.Namespace):
+    from ferrylm.default_model import default_model_path
+    from ferrylm.server.app import ServerConfig
+
+    root = a.model or default_model_path()  # fails now, with its own message, if the default is missing
+    names = tuple(a.served_model_name or [a.model or DEFAULT_SERVED_NAME])
+    return ServerConfig(served_model_names=names, model_root=root, host=a.host, port=a.port, api_key=a.api_key,
+                        max_queued_requests=None if a.max_queued_requests < 0 else a.max_queued_requests,
+                        max_request_bytes=a.max_request_bytes, shutdown_timeout=a.shutdown_timeout,
+                        access_log=not a.disable_access_log)
+
+
+def cmd_serve(a: argparse.Namespace) -> None:
+    import uvicorn
+
+    from ferrylm.engine.async_engine import AsyncEngine
+    from ferrylm.server.app import create_app
+
+    config = server_config(a)
+    kwargs = engine_kwargs(a)
+
+    def build_engine():
+        from ferrylm import LLM
+
+        return LLM(a.model, **kwargs).engine
+
+    engine = AsyncEngine(build_engine, max_queued_requests=config.max_queued_requests)
+    load_error: list[BaseException] = []
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            engine.begin_drain()  # /health turns 503 and new requests are refused while in-flight ones finish
+            super().handle_exit(sig, frame)
+
+    def on_load_failed(e: BaseException) -> None:
+        load_error.append(e)
+        server.should_exit = True
+
+    app = create_app(engine, config, on_load_failed=on_load_failed)
+    uv = uvicorn.Config(app, host=config.host, port=config.port, access_log=config.access_log,
+                        timeout_graceful_shutdown=config.shutdown_timeout, log_level="info")
+    server = Server(uv)
+    logging.getLogger("ferrylm.server").setLevel(logging.INFO)
+    # uvicorn re-raises a caught SIGTERM once it has shut down; with the default action that would kill the
+    # process (exit -15) after a clean drain, so the re-raised signal lands on a no-op instead.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if load_error:
+        e = load_error[0]
+        if isinstance(e, FerryError):
+            raise e
+        raise SystemExit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ferrylm.server.cli ...`: the same as `ferry serve ...`."""
+    parser = argparse.ArgumentParser(prog="ferry serve", description="OpenAI-compatible HTTP server")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    add_serve_args(parser)
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cmd_serve(a)
+    except FerryError as e:
+        print(f"ferry: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

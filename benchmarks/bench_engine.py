@@ -8,6 +8,7 @@ Model: the embedded SmolLM2-135M-Instruct GGUF (transformers dequantizes the sam
 Throughput counts only the tokens each request asked for. The last line printed is JSON.
 
     python benchmarks/bench_engine.py [--device cpu|cuda] [--dtype float32] [--max-tokens 128] [--batches 8 32]
+        [--random smollm2|llama-1b]   # a random-weight checkpoint of that shape instead of the GGUF (GPU box)
 """
 
 from __future__ import annotations
@@ -31,6 +32,25 @@ QUESTIONS = [
     "What is the tallest mountain on Earth?", "Translate 'good morning' into Spanish.", "What is a prime number?",
     "Suggest a name for a bakery.",
 ]
+
+
+SHAPES = {  # random-weight stand-ins (speed does not depend on the values; ignore_eos fixes the lengths)
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+}
+
+
+def random_checkpoint(shape: str, dtype: torch.dtype) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = f"/tmp/ferry-bench-{shape}"
+    if not os.path.exists(os.path.join(path, "config.json")):
+        cfg = LlamaConfig(max_position_embeddings=4096, rope_theta=100000.0, **SHAPES[shape])
+        torch.manual_seed(0)
+        LlamaForCausalLM(cfg).to(dtype).save_pretrained(path)
+    return path
 
 
 def sync(device: str) -> None:
@@ -71,25 +91,37 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--random", choices=sorted(SHAPES), default=None)
     a = ap.parse_args()
     torch.manual_seed(0)
     random.seed(0)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
 
-    llm = LLM(device=a.device, dtype=a.dtype, max_num_seqs=max(a.batches + [1]), max_num_batched_tokens=4096)
-    tok = llm.tokenizer
-    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
-             for q in QUESTIONS]
+    model_path = random_checkpoint(a.random, dtype) if a.random else None
+    llm = LLM(model_path, device=a.device, dtype=a.dtype, max_num_seqs=max(a.batches + [1]),
+              max_num_batched_tokens=4096, max_model_len=2048)
+    if a.random:  # no tokenizer: random prompts of chat-like lengths
+        g = torch.Generator().manual_seed(0)
+        chats = [torch.randint(100, 40000, (20 + 3 * i,), generator=g).tolist() for i in range(len(QUESTIONS))]
+        pad = 0
+    else:
+        tok = llm.tokenizer
+        chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+                 for q in QUESTIONS]
+        pad = min(tok.eos_token_ids) if tok.eos_token_ids else 0
     prompts = [chats[i % len(chats)] for i in range(max(a.batches))]
 
     hf = None
     if not a.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        path = default_model_path()
-        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                  dtype=dtype).to(a.device).eval()
-    pad = tok.eos_token_ids and min(tok.eos_token_ids) or 0
+        if a.random:
+            hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        else:
+            path = default_model_path()
+            hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                      dtype=dtype)
+        hf = hf.to(a.device).eval()
 
     # warm-up both (allocator, kernels, rope tables)
     ferry_run(llm, prompts[:2], [8, 8], a.device)
@@ -110,10 +142,10 @@ def main() -> None:
     case("batch1", prompts[:1], [a.max_tokens])
     for b in a.batches:
         case(f"batch{b}-equal", prompts[:b], [a.max_tokens] * b)
-        mixed = [random.randint(16, a.max_tokens) for _ in range(b)]
+        mixed = [random.randint(min(16, a.max_tokens), a.max_tokens) for _ in range(b)]
         case(f"batch{b}-mixed", prompts[:b], mixed)
 
-    print(json.dumps({"bench": "engine", "device": a.device, "dtype": a.dtype, "threads": torch.get_num_threads(),
+    print(json.dumps({"bench": "engine", "model": a.random or "smollm2-gguf", "device": a.device, "dtype": a.dtype, "threads": torch.get_num_threads(),
                       "max_tokens": a.max_tokens, "rows": rows}))
 
 

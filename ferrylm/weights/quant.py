@@ -41,9 +41,21 @@ NF4_LEVELS = torch.tensor([
 ])
 NF4_MAX_HALF_GAP = float((NF4_LEVELS[1:] - NF4_LEVELS[:-1]).max() / 2)
 _NF4_MIDPOINTS = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
-# byte -> (low nibble level, high nibble level): one lookup decodes two codes
+# byte -> (low nibble level, high nibble level) as one 8-byte word: one `take` decodes two codes
+# (`take` and `index_select` are several times faster on the CPU than advanced indexing)
 _NF4_PAIRS = torch.stack([NF4_LEVELS[torch.arange(256) & 0xF], NF4_LEVELS[torch.arange(256) >> 4]], dim=-1)
+_NF4_PAIR_WORDS = _NF4_PAIRS.contiguous().view(torch.float64).view(256)
 FP8_MAX = 448.0
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # e4m3 bits -> value
+_LUTS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _lut(name: str, table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A lookup table on `device`, copied there once."""
+    key = (name, device)
+    if key not in _LUTS:
+        _LUTS[key] = table.to(device)
+    return _LUTS[key]
 
 
 @dataclass
@@ -101,7 +113,7 @@ def quantize_int8(w: torch.Tensor) -> QuantizedTensor:
 
 
 def _dequant_int8(qt: QuantizedTensor) -> torch.Tensor:
-    return (qt.parts["q"].float() * qt.parts["scale"][:, None]).reshape(qt.shape)
+    return qt.parts["q"].float().mul_(qt.parts["scale"][:, None]).reshape(qt.shape)
 
 
 # -- FP8 e4m3 per channel --------------------------------------------------------------------------
@@ -114,8 +126,9 @@ def quantize_fp8(w: torch.Tensor) -> QuantizedTensor:
 
 
 def _dequant_fp8(qt: QuantizedTensor) -> torch.Tensor:
-    q = qt.parts["q"].view(torch.float8_e4m3fn).float()
-    return (q * qt.parts["scale"][:, None]).reshape(qt.shape)
+    q = qt.parts["q"]  # [N, K] e4m3 bits
+    vals = torch.take(_lut("fp8", _FP8_VALUES, q.device), q.long())  # [N, K] fp32
+    return vals.mul_(qt.parts["scale"][:, None]).reshape(qt.shape)
 
 
 # -- NF4 group-wise --------------------------------------------------------------------------------
@@ -176,11 +189,12 @@ def nf4_absmax(qt: QuantizedTensor) -> torch.Tensor:
 def _dequant_nf4(qt: QuantizedTensor) -> torch.Tensor:
     gs = qt.params["group_size"]
     packed = qt.parts["q"]
-    vals = _NF4_PAIRS.to(packed.device)[packed.long()].view(-1, gs)  # [G, gs]
+    words = torch.take(_lut("nf4", _NF4_PAIR_WORDS, packed.device), packed.long())  # [M/2] fp64 bit pairs
+    vals = words.view(torch.float32).view(-1, gs)  # [G, gs]
     m = 1
     for d in qt.shape:
         m *= d
-    return (vals * nf4_absmax(qt)[:, None]).view(-1)[:m].view(qt.shape)
+    return vals.mul_(nf4_absmax(qt)[:, None]).view(-1)[:m].view(qt.shape)
 
 
 _DEQUANT = {"int8": _dequant_int8, "fp8": _dequant_fp8, "nf4": _dequant_nf4}

@@ -23,6 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -30,7 +31,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(device=a.device, dtype=a.dtype, seed=a.seed, tokenizer=a.tokenizer, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                 block_size=a.block_size, kv_cache_memory_gb=a.kv_cache_memory_gb,
-                enable_prefix_caching=not a.no_prefix_caching)
+                enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

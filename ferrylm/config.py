@@ -171,6 +171,8 @@ class EngineConfig:
     """Tokenizer directory if not beside the model."""
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    enforce_eager: bool = False
+    """Never use CUDA graphs (they serve pure decode steps of dense models on CUDA)."""
     model_overrides: dict = field(default_factory=dict)
     """Family-specific options (e.g. Yuan's `rope_dtype`)."""
 

@@ -212,14 +212,10 @@ def test_chat_matches_offline(client, llm):
     assert r.choices[0].message.content == want.text
     assert r.choices[0].finish_reason == want.finish_reason
     assert r.usage.completion_tokens == len(want.token_ids)
-    # text parts are joined into the template's string content
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
-    r2 = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=6, temperature=0)
-    assert r2.choices[0].message.content == want.text
 
 
 def test_chat_stream_sync(client):
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6, temperature=0)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=4, temperature=0)
     full = client.chat.completions.create(**kw).choices[0].message.content
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     with_choices = [c for c in chunks if c.choices]
@@ -235,7 +231,7 @@ def test_chat_stream_sync(client):
 def test_completion_stream_async(server):
     async def run():
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0) as ac:
-            kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0)
+            kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0)
             full = (await ac.completions.create(**kw)).choices[0].text
             texts, reasons = [], []
             async for chunk in await ac.completions.create(**kw, stream=True):
@@ -250,12 +246,12 @@ def test_completion_stream_async(server):
 
 def test_prompt_forms_n_and_echo(client, llm):
     ids = llm.tokenizer.encode("The capital of France is")
-    want = llm.generate([ids], greedy(4))[0].outputs[0].text
-    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    want = llm.generate([ids], greedy(3))[0].outputs[0].text
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
     assert r.choices[0].text == want
-    r = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=4, temperature=0, echo=True)
+    r = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=3, temperature=0, echo=True)
     assert [c.text for c in r.choices] == [llm.tokenizer.decode(ids, skip_special_tokens=False) + want] * 2
-    kw = dict(model=MODEL, prompt="Tell me a story", max_tokens=5, temperature=1.0, n=2, seed=3)
+    kw = dict(model=MODEL, prompt="Tell me a story", max_tokens=3, temperature=1.0, n=2, seed=3)
     a, b = client.completions.create(**kw), client.completions.create(**kw)
     assert [c.index for c in a.choices] == [0, 1]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
@@ -277,7 +273,7 @@ def test_logprobs(client):
 
 
 def test_stop_strings_params_and_unknown_fields(http):
-    base = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 10, "temperature": 0}
+    base = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 8, "temperature": 0}
     full = http.post("/v1/completions", json=base).json()["choices"][0]["text"]
     stop = full.strip()[2:4]  # a couple of characters inside the output
     cut = full[:full.index(stop)]
@@ -308,6 +304,9 @@ def test_tokenize_detokenize(http, llm):
     tok = llm.tokenizer
     assert chat["tokens"] == tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]),
                                         add_special_tokens=False)
+    # OpenAI-style content parts are joined into the template's string content
+    parts = http.post("/tokenize", json={"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]})
+    assert parts.json()["tokens"] == chat["tokens"]
 
 
 # -- errors -------------------------------------------------------------------------------------------
@@ -447,8 +446,8 @@ def test_metrics_names_and_labels(http):
 # -- shutdown (last: it stops the session's server) ---------------------------------------------------
 
 def test_sigterm_drains_in_flight_then_exits_cleanly(server, http):
-    body = {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 8, "ignore_eos": True, "temperature": 0,
-            "stream": True}
+    body = {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 6, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
     with http.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         first = next(lines)
@@ -458,7 +457,8 @@ def test_sigterm_drains_in_flight_then_exits_cleanly(server, http):
     events = [line[6:] for line in rest if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and len(chunks) == 8  # finished, not cut
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"  # finished, not cut short
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
     assert server.stop() == 0
     with pytest.raises(httpx.TransportError):
         httpx.get(server.url + "/health", timeout=2)

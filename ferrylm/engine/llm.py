@@ -20,14 +20,15 @@ class LLM:
                  tokenizer: str | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  kv_cache_memory_gb: float | None = None, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, model_overrides: dict | None = None, progress=None):
+                 enable_chunked_prefill: bool = True, enforce_eager: bool = False,
+                 model_overrides: dict | None = None, progress=None):
         config = EngineConfig(
             model=model, device=device, dtype=dtype, seed=seed, tokenizer=tokenizer,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gb=kv_cache_memory_gb,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill),
-            model_overrides=model_overrides or {},
+            enforce_eager=enforce_eager, model_overrides=model_overrides or {},
         )
         self.engine = LLMEngine(config, progress=progress)
         self.tokenizer = self.engine.tokenizer

@@ -64,6 +64,12 @@ class ModelRunner:
         self.model.load_weights(source, progress=progress)
         self.kv_cache = self._allocate_kv(max_model_len)
         self.state_pool = self._allocate_state()
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager and self.model.cuda_graphs:
+            from ferrylm.engine.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs, max_model_len,
+                                       model_config.vocab_size, self.device)
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -134,6 +140,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns logits [N, V] (fp32) for the sequences with `out.samples(i)`, in order."""
+        if self.graphs is not None and self.graphs.eligible(out):
+            return self.graphs.run(out)
         ids, pos, ctx, sample_rows = self.prepare(out)
         with forward_context(ctx):
             hidden = self.model(ids, pos)  # [T, H]

@@ -11,11 +11,14 @@ import torch
 
 
 class KVCache:
-    """K and V for L layers, each [num_blocks, block_size, kv_heads, head_dim]."""
+    """K and V for L layers, each [num_blocks + 1, block_size, kv_heads, head_dim].
+
+    The extra block at index `num_blocks` is scratch: padded rows of a CUDA-graph batch write there, and
+    the block manager (which knows only `num_blocks`) never hands it out."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str):
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)  # never read before written
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -24,6 +27,10 @@ class KVCache:
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    @property
+    def scratch_block(self) -> int:
+        return self.num_blocks
 
     @property
     def nbytes(self) -> int:

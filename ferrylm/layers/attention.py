@@ -30,7 +30,7 @@ class PagedAttention(nn.Module):
         nd = ctx.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, ctx.block_tables[:nd], ctx.decode_seq_lens,
-                                    ctx.decode_max_len)
+                                    ctx.decode_max_len, ctx.padded_decode)
         for i in range(nd, ctx.num_seqs):
             a, b = ctx.query_start_loc[i], ctx.query_start_loc[i + 1]
             out[a:b] = self._prefill(q[a:b], k[a:b], v[a:b], k_cache, v_cache, ctx.block_tables[i],
@@ -43,7 +43,7 @@ class PagedAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               scale=self.scale, enable_gqa=gqa)
 
-    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, max_len: int):
+    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, max_len: int, padded: bool):
         # q: [B, H, D]; block_tables: [B, nb]; seq_lens: [B]
         B = q.shape[0]
         bs = k_cache.shape[1]
@@ -53,7 +53,7 @@ class PagedAttention(nn.Module):
         v = v_cache.index_select(0, idx).view(B, nb * bs, *v_cache.shape[2:])[:, :max_len]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hk, S, D]
         mask = None
-        if B > 1:  # shorter contexts in the batch must not see the padding
+        if B > 1 or padded:  # shorter contexts must not see the padding
             mask = (torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
         o = self._sdpa(q[:, :, None, :], k, v, mask=mask)  # [B, H, 1, D]
         return o[:, :, 0, :]

@@ -38,6 +38,8 @@ class ForwardContext:
     """[num_decodes] long on the device, built once per step for the batched decode path."""
     decode_max_len: int = 0
     """max(decode_seq_lens), known on the host so no layer has to synchronise with the GPU to read it."""
+    padded_decode: bool = False
+    """decode_max_len is a bucket bound, not the exact max (CUDA graphs): attention must mask by length."""
 
     @property
     def num_seqs(self) -> int:

@@ -31,6 +31,8 @@ class CausalLM(nn.Module):
     """Base: subclasses build `self.model` and `self.lm_head` and implement `forward`."""
 
     ignored_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    cuda_graphs: bool = False
+    """The forward reads no host values (no .tolist(), no per-sequence Python state): decode can be captured."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, H] (per-step metadata via ForwardContext)."""

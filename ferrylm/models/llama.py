@@ -105,6 +105,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     make_mlp: MLPFactory = staticmethod(dense_mlp)
+    cuda_graphs = True
     mlp_name = "mlp"
 
     def __init__(self, cfg: ModelConfig):

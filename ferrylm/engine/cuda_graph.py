@@ -1,0 +1,97 @@
+"""CUDA graphs for decode steps: one replay instead of ~30 kernel launches per layer.
+
+A decode step of B sequences is padded to a batch bucket (1, 2, 4, ... up to max_num_seqs) and its
+context to a block bucket (a power of two of KV blocks), and runs a graph captured for that pair on first
+use. Inputs live in static buffers that each step overwrites; padded rows read and write a scratch block
+the block manager never hands out. Prefill, mixed steps and models whose forward reads host values
+(MoE dispatch counts, Yuan's state rows) run eagerly: the eager path is the reference the graph path is
+tested against (`tests/test_cuda.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferrylm.engine.scheduler import SchedulerOutput
+from ferrylm.layers.context import ForwardContext, forward_context
+
+
+def _bucket(n: int, buckets: list[int]) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_cache, max_num_seqs: int, max_model_len: int, vocab_size: int,
+                 device: torch.device):
+        self.model, self.kv, self.device = model, kv_cache, device
+        self.bs = kv_cache.block_size
+        self.batch_buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_num_seqs] + [max_num_seqs]
+        max_blocks = (max_model_len + self.bs - 1) // self.bs
+        self.block_buckets = sorted({min(max_blocks, 2 ** k) for k in range(2, 20) if 2 ** (k - 1) < max_blocks}
+                                    | {max_blocks})
+        B, nb = self.batch_buckets[-1], self.block_buckets[-1]
+        self.ids = torch.zeros(B, dtype=torch.long, device=device)
+        self.pos = torch.zeros(B, dtype=torch.long, device=device)
+        self.slots = torch.zeros(B, dtype=torch.long, device=device)
+        self.lens = torch.ones(B, dtype=torch.long, device=device)
+        self.tables = torch.zeros(B, nb, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def eligible(self, out: SchedulerOutput) -> bool:
+        return len(out.seqs) <= self.batch_buckets[-1] and all(n == 1 for n in out.num_new_tokens)
+
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits [B, V] for a pure decode step (every row samples)."""
+        B = len(out.seqs)
+        Bb = _bucket(B, self.batch_buckets)
+        lens = [s.num_computed_tokens + 1 for s in out.seqs]
+        nbb = _bucket((max(lens) + self.bs - 1) // self.bs, self.block_buckets)
+        scratch = self.kv.scratch_block
+        ids, pos, slots, tables = [], [], [], []
+        for s in out.seqs:
+            p = s.num_computed_tokens
+            ids.append(s.token_ids[p])
+            pos.append(p)
+            slots.append(s.block_table[p // self.bs] * self.bs + p % self.bs)
+            row = s.block_table[:nbb]
+            tables.append(row + [scratch] * (nbb - len(row)))
+        pad = Bb - B
+        ids += [0] * pad
+        pos += [0] * pad
+        slots += [scratch * self.bs] * pad
+        lens += [1] * pad
+        tables += [[scratch] * nbb] * pad
+        # one host->device copy per buffer; the graph reads them in place
+        self.ids[:Bb].copy_(torch.tensor(ids), non_blocking=True)
+        self.pos[:Bb].copy_(torch.tensor(pos), non_blocking=True)
+        self.slots[:Bb].copy_(torch.tensor(slots), non_blocking=True)
+        self.lens[:Bb].copy_(torch.tensor(lens), non_blocking=True)
+        self.tables[:Bb, :nbb].copy_(torch.tensor(tables), non_blocking=True)
+        graph, logits = self._graph(Bb, nbb)
+        graph.replay()
+        return logits[:B]
+
+    def _context(self, Bb: int, nbb: int) -> ForwardContext:
+        return ForwardContext(
+            query_start_loc=list(range(Bb + 1)), start_pos=[0] * Bb, seq_lens=[1] * Bb,
+            slot_mapping=self.slots[:Bb], block_tables=self.tables[:Bb, :nbb], num_decodes=Bb,
+            kv_cache=self.kv, decode_seq_lens=self.lens[:Bb], decode_max_len=nbb * self.bs, padded_decode=True)
+
+    @torch.inference_mode()
+    def _graph(self, Bb: int, nbb: int):
+        key = (Bb, nbb)
+        if key not in self.graphs:
+            ctx = self._context(Bb, nbb)
+            ids, pos = self.ids[:Bb], self.pos[:Bb]
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream), forward_context(ctx):  # warm-up: lazy tables, allocator, kernels
+                self.model.compute_logits(self.model(ids, pos))
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool), forward_context(ctx):
+                logits = self.model.compute_logits(self.model(ids, pos))
+            self.pool = graph.pool()
+            self.graphs[key] = (graph, logits)
+        return self.graphs[key]

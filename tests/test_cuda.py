@@ -82,7 +82,7 @@ def test_cuda_graph_decode_equals_eager(tiny_llama):
     """The graph path (padded batch and context buckets) against the eager reference."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 40, 17, 70, 9)]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (80, 10, 30, 50, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (150, 10, 30, 50, 5)]
 
     def run(llm):
         with capture_logits(llm.engine) as got:

@@ -204,27 +204,33 @@ def test_completions_match_offline(client, llm):
     assert r.object == "text_completion" and r.model == MODEL
 
 
-def test_chat_matches_offline(client, llm):
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
-    want = llm.chat(messages, greedy(6))[0].outputs[0]
+CHAT_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def chat_offline(llm):
+    return llm.chat(CHAT_MESSAGES, greedy(5))[0].outputs[0]
+
+
+def test_chat_matches_offline(client, chat_offline):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT_MESSAGES, max_tokens=5, temperature=0)
     assert r.choices[0].message.role == "assistant"
-    assert r.choices[0].message.content == want.text
-    assert r.choices[0].finish_reason == want.finish_reason
-    assert r.usage.completion_tokens == len(want.token_ids)
+    assert r.choices[0].message.content == chat_offline.text
+    assert r.choices[0].finish_reason == chat_offline.finish_reason
+    assert r.usage.completion_tokens == len(chat_offline.token_ids)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
 
 
-def test_chat_stream_sync(client):
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=4, temperature=0)
-    full = client.chat.completions.create(**kw).choices[0].message.content
-    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+def test_chat_stream_sync(client, chat_offline):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT_MESSAGES, max_tokens=5, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
     with_choices = [c for c in chunks if c.choices]
     first = with_choices[0].choices[0]
     # the first chunk already carries the first token: no role-only chunk ahead of it
     assert first.delta.role == "assistant" and first.delta.content
-    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == full
-    assert with_choices[-1].choices[0].finish_reason in ("stop", "length")
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= len(with_choices)
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == chat_offline.text
+    assert with_choices[-1].choices[0].finish_reason == chat_offline.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(chat_offline.token_ids)
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
 
 
@@ -273,7 +279,7 @@ def test_logprobs(client):
 
 
 def test_stop_strings_params_and_unknown_fields(http):
-    base = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 8, "temperature": 0}
+    base = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 6, "temperature": 0}
     full = http.post("/v1/completions", json=base).json()["choices"][0]["text"]
     stop = full.strip()[2:4]  # a couple of characters inside the output
     cut = full[:full.index(stop)]
@@ -287,9 +293,9 @@ def test_stop_strings_params_and_unknown_fields(http):
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == cut
     # every sampling field is accepted together
     extra = {"top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 1, "presence_penalty": 0.5, "frequency_penalty": 0.5,
-             "repetition_penalty": 1.1, "stop_token_ids": [2], "ignore_eos": True, "max_tokens": 3, "temperature": 0.7}
+             "repetition_penalty": 1.1, "stop_token_ids": [2], "ignore_eos": True, "max_tokens": 2, "temperature": 0.7}
     r = http.post("/v1/completions", json={**base, **extra})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                                 "max_completion_tokens": 2, "temperature": 0, "tools": None})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

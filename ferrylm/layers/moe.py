@@ -2,6 +2,8 @@
 
 `Experts` owns E gated MLPs and the token dispatch. The offload engine replaces where expert weights
 come from by overriding `expert_weights(e)`; routing and dispatch stay the same.
+Experts of a quantized ferry store arrive dequantized (dense w13/w2); keeping them packed is the offload
+engine's job, through `expert_weights(e)` and the store's per-(layer, expert) groups.
 """
 
 from __future__ import annotations

@@ -77,6 +77,8 @@ class ConvertReport:
     quantized: int = 0
     bytes_before: int = 0
     """Source tensor bytes as read (GGUF tensors count dequantized)."""
+    bytes_source_files: int = 0
+    """The source's weight files on disk (a GGUF's quantized bytes)."""
     bytes_raw: int = 0
     """Record bytes before compression."""
     bytes_stored: int = 0
@@ -179,7 +181,7 @@ def convert(src: str, dst: str, opts: ConvertOptions | None = None, progress: bo
         raise FerryError(f"unknown --dtype {opts.dtype!r}")
     if os.path.abspath(src) == os.path.abspath(dst):
         raise FerryError("SRC and DST are the same path")
-    report = ConvertReport(src, dst)
+    report = ConvertReport(src, dst, bytes_source_files=_weight_file_bytes(src))
     t0 = time.perf_counter()
     source = open_source(src)
     try:
@@ -231,6 +233,15 @@ def _convert_one(name: str, t: torch.Tensor, writer: StoreWriter, opts: ConvertO
     e = writer.add(name, value, extra)
     report.bytes_raw += e["raw_bytes"]
     report.bytes_stored += e["stored_bytes"]
+
+
+def _weight_file_bytes(src: str) -> int:
+    if os.path.isfile(src):
+        return os.path.getsize(src)
+    if not os.path.isdir(src):
+        return 0
+    return sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src)
+               if f.endswith((".safetensors", ".gguf")) or (f.startswith("shard-") and f.endswith(".bin")))
 
 
 def _created_by() -> str:
@@ -285,7 +296,9 @@ def print_report(r: ConvertReport, console=None) -> None:
     console = console or Console()
     t = Table(title=f"ferry convert {r.src} -> {r.dst}", show_header=False)
     t.add_row("tensors", f"{r.tensors} ({r.quantized} quantized)")
-    t.add_row("bytes before", f"{r.bytes_before:,} ({_fmt_bytes(r.bytes_before)})")
+    t.add_row("bytes before", f"{r.bytes_before:,} ({_fmt_bytes(r.bytes_before)} of tensors as read)")
+    if r.bytes_source_files and r.bytes_source_files != r.bytes_before:
+        t.add_row("source files", f"{r.bytes_source_files:,} ({_fmt_bytes(r.bytes_source_files)} on disk)")
     t.add_row("bytes after", f"{r.bytes_files:,} ({_fmt_bytes(r.bytes_files)}, padding and tokenizer included)")
     t.add_row("size ratio before/after", f"{r.bytes_before / max(r.bytes_files, 1):.3f}x")
     if r.bytes_raw != r.bytes_stored:

@@ -135,6 +135,7 @@ class StoreWriter:
         self._pos = 0
         self._pool: ThreadPoolExecutor | None = None
         self._lock_fd: int | None = None
+        self._owns_tmp = False
         self._guard("prepare", self.tmp, self._prepare)
 
     # -- set-up --
@@ -145,8 +146,9 @@ class StoreWriter:
         if not os.path.isdir(parent):
             raise StoreWriteError(f"{parent}: the destination's parent directory does not exist")
         if os.path.exists(self.tmp):
-            self._remove_stale_tmp()
+            self._remove_abandoned(self.tmp)
         os.mkdir(self.tmp)
+        self._owns_tmp = True
         self._lock_fd = os.open(os.path.join(self.tmp, INCOMPLETE), os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(self._lock_fd, f"ferry convert in progress, pid {os.getpid()}\n".encode())
@@ -156,8 +158,7 @@ class StoreWriter:
         if not os.path.exists(d):
             return
         if os.path.isdir(d) and os.path.exists(os.path.join(d, INCOMPLETE)):
-            log.warning("%s: removing an incomplete store left by an interrupted convert", d)
-            shutil.rmtree(d)
+            self._remove_abandoned(d)
             return
         if os.path.isdir(d) and os.path.isfile(os.path.join(d, MANIFEST)):
             if not self.force:
@@ -165,8 +166,9 @@ class StoreWriter:
             return
         raise StoreWriteError(f"{d}: exists and is not a ferry store; refusing to overwrite it")
 
-    def _remove_stale_tmp(self) -> None:
-        marker = os.path.join(self.tmp, INCOMPLETE)
+    def _remove_abandoned(self, path: str) -> None:
+        """Remove what an interrupted convert left at `path`, unless a live convert still holds its lock."""
+        marker = os.path.join(path, INCOMPLETE)
         if os.path.exists(marker):
             fd = os.open(marker, os.O_RDONLY)
             try:
@@ -176,10 +178,10 @@ class StoreWriter:
                                       f"(it holds {marker})") from None
             finally:
                 os.close(fd)
-        elif os.listdir(self.tmp):
-            raise StoreWriteError(f"{self.tmp}: exists, is not an interrupted ferry convert; remove it first")
-        log.warning("%s: removing the leftovers of an interrupted convert", self.tmp)
-        shutil.rmtree(self.tmp)
+        elif os.listdir(path):
+            raise StoreWriteError(f"{path}: exists, is not an interrupted ferry convert; remove it first")
+        log.warning("%s: removing the leftovers of an interrupted convert", path)
+        shutil.rmtree(path)
 
     def _guard(self, what: str, path: str, fn, *args):
         """Run fn; on OSError remove the temporary directory and raise a StoreWriteError naming `path`."""
@@ -350,6 +352,7 @@ class StoreWriter:
             old = self.dst + f".ferry-old-{os.getpid()}"
             os.rename(self.dst, old)
         os.rename(self.tmp, self.dst)
+        self._owns_tmp = False
         _fsync_dir(os.path.dirname(self.dst))
         os.unlink(os.path.join(self.dst, INCOMPLETE))  # from here on the store loads
         _fsync_dir(self.dst)
@@ -370,8 +373,9 @@ class StoreWriter:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
-        if os.path.isdir(self.tmp) and os.path.exists(os.path.join(self.tmp, INCOMPLETE)):
+        if self._owns_tmp and os.path.isdir(self.tmp):
             shutil.rmtree(self.tmp, ignore_errors=True)
+            self._owns_tmp = False
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

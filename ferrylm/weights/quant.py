@@ -17,6 +17,8 @@ A `QuantizedTensor` is a bag of named parts (packed codes, scales) plus the sche
 the logical shape; the store writes the parts as they are and maps them back zero-copy. This module
 knows nothing about files, checkpoints or models.
 Notation: N output channels (rows), K input features, M = N*K values, G groups, B double-quant blocks.
+Channels are the leading dim (a 4-D conv weight [out, in, kh, kw] has `out`), except 3-D stacked expert
+weights [E, N, K], which get one scale per (expert, row).
 """
 
 from __future__ import annotations
@@ -96,7 +98,9 @@ class QuantizedTensor:
 # -- INT8 per channel ------------------------------------------------------------------------------
 
 def _rows(w: torch.Tensor) -> torch.Tensor:
-    # any shape -> [N, K] with N the leading (output) dim
+    # any shape -> [N, K]: N the output channels; stacked experts [E, N, K] -> [E*N, K]
+    if w.dim() == 3:
+        return w.reshape(-1, w.shape[-1])
     return w.reshape(w.shape[0], -1) if w.dim() > 1 else w.reshape(1, -1)
 
 

@@ -1,0 +1,84 @@
+"""Bad model paths and checkpoints: each a clear ModelLoadError naming the problem, nothing half-loaded."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from ferrylm import LLM
+from ferrylm.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError
+
+
+def copy_model(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_truncated_safetensors(tiny_llama, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "m")
+    f = os.path.join(d, "model.safetensors")
+    size = os.path.getsize(f)
+    with open(f, "r+b") as fh:
+        fh.truncate(size - 1000)
+    with pytest.raises(ModelLoadError, match="truncated safetensors"):
+        LLM(d)
+
+
+def test_garbage_safetensors_header(tiny_llama, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "m")
+    with open(os.path.join(d, "model.safetensors"), "wb") as fh:
+        fh.write(b"\xff" * 64)
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        LLM(d)
+
+
+def test_missing_config(tiny_llama, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "m")
+    os.remove(os.path.join(d, "config.json"))
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        LLM(d)
+
+
+def test_unknown_architecture_lists_supported(tiny_llama, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "m")
+    cfg_path = os.path.join(d, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["architectures"] = ["FancyNewForCausalLM"]
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(UnsupportedArchitectureError, match="FancyNewForCausalLM.*supported:.*LlamaForCausalLM"):
+        LLM(d)
+
+
+def test_checkpoint_missing_a_tensor(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = copy_model(tiny_llama, tmp_path / "m")
+    f = os.path.join(d, "model.safetensors")
+    t = load_file(f)
+    del t["model.layers.1.mlp.down_proj.weight"]
+    save_file(t, f)
+    with pytest.raises(ModelLoadError, match="lacks tensors.*layers.1.mlp.down_proj"):
+        LLM(d)
+
+
+def test_shape_mismatch_names_the_tensor(tiny_llama, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "m")
+    cfg_path = os.path.join(d, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["intermediate_size"] = 64
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(ModelLoadError, match="does not fit"):
+        LLM(d)
+
+
+def test_empty_directory(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        LLM(str(tmp_path))
+
+
+def test_bad_engine_options(tiny_llama):
+    with pytest.raises(ConfigError, match="dtype"):
+        LLM(tiny_llama, dtype="float8")
+    with pytest.raises(ConfigError, match="max_model_len 100000 exceeds"):
+        LLM(tiny_llama, max_model_len=100000)

@@ -97,3 +97,13 @@ def test_abort_frees_blocks(llm):
     eng.abort_request("other")
     assert not eng.has_unfinished_requests()
     assert eng.block_manager.num_free_blocks == free
+
+
+def test_prefix_cache_hit_gives_same_output(llm):
+    prompt = list(range(10, 60))  # 50 tokens: 3 full blocks of 16 can be reused
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = llm.generate([prompt], sp)[0]
+    hits = llm.engine.block_manager.prefix_hits
+    second = llm.generate([prompt], sp)[0]
+    assert second.num_cached_tokens == 48 and llm.engine.block_manager.prefix_hits == hits + 48
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids

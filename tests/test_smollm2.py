@@ -82,3 +82,11 @@ def _not_a_model(d: str) -> str:
     p = os.path.join(d, "weights.bin")
     open(p, "wb").write(b"\0" * 64)
     return p
+
+
+def test_cli_chat_keeps_history():
+    r = subprocess.run([sys.executable, "-m", "ferrylm.cli", "chat", "--max-tokens", "24"], capture_output=True,
+                       text=True, timeout=300,
+                       input="What is the capital of France?\nAnd which river flows through it?\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and r.stdout.count("\n") >= 2

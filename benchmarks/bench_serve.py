@@ -9,6 +9,7 @@ shared machine. The figure to read is server tokens/s at the largest C over offl
 The last line printed is JSON.
 
     python benchmarks/bench_serve.py [--num-prompts 64] [--max-tokens 64] [--concurrency 1 4 16] [--repeat 1]
+                                     [--threads N] [--url http://127.0.0.1:8000]
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ def start_server(args) -> tuple[subprocess.Popen, str, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tempfile.NamedTemporaryFile("w+", prefix="bench-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "ferrylm.server.cli", "--port", str(port), "--max-num-seqs", str(max(args.concurrency)),
-           "--max-model-len", str(args.max_model_len), "--disable-access-log", "--device", args.device,
-           "--dtype", args.dtype]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    cmd = [sys.executable, "-m", "ferrylm.server.cli", "--port", str(port),
+           "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len),
+           "--disable-access-log", "--device", args.device, "--dtype", args.dtype]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -89,7 +91,8 @@ async def one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: 
             "tokens": tokens}
 
 
-async def run_clients(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[list[dict], float]:
+async def run_clients(url: str, prompts: list[list[int]], concurrency: int,
+                      max_tokens: int) -> tuple[list[dict], float]:
     todo = list(enumerate(prompts))
     results: list[dict] = []
     limits = httpx.Limits(max_connections=concurrency + 4)
@@ -129,19 +132,27 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--rounds", type=int, default=4, help="prompts per client at each concurrency (capped at --num-prompts)")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="prompts per client at each concurrency (capped at --num-prompts)")
     ap.add_argument("--repeat", type=int, default=1, help="alternate offline / largest-C server runs this many times")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads on both sides (0: torch's default); 1 on a small shared machine")
     ap.add_argument("--url", default=None, help="use a running server instead of starting one")
     a = ap.parse_args()
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     cmax = max(a.concurrency)
 
     llm = LLM(device=a.device, dtype=a.dtype, max_num_seqs=cmax, max_model_len=a.max_model_len)
     tok = llm.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"}]),
-                          add_special_tokens=False) for i in range(a.num_prompts)]
+    questions = [f"{QUESTIONS[i % len(QUESTIONS)]} ({i})" for i in range(a.num_prompts)]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+               for q in questions]
     proc, url, log = (None, a.url, None) if a.url else start_server(a)
     try:
         # warm both sides up (first-call costs) on prompts outside the measured set
@@ -173,7 +184,7 @@ def main() -> None:
     off = statistics.median(r["tok_s"] for r in offline)
     ms = 1000.0
     print(f"\nferry serve vs offline LLM.generate: {a.max_tokens} output tokens per request, greedy, ignore_eos, "
-          f"device {a.device}")
+          f"device {a.device}, threads {a.threads or 'default'}")
     print(f"{'clients':>7} {'reqs':>5} {'tok/s':>8}   {'TTFT p50/p90/p99 ms':<22} {'ITL p50/p90/p99 ms':<22} "
           f"{'E2E p50/p90/p99 s':<20}")
     for c in sorted(results):
@@ -187,7 +198,7 @@ def main() -> None:
           f"(runs: {', '.join('%.1f' % r['tok_s'] for r in offline)})")
     print(f"server at {cmax} clients / offline: {ratio:.2f} (aim >= 0.85)"
           + (f"  (server runs: {', '.join('%.1f' % r['tok_s'] for r in server_max)})" if a.repeat > 1 else ""))
-    print(json.dumps({"bench": "serve", "max_tokens": a.max_tokens, "device": a.device,
+    print(json.dumps({"bench": "serve", "max_tokens": a.max_tokens, "device": a.device, "threads": a.threads,
                       "offline_tok_s": round(off, 2), "offline_runs_tok_s": [round(r["tok_s"], 2) for r in offline],
                       "server_runs_tok_s": [round(r["tok_s"], 2) for r in server_max],
                       "server_over_offline": round(ratio, 3),

@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c)
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
+
+    from ferrylm.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

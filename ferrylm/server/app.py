@@ -24,6 +24,7 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ferrylm
@@ -306,7 +307,7 @@ class Serving:
                     idx = i * n + c.index
                     st = states.get(idx)
                     if st is None:
-                        st = states[idx] = _ChoiceState()
+                        st = states[idx] = _ChoiceState(offset=len(echo[i]) if echo is not None else 0)
                     finished = c.finish_reason is not None
                     ntok = len(c.token_ids)
                     if st.done or (ntok == st.tokens and not finished):
@@ -419,7 +420,15 @@ async def _unless_disconnected(request: Request, work):
     return task.result()
 
 
-def _validation_error(exc: RequestValidationError) -> ApiError:
+async def _parse(request: Request, model: type[BaseModel]):
+    """The JSON body as `model`, whatever the Content-Type says (curl -d sends form-urlencoded)."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _validation_error(exc: RequestValidationError | ValidationError) -> ApiError:
     errors = exc.errors()
     first = errors[0] if errors else {}
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
@@ -512,26 +521,28 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
         return next(c for c in serving.models()["data"] if c["id"] == model_id)
 
     @app.post("/v1/completions")
-    async def create_completion(body: P.CompletionRequest, request: Request):
+    async def create_completion(request: Request):
+        body = await _parse(request, P.CompletionRequest)
         if body.stream:
             return sse(serving.completion_stream(body))
         result = await _unless_disconnected(request, serving.completion(body))
         return JSONResponse(result) if result is not None else Response(status_code=499)
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: P.ChatCompletionRequest, request: Request):
+    async def create_chat_completion(request: Request):
+        body = await _parse(request, P.ChatCompletionRequest)
         if body.stream:
             return sse(serving.chat_stream(body))
         result = await _unless_disconnected(request, serving.chat(body))
         return JSONResponse(result) if result is not None else Response(status_code=499)
 
     @app.post("/tokenize")
-    async def tokenize(body: P.TokenizeRequest):
-        return serving.tokenize(body)
+    async def tokenize(request: Request):
+        return serving.tokenize(await _parse(request, P.TokenizeRequest))
 
     @app.post("/detokenize")
-    async def detokenize(body: P.DetokenizeRequest):
-        return serving.detokenize(body)
+    async def detokenize(request: Request):
+        return serving.detokenize(await _parse(request, P.DetokenizeRequest))
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     if config.api_key:

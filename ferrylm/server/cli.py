@@ -15,7 +15,6 @@ import logging
 import signal
 import sys
 
-from ferrylm.cli import add_engine_args, engine_kwargs
 from ferrylm.errors import FerryError
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -23,10 +22,13 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from ferrylm.cli import add_engine_args  # here: ferrylm.cli may import this module at its top
+
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use for the model (default: the --model value, or SmolLM2-135M-Instruct)")
     p.add_argument("--max-queued-requests", type=int, default=1024,
@@ -59,6 +61,7 @@ def server_config(a: argparse.Namespace):
 def cmd_serve(a: argparse.Namespace) -> None:
     import uvicorn
 
+    from ferrylm.cli import engine_kwargs
     from ferrylm.engine.async_engine import AsyncEngine
     from ferrylm.server.app import create_app
 
@@ -101,22 +104,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m ferrylm.server.cli ...`: the same as `ferry serve ...`."""
-    parser = argparse.ArgumentParser(prog="ferry serve", description="OpenAI-compatible HTTP server")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
-    add_serve_args(parser)
-    a = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        cmd_serve(a)
-    except FerryError as e:
-        print(f"ferry: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+if __name__ == "__main__":  # `python -m ferrylm.server.cli ...` is `ferry serve ...`
+    from ferrylm.cli import main
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["serve", *sys.argv[1:]]))

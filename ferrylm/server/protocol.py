@@ -174,7 +174,8 @@ def completion_choice(index: int, text: str, finish_reason: str | None, stop_rea
             "stop_reason": stop_reason}
 
 
-def completion(request_id: str, model: str, choices: list[dict], usage_: dict | None, created: int | None = None) -> dict:
+def completion(request_id: str, model: str, choices: list[dict], usage_: dict | None,
+               created: int | None = None) -> dict:
     body = {"id": request_id, "object": "text_completion", "created": created or int(time.time()), "model": model,
             "choices": choices}
     if usage_ is not None:

@@ -145,8 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     from ferrylm.server.cli import add_serve_parser
+    from ferrylm.weights.convert import add_convert_parser
 
     add_serve_parser(sub)
+    add_convert_parser(sub)
     return parser
 
 

@@ -25,7 +25,7 @@ import torch
 
 from ferrylm.errors import FerryError, ModelLoadError
 from ferrylm.weights import quant as Q
-from ferrylm.weights.store import StoreSource, StoreWriter, dtype_name
+from ferrylm.weights.store import StoreSource, StoreWriter
 
 log = logging.getLogger(__name__)
 
@@ -388,18 +388,10 @@ def cmd_convert(a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ferrylm.weights.convert", description=__doc__.split("\n\n")[0])
-    _add_args(p)
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        a.func(a)
-    except FerryError as e:
-        print(f"ferry: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    """`python -m ferrylm.weights.convert ...` is `ferry convert ...`."""
+    from ferrylm.cli import main as ferry_main
+
+    return ferry_main(["convert", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ Model: the embedded SmolLM2-135M-Instruct GGUF (transformers dequantizes the sam
   - batch 1: decode tokens/s of one chat prompt (fixed output length)
   - batch B (8, 32), equal output lengths: every request generates `--max-tokens` tokens
   - batch B, mixed output lengths: per-request max_tokens drawn uniformly from [16, --max-tokens]; a padded
-    `generate` batch runs until its longest member finishes, continuous batching refills the slot.
+    `generate` batch runs until its longest member finishes.
+  - queue of 4B requests with mixed lengths through B slots: `transformers` runs them as consecutive padded
+    batches of B, ferrylm (max_num_seqs=B) refills a slot as soon as a request finishes.
 Throughput counts only the tokens each request asked for. The last line printed is JSON.
 
     python benchmarks/bench_engine.py [--device cpu|cuda] [--dtype float32] [--max-tokens 128] [--batches 8 32]
@@ -14,6 +16,7 @@ Throughput counts only the tokens each request asked for. The last line printed 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -69,6 +72,14 @@ def ferry_run(llm: LLM, prompts: list[list[int]], max_tokens: list[int], device:
     return dt, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+def hf_queue(model, prompts, max_tokens, pad_id: int, device: str, slots: int) -> tuple[float, int]:
+    dt = n = 0
+    for i in range(0, len(prompts), slots):
+        d, k = hf_run(model, prompts[i:i + slots], max_tokens[i:i + slots], pad_id, device)
+        dt, n = dt + d, n + k
+    return dt, n
+
+
 def hf_run(model, prompts: list[list[int]], max_tokens: list[int], pad_id: int, device: str) -> tuple[float, int]:
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)  # left padding
@@ -94,6 +105,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--random", choices=sorted(SHAPES), default=None)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cases", nargs="*", default=None, help="run only cases whose name starts with one of these")
     ap.add_argument("--enforce-eager", action="store_true")
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -112,7 +124,7 @@ def main() -> None:
         chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
                  for q in QUESTIONS]
         pad = min(tok.eos_token_ids) if tok.eos_token_ids else 0
-    prompts = [chats[i % len(chats)] for i in range(max(a.batches))]
+    prompts = [chats[i % len(chats)] for i in range(4 * max(a.batches))]
 
     hf = None
     if not a.skip_hf:
@@ -133,15 +145,20 @@ def main() -> None:
 
     rows = []
 
-    def case(name: str, ps: list[list[int]], mts: list[int]) -> None:
+    def case(name: str, ps: list[list[int]], mts: list[int], slots: int | None = None) -> None:
+        if a.cases and not any(name.startswith(c) for c in a.cases):
+            return
         # alternate the two engines and keep the median of `--repeats` runs: clocks and neighbours drift
         f_rates, h_rates = [], []
+        sched = llm.engine.scheduler.config
+        llm.engine.scheduler.config = dataclasses.replace(sched, max_num_seqs=slots or len(ps))
         for _ in range(a.repeats):
             f_dt, f_n = ferry_run(llm, ps, mts, a.device)
             f_rates.append(f_n / f_dt)
             if hf is not None:
-                h_dt, h_n = hf_run(hf, ps, mts, pad, a.device)
+                h_dt, h_n = hf_queue(hf, ps, mts, pad, a.device, slots or len(ps))
                 h_rates.append(h_n / h_dt)
+        llm.engine.scheduler.config = sched
         row = {"case": name, "ferry_tok_s": statistics.median(f_rates)}
         if hf is not None:
             row |= {"hf_tok_s": statistics.median(h_rates), "ratio": row["ferry_tok_s"] / statistics.median(h_rates)}
@@ -151,8 +168,9 @@ def main() -> None:
     case("batch1", prompts[:1], [a.max_tokens])
     for b in a.batches:
         case(f"batch{b}-equal", prompts[:b], [a.max_tokens] * b)
-        mixed = [random.randint(min(16, a.max_tokens), a.max_tokens) for _ in range(b)]
-        case(f"batch{b}-mixed", prompts[:b], mixed)
+        mixed = [random.randint(min(16, a.max_tokens), a.max_tokens) for _ in range(4 * b)]
+        case(f"batch{b}-mixed", prompts[:b], mixed[:b])
+        case(f"queue{4 * b}-slots{b}-mixed", prompts[:4 * b], mixed, slots=b)
 
     print(json.dumps({"bench": "engine", "model": a.random or "smollm2-gguf", "device": a.device, "dtype": a.dtype, "threads": torch.get_num_threads(),
                       "max_tokens": a.max_tokens, "repeats": a.repeats, "eager": a.enforce_eager, "rows": rows}))

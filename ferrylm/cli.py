@@ -9,7 +9,7 @@ import logging
 import sys
 import time
 
-from ferrylm.errors import FerryError
+from ferrylm.errors import FerryError, InvalidRequestError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -118,7 +118,12 @@ def cmd_chat(a: argparse.Namespace) -> None:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        text, _, _ = stream(llm, encode_prompt(llm, history, chat=True), sampling_params(a))
+        try:
+            text, _, _ = stream(llm, encode_prompt(llm, history, chat=True), sampling_params(a))
+        except InvalidRequestError as e:  # e.g. the conversation outgrew the context: keep the session
+            history.pop()
+            print(f"ferry chat: {e} (/reset starts over)", file=sys.stderr)
+            continue
         history.append({"role": "assistant", "content": text})
 
 

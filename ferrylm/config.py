@@ -129,6 +129,12 @@ class ModelConfig:
         )
 
 
+def _positive(**values: int) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache."""
@@ -141,6 +147,13 @@ class CacheConfig:
     """KV memory to allocate when `num_blocks` is None; None picks a default for the device."""
     enable_prefix_caching: bool = True
     """Reuse full blocks whose token prefix was already computed (hash of the block chain)."""
+
+    def __post_init__(self) -> None:
+        _positive(block_size=self.block_size)
+        if self.num_blocks is not None:
+            _positive(num_blocks=self.num_blocks)
+        if self.memory_gb is not None and not self.memory_gb > 0:
+            raise ConfigError(f"kv cache memory must be > 0 GB, got {self.memory_gb}")
 
 
 @dataclass(frozen=True)
@@ -155,6 +168,14 @@ class SchedulerConfig:
     """Longest prompt + output; None means the model's `max_position_embeddings`."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps so decodes are never starved."""
+
+    def __post_init__(self) -> None:
+        _positive(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _positive(max_model_len=self.max_model_len)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                              f"({self.max_num_seqs}): every running sequence needs a token each step")
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,14 @@ same words (each error names the parameter).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ferrylm.errors import InvalidRequestError
+
+
+MAX_N = 128
+"""Completions per request: each is a sequence holding KV blocks, so a request cannot ask for millions."""
 
 
 @dataclass
@@ -55,8 +60,12 @@ class SamplingParams:
         def bad(param: str, why: str) -> None:
             raise InvalidRequestError(f"{param} {why}", param=param)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", f"must be an integer >= 1, got {self.n!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, f"must be a finite number, got {v!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

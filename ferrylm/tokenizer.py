@@ -299,11 +299,14 @@ class Tokenizer:
         from jinja2.exceptions import TemplateError
 
         msgs = [{k: v for k, v in m.items() if v is not None} for m in _plain(messages)]
-        variables = {**self.special_tokens, **_plain(kwargs)}
+        variables = {**self.special_tokens, **_plain(kwargs), "messages": msgs, "tools": _plain(tools),
+                     "add_generation_prompt": add_generation_prompt}
+        variables.setdefault("documents", None)
         try:
-            return _compile(template).render(messages=msgs, tools=_plain(tools), documents=None,
-                                             add_generation_prompt=add_generation_prompt, **variables)
-        except TemplateError as e:  # includes the sandbox's SecurityError and raise_exception()
+            return _compile(template).render(**variables)
+        # TemplateError includes the sandbox's SecurityError and raise_exception(); the others come from
+        # templates doing arithmetic or lookups on values of the wrong type (e.g. integer content)
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
             raise InvalidRequestError(f"chat template error: {e}", param="messages") from None
 
     # -- internals --------------------------------------------------------------------------------

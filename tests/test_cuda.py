@@ -46,7 +46,7 @@ def test_cuda_batching_invariance(tiny_llama):
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (37, 5, 60, 1, 23, 48)]
     alone = LLM(tiny_llama, device="cuda", dtype="float32", max_num_seqs=1, enable_prefix_caching=False)
     ref = [sampled_rows(alone, [p], 12)[1][0] for p in prompts]
-    batched = LLM(tiny_llama, device="cuda", dtype="float32", max_num_batched_tokens=16, block_size=4,
+    batched = LLM(tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, block_size=4,
                   num_kv_blocks=20)
     _, got = sampled_rows(batched, prompts, 12)
     assert batched.engine.scheduler.num_preemptions > 0

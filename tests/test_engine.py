@@ -107,3 +107,24 @@ def test_prefix_cache_hit_gives_same_output(llm):
     second = llm.generate([prompt], sp)[0]
     assert second.num_cached_tokens == 48 and llm.engine.block_manager.prefix_hits == hits + 48
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(temperature=float("nan")), "temperature"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(n=10_000), "n must be"), (dict(max_tokens=0), "max_tokens"), (dict(logprobs=50), "logprobs"),
+])
+def test_invalid_sampling_values(kw, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(block_size=0), "block_size"), (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens"), (dict(max_model_len=-5), "max_model_len"),
+    (dict(model_overrides={"nonsense": 1}), "nonsense"),
+])
+def test_invalid_engine_options(tiny_llama, kw, match):
+    from ferrylm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        LLM(tiny_llama, **kw)

@@ -82,3 +82,32 @@ def test_bad_engine_options(tiny_llama):
         LLM(tiny_llama, dtype="float8")
     with pytest.raises(ConfigError, match="max_model_len 100000 exceeds"):
         LLM(tiny_llama, max_model_len=100000)
+
+
+@pytest.mark.parametrize("drop", ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"])
+def test_missing_shard_of_a_fused_projection(tiny_llama, tmp_path, drop):
+    """q/k/v and gate/up fill one fused weight: each part must arrive, not just one of them."""
+    from safetensors.torch import load_file, save_file
+
+    d = copy_model(tiny_llama, tmp_path / "m")
+    f = os.path.join(d, "model.safetensors")
+    t = load_file(f)
+    del t[drop]
+    save_file(t, f)
+    with pytest.raises(ModelLoadError, match="lacks tensors"):
+        LLM(d)
+
+
+def test_missing_one_expert(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path)
+    f = os.path.join(tmp_path, "model.safetensors")
+    t = load_file(f)
+    del t["model.layers.0.block_sparse_moe.experts.2.w3.weight"]
+    save_file(t, f)
+    with pytest.raises(ModelLoadError, match="lacks tensors.*experts.w13"):
+        LLM(str(tmp_path))

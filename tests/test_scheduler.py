@@ -295,7 +295,7 @@ def test_random_engine_loop(seed, chunked, prefix, slots):
     kv: dict[tuple[int, int], tuple] = {}  # (block, offset) -> the token prefix whose KV is stored there
     system_prompts = [[rng.randrange(100) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
     max_tokens: dict[int, int] = {}
-    num_requests, num_finished, num_added = 60, 0, 0
+    num_requests, num_added = 60, 0
     all_seqs = []
 
     for step_no in range(3000):

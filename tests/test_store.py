@@ -180,7 +180,7 @@ def test_layout_groups_are_contiguous_and_aligned(mixtral, tmp_path):
         if ".experts." in g["name"]:
             expert = g["name"].split(".")[-1]
             assert len(es) == 3 and all(f".experts.{expert}." in e["name"] for e in es)
-    assert set(m["files"]) == {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+    assert set(m["files"]) == {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"}
     for f in m["files"]:
         with open(os.path.join(dst, f), "rb") as a, open(os.path.join(mixtral, f), "rb") as b:
             assert a.read() == b.read()

@@ -39,7 +39,9 @@ class DecodeGraphs:
         self.pool = None
 
     def eligible(self, out: SchedulerOutput) -> bool:
-        return len(out.seqs) <= self.batch_buckets[-1] and all(n == 1 for n in out.num_new_tokens)
+        # every row must also sample: a 1-token chunk in the middle of a prompt yields no logits
+        return len(out.seqs) <= self.batch_buckets[-1] and all(
+            n == 1 and out.samples(i) for i, n in enumerate(out.num_new_tokens))
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [B, V] for a pure decode step (every row samples)."""

@@ -80,7 +80,9 @@ class LLMEngine:
             source.close()
         kv = self.runner.kv_cache
         has_state = self.runner.state_pool is not None
-        self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
+        # models with per-sequence state cannot resume from cached blocks, so they never look them up
+        self.block_manager = BlockManager(kv.num_blocks, kv.block_size,
+                                          config.cache.enable_prefix_caching and not has_state)
         self.scheduler = Scheduler(
             config.scheduler, self.block_manager,
             StateSlotPool(self.runner.state_pool.num_slots) if has_state else None,
@@ -141,7 +143,9 @@ class LLMEngine:
                 for i in range(params.n)]
         req = _Request(request_id, text, ids, params, seqs)
         if self.tokenizer is not None:
-            req.detoks = [self.tokenizer.incremental_detokenizer(params.skip_special_tokens) for _ in seqs]
+            # the prompt is context: SentencePiece decoders drop a leading space on a lone first token
+            req.detoks = [self.tokenizer.incremental_detokenizer(params.skip_special_tokens, prompt_ids=ids)
+                          for _ in seqs]
         req.texts = ["" for _ in seqs]
         for s in seqs:
             self.scheduler.add(s)
@@ -239,6 +243,8 @@ class LLMEngine:
         if status is None and seq.num_tokens >= self.max_seq_len:
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
+            if req.detoks and not isinstance(seq.stop_reason, str):
+                req.texts[i] += req.detoks[i].flush()  # an incomplete character held back, if any
             self.scheduler.finish(seq, status)
             self.sampler.forget(seq.seq_id)
 

@@ -16,6 +16,7 @@ from ferrylm.engine.scheduler import SchedulerOutput
 from ferrylm.errors import ConfigError
 from ferrylm.kv.cache import KVCache, SequenceStatePool
 from ferrylm.layers.context import ForwardContext, forward_context
+from ferrylm.layers.rotary import RotaryEmbedding
 from ferrylm.models.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -57,11 +58,19 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = cls(model_config, **config.model_overrides) if config.model_overrides else cls(model_config)
+                self.model = cls(model_config, **config.model_overrides)
+        except TypeError as e:
+            if not config.model_overrides:
+                raise
+            raise ConfigError(f"model option(s) {sorted(config.model_overrides)} not accepted by "
+                              f"{cls.__name__}: {e}") from None
         finally:
             torch.set_default_dtype(prev)
         self.model.eval()
         self.model.load_weights(source, progress=progress)
+        for m in self.model.modules():  # RoPE tables before the KV cache takes the free memory
+            if isinstance(m, RotaryEmbedding):
+                m._table(self.device)
         self.kv_cache = self._allocate_kv(max_model_len)
         self.state_pool = self._allocate_state()
         self.graphs = None

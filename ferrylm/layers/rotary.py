@@ -41,6 +41,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+_TABLES: dict[tuple, torch.Tensor] = {}
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to the first `rot_dim` features of each head of q and k."""
 
@@ -51,20 +54,24 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.table_dtype = table_dtype
         self.register_buffer("inv_freq", rope_inv_freq(rot_dim, base, scaling), persistent=False)
-        self._cos_sin: torch.Tensor | None = None
+        self._key = (type(self).__name__, rot_dim, max_positions, table_dtype, tuple(self.inv_freq.tolist()))
 
     def _table(self, device: torch.device) -> torch.Tensor:
-        # Built once for every position the model allows: checking a step's max position would
-        # synchronise with the GPU in every layer. The engine never exceeds max_positions.
-        if self._cos_sin is None or self._cos_sin.device != device:
-            n = self.max_positions
-            t = torch.arange(n, dtype=torch.float32, device=device)
-            freqs = torch.outer(t, self.inv_freq.to(device).float())  # [P, rot/2]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [P, rot]
-            # table_dtype rounds the finished fp32 tables (a family whose reference computes the angles
-            # themselves in low precision, like Yuan-M32, overrides _table).
-            self._cos_sin = torch.stack((emb.cos(), emb.sin())).to(self.table_dtype).float().transpose(0, 1)
-        return self._cos_sin  # [P, 2, rot]
+        """cos/sin for every position the model allows, [P, 2, rot] fp32, one copy per device shared by
+        all layers. Built in full so no step has to read its max position (a GPU sync per layer); the
+        model runner builds it before sizing the KV cache."""
+        key = (*self._key, str(device))
+        if key not in _TABLES:
+            _TABLES[key] = self._build(torch.device(device))
+        return _TABLES[key]
+
+    def _build(self, device: torch.device) -> torch.Tensor:
+        t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, self.inv_freq.to(device).float())  # [P, rot/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, rot]
+        # table_dtype rounds the finished fp32 tables (a family whose reference computes the angles
+        # themselves in low precision, like Yuan-M32, overrides _build).
+        return torch.stack((emb.cos(), emb.sin())).to(self.table_dtype).float().transpose(0, 1).contiguous()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [T]; q: [T, Hq, D]; k: [T, Hk, D]

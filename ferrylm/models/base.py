@@ -42,9 +42,10 @@ class CausalLM(nn.Module):
         # hidden: [N, H] -> logits: [N, V] in fp32
         return self.lm_head(hidden).float()
 
-    def map_weight(self, name: str, tensor: torch.Tensor) -> bool:
-        """Family-specific names; return True when handled. `tensor` is a `QuantizedTensor` only for names
-        that are a Linear's own weight of the same shape (call `.dequantize()` to get values)."""
+    def map_weight(self, name: str, tensor: torch.Tensor) -> bool | set[str]:
+        """Family-specific names; return True when handled (the parameter of that name is filled), or the
+        set of load keys it filled (`bank:expert:part` for expert rows, `param:shard` for fused shards).
+        `tensor` is a `QuantizedTensor` only for names that are a Linear's own weight of the same shape."""
         return False
 
     def load_weights(self, source, progress=None) -> None:
@@ -55,8 +56,13 @@ class CausalLM(nn.Module):
             if any(name.endswith(s) for s in self.ignored_weights):
                 continue
             try:
-                tensor = self._quantized_for_linear(name, get_quantized(name), params) if get_quantized else None
-                self._load_one(name, source.get(name) if tensor is None else tensor, params, loaded)
+                qt = get_quantized(name) if get_quantized else None
+                if qt is None:
+                    tensor = source.get(name)
+                else:  # kept packed where a Linear takes it, else dequantized here (decoded only once)
+                    tensor = self._quantized_for_linear(name, qt, params)
+                    tensor = qt.dequantize() if tensor is None else tensor
+                self._load_one(name, tensor, params, loaded)
             except (ValueError, KeyError, AttributeError) as e:
                 raise ModelLoadError(f"{source.path}: tensor {name!r} does not fit the model ({e})") from None
             if progress:
@@ -66,10 +72,28 @@ class CausalLM(nn.Module):
                 mod.finish_load()
         if getattr(self, "tied", False):
             loaded.add("lm_head.weight")
-        missing = sorted(set(params) - loaded)
+        missing = self._missing(params, loaded)
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"{source.path}: checkpoint lacks tensors the model needs: {shown}")
+
+    def _missing(self, params, loaded: set[str]) -> list[str]:
+        """Parameters not fully filled: every shard of a fused Linear and every expert's rows must arrive."""
+        missing = []
+        for pname in sorted(params):
+            if pname in loaded:
+                continue
+            mod_name, _, attr = pname.rpartition(".")
+            mod = self.get_submodule(mod_name)
+            if isinstance(mod, Linear) and mod.shards and all(f"{pname}:{s}" in loaded for s in mod.shards):
+                continue
+            if isinstance(mod, Experts):
+                ways = (("gate", "up"), ("gate_up",)) if attr == "w13" else (("down",),)
+                if all(any(all(f"{mod_name}:{e}:{p}" in loaded for p in way) for way in ways)
+                       for e in range(mod.num_experts)):
+                    continue
+            missing.append(pname)
+        return missing
 
     def _quantized_for_linear(self, name: str, qt: QuantizedTensor | None, params) -> QuantizedTensor | None:
         """`qt` when `name` lands on a Linear's weight (or one shard of it) of the same shape, else None."""
@@ -88,19 +112,20 @@ class CausalLM(nn.Module):
         return None
 
     def _load_one(self, name, tensor, params, loaded) -> None:
-        if self.map_weight(name, tensor):
-            loaded.add(name)
+        if done := self.map_weight(name, tensor):
+            loaded.update(done if isinstance(done, set) else {name})
             return
         if m := _EXPERT.match(name):
             mod: Experts = self.get_submodule(m[1])
             mod.load(int(m[2]), _EXPERT_PART[m[3]], tensor)
-            loaded.update({f"{m[1]}.w13", f"{m[1]}.w2"})
+            loaded.add(f"{m[1]}:{int(m[2])}:{_EXPERT_PART[m[3]]}")
             return
         if m := _FUSED_EXPERTS.match(name):
             mod = self.get_submodule(m[1])
+            part = "gate_up" if m[2] == "gate_up_proj" else "down"
             for e in range(mod.num_experts):
-                mod.load(e, "gate_up" if m[2] == "gate_up_proj" else "down", tensor[e])
-            loaded.add(f"{m[1]}.{'w13' if m[2] == 'gate_up_proj' else 'w2'}")
+                mod.load(e, part, tensor[e])
+                loaded.add(f"{m[1]}:{e}:{part}")
             return
         if name in params:
             p = params[name]
@@ -118,6 +143,6 @@ class CausalLM(nn.Module):
             mod_name = f"{m[1]}.{fused}"
             mod: Linear = self.get_submodule(mod_name)
             mod.load(m[3], tensor, shard=m[2])
-            loaded.add(f"{mod_name}.{m[3]}")
+            loaded.add(f"{mod_name}.{m[3]}:{m[2]}")
             return
         raise KeyError(f"no parameter for checkpoint tensor {name!r}")

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferrylm.config import ModelConfig
-from ferrylm.errors import ConfigError, ModelLoadError
+from ferrylm.errors import ConfigError
 from ferrylm.layers.activation import get_act
 from ferrylm.layers.attention import PagedAttention
 from ferrylm.layers.context import get_forward_context
@@ -183,15 +183,12 @@ class LocalizedFilter(nn.Module):
 class BF16RefRotary(RotaryEmbedding):
     """The M32 HF reference's RoPE table: inv_freq, positions, angles and cos/sin all computed in bf16."""
 
-    def _table(self, device: torch.device) -> torch.Tensor:
-        if self._cos_sin is None or self._cos_sin.device != device:
-            n = self.max_positions
-            inv_freq = self.inv_freq.to(device).float().to(torch.bfloat16)  # [rot/2]
-            t = torch.arange(n, dtype=torch.bfloat16, device=device)  # bf16: merges positions past 256, as the reference does
-            freqs = torch.einsum("i,j->ij", t, inv_freq)  # [P, rot/2] bf16
-            emb = torch.cat((freqs, freqs), dim=-1)  # [P, rot]
-            self._cos_sin = torch.stack((emb.cos(), emb.sin())).float().transpose(0, 1)
-        return self._cos_sin  # [P, 2, rot]
+    def _build(self, device: torch.device) -> torch.Tensor:
+        inv_freq = self.inv_freq.to(device).float().to(torch.bfloat16)  # [rot/2]
+        t = torch.arange(self.max_positions, dtype=torch.bfloat16, device=device)  # merges positions past 256, as the reference does
+        freqs = torch.einsum("i,j->ij", t, inv_freq)  # [P, rot/2] bf16
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, rot]
+        return torch.stack((emb.cos(), emb.sin())).float().transpose(0, 1).contiguous()  # [P, 2, rot]
 
 
 class YuanAttention(nn.Module):
@@ -328,7 +325,6 @@ class YuanForCausalLM(CausalLM):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._w1_loaded: set[str] = set()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -339,22 +335,13 @@ class YuanForCausalLM(CausalLM):
         dtype = self.model.embed_tokens.weight.dtype
         return {"lf_x": ((L, H), dtype), "lf_o1": ((L, H // 2), dtype)}
 
-    def map_weight(self, name: str, tensor: torch.Tensor) -> bool:
+    def map_weight(self, name: str, tensor: torch.Tensor) -> bool | set[str]:
         if _CONV.search(name):  # Conv2d [out, in, 2, 1] -> Linear [out, 2 * in], same parameter name
             self.get_submodule(name.rsplit(".", 1)[0]).load("weight", LocalizedFilter.conv_weight(tensor))
             return True
         if m := _W1.match(name):  # M32's w1 is [gate; up] stacked already
             self.get_submodule(m[1]).load(int(m[2]), "gate_up", tensor)
-            self._w1_loaded.add(name)
-            return True
+            return {f"{m[1]}:{int(m[2])}:gate_up"}
         # A tied checkpoint may still carry lm_head.weight (a copy of the embeddings): nothing to do.
         return self.tied and name == "lm_head.weight"
 
-    def load_weights(self, source, progress=None) -> None:
-        self._w1_loaded.clear()
-        super().load_weights(source, progress)
-        # The base marks an expert bank loaded on any of its tensors; check every w1 arrived.
-        if self.shape.num_experts:
-            want = self.config.num_hidden_layers * self.shape.num_experts
-            if len(self._w1_loaded) != want:
-                raise ModelLoadError(f"{source.path}: {len(self._w1_loaded)} of {want} expert w1 tensors found")

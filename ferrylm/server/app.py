@@ -343,7 +343,7 @@ class Serving:
                 u = P.usage(num_prompt_tokens, num_out)
                 yield _sse(P.chat_completion(rid, model, [], u, created, chunk=True) if chat
                            else P.completion(rid, model, [], u, created))
-        except FerryError as e:  # the engine died or refused the request after the headers went out
+        except Exception as e:  # noqa: BLE001 - after the headers went out, an error can only be an event
             err = api_error(e)
             yield _sse(P.error_body(err.message, err.type, err.param, err.code))
         finally:

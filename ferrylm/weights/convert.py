@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import json
 import logging
 import os
 import re
@@ -190,6 +191,12 @@ def convert(src: str, dst: str, opts: ConvertOptions | None = None, progress: bo
         try:
             groups = ordered_groups(source.keys())
             files = tokenizer_files(src, source)
+            # the tokenizer reads config.json too (architecture-specific special tokens, bos fallback)
+            cfg_file = os.path.join(src, "config.json")
+            if os.path.isfile(cfg_file):
+                with open(cfg_file, "rb") as f:
+                    files.setdefault("config.json", f.read())
+            files.setdefault("config.json", json.dumps(source.config, indent=1).encode())
             if not any(f in files for f in ("tokenizer.json", "tokenizer.model")):
                 log.warning("%s: no tokenizer files found; the store will need --tokenizer", src)
             with _Progress(progress, sum(len(ns) for _, ns in groups)) as bar:

@@ -347,11 +347,17 @@ class StoreWriter:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(self.tmp)
+        self._check_dst()  # something may have appeared at dst while we converted
         old = None
         if os.path.exists(self.dst):  # --force over a complete store: swap, then drop the old one
             old = self.dst + f".ferry-old-{os.getpid()}"
             os.rename(self.dst, old)
-        os.rename(self.tmp, self.dst)
+        try:
+            os.rename(self.tmp, self.dst)
+        except OSError:
+            if old:  # put the previous store back: a failed convert never costs the user a store
+                os.rename(old, self.dst)
+            raise
         self._owns_tmp = False
         _fsync_dir(os.path.dirname(self.dst))
         os.unlink(os.path.join(self.dst, INCOMPLETE))  # from here on the store loads

@@ -27,16 +27,7 @@ import torch
 
 from ferrylm import LLM, SamplingParams
 from ferrylm.default_model import default_model_path
-
-QUESTIONS = [
-    "What is the capital of France?", "Explain photosynthesis in two sentences.", "Write a haiku about the sea.",
-    "List three uses of copper.", "Why is the sky blue?", "Give me a tip for learning Python.",
-    "What does a ferry do?", "Summarise the plot of Cinderella.", "How do vaccines work?",
-    "Name five fruits that are red.", "What is 17 times 23?", "Describe a cat to someone who has never seen one.",
-    "What is the tallest mountain on Earth?", "Translate 'good morning' into Spanish.", "What is a prime number?",
-    "Suggest a name for a bakery.",
-]
-
+from prompts import QUESTIONS  # benchmarks/prompts.py (scripts run from the repo root)
 
 SHAPES = {  # random-weight stand-ins (speed does not depend on the values; ignore_eos fixes the lengths)
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

@@ -462,8 +462,8 @@ def test_metrics_names_and_labels(http):
 
 # -- life-cycle states, in process (a loading gate and a step that raises cannot be forced from outside) -----
 
-def test_health_503_while_loading_and_after_the_engine_dies(tiny_llama):
-    from ferrylm.engine.async_engine import AsyncEngine
+def test_health_503_while_loading_a_failed_step_fails_its_requests_and_repeated_failures_kill(tiny_llama):
+    from ferrylm.engine.async_engine import MAX_STEP_FAILURES, AsyncEngine
     from ferrylm.server.app import ServerConfig, create_app
 
     release = threading.Event()
@@ -492,7 +492,17 @@ def test_health_503_while_loading_and_after_the_engine_dies(tiny_llama):
                 raise RuntimeError("injected step failure")
 
             engine.engine.step = boom  # the engine thread is idle: it calls this on the next request
-            assert_envelope(await c.post("/v1/completions", json=body), 503)
+            assert_envelope(await c.post("/v1/completions", json=body), 500)  # one failed step: its requests fail
+            assert (await c.get("/health")).status_code == 200  # ... and the server keeps serving
+            del engine.engine.step
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            assert engine.stats.kv_cache_usage == 0
+
+            engine.engine.step = boom
+            for _ in range(MAX_STEP_FAILURES - 1):
+                assert_envelope(await c.post("/v1/completions", json=body), 500)
+            assert_envelope(await c.post("/v1/completions", json=body), 503)  # failing on and on: dead
             h = await c.get("/health")
             assert h.status_code == 503 and h.json()["status"] == "dead" and "injected" in h.json()["error"]
             assert_envelope(await c.post("/v1/completions", json=body), 503)

@@ -38,6 +38,14 @@ class EngineUnavailableError(FerryError):
     """The engine is loading, draining for shutdown, stopped or dead (HTTP 503)."""
 
 
+class StepFailedError(FerryError):
+    """One engine step raised (e.g. out of memory on a large prefill): its requests fail (HTTP 500),
+    the server keeps serving. `MAX_STEP_FAILURES` failures in a row mark the engine dead."""
+
+
+MAX_STEP_FAILURES = 3
+
+
 class EngineState(enum.IntEnum):
     """Life-cycle; everything >= DRAINING refuses new requests."""
 
@@ -271,6 +279,7 @@ class AsyncEngine:
 
     def _run(self, engine: LLMEngine) -> None:
         inbox = self._inbox
+        failures = 0
         while True:
             cmds = [] if engine.has_unfinished_requests() else [inbox.get()]  # idle: block, never spin
             try:
@@ -293,7 +302,20 @@ class AsyncEngine:
                         engine.abort_request(rid)
                     self.stats = self._snapshot(engine)
                     return
-            outputs = engine.step() if engine.has_unfinished_requests() else []
+            try:
+                outputs = engine.step() if engine.has_unfinished_requests() else []
+                failures = 0
+            except Exception as e:  # noqa: BLE001 - fail this step's requests, keep the server
+                failures += 1
+                if failures >= MAX_STEP_FAILURES:
+                    raise
+                log.exception("engine step failed (%d in a row); failing the requests in flight", failures)
+                failed = list(engine.requests)
+                for rid in failed:  # frees their KV blocks and state rows: the engine starts clean
+                    engine.abort_request(rid)
+                err = StepFailedError(f"the engine step failed: {type(e).__name__}: {e}")
+                errors += [(rid, err) for rid in failed]
+                outputs = []
             now = time.monotonic()
             self.stats = self._snapshot(engine)
             if outputs or errors:

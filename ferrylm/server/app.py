@@ -28,7 +28,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ferrylm
-from ferrylm.engine.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError, RequestStream
+from ferrylm.engine.async_engine import (AsyncEngine, EngineUnavailableError, QueueFullError, RequestStream,
+                                         StepFailedError)
 from ferrylm.engine.llm_engine import LLMEngine, RequestOutput
 from ferrylm.errors import FerryError, InvalidRequestError
 from ferrylm.sampling_params import SamplingParams
@@ -85,6 +86,8 @@ def api_error(e: Exception) -> ApiError:
         return ApiError(503, str(e), "server_error", code="queue_full", headers={"Retry-After": "1"})
     if isinstance(e, EngineUnavailableError):
         return ApiError(503, str(e), "server_error", code="unavailable")
+    if isinstance(e, StepFailedError):
+        return ApiError(500, str(e), "server_error", code="step_failed")
     log.error("unexpected error", exc_info=e)
     return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 

@@ -97,3 +97,74 @@ class DecodeGraphs:
             self.pool = graph.pool()
             self.graphs[key] = (graph, logits)
         return self.graphs[key]
+
+
+class PiecewiseGraphs:
+    """Prefill and mixed steps: each layer's `pre` (norm, qkv, rope) and `post` (o_proj, residual, MLP)
+    replayed as graphs captured per token-count bucket; attention, whose work depends on every sequence's
+    length, runs eagerly between them. One graph holds the embedding and layer 0's `pre`, the next layer
+    i's `post` and layer i+1's `pre`, the last the final norm: L + 1 replays a step instead of ~30 launches
+    a layer. Padded rows carry token 0 at position 0; attention never sees them (it gets the first T rows).
+    """
+
+    def __init__(self, model, max_num_batched_tokens: int, device: torch.device):
+        self.model, self.device = model, device
+        self.layers = model.model.layers
+        top = max_num_batched_tokens
+        self.buckets = [b for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if b < top] + [top]
+        attn0 = self.layers[0].self_attn
+        dtype = model.model.embed_tokens.weight.dtype
+        self.ids = torch.zeros(top, dtype=torch.long, device=device)
+        self.pos = torch.zeros(top, dtype=torch.long, device=device)
+        self.attn_out = torch.zeros(top, attn0.hq * attn0.d, dtype=dtype, device=device)
+        self.graphs: dict[int, list[tuple[torch.cuda.CUDAGraph, tuple]]] = {}
+        self.pool = None
+
+    def eligible(self, num_tokens: int) -> bool:
+        return num_tokens <= self.buckets[-1]
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """ids, pos: [T] -> final hidden states [T, H] (the same function as `model(ids, pos)`)."""
+        T = ids.numel()
+        Tb = _bucket(T, self.buckets)
+        self.ids[:T].copy_(ids)
+        self.ids[T:Tb].zero_()
+        self.pos[:T].copy_(pos)
+        self.pos[T:Tb].zero_()
+        segs = self._graphs(Tb)
+        segs[0][0].replay()
+        with forward_context(ctx):
+            for i, layer in enumerate(self.layers):
+                _, q, k, v = segs[i][1]
+                self.attn_out[:T].copy_(layer.self_attn.attn(q[:T], k[:T], v[:T]))
+                segs[i + 1][0].replay()
+        return segs[-1][1][0][:T]
+
+    @torch.inference_mode()
+    def _graphs(self, Tb: int):
+        if Tb in self.graphs:
+            return self.graphs[Tb]
+        ids, pos, a = self.ids[:Tb], self.pos[:Tb], self.attn_out[:Tb]
+        model, layers, L = self.model, self.layers, len(self.layers)
+        segs: list[tuple[torch.cuda.CUDAGraph, tuple]] = []
+
+        def piece(i: int):
+            if i == 0:
+                x = model.model.embed_tokens(ids)  # [Tb, H]
+                return (x, *layers[0].pre(pos, x))
+            x = layers[i - 1].post(segs[i - 1][1][0], a)
+            return (x, *layers[i].pre(pos, x)) if i < L else (model.model.norm(x),)
+
+        for i in range(L + 1):
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up: allocator and library handles, outside the capture
+                piece(i)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outs = piece(i)
+            self.pool = graph.pool()
+            segs.append((graph, outs))
+        self.graphs[Tb] = segs
+        return segs

@@ -73,12 +73,13 @@ class ModelRunner:
                 m._table(self.device)
         self.kv_cache = self._allocate_kv(max_model_len)
         self.state_pool = self._allocate_state()
-        self.graphs = None
+        self.graphs = self.piecewise = None
         if self.device.type == "cuda" and not config.enforce_eager and self.model.cuda_graphs:
-            from ferrylm.engine.cuda_graph import DecodeGraphs
+            from ferrylm.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs, max_model_len,
                                        model_config.vocab_size, self.device)
+            self.piecewise = PiecewiseGraphs(self.model, config.scheduler.max_num_batched_tokens, self.device)
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -152,8 +153,11 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.eligible(out):
             return self.graphs.run(out)
         ids, pos, ctx, sample_rows = self.prepare(out)
-        with forward_context(ctx):
-            hidden = self.model(ids, pos)  # [T, H]
+        if self.piecewise is not None and self.piecewise.eligible(ids.numel()):
+            hidden = self.piecewise.run(ids, pos, ctx)  # [T, H]
+        else:
+            with forward_context(ctx):
+                hidden = self.model(ids, pos)  # [T, H]
         if not sample_rows:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

@@ -37,17 +37,16 @@ class LlamaAttention(nn.Module):
         self.rotary = RotaryEmbedding(self.d, rot, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.attn = PagedAttention(layer_idx, self.hq, self.hk, self.d, scale=self.d ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.hq * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
-        q = q.view(-1, self.hq, self.d)  # [T, Hq, D]
-        k = k.view(-1, self.hk, self.d)  # [T, Hk, D]
+    def qkv(self, positions: torch.Tensor, x: torch.Tensor):
+        # x: [T, H] -> q: [T, Hq, D]; k, v: [T, Hk, D] (rotated, ready for the cache)
+        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
+        q = q.view(-1, self.hq, self.d)
+        k = k.view(-1, self.hk, self.d)
         v = v.view(-1, self.hk, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return q, k, v
 
 
 class GatedMLP(nn.Module):
@@ -83,9 +82,18 @@ class DecoderLayer(nn.Module):
         self.mlp_name = mlp_name
         setattr(self, mlp_name, make_mlp(cfg, layer_idx))  # keeps the checkpoint's module name
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
+    # A layer is pre -> attention -> post. Only attention reads the per-step context, so the piecewise
+    # CUDA graphs (engine/cuda_graph.py) capture pre and post and run attention between them.
+    def pre(self, positions: torch.Tensor, x: torch.Tensor):
+        return self.self_attn.qkv(positions, self.input_layernorm(x))
+
+    def post(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        # x: residual stream [T, H]; attn_out: [T, Hq * D]
+        x = x + self.self_attn.o_proj(attn_out)
         return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.post(x, self.self_attn.attn(*self.pre(positions, x)))
 
 
 class LlamaModel(nn.Module):

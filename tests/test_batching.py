@@ -39,3 +39,20 @@ def test_batched_equals_alone(tiny_llama):
     assert worst < 1e-4
     assert [o.outputs[0].token_ids for o in outs] == [r.argmax(-1).tolist() for r in ref]
     assert batched.engine.block_manager.num_free_blocks == 24
+
+
+def test_decode_groups_bound_the_gather_and_change_nothing(tiny_llama):
+    from ferrylm.engine.model_runner import ModelRunner, decode_groups
+
+    assert decode_groups([5, 300, 7, 8], 400) == [(0, 1, 5), (1, 2, 300), (2, 4, 8)]
+    assert decode_groups([10, 10, 10], 1000) == [(0, 3, 10)]
+    assert decode_groups([], 10) == []
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (200, 3, 5, 150, 9)]
+    one = run(LLM(tiny_llama, max_num_seqs=8), prompts, 10)[1]
+    try:
+        ModelRunner.decode_gather_tokens = 256  # forces several groups per decode step
+        many = run(LLM(tiny_llama, max_num_seqs=8), prompts, 10)[1]
+    finally:
+        ModelRunner.decode_gather_tokens = 1 << 16
+    assert max((a - b).abs().max().item() for a, b in zip(one, many)) < 1e-5

@@ -46,7 +46,23 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def decode_groups(lens: list[int], budget: int) -> list[tuple[int, int, int]]:
+    """Split decode rows (in order) into groups whose rows x longest context stays within `budget` tokens."""
+    groups, start, longest = [], 0, 0
+    for i, n in enumerate(lens):
+        if i > start and (i + 1 - start) * max(longest, n) > budget:
+            groups.append((start, i, longest))
+            start, longest = i, 0
+        longest = max(longest, n)
+    if lens:
+        groups.append((start, len(lens), longest))
+    return groups
+
+
 class ModelRunner:
+    decode_gather_tokens = 1 << 16
+    """Decode attention gathers each group's K/V into [rows, max_len]: this caps rows x max_len."""
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, source, max_model_len: int,
                  progress=None):
         self.config, self.model_config = config, model_config
@@ -142,6 +158,7 @@ class ModelRunner:
             state_slots=[s.state_slot for s in out.seqs], state=self.state_pool,
             decode_seq_lens=torch.tensor(lens[:num_decodes], dtype=torch.long, device=dev) if num_decodes else None,
             decode_max_len=max(lens[:num_decodes], default=0),
+            decode_groups=decode_groups(lens[:num_decodes], self.decode_gather_tokens),
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)

@@ -28,9 +28,9 @@ class PagedAttention(nn.Module):
         ctx.kv_cache.write(self.layer_idx, ctx.slot_mapping, k, v)
         out = torch.empty_like(q)
         nd = ctx.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, ctx.block_tables[:nd], ctx.decode_seq_lens,
-                                    ctx.decode_max_len, ctx.padded_decode)
+        for a, b, max_len in ctx.decode_groups or ([(0, nd, ctx.decode_max_len)] if nd else []):
+            out[a:b] = self._decode(q[a:b], k_cache, v_cache, ctx.block_tables[a:b], ctx.decode_seq_lens[a:b],
+                                    max_len, ctx.padded_decode)
         for i in range(nd, ctx.num_seqs):
             a, b = ctx.query_start_loc[i], ctx.query_start_loc[i + 1]
             out[a:b] = self._prefill(q[a:b], k[a:b], v[a:b], k_cache, v_cache, ctx.block_tables[i],

@@ -38,6 +38,9 @@ class ForwardContext:
     """[num_decodes] long on the device, built once per step for the batched decode path."""
     decode_max_len: int = 0
     """max(decode_seq_lens), known on the host so no layer has to synchronise with the GPU to read it."""
+    decode_groups: list[tuple[int, int, int]] | None = None
+    """Decode rows attended together: (first row, end row, max context length). Bounds the transient
+    [rows, max_len] K/V gather when one long sequence shares a step with many short ones. None: one group."""
     padded_decode: bool = False
     """decode_max_len is a bucket bound, not the exact max (CUDA graphs): attention must mask by length."""
 

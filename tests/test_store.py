@@ -246,6 +246,17 @@ def test_manifest_from_a_future_version(llama, tmp_path):
         open_source(dst)
 
 
+def test_edited_manifest_is_refused(llama, tmp_path):
+    """Tensor checksums cover the bytes; the manifest's own checksum covers shapes, offsets, parameters."""
+    dst = _store(llama, tmp_path)
+    mpath = os.path.join(dst, "ferry.json")
+    m = json.load(open(mpath))
+    m["tensors"][0]["shape"][0] += 1  # still valid JSON, wrong meaning
+    json.dump(m, open(mpath, "w"))
+    with pytest.raises(ModelLoadError, match="manifest is corrupt"):
+        open_source(dst)
+
+
 def _big_source(path, layers=8, hidden=512, inter=1536):
     """A Llama-shaped checkpoint of ~100 MB written directly (no model build), for the kill test."""
     from safetensors.torch import save_file

@@ -341,6 +341,7 @@ class StoreWriter:
         manifest = {"format": FORMAT, "version": VERSION, **meta, "config": config, "checksum": self.algo,
                     "alignment": ALIGN, "shards": self.shards, "files": self.files, "groups": self.groups,
                     "tensors": self.tensors}
+        manifest["manifest_checksum"] = manifest_checksum(manifest)
         path = os.path.join(self.tmp, MANIFEST)
         with open(path, "w") as f:
             json.dump(manifest, f, indent=1)
@@ -416,7 +417,17 @@ def read_manifest(path: str) -> dict:
     algo = manifest.get("checksum", "xxh64")
     if algo not in _HASHES:
         raise ModelLoadError(f"{mpath}: store uses an unknown checksum {algo!r}")
+    # the records' own checksums cover the tensor bytes; this one covers shapes, offsets and parameters
+    if "manifest_checksum" in manifest and manifest["manifest_checksum"] != manifest_checksum(manifest):
+        raise ModelLoadError(f"{mpath}: the store manifest is corrupt (its checksum does not match); "
+                             f"convert the model again")
     return manifest
+
+
+def manifest_checksum(manifest: dict) -> str:
+    """xxh64 of the manifest's canonical JSON, without the checksum field itself."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_checksum"}
+    return "xxh64:" + xxhash.xxh64(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _skip_from_env() -> bool:

@@ -60,7 +60,6 @@ class _Request:
     detoks: list = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
-    finished_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -171,8 +170,6 @@ class LLMEngine:
         if req is None:
             return
         self.scheduler.abort(request_id)
-        for s in req.seqs:
-            self.sampler.forget(s.seq_id)
 
     def tokenizer_required(self):
         if self.tokenizer is None:
@@ -189,10 +186,6 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        now = time.monotonic()
-        for s in out.seqs:
-            if s.first_scheduled_time is None:
-                s.first_scheduled_time = now
         sampling = [s for i, s in enumerate(out.seqs) if out.samples(i)]  # before postprocess moves counts
         logits = self.runner.execute(out)
         self.scheduler.postprocess(out)
@@ -216,7 +209,6 @@ class LLMEngine:
         for req in touched.values():
             outputs.append(self._output(req))
             if req.finished:
-                req.finished_time = now
                 del self.requests[req.request_id]
         return outputs
 
@@ -246,7 +238,6 @@ class LLMEngine:
             if req.detoks and not isinstance(seq.stop_reason, str):
                 req.texts[i] += req.detoks[i].flush()  # an incomplete character held back, if any
             self.scheduler.finish(seq, status)
-            self.sampler.forget(seq.seq_id)
 
     def _check_stop_strings(self, req: _Request, seq: Sequence, i: int, prev_len: int) -> None:
         text = req.texts[i]

@@ -101,9 +101,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def num_blocks_for(self, num_tokens: int, block_size: int) -> int:
-        return (num_tokens + block_size - 1) // block_size
-
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 

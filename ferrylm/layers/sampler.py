@@ -177,10 +177,6 @@ class Sampler:
         self._shared: dict[torch.device, torch.Generator] = {}
         self._seeded: dict[torch.device, torch.Generator] = {}
 
-    def forget(self, seq_id: int) -> None:
-        """Drop per-sequence state. The sampler keeps none (seeded draws are re-seeded per step), so this is
-        a no-op the engine may call when a sequence finishes."""
-
     def _shared_gen(self, device: torch.device) -> torch.Generator:
         if device not in self._shared:
             self._shared[device] = torch.Generator(device=device).manual_seed(self.seed)

@@ -35,6 +35,9 @@ class DecodeGraphs:
         self.slots = torch.zeros(B, dtype=torch.long, device=device)
         self.lens = torch.ones(B, dtype=torch.long, device=device)
         self.tables = torch.zeros(B, nb, dtype=torch.long, device=device)
+        # one logits buffer for every graph: per-graph outputs would cost [bucket, V] fp32 per (batch,
+        # context) pair, gigabytes with a large vocabulary and many buckets
+        self.logits = torch.zeros(B, vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
@@ -92,8 +95,9 @@ class DecodeGraphs:
                 self.model.compute_logits(self.model(ids, pos))
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            logits = self.logits[:Bb]
             with torch.cuda.graph(graph, pool=self.pool), forward_context(ctx):
-                logits = self.model.compute_logits(self.model(ids, pos))
+                logits.copy_(self.model.compute_logits(self.model(ids, pos)))
             self.pool = graph.pool()
             self.graphs[key] = (graph, logits)
         return self.graphs[key]

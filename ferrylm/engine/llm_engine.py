@@ -252,7 +252,7 @@ class LLMEngine:
 
     def _output(self, req: _Request) -> RequestOutput:
         outs = [CompletionOutput(
-            index=i, text=req.texts[i], token_ids=list(s.output_token_ids),
+            index=i, text=req.texts[i], token_ids=s.output_token_ids,  # a fresh slice
             finish_reason=s.status.finish_reason, stop_reason=s.stop_reason,
             logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
             cumulative_logprob=s.cumulative_logprob) for i, s in enumerate(req.seqs)]

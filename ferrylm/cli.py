@@ -12,12 +12,12 @@ import time
 from ferrylm.errors import FerryError, InvalidRequestError
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> None:
     p.add_argument("--model", default=None, help="HF model directory, .gguf file or ferry store (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory, if not beside the model")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -139,13 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="wrap the prompt in the chat template (default when the model has one)")
     mode.add_argument("--raw", dest="chat", action="store_false", help="plain completion, no chat template")
     g.add_argument("--stats", action="store_true", help="print tokens/s to stderr at the end")
-    add_engine_args(g)
+    add_engine_args(g, max_num_seqs=1)  # one prompt: a KV pool for one sequence
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat in the terminal")
     c.add_argument("--system", default=None, help="system prompt")
-    add_engine_args(c)
+    add_engine_args(c, max_num_seqs=1)
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 

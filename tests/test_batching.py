@@ -56,3 +56,15 @@ def test_decode_groups_bound_the_gather_and_change_nothing(tiny_llama):
     finally:
         ModelRunner.decode_gather_tokens = 1 << 16
     assert max((a - b).abs().max().item() for a, b in zip(one, many)) < 1e-5
+
+
+def test_kv_cache_starts_clean_over_recycled_memory():
+    """Batched decode reads whole blocks and masks their unwritten tails; 0 x NaN is NaN, so the pool must
+    never start with garbage (this was a real, load-dependent flake before the cache was zeroed)."""
+    from ferrylm.kv.cache import KVCache
+
+    for _ in range(3):
+        junk = torch.full((2, 9, 16, 2, 16), float("nan"))
+        del junk  # the allocator may hand this memory straight back
+        kv = KVCache(2, 8, 16, 2, 16, torch.float32, "cpu")
+        assert torch.isfinite(kv.k).all() and torch.isfinite(kv.v).all()

@@ -110,9 +110,9 @@ class ModelRunner:
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             num_blocks = int(0.85 * free // per_block)
-        else:  # enough for every sequence at full length, capped at 4 GiB of host memory
+        else:  # enough for every sequence at full length, capped at 2 GiB of host memory
             need = self.config.scheduler.max_num_seqs * ((max_model_len + self.block_size - 1) // self.block_size)
-            num_blocks = min(need, int(4 * 2**30 // per_block))
+            num_blocks = min(need, int(2 * 2**30 // per_block))
         if num_blocks < 2:
             raise ConfigError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
         log.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size, num_blocks * per_block / 2**30)

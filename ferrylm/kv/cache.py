@@ -19,8 +19,10 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str):
         shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)  # never read before written
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # Zeroed, not empty: batched decode reads whole blocks and masks the unwritten tail, and a masked
+        # weight of 0 times a garbage NaN in recycled memory is still NaN.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @staticmethod

@@ -14,13 +14,20 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
 
-def sampled_rows(llm, prompts, steps, **kw):
+def sampled_rows(llm, prompts, steps):
+    """Greedy run; `steps` is one max_tokens for all prompts or one per prompt. Returns the outputs and,
+    per prompt, the stacked logits rows it sampled from."""
+    steps = steps if isinstance(steps, list) else [steps] * len(prompts)
     with capture_logits(llm.engine) as got:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, **kw))
+        outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in steps])
     rows: dict[int, list] = {}
     for sid, r in got:
         rows.setdefault(sid, []).append(r.float().cpu())
     return outs, [torch.stack(rows[s]) for s in sorted(rows)]
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "mixtral", "qwen2_moe"])
@@ -82,27 +89,19 @@ def test_cuda_graph_decode_equals_eager(tiny_llama):
     """The graph path (padded batch and context buckets) against the eager reference."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 40, 17, 70, 9)]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (150, 10, 30, 50, 5)]
-
-    def run(llm):
-        with capture_logits(llm.engine) as got:
-            outs = llm.generate(prompts, params)
-        rows: dict[int, list] = {}
-        for sid, r in got:
-            rows.setdefault(sid, []).append(r.float().cpu())
-        return [o.outputs[0].token_ids for o in outs], [torch.stack(rows[s]) for s in sorted(rows)]
+    steps = [150, 10, 30, 50, 5]
 
     eager = LLM(tiny_llama, device="cuda", dtype="float32", enforce_eager=True)
     graph = LLM(tiny_llama, device="cuda", dtype="float32", max_num_seqs=8)
     assert graph.engine.runner.graphs is not None and eager.engine.runner.graphs is None
-    a_ids, a = run(eager)
-    b_ids, b = run(graph)
+    a_out, a = sampled_rows(eager, prompts, steps)
+    b_out, b = sampled_rows(graph, prompts, steps)
     keys = sorted(graph.engine.runner.graphs.graphs)
     assert len({k[0] for k in keys}) >= 3 and len({k[1] for k in keys}) >= 2  # batch and context buckets
     worst = max((x - y).abs().max().item() for x, y in zip(a, b))
     print(f"cuda graph vs eager: max |logit diff| = {worst:.3e}, graphs {keys}")
     assert worst < 1e-4
-    assert a_ids == b_ids
+    assert token_ids(a_out) == token_ids(b_out)
 
 
 def test_piecewise_graphs_equal_eager(tiny_llama):
@@ -110,23 +109,15 @@ def test_piecewise_graphs_equal_eager(tiny_llama):
     attention eager) against the eager reference, with chunked prefill and new arrivals mid-decode."""
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (50, 3, 33, 90, 12, 61)]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (20, 40, 8, 30, 25, 12)]
-
-    def run(llm):
-        with capture_logits(llm.engine) as got:
-            outs = llm.generate(prompts, params)
-        rows: dict[int, list] = {}
-        for sid, r in got:
-            rows.setdefault(sid, []).append(r.float().cpu())
-        return [o.outputs[0].token_ids for o in outs], [torch.stack(rows[s]) for s in sorted(rows)]
+    steps = [20, 40, 8, 30, 25, 12]
 
     kw = dict(device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64)
-    a_ids, a = run(LLM(tiny_llama, enforce_eager=True, **kw))
+    a_out, a = sampled_rows(LLM(tiny_llama, enforce_eager=True, **kw), prompts, steps)
     graphed = LLM(tiny_llama, **kw)
-    b_ids, b = run(graphed)
+    b_out, b = sampled_rows(graphed, prompts, steps)
     buckets = sorted(graphed.engine.runner.piecewise.graphs)
     assert len(buckets) >= 2, buckets
     worst = max((x - y).abs().max().item() for x, y in zip(a, b))
     print(f"cuda piecewise graphs vs eager: max |logit diff| = {worst:.3e}, token buckets {buckets}")
     assert worst < 1e-4
-    assert a_ids == b_ids
+    assert token_ids(a_out) == token_ids(b_out)

@@ -20,6 +20,8 @@ class UnsupportedArchitectureError(ModelLoadError):
 class InvalidRequestError(FerryError):
     """A request the engine refuses: bad sampling values, prompt longer than the context, ..."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code
+        """Machine-readable kind, e.g. `context_length_exceeded` (the OpenAI error code)."""

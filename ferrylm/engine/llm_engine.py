@@ -163,7 +163,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_seq_len} tokens. However, your prompt has "
                 f"{len(ids)} tokens, leaving no room to generate. Please reduce the length of the prompt.",
-                param="prompt")
+                param="prompt", code="context_length_exceeded")
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

@@ -33,8 +33,9 @@ class PagedAttention(nn.Module):
                                     max_len, ctx.padded_decode)
         for i in range(nd, ctx.num_seqs):
             a, b = ctx.query_start_loc[i], ctx.query_start_loc[i + 1]
-            out[a:b] = self._prefill(q[a:b], k[a:b], v[a:b], k_cache, v_cache, ctx.block_tables[i],
-                                     ctx.start_pos[i], ctx.seq_lens[i])
+            start = ctx.start_pos[i]
+            out[a:b] = self._prefill(q[a:b], k[a:b], v[a:b], k_cache, v_cache, ctx.block_tables[i], start,
+                                     ctx.seq_lens[i], ctx.prefill_mask(i, q.device) if start > 0 else None)
         return out.flatten(1)
 
     def _sdpa(self, q, k, v, mask=None, causal=False):
@@ -58,9 +59,8 @@ class PagedAttention(nn.Module):
         o = self._sdpa(q[:, :, None, :], k, v, mask=mask)  # [B, H, 1, D]
         return o[:, :, 0, :]
 
-    def _prefill(self, q, k, v, k_cache, v_cache, block_table, start, seq_len):
+    def _prefill(self, q, k, v, k_cache, v_cache, block_table, start, seq_len, mask):
         # q: [n, H, D]; k, v: [n, Hk, D] (this chunk's own keys, already written to the cache)
-        n = q.shape[0]
         if start > 0:  # earlier chunks or prefix-cache hits live only in the cache
             bs = k_cache.shape[1]
             nb = (seq_len + bs - 1) // bs
@@ -71,7 +71,5 @@ class PagedAttention(nn.Module):
         if start == 0:
             o = self._sdpa(qh, kh, vh, causal=True)
         else:
-            # query j sits at absolute position start + j and sees keys 0..start + j
-            mask = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=start)
-            o = self._sdpa(qh, kh, vh, mask=mask)
+            o = self._sdpa(qh, kh, vh, mask=mask)  # causal, offset by the cached tokens
         return o[0].transpose(0, 1)  # [n, H, D]

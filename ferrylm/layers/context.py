@@ -44,9 +44,19 @@ class ForwardContext:
     padded_decode: bool = False
     """decode_max_len is a bucket bound, not the exact max (CUDA graphs): attention must mask by length."""
 
+    _masks: dict = field(default_factory=dict, repr=False)
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def prefill_mask(self, i: int, device) -> torch.Tensor:
+        """[n, S] bool: sequence i's chunk query j (absolute position start + j) sees keys 0..start + j.
+        Built once per step, shared by every layer."""
+        if i not in self._masks:
+            n, start = self.query_start_loc[i + 1] - self.query_start_loc[i], self.start_pos[i]
+            self._masks[i] = torch.ones(n, self.seq_lens[i], dtype=torch.bool, device=device).tril(diagonal=start)
+        return self._masks[i]
 
 
 _current: ForwardContext | None = None

@@ -80,8 +80,7 @@ def api_error(e: Exception) -> ApiError:
     if isinstance(e, ApiError):
         return e
     if isinstance(e, InvalidRequestError):
-        code = "context_length_exceeded" if "maximum context length" in str(e) else None
-        return ApiError(400, str(e), param=e.param, code=code)
+        return ApiError(400, str(e), param=e.param, code=e.code)
     if isinstance(e, QueueFullError):
         return ApiError(503, str(e), "server_error", code="queue_full", headers={"Retry-After": "1"})
     if isinstance(e, EngineUnavailableError):

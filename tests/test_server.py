@@ -355,6 +355,7 @@ def test_prompt_over_context(http):
                        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi " * MAX_LEN}]})):
         err = assert_envelope(http.post(path, json=body), 400)
         assert err["message"].startswith(f"This model's maximum context length is {MAX_LEN} tokens"), err
+        assert err["code"] == "context_length_exceeded", err
 
 
 def test_malformed_and_oversized_and_unknown_route(http):

@@ -260,7 +260,7 @@ class Serving:
             core.check_prompt(ids, params)
         except InvalidRequestError as e:
             raise InvalidRequestError(str(e).replace("your prompt has", "your messages resulted in"),
-                                      param="messages") from None
+                                      param="messages", code=e.code) from None
         return core, params, ids
 
     async def chat(self, body: P.ChatCompletionRequest) -> dict:

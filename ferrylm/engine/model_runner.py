@@ -84,8 +84,9 @@ class ModelRunner:
             torch.set_default_dtype(prev)
         self.model.eval()
         self.model.load_weights(source, progress=progress)
-        for m in self.model.modules():  # RoPE tables before the KV cache takes the free memory
-            if isinstance(m, RotaryEmbedding):
+        for m in self.model.modules():  # RoPE tables before the KV cache takes the free memory, and only
+            if isinstance(m, RotaryEmbedding):  # as long as the engine's context (128k-position models)
+                m.max_positions = min(m.max_positions, max_model_len)
                 m._table(self.device)
         self.kv_cache = self._allocate_kv(max_model_len)
         self.state_pool = self._allocate_state()

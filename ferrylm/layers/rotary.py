@@ -54,13 +54,13 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.table_dtype = table_dtype
         self.register_buffer("inv_freq", rope_inv_freq(rot_dim, base, scaling), persistent=False)
-        self._key = (type(self).__name__, rot_dim, max_positions, table_dtype, tuple(self.inv_freq.tolist()))
+        self._key = (type(self).__name__, rot_dim, table_dtype, tuple(self.inv_freq.tolist()))
 
     def _table(self, device: torch.device) -> torch.Tensor:
         """cos/sin for every position the model allows, [P, 2, rot] fp32, one copy per device shared by
         all layers. Built in full so no step has to read its max position (a GPU sync per layer); the
         model runner builds it before sizing the KV cache."""
-        key = (*self._key, str(device))
+        key = (*self._key, self.max_positions, str(device))
         if key not in _TABLES:
             _TABLES[key] = self._build(torch.device(device))
         return _TABLES[key]

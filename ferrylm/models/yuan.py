@@ -196,8 +196,8 @@ class YuanAttention(nn.Module):
         super().__init__()
         self.nh, self.hd = shape.heads, shape.head_dim
         proj, H = self.nh * self.hd, shape.hidden
-        self.q_proj = Linear(H, proj)
-        self.k_proj = Linear(H, proj)
+        # q_proj and k_proj fused into one matmul (the loader fills the shards; v reads another input)
+        self.qkv_proj = Linear(H, 2 * proj, shards={"q": (0, proj), "k": (proj, proj)})
         self.v_proj = Linear(H, proj)
         self.o_proj = Linear(proj, H)
         self.lf_gate = LocalizedFilter(H, layer_idx)
@@ -208,7 +208,7 @@ class YuanAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, lf: LFBatch) -> torch.Tensor:
         # x: [T, H] (already input-normed)
         f = self.lf_gate(x, lf)  # [T, H]
-        qk = torch.cat((self.q_proj(f), self.k_proj(f)), dim=-1).view(-1, self.nh, 2 * self.hd)  # [T, nh, 2hd]
+        qk = self.qkv_proj(f).view(-1, self.nh, 2 * self.hd)  # [T, nh, 2hd] = cat(q_proj(f), k_proj(f))
         q, k = qk.split(self.hd, dim=-1)  # [T, nh, hd] each: per-head interleave, not a q/k split
         v = self.v_proj(x).view(-1, self.nh, self.hd)  # V from the unfiltered input
         q, k = self.rotary(positions, q, k)

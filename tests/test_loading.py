@@ -15,6 +15,23 @@ def copy_model(src: str, dst) -> str:
     return str(dst)
 
 
+def edit_config(d: str, **changes) -> None:
+    path = os.path.join(d, "config.json")
+    cfg = json.load(open(path))
+    cfg.update(changes)
+    json.dump(cfg, open(path, "w"))
+
+
+def drop_tensors(d: str, *names: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    f = os.path.join(d, "model.safetensors")
+    t = load_file(f)
+    for n in names:
+        del t[n]
+    save_file(t, f)
+
+
 def test_truncated_safetensors(tiny_llama, tmp_path):
     d = copy_model(tiny_llama, tmp_path / "m")
     f = os.path.join(d, "model.safetensors")
@@ -42,32 +59,21 @@ def test_missing_config(tiny_llama, tmp_path):
 
 def test_unknown_architecture_lists_supported(tiny_llama, tmp_path):
     d = copy_model(tiny_llama, tmp_path / "m")
-    cfg_path = os.path.join(d, "config.json")
-    cfg = json.load(open(cfg_path))
-    cfg["architectures"] = ["FancyNewForCausalLM"]
-    json.dump(cfg, open(cfg_path, "w"))
+    edit_config(d, architectures=["FancyNewForCausalLM"])
     with pytest.raises(UnsupportedArchitectureError, match="FancyNewForCausalLM.*supported:.*LlamaForCausalLM"):
         LLM(d)
 
 
 def test_checkpoint_missing_a_tensor(tiny_llama, tmp_path):
-    from safetensors.torch import load_file, save_file
-
     d = copy_model(tiny_llama, tmp_path / "m")
-    f = os.path.join(d, "model.safetensors")
-    t = load_file(f)
-    del t["model.layers.1.mlp.down_proj.weight"]
-    save_file(t, f)
+    drop_tensors(d, "model.layers.1.mlp.down_proj.weight")
     with pytest.raises(ModelLoadError, match="lacks tensors.*layers.1.mlp.down_proj"):
         LLM(d)
 
 
 def test_shape_mismatch_names_the_tensor(tiny_llama, tmp_path):
     d = copy_model(tiny_llama, tmp_path / "m")
-    cfg_path = os.path.join(d, "config.json")
-    cfg = json.load(open(cfg_path))
-    cfg["intermediate_size"] = 64
-    json.dump(cfg, open(cfg_path, "w"))
+    edit_config(d, intermediate_size=64)
     with pytest.raises(ModelLoadError, match="does not fit"):
         LLM(d)
 
@@ -87,27 +93,17 @@ def test_bad_engine_options(tiny_llama):
 @pytest.mark.parametrize("drop", ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"])
 def test_missing_shard_of_a_fused_projection(tiny_llama, tmp_path, drop):
     """q/k/v and gate/up fill one fused weight: each part must arrive, not just one of them."""
-    from safetensors.torch import load_file, save_file
-
     d = copy_model(tiny_llama, tmp_path / "m")
-    f = os.path.join(d, "model.safetensors")
-    t = load_file(f)
-    del t[drop]
-    save_file(t, f)
+    drop_tensors(d, drop)
     with pytest.raises(ModelLoadError, match="lacks tensors"):
         LLM(d)
 
 
 def test_missing_one_expert(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from safetensors.torch import load_file, save_file
-
     cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
     transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path)
-    f = os.path.join(tmp_path, "model.safetensors")
-    t = load_file(f)
-    del t["model.layers.0.block_sparse_moe.experts.2.w3.weight"]
-    save_file(t, f)
+    drop_tensors(str(tmp_path), "model.layers.0.block_sparse_moe.experts.2.w3.weight")
     with pytest.raises(ModelLoadError, match="lacks tensors.*experts.w13"):
         LLM(str(tmp_path))

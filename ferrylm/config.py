@@ -8,6 +8,7 @@ family sees one vocabulary of names. This module knows nothing about tensors or 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,6 +179,47 @@ class SchedulerConfig:
                               f"({self.max_num_seqs}): every running sequence needs a token each step")
 
 
+def parse_bytes(text: str | int | float) -> int:
+    """'16GiB', '512MiB', '16G', '1.5e9' or a number of bytes -> bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*", text)
+    if not m:
+        raise ConfigError(f"cannot read {text!r} as a size; write e.g. 16GiB, 512MiB or 2e9")
+    base = 1024 if m[3] or m[2] else 1000
+    return int(float(m[1]) * base ** " kmgt".index(m[2].lower() or " "))
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where weights live when the device cannot hold the model (see `offload/placement.py`)."""
+
+    gpu_memory_budget: int | None = None
+    """Bytes ferrylm may allocate on the device (weights, KV cache, buffers); None: the whole model if it
+    fits in `gpu_memory_utilization` of the device, else placed under that share."""
+    gpu_memory_utilization: float | None = None
+    """Share of the device's total memory to use (vLLM's spelling); ignored when a budget is given."""
+    place: tuple[str, ...] = ()
+    """Placement rules `SELECTOR=gpu|cpu`, applied in order (grammar in `offload/placement.py`)."""
+    expert_cache_policy: str = "lru"
+    """How cached expert slots are evicted: lru | lfu."""
+    expert_profile: str | None = None
+    """JSON file of per-layer expert popularity; its hottest experts start resident and stay pinned."""
+    stream_buffers: int = 2
+    """Device buffers that streamed (non-resident) dense layers rotate through."""
+
+    def __post_init__(self) -> None:
+        if self.gpu_memory_budget is not None and self.gpu_memory_budget <= 0:
+            raise ConfigError(f"gpu memory budget must be > 0 bytes, got {self.gpu_memory_budget}")
+        u = self.gpu_memory_utilization
+        if u is not None and not 0 < u <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {u}")
+        if self.expert_cache_policy not in ("lru", "lfu"):
+            raise ConfigError(f"expert cache policy {self.expert_cache_policy!r}: choose lru or lfu")
+        if self.stream_buffers < 2:
+            raise ConfigError(f"stream_buffers must be >= 2 (double buffering), got {self.stream_buffers}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything `LLMEngine` needs: where the model is and how to run it."""
@@ -192,6 +234,7 @@ class EngineConfig:
     """Tokenizer directory if not beside the model."""
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    offload: OffloadConfig = OffloadConfig()
     enforce_eager: bool = False
     """Never use CUDA graphs (they serve pure decode steps of dense models on CUDA)."""
     model_overrides: dict = field(default_factory=dict)

@@ -21,9 +21,11 @@ def _bucket(n: int, buckets: list[int]) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_cache, max_num_seqs: int, max_model_len: int, vocab_size: int,
+    """`forward(ids, pos) -> logits` is the runner's eager step, captured as it is."""
+
+    def __init__(self, forward, kv_cache, max_num_seqs: int, max_model_len: int, vocab_size: int,
                  device: torch.device):
-        self.model, self.kv, self.device = model, kv_cache, device
+        self.forward, self.kv, self.device = forward, kv_cache, device
         self.bs = kv_cache.block_size
         self.batch_buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_num_seqs] + [max_num_seqs]
         max_blocks = (max_model_len + self.bs - 1) // self.bs
@@ -92,12 +94,12 @@ class DecodeGraphs:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream), forward_context(ctx):  # warm-up: lazy tables, allocator, kernels
-                self.model.compute_logits(self.model(ids, pos))
+                self.forward(ids, pos)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             logits = self.logits[:Bb]
             with torch.cuda.graph(graph, pool=self.pool), forward_context(ctx):
-                logits.copy_(self.model.compute_logits(self.model(ids, pos)))
+                logits.copy_(self.forward(ids, pos))
             self.pool = graph.pool()
             self.graphs[key] = (graph, logits)
         return self.graphs[key]
@@ -111,16 +113,13 @@ class PiecewiseGraphs:
     a layer. Padded rows carry token 0 at position 0; attention never sees them (it gets the first T rows).
     """
 
-    def __init__(self, model, max_num_batched_tokens: int, device: torch.device):
-        self.model, self.device = model, device
-        self.layers = model.model.layers
+    def __init__(self, model, max_num_batched_tokens: int, dtype: torch.dtype, device: torch.device):
+        self.model, self.device = model, device  # a CausalLM with `piecewise` segments
         top = max_num_batched_tokens
         self.buckets = [b for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if b < top] + [top]
-        attn0 = self.layers[0].self_attn
-        dtype = model.model.embed_tokens.weight.dtype
         self.ids = torch.zeros(top, dtype=torch.long, device=device)
         self.pos = torch.zeros(top, dtype=torch.long, device=device)
-        self.attn_out = torch.zeros(top, attn0.hq * attn0.d, dtype=dtype, device=device)
+        self.attn_out = torch.zeros(top, model.attn_width, dtype=dtype, device=device)
         self.graphs: dict[int, list[tuple[torch.cuda.CUDAGraph, tuple]]] = {}
         self.pool = None
 
@@ -138,9 +137,9 @@ class PiecewiseGraphs:
         segs = self._graphs(Tb)
         segs[0][0].replay()
         with forward_context(ctx):
-            for i, layer in enumerate(self.layers):
+            for i in range(self.model.num_layers):
                 _, q, k, v = segs[i][1]
-                self.attn_out[:T].copy_(layer.self_attn.attn(q[:T], k[:T], v[:T]))
+                self.attn_out[:T].copy_(self.model.layer_attention(i, q[:T], k[:T], v[:T]))
                 segs[i + 1][0].replay()
         return segs[-1][1][0][:T]
 
@@ -149,15 +148,15 @@ class PiecewiseGraphs:
         if Tb in self.graphs:
             return self.graphs[Tb]
         ids, pos, a = self.ids[:Tb], self.pos[:Tb], self.attn_out[:Tb]
-        model, layers, L = self.model, self.layers, len(self.layers)
+        model, L = self.model, self.model.num_layers
         segs: list[tuple[torch.cuda.CUDAGraph, tuple]] = []
 
         def piece(i: int):
             if i == 0:
-                x = model.model.embed_tokens(ids)  # [Tb, H]
-                return (x, *layers[0].pre(pos, x))
-            x = layers[i - 1].post(segs[i - 1][1][0], a)
-            return (x, *layers[i].pre(pos, x)) if i < L else (model.model.norm(x),)
+                x = model.embed(ids)  # [Tb, H]
+                return (x, *model.layer_pre(0, pos, x))
+            x = model.layer_post(i - 1, segs[i - 1][1][0], a)
+            return (x, *model.layer_pre(i, pos, x)) if i < L else (model.final_norm(x),)
 
         for i in range(L + 1):
             stream = torch.cuda.Stream(self.device)

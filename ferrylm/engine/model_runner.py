@@ -18,6 +18,8 @@ from ferrylm.kv.cache import KVCache, SequenceStatePool
 from ferrylm.layers.context import ForwardContext, forward_context
 from ferrylm.layers.rotary import RotaryEmbedding
 from ferrylm.models.registry import model_class
+from ferrylm.offload.placed_weights import PlacedWeights
+from ferrylm.offload.placement import describe, group_tensors, place
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +71,12 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
         cls = model_class(model_config)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device("meta"):  # shapes only: each tensor gets memory once, where placement puts it
                 self.model = cls(model_config, **config.model_overrides)
         except TypeError as e:
             if not config.model_overrides:
@@ -83,37 +86,105 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(prev)
         self.model.eval()
-        self.model.load_weights(source, progress=progress)
+        placement, kv_bytes = self._place()
+        self.placed = PlacedWeights(self.model, placement, self.device, config.offload.expert_cache_policy,
+                                    config.offload.expert_profile, config.offload.stream_buffers)
+        self.model.load_weights(source, progress=progress, allocator=self.placed)
+        meta = [n for n, p in self.model.named_parameters() if p.is_meta]
+        if meta:  # load_weights reports missing tensors; this is a model whose loader skipped one
+            raise ConfigError(f"parameters never loaded: {', '.join(meta[:5])}")
+        self.placed.finish()
+        self.embed_on_host = self.placed.embed_device.type != self.device.type
         for m in self.model.modules():  # RoPE tables before the KV cache takes the free memory, and only
             if isinstance(m, RotaryEmbedding):  # as long as the engine's context (128k-position models)
                 m.max_positions = min(m.max_positions, max_model_len)
                 m._table(self.device)
-        self.kv_cache = self._allocate_kv(max_model_len)
+        self.kv_cache = self._allocate_kv(kv_bytes)
         self.state_pool = self._allocate_state()
+        self.placement = placement
+        text = describe(placement, self.kv_cache.nbytes, self.kv_cache.num_blocks * self.block_size,
+                        model_config.num_experts_per_tok or None)
+        (log.warning if not placement.fully_resident else log.info)("%s", text)
+        self.placement_text = text
         self.graphs = self.piecewise = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.model.cuda_graphs:
+        graphs_ok = (self.device.type == "cuda" and not config.enforce_eager and placement.fully_resident
+                     and self.model.graph_safe())
+        if graphs_ok:
             from ferrylm.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, config.scheduler.max_num_seqs, max_model_len,
+            self.graphs = DecodeGraphs(lambda ids, pos: self.model.compute_logits(self.forward(ids, pos)),
+                                       self.kv_cache, config.scheduler.max_num_seqs, max_model_len,
                                        model_config.vocab_size, self.device)
-            self.piecewise = PiecewiseGraphs(self.model, config.scheduler.max_num_batched_tokens, self.device)
+            if self.model.piecewise:
+                self.piecewise = PiecewiseGraphs(self.model, config.scheduler.max_num_batched_tokens, self.dtype,
+                                                 self.device)
 
     # -- memory -----------------------------------------------------------------------------------
 
-    def _allocate_kv(self, max_model_len: int) -> KVCache:
-        cfg, cc = self.model_config, self.config.cache
-        per_block = KVCache.bytes_per_block(cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads,
-                                            cfg.head_dim, self.dtype)
+    def _kv_bytes_per_block(self) -> int:
+        cfg = self.model_config
+        return KVCache.bytes_per_block(cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads,
+                                       cfg.head_dim, self.dtype)
+
+    def _activation_reserve(self) -> int:
+        """Device bytes kept free for activations, logits and library workspaces (an upper estimate
+        of one step at the token budget; the KV pool is sized after the weights within the rest)."""
+        cfg, sc = self.model_config, self.config.scheduler
+        T = sc.max_num_batched_tokens
+        inner = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(cfg.num_experts_per_tok, 1))
+        width = 6 * cfg.hidden_size + 3 * inner + 3 * cfg.num_attention_heads * cfg.head_dim
+        elt = torch.empty(0, dtype=self.dtype).element_size()
+        return T * width * elt + 3 * sc.max_num_seqs * cfg.vocab_size * 4 + (256 << 20)
+
+    def _place(self):
+        """(placement, KV bytes): the whole model resident when it fits, else placed under the budget."""
+        oc, cc, sc = self.config.offload, self.config.cache, self.config.scheduler
+        groups = group_tensors(self.model)
+        per_block = self._kv_bytes_per_block()
+        blocks_per_seq = (self.max_model_len + self.block_size - 1) // self.block_size
+        fixed_kv = None
         if cc.num_blocks is not None:
-            num_blocks = cc.num_blocks
+            fixed_kv = cc.num_blocks * per_block
         elif cc.memory_gb is not None:
-            num_blocks = int(cc.memory_gb * 2**30 // per_block)
-        elif self.device.type == "cuda":
+            fixed_kv = int(cc.memory_gb * 2**30)
+        budget = oc.gpu_memory_budget
+        if budget is None and self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
             free, _ = torch.cuda.mem_get_info(self.device)
-            num_blocks = int(0.85 * free // per_block)
-        else:  # enough for every sequence at full length, capped at 2 GiB of host memory
-            need = self.config.scheduler.max_num_seqs * ((max_model_len + self.block_size - 1) // self.block_size)
-            num_blocks = min(need, int(2 * 2**30 // per_block))
+            budget = min(int((oc.gpu_memory_utilization or 0.9) * total), free)
+        if budget is None:  # CPU engine without a budget: everything "resident" in host memory
+            need = sc.max_num_seqs * blocks_per_seq  # every sequence at full length, capped at 2 GiB
+            kv = fixed_kv if fixed_kv is not None else min(need, max(2, int(2 * 2**30 // per_block))) * per_block
+            return place(groups, None, oc.place, stream_buffers=oc.stream_buffers), kv
+        reserve = self._activation_reserve() if self.device.type == "cuda" else 0
+        min_kv = (blocks_per_seq + 2) * per_block  # one sequence at full length, and the scratch block
+        kv = fixed_kv if fixed_kv is not None else min_kv
+        weights = sum(g.nbytes for g in groups)
+        forced_host = any(r.split("=")[-1].strip().lower() == "cpu" for r in oc.place)
+        if weights + reserve + kv <= budget and not forced_host:
+            placement = place(groups, None, oc.place, stream_buffers=oc.stream_buffers)
+            if fixed_kv is None:  # resident: the KV pool takes the rest, as much as every sequence can use
+                kv = max(kv, min(budget - weights - reserve, sc.max_num_seqs * blocks_per_seq * per_block
+                                 if self.device.type == "cpu" else budget))
+            return placement, kv
+        if fixed_kv is None:  # offloaded: weights are worth more than idle KV; a sixth of the budget
+            kv = max(min_kv, min(budget // 6, sc.max_num_seqs * blocks_per_seq * per_block))
+        room = budget - reserve - kv
+        if room <= 0:
+            raise ConfigError(f"GPU memory budget {budget / 2**30:.2f} GiB leaves nothing for weights after "
+                              f"{reserve / 2**30:.2f} GiB of activations and {kv / 2**30:.2f} GiB of KV cache")
+        try:
+            placement = place(groups, room, oc.place, stream_buffers=oc.stream_buffers)
+        except ConfigError as e:
+            raise ConfigError(f"{e}; with {reserve / 2**30:.2f} GiB of activations and {kv / 2**30:.2f} GiB "
+                              f"of KV cache the budget must be at least "
+                              f"{(reserve + kv) / 2**30:.2f} GiB more than that") from None
+        return placement, kv
+
+    def _allocate_kv(self, nbytes: int) -> KVCache:
+        cfg = self.model_config
+        per_block = self._kv_bytes_per_block()
+        num_blocks = int(nbytes // per_block)
         if num_blocks < 2:
             raise ConfigError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
         log.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size, num_blocks * per_block / 2**30)
@@ -165,6 +236,18 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos, ctx, sample_rows
 
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The eager step, with the runner owning the layer loop: ids, pos [T] -> hidden states [T, H].
+        Around each layer the placed weights wait for that layer's copy and start the next one's."""
+        model, weights = self.model, self.placed
+        step = model.begin_step(self.device)
+        x = model.embed(ids.cpu()).to(self.device) if self.embed_on_host else model.embed(ids)
+        for i in range(model.num_layers):
+            weights.before_layer(i)
+            x = model.run_layer(i, pos, x, step)
+            weights.after_layer(i)
+        return model.final_norm(x)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns logits [N, V] (fp32) for the sequences with `out.samples(i)`, in order."""
@@ -175,7 +258,7 @@ class ModelRunner:
             hidden = self.piecewise.run(ids, pos, ctx)  # [T, H]
         else:
             with forward_context(ctx):
-                hidden = self.model(ids, pos)  # [T, H]
+                hidden = self.forward(ids, pos)  # [T, H]
         if not sample_rows:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

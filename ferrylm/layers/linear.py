@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferrylm.layers.params import device_for, writable
 from ferrylm.weights.quant import QuantizedTensor
 
 
@@ -34,19 +35,19 @@ class Linear(nn.Module):
             if name == "weight":
                 return self._load_quantized(tensor, shard)
             tensor = tensor.dequantize(self.bias.dtype)
-        param = getattr(self, name)
+        param = writable(self, name)
         if shard is not None:
             a, n = self.shards[shard]
-            param = param.data.narrow(0, a, n)
+            param = param.narrow(0, a, n)
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(f"shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
-        param.data.copy_(tensor)
+        param.copy_(tensor)
 
     def _load_quantized(self, qt: QuantizedTensor, shard: str | None) -> None:
         rows = self.shards[shard][1] if shard is not None else self.out_features
         if tuple(qt.shape) != (rows, self.in_features):
             raise ValueError(f"shape {tuple(qt.shape)} does not fit {(rows, self.in_features)}")
-        self.qweight[shard] = qt.to(self.weight.device, copy=True)  # owned memory, not a view of the file
+        self.qweight[shard] = qt.to(device_for(self, "weight"), copy=True)  # owned memory, not a view of the file
 
     def finish_load(self) -> None:
         """Called once every checkpoint tensor is in: quantized compute if the pieces cover all rows."""
@@ -56,7 +57,7 @@ class Linear(nn.Module):
         if whole:
             order = [None] if None in self.qweight else sorted(self.shards, key=lambda s: self.shards[s][0])
             self.qweight = {s: self.qweight[s] for s in order}  # row order, as forward concatenates them
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=device_for(self, "weight"))
             return
         pieces, self.qweight = self.qweight, {}
         for shard, qt in pieces.items():

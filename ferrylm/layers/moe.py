@@ -1,9 +1,11 @@
-"""Mixture-of-experts building blocks: the top-k router and the expert bank.
+"""Mixture-of-experts building blocks: the top-k router, the expert bank and its compute backends.
 
-`Experts` owns E gated MLPs and the token dispatch. The offload engine replaces where expert weights
-come from by overriding `expert_weights(e)`; routing and dispatch stay the same.
-Experts of a quantized ferry store arrive dequantized (dense w13/w2); keeping them packed is the offload
-engine's job, through `expert_weights(e)` and the store's per-(layer, expert) groups.
+`Experts` owns E gated MLPs' weights; how they compute is its `backend` (an `ExpertBackend`), chosen by
+the model runner: `TorchExperts` (the per-expert loop, the reference every other backend is tested
+against), `FusedExperts` (`layers/fused_moe.py`: one Triton grouped GEMM, no host sync, graph-capturable)
+for resident banks on CUDA, and `offload.expert_cache.CachedExperts` for banks that live in host memory.
+Every backend computes `out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t])`.
+Experts of a quantized ferry store arrive dequantized (dense w13/w2).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 
 from ferrylm.layers.activation import get_act
+from ferrylm.layers.params import writable
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,13 +34,15 @@ class Experts(nn.Module):
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
+        self.act_name = act
         self.act = get_act(act)
+        self.backend: ExpertBackend = TorchExperts()
 
     def load(self, expert: int, part: str, tensor: torch.Tensor) -> None:
         """part: gate | up | down | gate_up (already stacked [2I, H])."""
         I = self.inter
-        dst = {"gate": self.w13.data[expert, :I], "up": self.w13.data[expert, I:],
-               "gate_up": self.w13.data[expert], "down": self.w2.data[expert]}[part]
+        w = writable(self, "w2" if part == "down" else "w13")
+        dst = {"gate": w[expert, :I], "up": w[expert, I:], "gate_up": w[expert], "down": w[expert]}[part]
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(f"expert {expert} {part}: shape {tuple(tensor.shape)} does not fit {tuple(dst.shape)}")
         dst.copy_(tensor)
@@ -47,21 +52,57 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_ids, topk_weights: [T, k] -> [T, H]
-        T, k = topk_ids.shape
-        flat = topk_ids.flatten()  # [T * k]
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token_of = order // k  # token row of each sorted assignment
+        return self.backend.forward(self, x, topk_ids, topk_weights)
+
+
+class ExpertBackend:
+    """How a bank computes. Host-reading backends set `reads_host = True` (no CUDA graph capture)."""
+
+    reads_host = True
+
+    def forward(self, bank: Experts, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def dispatch(topk_ids: torch.Tensor, num_experts: int):
+    """Sort the T * k assignments by expert: (counts per expert on the host, token row and assignment
+    index of each sorted assignment). One host sync: the counts."""
+    k = topk_ids.shape[1]
+    flat = topk_ids.flatten()  # [T * k]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return counts, order // k, order
+
+
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act) -> torch.Tensor:
+    # x: [n, H]; w13: [2I, H]; w2: [H, I] -> [n, H]
+    gate, up = (x @ w13.t()).chunk(2, dim=-1)  # [n, I] each
+    return (act(gate) * up) @ w2.t()
+
+
+def combine(x: torch.Tensor, counts: list[int], rows: torch.Tensor, w_sorted: torch.Tensor,
+            outputs: dict[int, torch.Tensor]) -> torch.Tensor:
+    """out[t] = sum of weighted expert outputs, added in ascending expert order whatever order they were
+    computed in, so every backend that computes the same expert outputs returns the same bits."""
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            out.index_add_(0, rows[start:start + n], outputs[e] * w_sorted[start:start + n, None])
+        start += n
+    return out
+
+
+class TorchExperts(ExpertBackend):
+    """The reference: one gated MLP per expert that has tokens, weights read through `expert_weights`."""
+
+    def forward(self, bank, x, topk_ids, topk_weights):
+        counts, rows, order = dispatch(topk_ids, bank.num_experts)
         w_sorted = topk_weights.flatten()[order].to(x.dtype)
-        out = torch.zeros_like(x)
-        start = 0
+        outputs, start = {}, 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = token_of[start:start + n]
-            w13, w2 = self.expert_weights(e)
-            gate, up = (x[rows] @ w13.t()).chunk(2, dim=-1)  # [n, I] each
-            y = (self.act(gate) * up) @ w2.t()  # [n, H]
-            out.index_add_(0, rows, y * w_sorted[start:start + n, None])
+            if n:
+                outputs[e] = expert_mlp(x[rows[start:start + n]], *bank.expert_weights(e), bank.act)
             start += n
-        return out
+        return combine(x, counts, rows, w_sorted, outputs)

@@ -53,7 +53,9 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.rot_dim = head_dim, rot_dim
         self.max_positions = max_positions
         self.table_dtype = table_dtype
-        self.register_buffer("inv_freq", rope_inv_freq(rot_dim, base, scaling), persistent=False)
+        with torch.device("cpu"):  # tiny, and real even when the model is built on meta
+            inv_freq = rope_inv_freq(rot_dim, base, scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._key = (type(self).__name__, rot_dim, table_dtype, tuple(self.inv_freq.tolist()))
 
     def _table(self, device: torch.device) -> torch.Tensor:

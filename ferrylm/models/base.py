@@ -19,6 +19,7 @@ from torch import nn
 from ferrylm.errors import ModelLoadError
 from ferrylm.layers.linear import Linear
 from ferrylm.layers.moe import Experts
+from ferrylm.layers.params import materializing, writable
 from ferrylm.weights.quant import QuantizedTensor
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
@@ -28,15 +29,49 @@ _SHARD = re.compile(r"^(.*)\.(q|k|v|gate|up)_proj\.(weight|bias)$")
 
 
 class CausalLM(nn.Module):
-    """Base: subclasses build `self.model` and `self.lm_head` and implement `forward`."""
+    """Base: subclasses build `self.model` (with `embed_tokens`, `layers`, `norm`) and `self.lm_head`.
+
+    The forward is cut into segments the model runner drives (so it can wait on a layer's weights and
+    start the next layer's copy, or replay graphs per segment): `begin_step` (per-step state every layer
+    shares, e.g. Yuan's filter bookkeeping), `embed`, `run_layer(i)`, `final_norm`. `forward` chains them
+    and is the reference. Families whose layers split into `pre` -> attention -> `post` (Llama) also
+    expose those (`layer_pre`, `layer_attention`, `layer_post`) for piecewise CUDA graphs.
+    """
 
     ignored_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)
     cuda_graphs: bool = False
-    """The forward reads no host values (no .tolist(), no per-sequence Python state): decode can be captured."""
+    """The forward reads no host values (no .tolist(), no per-sequence Python state): decode can be
+    captured. MoE families qualify only when every expert backend is graph-safe (`reads_host` False)."""
+    piecewise: bool = False
+    """Layers split into `layer_pre` / `layer_attention` / `layer_post` (piecewise graphs for prefill)."""
+
+    def graph_safe(self) -> bool:
+        """Capturable now: the family reads no host values and every expert backend computes on device."""
+        return self.cuda_graphs and all(not m.backend.reads_host for m in self.modules() if isinstance(m, Experts))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def begin_step(self, device: torch.device):
+        return None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)  # [T, H]
+
+    def run_layer(self, i: int, positions: torch.Tensor, x: torch.Tensor, step) -> torch.Tensor:
+        return self.model.layers[i](positions, x)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, H] (per-step metadata via ForwardContext)."""
-        raise NotImplementedError
+        step = self.begin_step(input_ids.device)
+        x = self.embed(input_ids)
+        for i in range(self.num_layers):
+            x = self.run_layer(i, positions, x, step)
+        return self.final_norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> logits: [N, V] in fp32
@@ -48,7 +83,13 @@ class CausalLM(nn.Module):
         `tensor` is a `QuantizedTensor` only for names that are a Linear's own weight of the same shape."""
         return False
 
-    def load_weights(self, source, progress=None) -> None:
+    def load_weights(self, source, progress=None, allocator=None) -> None:
+        """Fill every parameter from `source`; a parameter still on `meta` gets its storage from
+        `allocator` (see `layers/params.py`) when first written."""
+        with materializing(self, allocator):
+            self._load_weights(source, progress)
+
+    def _load_weights(self, source, progress=None) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         get_quantized = getattr(source, "get_quantized", None)
@@ -70,6 +111,8 @@ class CausalLM(nn.Module):
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.finish_load()
+            elif isinstance(mod, nn.Embedding) and not mod.weight.is_meta:
+                mod.weight.requires_grad_(False)
         if getattr(self, "tied", False):
             loaded.add("lm_head.weight")
         missing = self._missing(params, loaded)
@@ -135,7 +178,8 @@ class CausalLM(nn.Module):
                 return
             if tuple(p.shape) != tuple(tensor.shape):
                 raise ValueError(f"shape {tuple(tensor.shape)} != {tuple(p.shape)}")
-            p.data.copy_(tensor)
+            mod_name, _, attr = name.rpartition(".")
+            writable(self.get_submodule(mod_name), attr).copy_(tensor)
             loaded.add(name)
             return
         if m := _SHARD.match(name):

@@ -104,16 +104,11 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, make_mlp, mlp_name) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, H]
-        for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
-
 
 class LlamaForCausalLM(CausalLM):
     make_mlp: MLPFactory = staticmethod(dense_mlp)
     cuda_graphs = True
+    piecewise = True
     mlp_name = "mlp"
 
     def __init__(self, cfg: ModelConfig):
@@ -127,8 +122,19 @@ class LlamaForCausalLM(CausalLM):
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    @property
+    def attn_width(self) -> int:
+        a = self.model.layers[0].self_attn
+        return a.hq * a.d
+
+    def layer_pre(self, i: int, positions: torch.Tensor, x: torch.Tensor):
+        return self.model.layers[i].pre(positions, x)  # q, k, v
+
+    def layer_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.model.layers[i].self_attn.attn(q, k, v)  # [T, Hq * D]
+
+    def layer_post(self, i: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        return self.model.layers[i].post(x, attn_out)
 
     def map_weight(self, name: str, tensor: torch.Tensor) -> bool:
         # A tied checkpoint may still carry lm_head.weight (equal to the embeddings): nothing to do.

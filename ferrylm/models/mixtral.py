@@ -26,5 +26,4 @@ class SparseMoeBlock(nn.Module):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     make_mlp = staticmethod(SparseMoeBlock)
-    cuda_graphs = False  # expert dispatch reads per-expert counts on the host
     mlp_name = "block_sparse_moe"

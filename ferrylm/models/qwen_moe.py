@@ -40,4 +40,3 @@ def qwen_moe_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
 
 class QwenMoeForCausalLM(LlamaForCausalLM):
     make_mlp = staticmethod(qwen_moe_mlp)
-    cuda_graphs = False  # expert dispatch reads per-expert counts on the host

@@ -291,13 +291,6 @@ class YuanModel(nn.Module):
         self.layers = nn.ModuleList(YuanDecoderLayer(cfg, shape, i, rope_dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        lf = LFBatch.from_context(input_ids.device)
-        h = self.embed_tokens(input_ids)  # [T, H]
-        for layer in self.layers:
-            h = layer(positions, h, lf)
-        return self.norm(h)
-
 
 class YuanForCausalLM(CausalLM):
     """Yuan2.0 dense and Yuan2.0-M32 (selected by `use_moe` / `moe_config` in config.json).
@@ -326,8 +319,11 @@ class YuanForCausalLM(CausalLM):
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def begin_step(self, device: torch.device) -> LFBatch:
+        return LFBatch.from_context(device)
+
+    def run_layer(self, i: int, positions: torch.Tensor, h: torch.Tensor, lf: LFBatch) -> torch.Tensor:
+        return self.model.layers[i](positions, h, lf)
 
     def state_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Per sequence: the last filter input x (H) and the last conv1 output (H/2), for every layer."""

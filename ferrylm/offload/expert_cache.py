@@ -1,0 +1,204 @@
+"""The device expert cache: a bank whose experts live in (pinned) host memory computes through a few
+device slots per layer. Its resident experts are the slots' first contents; misses are copied in on
+demand, on the copy stream, while the experts already there compute.
+
+One layer's step: plan (route; counts to the host: the one sync per layer), fetch (every miss's copy is
+issued first, into slots that hold no expert this step needs), compute the hits while the misses are in
+flight, then each miss as its copy lands; when a step needs more experts than there are free slots, the
+slots of experts already computed are reused (waves). Outputs are added in ascending expert order
+(`layers.moe.combine`), so the result is bit-identical to the resident reference path.
+
+Eviction policies behind one interface (`EvictionPolicy`): LRU and LFU; experts pinned from a profile are
+never evicted. `belady_hits` replays a trace with the optimal offline policy (the oracle hit rate).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ferrylm.layers.moe import ExpertBackend, combine, dispatch, expert_mlp
+
+
+class EvictionPolicy:
+    """Orders eviction candidates, first to go first."""
+
+    def __init__(self):
+        self.clock = 0
+        self.last: dict[int, int] = {}
+        self.count: dict[int, int] = {}
+
+    def touch(self, experts: list[int]) -> None:
+        self.clock += 1
+        for e in experts:
+            self.last[e] = self.clock
+            self.count[e] = self.count.get(e, 0) + 1
+
+    def victims(self, experts: list[int]) -> list[int]:
+        raise NotImplementedError
+
+
+class LRU(EvictionPolicy):
+    def victims(self, experts):
+        return sorted(experts, key=lambda e: self.last.get(e, -1))
+
+
+class LFU(EvictionPolicy):
+    def victims(self, experts):
+        return sorted(experts, key=lambda e: (self.count.get(e, 0), self.last.get(e, -1)))
+
+
+POLICIES = {"lru": LRU, "lfu": LFU}
+
+
+def simulate(trace: list[list[int]], capacity: int, policy: str, initial: list[int] = ()) -> tuple[int, int]:
+    """(hits, accesses) of a policy on a trace of per-step needed experts (one layer), same rules as the
+    cache: all experts a step needs are touched together, victims hold no expert that step needs."""
+    pol, cached, hits, total = POLICIES[policy](), list(initial)[:capacity], 0, 0
+    for need in trace:
+        total += len(need)
+        hits += sum(e in cached for e in need)
+        pol.touch(need)
+        for e in need:
+            if e in cached:
+                continue
+            if len(cached) < capacity:
+                cached.append(e)
+                continue
+            cand = [c for c in cached if c not in need]
+            if cand:
+                cached[cached.index(pol.victims(cand)[0])] = e
+    return hits, total
+
+
+def belady_hits(trace: list[list[int]], capacity: int, initial: list[int] = ()) -> tuple[int, int]:
+    """(hits, accesses) of Belady's optimal policy: evict the cached expert needed furthest in the future."""
+    cached, hits, total = list(initial)[:capacity], 0, 0
+    for t, need in enumerate(trace):
+        total += len(need)
+        hits += sum(e in cached for e in need)
+        for e in need:
+            if e in cached:
+                continue
+            if len(cached) < capacity:
+                cached.append(e)
+                continue
+            cand = [c for c in cached if c not in need]
+            if not cand:
+                continue
+
+            def next_use(c):
+                return next((u for u in range(t + 1, len(trace)) if c in trace[u]), len(trace) + 1)
+
+            cached[cached.index(max(cand, key=next_use))] = e
+    return hits, total
+
+
+class CachedExperts(ExpertBackend):
+    reads_host = True
+
+    def __init__(self, bank, host_w13: torch.Tensor, host_w2: torch.Tensor, capacity: int, initial: list[int],
+                 pinned: set[int], policy: str, device: torch.device, copy_stream, stats, layer: int):
+        """host_w13: [E, 2I, H], host_w2: [E, H, I] in host memory; `capacity` device slots, filled with
+        `initial` (the resident experts); `pinned` experts are never evicted."""
+        self.host_w13, self.host_w2 = host_w13, host_w2
+        self.device, self.stream, self.stats, self.layer = device, copy_stream, stats, layer
+        C = capacity
+        self.w13 = torch.empty((C, *host_w13.shape[1:]), dtype=host_w13.dtype, device=device)
+        self.w2 = torch.empty((C, *host_w2.shape[1:]), dtype=host_w2.dtype, device=device)
+        self.expert_bytes = (host_w13[0].numel() * host_w13.element_size()
+                             + host_w2[0].numel() * host_w2.element_size())
+        self.owner: list[int | None] = [None] * C
+        self.slot_of: dict[int, int] = {}
+        self.pinned = set(pinned)
+        self.policy: EvictionPolicy = POLICIES[policy]()
+        cuda = device.type == "cuda"
+        self.ready = [torch.cuda.Event() for _ in range(C)] if cuda else []
+        self.free = [torch.cuda.Event() for _ in range(C)] if cuda else []
+        self.trace: list[list[int]] | None = None
+        """Per-step needed experts, recorded when a list is set (benchmarks compute the oracle from it)."""
+        for s, e in enumerate(list(initial)[:C]):
+            self.w13[s].copy_(host_w13[e])
+            self.w2[s].copy_(host_w2[e])
+            self.owner[s], self.slot_of[e] = e, s
+
+    @property
+    def capacity(self) -> int:
+        return len(self.owner)
+
+    def _fetch(self, e: int, s: int) -> None:
+        old = self.owner[s]
+        if old is not None:
+            del self.slot_of[old]
+        self.owner[s], self.slot_of[e] = e, s
+        if self.stream is None:
+            self.w13[s].copy_(self.host_w13[e])
+            self.w2[s].copy_(self.host_w2[e])
+        else:
+            self.stream.wait_event(self.free[s])  # the slot's previous expert has finished computing
+            with torch.cuda.stream(self.stream):
+                self.w13[s].copy_(self.host_w13[e], non_blocking=True)
+                self.w2[s].copy_(self.host_w2[e], non_blocking=True)
+                self.ready[s].record(self.stream)
+        self.stats.h2d_bytes += self.expert_bytes
+
+    def _compute(self, bank, x, e: int, rows: torch.Tensor, s: int, wait: bool) -> torch.Tensor:
+        if wait and self.stream is not None:
+            cur = torch.cuda.current_stream(self.device)
+            if not self.ready[s].query():
+                self.stats.weight_waits += 1
+            cur.wait_event(self.ready[s])
+        y = expert_mlp(x[rows], self.w13[s], self.w2[s], bank.act)
+        if self.stream is not None:
+            self.free[s].record(torch.cuda.current_stream(self.device))
+        return y
+
+    def forward(self, bank, x, topk_ids, topk_weights):
+        counts, rows, order = dispatch(topk_ids, bank.num_experts)  # the layer's one host sync
+        w_sorted = topk_weights.flatten()[order].to(x.dtype)
+        starts, acc = [], 0
+        for n in counts:
+            starts.append(acc)
+            acc += n
+        needed = [e for e, n in enumerate(counts) if n]
+        if self.trace is not None:
+            self.trace.append(needed)
+        need = set(needed)
+        hits = [e for e in needed if e in self.slot_of]
+        pending = deque(e for e in needed if e not in self.slot_of)
+        self.stats.expert_hits += len(hits)
+        self.stats.expert_misses += len(pending)
+        self.policy.touch(needed)
+        cands = [s for s in range(self.capacity) if self.owner[s] not in need and self.owner[s] not in self.pinned]
+        empty = [s for s in cands if self.owner[s] is None]
+        avail = deque(empty + [self.slot_of[e] for e in self.policy.victims(
+            [self.owner[s] for s in cands if self.owner[s] is not None])])
+        inflight: deque[tuple[int, int]] = deque()
+
+        def issue():
+            while pending and avail:
+                e, s = pending.popleft(), avail.popleft()
+                self._fetch(e, s)
+                inflight.append((e, s))
+
+        def rows_of(e):
+            return rows[starts[e]:starts[e] + counts[e]]
+
+        issue()
+        outputs = {}
+        for e in hits:
+            s = self.slot_of[e]
+            outputs[e] = self._compute(bank, x, e, rows_of(e), s, wait=False)
+            if pending and e not in self.pinned:  # waves: a computed expert's slot takes the next miss
+                avail.append(s)
+                issue()
+        while inflight:
+            e, s = inflight.popleft()
+            outputs[e] = self._compute(bank, x, e, rows_of(e), s, wait=True)
+            if pending:
+                avail.append(s)
+                issue()
+        if pending:
+            raise RuntimeError(f"expert cache of layer {self.layer}: no evictable slot for experts {list(pending)}")
+        return combine(x, counts, rows, w_sorted, outputs)

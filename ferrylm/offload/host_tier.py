@@ -1,0 +1,75 @@
+"""The pinned host tier: host memory for weights that live off the device, page-locked for async copies.
+
+torch's pinned allocator rounds every request up to a power of two (a 2.8 GB expert bank would take
+4 GB), so the tier allocates plain host tensors and registers them with `cudaHostRegister` in pieces of
+at most `piece_bytes` (large registrations fail on some kernels and drivers). When registration fails the
+tensor stays pageable and copies from it are synchronous: a warning says so once. Without CUDA (the CPU
+engine, CI) tensors are plain host memory and the copy path still runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class HostTier:
+    def __init__(self, pin: bool, piece_bytes: int = 1 << 30):
+        self.pin = pin and torch.cuda.is_available()
+        self.piece_bytes = piece_bytes
+        self.registered: list[int] = []
+        self.pinned_bytes = self.pageable_bytes = 0
+        self._warned = False
+        self._held: list[torch.Tensor] = []  # registered memory must outlive its registration
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        if not self.pin or nbytes == 0:
+            self.pageable_bytes += nbytes
+            return torch.empty(shape, dtype=dtype)
+        # whole pages of our own: a registration must not overlap another tensor's page
+        span = (nbytes + 4095) // 4096 * 4096
+        raw = torch.empty(span + 4096, dtype=torch.uint8)
+        off = -raw.data_ptr() % 4096
+        t = raw[off:off + nbytes].view(dtype).view(shape)
+        self._held.append(raw)
+        cudart = torch.cuda.cudart()
+        ptr, nbytes = t.data_ptr(), span
+        done = 0
+        while done < nbytes:
+            n = min(self.piece_bytes, nbytes - done)
+            err = cudart.cudaHostRegister(ptr + done, n, 0)
+            if int(err) != 0:
+                torch.cuda.synchronize()  # clear the sticky-free error state of the failed call
+                if not self._warned:
+                    log.warning("pinning host memory failed (cudaHostRegister error %s after %.2f GiB pinned): "
+                                "remaining host weights are pageable and their copies synchronous",
+                                int(err), self.pinned_bytes / 2**30)
+                    self._warned = True
+                self.pin = False
+                self.pageable_bytes += nbytes - done
+                break
+            self.registered.append(ptr + done)
+            self.pinned_bytes += n
+            done += n
+        return t
+
+    def close(self) -> None:
+        if self.registered:
+            cudart = torch.cuda.cudart()
+            for ptr in self.registered:
+                cudart.cudaHostUnregister(ptr)
+            self.registered.clear()
+        self._held.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,163 @@
+"""PlacedWeights: puts a meta-built model's parameters where a `Placement` says, and drives the weight
+movement around the runner's layer loop.
+
+While loading it is the parameter allocator (`layers.params`): resident groups get device memory, dense
+groups of streamed layers and expert banks with experts off the device get host-tier memory, the
+embeddings stay in host memory when placed there. After loading, `finish()` builds the `LayerStreamer`
+for streamed layers and a `CachedExperts` backend for every bank not wholly resident (fully resident
+banks get the fused backend on CUDA). The runner calls `before_layer(i)` / `after_layer(i)` around each
+layer; `stats` counts what moved.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ferrylm.errors import ConfigError
+from ferrylm.layers.moe import Experts
+from ferrylm.offload.expert_cache import CachedExperts
+from ferrylm.offload.host_tier import HostTier
+from ferrylm.offload.placement import GPU, Placement
+from ferrylm.offload.streamer import LayerStreamer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OffloadStats:
+    h2d_bytes: int = 0
+    """Bytes copied host -> device for weights (streamed layers and expert misses)."""
+    expert_hits: int = 0
+    expert_misses: int = 0
+    weight_waits: int = 0
+    """Times the compute stream had to wait for a copy that had not landed when the layer was enqueued."""
+
+    @property
+    def hit_rate(self) -> float | None:
+        n = self.expert_hits + self.expert_misses
+        return self.expert_hits / n if n else None
+
+
+class PlacedWeights:
+    def __init__(self, model: nn.Module, placement: Placement, device: torch.device, policy: str = "lru",
+                 profile: str | None = None, stream_buffers: int = 2):
+        self.model, self.placement, self.device = model, placement, device
+        self.target = device
+        self.policy, self.stream_buffers = policy, stream_buffers
+        self.stats = OffloadStats()
+        self.host = HostTier(pin=device.type == "cuda")
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.name_of = {id(p): n for n, p in model.named_parameters()}
+        tier_of_param: dict[str, str] = {}
+        bank_gpu: dict[str, list[bool]] = {}
+        for g in placement.groups:
+            on = placement.tier[g.name]
+            if g.kind == "experts":
+                bank_gpu.setdefault(g.params[0], []).append(on == GPU)
+                continue
+            for pname in g.params:
+                tier_of_param[pname] = on
+        for w13, flags in bank_gpu.items():
+            on = GPU if all(flags) else "cpu"
+            tier_of_param[w13] = tier_of_param[w13[:-len("w13")] + "w2"] = on
+        self.tier_of_param = tier_of_param
+        self.profile = _read_profile(profile) if profile else None
+        self.streamer: LayerStreamer | None = None
+        self.caches: dict[int, CachedExperts] = {}
+
+    # -- the allocator the loader writes through (layers.params.Allocator) ---------------------------
+
+    def _tier(self, module: nn.Module, attr: str) -> str:
+        name = self.name_of[id(getattr(module, attr))]
+        return self.tier_of_param.get(name, GPU)
+
+    def placed_device(self, module: nn.Module, attr: str) -> torch.device:
+        return self.target if self._tier(module, attr) == GPU else torch.device("cpu")
+
+    def allocate(self, module: nn.Module, attr: str) -> torch.Tensor:
+        p = getattr(module, attr)
+        if self._tier(module, attr) == GPU:
+            return torch.empty(p.shape, dtype=p.dtype, device=self.device)
+        name = self.name_of[id(p)]
+        if isinstance(module, nn.Embedding) or ".layers." not in f".{name}":
+            return torch.empty(p.shape, dtype=p.dtype)  # looked up on the host: no need to pin
+        return self.host.empty(p.shape, p.dtype)
+
+    # -- after loading --------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        from ferrylm.layers.fused_moe import FusedExperts
+
+        streamed: dict[int, list] = {}
+        for name, p in self.model.named_parameters():
+            if self.tier_of_param.get(name, GPU) == GPU or p.is_meta or not name.startswith("model.layers."):
+                continue
+            mod = self.model.get_submodule(name.rpartition(".")[0])
+            if isinstance(mod, Experts):
+                continue
+            layer = int(name.split(".")[2])
+            streamed.setdefault(layer, []).append((p, p.data))
+        if streamed:
+            self.streamer = LayerStreamer(streamed, self.stream_buffers, self.device, self.copy_stream, self.stats)
+        for name, bank in self.model.named_modules():
+            if not isinstance(bank, Experts):
+                continue
+            layer = int(name.split(".")[2])
+            if self.tier_of_param[f"{name}.w13"] == GPU:
+                if FusedExperts.supports(bank):
+                    bank.backend = FusedExperts()
+                continue
+            groups = [g for g in self.placement.groups if g.kind == "experts" and g.layer == layer]
+            resident = [g.expert for g in groups if self.placement.tier[g.name] == GPU]
+            capacity = len(resident) + self.placement.expert_slots.get(layer, 0)
+            pinned: set[int] = set()
+            if self.profile is not None and str(layer) in self.profile:
+                counts = self.profile[str(layer)]
+                hot = sorted(range(bank.num_experts), key=lambda e: -counts[e])[:len(resident)]
+                resident, pinned = hot, set(hot)
+            bank.backend = CachedExperts(bank, bank.w13.data, bank.w2.data, capacity, resident, pinned, self.policy,
+                                         self.device, self.copy_stream, self.stats, layer)
+            self.caches[layer] = bank.backend
+
+    def before_layer(self, i: int) -> None:
+        if self.streamer is not None:
+            self.streamer.before_layer(i)
+
+    def after_layer(self, i: int) -> None:
+        if self.streamer is not None:
+            self.streamer.after_layer(i)
+
+    @property
+    def embed_device(self) -> torch.device:
+        return next(m for m in self.model.modules() if isinstance(m, nn.Embedding)).weight.device
+
+    def device_bytes(self) -> int:
+        """Device bytes the weights take: resident parameters, stream buffers, expert slots."""
+        total = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters()
+                    if self.tier_of_param.get(n, GPU) == GPU and not p.is_meta)
+        if self.streamer is not None:
+            total += self.streamer.bytes
+        for c in self.caches.values():
+            total += c.w13.numel() * c.w13.element_size() + c.w2.numel() * c.w2.element_size()
+        return total
+
+    def close(self) -> None:
+        self.host.close()
+
+
+def _read_profile(path: str) -> dict:
+    """{"layers": {"<layer>": [count per expert], ...}} as written by `write_profile`."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        layers = data["layers"]
+        if not isinstance(layers, dict) or not all(isinstance(v, list) for v in layers.values()):
+            raise ValueError("'layers' must map layer numbers to per-expert counts")
+        return layers
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"expert profile {path}: cannot read it ({e})") from None

@@ -1,0 +1,322 @@
+"""Placement: which tensor group lives on the device and which in host memory, from a byte budget.
+
+A model built on the `meta` device is cut into tensor groups (`group_tensors`): the embeddings, the
+LM head, each layer's attention, norms, router, shared experts, dense MLP, and each expert of each MoE
+layer. `place()` fills the device budget in order of how much each group would cost per decode token
+if it lived in host memory: small always-used groups first (norms, routers), then every layer's
+attention, the LM head, shared experts and dense MLPs (streamed layer by layer when they do not fit),
+then expert slots spread evenly over the MoE layers (misses are copied into the slots on demand), and
+the embeddings last (a lookup reads only the step's rows, so host memory costs nothing per token).
+
+Rules override the order (`--place`, applied in the order given, later rules win):
+
+    RULE     := SELECTOR "=" TIER          TIER := gpu | cpu
+    SELECTOR := [ "layers." RANGE [ "." ] ] [ KIND [ "." RANGE ] ]
+    RANGE    := N | N-M                    (inclusive)
+    KIND     := embed | lm_head | attention | norm | router | shared_experts | mlp | experts
+
+e.g. `experts=cpu` (every expert in host memory, none resident), `layers.0-7=gpu` (those layers'
+groups resident), `layers.10-20.experts.0-3=gpu`, `lm_head=gpu`. `cpu` means host memory: the group is
+streamed or cached onto the device when used. A rule that matches no group is an error.
+
+This module only decides; it allocates nothing (`offload/weights.py` does that).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ferrylm.errors import ConfigError
+
+KINDS = ("embed", "lm_head", "attention", "norm", "router", "shared_experts", "mlp", "experts")
+GPU, HOST = "gpu", "cpu"
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    name: str
+    """e.g. `layers.3.attention`, `layers.3.experts.5`, `embed`."""
+    kind: str
+    layer: int | None
+    expert: int | None
+    params: tuple[str, ...]
+    """Parameter names (for an expert: the bank's parameters, of which it owns row `expert`)."""
+    nbytes: int
+
+
+def _bytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
+
+
+def group_tensors(model: nn.Module) -> list[TensorGroup]:
+    """The model's parameters as tensor groups (works on a model built on `meta`)."""
+    from ferrylm.layers.moe import Experts
+    from ferrylm.layers.norm import RMSNorm
+
+    banks = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
+    norms = {name for name, m in model.named_modules() if isinstance(m, RMSNorm)}
+    layer_re = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+    plain: dict[tuple[str, int | None], list[tuple[str, int]]] = {}
+    groups: list[TensorGroup] = []
+    for pname, p in model.named_parameters():  # a tied lm_head appears once, as the embeddings
+        mod = pname.rpartition(".")[0]
+        if mod in banks:
+            continue
+        m = layer_re.match(pname)
+        layer = int(m[1]) if m else None
+        rest = m[2] if m else pname
+        if mod in norms:
+            kind = "norm"
+        elif layer is None:
+            kind = "embed" if "embed" in rest else "lm_head" if rest.startswith("lm_head") else "norm"
+        elif "shared_expert" in rest:
+            kind = "shared_experts"
+        elif rest.startswith("self_attn."):
+            kind = "attention"
+        elif any(b.startswith(f"model.layers.{layer}.") for b in banks) and re.match(r"^[^.]+\.gate(\.|$)", rest):
+            kind = "router"
+        else:
+            kind = "mlp"
+        plain.setdefault((kind, layer), []).append((pname, _bytes(p)))
+    tied = getattr(model, "tied", False)
+    for (kind, layer), ps in plain.items():
+        if tied and kind == "embed":
+            kind = "lm_head"  # one tensor both looks up and projects: it must sit where the head runs
+        name = kind if layer is None else f"layers.{layer}.{kind}"
+        groups.append(TensorGroup(name, kind, layer, None, tuple(n for n, _ in ps), sum(b for _, b in ps)))
+    for bname, bank in banks.items():
+        layer = int(layer_re.match(bname + ".")[1])
+        per = (_bytes(bank.w13) + _bytes(bank.w2)) // bank.num_experts
+        for e in range(bank.num_experts):
+            groups.append(TensorGroup(f"layers.{layer}.experts.{e}", "experts", layer, e,
+                                      (f"{bname}.w13", f"{bname}.w2"), per))
+    return groups
+
+
+# -- rules ----------------------------------------------------------------------------------------------
+
+_RANGE = r"(\d+)(?:-(\d+))?"
+_RULE = re.compile(rf"^(?:layers\.{_RANGE}\.?)?(?:({'|'.join(KINDS)})(?:\.{_RANGE})?)?$")
+
+
+@dataclass(frozen=True)
+class PlaceRule:
+    text: str
+    layers: tuple[int, int] | None
+    kind: str | None
+    experts: tuple[int, int] | None
+    tier: str
+
+    @classmethod
+    def parse(cls, text: str) -> "PlaceRule":
+        sel, eq, tier = text.partition("=")
+        sel, tier = sel.strip(), tier.strip().lower()
+        if not eq or tier not in (GPU, HOST):
+            raise ConfigError(f"placement rule {text!r}: write SELECTOR=gpu or SELECTOR=cpu "
+                              f"(e.g. experts=cpu, layers.0-7=gpu)")
+        m = _RULE.match(sel)
+        if not sel or not m or (m[5] and m[3] != "experts"):
+            raise ConfigError(f"placement rule {text!r}: selector {sel!r} is not [layers.N[-M].][KIND[.N[-M]]] "
+                              f"with KIND one of {', '.join(KINDS)} (expert ranges only after 'experts')")
+
+        def rng(a, b):
+            if a is None:
+                return None
+            lo, hi = int(a), int(b if b is not None else a)
+            if hi < lo:
+                raise ConfigError(f"placement rule {text!r}: range {lo}-{hi} is empty")
+            return lo, hi
+
+        return cls(text, rng(m[1], m[2]), m[3], rng(m[4], m[5]), tier)
+
+    def matches(self, g: TensorGroup) -> bool:
+        if self.layers is not None and (g.layer is None or not self.layers[0] <= g.layer <= self.layers[1]):
+            return False
+        if self.kind is not None and g.kind != self.kind:
+            return False
+        return self.experts is None or (g.expert is not None and self.experts[0] <= g.expert <= self.experts[1])
+
+
+# -- the decision ---------------------------------------------------------------------------------------
+
+@dataclass
+class Placement:
+    tier: dict[str, str]
+    """group name -> gpu | cpu."""
+    groups: list[TensorGroup]
+    budget: int | None
+    """Device bytes allowed for weights (None: unlimited, everything resident)."""
+    stream_buffer_bytes: int = 0
+    """Device bytes of the buffers that streamed dense layers rotate through (all buffers)."""
+    expert_slots: dict[int, int] = field(default_factory=dict)
+    """MoE layer -> device slots for experts that live in host memory (0 for fully resident layers)."""
+
+    def on_gpu(self, g: TensorGroup) -> bool:
+        return self.tier[g.name] == GPU
+
+    @property
+    def fully_resident(self) -> bool:
+        return all(t == GPU for t in self.tier.values())
+
+    def bytes_on(self, tier: str) -> int:
+        return sum(g.nbytes for g in self.groups if self.tier[g.name] == tier)
+
+    def streamed_layers(self) -> list[int]:
+        """Layers with dense (non-expert) groups in host memory, streamed to the device each step."""
+        return sorted({g.layer for g in self.groups if g.layer is not None and g.kind != "experts"
+                       and self.tier[g.name] == HOST})
+
+    def device_bytes(self) -> int:
+        """Resident weights + stream buffers + expert slots: what the weights take on the device."""
+        slot_bytes = sum(n * self._expert_bytes(layer) for layer, n in self.expert_slots.items())
+        return self.bytes_on(GPU) + self.stream_buffer_bytes + slot_bytes
+
+    def _expert_bytes(self, layer: int) -> int:
+        return next(g.nbytes for g in self.groups if g.kind == "experts" and g.layer == layer)
+
+    def pcie_bytes_per_token(self, experts_per_token: float | None = None) -> int:
+        """Bytes that cross to the device for one decode step of one token: every streamed dense group,
+        plus the expected expert misses (`experts_per_token` distinct experts needed per MoE layer,
+        each non-resident one with probability (non-resident share) under uniform routing)."""
+        total = sum(g.nbytes for g in self.groups if g.kind != "experts" and self.tier[g.name] == HOST
+                    and g.kind != "embed")
+        by_layer: dict[int, list[TensorGroup]] = {}
+        for g in self.groups:
+            if g.kind == "experts":
+                by_layer.setdefault(g.layer, []).append(g)
+        for layer, gs in by_layer.items():
+            host = sum(1 for g in gs if self.tier[g.name] == HOST)
+            k = experts_per_token if experts_per_token is not None else 1
+            total += int(k * host / len(gs) * gs[0].nbytes)
+        return total
+
+
+class _Ledger:
+    """Device bytes of a tier assignment, updated in O(layers) per change (placement tries thousands)."""
+
+    def __init__(self, groups: list[TensorGroup], tier: dict[str, str], stream_buffers: int, min_slots: int):
+        self.groups, self.tier, self.nbuf, self.min_slots = groups, tier, stream_buffers, min_slots
+        self.pad = 256 * max((len(g.params) for g in groups), default=0)
+        self.resident = 0
+        self.streamed: dict[int, int] = {}
+        self.host_experts: dict[int, int] = {}
+        self.expert_bytes: dict[int, int] = {}
+        for g in groups:
+            self._count(g, +1)
+
+    def _count(self, g: TensorGroup, sign: int) -> None:
+        if self.tier[g.name] == GPU:
+            self.resident += sign * g.nbytes
+        elif g.kind == "experts":
+            self.host_experts[g.layer] = self.host_experts.get(g.layer, 0) + sign
+        elif g.layer is not None:
+            self.streamed[g.layer] = self.streamed.get(g.layer, 0) + sign * g.nbytes
+        if g.kind == "experts":
+            self.expert_bytes[g.layer] = g.nbytes
+
+    def move(self, g: TensorGroup, to: str) -> None:
+        self._count(g, -1)
+        self.tier[g.name] = to
+        self._count(g, +1)
+
+    def slots(self) -> dict[int, int]:
+        """Extra device slots per MoE layer for experts copied in on demand (at least `min_slots` while any
+        expert of the layer lives in host memory; more would only be resident experts by another name)."""
+        return {layer: min(n, self.min_slots) for layer, n in self.host_experts.items() if n > 0}
+
+    def buffer_bytes(self) -> int:
+        top = max((b for b in self.streamed.values() if b > 0), default=0)
+        return self.nbuf * (top + self.pad) if top else 0
+
+    def total(self) -> int:
+        slots = sum(n * self.expert_bytes[layer] for layer, n in self.slots().items())
+        return self.resident + self.buffer_bytes() + slots
+
+    def placement(self, budget: int | None) -> Placement:
+        return Placement(dict(self.tier), self.groups, budget, self.buffer_bytes(), self.slots())
+
+
+def place(groups: list[TensorGroup], budget: int | None, rules: tuple[str, ...] = (), *,
+          stream_buffers: int = 2, min_expert_slots: int = 2) -> Placement:
+    """Decide each group's tier so the device bytes (resident groups, stream buffers, expert slots) stay
+    within `budget`. Raises `ConfigError` naming the minimum when even the smallest placement does not fit."""
+    forced: dict[str, str] = {}
+    for r in (PlaceRule.parse(r) for r in rules):
+        hit = [g for g in groups if r.matches(g)]
+        if not hit:
+            raise ConfigError(f"placement rule {r.text!r} matches no tensor group of this model "
+                              f"(groups look like: {', '.join(sorted({_example(g) for g in groups}))})")
+        for g in hit:
+            forced[g.name] = r.tier
+    if budget is None:
+        ledger = _Ledger(groups, {g.name: forced.get(g.name, GPU) for g in groups}, stream_buffers,
+                         min_expert_slots)
+        return ledger.placement(None)
+    # start from the fewest device bytes: every group not forced lives in host memory, except norms and
+    # routers, which every token reads and which are tiny; then fill the budget in order of cost per token
+    tier = {g.name: forced.get(g.name, GPU if g.kind in ("norm", "router") else HOST) for g in groups}
+    ledger = _Ledger(groups, tier, stream_buffers, min_expert_slots)
+    if ledger.total() > budget:
+        raise ConfigError(
+            f"GPU memory budget {budget / 2**30:.2f} GiB is too small for this model: its weights need at least "
+            f"{ledger.total() / 2**30:.2f} GiB on the device (norms, routers, forced groups, stream buffers for "
+            f"the largest layer, {min_expert_slots} expert slots per MoE layer), before the KV cache")
+    free = [g for g in groups if g.name not in forced and tier[g.name] == HOST]
+    experts = sorted((g for g in free if g.kind == "experts"), key=lambda g: (g.expert, g.layer))
+    # experts round-robin over layers: slot j of every layer before slot j + 1 of any
+    order = [g for kind in ("lm_head", "attention", "shared_experts", "mlp") for g in free if g.kind == kind]
+    order += experts + [g for g in free if g.kind == "embed"]
+    for g in order:
+        ledger.move(g, GPU)
+        if ledger.total() > budget:
+            ledger.move(g, HOST)
+    return ledger.placement(budget)
+
+
+def _example(g: TensorGroup) -> str:
+    if g.layer is None:
+        return g.name
+    return f"layers.N.{g.kind}" + (".N" if g.kind == "experts" else "")
+
+
+def describe(pl: Placement, kv_bytes: int = 0, kv_tokens: int = 0, experts_per_token: float | None = None) -> str:
+    """The start-up table: per kind, bytes on the device and in host memory; layers streamed; slots."""
+    rows = []
+    for kind in KINDS:
+        gs = [g for g in pl.groups if g.kind == kind]
+        if not gs:
+            continue
+        gpu = sum(g.nbytes for g in gs if pl.tier[g.name] == GPU)
+        host = sum(g.nbytes for g in gs if pl.tier[g.name] == HOST)
+        extra = ""
+        if kind == "experts":
+            layers = sorted({g.layer for g in gs})
+            res = [sum(1 for g in gs if g.layer == layer and pl.tier[g.name] == GPU) for layer in layers]
+            total = len(gs) // len(layers)
+            extra = (f"resident per layer {min(res)}-{max(res)} of {total}, "
+                     f"cache slots per layer {max(pl.expert_slots.values(), default=0)}")
+        rows.append(f"  {kind:<15} gpu {gpu / 2**30:8.3f} GiB   host {host / 2**30:8.3f} GiB   {extra}".rstrip())
+    streamed = pl.streamed_layers()
+    lines = ["placement (budget " + ("none" if pl.budget is None else f"{pl.budget / 2**30:.2f} GiB") + "):", *rows]
+    lines.append(f"  streamed layers {_ranges(streamed) or 'none'}; stream buffers "
+                 f"{pl.stream_buffer_bytes / 2**30:.3f} GiB; device weights {pl.device_bytes() / 2**30:.3f} GiB")
+    if kv_bytes:
+        lines.append(f"  KV cache {kv_bytes / 2**30:.3f} GiB ({kv_tokens} tokens)")
+    lines.append(f"  predicted host->device bytes per decode token: "
+                 f"{pl.pcie_bytes_per_token(experts_per_token) / 2**20:.1f} MiB (uniform routing)")
+    return "\n".join(lines)
+
+
+def _ranges(xs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)

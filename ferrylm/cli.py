@@ -24,6 +24,13 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--gpu-memory-budget", default=None, help="device memory ferrylm may use, e.g. 16GiB; "
+                   "a model that does not fit is placed across device and host memory")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="share of the device's memory (vLLM spelling)")
+    p.add_argument("--place", action="append", default=[], metavar="SELECTOR=gpu|cpu",
+                   help="placement rule, repeatable: experts=cpu, layers.0-7=gpu, layers.4.experts.0-3=gpu, lm_head=gpu")
+    p.add_argument("--expert-cache-policy", default="lru", choices=["lru", "lfu"])
+    p.add_argument("--expert-profile", default=None, help="expert popularity JSON: its hottest experts stay resident")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -31,7 +38,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(device=a.device, dtype=a.dtype, seed=a.seed, tokenizer=a.tokenizer, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                 block_size=a.block_size, kv_cache_memory_gb=a.kv_cache_memory_gb,
-                enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager)
+                enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
+                gpu_memory_budget=a.gpu_memory_budget, gpu_memory_utilization=a.gpu_memory_utilization,
+                place=tuple(a.place), expert_cache_policy=a.expert_cache_policy, expert_profile=a.expert_profile)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

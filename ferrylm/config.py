@@ -142,19 +142,19 @@ class CacheConfig:
 
     block_size: int = 16
     """Tokens per KV block."""
-    num_blocks: int | None = None
-    """Blocks in the pool; None sizes it from `memory_gb` (or the model's context on CPU)."""
-    memory_gb: float | None = None
+    num_kv_blocks: int | None = None
+    """Blocks in the pool; None sizes it from `kv_cache_memory_gb` (or the budget, or the context on CPU)."""
+    kv_cache_memory_gb: float | None = None
     """KV memory to allocate when `num_blocks` is None; None picks a default for the device."""
     enable_prefix_caching: bool = True
     """Reuse full blocks whose token prefix was already computed (hash of the block chain)."""
 
     def __post_init__(self) -> None:
         _positive(block_size=self.block_size)
-        if self.num_blocks is not None:
-            _positive(num_blocks=self.num_blocks)
-        if self.memory_gb is not None and not self.memory_gb > 0:
-            raise ConfigError(f"kv cache memory must be > 0 GB, got {self.memory_gb}")
+        if self.num_kv_blocks is not None:
+            _positive(num_kv_blocks=self.num_kv_blocks)
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ConfigError(f"kv cache memory must be > 0 GB, got {self.kv_cache_memory_gb}")
 
 
 @dataclass(frozen=True)
@@ -235,10 +235,41 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     offload: OffloadConfig = OffloadConfig()
+    moe_backend: str = "auto"
+    """auto: the fused Triton kernel for resident expert banks on CUDA (bf16/fp16); torch: the per-expert
+    reference loop everywhere."""
     enforce_eager: bool = False
     """Never use CUDA graphs (they serve pure decode steps of dense models on CUDA)."""
     model_overrides: dict = field(default_factory=dict)
     """Family-specific options (e.g. Yuan's `rope_dtype`)."""
 
+    def __post_init__(self) -> None:
+        if self.moe_backend not in ("auto", "torch"):
+            raise ConfigError(f"moe_backend {self.moe_backend!r}: choose auto or torch")
+
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)
+
+
+SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "offload": OffloadConfig}
+
+
+def engine_config(**options) -> EngineConfig:
+    """An `EngineConfig` from flat options: each name is a field of `EngineConfig` or of one of its
+    sections (`CacheConfig`, `SchedulerConfig`, `OffloadConfig`); field names are unique across them,
+    so `LLM(...)` and the CLI spell every knob once, here."""
+    owner = {f.name: sec for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    top = {f.name for f in dataclasses.fields(EngineConfig)} - set(SECTIONS)
+    flat, per = {}, {sec: {} for sec in SECTIONS}
+    for k, v in options.items():
+        if k in top:
+            flat[k] = v
+        elif k in owner:
+            per[owner[k]][k] = v
+        else:
+            raise ConfigError(f"unknown engine option {k!r}")
+    if isinstance(per["offload"].get("gpu_memory_budget"), str):
+        per["offload"]["gpu_memory_budget"] = parse_bytes(per["offload"]["gpu_memory_budget"])
+    if "place" in per["offload"]:
+        per["offload"]["place"] = tuple(per["offload"]["place"] or ())
+    return EngineConfig(**flat, **{sec: cls(**per[sec]) for sec, cls in SECTIONS.items()})

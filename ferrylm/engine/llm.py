@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence as Seq
 
-from ferrylm.config import CacheConfig, EngineConfig, SchedulerConfig
+from ferrylm.config import engine_config
 from ferrylm.engine.llm_engine import LLMEngine, RequestOutput
 from ferrylm.sampling_params import SamplingParams
 
@@ -16,20 +16,11 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, device: str = "cpu", dtype: str = "auto", seed: int = 0,
-                 tokenizer: str | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
-                 kv_cache_memory_gb: float | None = None, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, enforce_eager: bool = False,
-                 model_overrides: dict | None = None, progress=None):
-        config = EngineConfig(
-            model=model, device=device, dtype=dtype, seed=seed, tokenizer=tokenizer,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gb=kv_cache_memory_gb,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill),
-            enforce_eager=enforce_eager, model_overrides=model_overrides or {},
-        )
+    def __init__(self, model: str | None = None, *, progress=None, **options):
+        """`options`: any engine knob by its config field name (`ferrylm/config.py`: device, dtype, seed,
+        max_num_seqs, num_kv_blocks, gpu_memory_budget, place, ...)."""
+        options["model_overrides"] = options.get("model_overrides") or {}
+        config = engine_config(model=model, **options)
         self.engine = LLMEngine(config, progress=progress)
         self.tokenizer = self.engine.tokenizer
 

@@ -19,7 +19,7 @@ from ferrylm.layers.context import ForwardContext, forward_context
 from ferrylm.layers.rotary import RotaryEmbedding
 from ferrylm.models.registry import model_class
 from ferrylm.offload.placed_weights import PlacedWeights
-from ferrylm.offload.placement import describe, group_tensors, place
+from ferrylm.offload.placement import describe, group_tensors, minimum_device_bytes, place
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,8 @@ class ModelRunner:
         self.model.eval()
         placement, kv_bytes = self._place()
         self.placed = PlacedWeights(self.model, placement, self.device, config.offload.expert_cache_policy,
-                                    config.offload.expert_profile, config.offload.stream_buffers)
+                                    config.offload.expert_profile, config.offload.stream_buffers,
+                                    config.moe_backend)
         self.model.load_weights(source, progress=progress, allocator=self.placed)
         meta = [n for n, p in self.model.named_parameters() if p.is_meta]
         if meta:  # load_weights reports missing tensors; this is a model whose loader skipped one
@@ -143,10 +144,10 @@ class ModelRunner:
         per_block = self._kv_bytes_per_block()
         blocks_per_seq = (self.max_model_len + self.block_size - 1) // self.block_size
         fixed_kv = None
-        if cc.num_blocks is not None:
-            fixed_kv = cc.num_blocks * per_block
-        elif cc.memory_gb is not None:
-            fixed_kv = int(cc.memory_gb * 2**30)
+        if cc.num_kv_blocks is not None:
+            fixed_kv = cc.num_kv_blocks * per_block
+        elif cc.kv_cache_memory_gb is not None:
+            fixed_kv = int(cc.kv_cache_memory_gb * 2**30)
         budget = oc.gpu_memory_budget
         if budget is None and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -169,17 +170,16 @@ class ModelRunner:
             return placement, kv
         if fixed_kv is None:  # offloaded: weights are worth more than idle KV; a sixth of the budget
             kv = max(min_kv, min(budget // 6, sc.max_num_seqs * blocks_per_seq * per_block))
-        room = budget - reserve - kv
-        if room <= 0:
-            raise ConfigError(f"GPU memory budget {budget / 2**30:.2f} GiB leaves nothing for weights after "
-                              f"{reserve / 2**30:.2f} GiB of activations and {kv / 2**30:.2f} GiB of KV cache")
-        try:
-            placement = place(groups, room, oc.place, stream_buffers=oc.stream_buffers)
-        except ConfigError as e:
-            raise ConfigError(f"{e}; with {reserve / 2**30:.2f} GiB of activations and {kv / 2**30:.2f} GiB "
-                              f"of KV cache the budget must be at least "
-                              f"{(reserve + kv) / 2**30:.2f} GiB more than that") from None
-        return placement, kv
+        least = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers)
+        if budget - reserve - kv < least:
+            def gib(n):
+                return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+            raise ConfigError(
+                f"GPU memory budget {gib(budget)} is too small for this model: it needs at least "
+                f"{gib(least + kv + reserve)} ({gib(least)} of weights: norms, routers, placement rules, stream "
+                f"buffers and expert slots; {gib(kv)} of KV cache; {gib(reserve)} for activations)")
+        return place(groups, budget - reserve - kv, oc.place, stream_buffers=oc.stream_buffers), kv
 
     def _allocate_kv(self, nbytes: int) -> KVCache:
         cfg = self.model_config

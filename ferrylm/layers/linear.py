@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrylm.layers.params import device_for, writable
+from ferrylm.layers.params import device_for, replace, writable
 from ferrylm.weights.quant import QuantizedTensor
 
 
@@ -57,7 +57,7 @@ class Linear(nn.Module):
         if whole:
             order = [None] if None in self.qweight else sorted(self.shards, key=lambda s: self.shards[s][0])
             self.qweight = {s: self.qweight[s] for s in order}  # row order, as forward concatenates them
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=device_for(self, "weight"))
+            replace(self, "weight", torch.empty(0, dtype=self.weight.dtype, device=device_for(self, "weight")))
             return
         pieces, self.qweight = self.qweight, {}
         for shard, qt in pieces.items():

@@ -50,7 +50,16 @@ def writable(module: nn.Module, attr: str) -> torch.Tensor:
     p = getattr(module, attr)
     if not p.is_meta:
         return p.data
-    t = _allocator.allocate(module, attr) if _allocator else torch.empty(p.shape, dtype=p.dtype)
+    return replace(module, attr, _allocator.allocate(module, attr) if _allocator
+                   else torch.empty(p.shape, dtype=p.dtype))
+
+
+def replace(module: nn.Module, attr: str, t: torch.Tensor) -> torch.Tensor:
+    """Give `module.<attr>` the storage `t` (a new Parameter in every module holding the old one)."""
+    p = getattr(module, attr)
+    if not p.is_meta:
+        p.data = t
+        return t
     new = nn.Parameter(t, requires_grad=False)
     for mod, a in _holders.get(id(p), [(module, attr)]):
         mod._parameters[a] = new

@@ -45,10 +45,10 @@ class OffloadStats:
 
 class PlacedWeights:
     def __init__(self, model: nn.Module, placement: Placement, device: torch.device, policy: str = "lru",
-                 profile: str | None = None, stream_buffers: int = 2):
+                 profile: str | None = None, stream_buffers: int = 2, moe_backend: str = "auto"):
         self.model, self.placement, self.device = model, placement, device
         self.target = device
-        self.policy, self.stream_buffers = policy, stream_buffers
+        self.policy, self.stream_buffers, self.moe_backend = policy, stream_buffers, moe_backend
         self.stats = OffloadStats()
         self.host = HostTier(pin=device.type == "cuda")
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -109,7 +109,7 @@ class PlacedWeights:
                 continue
             layer = int(name.split(".")[2])
             if self.tier_of_param[f"{name}.w13"] == GPU:
-                if FusedExperts.supports(bank):
+                if self.moe_backend == "auto" and FusedExperts.supports(bank):
                     bank.backend = FusedExperts()
                 continue
             groups = [g for g in self.placement.groups if g.kind == "experts" and g.layer == layer]

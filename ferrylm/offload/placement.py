@@ -240,10 +240,7 @@ class _Ledger:
         return Placement(dict(self.tier), self.groups, budget, self.buffer_bytes(), self.slots())
 
 
-def place(groups: list[TensorGroup], budget: int | None, rules: tuple[str, ...] = (), *,
-          stream_buffers: int = 2, min_expert_slots: int = 2) -> Placement:
-    """Decide each group's tier so the device bytes (resident groups, stream buffers, expert slots) stay
-    within `budget`. Raises `ConfigError` naming the minimum when even the smallest placement does not fit."""
+def _forced(groups: list[TensorGroup], rules: tuple[str, ...]) -> dict[str, str]:
     forced: dict[str, str] = {}
     for r in (PlaceRule.parse(r) for r in rules):
         hit = [g for g in groups if r.matches(g)]
@@ -252,14 +249,34 @@ def place(groups: list[TensorGroup], budget: int | None, rules: tuple[str, ...] 
                               f"(groups look like: {', '.join(sorted({_example(g) for g in groups}))})")
         for g in hit:
             forced[g.name] = r.tier
+    return forced
+
+
+def _smallest(groups, forced, stream_buffers, min_expert_slots) -> _Ledger:
+    """Every group not forced in host memory, except norms and routers (every token reads them; tiny)."""
+    tier = {g.name: forced.get(g.name, GPU if g.kind in ("norm", "router") else HOST) for g in groups}
+    return _Ledger(groups, tier, stream_buffers, min_expert_slots)
+
+
+def minimum_device_bytes(groups: list[TensorGroup], rules: tuple[str, ...] = (), *, stream_buffers: int = 2,
+                         min_expert_slots: int = 2) -> int:
+    """The fewest device bytes the weights can run in (norms, routers, forced groups, stream buffers for
+    the largest layer, expert slots)."""
+    return _smallest(groups, _forced(groups, rules), stream_buffers, min_expert_slots).total()
+
+
+def place(groups: list[TensorGroup], budget: int | None, rules: tuple[str, ...] = (), *,
+          stream_buffers: int = 2, min_expert_slots: int = 2) -> Placement:
+    """Decide each group's tier so the device bytes (resident groups, stream buffers, expert slots) stay
+    within `budget`. Raises `ConfigError` naming the minimum when even the smallest placement does not fit."""
+    forced = _forced(groups, rules)
     if budget is None:
         ledger = _Ledger(groups, {g.name: forced.get(g.name, GPU) for g in groups}, stream_buffers,
                          min_expert_slots)
         return ledger.placement(None)
-    # start from the fewest device bytes: every group not forced lives in host memory, except norms and
-    # routers, which every token reads and which are tiny; then fill the budget in order of cost per token
-    tier = {g.name: forced.get(g.name, GPU if g.kind in ("norm", "router") else HOST) for g in groups}
-    ledger = _Ledger(groups, tier, stream_buffers, min_expert_slots)
+    # start from the fewest device bytes, then fill the budget in order of cost per token
+    ledger = _smallest(groups, forced, stream_buffers, min_expert_slots)
+    tier = ledger.tier
     if ledger.total() > budget:
         raise ConfigError(
             f"GPU memory budget {budget / 2**30:.2f} GiB is too small for this model: its weights need at least "
@@ -299,16 +316,20 @@ def describe(pl: Placement, kv_bytes: int = 0, kv_tokens: int = 0, experts_per_t
             total = len(gs) // len(layers)
             extra = (f"resident per layer {min(res)}-{max(res)} of {total}, "
                      f"cache slots per layer {max(pl.expert_slots.values(), default=0)}")
-        rows.append(f"  {kind:<15} gpu {gpu / 2**30:8.3f} GiB   host {host / 2**30:8.3f} GiB   {extra}".rstrip())
+        rows.append(f"  {kind:<15} gpu {size(gpu):>11}   host {size(host):>11}   {extra}".rstrip())
     streamed = pl.streamed_layers()
-    lines = ["placement (budget " + ("none" if pl.budget is None else f"{pl.budget / 2**30:.2f} GiB") + "):", *rows]
-    lines.append(f"  streamed layers {_ranges(streamed) or 'none'}; stream buffers "
-                 f"{pl.stream_buffer_bytes / 2**30:.3f} GiB; device weights {pl.device_bytes() / 2**30:.3f} GiB")
+    lines = ["placement (weight budget " + ("none" if pl.budget is None else size(pl.budget)) + "):", *rows]
+    lines.append(f"  streamed layers {_ranges(streamed) or 'none'}; stream buffers {size(pl.stream_buffer_bytes)}; "
+                 f"device weights {size(pl.device_bytes())}")
     if kv_bytes:
-        lines.append(f"  KV cache {kv_bytes / 2**30:.3f} GiB ({kv_tokens} tokens)")
-    lines.append(f"  predicted host->device bytes per decode token: "
-                 f"{pl.pcie_bytes_per_token(experts_per_token) / 2**20:.1f} MiB (uniform routing)")
+        lines.append(f"  KV cache {size(kv_bytes)} ({kv_tokens} tokens)")
+    lines.append(f"  predicted host->device bytes per decode token: {size(pl.pcie_bytes_per_token(experts_per_token))} "
+                 f"(uniform routing)")
     return "\n".join(lines)
+
+
+def size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _ranges(xs: list[int]) -> str:

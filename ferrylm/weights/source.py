@@ -120,8 +120,10 @@ def _check_safetensors_size(fpath: str) -> None:
         )
 
 
-def open_source(path: str | None) -> WeightSource:
-    """Open whatever `path` holds; None means the embedded default model."""
+def open_source(path: "str | WeightSource | None") -> WeightSource:
+    """Open whatever `path` holds; None means the embedded default model; a source is used as it is."""
+    if isinstance(path, WeightSource):
+        return path
     if path is None:
         from ferrylm.default_model import default_model_path
 

@@ -152,7 +152,7 @@ class ModelRunner:
         if budget is None and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = min(int((oc.gpu_memory_utilization or 0.9) * total), free)
+            budget = int(min((oc.gpu_memory_utilization or 0.9) * total, 0.9 * free))
         if budget is None:  # CPU engine without a budget: everything "resident" in host memory
             need = sc.max_num_seqs * blocks_per_seq  # every sequence at full length, capped at 2 GiB
             kv = fixed_kv if fixed_kv is not None else min(need, max(2, int(2 * 2**30 // per_block))) * per_block

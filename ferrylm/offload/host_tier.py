@@ -35,15 +35,20 @@ class HostTier:
             return torch.empty(shape, dtype=dtype)
         # whole pages of our own: a registration must not overlap another tensor's page
         span = (nbytes + 4095) // 4096 * 4096
+        shape = tuple(shape)
         raw = torch.empty(span + 4096, dtype=torch.uint8)
         off = -raw.data_ptr() % 4096
         t = raw[off:off + nbytes].view(dtype).view(shape)
         self._held.append(raw)
         cudart = torch.cuda.cudart()
         ptr, nbytes = t.data_ptr(), span
+        # a copy must not span two registrations: pieces hold whole rows of dim 0 (one expert of a bank)
+        # and start on a page; otherwise the tensor is registered whole
+        row = nbytes // shape[0] if len(shape) > 1 and shape[0] else nbytes
+        piece = max(1, self.piece_bytes // row) * row if row % 4096 == 0 else nbytes
         done = 0
         while done < nbytes:
-            n = min(self.piece_bytes, nbytes - done)
+            n = min(piece, nbytes - done)
             err = cudart.cudaHostRegister(ptr + done, n, 0)
             if int(err) != 0:
                 torch.cuda.synchronize()  # clear the sticky-free error state of the failed call

@@ -41,10 +41,10 @@ class HostTier:
         t = raw[off:off + nbytes].view(dtype).view(shape)
         self._held.append(raw)
         cudart = torch.cuda.cudart()
-        ptr, nbytes = t.data_ptr(), span
         # a copy must not span two registrations: pieces hold whole rows of dim 0 (one expert of a bank)
         # and start on a page; otherwise the tensor is registered whole
-        row = nbytes // shape[0] if len(shape) > 1 and shape[0] else nbytes
+        row = nbytes // shape[0] if len(shape) > 1 and shape[0] else span
+        ptr, nbytes = t.data_ptr(), span
         piece = max(1, self.piece_bytes // row) * row if row % 4096 == 0 else nbytes
         done = 0
         while done < nbytes:

@@ -107,6 +107,12 @@ def cmd_generate(a: argparse.Namespace) -> None:
     if a.stats:
         rate = (n - 1) / secs if n > 1 and secs > 0 else float("nan")
         print(f"[{n} tokens, {rate:.1f} tokens/s after the first]", file=sys.stderr)
+        runner = llm.engine.runner
+        if not runner.placement.fully_resident:
+            st = runner.placed.stats
+            hit = "n/a" if st.hit_rate is None else f"{st.hit_rate:.1%}"
+            print(f"[offload: {st.h2d_bytes / max(n, 1) / 2**20:.1f} MiB host->device per token, expert cache hit "
+                  f"rate {hit}, {st.weight_waits} waits on copies]", file=sys.stderr)
 
 
 def cmd_chat(a: argparse.Namespace) -> None:

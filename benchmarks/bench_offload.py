@@ -27,6 +27,49 @@ MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vo
            "max_position_embeddings": 32768, "tie_word_embeddings": False}
 
 
+QWEN3_30B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+             "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_attention_heads": 32,
+             "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+             "norm_topk_prob": True, "num_hidden_layers": 48, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+             "max_position_embeddings": 40960, "tie_word_embeddings": False}
+QWEN2_72B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064,
+             "hidden_size": 8192, "intermediate_size": 29568, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "num_hidden_layers": 80, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 32768,
+             "tie_word_embeddings": False}
+
+
+def zipf_routing(skew: float, seed: int = 0):
+    """Replace the routers' choice with draws from a Zipf(skew) popularity (a fixed random ranking of the
+    experts per MoE block), weights 1/k: the offload cache sees a skewed, repeatable workload."""
+    from ferrylm.models import mixtral
+
+    g = torch.Generator().manual_seed(seed)
+    perms: dict[int, torch.Tensor] = {}
+
+    def forward(self, x):
+        E, k = self.experts.num_experts, self.top_k
+        if id(self) not in perms:
+            perms[id(self)] = torch.randperm(E, generator=g).to(x.device)
+        probs = (1.0 / torch.arange(1, E + 1, device=x.device, dtype=torch.float32) ** skew).expand(x.shape[0], E)
+        ids = perms[id(self)][torch.multinomial(probs, k)]
+        return self.experts(x, ids, torch.full(ids.shape, 1.0 / k, device=x.device))
+
+    mixtral.SparseMoeBlock.forward = forward
+
+
+def oracle(runner) -> tuple[float | None, float | None]:
+    """(hit rate the caches had, Belady's hit rate on the same per-layer traces and capacities)."""
+    from ferrylm.offload.expert_cache import belady_hits
+
+    hits = opt = total = 0
+    for cache in runner.placed.caches.values():
+        tr = cache.trace or []
+        h, n = belady_hits(tr, cache.capacity, cache.trace_initial)
+        opt, total = opt + h, total + n
+        hits += cache.trace_hits
+    return (hits / total, opt / total) if total else (None, None)
+
+
 def h2d_bandwidth() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty_like(src, device="cuda")
@@ -139,44 +182,103 @@ print('HF', 64 / (t65 - t1))
                  "backend": "transformers-eager", "hf_tok_s": hf})
 
 
-def case_offload16(rows: list, h2d: float) -> None:
+def accelerate_rate(cfg: dict, budget_gib: int, tokens: int = 3) -> float | None:
+    """transformers + accelerate `device_map` with the same `max_memory`, in its own process (decode tok/s)."""
+    code = f"""
+import time, torch, transformers, accelerate
+c = {cfg!r}
+cls = getattr(transformers, c['architectures'][0]); conf = getattr(transformers, cls.__name__.replace('ForCausalLM', 'Config'))
+cfg = conf(**{{k: v for k, v in c.items() if k not in ('architectures', 'model_type')}})
+torch.set_default_dtype(torch.bfloat16)
+with accelerate.init_empty_weights():
+    m = cls(cfg)
+m = m.to_empty(device='cpu').eval()
+pool = torch.randn(1 << 24).bfloat16() * 0.02
+with torch.no_grad():
+    for p in m.parameters():
+        f = p.view(-1)
+        for i in range(0, f.numel(), pool.numel()):
+            n = min(pool.numel(), f.numel() - i); f[i:i + n].copy_(pool[:n])
+dm = accelerate.infer_auto_device_map(m, max_memory={{0: '{budget_gib}GiB', 'cpu': '120GiB'}},
+                                      no_split_module_classes=[type(m.model.layers[0]).__name__])
+m = accelerate.dispatch_model(m, device_map=dm)
+ids = torch.randint(10, 30000, (1, 32)).cuda()
+with torch.no_grad():
+    m.generate(ids, max_new_tokens=1, do_sample=False)
+    torch.cuda.synchronize(); t = time.perf_counter()
+    m.generate(ids, max_new_tokens=1, do_sample=False); torch.cuda.synchronize(); t1 = time.perf_counter() - t
+    t = time.perf_counter()
+    m.generate(ids, max_new_tokens={tokens + 1}, min_new_tokens={tokens + 1}, do_sample=False)
+    torch.cuda.synchronize(); tn = time.perf_counter() - t
+print('ACC', {tokens} / (tn - t1))
+"""
+    out = subprocess.run(["python3", "-c", code], capture_output=True, text=True, timeout=420)
+    rate = next((float(x.split()[1]) for x in out.stdout.splitlines() if x.startswith("ACC ")), None)
+    if rate is None:
+        print("accelerate baseline failed:", out.stderr[-1500:])
+    return rate
+
+
+def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, batches, prefill: int | None,
+                 routing: str = "model", accelerate: bool = False) -> None:
     from ferrylm import LLM
     from ferrylm.weights.random_source import RandomSource
 
-    cfg = {**MIXTRAL, "num_hidden_layers": 16}
+    acc = accelerate_rate(cfg, budget_gib) if accelerate else None
+    if accelerate:
+        print(f"{name}: accelerate device_map (max_memory {budget_gib} GiB) batch 1: {acc} tok/s", flush=True)
+    if routing.startswith("zipf"):
+        zipf_routing(float(routing[4:] or 1.2))
     t = time.perf_counter()
-    llm = LLM(RandomSource(cfg), device="cuda", dtype="bfloat16", max_num_seqs=64, max_model_len=4096,
-              max_num_batched_tokens=2048, gpu_memory_budget="16GiB")
+    torch.cuda.reset_peak_memory_stats()
+    llm = LLM(RandomSource(cfg), device="cuda", dtype="bfloat16", max_num_seqs=max(batches), max_model_len=4096,
+              max_num_batched_tokens=2048, gpu_memory_budget=f"{budget_gib}GiB")
     runner = llm.engine.runner
-    print(f"offload16 loaded in {time.perf_counter() - t:.1f} s; peak GPU {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+    print(f"{name} loaded in {time.perf_counter() - t:.1f} s; peak GPU {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     print(runner.placement_text, flush=True)
     stats = runner.placed.stats
-    for batch, steps in ((1, 24), (64, 8)):
-        b0, h0, m0 = stats.h2d_bytes, stats.expert_hits, stats.expert_misses
-        n_steps = 0
-        eng = llm.engine
+    for batch in batches:
+        steps = 24 if batch == 1 else 8
+        for c in runner.placed.caches.values():
+            c.start_trace()
+        b0 = stats.h2d_bytes
         r = decode_rate(llm, batch, steps, seed=1000 + batch)
-        moved = stats.h2d_bytes - b0
-        # the decode-rate measurement runs 3 + 1 + (steps + 1) generated tokens per sequence in 3 generate calls
-        n_steps = 3 + 1 + steps + 1
-        per_step = moved / n_steps
+        # decode_rate runs 3 + 1 + (steps + 1) steps (warm-up, prefill-only, timed)
+        per_step = (stats.h2d_bytes - b0) / (3 + 1 + steps + 1)
         floor = batch / (per_step / h2d) if per_step else None
-        hits, misses = stats.expert_hits - h0, stats.expert_misses - m0
-        hit = hits / (hits + misses) if hits + misses else None
-        rows.append({"model": "mixtral-16L", "budget_gib": 16, "batch": batch, "routing": "model", "ferry_tok_s": r,
+        hit, opt = oracle(runner)
+        rows.append({"model": name, "budget_gib": budget_gib, "batch": batch, "routing": routing, "ferry_tok_s": r,
+                     "accelerate_tok_s": acc if batch == 1 else None, "resident_tok_s": None,
                      "pcie_floor_tok_s": floor, "h2d_bytes_per_step": per_step, "hit_rate": hit,
-                     "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30, "accelerate_tok_s": None})
-        print(f"offload16 batch {batch:3d}: {r:7.2f} tok/s; PCIe floor {floor} tok/s "
-              f"({per_step / 2**30:.2f} GiB/step); hit rate {hit}", flush=True)
-        del eng
-    b0 = stats.h2d_bytes
-    r = prefill_rate(llm, 2048, seed=7)
-    per = (stats.h2d_bytes - b0) / 2  # two prefills
-    floor = 2048 / (per / h2d)
-    rows.append({"model": "mixtral-16L", "budget_gib": 16, "batch": "prefill-2048", "routing": "model",
-                 "ferry_tok_s": r, "pcie_floor_tok_s": floor, "h2d_bytes_per_step": per,
-                 "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30})
-    print(f"offload16 prefill 2048: {r:7.1f} tok/s; PCIe floor {floor:.1f} tok/s", flush=True)
+                     "oracle_hit_rate": opt, "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30})
+        print(f"{name} {routing} batch {batch:3d}: {r:8.2f} tok/s; PCIe floor {floor and round(floor, 2)} tok/s "
+              f"({per_step / 2**30:.2f} GiB/step); hit rate {hit and round(hit, 3)} (Belady {opt and round(opt, 3)})",
+              flush=True)
+    for c in runner.placed.caches.values():
+        c.trace = None
+    if prefill:
+        b0 = stats.h2d_bytes
+        r = prefill_rate(llm, prefill, seed=7)
+        per = (stats.h2d_bytes - b0) / 2  # two prefills
+        floor = prefill / (per / h2d) if per else None
+        rows.append({"model": name, "budget_gib": budget_gib, "batch": f"prefill-{prefill}", "routing": routing,
+                     "ferry_tok_s": r, "pcie_floor_tok_s": floor, "h2d_bytes_per_step": per,
+                     "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30})
+        print(f"{name} prefill {prefill}: {r:8.1f} tok/s; PCIe floor {floor and round(floor, 1)} tok/s", flush=True)
+    del llm, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+CASES = {
+    "offload16": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16}, 16,
+                                                (1, 64), 2048, accelerate=True),
+    "zipf16": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16}, 16,
+                                             (1, 64), None, routing="zipf1.2"),
+    "qwen3-30b": lambda rows, h2d: case_offload(rows, h2d, "qwen3-30b-a3b", QWEN3_30B, 8, (1, 64), None),
+    "qwen2-72b-24L": lambda rows, h2d: case_offload(rows, h2d, "qwen2-72b-24L", {**QWEN2_72B, "num_hidden_layers": 24},
+                                                    16, (1, 32), 2048),
+}
 
 
 def main() -> None:
@@ -189,7 +291,7 @@ def main() -> None:
     rows: list = []
     for c in a.cases.split(","):
         try:
-            {"resident": lambda: case_resident(rows, hbm), "offload16": lambda: case_offload16(rows, h2d)}[c]()
+            case_resident(rows, hbm) if c == "resident" else CASES[c](rows, h2d)
         except Exception as e:  # keep what the other cases measured
             import traceback
 

@@ -117,11 +117,16 @@ class CachedExperts(ExpertBackend):
         self.ready = [torch.cuda.Event() for _ in range(C)] if cuda else []
         self.free = [torch.cuda.Event() for _ in range(C)] if cuda else []
         self.trace: list[list[int]] | None = None
-        """Per-step needed experts, recorded when a list is set (benchmarks compute the oracle from it)."""
+        """Per-step needed experts while tracing (`start_trace`; benchmarks compute the oracle from it)."""
+        self.trace_hits, self.trace_initial = 0, []
         for s, e in enumerate(list(initial)[:C]):
             self.w13[s].copy_(host_w13[e])
             self.w2[s].copy_(host_w2[e])
             self.owner[s], self.slot_of[e] = e, s
+
+    def start_trace(self) -> None:
+        self.trace, self.trace_hits = [], 0
+        self.trace_initial = [e for e in self.owner if e is not None]
 
     @property
     def capacity(self) -> int:
@@ -162,10 +167,11 @@ class CachedExperts(ExpertBackend):
             starts.append(acc)
             acc += n
         needed = [e for e, n in enumerate(counts) if n]
-        if self.trace is not None:
-            self.trace.append(needed)
         need = set(needed)
         hits = [e for e in needed if e in self.slot_of]
+        if self.trace is not None:
+            self.trace.append(needed)
+            self.trace_hits += len(hits)
         pending = deque(e for e in needed if e not in self.slot_of)
         self.stats.expert_hits += len(hits)
         self.stats.expert_misses += len(pending)

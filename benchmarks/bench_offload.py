@@ -101,22 +101,25 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(10, 32000, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def decode_rate(llm, batch: int, steps: int, seed: int, prompt_len: int = 32) -> float:
-    """Aggregate decode tokens/s: (time of prefill + steps) - (time of prefill + 1), fresh prompts each."""
+def decode_rate(llm, batch: int, steps: int, seed: int, prompt_len: int = 32, stats=None):
+    """Aggregate decode tokens/s: (time of prefill + steps) - (time of prefill + 1), fresh prompts each;
+    with `stats` also the weight bytes moved per decode step over the same difference."""
     from ferrylm import SamplingParams
 
     def timed(n, s):
         ps = prompts(batch, prompt_len, s)
+        b0 = stats.h2d_bytes if stats else 0
         torch.cuda.synchronize()
         t = time.perf_counter()
         llm.generate(ps, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         torch.cuda.synchronize()
-        return time.perf_counter() - t
+        return time.perf_counter() - t, (stats.h2d_bytes - b0 if stats else 0)
 
     timed(3, seed + 100)  # warm-up: graphs, kernels
-    t1 = timed(1, seed)
-    tn = timed(steps + 1, seed + 1)
-    return batch * steps / (tn - t1)
+    t1, b1 = timed(1, seed)
+    tn, bn = timed(steps + 1, seed + 1)
+    rate = batch * steps / (tn - t1)
+    return (rate, (bn - b1) / steps) if stats else rate
 
 
 def prefill_rate(llm, length: int, seed: int) -> float:
@@ -241,10 +244,7 @@ def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, 
         steps = 24 if batch == 1 else 8
         for c in runner.placed.caches.values():
             c.start_trace()
-        b0 = stats.h2d_bytes
-        r = decode_rate(llm, batch, steps, seed=1000 + batch)
-        # decode_rate runs 3 + 1 + (steps + 1) steps (warm-up, prefill-only, timed)
-        per_step = (stats.h2d_bytes - b0) / (3 + 1 + steps + 1)
+        r, per_step = decode_rate(llm, batch, steps, seed=1000 + batch, stats=stats)
         floor = batch / (per_step / h2d) if per_step else None
         hit, opt = oracle(runner)
         rows.append({"model": name, "budget_gib": budget_gib, "batch": batch, "routing": routing, "ferry_tok_s": r,

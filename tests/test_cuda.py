@@ -203,3 +203,21 @@ def test_resident_moe_fused_and_graphed(tmp_path_factory):
     assert worst < 0.1
     assert all(torch.allclose(a, b, atol=1e-2) for a, b in zip(eager, g))
     assert token_ids(eager_out) == token_ids(g_out)
+
+
+def test_cached_experts_fused_rounds_equal_resident_fused(tmp_path_factory):
+    """Cached experts through the fused kernel in rounds (hits, then landed misses, then waves) give
+    exactly the resident fused result."""
+    from test_models_hf import build
+
+    path, _ = build(tmp_path_factory, "qwen3_moe")
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 3, 17, 9)]
+    kw = dict(device="cuda", dtype="bfloat16", enforce_eager=True)
+    ref_out, ref = sampled_rows(LLM(path, **kw), prompts, 12)
+    llm = LLM(path, place=("experts=cpu", "layers.0.experts.0=gpu"), **kw)
+    assert all(c.fused for c in llm.engine.runner.placed.caches.values())
+    out, got = sampled_rows(llm, prompts, 12)
+    print(f"fused rounds: {llm.engine.runner.placed.stats}")
+    assert token_ids(out) == token_ids(ref_out)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))

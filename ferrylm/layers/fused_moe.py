@@ -96,19 +96,25 @@ def _blocks(A: int) -> tuple[int, int, int]:
     return 64, 128, 64
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor) -> torch.Tensor:
-    """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_ids/weights: [T, k] -> [T, H] (silu-gated experts)."""
+def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, skip: bool = False) -> torch.Tensor:
+    """The weighted expert output of every assignment: [A, H] in x's dtype, row t * k + j for token t's
+    j-th expert. With `skip`, ids equal to E (w13.shape[0]) are skipped and their rows are 0: the offload
+    cache computes the experts present on the device in rounds and adds the rows (exactly: each row is
+    non-zero in one round only)."""
     T, k = topk_ids.shape
     E, two_i, H = w13.shape
     I = two_i // 2
     A = T * k
     BM, BN, BK = _blocks(A)
-    rows, block_expert, used, inv = align(topk_ids, E, BM)
+    rows, block_expert, used, inv = align(topk_ids, E + skip, BM)
+    if skip:  # the skip expert's blocks come last: stop before them
+        used = torch.searchsorted(block_expert, torch.tensor([E], device=x.device)) * BM
+        block_expert = block_expert.clamp(max=E - 1)
     m_pad = rows.numel()
     x = x.contiguous()
     h = torch.empty(m_pad, I, dtype=x.dtype, device=x.device)
-    y = torch.empty(m_pad, H, dtype=x.dtype, device=x.device)
+    y = (torch.zeros if skip else torch.empty)(m_pad, H, dtype=x.dtype, device=x.device)
     scale = topk_weights.flatten().float().contiguous()  # [A]
     grid1 = (m_pad // BM, triton.cdiv(I, BN))
     _grouped_gemm[grid1](x, w13, h, rows, block_expert, used, scale, I, H, A, x.stride(0), w13.stride(0),
@@ -118,7 +124,18 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     _grouped_gemm[grid2](h, w2, y, rows, block_expert, used, scale, H, I, A, h.stride(0), w2.stride(0),
                          w2.stride(1), y.stride(0), TOP_K=k, A_BY_TOKEN=False, GATED=False, SCALE=True,
                          BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
-    return y[inv].view(T, k, H).float().sum(1).to(x.dtype)
+    return y[inv]
+
+
+def sum_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
+    # rows: [T * k, H] -> [T, H], the k experts of a token added in fp32
+    return rows.view(-1, k, rows.shape[-1]).float().sum(1).to(rows.dtype)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor) -> torch.Tensor:
+    """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_ids/weights: [T, k] -> [T, H] (silu-gated experts)."""
+    return sum_rows(expert_rows(x, w13, w2, topk_ids, topk_weights), topk_ids.shape[1])
 
 
 class FusedExperts(ExpertBackend):
@@ -128,8 +145,11 @@ class FusedExperts(ExpertBackend):
 
     @staticmethod
     def supports(bank) -> bool:
-        return (triton is not None and bank.w13.is_cuda and bank.act_name == "silu"
-                and bank.w13.dtype in (torch.bfloat16, torch.float16))
+        return FusedExperts.supports_tensors(bank.w13, bank.act_name)
+
+    @staticmethod
+    def supports_tensors(w13: torch.Tensor, act: str) -> bool:
+        return triton is not None and w13.is_cuda and act == "silu" and w13.dtype in (torch.bfloat16, torch.float16)
 
     def forward(self, bank, x, topk_ids, topk_weights):
         return fused_experts(x, bank.w13, bank.w2, topk_ids, topk_weights)

@@ -99,11 +99,13 @@ class CachedExperts(ExpertBackend):
     reads_host = True
 
     def __init__(self, bank, host_w13: torch.Tensor, host_w2: torch.Tensor, capacity: int, initial: list[int],
-                 pinned: set[int], policy: str, device: torch.device, copy_stream, stats, layer: int):
+                 pinned: set[int], policy: str, device: torch.device, copy_stream, stats, layer: int,
+                 use_fused: bool = True):
         """host_w13: [E, 2I, H], host_w2: [E, H, I] in host memory; `capacity` device slots, filled with
         `initial` (the resident experts); `pinned` experts are never evicted."""
         self.host_w13, self.host_w2 = host_w13, host_w2
         self.device, self.stream, self.stats, self.layer = device, copy_stream, stats, layer
+        self.use_fused, self.act_name = use_fused, bank.act_name
         C = capacity
         self.w13 = torch.empty((C, *host_w13.shape[1:]), dtype=host_w13.dtype, device=device)
         self.w2 = torch.empty((C, *host_w2.shape[1:]), dtype=host_w2.dtype, device=device)
@@ -123,6 +125,80 @@ class CachedExperts(ExpertBackend):
             self.w13[s].copy_(host_w13[e])
             self.w2[s].copy_(host_w2[e])
             self.owner[s], self.slot_of[e] = e, s
+
+    @property
+    def fused(self) -> bool:
+        from ferrylm.layers.fused_moe import FusedExperts
+
+        return self.use_fused and FusedExperts.supports_tensors(self.w13, self.act_name)
+
+    def _plan(self, needed: list[int]):
+        """Hits, the misses' queue, and the slots free to take a miss now (policy order)."""
+        need = set(needed)
+        hits = [e for e in needed if e in self.slot_of]
+        if self.trace is not None:
+            self.trace.append(needed)
+            self.trace_hits += len(hits)
+        pending = deque(e for e in needed if e not in self.slot_of)
+        self.stats.expert_hits += len(hits)
+        self.stats.expert_misses += len(pending)
+        self.policy.touch(needed)
+        cands = [s for s in range(self.capacity) if self.owner[s] not in need and self.owner[s] not in self.pinned]
+        empty = [s for s in cands if self.owner[s] is None]
+        avail = deque(empty + [self.slot_of[e] for e in self.policy.victims(
+            [self.owner[s] for s in cands if self.owner[s] is not None])])
+        return hits, pending, avail
+
+    def _forward_fused(self, bank, x, topk_ids, topk_weights):
+        """The fused kernel over the device slots, in rounds: the hits first (the misses' copies already
+        flying), then each batch of landed misses. Rows add up to exactly the resident fused result."""
+        from ferrylm.layers.fused_moe import expert_rows, sum_rows
+
+        E, C = bank.num_experts, self.capacity
+        present = torch.zeros(E, dtype=torch.bool, device=x.device).scatter_(0, topk_ids.flatten(), True)
+        needed = present.nonzero()[:, 0].tolist()  # the layer's one host sync
+        hits, pending, avail = self._plan(needed)
+        inflight: list[tuple[int, int]] = []
+
+        def issue():
+            while pending and avail:
+                e, s = pending.popleft(), avail.popleft()
+                self._fetch(e, s)
+                inflight.append((e, s))
+
+        out = None
+        cur = torch.cuda.current_stream(self.device)
+
+        def run(experts: list[int]):
+            nonlocal out
+            slot = [C] * E
+            for e in experts:
+                slot[e] = self.slot_of[e]
+            ids = torch.tensor(slot, dtype=torch.long).to(x.device, non_blocking=True)[topk_ids]
+            rows = expert_rows(x, self.w13, self.w2, ids, topk_weights, skip=True)
+            out = rows if out is None else out + rows
+            for e in experts:
+                self.free[self.slot_of[e]].record(cur)
+
+        issue()
+        if hits:
+            run(hits)
+            if pending:
+                avail.extend(self.slot_of[e] for e in hits if e not in self.pinned)
+                issue()
+        while inflight:
+            batch, inflight[:] = list(inflight), []
+            for e, s in batch:
+                if not self.ready[s].query():
+                    self.stats.weight_waits += 1
+                cur.wait_event(self.ready[s])
+            run([e for e, _ in batch])
+            if pending:
+                avail.extend(s for _, s in batch)
+                issue()
+        if pending:
+            raise RuntimeError(f"expert cache of layer {self.layer}: no evictable slot for experts {list(pending)}")
+        return sum_rows(out, topk_ids.shape[1])
 
     def start_trace(self) -> None:
         self.trace, self.trace_hits = [], 0
@@ -160,26 +236,15 @@ class CachedExperts(ExpertBackend):
         return y
 
     def forward(self, bank, x, topk_ids, topk_weights):
+        if self.fused:
+            return self._forward_fused(bank, x, topk_ids, topk_weights)
         counts, rows, order = dispatch(topk_ids, bank.num_experts)  # the layer's one host sync
         w_sorted = topk_weights.flatten()[order].to(x.dtype)
         starts, acc = [], 0
         for n in counts:
             starts.append(acc)
             acc += n
-        needed = [e for e, n in enumerate(counts) if n]
-        need = set(needed)
-        hits = [e for e in needed if e in self.slot_of]
-        if self.trace is not None:
-            self.trace.append(needed)
-            self.trace_hits += len(hits)
-        pending = deque(e for e in needed if e not in self.slot_of)
-        self.stats.expert_hits += len(hits)
-        self.stats.expert_misses += len(pending)
-        self.policy.touch(needed)
-        cands = [s for s in range(self.capacity) if self.owner[s] not in need and self.owner[s] not in self.pinned]
-        empty = [s for s in cands if self.owner[s] is None]
-        avail = deque(empty + [self.slot_of[e] for e in self.policy.victims(
-            [self.owner[s] for s in cands if self.owner[s] is not None])])
+        hits, pending, avail = self._plan([e for e, n in enumerate(counts) if n])
         inflight: deque[tuple[int, int]] = deque()
 
         def issue():

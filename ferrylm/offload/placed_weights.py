@@ -121,7 +121,8 @@ class PlacedWeights:
                 hot = sorted(range(bank.num_experts), key=lambda e: -counts[e])[:len(resident)]
                 resident, pinned = hot, set(hot)
             bank.backend = CachedExperts(bank, bank.w13.data, bank.w2.data, capacity, resident, pinned, self.policy,
-                                         self.device, self.copy_stream, self.stats, layer)
+                                         self.device, self.copy_stream, self.stats, layer,
+                                         use_fused=self.moe_backend == "auto")
             self.caches[layer] = bank.backend
 
     def before_layer(self, i: int) -> None:

@@ -273,6 +273,8 @@ def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, 
 CASES = {
     "offload16": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16}, 16,
                                                 (1, 64), 2048, accelerate=True),
+    "offload16-ferry": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16},
+                                                      16, (1, 64), 2048),
     "zipf16": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16}, 16,
                                              (1, 64), None, routing="zipf1.2"),
     "qwen3-30b": lambda rows, h2d: case_offload(rows, h2d, "qwen3-30b-a3b", QWEN3_30B, 8, (1, 64), None),

@@ -97,6 +97,8 @@ def belady_hits(trace: list[list[int]], capacity: int, initial: list[int] = ()) 
 
 class CachedExperts(ExpertBackend):
     reads_host = True
+    single_round_tokens = 64
+    """Up to this many tokens the fused path waits for the misses and runs hits and misses in one launch."""
 
     def __init__(self, bank, host_w13: torch.Tensor, host_w2: torch.Tensor, capacity: int, initial: list[int],
                  pinned: set[int], policy: str, device: torch.device, copy_stream, stats, layer: int,
@@ -181,6 +183,12 @@ class CachedExperts(ExpertBackend):
                 self.free[self.slot_of[e]].record(cur)
 
         issue()
+        if hits and not pending and inflight and topk_ids.shape[0] <= self.single_round_tokens:
+            # few tokens: the hits' compute is too short to hide anything; one round costs half the launches
+            for e, s in inflight:
+                cur.wait_event(self.ready[s])
+            run(hits + [e for e, _ in inflight])
+            return sum_rows(out, topk_ids.shape[1])
         if hits:
             run(hits)
             if pending:

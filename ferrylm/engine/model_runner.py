@@ -72,6 +72,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
+        # what this engine allocates is measured from here (other engines may share the device)
+        self._mem_base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         cls = model_class(model_config)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -100,9 +102,12 @@ class ModelRunner:
             if isinstance(m, RotaryEmbedding):  # as long as the engine's context (128k-position models)
                 m.max_positions = min(m.max_positions, max_model_len)
                 m._table(self.device)
+        self.placement = placement
+        self.activation_bytes = None
+        if self.device.type == "cuda" and self._budget is not None:
+            kv_bytes = self._kv_after_warmup(kv_bytes)
         self.kv_cache = self._allocate_kv(kv_bytes)
         self.state_pool = self._allocate_state()
-        self.placement = placement
         text = describe(placement, self.kv_cache.nbytes, self.kv_cache.num_blocks * self.block_size,
                         model_config.num_experts_per_tok or None)
         (log.warning if not placement.fully_resident else log.info)("%s", text)
@@ -137,9 +142,63 @@ class ModelRunner:
         elt = torch.empty(0, dtype=self.dtype).element_size()
         return T * width * elt + 3 * sc.max_num_seqs * cfg.vocab_size * 4 + (256 << 20)
 
+    def _graphs_planned(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager
+
+    def _warmup_peak(self) -> int:
+        """Device bytes one step at the token budget allocates beyond the weights, measured: a dummy
+        prefill of `max_num_batched_tokens` tokens (K/V written to a scratch pool) and the logits of
+        `max_num_seqs` rows, plus the sampler's [B, V] work tensors."""
+        cfg, sc = self.model_config, self.config.scheduler
+        T = min(sc.max_num_batched_tokens, self.max_model_len)
+        kv = KVCache(cfg.num_hidden_layers, 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                     self.dtype, self.device)
+        ctx = ForwardContext(query_start_loc=[0, T], start_pos=[0], seq_lens=[T],
+                             slot_mapping=torch.zeros(T, dtype=torch.long, device=self.device),
+                             block_tables=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                             num_decodes=0, kv_cache=kv, state_slots=[None], state=None)
+        ids = torch.randint(0, cfg.vocab_size, (T,), device=self.device)
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with torch.inference_mode(), forward_context(ctx):
+            hidden = self.forward(ids, torch.arange(T, device=self.device))
+            self.model.compute_logits(hidden[:min(T, sc.max_num_seqs)])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del kv, ctx, hidden
+        self.placed.stats.reset()  # the warm-up's copies are not the workload's
+        return peak + 2 * sc.max_num_seqs * cfg.vocab_size * 4
+
+    def _kv_after_warmup(self, planned: int) -> int:
+        """The KV pool from what is left of the budget once the weights sit where they are and one step's
+        activations are measured (graph pools counted as one more step's worth)."""
+        peak = self._warmup_peak()
+        self.activation_bytes = peak * (2 if self._graphs_planned() else 1)
+        used = torch.cuda.memory_allocated(self.device) - self._mem_base
+        left = self._budget - used - self.activation_bytes
+        if self._fixed_kv is not None:
+            if left < self._fixed_kv:
+                log.warning("the KV cache asked for (%.2f GiB) exceeds what the budget leaves after weights and "
+                            "measured activations (%.2f GiB)", self._fixed_kv / 2**30, left / 2**30)
+            return self._fixed_kv
+        per_block = self._kv_bytes_per_block()
+        need = (self.max_model_len + self.block_size - 1) // self.block_size + 2
+        if left < need * per_block:
+            raise ConfigError(f"GPU memory budget {self._budget / 2**30:.2f} GiB is too small: after the weights "
+                              f"({used / 2**30:.2f} GiB) and one step's measured activations "
+                              f"({self.activation_bytes / 2**30:.2f} GiB) it leaves {max(left, 0) / 2**30:.2f} GiB, "
+                              f"less than one sequence of {self.max_model_len} tokens needs in KV cache "
+                              f"({need * per_block / 2**30:.2f} GiB); lower --max-model-len or "
+                              f"--max-num-batched-tokens, or raise the budget")
+        log.info("KV cache from the measured warm-up: %.2f GiB (planned %.2f GiB; activations %.2f GiB)",
+                 left / 2**30, planned / 2**30, self.activation_bytes / 2**30)
+        return left
+
     def _place(self):
         """(placement, KV bytes): the whole model resident when it fits, else placed under the budget."""
         oc, cc, sc = self.config.offload, self.config.cache, self.config.scheduler
+        self._budget = self._fixed_kv = None
         groups = group_tensors(self.model)
         per_block = self._kv_bytes_per_block()
         blocks_per_seq = (self.max_model_len + self.block_size - 1) // self.block_size
@@ -148,6 +207,7 @@ class ModelRunner:
             fixed_kv = cc.num_kv_blocks * per_block
         elif cc.kv_cache_memory_gb is not None:
             fixed_kv = int(cc.kv_cache_memory_gb * 2**30)
+        self._fixed_kv = fixed_kv
         budget = oc.gpu_memory_budget
         if budget is None and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -157,6 +217,7 @@ class ModelRunner:
             need = sc.max_num_seqs * blocks_per_seq  # every sequence at full length, capped at 2 GiB
             kv = fixed_kv if fixed_kv is not None else min(need, max(2, int(2 * 2**30 // per_block))) * per_block
             return place(groups, None, oc.place, stream_buffers=oc.stream_buffers), kv
+        self._budget = budget
         reserve = self._activation_reserve() if self.device.type == "cuda" else 0
         min_kv = (blocks_per_seq + 2) * per_block  # one sequence at full length, and the scratch block
         kv = fixed_kv if fixed_kv is not None else min_kv

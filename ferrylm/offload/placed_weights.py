@@ -37,6 +37,9 @@ class OffloadStats:
     weight_waits: int = 0
     """Times the compute stream had to wait for a copy that had not landed when the layer was enqueued."""
 
+    def reset(self) -> None:
+        self.h2d_bytes = self.expert_hits = self.expert_misses = self.weight_waits = 0
+
     @property
     def hit_rate(self) -> float | None:
         n = self.expert_hits + self.expert_misses

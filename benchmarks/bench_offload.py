@@ -270,7 +270,41 @@ def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, 
     torch.cuda.empty_cache()
 
 
+def case_hybrid(rows: list, h2d: float, routing: str = "model") -> None:
+    """One 16-layer Mixtral load under 16 GiB; batch-1/16 decode with misses copied (gpu), computed on the
+    host (cpu), or split by the cost model (auto), switched per run on the same engine."""
+    from ferrylm import LLM
+    from ferrylm.weights.random_source import RandomSource
+
+    if routing.startswith("zipf"):
+        zipf_routing(float(routing[4:] or 1.2))
+    cfg = {**MIXTRAL, "num_hidden_layers": 16}
+    llm = LLM(RandomSource(cfg), device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=4096,
+              gpu_memory_budget="16GiB", experts="auto")
+    runner = llm.engine.runner
+    print("calibration:", runner.placed.calibration, flush=True)
+    stats = runner.placed.stats
+    for batch in (1, 16):
+        row = {"model": "mixtral-16L", "budget_gib": 16, "batch": batch, "routing": routing}
+        for mode in ("gpu", "cpu", "auto"):
+            for c in runner.placed.caches.values():
+                c.cpu_mode = mode
+            stats.reset()
+            r, per = decode_rate(llm, batch, 16 if batch == 1 else 6, seed=batch * 7, stats=stats)
+            key = {"gpu": "copy_only_tok_s", "cpu": "cpu_only_tok_s", "auto": "hybrid_tok_s"}[mode]
+            row[key] = r
+            row[f"{mode}_split"] = {"copied_gib_per_step": per / 2**30, "cpu_experts": stats.cpu_experts,
+                                    "cpu_busy_s": round(stats.cpu_busy_s, 3), "cpu_wait_s": round(stats.cpu_wait_s, 3)}
+            print(f"hybrid {routing} batch {batch:2d} {mode:4s}: {r:7.2f} tok/s  {row[f'{mode}_split']}", flush=True)
+        rows.append(row)
+    del llm, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 CASES = {
+    "hybrid16": lambda rows, h2d: case_hybrid(rows, h2d),
+    "hybrid16-zipf": lambda rows, h2d: case_hybrid(rows, h2d, "zipf1.2"),
     "offload16": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16}, 16,
                                                 (1, 64), 2048, accelerate=True),
     "offload16-ferry": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16},

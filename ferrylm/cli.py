@@ -31,6 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> None:
                    help="placement rule, repeatable: experts=cpu, layers.0-7=gpu, layers.4.experts.0-3=gpu, lm_head=gpu")
     p.add_argument("--expert-cache-policy", default="lru", choices=["lru", "lfu"])
     p.add_argument("--expert-profile", default=None, help="expert popularity JSON: its hottest experts stay resident")
+    p.add_argument("--experts", default="auto", choices=["auto", "gpu", "cpu"],
+                   help="where expert misses run: auto (measured cost model), gpu (copy), cpu (host cores)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="threads for experts computed on the host")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -40,7 +43,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 block_size=a.block_size, kv_cache_memory_gb=a.kv_cache_memory_gb,
                 enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
                 gpu_memory_budget=a.gpu_memory_budget, gpu_memory_utilization=a.gpu_memory_utilization,
-                place=tuple(a.place), expert_cache_policy=a.expert_cache_policy, expert_profile=a.expert_profile)
+                place=tuple(a.place), expert_cache_policy=a.expert_cache_policy, expert_profile=a.expert_profile,
+                experts=a.experts, cpu_threads=a.cpu_threads)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -207,6 +207,11 @@ class OffloadConfig:
     """JSON file of per-layer expert popularity; its hottest experts start resident and stay pinned."""
     stream_buffers: int = 2
     """Device buffers that streamed (non-resident) dense layers rotate through."""
+    experts: str = "auto"
+    """Where expert misses run: auto (the measured cost model splits copies and host compute; copy-only on
+    the CPU engine), gpu (copy every miss to the device), cpu (compute every miss on the host's cores)."""
+    cpu_threads: int | None = None
+    """Threads for host experts (torch intra-op threads); None keeps torch's default."""
 
     def __post_init__(self) -> None:
         if self.gpu_memory_budget is not None and self.gpu_memory_budget <= 0:
@@ -216,6 +221,10 @@ class OffloadConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {u}")
         if self.expert_cache_policy not in ("lru", "lfu"):
             raise ConfigError(f"expert cache policy {self.expert_cache_policy!r}: choose lru or lfu")
+        if self.experts not in ("auto", "gpu", "cpu"):
+            raise ConfigError(f"experts {self.experts!r}: choose auto, gpu or cpu")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.stream_buffers < 2:
             raise ConfigError(f"stream_buffers must be >= 2 (double buffering), got {self.stream_buffers}")
 

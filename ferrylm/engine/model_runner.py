@@ -91,7 +91,7 @@ class ModelRunner:
         placement, kv_bytes = self._place()
         self.placed = PlacedWeights(self.model, placement, self.device, config.offload.expert_cache_policy,
                                     config.offload.expert_profile, config.offload.stream_buffers,
-                                    config.moe_backend)
+                                    config.moe_backend, config.offload.experts, config.offload.cpu_threads)
         self.model.load_weights(source, progress=progress, allocator=self.placed)
         meta = [n for n, p in self.model.named_parameters() if p.is_meta]
         if meta:  # load_weights reports missing tensors; this is a model whose loader skipped one

@@ -2,9 +2,11 @@
 device slots per layer. Its resident experts are the slots' first contents; misses are copied in on
 demand, on the copy stream, while the experts already there compute.
 
-One layer's step: plan (route; counts to the host: the one sync per layer), fetch (every miss's copy is
-issued first, into slots that hold no expert this step needs), compute the hits while the misses are in
-flight, then each miss as its copy lands; when a step needs more experts than there are free slots, the
+One layer's step: plan (route; counts to the host: the one sync per layer; the cost model sends some
+misses to the host's cores when `cpu_mode` allows: `offload/cost_model.py`), fetch (every copied miss is
+issued first, into slots that hold no expert this step needs; host experts start on the CPU pool),
+compute the hits while the misses are in flight, then each miss as its copy lands, then join the host
+results; when a step needs more experts than there are free slots, the
 slots of experts already computed are reused (waves). Outputs are added in ascending expert order
 (`layers.moe.combine`), so the result is bit-identical to the resident reference path.
 
@@ -19,6 +21,7 @@ from collections import deque
 import torch
 
 from ferrylm.layers.moe import ExpertBackend, combine, dispatch, expert_mlp
+from ferrylm.offload.cost_model import split_misses
 
 
 class EvictionPolicy:
@@ -107,7 +110,9 @@ class CachedExperts(ExpertBackend):
         `initial` (the resident experts); `pinned` experts are never evicted."""
         self.host_w13, self.host_w2 = host_w13, host_w2
         self.device, self.stream, self.stats, self.layer = device, copy_stream, stats, layer
-        self.use_fused, self.act_name = use_fused, bank.act_name
+        self.use_fused, self.act_name, self.act = use_fused, bank.act_name, bank.act
+        self.cpu_mode, self.costs, self.cpu_pool = "gpu", None, None
+        """Hybrid: `cpu_mode` auto | cpu lets misses run on the host (`costs`, a worker `cpu_pool`)."""
         C = capacity
         self.w13 = torch.empty((C, *host_w13.shape[1:]), dtype=host_w13.dtype, device=device)
         self.w2 = torch.empty((C, *host_w2.shape[1:]), dtype=host_w2.dtype, device=device)
@@ -134,22 +139,48 @@ class CachedExperts(ExpertBackend):
 
         return self.use_fused and FusedExperts.supports_tensors(self.w13, self.act_name)
 
-    def _plan(self, needed: list[int]):
-        """Hits, the misses' queue, and the slots free to take a miss now (policy order)."""
+    def _plan(self, counts: list[int]):
+        """Hits, the copied misses' queue, the slots free to take a miss now (policy order), host misses."""
+        needed = [e for e, n in enumerate(counts) if n]
         need = set(needed)
         hits = [e for e in needed if e in self.slot_of]
         if self.trace is not None:
             self.trace.append(needed)
             self.trace_hits += len(hits)
-        pending = deque(e for e in needed if e not in self.slot_of)
+        misses = [e for e in needed if e not in self.slot_of]
+        on_cpu: list[int] = []
+        if misses and self.cpu_mode != "gpu":
+            misses, on_cpu = split_misses({e: counts[e] for e in misses}, self.costs, self.cpu_mode)
+        pending = deque(misses)
         self.stats.expert_hits += len(hits)
-        self.stats.expert_misses += len(pending)
+        self.stats.expert_misses += len(pending) + len(on_cpu)
+        self.stats.cpu_experts += len(on_cpu)
         self.policy.touch(needed)
         cands = [s for s in range(self.capacity) if self.owner[s] not in need and self.owner[s] not in self.pinned]
         empty = [s for s in cands if self.owner[s] is None]
         avail = deque(empty + [self.slot_of[e] for e in self.policy.victims(
             [self.owner[s] for s in cands if self.owner[s] is not None])])
-        return hits, pending, avail
+        return hits, pending, avail, on_cpu
+
+    def _on_host(self, fn, experts: list[int]) -> dict:
+        """Start `fn(e)` for each host expert on the CPU pool; returns futures by expert."""
+        import time
+
+        def timed(e):
+            t = time.perf_counter()
+            out = fn(e)
+            self.stats.cpu_busy_s += time.perf_counter() - t
+            return out
+
+        return {e: self.cpu_pool.submit(timed, e) for e in experts}
+
+    def _join(self, futures: dict) -> dict:
+        import time
+
+        t = time.perf_counter()
+        done = {e: f.result() for e, f in futures.items()}
+        self.stats.cpu_wait_s += time.perf_counter() - t
+        return done
 
     def _forward_fused(self, bank, x, topk_ids, topk_weights):
         """The fused kernel over the device slots, in rounds: the hits first (the misses' copies already
@@ -157,10 +188,21 @@ class CachedExperts(ExpertBackend):
         from ferrylm.layers.fused_moe import expert_rows, sum_rows
 
         E, C = bank.num_experts, self.capacity
-        present = torch.zeros(E, dtype=torch.bool, device=x.device).scatter_(0, topk_ids.flatten(), True)
-        needed = present.nonzero()[:, 0].tolist()  # the layer's one host sync
-        hits, pending, avail = self._plan(needed)
+        T, k = topk_ids.shape
+        ids_host = topk_ids.cpu()  # the layer's one host sync
+        counts = torch.bincount(ids_host.flatten(), minlength=E).tolist()
+        hits, pending, avail, on_cpu = self._plan(counts)
         inflight: list[tuple[int, int]] = []
+        futures = {}
+        if on_cpu:
+            x_host, w_host = x.cpu(), topk_weights.cpu()
+
+            def host_rows(e):  # -> (assignment rows t * k + j, their weighted outputs)
+                tok, j = (ids_host == e).nonzero(as_tuple=True)
+                y = expert_mlp(x_host[tok], self.host_w13[e], self.host_w2[e], self.act)
+                return tok * k + j, (y.float() * w_host[tok, j][:, None]).to(y.dtype)
+
+            futures = self._on_host(host_rows, on_cpu)
 
         def issue():
             while pending and avail:
@@ -188,7 +230,7 @@ class CachedExperts(ExpertBackend):
             for e, s in inflight:
                 cur.wait_event(self.ready[s])
             run(hits + [e for e, _ in inflight])
-            return sum_rows(out, topk_ids.shape[1])
+            return sum_rows(self._add_host_rows(out, futures, T * k, x), k)
         if hits:
             run(hits)
             if pending:
@@ -206,7 +248,16 @@ class CachedExperts(ExpertBackend):
                 issue()
         if pending:
             raise RuntimeError(f"expert cache of layer {self.layer}: no evictable slot for experts {list(pending)}")
-        return sum_rows(out, topk_ids.shape[1])
+        return sum_rows(self._add_host_rows(out, futures, T * k, x), k)
+
+    def _add_host_rows(self, out, futures, A: int, x):
+        if not futures:
+            return out
+        rows = torch.zeros(A, x.shape[1], dtype=x.dtype)
+        for idx, y in self._join(futures).values():
+            rows[idx] = y
+        rows = rows.to(x.device, non_blocking=True)
+        return rows if out is None else out + rows
 
     def start_trace(self) -> None:
         self.trace, self.trace_hits = [], 0
@@ -252,8 +303,13 @@ class CachedExperts(ExpertBackend):
         for n in counts:
             starts.append(acc)
             acc += n
-        hits, pending, avail = self._plan([e for e, n in enumerate(counts) if n])
+        hits, pending, avail, on_cpu = self._plan(counts)
         inflight: deque[tuple[int, int]] = deque()
+        futures = {}
+        if on_cpu:
+            x_host, rows_host = x.cpu(), rows.cpu()
+            futures = self._on_host(lambda e: expert_mlp(x_host[rows_host[starts[e]:starts[e] + counts[e]]],
+                                                         self.host_w13[e], self.host_w2[e], self.act), on_cpu)
 
         def issue():
             while pending and avail:
@@ -280,4 +336,6 @@ class CachedExperts(ExpertBackend):
                 issue()
         if pending:
             raise RuntimeError(f"expert cache of layer {self.layer}: no evictable slot for experts {list(pending)}")
+        for e, y in self._join(futures).items():
+            outputs[e] = y.to(x.device, non_blocking=True)
         return combine(x, counts, rows, w_sorted, outputs)

@@ -11,6 +11,7 @@ layer; `stats` counts what moved.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -36,9 +37,16 @@ class OffloadStats:
     expert_misses: int = 0
     weight_waits: int = 0
     """Times the compute stream had to wait for a copy that had not landed when the layer was enqueued."""
+    cpu_experts: int = 0
+    """Misses computed on the host's cores (hybrid)."""
+    cpu_busy_s: float = 0.0
+    """Seconds the CPU pool spent computing experts."""
+    cpu_wait_s: float = 0.0
+    """Seconds the step waited for CPU expert results after its device work was enqueued."""
 
     def reset(self) -> None:
-        self.h2d_bytes = self.expert_hits = self.expert_misses = self.weight_waits = 0
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, type(getattr(self, f.name))())
 
     @property
     def hit_rate(self) -> float | None:
@@ -48,10 +56,16 @@ class OffloadStats:
 
 class PlacedWeights:
     def __init__(self, model: nn.Module, placement: Placement, device: torch.device, policy: str = "lru",
-                 profile: str | None = None, stream_buffers: int = 2, moe_backend: str = "auto"):
+                 profile: str | None = None, stream_buffers: int = 2, moe_backend: str = "auto",
+                 experts: str = "auto", cpu_threads: int | None = None):
         self.model, self.placement, self.device = model, placement, device
         self.target = device
         self.policy, self.stream_buffers, self.moe_backend = policy, stream_buffers, moe_backend
+        # on the CPU engine both tiers are host memory: "auto" has nothing to balance and copies
+        self.experts = "gpu" if experts == "auto" and device.type != "cuda" else experts
+        self.cpu_threads = cpu_threads
+        self.cpu_pool = None
+        self.calibration: dict | None = None
         self.stats = OffloadStats()
         self.host = HostTier(pin=device.type == "cuda")
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -127,6 +141,21 @@ class PlacedWeights:
                                          self.device, self.copy_stream, self.stats, layer,
                                          use_fused=self.moe_backend == "auto")
             self.caches[layer] = bank.backend
+        if self.caches and self.experts != "gpu":
+            self._start_hybrid()
+
+    def _start_hybrid(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from ferrylm.offload.calibration import calibrate
+
+        if self.cpu_threads:
+            torch.set_num_threads(self.cpu_threads)
+        self.cpu_pool = ThreadPoolExecutor(1, thread_name_prefix="ferry-cpu-experts")  # intra-op threads inside
+        first = next(iter(self.caches.values()))
+        costs, self.calibration = calibrate(first.host_w13, first.host_w2, first.act, self.device)
+        for c in self.caches.values():
+            c.cpu_mode, c.costs, c.cpu_pool = self.experts, costs, self.cpu_pool
 
     def before_layer(self, i: int) -> None:
         if self.streamer is not None:
@@ -151,6 +180,8 @@ class PlacedWeights:
         return total
 
     def close(self) -> None:
+        if self.cpu_pool is not None:
+            self.cpu_pool.shutdown()
         self.host.close()
 
 

@@ -146,6 +146,48 @@ def cmd_chat(a: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": text})
 
 
+PROFILE_PROMPTS = [
+    "Explain how a ferry crosses a river with a strong current.",
+    "用三句话介绍长江。",
+    "def quicksort(xs):\n    # sort a list of integers\n",
+    "Solve for x: 3x + 7 = 22. Show each step.",
+    "Write a short letter to a friend about a trip to the mountains.",
+    "What is the derivative of x^3 * sin(x)?",
+]
+
+
+def cmd_profile(a: argparse.Namespace) -> None:
+    import random
+
+    from ferrylm.errors import ConfigError
+    from ferrylm.offload import expert_profile
+
+    llm = load_llm(a)
+    engine = llm.engine
+    model = engine.runner.model
+    if not expert_profile.banks(model):
+        raise ConfigError("this model has no experts to profile")
+    if a.prompts:
+        try:
+            with open(a.prompts) as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise ConfigError(f"--prompts {a.prompts}: {e.strerror}") from None
+    else:
+        prompts = PROFILE_PROMPTS
+    if engine.tokenizer is None:  # token-id prompts, seeded, when the model has no tokenizer
+        rng = random.Random(a.seed)
+        prompts = [[rng.randrange(engine.model_config.vocab_size) for _ in range(32)] for _ in prompts]
+        print("ferry profile: the model has no tokenizer: profiling on random token ids", file=sys.stderr)
+    expert_profile.start(model)
+    llm.generate(prompts * a.repeat, sampling_params(a, seed=a.seed))
+    profile = expert_profile.collect(model, engine.model_config.architecture)
+    expert_profile.write(profile, a.output)
+    total = sum(sum(v) for v in profile["layers"].values())
+    print(f"wrote {a.output}: {len(profile['layers'])} MoE layers, {total} routed assignments over "
+          f"{len(prompts) * a.repeat} prompts", file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferry", description="ferrylm: LLM inference engine and server")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
@@ -167,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c, max_num_seqs=1)
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
+
+    pr = sub.add_parser("profile", help="record expert routing over a workload; --expert-profile uses the file")
+    pr.add_argument("--output", "-o", required=True, help="profile JSON to write")
+    pr.add_argument("--prompts", default=None, help="text file, one prompt per line (default: a built-in mix)")
+    pr.add_argument("--repeat", type=int, default=1, help="run the prompts this many times")
+    add_engine_args(pr)
+    add_sampling_args(pr)
+    pr.set_defaults(func=cmd_profile, max_tokens=64)
 
     from ferrylm.server.cli import add_serve_parser
     from ferrylm.weights.convert import add_convert_parser

@@ -80,3 +80,30 @@ def test_experts_option_is_checked(mixtral):
 
     with pytest.raises(ConfigError, match="experts 'disk'"):
         LLM(mixtral, experts="disk")
+
+
+def test_profile_round_trip(mixtral, tmp_path, caplog):
+    import subprocess
+    import sys
+
+    out = tmp_path / "profile.json"
+    r = subprocess.run([sys.executable, "-m", "ferrylm.cli", "profile", "--model", mixtral, "-o", str(out),
+                        "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    prof = json.loads(out.read_text())
+    assert sorted(prof["layers"]) == ["0", "1"] and all(len(v) == 4 and sum(v) > 0 for v in prof["layers"].values())
+    llm = LLM(mixtral, place=("experts=cpu", "layers.0-1.experts.0=gpu"), expert_profile=str(out))
+    caches = llm.engine.runner.placed.caches
+    for layer, cache in caches.items():
+        counts = prof["layers"][str(layer)]
+        hottest = max(range(4), key=lambda e: (counts[e], -e))
+        assert cache.pinned == {hottest} and hottest in cache.slot_of
+    assert "expert profile" in llm.engine.runner.placed.profile_note
+    # a profile of another model, or a corrupt one, is ignored with a warning
+    prof["num_experts"] = 8
+    out.write_text(json.dumps(prof))
+    llm = LLM(mixtral, place=("experts=cpu",), expert_profile=str(out))
+    assert "recorded for another model" in caplog.text and llm.engine.runner.placed.profile_note is None
+    out.write_text("{")
+    LLM(mixtral, place=("experts=cpu",), expert_profile=str(out))
+    assert "cannot read it" in caplog.text

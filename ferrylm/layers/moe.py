@@ -37,6 +37,8 @@ class Experts(nn.Module):
         self.act_name = act
         self.act = get_act(act)
         self.backend: ExpertBackend = TorchExperts()
+        self.routing_counts: torch.Tensor | None = None
+        """[E] long on the device while profiling: how many assignments each expert got."""
 
     def load(self, expert: int, part: str, tensor: torch.Tensor) -> None:
         """part: gate | up | down | gate_up (already stacked [2I, H])."""
@@ -52,6 +54,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_ids, topk_weights: [T, k] -> [T, H]
+        if self.routing_counts is not None:  # device-side, so profiling keeps graphs and adds no sync
+            flat = topk_ids.flatten()
+            self.routing_counts.scatter_add_(0, flat, torch.ones_like(flat))
         return self.backend.forward(self, x, topk_ids, topk_weights)
 
 

@@ -12,14 +12,12 @@ layer; `stats` counts what moved.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ferrylm.errors import ConfigError
 from ferrylm.layers.moe import Experts
 from ferrylm.offload.expert_cache import CachedExperts
 from ferrylm.offload.host_tier import HostTier
@@ -83,7 +81,8 @@ class PlacedWeights:
             on = GPU if all(flags) else "cpu"
             tier_of_param[w13] = tier_of_param[w13[:-len("w13")] + "w2"] = on
         self.tier_of_param = tier_of_param
-        self.profile = _read_profile(profile) if profile else None
+        self.profile_path = profile
+        self.profile_note = None
         self.streamer: LayerStreamer | None = None
         self.caches: dict[int, CachedExperts] = {}
 
@@ -121,6 +120,14 @@ class PlacedWeights:
             streamed.setdefault(layer, []).append((p, p.data))
         if streamed:
             self.streamer = LayerStreamer(streamed, self.stream_buffers, self.device, self.copy_stream, self.stats)
+        from ferrylm.offload import expert_profile
+
+        moe = expert_profile.banks(self.model)
+        profile = None
+        if self.profile_path and moe:
+            E = next(iter(moe.values())).num_experts
+            profile = expert_profile.read(self.profile_path, self.model.config.architecture, E, sorted(moe))
+        moved = []
         for name, bank in self.model.named_modules():
             if not isinstance(bank, Experts):
                 continue
@@ -133,14 +140,21 @@ class PlacedWeights:
             resident = [g.expert for g in groups if self.placement.tier[g.name] == GPU]
             capacity = len(resident) + self.placement.expert_slots.get(layer, 0)
             pinned: set[int] = set()
-            if self.profile is not None and str(layer) in self.profile:
-                counts = self.profile[str(layer)]
-                hot = sorted(range(bank.num_experts), key=lambda e: -counts[e])[:len(resident)]
+            if profile is not None:
+                counts = profile[layer]
+                hot = sorted(range(bank.num_experts), key=lambda e: (-counts[e], e))[:len(resident)]
+                covered = sum(counts[e] for e in hot) / max(sum(counts), 1)
+                moved.append((len(set(hot) - set(resident)), covered))
                 resident, pinned = hot, set(hot)
             bank.backend = CachedExperts(bank, bank.w13.data, bank.w2.data, capacity, resident, pinned, self.policy,
                                          self.device, self.copy_stream, self.stats, layer,
                                          use_fused=self.moe_backend == "auto")
             self.caches[layer] = bank.backend
+        if moved:
+            self.profile_note = (f"expert profile {self.profile_path}: the hottest experts of each layer are resident "
+                                 f"and pinned ({sum(m for m, _ in moved)} changed from the default choice); they took "
+                                 f"{sum(c for _, c in moved) / len(moved):.0%} of the recorded routing")
+            log.warning("%s", self.profile_note)
         if self.caches and self.experts != "gpu":
             self._start_hybrid()
 
@@ -183,16 +197,3 @@ class PlacedWeights:
         if self.cpu_pool is not None:
             self.cpu_pool.shutdown()
         self.host.close()
-
-
-def _read_profile(path: str) -> dict:
-    """{"layers": {"<layer>": [count per expert], ...}} as written by `write_profile`."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        layers = data["layers"]
-        if not isinstance(layers, dict) or not all(isinstance(v, list) for v in layers.values()):
-            raise ValueError("'layers' must map layer numbers to per-expert counts")
-        return layers
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"expert profile {path}: cannot read it ({e})") from None

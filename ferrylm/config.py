@@ -41,6 +41,12 @@ class ModelConfig:
     qk_norm: bool = False
     """RMSNorm on each head of q and k before RoPE (Qwen3)."""
     hidden_act: str = "silu"
+    sliding_window: int | None = None
+    """Keys a query sees (itself included) in sliding-window layers (Mistral, Mixtral, Qwen with
+    `use_sliding_window`); None: every layer attends to the whole context."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer `full_attention` | `sliding_attention` (HF `layer_types`, or derived from Qwen's
+    `max_window_layers`); empty: every layer slides when `sliding_window` is set."""
     # Mixture of experts (0 experts = dense).
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -59,6 +65,14 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def window_of(self, layer_idx: int) -> int | None:
+        """The sliding window of one layer, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -95,6 +109,7 @@ class ModelConfig:
             cfg = {**cfg, "num_experts": moe.get("moe_num_experts"), "num_experts_per_tok": moe.get("moe_top_k"),
                    "moe_intermediate_size": moe.get("ffn_hidden_size"), "norm_topk_prob": moe.get("norm_topk_prob", True)}
         num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        window, layer_types = _sliding_window(cfg, model_type, layers)
         return cls(
             architecture=archs[0],
             model_type=model_type,
@@ -116,6 +131,8 @@ class ModelConfig:
                                 else model_type in ("qwen2", "qwen2_moe")),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             hidden_act=cfg.get("hidden_act", "silu"),
+            sliding_window=window,
+            layer_types=layer_types,
             num_experts=num_experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
@@ -128,6 +145,30 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             raw=dict(cfg),
         )
+
+
+def _sliding_window(cfg: dict, model_type: str, layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(window, per-layer types) as transformers resolves them. Qwen configs carry a `sliding_window`
+    that counts only with `use_sliding_window`; Mistral/Mixtral's counts whenever it is set."""
+    window = cfg.get("sliding_window")
+    if model_type.startswith("qwen") and not cfg.get("use_sliding_window"):
+        window = None
+    if not window:  # None or 0 (Qwen2-MoE writes 0 for "off")
+        return None, ()
+    types = cfg.get("layer_types")
+    if types is None and model_type.startswith("qwen"):
+        mwl = int(cfg.get("max_window_layers", 28))
+        if model_type == "qwen2_moe":  # every other layer below max_window_layers (transformers' rule)
+            types = ["sliding_attention" if (i + 1) % 2 and i < mwl else "full_attention" for i in range(layers)]
+        elif model_type != "qwen3_moe":  # qwen2, qwen3: the layers from max_window_layers on
+            types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
+    types = tuple(types or ())
+    bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if bad:
+        raise ConfigError(f"unsupported layer_types value(s) {bad}; supported: full_attention, sliding_attention")
+    if types and len(types) != layers:
+        raise ConfigError(f"layer_types has {len(types)} entries for {layers} layers")
+    return int(window), types
 
 
 def _positive(**values: int) -> None:

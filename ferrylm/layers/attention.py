@@ -3,6 +3,10 @@
 Decodes (one new token each) run batched: their context is gathered from the blocks into a padded
 [B, S] view and masked. Prefill chunks run one sequence at a time, causally offset by the tokens already
 cached (prefix-cache hits and earlier chunks). Runs on CPU and CUDA through `scaled_dot_product_attention`.
+
+A layer with a sliding window W lets the query at position p see keys p - W + 1 .. p (HF's
+`kv_idx > q_idx - sliding_window`), in every path: the masks add the lower bound. The cache keeps the
+blocks that left the window (they are masked, not freed), so the window saves no memory or reads yet.
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ from ferrylm.layers.context import get_forward_context
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.window = sliding_window
+        """Keys a query sees, itself included; None: the whole causal context."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, Hk, D] -> out: [T, H * D]
@@ -31,11 +38,13 @@ class PagedAttention(nn.Module):
         for a, b, max_len in ctx.decode_groups or ([(0, nd, ctx.decode_max_len)] if nd else []):
             out[a:b] = self._decode(q[a:b], k_cache, v_cache, ctx.block_tables[a:b], ctx.decode_seq_lens[a:b],
                                     max_len, ctx.padded_decode)
+        W = self.window
         for i in range(nd, ctx.num_seqs):
             a, b = ctx.query_start_loc[i], ctx.query_start_loc[i + 1]
-            start = ctx.start_pos[i]
+            start, seq_len = ctx.start_pos[i], ctx.seq_lens[i]
+            plain = start == 0 and (W is None or seq_len <= W)  # SDPA's own causal mask is exact
             out[a:b] = self._prefill(q[a:b], k[a:b], v[a:b], k_cache, v_cache, ctx.block_tables[i], start,
-                                     ctx.seq_lens[i], ctx.prefill_mask(i, q.device) if start > 0 else None)
+                                     seq_len, None if plain else ctx.prefill_mask(i, q.device, W))
         return out.flatten(1)
 
     def _sdpa(self, q, k, v, mask=None, causal=False):
@@ -54,13 +63,18 @@ class PagedAttention(nn.Module):
         v = v_cache.index_select(0, idx).view(B, nb * bs, *v_cache.shape[2:])[:, :max_len]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hk, S, D]
         mask = None
-        if B > 1 or padded:  # shorter contexts must not see the padding
-            mask = (torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+        W = self.window
+        if B > 1 or padded or (W is not None and max_len > W):  # shorter contexts must not see the padding
+            pos = torch.arange(max_len, device=q.device)[None, :]  # [1, S]
+            mask = pos < seq_lens[:, None]  # [B, S]
+            if W is not None:  # the new token sits at seq_len - 1 and sees W keys back to itself
+                mask = mask & (pos >= seq_lens[:, None] - W)
+            mask = mask[:, None, None, :]
         o = self._sdpa(q[:, :, None, :], k, v, mask=mask)  # [B, H, 1, D]
         return o[:, :, 0, :]
 
     def _prefill(self, q, k, v, k_cache, v_cache, block_table, start, seq_len, mask):
-        # q: [n, H, D]; k, v: [n, Hk, D] (this chunk's own keys, already written to the cache)
+        # q: [n, H, D]; k, v: [n, Hk, D] (this chunk's own keys, already written to the cache); mask: [n, S]
         if start > 0:  # earlier chunks or prefix-cache hits live only in the cache
             bs = k_cache.shape[1]
             nb = (seq_len + bs - 1) // bs
@@ -68,8 +82,8 @@ class PagedAttention(nn.Module):
             k = k_cache.index_select(0, bt).flatten(0, 1)[:seq_len]  # [S, Hk, D]
             v = v_cache.index_select(0, bt).flatten(0, 1)[:seq_len]
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if start == 0:
+        if mask is None:
             o = self._sdpa(qh, kh, vh, causal=True)
         else:
-            o = self._sdpa(qh, kh, vh, mask=mask)  # causal, offset by the cached tokens
+            o = self._sdpa(qh, kh, vh, mask=mask)  # causal, offset by the cached tokens (and windowed)
         return o[0].transpose(0, 1)  # [n, H, D]

@@ -50,13 +50,18 @@ class ForwardContext:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
-    def prefill_mask(self, i: int, device) -> torch.Tensor:
-        """[n, S] bool: sequence i's chunk query j (absolute position start + j) sees keys 0..start + j.
-        Built once per step, shared by every layer."""
-        if i not in self._masks:
+    def prefill_mask(self, i: int, device, window: int | None = None) -> torch.Tensor:
+        """[n, S] bool: sequence i's chunk query j (absolute position start + j) sees keys 0..start + j,
+        or with a sliding window only start + j - window + 1..start + j. Built once per step and window,
+        shared by every layer."""
+        key = (i, window)
+        if key not in self._masks:
             n, start = self.query_start_loc[i + 1] - self.query_start_loc[i], self.start_pos[i]
-            self._masks[i] = torch.ones(n, self.seq_lens[i], dtype=torch.bool, device=device).tril(diagonal=start)
-        return self._masks[i]
+            mask = torch.ones(n, self.seq_lens[i], dtype=torch.bool, device=device).tril(diagonal=start)
+            if window is not None:
+                mask = mask.triu(diagonal=start - window + 1)
+            self._masks[key] = mask
+        return self._masks[key]
 
 
 _current: ForwardContext | None = None

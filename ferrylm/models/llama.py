@@ -35,7 +35,8 @@ class LlamaAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         rot = int(self.d * cfg.partial_rotary_factor)
         self.rotary = RotaryEmbedding(self.d, rot, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.attn = PagedAttention(layer_idx, self.hq, self.hk, self.d, scale=self.d ** -0.5)
+        self.attn = PagedAttention(layer_idx, self.hq, self.hk, self.d, scale=self.d ** -0.5,
+                                   sliding_window=cfg.window_of(layer_idx))
 
     def qkv(self, positions: torch.Tensor, x: torch.Tensor):
         # x: [T, H] -> q: [T, Hq, D]; k, v: [T, Hk, D] (rotated, ready for the cache)

@@ -33,6 +33,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     """HF `rope_scaling` dict (`rope_type` llama3/linear/dynamic...), or None."""
+    rope_freqs: tuple[float, ...] = ()
+    """Per-frequency divisors of the RoPE angles (a GGUF's `rope_freqs` tensor, Llama-3.1 style)."""
     partial_rotary_factor: float = 1.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -65,6 +67,13 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def context_limit(self) -> int:
+        """Positions the model serves: `max_position_embeddings`, stretched by dynamic/linear/yarn RoPE."""
+        from ferrylm.layers.rotary import context_limit
+
+        return context_limit(self.rope_scaling, self.max_position_embeddings)
 
     def window_of(self, layer_idx: int) -> int | None:
         """The sliding window of one layer, or None for full attention."""
@@ -103,6 +112,9 @@ class ModelConfig:
                 rope_scaling = rope_params
         if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
+        if isinstance(rope_scaling, dict) and "original_max_position_embeddings" not in rope_scaling \
+                and cfg.get("original_max_position_embeddings"):  # Phi-3 keeps it beside rope_scaling
+            rope_scaling = {**rope_scaling, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
         model_type = cfg.get("model_type", "")
         moe = cfg.get("moe_config") if cfg.get("use_moe") else None  # Yuan-M32 nests its MoE settings
         if isinstance(moe, dict):
@@ -123,6 +135,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
+            rope_freqs=tuple(float(f) for f in cfg.get("rope_freqs") or ()),
             partial_rotary_factor=float(cfg.get("partial_rotary_factor", 1.0)),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
             # save_pretrained drops values equal to the class default, and Yuan's default is tied

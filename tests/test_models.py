@@ -134,3 +134,101 @@ def test_padded_decode_window_mask_matches_exact():
         ref = torch.einsum("hw,whd->hd", w, vals)
         assert (exact[b] - ref).abs().max() < 1e-5
     assert (padded - exact).abs().max() < 1e-5
+
+
+# -- RoPE scalings -----------------------------------------------------------------------------------
+
+ROPE = {  # head_dim 16 -> 8 frequencies; original context 32, prompts and decode run past it
+    "yarn": dict(max_position_embeddings=128, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)),
+    "yarn-mscale": dict(max_position_embeddings=128, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=16,
+        beta_slow=2, attention_factor=1.3)),
+    "dynamic": dict(max_position_embeddings=32, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0,
+                                                                      factor=2.0)),
+    "longrope": dict(max_position_embeddings=128, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=32,
+        short_factor=[1.0, 1.1, 1.2, 1.4, 1.6, 2.0, 2.5, 3.0], long_factor=[1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0])),
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPE))
+def test_rope_scaling_matches_transformers(kind, tmp_path_factory):
+    path, ref = build(tmp_path_factory, f"rope-{kind}", "LlamaConfig", "LlamaForCausalLM",
+                      dict(head_dim=16, **ROPE[kind]))
+    # 20: crosses the original context while decoding; 40: past it from the prompt on
+    compare(f"rope {kind}", path, ref, prompts_of(20, 40), repeat=True)
+
+
+def test_rope_scaling_errors_name_the_key():
+    from ferrylm.layers.rotary import RotaryEmbedding
+
+    with pytest.raises(ConfigError, match="unsupported rope_scaling type 'mrope'"):
+        RotaryEmbedding(16, 16, 64, 10000.0, {"rope_type": "mrope"})
+    with pytest.raises(ConfigError, match="original_max_position_embeddings"):
+        RotaryEmbedding(16, 16, 64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ConfigError, match="long_factor"):
+        RotaryEmbedding(16, 16, 64, 10000.0, {"rope_type": "longrope", "original_max_position_embeddings": 32,
+                                               "short_factor": [1.0] * 8})
+
+
+def _llama3_rope_factors(head_dim: int, theta: float, s: dict) -> list[float]:
+    """The divisors llama.cpp's converter stores as `rope_freqs` for llama3 scaling (written independently)."""
+    import math
+
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < s["original_max_position_embeddings"] / s["high_freq_factor"]:
+            out.append(1.0)
+        elif wavelen > s["original_max_position_embeddings"] / s["low_freq_factor"]:
+            out.append(s["factor"])
+        else:
+            smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
+                s["high_freq_factor"] - s["low_freq_factor"])
+            out.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return out
+
+
+def test_gguf_rope_freqs_match_llama3_scaling(tmp_path_factory):
+    """A Llama-3.1 GGUF carries its rope scaling as the `rope_freqs` tensor, not as metadata."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    rs = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=32)
+    path, ref = build(tmp_path_factory, "llama31", "LlamaConfig", "LlamaForCausalLM",
+                      dict(head_dim=16, rope_parameters=rs))
+    c = ref.config
+    sd = {k: v.float().numpy() for k, v in ref.state_dict().items()}
+
+    def permute(w, n):  # llama.cpp's q/k row order for its interleaved rope
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    out = tmp_path_factory.mktemp("gguf") / "llama31.gguf"
+    w = gguf.GGUFWriter(str(out), "llama")
+    for key, v in (("block_count", c.num_hidden_layers), ("context_length", c.max_position_embeddings),
+                   ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
+                   ("attention.head_count", c.num_attention_heads),
+                   ("attention.head_count_kv", c.num_key_value_heads), ("vocab_size", c.vocab_size)):
+        w.add_uint32(f"llama.{key}", v)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    w.add_float32("llama.rope.freq_base", rs["rope_theta"])
+    w.add_tensor("rope_freqs.weight", np.array(_llama3_rope_factors(16, rs["rope_theta"], rs), dtype=np.float32))
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    names = dict(attn_norm="input_layernorm", ffn_norm="post_attention_layernorm", attn_q="self_attn.q_proj",
+                 attn_k="self_attn.k_proj", attn_v="self_attn.v_proj", attn_output="self_attn.o_proj",
+                 ffn_gate="mlp.gate_proj", ffn_up="mlp.up_proj", ffn_down="mlp.down_proj")
+    for layer in range(c.num_hidden_layers):
+        for g, h in names.items():
+            t = sd[f"model.layers.{layer}.{h}.weight"]
+            if g in ("attn_q", "attn_k"):
+                t = permute(t, c.num_attention_heads if g == "attn_q" else c.num_key_value_heads)
+            w.add_tensor(f"blk.{layer}.{g}.weight", np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    compare("gguf rope_freqs", str(out), ref, prompts_of(20, 40))

@@ -34,7 +34,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         rot = int(self.d * cfg.partial_rotary_factor)
-        self.rotary = RotaryEmbedding(self.d, rot, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(self.d, rot, cfg.context_limit, cfg.rope_theta, cfg.rope_scaling,
+                                      freq_factors=cfg.rope_freqs, native_positions=cfg.max_position_embeddings)
         self.attn = PagedAttention(layer_idx, self.hq, self.hk, self.d, scale=self.d ** -0.5,
                                    sliding_window=cfg.window_of(layer_idx))
 
@@ -116,6 +117,8 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, self.make_mlp, self.mlp_name)
+        # length-dependent RoPE reads the step's sequence lengths, which piecewise graphs do not capture
+        self.cuda_graphs = type(self).cuda_graphs and not self.model.layers[0].self_attn.rotary.length_dependent
         self.tied = cfg.tie_word_embeddings
         if self.tied:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)

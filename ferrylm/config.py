@@ -39,7 +39,11 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    """Bias on q/k/v projections (Qwen2)."""
+    """Bias on q/k/v projections (Qwen2; Llama/Qwen3 `attention_bias`)."""
+    o_proj_bias: bool = False
+    """Bias on the attention output projection (Llama/Qwen3/OLMoE `attention_bias`; never Qwen2/Mistral)."""
+    mlp_bias: bool = False
+    """Bias on gate/up/down of the dense MLP (Llama `mlp_bias`)."""
     qk_norm: bool = False
     """RMSNorm on each head of q and k before RoPE (Qwen3)."""
     hidden_act: str = "silu"
@@ -122,6 +126,12 @@ class ModelConfig:
                    "moe_intermediate_size": moe.get("ffn_hidden_size"), "norm_topk_prob": moe.get("norm_topk_prob", True)}
         num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
         window, layer_types = _sliding_window(cfg, model_type, layers)
+        if model_type == "qwen2":  # q/k/v bias is built in; Qwen2-MoE names it qkv_bias
+            qkv_bias = True
+        elif model_type == "qwen2_moe":
+            qkv_bias = bool(cfg.get("qkv_bias", True))
+        else:
+            qkv_bias = bool(cfg.get("attention_bias", False))
         return cls(
             architecture=archs[0],
             model_type=model_type,
@@ -140,8 +150,9 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
             # save_pretrained drops values equal to the class default, and Yuan's default is tied
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "yuan")),
-            attention_bias=bool(cfg["attention_bias"] if cfg.get("attention_bias") is not None
-                                else model_type in ("qwen2", "qwen2_moe")),
+            attention_bias=qkv_bias,
+            o_proj_bias=qkv_bias and model_type not in ("qwen2", "qwen2_moe", "mistral", "mixtral"),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             hidden_act=cfg.get("hidden_act", "silu"),
             sliding_window=window,

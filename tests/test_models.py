@@ -232,3 +232,19 @@ def test_gguf_rope_freqs_match_llama3_scaling(tmp_path_factory):
     w.write_tensors_to_file()
     w.close()
     compare("gguf rope_freqs", str(out), ref, prompts_of(20, 40))
+
+
+# -- optional biases ---------------------------------------------------------------------------------
+
+BIASES = {
+    "llama-biases": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+    "qwen3-attention-bias": ("Qwen3Config", "Qwen3ForCausalLM", dict(attention_bias=True, head_dim=16)),
+    "qwen3_moe-attention-bias": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        attention_bias=True, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+}
+
+
+@pytest.mark.parametrize("family", list(BIASES))
+def test_biases_match_transformers(family, tmp_path_factory):
+    path, ref = build(tmp_path_factory, family, *BIASES[family])
+    compare(family, path, ref, prompts_of(11, 6))

@@ -28,7 +28,7 @@ class LlamaAttention(nn.Module):
         q, kv = self.hq * self.d, self.hk * self.d
         self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias,
                                shards={"q": (0, q), "k": (q, kv), "v": (q + kv, kv)})
-        self.o_proj = Linear(q, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
@@ -54,11 +54,11 @@ class LlamaAttention(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
-    def __init__(self, hidden: int, inter: int, act: str = "silu"):
+    def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False):
         super().__init__()
         self.inter = inter
-        self.gate_up_proj = Linear(hidden, 2 * inter, shards={"gate": (0, inter), "up": (inter, inter)})
-        self.down_proj = Linear(inter, hidden)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias, shards={"gate": (0, inter), "up": (inter, inter)})
+        self.down_proj = Linear(inter, hidden, bias=bias)
         self.act = get_act(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +70,7 @@ MLPFactory = Callable[[ModelConfig, int], nn.Module]
 
 
 def dense_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
-    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
 
 
 class DecoderLayer(nn.Module):

@@ -161,7 +161,7 @@ class ModelConfig:
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
             shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type != "qwen2_moe")),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type not in ("qwen2_moe", "olmoe"))),
             decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
             bos_token_id=cfg.get("bos_token_id"),

@@ -248,3 +248,18 @@ BIASES = {
 def test_biases_match_transformers(family, tmp_path_factory):
     path, ref = build(tmp_path_factory, family, *BIASES[family])
     compare(family, path, ref, prompts_of(11, 6))
+
+
+# -- OLMoE -------------------------------------------------------------------------------------------
+
+OLMOE = {
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, eos_token_id=1),
+    "olmoe-clip-norm": dict(num_experts=4, num_experts_per_tok=2, eos_token_id=1, clip_qkv=0.3, norm_topk_prob=True,
+                            attention_bias=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(OLMOE))
+def test_olmoe_matches_transformers(variant, tmp_path_factory):
+    path, ref = build(tmp_path_factory, variant, "OlmoeConfig", "OlmoeForCausalLM", OLMOE[variant])
+    compare(variant, path, ref, prompts_of(11, 6, 19))

@@ -29,6 +29,10 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
+    """Features of each cached K row. For MLA (DeepSeek-V2/V3) the cache holds one row per token, the
+    compressed latent + rope key: `num_key_value_heads` 1, `head_dim` kv_lora_rank + qk_rope_head_dim."""
+    v_cache_dim: int | None = None
+    """Features of each cached V row; None: `head_dim`; 0: no V cache (MLA reads values from the latent)."""
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
@@ -124,7 +128,14 @@ class ModelConfig:
         if isinstance(moe, dict):
             cfg = {**cfg, "num_experts": moe.get("moe_num_experts"), "num_experts_per_tok": moe.get("moe_top_k"),
                    "moe_intermediate_size": moe.get("ffn_hidden_size"), "norm_topk_prob": moe.get("norm_topk_prob", True)}
-        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+        kv_heads, v_cache_dim = int(cfg.get("num_key_value_heads") or heads), None
+        if model_type in ("deepseek_v2", "deepseek_v3"):  # MLA caches one latent + rope-key row per token
+            try:
+                head_dim = int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
+            except KeyError as e:
+                raise ConfigError(f"config.json lacks required MLA field {e.args[0]!r}") from None
+            kv_heads, v_cache_dim = 1, 0
         window, layer_types = _sliding_window(cfg, model_type, layers)
         if model_type == "qwen2":  # q/k/v bias is built in; Qwen2-MoE names it qkv_bias
             qkv_bias = True
@@ -140,8 +151,9 @@ class ModelConfig:
             intermediate_size=int(cfg.get("intermediate_size") or 0),
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            num_key_value_heads=kv_heads,
             head_dim=int(head_dim),
+            v_cache_dim=v_cache_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
@@ -161,7 +173,7 @@ class ModelConfig:
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
             shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type not in ("qwen2_moe", "olmoe"))),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type not in ("qwen2_moe", "olmoe", "deepseek_v2"))),
             decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
             bos_token_id=cfg.get("bos_token_id"),

@@ -28,6 +28,9 @@ def build(tmp_path_factory, name: str, cfg_name: str, cls_name: str, extra: dict
         for name, p in model.named_parameters():
             if p.dim() > 1 or name.endswith("bias"):
                 p.normal_(0, std)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router correction bias is a buffer
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
     return str(path), model
@@ -263,3 +266,52 @@ OLMOE = {
 def test_olmoe_matches_transformers(variant, tmp_path_factory):
     path, ref = build(tmp_path_factory, variant, "OlmoeConfig", "OlmoeForCausalLM", OLMOE[variant])
     compare(variant, path, ref, prompts_of(11, 6, 19))
+
+
+# -- DeepSeek-V2 / V3 (MLA) --------------------------------------------------------------------------
+
+MLA = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, moe_intermediate_size=32, n_shared_experts=1,
+           num_experts_per_tok=2, num_hidden_layers=3, first_k_dense_replace=1, max_position_embeddings=256)
+DEEPSEEK = {
+    "deepseek_v2-lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        MLA, n_routed_experts=8, topk_method="greedy", n_shared_experts=2, routed_scaling_factor=1.0)),
+    "deepseek_v2-grouped": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        MLA, n_routed_experts=8, topk_method="group_limited_greedy", n_group=4, topk_group=2, q_lora_rank=24,
+        routed_scaling_factor=2.0)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        MLA, n_routed_experts=8, n_group=4, topk_group=2, q_lora_rank=24, routed_scaling_factor=2.5,
+        norm_topk_prob=True)),
+    "deepseek_v3-no-interleave": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        MLA, n_routed_experts=8, n_group=2, topk_group=1, rope_interleave=False, attention_bias=True)),
+    "deepseek_v3-yarn": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        MLA, n_routed_experts=8, n_group=4, topk_group=2, q_lora_rank=24, max_position_embeddings=128,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
+                             mscale=1.0, mscale_all_dim=0.707, beta_fast=32, beta_slow=1))),
+}
+
+
+@pytest.mark.parametrize("family", list(DEEPSEEK))
+def test_deepseek_matches_transformers(family, tmp_path_factory):
+    path, ref = build(tmp_path_factory, family, *DEEPSEEK[family])
+    # 40 crosses the yarn case's original context (32); the second pass reads its prompts from the prefix cache
+    compare(family, path, ref, prompts_of(11, 40, 6), repeat=True, block_size=4)
+    from ferrylm.models.deepseek import DeepseekForCausalLM
+    from ferrylm.config import ModelConfig as MC
+    import json, os
+    ours = DeepseekForCausalLM(MC.from_hf(json.load(open(os.path.join(path, "config.json")))))
+    assert ours.model.layers[0].self_attn.attn.scale == pytest.approx(ref.model.layers[0].self_attn.scaling, rel=1e-6)
+
+
+def test_deepseek_chunked_prefill(tmp_path_factory):
+    path, ref = build(tmp_path_factory, "deepseek_v3-chunked", *DEEPSEEK["deepseek_v3"])
+    compare("deepseek_v3 chunked", path, ref, prompts_of(21, 30), block_size=4, max_num_batched_tokens=8,
+            max_num_seqs=2)
+
+
+def test_mla_cache_holds_the_latent_only(tmp_path_factory):
+    """One row of kv_lora_rank + qk_rope_head_dim per token and layer, no V: not H * (n + r + v) x 2."""
+    path, _ = build(tmp_path_factory, "deepseek_v3-cache", *DEEPSEEK["deepseek_v3"])
+    llm = LLM(path, dtype="float32", max_num_seqs=2, num_kv_blocks=8, block_size=4)
+    kv = llm.engine.runner.kv_cache
+    assert tuple(kv.k.shape) == (3, 9, 4, 1, 32 + 8) and kv.v.numel() == 0

@@ -130,7 +130,7 @@ class ModelRunner:
     def _kv_bytes_per_block(self) -> int:
         cfg = self.model_config
         return KVCache.bytes_per_block(cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads,
-                                       cfg.head_dim, self.dtype)
+                                       cfg.head_dim, self.dtype, cfg.v_cache_dim)
 
     def _activation_reserve(self) -> int:
         """Device bytes kept free for activations, logits and library workspaces (an upper estimate
@@ -250,7 +250,7 @@ class ModelRunner:
             raise ConfigError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
         log.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size, num_blocks * per_block / 2**30)
         return KVCache(cfg.num_hidden_layers, num_blocks, self.block_size, cfg.num_key_value_heads,
-                       cfg.head_dim, self.dtype, self.device)
+                       cfg.head_dim, self.dtype, self.device, v_head_dim=cfg.v_cache_dim)
 
     def _allocate_state(self) -> SequenceStatePool | None:
         specs = self.model.state_specs() if hasattr(self.model, "state_specs") else None

@@ -20,20 +20,24 @@ from ferrylm.layers.context import get_forward_context
 
 class PagedAttention(nn.Module):
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, latent_values: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.window = sliding_window
         """Keys a query sees, itself included; None: the whole causal context."""
+        self.latent_values = latent_values
+        """MLA: the values are the first `latent_values` features of each cached key (the compressed
+        latent), so no V cache is read or written; None: values come from the V cache."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, H, D]; k, v: [T, Hk, D] -> out: [T, H * D]
+        # q: [T, H, D]; k, v: [T, Hk, D] (v: [T, Hk, 0] with latent values) -> out: [T, H * Dv]
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx)  # [N, bs, Hk, D] each
         ctx.kv_cache.write(self.layer_idx, ctx.slot_mapping, k, v)
-        out = torch.empty_like(q)
+        dv = self.latent_values or self.head_dim
+        out = q.new_empty(*q.shape[:2], dv)
         nd = ctx.num_decodes
         for a, b, max_len in ctx.decode_groups or ([(0, nd, ctx.decode_max_len)] if nd else []):
             out[a:b] = self._decode(q[a:b], k_cache, v_cache, ctx.block_tables[a:b], ctx.decode_seq_lens[a:b],
@@ -60,7 +64,10 @@ class PagedAttention(nn.Module):
         nb = (max_len + bs - 1) // bs
         idx = block_tables[:, :nb].flatten()  # index_select: advanced indexing is ~1000x slower on CPU
         k = k_cache.index_select(0, idx).view(B, nb * bs, *k_cache.shape[2:])[:, :max_len]  # [B, S, Hk, D]
-        v = v_cache.index_select(0, idx).view(B, nb * bs, *v_cache.shape[2:])[:, :max_len]
+        if self.latent_values:
+            v = k[..., :self.latent_values]  # [B, S, Hk, Dv]
+        else:
+            v = v_cache.index_select(0, idx).view(B, nb * bs, *v_cache.shape[2:])[:, :max_len]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hk, S, D]
         mask = None
         W = self.window
@@ -71,7 +78,7 @@ class PagedAttention(nn.Module):
                 mask = mask & (pos >= seq_lens[:, None] - W)
             mask = mask[:, None, None, :]
         o = self._sdpa(q[:, :, None, :], k, v, mask=mask)  # [B, H, 1, D]
-        return o[:, :, 0, :]
+        return o[:, :, 0, :]  # [B, H, Dv]
 
     def _prefill(self, q, k, v, k_cache, v_cache, block_table, start, seq_len, mask):
         # q: [n, H, D]; k, v: [n, Hk, D] (this chunk's own keys, already written to the cache); mask: [n, S]
@@ -80,10 +87,13 @@ class PagedAttention(nn.Module):
             nb = (seq_len + bs - 1) // bs
             bt = block_table[:nb]
             k = k_cache.index_select(0, bt).flatten(0, 1)[:seq_len]  # [S, Hk, D]
-            v = v_cache.index_select(0, bt).flatten(0, 1)[:seq_len]
+            if not self.latent_values:
+                v = v_cache.index_select(0, bt).flatten(0, 1)[:seq_len]
+        if self.latent_values:
+            v = k[..., :self.latent_values]  # [S, Hk, Dv]
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         if mask is None:
             o = self._sdpa(qh, kh, vh, causal=True)
         else:
             o = self._sdpa(qh, kh, vh, mask=mask)  # causal, offset by the cached tokens (and windowed)
-        return o[0].transpose(0, 1)  # [n, H, D]
+        return o[0].transpose(0, 1)  # [n, H, Dv]

@@ -320,3 +320,34 @@ def test_on_cuda_matches_transformers(family, eager, tmp_path_factory):
     path, ref = build(tmp_path_factory, f"cuda-{family}", *spec)
     compare(f"cuda {family} eager={eager}", path, ref, prompts_of(5, 21, 40), tol=1e-3, repeat=True, block_size=4,
             device="cuda", enforce_eager=eager)
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_deepseek_routers_match_transformers(version):
+    """Many tokens through the routers alone: the same experts (as sets) and weights as transformers'."""
+    from ferrylm.layers.moe import route_group_limited, route_sigmoid_biased
+
+    torch.manual_seed(0)
+    E, H, k, G, TG = 16, 32, 4, 4, 2
+    if version == "v2":
+        cfg = transformers.DeepseekV2Config(n_routed_experts=E, hidden_size=H, num_experts_per_tok=k, n_group=G,
+                                            topk_group=TG, topk_method="group_limited_greedy", routed_scaling_factor=16.0)
+        router = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2TopkRouter(cfg)
+    else:
+        cfg = transformers.DeepseekV3Config(n_routed_experts=E, hidden_size=H, num_experts_per_tok=k, n_group=G,
+                                            topk_group=TG, routed_scaling_factor=2.5, norm_topk_prob=True)
+        router = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(cfg)
+        router.e_score_correction_bias.normal_(0, 0.2)
+    router.weight.data.normal_(0, 0.5)
+    x = torch.randn(2000, H)
+    with torch.no_grad():
+        logits, ref_w, ref_ids = router(x)
+        if version == "v2":
+            w, ids = route_group_limited(logits, k, G, TG, normalize=False, scale=16.0)
+        else:
+            w, ids = route_sigmoid_biased(logits, router.e_score_correction_bias, k, G, TG, True, 2.5)
+    ref_order, order = ref_ids.argsort(dim=-1), ids.argsort(dim=-1)
+    assert torch.equal(ref_ids.gather(1, ref_order), ids.gather(1, order))
+    diff = (ref_w.gather(1, ref_order) - w.gather(1, order)).abs().max().item()
+    print(f"deepseek {version} router: max |weight diff| over 2000 tokens = {diff:.3e}")
+    assert diff < 1e-6

@@ -311,12 +311,12 @@ def test_mla_cache_holds_the_latent_only(tmp_path_factory):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-@pytest.mark.parametrize("family", ["mistral", "qwen2-window", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2-window", "olmoe", "deepseek_v3"])
 @pytest.mark.parametrize("eager", [False, True])
 def test_on_cuda_matches_transformers(family, eager, tmp_path_factory):
-    """On the GPU: the windowed Llama family runs its decode steps as CUDA graphs (padded_decode masks)
-    unless eager; DeepSeek always runs eagerly. Both against transformers on the CPU."""
-    spec = WINDOW_FAMILIES.get(family) or DEEPSEEK[family]
+    """On the GPU: the windowed Llama family (and OLMoE with the fused expert backend) runs decode steps
+    as CUDA graphs (padded_decode masks) unless eager; DeepSeek runs eagerly. Against transformers on CPU."""
+    spec = {**WINDOW_FAMILIES, **DEEPSEEK, "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", OLMOE["olmoe"])}[family]
     path, ref = build(tmp_path_factory, f"cuda-{family}", *spec)
     compare(f"cuda {family} eager={eager}", path, ref, prompts_of(5, 21, 40), tol=1e-3, repeat=True, block_size=4,
             device="cuda", enforce_eager=eager)

@@ -206,15 +206,11 @@ class DeepseekModel(nn.Module):
         self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, s, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, H]
-        for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
-
 
 class DeepseekForCausalLM(CausalLM):
-    cuda_graphs = False  # expert dispatch reads per-expert counts on the host
+    """The forward is `CausalLM`'s segment chain (embed, layers, norm); layers keep `pre`/`post`."""
+
+    cuda_graphs = False  # TODO: MLA decode reads no host values; enable once checked on a GPU
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -224,9 +220,6 @@ class DeepseekForCausalLM(CausalLM):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
 
     def map_weight(self, name: str, tensor: torch.Tensor) -> bool:
         # V3 checkpoints carry multi-token-prediction layers past num_hidden_layers: not used for decoding

@@ -46,8 +46,7 @@ class OlmoeMoeBlock(nn.Module):
 
 
 class OlmoeForCausalLM(LlamaForCausalLM):
-    make_mlp = staticmethod(OlmoeMoeBlock)
-    cuda_graphs = False  # expert dispatch reads per-expert counts on the host
+    make_mlp = staticmethod(OlmoeMoeBlock)  # graphs when every expert backend is graph-safe (`graph_safe`)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)

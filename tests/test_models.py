@@ -141,6 +141,10 @@ def test_padded_decode_window_mask_matches_exact():
         ref = torch.einsum("hw,whd->hd", w, vals)
         assert (exact[b] - ref).abs().max() < 1e-5
     assert (padded - exact).abs().max() < 1e-5
+    # rows of length 13 and 9 with W = 5: block 0 (positions 0-3) is before both windows and is skipped
+    rows = torch.tensor([0, 2])
+    skipped = attn._decode(q[rows], k_cache, v_cache, tables[rows], lens[rows], 13, padded=False, first=1)
+    assert (skipped - exact[rows]).abs().max() < 1e-5
 
 
 # -- RoPE scalings -----------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ cached (prefix-cache hits and earlier chunks). Runs on CPU and CUDA through `sca
 
 A layer with a sliding window W lets the query at position p see keys p - W + 1 .. p (HF's
 `kv_idx > q_idx - sliding_window`), in every path: the masks add the lower bound. The cache keeps the
-blocks that left the window (they are masked, not freed), so the window saves no memory or reads yet.
+blocks that left the window (masked, not freed): no memory saving yet; decode and offset prefill skip
+reading the blocks wholly before the window (not the CUDA-graph decode, which has no host lengths).
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ class PagedAttention(nn.Module):
         dv = self.latent_values or self.head_dim
         out = q.new_empty(*q.shape[:2], dv)
         nd = ctx.num_decodes
+        W, bs = self.window, k_cache.shape[1]
         for a, b, max_len in ctx.decode_groups or ([(0, nd, ctx.decode_max_len)] if nd else []):
+            # blocks wholly before every row's window are not read (a padded decode has no host lengths)
+            first = 0 if W is None or ctx.padded_decode else max(0, min(ctx.seq_lens[a:b]) - W) // bs
             out[a:b] = self._decode(q[a:b], k_cache, v_cache, ctx.block_tables[a:b], ctx.decode_seq_lens[a:b],
-                                    max_len, ctx.padded_decode)
-        W = self.window
+                                    max_len, ctx.padded_decode, first)
         for i in range(nd, ctx.num_seqs):
             a, b = ctx.query_start_loc[i], ctx.query_start_loc[i + 1]
             start, seq_len = ctx.start_pos[i], ctx.seq_lens[i]
@@ -57,22 +60,23 @@ class PagedAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               scale=self.scale, enable_gqa=gqa)
 
-    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, max_len: int, padded: bool):
-        # q: [B, H, D]; block_tables: [B, nb]; seq_lens: [B]
+    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, max_len: int, padded: bool, first: int = 0):
+        # q: [B, H, D]; block_tables: [B, nb]; seq_lens: [B]; keys from block `first` on (sliding window)
         B = q.shape[0]
         bs = k_cache.shape[1]
         nb = (max_len + bs - 1) // bs
-        idx = block_tables[:, :nb].flatten()  # index_select: advanced indexing is ~1000x slower on CPU
-        k = k_cache.index_select(0, idx).view(B, nb * bs, *k_cache.shape[2:])[:, :max_len]  # [B, S, Hk, D]
+        S = max_len - first * bs
+        idx = block_tables[:, first:nb].flatten()  # index_select: advanced indexing is ~1000x slower on CPU
+        k = k_cache.index_select(0, idx).view(B, (nb - first) * bs, *k_cache.shape[2:])[:, :S]  # [B, S, Hk, D]
         if self.latent_values:
             v = k[..., :self.latent_values]  # [B, S, Hk, Dv]
         else:
-            v = v_cache.index_select(0, idx).view(B, nb * bs, *v_cache.shape[2:])[:, :max_len]
+            v = v_cache.index_select(0, idx).view(B, (nb - first) * bs, *v_cache.shape[2:])[:, :S]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hk, S, D]
         mask = None
         W = self.window
-        if B > 1 or padded or (W is not None and max_len > W):  # shorter contexts must not see the padding
-            pos = torch.arange(max_len, device=q.device)[None, :]  # [1, S]
+        if B > 1 or padded or (W is not None and S > W):  # shorter contexts must not see the padding
+            pos = torch.arange(first * bs, max_len, device=q.device)[None, :]  # [1, S] absolute positions
             mask = pos < seq_lens[:, None]  # [B, S]
             if W is not None:  # the new token sits at seq_len - 1 and sees W keys back to itself
                 mask = mask & (pos >= seq_lens[:, None] - W)
@@ -85,10 +89,13 @@ class PagedAttention(nn.Module):
         if start > 0:  # earlier chunks or prefix-cache hits live only in the cache
             bs = k_cache.shape[1]
             nb = (seq_len + bs - 1) // bs
-            bt = block_table[:nb]
-            k = k_cache.index_select(0, bt).flatten(0, 1)[:seq_len]  # [S, Hk, D]
+            # sliding window: blocks wholly before the first query's window are not read
+            first = 0 if self.window is None else max(0, start - self.window + 1) // bs
+            bt = block_table[first:nb]
+            k = k_cache.index_select(0, bt).flatten(0, 1)[:seq_len - first * bs]  # [S, Hk, D]
             if not self.latent_values:
-                v = v_cache.index_select(0, bt).flatten(0, 1)[:seq_len]
+                v = v_cache.index_select(0, bt).flatten(0, 1)[:seq_len - first * bs]
+            mask = mask[:, first * bs:]
         if self.latent_values:
             v = k[..., :self.latent_values]  # [S, Hk, Dv]
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]

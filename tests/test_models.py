@@ -306,6 +306,17 @@ def test_deepseek_matches_transformers(family, tmp_path_factory):
     assert ours.model.layers[0].self_attn.attn.scale == pytest.approx(ref.model.layers[0].self_attn.scaling, rel=1e-6)
 
 
+def test_deepseek_config_errors_name_the_key():
+    base = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=64, vocab_size=10,
+                num_attention_heads=4, num_hidden_layers=2, kv_lora_rank=32, qk_rope_head_dim=8, n_routed_experts=8)
+    for extra, key in ((dict(topk_method="greedy"), "topk_method"), (dict(scoring_func="softmax"), "scoring_func"),
+                       (dict(n_group=3), "n_group"), (dict(quantization_config={"quant_method": "fp8"}), "quant_method")):
+        with pytest.raises(ConfigError, match=key):
+            DeepseekForCausalLM(ModelConfig.from_hf({**base, **extra}))
+    with pytest.raises(ConfigError, match="kv_lora_rank"):
+        ModelConfig.from_hf({k: v for k, v in base.items() if k != "kv_lora_rank"})
+
+
 def test_mla_cache_holds_the_latent_only(tmp_path_factory):
     """One row of kv_lora_rank + qk_rope_head_dim per token and layer, no V: not H * (n + r + v) x 2."""
     path, _ = build(tmp_path_factory, "deepseek_v3-cache", *DEEPSEEK["deepseek_v3"])

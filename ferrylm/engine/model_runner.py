@@ -152,7 +152,7 @@ class ModelRunner:
         cfg, sc = self.model_config, self.config.scheduler
         T = min(sc.max_num_batched_tokens, self.max_model_len)
         kv = KVCache(cfg.num_hidden_layers, 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
-                     self.dtype, self.device)
+                     self.dtype, self.device, v_head_dim=cfg.v_cache_dim)
         ctx = ForwardContext(query_start_loc=[0, T], start_pos=[0], seq_lens=[T],
                              slot_mapping=torch.zeros(T, dtype=torch.long, device=self.device),
                              block_tables=torch.zeros(1, 1, dtype=torch.long, device=self.device),

@@ -47,7 +47,7 @@ class KVCache:
     def write(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [T]; k, v: [T, Hk, D]
         self.k[i].view(-1, *k.shape[1:]).index_copy_(0, slots, k.to(self.k.dtype))
-        if self.v.shape[-1]:
+        if v.shape[-1]:  # MLA passes no values: they live in the K row
             self.v[i].view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(self.v.dtype))
 
 

@@ -8,6 +8,8 @@ Cases:
   per-expert backend vs transformers eager, batch 1 and 32 decode, against the active-weight HBM roofline.
 - offload16: Mixtral-8x7B shape with 16 layers bf16 (~47 GB) under a 16 GiB budget: batch 1 / 64 decode
   and a 2k-token prefill, against the PCIe floor (bytes the engine moved per step / measured pinned H2D).
+- deepseek-v2-lite (27 layers, ~31 GB) under 8 GiB, deepseek-v3-5L (V3 shape, 3 dense + 2 MoE layers, ~53 GB)
+  under 16 GiB: MLA models through the same offload path (`case_offload`), batch 1 / 32.
 Prompts are fresh random ids (no prefix-cache hits). Prints a table and ends with one JSON line.
 """
 
@@ -36,6 +38,26 @@ QWEN2_72B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "voca
              "hidden_size": 8192, "intermediate_size": 29568, "num_attention_heads": 64, "num_key_value_heads": 8,
              "num_hidden_layers": 80, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 32768,
              "tie_word_embeddings": False}
+
+YARN_40 = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
+DEEPSEEK_V2_LITE = {  # 15.7B parameters, MLA, 64 experts top-6 + 2 shared
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+    "num_experts_per_tok": 6, "first_k_dense_replace": 1, "kv_lora_rank": 512, "q_lora_rank": None,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "topk_method": "greedy", "n_group": 1,
+    "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000, "max_position_embeddings": 163840, "tie_word_embeddings": False,
+    "rope_scaling": {**YARN_40, "mscale": 0.707, "mscale_all_dim": 0.707}}
+DEEPSEEK_V3 = {  # 671B parameters (61 layers), 256 experts top-8 in 8 groups + 1 shared, 3 dense layers
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_group": 8, "topk_group": 4,
+    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    "rms_norm_eps": 1e-6, "rope_theta": 10000, "max_position_embeddings": 163840, "tie_word_embeddings": False,
+    "rope_scaling": {**YARN_40, "mscale": 1.0, "mscale_all_dim": 1.0}}
 
 
 def zipf_routing(skew: float, seed: int = 0):
@@ -314,6 +336,11 @@ CASES = {
     "qwen3-30b": lambda rows, h2d: case_offload(rows, h2d, "qwen3-30b-a3b", QWEN3_30B, 8, (1, 64), None),
     "qwen2-72b-24L": lambda rows, h2d: case_offload(rows, h2d, "qwen2-72b-24L", {**QWEN2_72B, "num_hidden_layers": 24},
                                                     16, (1, 32), 2048),
+    "deepseek-v2-lite": lambda rows, h2d: case_offload(rows, h2d, "deepseek-v2-lite", DEEPSEEK_V2_LITE, 8, (1, 32),
+                                                       2048),
+    # 3 dense + 2 MoE layers of V3 (~53 GB bf16): the expert banks that make V3 need offload
+    "deepseek-v3-5L": lambda rows, h2d: case_offload(rows, h2d, "deepseek-v3-5L", {**DEEPSEEK_V3, "num_hidden_layers": 5},
+                                                     16, (1, 32), None),
 }
 
 

@@ -29,18 +29,34 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
+    """Features of each cached K row. For MLA (DeepSeek-V2/V3) the cache holds one row per token, the
+    compressed latent + rope key: `num_key_value_heads` 1, `head_dim` kv_lora_rank + qk_rope_head_dim."""
+    v_cache_dim: int | None = None
+    """Features of each cached V row; None: `head_dim`; 0: no V cache (MLA reads values from the latent)."""
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     """HF `rope_scaling` dict (`rope_type` llama3/linear/dynamic...), or None."""
+    rope_freqs: tuple[float, ...] = ()
+    """Per-frequency divisors of the RoPE angles (a GGUF's `rope_freqs` tensor, Llama-3.1 style)."""
     partial_rotary_factor: float = 1.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    """Bias on q/k/v projections (Qwen2)."""
+    """Bias on q/k/v projections (Qwen2; Llama/Qwen3 `attention_bias`)."""
+    o_proj_bias: bool = False
+    """Bias on the attention output projection (Llama/Qwen3/OLMoE `attention_bias`; never Qwen2/Mistral)."""
+    mlp_bias: bool = False
+    """Bias on gate/up/down of the dense MLP (Llama `mlp_bias`)."""
     qk_norm: bool = False
     """RMSNorm on each head of q and k before RoPE (Qwen3)."""
     hidden_act: str = "silu"
+    sliding_window: int | None = None
+    """Keys a query sees (itself included) in sliding-window layers (Mistral, Mixtral, Qwen with
+    `use_sliding_window`); None: every layer attends to the whole context."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer `full_attention` | `sliding_attention` (HF `layer_types`, or derived from Qwen's
+    `max_window_layers`); empty: every layer slides when `sliding_window` is set."""
     # Mixture of experts (0 experts = dense).
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -59,6 +75,21 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def context_limit(self) -> int:
+        """Positions the model serves: `max_position_embeddings`, stretched by dynamic/linear/yarn RoPE."""
+        from ferrylm.layers.rotary import context_limit
+
+        return context_limit(self.rope_scaling, self.max_position_embeddings)
+
+    def window_of(self, layer_idx: int) -> int | None:
+        """The sliding window of one layer, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -89,12 +120,29 @@ class ModelConfig:
                 rope_scaling = rope_params
         if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
+        if isinstance(rope_scaling, dict) and "original_max_position_embeddings" not in rope_scaling \
+                and cfg.get("original_max_position_embeddings"):  # Phi-3 keeps it beside rope_scaling
+            rope_scaling = {**rope_scaling, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
         model_type = cfg.get("model_type", "")
         moe = cfg.get("moe_config") if cfg.get("use_moe") else None  # Yuan-M32 nests its MoE settings
         if isinstance(moe, dict):
             cfg = {**cfg, "num_experts": moe.get("moe_num_experts"), "num_experts_per_tok": moe.get("moe_top_k"),
                    "moe_intermediate_size": moe.get("ffn_hidden_size"), "norm_topk_prob": moe.get("norm_topk_prob", True)}
-        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+        kv_heads, v_cache_dim = int(cfg.get("num_key_value_heads") or heads), None
+        if model_type in ("deepseek_v2", "deepseek_v3"):  # MLA caches one latent + rope-key row per token
+            try:
+                head_dim = int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
+            except KeyError as e:
+                raise ConfigError(f"config.json lacks required MLA field {e.args[0]!r}") from None
+            kv_heads, v_cache_dim = 1, 0
+        window, layer_types = _sliding_window(cfg, model_type, layers)
+        if model_type == "qwen2":  # q/k/v bias is built in; Qwen2-MoE names it qkv_bias
+            qkv_bias = True
+        elif model_type == "qwen2_moe":
+            qkv_bias = bool(cfg.get("qkv_bias", True))
+        else:
+            qkv_bias = bool(cfg.get("attention_bias", False))
         return cls(
             architecture=archs[0],
             model_type=model_type,
@@ -103,24 +151,29 @@ class ModelConfig:
             intermediate_size=int(cfg.get("intermediate_size") or 0),
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            num_key_value_heads=kv_heads,
             head_dim=int(head_dim),
+            v_cache_dim=v_cache_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
+            rope_freqs=tuple(float(f) for f in cfg.get("rope_freqs") or ()),
             partial_rotary_factor=float(cfg.get("partial_rotary_factor", 1.0)),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
             # save_pretrained drops values equal to the class default, and Yuan's default is tied
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "yuan")),
-            attention_bias=bool(cfg["attention_bias"] if cfg.get("attention_bias") is not None
-                                else model_type in ("qwen2", "qwen2_moe")),
+            attention_bias=qkv_bias,
+            o_proj_bias=qkv_bias and model_type not in ("qwen2", "qwen2_moe", "mistral", "mixtral"),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             hidden_act=cfg.get("hidden_act", "silu"),
+            sliding_window=window,
+            layer_types=layer_types,
             num_experts=num_experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
             shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type != "qwen2_moe")),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type not in ("qwen2_moe", "olmoe", "deepseek_v2"))),
             decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
             bos_token_id=cfg.get("bos_token_id"),
@@ -128,6 +181,30 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             raw=dict(cfg),
         )
+
+
+def _sliding_window(cfg: dict, model_type: str, layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(window, per-layer types) as transformers resolves them. Qwen configs carry a `sliding_window`
+    that counts only with `use_sliding_window`; Mistral/Mixtral's counts whenever it is set."""
+    window = cfg.get("sliding_window")
+    if model_type.startswith("qwen") and not cfg.get("use_sliding_window"):
+        window = None
+    if not window:  # None or 0 (Qwen2-MoE writes 0 for "off")
+        return None, ()
+    types = cfg.get("layer_types")
+    if types is None and model_type.startswith("qwen"):
+        mwl = int(cfg.get("max_window_layers", 28))
+        if model_type == "qwen2_moe":  # every other layer below max_window_layers (transformers' rule)
+            types = ["sliding_attention" if (i + 1) % 2 and i < mwl else "full_attention" for i in range(layers)]
+        elif model_type != "qwen3_moe":  # qwen2, qwen3: the layers from max_window_layers on
+            types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
+    types = tuple(types or ())
+    bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if bad:
+        raise ConfigError(f"unsupported layer_types value(s) {bad}; supported: full_attention, sliding_attention")
+    if types and len(types) != layers:
+        raise ConfigError(f"layer_types has {len(types)} entries for {layers} layers")
+    return int(window), types
 
 
 def _positive(**values: int) -> None:

@@ -113,7 +113,7 @@ class LLMEngine:
 
     def _max_model_len(self) -> int:
         limit = self.config.scheduler.max_model_len
-        native = self.model_config.max_position_embeddings
+        native = self.model_config.context_limit  # max_position_embeddings, stretched by rope scaling
         if limit is not None and limit > native:
             raise ConfigError(f"max_model_len {limit} exceeds the model's {native} positions")
         return limit or native

@@ -130,7 +130,7 @@ class ModelRunner:
     def _kv_bytes_per_block(self) -> int:
         cfg = self.model_config
         return KVCache.bytes_per_block(cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads,
-                                       cfg.head_dim, self.dtype)
+                                       cfg.head_dim, self.dtype, cfg.v_cache_dim)
 
     def _activation_reserve(self) -> int:
         """Device bytes kept free for activations, logits and library workspaces (an upper estimate
@@ -152,7 +152,7 @@ class ModelRunner:
         cfg, sc = self.model_config, self.config.scheduler
         T = min(sc.max_num_batched_tokens, self.max_model_len)
         kv = KVCache(cfg.num_hidden_layers, 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
-                     self.dtype, self.device)
+                     self.dtype, self.device, v_head_dim=cfg.v_cache_dim)
         ctx = ForwardContext(query_start_loc=[0, T], start_pos=[0], seq_lens=[T],
                              slot_mapping=torch.zeros(T, dtype=torch.long, device=self.device),
                              block_tables=torch.zeros(1, 1, dtype=torch.long, device=self.device),
@@ -250,7 +250,7 @@ class ModelRunner:
             raise ConfigError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
         log.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size, num_blocks * per_block / 2**30)
         return KVCache(cfg.num_hidden_layers, num_blocks, self.block_size, cfg.num_key_value_heads,
-                       cfg.head_dim, self.dtype, self.device)
+                       cfg.head_dim, self.dtype, self.device, v_head_dim=cfg.v_cache_dim)
 
     def _allocate_state(self) -> SequenceStatePool | None:
         specs = self.model.state_specs() if hasattr(self.model, "state_specs") else None

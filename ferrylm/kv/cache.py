@@ -11,24 +11,27 @@ import torch
 
 
 class KVCache:
-    """K and V for L layers, each [num_blocks + 1, block_size, kv_heads, head_dim].
+    """K and V for L layers, each [num_blocks + 1, block_size, kv_heads, head_dim] (V may be narrower:
+    `v_head_dim`, 0 for MLA, whose K row is the compressed latent + rope key and holds the values too).
 
     The extra block at index `num_blocks` is scratch: padded rows of a CUDA-graph batch write there, and
     the block manager (which knows only `num_blocks`) never hands it out."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, v_head_dim: int | None = None):
         shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         # Zeroed, not empty: batched decode reads whole blocks and masks the unwritten tail, and a masked
         # weight of 0 times a garbage NaN in recycled memory is still NaN.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # v_head_dim 0: no V (MLA reads its values from the cached latent in K)
+        self.v = torch.zeros((*shape[:-1], head_dim if v_head_dim is None else v_head_dim), dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+                        dtype: torch.dtype, v_head_dim: int | None = None) -> int:
+        per_token = num_kv_heads * (head_dim + (head_dim if v_head_dim is None else v_head_dim))
+        return num_layers * block_size * per_token * torch.tensor([], dtype=dtype).element_size()
 
     @property
     def scratch_block(self) -> int:
@@ -44,7 +47,8 @@ class KVCache:
     def write(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [T]; k, v: [T, Hk, D]
         self.k[i].view(-1, *k.shape[1:]).index_copy_(0, slots, k.to(self.k.dtype))
-        self.v[i].view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(self.v.dtype))
+        if v.shape[-1]:  # MLA passes no values: they live in the K row
+            self.v[i].view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(self.v.dtype))
 
 
 class SequenceStatePool:

@@ -3,6 +3,11 @@
 Decodes (one new token each) run batched: their context is gathered from the blocks into a padded
 [B, S] view and masked. Prefill chunks run one sequence at a time, causally offset by the tokens already
 cached (prefix-cache hits and earlier chunks). Runs on CPU and CUDA through `scaled_dot_product_attention`.
+
+A layer with a sliding window W lets the query at position p see keys p - W + 1 .. p (HF's
+`kv_idx > q_idx - sliding_window`), in every path: the masks add the lower bound. The cache keeps the
+blocks that left the window (masked, not freed): no memory saving yet; decode and offset prefill skip
+reading the blocks wholly before the window (not the CUDA-graph decode, which has no host lengths).
 """
 
 from __future__ import annotations
@@ -15,27 +20,38 @@ from ferrylm.layers.context import get_forward_context
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, latent_values: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.window = sliding_window
+        """Keys a query sees, itself included; None: the whole causal context."""
+        self.latent_values = latent_values
+        """MLA: the values are the first `latent_values` features of each cached key (the compressed
+        latent), so no V cache is read or written; None: values come from the V cache."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, H, D]; k, v: [T, Hk, D] -> out: [T, H * D]
+        # q: [T, H, D]; k, v: [T, Hk, D] (v: [T, Hk, 0] with latent values) -> out: [T, H * Dv]
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx)  # [N, bs, Hk, D] each
         ctx.kv_cache.write(self.layer_idx, ctx.slot_mapping, k, v)
-        out = torch.empty_like(q)
+        dv = self.latent_values or self.head_dim
+        out = q.new_empty(*q.shape[:2], dv)
         nd = ctx.num_decodes
+        W, bs = self.window, k_cache.shape[1]
         for a, b, max_len in ctx.decode_groups or ([(0, nd, ctx.decode_max_len)] if nd else []):
+            # blocks wholly before every row's window are not read (a padded decode has no host lengths)
+            first = 0 if W is None or ctx.padded_decode else max(0, min(ctx.seq_lens[a:b]) - W) // bs
             out[a:b] = self._decode(q[a:b], k_cache, v_cache, ctx.block_tables[a:b], ctx.decode_seq_lens[a:b],
-                                    max_len, ctx.padded_decode)
+                                    max_len, ctx.padded_decode, first)
         for i in range(nd, ctx.num_seqs):
             a, b = ctx.query_start_loc[i], ctx.query_start_loc[i + 1]
-            start = ctx.start_pos[i]
+            start, seq_len = ctx.start_pos[i], ctx.seq_lens[i]
+            plain = start == 0 and (W is None or seq_len <= W)  # SDPA's own causal mask is exact
             out[a:b] = self._prefill(q[a:b], k[a:b], v[a:b], k_cache, v_cache, ctx.block_tables[i], start,
-                                     ctx.seq_lens[i], ctx.prefill_mask(i, q.device) if start > 0 else None)
+                                     seq_len, None if plain else ctx.prefill_mask(i, q.device, W))
         return out.flatten(1)
 
     def _sdpa(self, q, k, v, mask=None, causal=False):
@@ -44,32 +60,47 @@ class PagedAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               scale=self.scale, enable_gqa=gqa)
 
-    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, max_len: int, padded: bool):
-        # q: [B, H, D]; block_tables: [B, nb]; seq_lens: [B]
+    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, max_len: int, padded: bool, first: int = 0):
+        # q: [B, H, D]; block_tables: [B, nb]; seq_lens: [B]; keys from block `first` on (sliding window)
         B = q.shape[0]
         bs = k_cache.shape[1]
         nb = (max_len + bs - 1) // bs
-        idx = block_tables[:, :nb].flatten()  # index_select: advanced indexing is ~1000x slower on CPU
-        k = k_cache.index_select(0, idx).view(B, nb * bs, *k_cache.shape[2:])[:, :max_len]  # [B, S, Hk, D]
-        v = v_cache.index_select(0, idx).view(B, nb * bs, *v_cache.shape[2:])[:, :max_len]
+        S = max_len - first * bs
+        idx = block_tables[:, first:nb].flatten()  # index_select: advanced indexing is ~1000x slower on CPU
+        k = k_cache.index_select(0, idx).view(B, (nb - first) * bs, *k_cache.shape[2:])[:, :S]  # [B, S, Hk, D]
+        if self.latent_values:
+            v = k[..., :self.latent_values]  # [B, S, Hk, Dv]
+        else:
+            v = v_cache.index_select(0, idx).view(B, (nb - first) * bs, *v_cache.shape[2:])[:, :S]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hk, S, D]
         mask = None
-        if B > 1 or padded:  # shorter contexts must not see the padding
-            mask = (torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+        W = self.window
+        if B > 1 or padded or (W is not None and S > W):  # shorter contexts must not see the padding
+            pos = torch.arange(first * bs, max_len, device=q.device)[None, :]  # [1, S] absolute positions
+            mask = pos < seq_lens[:, None]  # [B, S]
+            if W is not None:  # the new token sits at seq_len - 1 and sees W keys back to itself
+                mask = mask & (pos >= seq_lens[:, None] - W)
+            mask = mask[:, None, None, :]
         o = self._sdpa(q[:, :, None, :], k, v, mask=mask)  # [B, H, 1, D]
-        return o[:, :, 0, :]
+        return o[:, :, 0, :]  # [B, H, Dv]
 
     def _prefill(self, q, k, v, k_cache, v_cache, block_table, start, seq_len, mask):
-        # q: [n, H, D]; k, v: [n, Hk, D] (this chunk's own keys, already written to the cache)
+        # q: [n, H, D]; k, v: [n, Hk, D] (this chunk's own keys, already written to the cache); mask: [n, S]
         if start > 0:  # earlier chunks or prefix-cache hits live only in the cache
             bs = k_cache.shape[1]
             nb = (seq_len + bs - 1) // bs
-            bt = block_table[:nb]
-            k = k_cache.index_select(0, bt).flatten(0, 1)[:seq_len]  # [S, Hk, D]
-            v = v_cache.index_select(0, bt).flatten(0, 1)[:seq_len]
+            # sliding window: blocks wholly before the first query's window are not read
+            first = 0 if self.window is None else max(0, start - self.window + 1) // bs
+            bt = block_table[first:nb]
+            k = k_cache.index_select(0, bt).flatten(0, 1)[:seq_len - first * bs]  # [S, Hk, D]
+            if not self.latent_values:
+                v = v_cache.index_select(0, bt).flatten(0, 1)[:seq_len - first * bs]
+            mask = mask[:, first * bs:]
+        if self.latent_values:
+            v = k[..., :self.latent_values]  # [S, Hk, Dv]
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if start == 0:
+        if mask is None:
             o = self._sdpa(qh, kh, vh, causal=True)
         else:
-            o = self._sdpa(qh, kh, vh, mask=mask)  # causal, offset by the cached tokens
-        return o[0].transpose(0, 1)  # [n, H, D]
+            o = self._sdpa(qh, kh, vh, mask=mask)  # causal, offset by the cached tokens (and windowed)
+        return o[0].transpose(0, 1)  # [n, H, Dv]

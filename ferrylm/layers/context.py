@@ -45,18 +45,38 @@ class ForwardContext:
     """decode_max_len is a bucket bound, not the exact max (CUDA graphs): attention must mask by length."""
 
     _masks: dict = field(default_factory=dict, repr=False)
+    _lens: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
-    def prefill_mask(self, i: int, device) -> torch.Tensor:
-        """[n, S] bool: sequence i's chunk query j (absolute position start + j) sees keys 0..start + j.
-        Built once per step, shared by every layer."""
-        if i not in self._masks:
+    def prefill_mask(self, i: int, device, window: int | None = None) -> torch.Tensor:
+        """[n, S] bool: sequence i's chunk query j (absolute position start + j) sees keys 0..start + j,
+        or with a sliding window only start + j - window + 1..start + j. Built once per step and window,
+        shared by every layer."""
+        key = (i, window)
+        if key not in self._masks:
             n, start = self.query_start_loc[i + 1] - self.query_start_loc[i], self.start_pos[i]
-            self._masks[i] = torch.ones(n, self.seq_lens[i], dtype=torch.bool, device=device).tril(diagonal=start)
-        return self._masks[i]
+            mask = torch.ones(n, self.seq_lens[i], dtype=torch.bool, device=device).tril(diagonal=start)
+            if window is not None:
+                mask = mask.triu(diagonal=start - window + 1)
+            self._masks[key] = mask
+        return self._masks[key]
+
+
+    def step_lens(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T] long: each token's sequence length after this step (length-dependent RoPE). A decode
+        row's is its position + 1, computed on the device (never cached: a decode graph's warm-up and
+        capture share one context), so a captured decode graph stays valid."""
+        if self.num_decodes == self.num_seqs:
+            return positions + 1
+        if self._lens is None:
+            lens = positions + 1
+            for i in range(self.num_decodes, self.num_seqs):
+                lens[self.query_start_loc[i]:self.query_start_loc[i + 1]] = self.seq_lens[i]
+            self._lens = lens
+        return self._lens
 
 
 _current: ForwardContext | None = None

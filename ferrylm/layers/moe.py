@@ -1,4 +1,5 @@
-"""Mixture-of-experts building blocks: the top-k router, the expert bank and its compute backends.
+"""Mixture-of-experts building blocks: the routers (softmax top-k; DeepSeek's group-limited and
+sigmoid + correction-bias variants), the expert bank and its compute backends.
 
 `Experts` owns E gated MLPs' weights; how they compute is its `backend` (an `ExpertBackend`), chosen by
 the model runner: `TorchExperts` (the per-expert loop, the reference every other backend is tested
@@ -24,6 +25,49 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
+    # group_scores: [T, G] -> [T, E] bool, True for experts in the `topk_group` best groups of each token
+    T, G = group_scores.shape
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, torch.topk(group_scores, topk_group, dim=-1).indices, True)
+    return keep[:, :, None].expand(T, G, num_experts // G).reshape(T, num_experts)
+
+
+def route_group_limited(router_logits: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1,
+                        normalize: bool = False, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2: fp32 softmax; with `n_group` > 1 only the `topk_group` groups whose best expert
+    scores highest stay eligible (node-limited routing); top-k of those, times `routed_scaling_factor`."""
+    # router_logits: [T, E] -> weights, ids: [T, k]
+    scores = torch.softmax(router_logits.float(), dim=-1)
+    T, E = scores.shape
+    if n_group > 1:
+        mask = _group_mask(scores.view(T, n_group, E // n_group).amax(dim=-1), topk_group, E)
+        scores = scores.masked_fill(~mask, 0.0)
+    weights, ids = torch.topk(scores, top_k, dim=-1)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
+def route_sigmoid_biased(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+                         n_group: int = 1, topk_group: int = 1, normalize: bool = True,
+                         scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 (`noaux_tc`): sigmoid scores; the correction bias only chooses (groups ranked by the
+    sum of their two best biased scores, then top-k), the weights are the unbiased scores."""
+    # router_logits: [T, E]; correction_bias: [E] -> weights, ids: [T, k]
+    scores = torch.sigmoid(router_logits.float())
+    choice = scores + correction_bias.float()
+    T, E = scores.shape
+    if n_group > 1:
+        group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        choice = choice.masked_fill(~_group_mask(group_scores, topk_group, E), float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
 
 
 class Experts(nn.Module):

@@ -28,14 +28,16 @@ class LlamaAttention(nn.Module):
         q, kv = self.hq * self.d, self.hk * self.d
         self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias,
                                shards={"q": (0, q), "k": (q, kv), "v": (q + kv, kv)})
-        self.o_proj = Linear(q, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         rot = int(self.d * cfg.partial_rotary_factor)
-        self.rotary = RotaryEmbedding(self.d, rot, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.attn = PagedAttention(layer_idx, self.hq, self.hk, self.d, scale=self.d ** -0.5)
+        self.rotary = RotaryEmbedding(self.d, rot, cfg.context_limit, cfg.rope_theta, cfg.rope_scaling,
+                                      freq_factors=cfg.rope_freqs, native_positions=cfg.max_position_embeddings)
+        self.attn = PagedAttention(layer_idx, self.hq, self.hk, self.d, scale=self.d ** -0.5,
+                                   sliding_window=cfg.window_of(layer_idx))
 
     def qkv(self, positions: torch.Tensor, x: torch.Tensor):
         # x: [T, H] -> q: [T, Hq, D]; k, v: [T, Hk, D] (rotated, ready for the cache)
@@ -52,11 +54,11 @@ class LlamaAttention(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
-    def __init__(self, hidden: int, inter: int, act: str = "silu"):
+    def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False):
         super().__init__()
         self.inter = inter
-        self.gate_up_proj = Linear(hidden, 2 * inter, shards={"gate": (0, inter), "up": (inter, inter)})
-        self.down_proj = Linear(inter, hidden)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias, shards={"gate": (0, inter), "up": (inter, inter)})
+        self.down_proj = Linear(inter, hidden, bias=bias)
         self.act = get_act(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +70,7 @@ MLPFactory = Callable[[ModelConfig, int], nn.Module]
 
 
 def dense_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
-    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -115,6 +117,8 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, self.make_mlp, self.mlp_name)
+        # length-dependent RoPE reads the step's sequence lengths, which piecewise graphs do not capture
+        self.cuda_graphs = type(self).cuda_graphs and not self.model.layers[0].self_attn.rotary.length_dependent
         self.tied = cfg.tie_word_embeddings
         if self.tied:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)

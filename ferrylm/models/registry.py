@@ -16,6 +16,9 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("qwen_moe", "QwenMoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen_moe", "QwenMoeForCausalLM"),
     "YuanForCausalLM": ("yuan", "YuanForCausalLM"),
+    "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
 }
 
 

@@ -425,6 +425,9 @@ class GGUFSource(WeightSource):
         try:
             self.metadata, self.tensors = _parse(self._mm, path, with_tensors=True)
             self.config = gguf_to_hf_config(self.metadata, self.tensors, path)
+            freqs = next((t for t in self.tensors if t.name == "rope_freqs.weight"), None)
+            if freqs is not None:  # per-frequency angle divisors, carried in the config (layers/rotary.py)
+                self.config["rope_freqs"] = _load(self._mm, freqs, path, None).float().flatten().tolist()
             self._entries = self._build_entries()
         except ModelLoadError:
             self.close()

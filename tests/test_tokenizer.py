@@ -15,6 +15,7 @@ from ferrylm.default_model import default_model_path
 from ferrylm.errors import InvalidRequestError, ModelLoadError
 from ferrylm.tokenizer import IncrementalDetokenizer, Tokenizer
 from ferrylm.weights.gguf import read_gguf_metadata
+from helpers import vendor_encode, yuan_model_dir
 
 TEXTS = [
     "Hello world! 123",
@@ -244,29 +245,6 @@ YUAN_GOLDEN = os.path.join(os.path.dirname(__file__), "data", "yuan2-tokenizer",
 YUAN_TEXTS = ["Write a short story about spring.<sep>", "你好<sep>", "Hello<sep>你好<sep>", "a <sep> b<eod>",
               "def add(a, b):\n    return a + b\n<sep>", "  two  spaces\t<n><eod>", "<sep><sep>x", "<eod>",
               "用户：你好<sep>助手：你好！有什么可以帮你？<eod>", "<FIM_PREFIX>def<FIM_SUFFIX>x<FIM_MIDDLE>"]
-
-
-def yuan_model_dir(tmp_path, tokenizer_dir: str, **config) -> str:
-    """A Yuan model directory's text side: the tokenizer files plus a config.json naming the architecture."""
-    from conftest import YUAN_TOKENIZER_FILES
-
-    d = tmp_path / "yuan"
-    d.mkdir(exist_ok=True)
-    for f in YUAN_TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(tokenizer_dir, f)) and not (d / f).exists():
-            os.symlink(os.path.join(tokenizer_dir, f), d / f)
-    (d / "config.json").write_text(json.dumps({"architectures": ["YuanForCausalLM"], **config}))
-    return str(d)
-
-
-def vendor_encode(sp, specials: dict[str, int], text: str) -> list[int]:
-    """The vendor's slow LlamaTokenizer (legacy): split on special tokens, SentencePiece on each chunk, no BOS/EOS."""
-    import re
-
-    ids: list[int] = []
-    for part in re.split("(" + "|".join(map(re.escape, specials)) + ")", text):
-        ids += [specials[part]] if part in specials else sp.encode(part) if part else []
-    return ids
 
 
 def test_yuan_vendor_tokenizer_matches_golden_encodings(yuan_vendor_tokenizer_dir, tmp_path):

@@ -1,0 +1,60 @@
+"""`ferry plan`: flags map 1:1 onto `PlanOptions` fields (defaults come from the dataclass)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from ferrylm.plan.planner import PlanOptions
+
+_HELP = {
+    "gpu": 'COUNTxNAME, e.g. "4xA800-80G-PCIe", or local (NVML)',
+    "host": 'SOCKETSxCPU[,MEMORY], e.g. "2xXeon-8480C,1TB", or local (/proc, /sys)',
+    "quant": "int8 | fp8 | nf4 (a ferry store converted with --quant)",
+    "weight_budget_gb": "GB of weights allowed per GPU (forces offload below the model's size)",
+    "concurrency": "sequences decoding together (default --max-num-seqs)",
+}
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="what fits where and how fast, before launch (no GPU needed)")
+    p.add_argument("model", help="catalog name (e.g. Qwen2-72B), config.json, model directory, .gguf or ferry store")
+    for f in dataclasses.fields(PlanOptions):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            p.add_argument(flag, action="store_true")
+            continue
+        conv = {"int": int, "float": float}.get(f.type.split(" ")[0].replace("int|", "int"), None)
+        if "int" in f.type:
+            conv = int
+        elif "float" in f.type:
+            conv = float
+        p.add_argument(flag, type=conv or str, default=f.default, help=_HELP.get(f.name, f"default {f.default}"))
+    p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    p.add_argument("--list", action="store_true", help="list the built-in models and hardware profiles")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(a: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from ferrylm.plan import report
+    from ferrylm.plan.planner import make_plan
+
+    if a.list:
+        from ferrylm.plan.catalog import CATALOG
+        from ferrylm.plan.hardware import GPUS, HOSTS
+
+        print("models:", ", ".join(CATALOG))
+        print("gpus:  ", ", ".join(GPUS))
+        print("hosts: ", ", ".join(HOSTS))
+        return
+    opts = PlanOptions(**{f.name: getattr(a, f.name) for f in dataclasses.fields(PlanOptions)})
+    plan = make_plan(opts)
+    if a.json:
+        print(report.to_json(plan))
+    else:
+        report.render(plan, Console(file=sys.stdout, width=120))

@@ -184,8 +184,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     total = sum(g.numel for g in groups)
     expert_numel = sum(g.numel for g in groups if g.kind == "experts")
     active = total - expert_numel + (expert_numel * k // E if E else 0)
-    graphs = (not opts.enforce_eager and placement.resident and counted == "model"
-              and getattr(meta_model(mc, opts.dtype), "cuda_graphs", False)) if counted == "model" else False
+    graphs = not opts.enforce_eager and placement.resident and counted == "model" and _graphs(mc)
     ctx = opts.prompt_len + opts.output_len / 2
     tflops = gpu.tflops.get({"bfloat16": "bf16", "float16": "fp16", "float32": "bf16"}[opts.dtype], 0) or 1.0
     if opts.dtype == "float32":
@@ -258,6 +257,13 @@ def make_plan(opts: PlanOptions) -> Plan:
                      "(memory.analytical_groups), and the engine cannot run it")
     return Plan(opts, name, mc.architecture, n_gpu, gpu.name, host.name, total, active, summarize(groups),
                 per_gpu, verdict, pl, speed, notes, counted)
+
+
+def _graphs(mc: ModelConfig) -> bool:
+    """Whether the engine captures CUDA graphs for this family (the model class says)."""
+    from ferrylm.models.registry import model_class
+
+    return bool(getattr(model_class(mc), "cuda_graphs", False))
 
 
 def _activation_bytes(mc: ModelConfig, opts: PlanOptions, b: int) -> int:

@@ -233,6 +233,29 @@ def kv_pool_bytes(mc: ModelConfig, num_blocks: int, block_size: int, kv_dtype: s
     return (num_blocks + 1) * kv_bytes_per_block(mc, block_size, kv_dtype)
 
 
+KV_SHARE = 0.85
+"""Share of the device memory free after loading that the KV pool takes when no size is given."""
+CPU_KV_CAP = 2 * 2**30
+"""On the CPU the pool holds every sequence at full length, capped at this many bytes."""
+
+
+def kv_pool_blocks(per_block: int, *, num_blocks: int | None = None, memory_gb: float | None = None,
+                   free_bytes: int | None = None, max_num_seqs: int = 1, max_model_len: int = 1,
+                   block_size: int = 16) -> int:
+    """Blocks in the KV pool, by the engine's rule (`engine/model_runner.py` `_allocate_kv`): an explicit
+    count, else `memory_gb`, else KV_SHARE of the device's free memory (`free_bytes`, CUDA), else (CPU)
+    every sequence at full length capped at CPU_KV_CAP.
+    TODO(lead): have `_allocate_kv` call this, so the engine and the planner share the rule, not a copy."""
+    if num_blocks is not None:
+        return num_blocks
+    if memory_gb is not None:
+        return int(memory_gb * 2**30 // per_block)
+    if free_bytes is not None:
+        return int(KV_SHARE * free_bytes // per_block)
+    need = max_num_seqs * -(-max_model_len // block_size)
+    return min(need, CPU_KV_CAP // per_block)
+
+
 def state_bytes_per_seq(model: nn.Module) -> int:
     """Per-sequence state that is not KV (Yuan's filter rows), from the model's own `state_specs()`."""
     specs = model.state_specs() if hasattr(model, "state_specs") else None

@@ -1,8 +1,8 @@
 """`make_plan()`: one model, one machine, one workload -> what fits where, and how fast it can go.
 
 Memory: weights by tensor group (`memory.py`, from the engine's own module on `meta`), split over TP
-ranks and PP stages; the KV pool sized as the engine sizes it (`KV_SHARE` of the memory free after the
-weights, `KVCache.bytes_per_block`); per-sequence state; a reserve for activations. Verdict: fits resident
+ranks and PP stages; the KV pool sized as the engine sizes it (`memory.kv_pool_blocks`,
+`KVCache.bytes_per_block`); per-sequence state; a reserve for activations. Verdict: fits resident
 (offload unnecessary), needs offload (the placement and its PCIe bytes per decode token), or cannot run
 (and what to change). Speed: `estimate.py`. Knows nothing about printing (`report.py`).
 """
@@ -16,12 +16,10 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ConfigError
 from ferrylm.plan import catalog, estimate, hardware
 from ferrylm.plan.memory import (DTYPE_BYTES, TensorGroup, WeightFormat, analytical_groups,
-                                 analytical_kv_bytes_per_token, kv_bytes_per_block, kv_pool_bytes, meta_model, state_bytes_per_seq,
-                                 summarize, tensor_groups)
+                                 analytical_kv_bytes_per_token, kv_bytes_per_block, kv_pool_blocks, kv_pool_bytes,
+                                 meta_model, state_bytes_per_seq, summarize, tensor_groups)
 from ferrylm.plan.placement import distinct_experts, place
 
-KV_SHARE = 0.85
-"""Share of the GPU memory free after loading that the engine gives the KV pool (engine/model_runner.py)."""
 CUDA_CONTEXT_BYTES = 600 * 2**20
 """CUDA context + cuBLAS workspace of one process, outside PyTorch's allocator."""
 HOST_PIN_SHARE = 0.8
@@ -164,14 +162,14 @@ def make_plan(opts: PlanOptions) -> Plan:
     else:
         verdict = "cannot"
     free_after = capacity - CUDA_CONTEXT_BYTES - placement.gpu_bytes - state
-    kv_budget = (opts.kv_cache_memory_gb * 2**30 if opts.kv_cache_memory_gb is not None
-                 else max(0, KV_SHARE * free_after))
     if counted == "model" and opts.tp * opts.pp == 1:  # exactly the engine's pool: whole blocks + scratch
-        num_blocks = int(kv_budget // kv_bytes_per_block(mc, opts.block_size, kv_dtype))
+        num_blocks = kv_pool_blocks(kv_bytes_per_block(mc, opts.block_size, kv_dtype),
+                                    memory_gb=opts.kv_cache_memory_gb, free_bytes=max(0, free_after))
         kv, kv_tokens = kv_pool_bytes(mc, num_blocks, opts.block_size, kv_dtype), num_blocks * opts.block_size
     else:
-        kv_tokens = int(kv_budget // kv_per_token_gpu) // opts.block_size * opts.block_size
-        kv = kv_tokens * kv_per_token_gpu
+        per_block = kv_per_token_gpu * opts.block_size
+        num_blocks = kv_pool_blocks(per_block, memory_gb=opts.kv_cache_memory_gb, free_bytes=max(0, free_after))
+        kv, kv_tokens = (num_blocks + 1) * per_block, num_blocks * opts.block_size
     per_gpu = dict(weights=placement.gpu_bytes, weights_all=weights, kv=kv, kv_bytes_per_token=kv_per_token,
                    kv_tokens=kv_tokens, state=state, activations=act, cuda_context=CUDA_CONTEXT_BYTES,
                    peak=placement.gpu_bytes + kv + state + act + CUDA_CONTEXT_BYTES, capacity=capacity,

@@ -27,14 +27,14 @@ def add_plan_parser(sub) -> None:
         if f.type == "bool":
             p.add_argument(flag, action="store_true")
             continue
-        conv = {"int": int, "float": float}.get(f.type.split(" ")[0].replace("int|", "int"), None)
-        if "int" in f.type:
-            conv = int
-        elif "float" in f.type:
-            conv = float
+        conv = int if "int" in f.type else float if "float" in f.type else None
         p.add_argument(flag, type=conv or str, default=f.default, help=_HELP.get(f.name, f"default {f.default}"))
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     p.add_argument("--list", action="store_true", help="list the built-in models and hardware profiles")
+    p.add_argument("--check", action="store_true",
+                   help="run the engine briefly with these settings (MODEL must hold weights) and print predicted "
+                        "vs measured")
+    p.add_argument("--device", default="cuda", help="device for --check (default cuda)")
     p.set_defaults(func=cmd_plan)
 
 
@@ -54,7 +54,15 @@ def cmd_plan(a: argparse.Namespace) -> None:
         return
     opts = PlanOptions(**{f.name: getattr(a, f.name) for f in dataclasses.fields(PlanOptions)})
     plan = make_plan(opts)
+    check = None
+    if a.check:
+        from ferrylm.plan.check import run_check
+
+        check = run_check(plan, a.model, a.device)
     if a.json:
-        print(report.to_json(plan))
+        print(report.to_json(plan, check))
     else:
-        report.render(plan, Console(file=sys.stdout, width=120))
+        console = Console(file=sys.stdout, width=120)
+        report.render(plan, console)
+        if check is not None:
+            report.render_check(check, console)

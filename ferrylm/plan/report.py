@@ -22,7 +22,7 @@ def render(plan: Plan, console: Console) -> None:
     console.print(f"[bold]{plan.model_name}[/] ({plan.architecture}, {plan.params_total / 1e9:.2f}B params, "
                   f"{plan.params_active / 1e9:.2f}B active) on {plan.gpus}x {plan.gpu}, host {plan.host}: "
                   f"{_VERDICT[plan.verdict]}")
-    w = Table(title=f"weights ({o.dtype}{', ' + o.quant if o.quant else ''}), whole model")
+    w = Table(title=f"weights, {o.dtype}{' ' + o.quant if o.quant else ''}")
     w.add_column("group")
     w.add_column("bytes", justify="right")
     for kind, n in plan.weights_bytes.items():
@@ -70,5 +70,20 @@ def render(plan: Plan, console: Console) -> None:
         console.print(f"- {n}")
 
 
-def to_json(plan: Plan) -> str:
-    return json.dumps(plan.to_dict(), sort_keys=True)
+def render_check(rows: list[dict], console: Console) -> None:
+    t = Table(title="predicted vs measured (ferry plan --check)")
+    for col in ("metric", "predicted", "measured", "error", "aim"):
+        t.add_column(col, justify="left" if col == "metric" else "right")
+    for r in rows:
+        fmt = gib if r["metric"] in ("weights", "kv", "peak") else (lambda v: f"{v:,.1f}")
+        colour = "green" if r["within"] else "red"
+        t.add_row(r["metric"], fmt(r["predicted"]), fmt(r["measured"]), f"[{colour}]{r['rel_error']:+.1%}[/]",
+                  f"+-{r['aim']:.0%}")
+    console.print(t)
+
+
+def to_json(plan: Plan, check: list[dict] | None = None) -> str:
+    d = plan.to_dict()
+    if check is not None:
+        d["check"] = check
+    return json.dumps(d, sort_keys=True)

@@ -19,7 +19,7 @@ _HELP = {
 
 def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="what fits where and how fast, before launch (no GPU needed)")
-    p.add_argument("model", help="catalog name (e.g. Qwen2-72B), config.json, model directory, .gguf or ferry store")
+    p.add_argument("model", nargs="?", help="catalog name (e.g. Qwen2-72B), config.json, model directory, .gguf or ferry store")
     for f in dataclasses.fields(PlanOptions):
         if f.name == "model":
             continue
@@ -52,6 +52,10 @@ def cmd_plan(a: argparse.Namespace) -> None:
         print("gpus:  ", ", ".join(GPUS))
         print("hosts: ", ", ".join(HOSTS))
         return
+    if not a.model:
+        from ferrylm.errors import ConfigError
+
+        raise ConfigError("ferry plan needs a MODEL (a catalog name, config.json, directory, .gguf or store; --list)")
     opts = PlanOptions(**{f.name: getattr(a, f.name) for f in dataclasses.fields(PlanOptions)})
     plan = make_plan(opts)
     check = None

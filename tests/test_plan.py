@@ -181,3 +181,18 @@ def test_cli_plan_json_and_errors(capsys):
     assert main(["plan", "Mixtral-8x7B", "--gpu", "1xA800-80G-PCIe", "--host", HOST]) == 0
     out = capsys.readouterr().out
     assert "needs offload" in out and "decode, batch 1" in out and "experts" in out
+
+
+def test_cli_plan_check_on_cpu(tmp_path, capsys):
+    """`--check` runs the engine with the planned settings: on the CPU the byte counts are compared."""
+    from ferrylm.cli import main
+
+    path = _yuan_dir(tmp_path, "yuan2-m32-tiny")
+    assert main(["plan", path, "--check", "--device", "cpu", "--dtype", "float32", "--host", HOST,
+                 "--max-model-len", "64", "--max-num-seqs", "2", "--kv-cache-memory-gb", "0.005",
+                 "--prompt-len", "32", "--output-len", "8", "--json"]) == 0
+    rows = {r["metric"]: r for r in json.loads(capsys.readouterr().out)["check"]}
+    assert set(rows) == {"weights", "kv", "kv_tokens"}
+    for r in rows.values():
+        print(r)
+        assert r["within"] and r["rel_error"] == 0

@@ -12,8 +12,8 @@ import pytest
 
 from ferrylm.errors import ConfigError
 from ferrylm.plan import catalog, hardware
-from ferrylm.plan.memory import KINDS, WeightFormat, analytical_groups, meta_model, summarize, tensor_groups
-from ferrylm.plan.placement import distinct_experts, place
+from ferrylm.offload.placement import KINDS, group_tensors
+from ferrylm.plan.memory import WeightFormat, analytical_groups, meta_model, param_count, summarize, weight_groups
 from ferrylm.plan.planner import PlanOptions, make_plan
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -49,13 +49,34 @@ def test_plan_memory_equals_engine_allocation(kind, tiny_llama, tmp_path):
     assert want == got
     assert plan.per_gpu["kv_tokens"] == runner.kv_cache.num_blocks * runner.kv_cache.block_size
     assert plan.verdict == "fits"
-    if kind == "llama":  # the CPU default size (no kv_cache_memory_gb) by the shared rule
-        from ferrylm.plan.memory import kv_bytes_per_block, kv_pool_blocks
 
-        auto = LLM(path, dtype="float32", max_num_seqs=seqs, max_model_len=128).engine.runner.kv_cache
-        per_block = kv_bytes_per_block(llm.engine.model_config, auto.block_size, "float32")
-        assert auto.num_blocks == kv_pool_blocks(per_block, max_num_seqs=seqs, max_model_len=128,
-                                                 block_size=auto.block_size)
+
+@pytest.mark.parametrize("kind,budget_share", [("llama", None), ("yuan2-m32-tiny", None), ("yuan2-m32-tiny", 0.5)])
+def test_planner_parts_reproduce_the_engine_decision(kind, budget_share, tiny_llama, tmp_path):
+    """The plan's building blocks (groups of the module on meta, `offload.memory.size_memory`) give the
+    engine's own placement and KV bytes, resident and under a budget that forces offload."""
+    from ferrylm import LLM
+    from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig
+    from ferrylm.offload.memory import size_memory
+    from ferrylm.plan.memory import kv_bytes_per_block
+
+    path = tiny_llama if kind == "llama" else _yuan_dir(tmp_path, kind)
+    _, cfg = catalog.resolve_model(path)
+    mc = ModelConfig.from_hf(cfg)
+    groups = weight_groups(meta_model(mc, "float32"))
+    budget = None
+    if budget_share:
+        budget = int(sum(g.nbytes for g in groups) * budget_share) + 8 * kv_bytes_per_block(mc, 16, "float32")
+    llm = LLM(path, dtype="float32", max_num_seqs=3, max_model_len=64, gpu_memory_budget=budget)
+    runner = llm.engine.runner
+    oc = OffloadConfig(gpu_memory_budget=budget)
+    placement, kv = size_memory(groups, kv_bytes_per_block(mc, 16, "float32"), 64, CacheConfig(),
+                                SchedulerConfig(max_num_seqs=3, max_model_len=64), oc, budget, 0, on_cpu=True)
+    assert placement.tier == runner.placement.tier and placement.fully_resident == (budget is None)
+    assert placement.device_bytes() == runner.placement.device_bytes()
+    assert (kv // kv_bytes_per_block(mc, 16, "float32")) == runner.kv_cache.num_blocks
+    print(f"{kind} budget {budget}: {sum(t == 'cpu' for t in placement.tier.values())} groups in host memory, "
+          f"KV {runner.kv_cache.num_blocks} blocks, same as the engine")
 
 
 @pytest.mark.parametrize("name", sorted(catalog.CATALOG))
@@ -69,18 +90,14 @@ def test_catalog_counts_match_published_totals(name):
     assert p.counted_from == ("config" if name == "DeepSeek-V3" else "model")
 
 
-def test_tensor_groups_cover_every_parameter_once():
+def test_weight_groups_are_the_engines_groups():
     for name in ("Mixtral-8x7B", "Yuan2-M32", "Qwen3-30B-A3B", "Llama-3-8B"):
         model = meta_model(catalog.CATALOG[name])
-        groups = tensor_groups(model)
-        unique = {id(p): p for p in model.parameters()}
-        assert sum(g.nbytes for g in groups) == sum(p.numel() * p.element_size() for p in unique.values()), name
+        groups = weight_groups(model)
+        assert groups == group_tensors(model)
+        assert sum(g.nbytes for g in groups) == 2 * param_count(model).total, name  # bf16, every tensor once
         assert set(summarize(groups)) <= set(KINDS)
-        experts = [g for g in groups if g.kind == "experts"]
-        if experts:  # one group per (layer, expert), all the same size
-            E = len({g.expert for g in experts})
-            assert len(experts) == E * len({g.layer for g in experts}) and len({g.nbytes for g in experts}) == 1
-    yuan = tensor_groups(meta_model(catalog.CATALOG["Yuan2-2B"]))
+    yuan = weight_groups(meta_model(catalog.CATALOG["Yuan2-2B"]))
     assert "embed" not in summarize(yuan) and summarize(yuan)["lm_head"] == 135040 * 2048 * 2  # tied: one tensor
 
 
@@ -89,8 +106,8 @@ def test_quantized_weights_bytes():
     assert fmt.param_bytes("model.layers.0.self_attn.o_proj.weight", (4096, 4096)) == 4096 * 4096 + 4 * 4096
     assert fmt.param_bytes("model.embed_tokens.weight", (1000, 64)) == 1000 * 64 * 2  # stays high precision
     assert WeightFormat("bfloat16", "nf4").param_bytes("x.weight", (128, 64)) == 128 * 64 // 2 + 4 * 128
-    dense = summarize(tensor_groups(meta_model(catalog.CATALOG["Llama-3-8B"]), WeightFormat("bfloat16")))
-    q = summarize(tensor_groups(meta_model(catalog.CATALOG["Llama-3-8B"]), WeightFormat("bfloat16", "nf4")))
+    dense = summarize(weight_groups(meta_model(catalog.CATALOG["Llama-3-8B"]), WeightFormat("bfloat16")))
+    q = summarize(weight_groups(meta_model(catalog.CATALOG["Llama-3-8B"]), WeightFormat("bfloat16", "nf4")))
     assert q["embed"] == dense["embed"] and q["mlp"] / dense["mlp"] == pytest.approx(4.5 / 16)  # 4 bits + an fp32 absmax per 64
 
 
@@ -112,32 +129,22 @@ def test_verdicts_and_advice():
     small = make_plan(PlanOptions("Llama-3-8B", gpu="1xH200", host=HOST))
     assert small.verdict == "fits" and any("offload unnecessary" in n for n in small.notes)
     assert small.speed["decode_batch1"]["binding"] in ("hbm", "launch")
-    forced = make_plan(PlanOptions("Llama-3-8B", gpu="1xH200", host=HOST, weight_budget_gb=8))
-    assert forced.verdict == "offload" and any("costs decode speed for nothing" in n for n in forced.notes)
+    forced = make_plan(PlanOptions("Llama-3-8B", gpu="1xH200", host=HOST, gpu_memory_budget_gb=10))
+    assert forced.verdict == "offload" and any("forces offload of a model that fits" in n for n in forced.notes)
     assert forced.speed["decode_batch1"]["tok_s"] < small.speed["decode_batch1"]["tok_s"] / 5
     moe = make_plan(PlanOptions("Qwen3-235B-A22B", gpu="1xH200", host=HOST, max_model_len=8192, max_num_seqs=8))
-    assert moe.verdict == "offload" and moe.placement["host_groups"] == ["experts"]
+    assert moe.verdict == "offload" and "experts" in moe.placement["host_groups"]
+    assert moe.placement["expert_slots"] >= 2  # the engine's cache slots for host-resident experts
     assert moe.placement["pcie_bytes_per_decode_token"] > 0 and moe.speed["decode_batch1"]["binding"] == "pcie"
+    # the engine's default budget (at most 90% of free memory) offloads bf16 Qwen2-72B on an H200, whatever
+    # --gpu-memory-utilization says; an explicit budget of 137 GiB holds it at 2048 tokens
+    q72 = make_plan(PlanOptions("Qwen2-72B", gpu="1xH200", host=HOST, max_model_len=2048, max_num_seqs=4))
+    assert q72.verdict == "offload" and any("--gpu-memory-budget 137GiB it fits" in n for n in q72.notes)
+    assert make_plan(PlanOptions("Qwen2-72B", gpu="1xH200", host=HOST, max_model_len=2048, max_num_seqs=4,
+                                 gpu_memory_utilization=0.99)).verdict == "offload"
     huge = make_plan(PlanOptions("DeepSeek-V3", gpu="1xRTX-4090", host="1xEPYC-9654,256GB", max_model_len=4096))
     assert huge.verdict == "cannot" and any("host memory" in n for n in huge.notes)
     assert any("quantize" in n for n in huge.notes) and any("no model class" in n for n in huge.notes)
-
-
-def test_placement_order_and_expert_spread():
-    groups = tensor_groups(meta_model(catalog.CATALOG["Mixtral-8x7B"]), WeightFormat("bfloat16"))
-    dense = sum(g.nbytes for g in groups if g.kind not in ("experts", "embed"))
-    expert = next(g.nbytes for g in groups if g.kind == "experts")
-    pl = place(groups, dense + 3 * 32 * expert + 1)  # room for 3 experts in each of the 32 layers
-    assert {g.kind for g in pl.host} == {"experts", "embed"}
-    per_layer = {}
-    for g in pl.gpu:
-        if g.kind == "experts":
-            per_layer[g.layer] = per_layer.get(g.layer, 0) + 1
-    assert set(per_layer.values()) == {3} and len(per_layer) == 32
-    assert pl.expert_resident_share() == 3 / 8
-    d = distinct_experts(8, 2, 1)
-    assert d == 2 and abs(pl.pcie_bytes_per_step(d) - 32 * 2 * 5 / 8 * expert) < 1
-    assert distinct_experts(8, 2, 1000) == pytest.approx(8)
 
 
 def test_hardware_specs():
@@ -157,8 +164,9 @@ def test_hardware_specs():
 
 
 def test_deepseek_v3_analytical_count():
-    groups = analytical_groups(catalog.CATALOG["DeepSeek-V3"], WeightFormat("bfloat16"))
+    groups, count = analytical_groups(catalog.CATALOG["DeepSeek-V3"], WeightFormat("bfloat16"))
     kinds = summarize(groups)
+    assert sum(g.nbytes for g in groups) == 2 * count.total
     assert len([g for g in groups if g.kind == "experts"]) == 256 * (61 - 3)
     assert kinds["mlp"] == 3 * 3 * 7168 * 18432 * 2  # three dense layers
 

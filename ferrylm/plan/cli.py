@@ -12,7 +12,8 @@ _HELP = {
     "gpu": 'COUNTxNAME, e.g. "4xA800-80G-PCIe", or local (NVML)',
     "host": 'SOCKETSxCPU[,MEMORY], e.g. "2xXeon-8480C,1TB", or local (/proc, /sys)',
     "quant": "int8 | fp8 | nf4 (a ferry store converted with --quant)",
-    "weight_budget_gb": "GB of weights allowed per GPU (forces offload below the model's size)",
+    "gpu_memory_budget_gb": "GB the engine may allocate per GPU (weights, KV, buffers); below the model's size it offloads",
+    "place": "placement rule SELECTOR=gpu|cpu, repeatable (e.g. experts=cpu)",
     "concurrency": "sequences decoding together (default --max-num-seqs)",
 }
 
@@ -26,6 +27,9 @@ def add_plan_parser(sub) -> None:
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":
             p.add_argument(flag, action="store_true")
+            continue
+        if f.type.startswith("tuple"):
+            p.add_argument(flag, action="append", default=[], help=_HELP.get(f.name, "repeatable"))
             continue
         conv = int if "int" in f.type else float if "float" in f.type else None
         p.add_argument(flag, type=conv or str, default=f.default, help=_HELP.get(f.name, f"default {f.default}"))
@@ -56,7 +60,8 @@ def cmd_plan(a: argparse.Namespace) -> None:
         from ferrylm.errors import ConfigError
 
         raise ConfigError("ferry plan needs a MODEL (a catalog name, config.json, directory, .gguf or store; --list)")
-    opts = PlanOptions(**{f.name: getattr(a, f.name) for f in dataclasses.fields(PlanOptions)})
+    values = {f.name: getattr(a, f.name) for f in dataclasses.fields(PlanOptions)}
+    opts = PlanOptions(**{**values, "place": tuple(values["place"])})
     plan = make_plan(opts)
     check = None
     if a.check:

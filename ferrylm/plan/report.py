@@ -34,22 +34,24 @@ def render(plan: Plan, console: Console) -> None:
     m.add_column("item")
     m.add_column("bytes", justify="right")
     m.add_column("note")
-    m.add_row("weights on GPU", gib(g["weights"]), f"of {gib(g['weights_all'])} this rank holds")
+    m.add_row("weights on GPU", gib(g["weights"]), f"of {gib(g['weights_all'])} this rank holds (incl. stream "
+              "buffers and expert slots)")
     m.add_row("KV cache", gib(g["kv"]), f"{g['kv_tokens']:,} tokens x {g['kv_bytes_per_token'] / 1024:.1f} KiB "
               f"({o.block_size}-token blocks)")
     if g["state"]:
         m.add_row("sequence state", gib(g["state"]), f"{o.max_num_seqs} slots")
-    m.add_row("activations", gib(g["activations"]), f"{o.max_num_batched_tokens}-token steps")
-    if g["staging"]:
-        m.add_row("staging", gib(g["staging"]), "streamed layers, double buffered (inside the weights budget)")
+    m.add_row("activation reserve", gib(g["activations"]), f"{o.max_num_batched_tokens}-token steps (the engine's "
+              "upper estimate)")
     m.add_row("CUDA context", gib(g["cuda_context"]), "")
-    m.add_row("[bold]peak[/]", gib(g["peak"]), f"of {gib(g['capacity'])}")
+    m.add_row("[bold]peak[/]", gib(g["peak"]), f"of {gib(g['capacity'])}; engine budget {gib(g['budget'] or 0)}")
     console.print(m)
     if plan.verdict == "offload":
         p = plan.placement
-        console.print(f"placement: {gib(p['gpu_bytes'])} on GPU, {gib(p['host_bytes'])} pinned on host "
-                      f"({', '.join(p['host_groups'])}); experts resident {p['expert_share_resident']:.0%}; "
-                      f"PCIe {gib(p['pcie_bytes_per_decode_token'])} per decode token at batch 1")
+        layers = p["streamed_layers"]
+        console.print(f"placement (the engine's): {gib(p['gpu_bytes'])} resident, {gib(p['host_bytes'])} in host memory "
+                      f"({', '.join(p['host_groups'])}); {len(layers)} layers streamed through "
+                      f"{gib(p['stream_buffer_bytes'])} of buffers; {p['expert_slots']} expert cache slots per MoE "
+                      f"layer; PCIe {gib(p['pcie_bytes_per_decode_token'])} per decode token at batch 1")
     s = plan.speed
     t = Table(title="predicted speed (roofline; see assumptions)")
     t.add_column("")

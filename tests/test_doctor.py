@@ -133,3 +133,12 @@ def test_doctor_on_this_machine(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # a plan that pins more than this machine has fails host_memory
         main(["doctor", "--plan-host-gb", "1000000"])
     assert e.value.code == 1 and "host_memory" in capsys.readouterr().out
+
+
+def test_nvml_names_map_to_profiles():
+    assert probe.profile_for("NVIDIA H100 PCIe").name == "H100-80G-PCIe"
+    assert probe.profile_for("NVIDIA H100 80GB HBM3").name == "H100-80G-SXM"
+    assert probe.profile_for("NVIDIA A800 80GB PCIe").name == "A800-80G-PCIe"
+    assert probe.profile_for("NVIDIA H200").name == "H200"
+    assert probe.profile_for("NVIDIA GeForce RTX 4090").name == "RTX-4090"
+    assert probe.profile_for("Tesla V100-SXM2-32GB") is None

@@ -262,18 +262,34 @@ def local_gpus():
     (bandwidth, TFLOP/s), with the memory and PCIe link NVML reports."""
     from dataclasses import replace
 
-    from ferrylm.plan.hardware import GPUS, GpuProfile
+    from ferrylm.plan.hardware import GpuProfile
 
     out = []
     for g in read_gpus():
-        key = re.sub(r"[^a-z0-9]", "", g.name.lower())
-        base = next((p for n, p in GPUS.items() if re.sub(r"[^a-z0-9]", "", n.lower().split("-")[0]) in key), None)
+        base = profile_for(g.name)
         if base is None:
             base = GpuProfile(g.name, 0, 1000, {"bf16": 100, "fp16": 100}, 4, source="guess")
         out.append(replace(base, name=g.name, memory_gb=g.memory_total / 1e9, memory_gib=g.memory_total / 2**30,
                            pcie_gen=g.pcie_gen_max or base.pcie_gen, pcie_width=g.pcie_width or base.pcie_width,
                            source="NVML + " + base.source))
     return out
+
+
+def profile_for(nvml_name: str):
+    """The data-sheet profile an NVML name is ("NVIDIA H100 PCIe" -> H100-80G-PCIe): the chip must match,
+    then the most other name parts (memory, form factor); None when no chip matches."""
+    from ferrylm.plan.hardware import GPUS
+
+    key = re.sub(r"[^a-z0-9]", "", nvml_name.lower())
+    best, score = None, 0
+    for name, prof in GPUS.items():
+        parts = [re.sub(r"[^a-z0-9]", "", t) for t in name.lower().split("-")]
+        if parts[0] not in key:
+            continue
+        n = 1 + sum(1 for t in parts[1:] if t in key)
+        if n > score:
+            best, score = prof, n
+    return best
 
 
 def local_host():

@@ -3,8 +3,9 @@
 For each case a random-weight checkpoint is written once (transformers `save_pretrained`, no download), the
 planner predicts for `--gpu` (default 1xH200) and `ferry plan --check`'s runner measures: weights and KV
 bytes, KV tokens, peak GPU memory, prefill and decode tok/s at batch 1 and at the concurrency. Cases:
-dense (Llama ~1.2B, CUDA graphs), MoE resident (Mixtral-shaped ~2.6B, 8 experts top-2, eager). The offloaded
-case waits for the offload engine. Prints a table per case; the last line is JSON.
+dense (Llama ~1.2B, CUDA graphs), MoE resident (Mixtral-shaped ~2.6B, 8 experts top-2) and the same MoE
+offloaded (`--gpu-memory-budget` of half its weights + 2 GB: experts in pinned host memory, cached slots).
+Prints a table per case; the last line is JSON.
 
     python benchmarks/bench_plan.py [--gpu 1xH200] [--cases dense moe] [--prompt-len 512] [--output-len 64]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 
 import torch
 
@@ -46,16 +48,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpu", default="1xH200")
     ap.add_argument("--host", default="local")
-    ap.add_argument("--cases", nargs="+", default=list(CASES))
+    ap.add_argument("--cases", nargs="+", default=[*CASES, "moe-offload"])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     a = ap.parse_args()
     results = {}
     for case in a.cases:
-        path = checkpoint(case)
+        path = checkpoint(case.removesuffix("-offload"))
         opts = PlanOptions(path, gpu=a.gpu, host=a.host, max_model_len=2048, max_num_seqs=a.concurrency,
                            prompt_len=a.prompt_len, output_len=a.output_len, concurrency=a.concurrency)
+        if case.endswith("-offload"):
+            weights = sum(make_plan(opts).weights_bytes.values())
+            opts = replace(opts, gpu_memory_budget_gb=(weights / 2 + 2e9) / 1e9)
         rows = run_check(make_plan(opts), path, "cuda" if torch.cuda.is_available() else "cpu")
         print(f"\n{case}:")
         for r in rows:

@@ -28,7 +28,9 @@ def run_check(plan: Plan, model_path: str, device: str) -> list[dict]:
         torch.cuda.reset_peak_memory_stats()
     llm = LLM(model_path, device=device, dtype=o.dtype, max_num_seqs=o.max_num_seqs,
               max_num_batched_tokens=o.max_num_batched_tokens, max_model_len=o.max_model_len,
-              block_size=o.block_size, kv_cache_memory_gb=o.kv_cache_memory_gb, enforce_eager=o.enforce_eager)
+              block_size=o.block_size, kv_cache_memory_gb=o.kv_cache_memory_gb, enforce_eager=o.enforce_eager,
+              gpu_memory_budget=None if o.gpu_memory_budget_gb is None else int(o.gpu_memory_budget_gb * 1e9),
+              gpu_memory_utilization=o.gpu_memory_utilization, place=tuple(o.place))
     runner = llm.engine.runner
     weights = sum({id(p): p.numel() * p.element_size() for p in runner.model.parameters()}.values())
     vocab = llm.engine.model_config.vocab_size
@@ -43,6 +45,8 @@ def run_check(plan: Plan, model_path: str, device: str) -> list[dict]:
     t = time.perf_counter()
     llm.generate([prompt(o.prompt_len)], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     prefill = o.prompt_len / (time.perf_counter() - t)
+    if cuda:  # on the device: resident groups, stream buffers and expert slots, as the plan counts them
+        weights = runner.placement.device_bytes()
     rows = [("weights", plan.per_gpu["weights"], weights), ("kv", plan.per_gpu["kv"], runner.kv_cache.nbytes),
             ("kv_tokens", plan.per_gpu["kv_tokens"], runner.kv_cache.num_blocks * runner.kv_cache.block_size)]
     if cuda:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Iterable
 
@@ -33,12 +34,49 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>",
                 "<|end_of_text|>", "</s>", "<eod>")
 
-# Special tokens some families add in code rather than in their tokenizer files (keyed by HF architecture).
-# Yuan 2.0's model card adds these with `tokenizer.add_tokens(..., special_tokens=True)` after loading.
-_FAMILY_SPECIAL_TOKENS = {
-    "YuanForCausalLM": ["<sep>", "<pad>", "<mask>", "<predict>", "<FIM_SUFFIX>", "<FIM_PREFIX>", "<FIM_MIDDLE>",
-                        "<commit_before>", "<commit_msg>", "<commit_after>", "<jupyter_start>", "<jupyter_text>",
-                        "<jupyter_code>", "<jupyter_output>", "<empty_output>"],
+
+@dataclass(frozen=True)
+class FamilyText:
+    """How a family's text is served when its vendor fixes it in serving code rather than in the tokenizer
+    files (keyed by HF architecture). Each field overrides what the files say; None keeps the files' value."""
+
+    special_tokens: tuple[str, ...] = ()
+    """Added as special tokens: matched whole in text, skipped in decoded output."""
+    eos_token: str | None = None
+    """The end-of-text token (stops generation with any end ids the configs list)."""
+    add_bos: bool | None = None
+    add_eos: bool | None = None
+    chat_template: str | None = None
+    """Used when the model directory has no chat template of its own."""
+
+
+# Yuan 2.0's chat format: FastChat's `yuan2` conversation (the vendor's FastChat adapter), also what
+# YuanChat sends: "[system\n]turn<n>turn<n>...turn<sep>"; the answer follows <sep> and ends at <eod>.
+# Turns are joined by the literal text "<n>" as those servers write it. Newlines inside a message stay
+# "\n": the vendor's data files escape a newline as "<n>" only to keep one sample per line, and its
+# preprocessing (tools/preprocess_data_yuan.py) turns "<n>" back into "\n" before tokenizing, so the model
+# was trained on real newlines (id 13). FastChat strips the last "<n>" with `rstrip("<n>")`, which also eats a
+# last message's trailing "n", "<" or ">" characters; the join below has the intended effect without that.
+YUAN2_CHAT_TEMPLATE = (
+    "{% set ns = namespace(first=true) %}"
+    "{% for m in messages %}"
+    "{% if loop.first and m['role'] == 'system' %}"
+    "{% if m['content'] %}{{ m['content'] }}{{ '\\n' }}{% endif %}"
+    "{% elif m['content'] %}"
+    "{% if not ns.first %}<n>{% endif %}{{ m['content'] }}{% set ns.first = false %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<sep>{% endif %}")
+
+# Yuan 2.0's vendor servers (its vLLM fork, FastChat adapter, OpenAI API server) load the tokenizer with
+# add_bos_token=False, add_eos_token=False, eos_token='<eod>', whatever tokenizer_config.json says, then
+# `add_tokens(..., special_tokens=True)` the 15 tokens below; `<eod>` is special as the eos token.
+_FAMILY_TEXT = {
+    "YuanForCausalLM": FamilyText(
+        special_tokens=("<eod>", "<sep>", "<pad>", "<mask>", "<predict>", "<FIM_SUFFIX>", "<FIM_PREFIX>",
+                        "<FIM_MIDDLE>", "<commit_before>", "<commit_msg>", "<commit_after>", "<jupyter_start>",
+                        "<jupyter_text>", "<jupyter_code>", "<jupyter_output>", "<empty_output>"),
+        eos_token="<eod>", add_bos=False, add_eos=False, chat_template=YUAN2_CHAT_TEMPLATE),
 }
 
 # ----- llama.cpp pre-tokenizer regexes, by `tokenizer.ggml.pre` (llama-vocab.cpp), in HF regex syntax -----
@@ -92,9 +130,10 @@ class Tokenizer:
     def __init__(self, tok: HFTokenizer, *, bos_token_id: int | None = None, eos_token_ids: Iterable[int] = (),
                  add_bos: bool = False, add_eos: bool = False, manual_special: bool = True,
                  chat_template: str | dict[str, str] | None = None, special_tokens: dict[str, str] | None = None,
-                 vocab_size: int | None = None, name: str = ""):
+                 vocab_size: int | None = None, name: str = "", decode_by_fragment: bool = False):
         """`manual_special`: BOS/EOS are added here (GGUF, SentencePiece); False when tokenizer.json's
-        post-processor adds them itself."""
+        post-processor adds them itself. `decode_by_fragment`: decode the runs between added tokens one by
+        one, each dropping the space prefix its encoding gave it (SentencePiece directories)."""
         self._tok = tok
         self.bos_token_id = bos_token_id
         eos = [int(i) for i in eos_token_ids if i is not None]
@@ -106,6 +145,7 @@ class Tokenizer:
         """Template variables: bos_token, eos_token, unk_token, pad_token (strings)."""
         self._vocab_size = vocab_size
         self.name = name
+        self._fragment_breaks = frozenset(tok.get_added_tokens_decoder()) if decode_by_fragment else frozenset()
         self.eos_token_ids: frozenset[int] = frozenset(eos) | self._end_of_turn_ids()
         """Every id that ends generation: the configured EOS plus the template's end-of-turn token."""
 
@@ -137,7 +177,7 @@ class Tokenizer:
         model_cfg = _read_json(os.path.join(path, "config.json"))
         gen_cfg = _read_json(os.path.join(path, "generation_config.json"))
         tj, spm = os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer.model")
-        manual = True
+        manual, by_fragment = True, False
         if os.path.isfile(tj):
             try:
                 tok = HFTokenizer.from_file(tj)
@@ -145,18 +185,21 @@ class Tokenizer:
                 raise ModelLoadError(f"{tj}: cannot load tokenizer ({e})") from None
             manual = False
         elif os.path.isfile(spm):
-            tok = _sentencepiece_tokenizer(spm)
+            tok, by_fragment = _sentencepiece_tokenizer(spm)
         else:
             raise ModelLoadError(f"{path}: no tokenizer.json or tokenizer.model in the model directory")
 
         _add_config_tokens(tok, tcfg, os.path.join(path, "added_tokens.json"), tj if not manual else spm)
-        archs = model_cfg.get("architectures") or []
-        extra = list(extra_special_tokens) + [t for a in archs for t in _FAMILY_SPECIAL_TOKENS.get(a, [])]
+        family = next((_FAMILY_TEXT[a] for a in model_cfg.get("architectures") or [] if a in _FAMILY_TEXT),
+                      FamilyText())
+        extra = list(extra_special_tokens) + list(family.special_tokens)
         extra += [_content(t) for t in tcfg.get("additional_special_tokens") or [] if _content(t)]
         if extra:
             tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(extra)])
 
         special = {k: _content(tcfg.get(k, stmap.get(k))) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        if family.eos_token:
+            special["eos_token"] = family.eos_token
         bos_id = tok.token_to_id(special["bos_token"]) if special["bos_token"] else None
         if bos_id is None:
             bos_id = model_cfg.get("bos_token_id")
@@ -179,14 +222,20 @@ class Tokenizer:
             add_bos, add_eos = pp_adds_bos, False
             if add_bos_cfg is not None and bool(add_bos_cfg) != pp_adds_bos:
                 manual, add_bos = True, bool(add_bos_cfg)
+        if (family.add_bos, family.add_eos) != (None, None):  # the family's serving code decides; BOS/EOS added here
+            manual = True
+            add_bos = add_bos if family.add_bos is None else family.add_bos
+            add_eos = add_eos if family.add_eos is None else family.add_eos
         template = tcfg.get("chat_template")
         for fname in ("chat_template.jinja", "chat_template.json"):
             fp = os.path.join(path, fname)
             if template is None and os.path.isfile(fp):
                 with open(fp, encoding="utf-8") as f:
                     template = f.read() if fname.endswith(".jinja") else json.load(f).get("chat_template")
+        template = template or family.chat_template
         return cls(tok, bos_token_id=bos_id, eos_token_ids=dict.fromkeys(eos), add_bos=add_bos, add_eos=add_eos,
-                   manual_special=manual, chat_template=template, special_tokens=special, name=path)
+                   manual_special=manual, chat_template=template, special_tokens=special, name=path,
+                   decode_by_fragment=by_fragment)
 
     @classmethod
     def from_gguf(cls, path_or_meta: Any) -> "Tokenizer":
@@ -271,7 +320,22 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if not self._fragment_breaks:
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        # Encoding put a space prefix on every fragment between added tokens ("a<sep>b" -> a, <sep>, ▁b);
+        # decoding each fragment alone drops it again, as the legacy LlamaTokenizer's decode does.
+        parts, run = [], []
+        for i in ids + [None]:
+            if i is not None and i not in self._fragment_breaks:
+                run.append(i)
+                continue
+            if run:
+                parts.append(self._tok.decode(run, skip_special_tokens=skip_special_tokens))
+                run = []
+            if i is not None:
+                parts.append(self._tok.decode([i], skip_special_tokens=skip_special_tokens))
+        return "".join(parts)
 
     def incremental_detokenizer(self, skip_special_tokens: bool = True,
                                 prompt_ids: list[int] | None = None) -> "IncrementalDetokenizer":
@@ -448,8 +512,9 @@ def _spm_text_handling(tok: HFTokenizer, add_space_prefix: bool, remove_extra_wh
     tok.decoder = decoders.Sequence(decs)
 
 
-def _sentencepiece_tokenizer(model_file: str) -> HFTokenizer:
-    """tokenizer.model (SentencePiece protobuf) -> tokenizers.Tokenizer, through the same builders as GGUF."""
+def _sentencepiece_tokenizer(model_file: str) -> tuple[HFTokenizer, bool]:
+    """tokenizer.model (SentencePiece protobuf) -> (tokenizers.Tokenizer, whether text fragments get a space
+    prefix), through the same builders as GGUF."""
     try:
         with open(model_file, "rb") as f:
             blob = f.read()
@@ -483,9 +548,9 @@ def _sentencepiece_tokenizer(model_file: str) -> HFTokenizer:
     if not tokens:
         raise ModelLoadError(f"{model_file}: SentencePiece model has no pieces")
     if model_type == 1:
-        return _spm_unigram(tokens, scores, types, unk_id, add_prefix, remove_ws, charsmap)
+        return _spm_unigram(tokens, scores, types, unk_id, add_prefix, remove_ws, charsmap), add_prefix
     unk = tokens[unk_id] if 0 <= unk_id < len(tokens) else None
-    return _spm_bpe(tokens, scores, types, add_prefix, unk, remove_ws, charsmap)
+    return _spm_bpe(tokens, scores, types, add_prefix, unk, remove_ws, charsmap), add_prefix
 
 
 def _add_typed_tokens(tok: HFTokenizer, tokens: list[str], types: list[int]) -> None:

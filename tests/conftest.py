@@ -24,3 +24,58 @@ def tiny_llama(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path)
     return str(path)
+
+
+# -- Yuan 2.0 tokenizer files -----------------------------------------------------------------------------
+
+YUAN_TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="session")
+def yuan_vendor_tokenizer_dir() -> str:
+    """The vendor's real Yuan2.0 tokenizer files (2.1 MB, not ours to ship): $FERRY_YUAN_TOKENIZER, or
+    shared/golden/yuan2-tokenizer in a folder above this checkout; skipped where neither exists (CI)."""
+    found = os.environ.get("FERRY_YUAN_TOKENIZER")
+    d = os.path.dirname(os.path.abspath(__file__))
+    while not found and os.path.dirname(d) != d:
+        d = os.path.dirname(d)
+        cand = os.path.join(d, "shared", "golden", "yuan2-tokenizer")
+        found = cand if os.path.isdir(cand) else None
+    if not found or not all(os.path.isfile(os.path.join(found, f)) for f in YUAN_TOKENIZER_FILES):
+        pytest.skip("the vendor's Yuan2.0 tokenizer files are not here: set FERRY_YUAN_TOKENIZER to a folder with "
+                    + ", ".join(YUAN_TOKENIZER_FILES))
+    return found
+
+
+@pytest.fixture(scope="session")
+def yuan_like_tokenizer_dir(tmp_path_factory) -> str:
+    """A small SentencePiece BPE built the way Yuan2.0's is (byte fallback, identity normalization, <eod>,
+    <sep> and <n> as plain pieces, <s> </s> control), with a tokenizer_config.json that asks for BOS and EOS
+    as the vendor's does: the vendor's serving rules can be checked where its files are absent."""
+    import io
+    import json
+    import random
+
+    spm = pytest.importorskip("sentencepiece")
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    rng = random.Random(0)
+    words = ("write a short story about spring hello world def add return code the model token 你好 北京 "
+             "上海 冬天 很 冷 用户 助手 有什么 可以 帮你").split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(2000)]
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=out, vocab_size=400, model_type="bpe",
+                                   byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, user_defined_symbols=["<eod>", "<n>", "<sep>"],
+                                   minloglevel=2)
+    proto = pb.ModelProto()
+    proto.ParseFromString(out.getvalue())
+    for p in proto.pieces:
+        if p.piece in ("<eod>", "<n>", "<sep>"):
+            p.type = pb.ModelProto.SentencePiece.NORMAL  # as in Yuan's tokenizer.model
+    d = tmp_path_factory.mktemp("yuan-like-tokenizer")
+    (d / "tokenizer.model").write_bytes(proto.SerializeToString())
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "add_bos_token": True, "add_eos_token": True, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "tokenizer_class": "LlamaTokenizer"}))
+    return str(d)

@@ -1,6 +1,10 @@
-"""Test helpers: capture the logits the engine samples from, per sequence, in step order."""
+"""Test helpers: capture the logits the engine samples from, per sequence, in step order; Yuan text-side
+directories and the vendor's encoding recipe."""
 
 import contextlib
+import json
+import os
+import re
 
 
 class _Recorder:
@@ -28,3 +32,22 @@ def capture_logits(engine):
         yield got
     finally:
         engine.sampler = real
+
+
+def yuan_model_dir(tmp_path, tokenizer_dir: str, **config) -> str:
+    """A Yuan model directory's text side: the tokenizer files plus a config.json naming the architecture."""
+    d = tmp_path / "yuan"
+    d.mkdir(exist_ok=True)
+    for f in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.isfile(os.path.join(tokenizer_dir, f)) and not (d / f).exists():
+            os.symlink(os.path.join(tokenizer_dir, f), d / f)
+    (d / "config.json").write_text(json.dumps({"architectures": ["YuanForCausalLM"], **config}))
+    return str(d)
+
+
+def vendor_encode(sp, specials: dict[str, int], text: str) -> list[int]:
+    """The vendor's slow LlamaTokenizer (legacy): split on special tokens, SentencePiece on each chunk, no BOS/EOS."""
+    ids: list[int] = []
+    for part in re.split("(" + "|".join(map(re.escape, specials)) + ")", text):
+        ids += [specials[part]] if part in specials else sp.encode(part) if part else []
+    return ids

@@ -15,6 +15,7 @@ from ferrylm.default_model import default_model_path
 from ferrylm.errors import InvalidRequestError, ModelLoadError
 from ferrylm.tokenizer import IncrementalDetokenizer, Tokenizer
 from ferrylm.weights.gguf import read_gguf_metadata
+from helpers import vendor_encode, yuan_model_dir
 
 TEXTS = [
     "Hello world! 123",
@@ -234,3 +235,80 @@ def test_gguf_llama_sentencepiece_vocabulary():
     detok = t.incremental_detokenizer()
     ids = t.encode(" fox 😀 über")
     assert "".join(detok.add(i) for i in ids) + detok.flush() == t.decode(ids)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Yuan 2.0 as its vendor serves it (tests/data/yuan2-tokenizer/golden_encodings.json says how the ids were made)
+# ---------------------------------------------------------------------------------------------------
+
+YUAN_GOLDEN = os.path.join(os.path.dirname(__file__), "data", "yuan2-tokenizer", "golden_encodings.json")
+YUAN_TEXTS = ["Write a short story about spring.<sep>", "你好<sep>", "Hello<sep>你好<sep>", "a <sep> b<eod>",
+              "def add(a, b):\n    return a + b\n<sep>", "  two  spaces\t<n><eod>", "<sep><sep>x", "<eod>",
+              "用户：你好<sep>助手：你好！有什么可以帮你？<eod>", "<FIM_PREFIX>def<FIM_SUFFIX>x<FIM_MIDDLE>"]
+
+
+def test_yuan_vendor_tokenizer_matches_golden_encodings(yuan_vendor_tokenizer_dir, tmp_path):
+    import sentencepiece as spm
+
+    with open(YUAN_GOLDEN, encoding="utf-8") as f:
+        golden = json.load(f)
+    # the real checkpoints' config lists <eod> as eos; this one lists nothing: <eod> must still end text
+    t = Tokenizer.load(yuan_model_dir(tmp_path, yuan_vendor_tokenizer_dir))
+    for tok, i in golden["special_token_ids"].items():
+        assert t.token_to_id(tok) == i, tok
+    for case in golden["cases"]:
+        ids = t.encode(case["text"])
+        assert ids == case["ids"], case["text"]
+        assert t.decode(ids, skip_special_tokens=False) == case["text"]
+    assert t.eos_token_id == golden["eos_token_id"] == 77185 and t.eos_token_ids == {77185}
+    assert not t.add_bos and not t.add_eos  # tokenizer_config.json asks for both; the vendor turns them off
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(yuan_vendor_tokenizer_dir, "tokenizer.model"))
+    for text in YUAN_TEXTS + SPM_TEXTS:
+        assert t.encode(text) == vendor_encode(sp, golden["special_token_ids"], text), text
+
+
+def test_yuan_like_tokenizer_follows_the_vendor_rules(yuan_like_tokenizer_dir, tmp_path):
+    """The same rules on a small Yuan-style vocabulary (runs where the vendor's files are absent)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(yuan_like_tokenizer_dir, "tokenizer.model"))
+    t = Tokenizer.load(yuan_model_dir(tmp_path, yuan_like_tokenizer_dir, eos_token_id=7))
+    eod = sp.piece_to_id("<eod>")
+    assert eod != sp.unk_id() and not sp.is_control(eod)  # a plain piece, as in the real vocabulary
+    specials = {s: t.token_to_id(s) for s in ("<eod>", "<sep>", "<pad>", "<FIM_PREFIX>", "<FIM_SUFFIX>", "<FIM_MIDDLE>")}
+    assert specials["<eod>"] == eod and specials["<sep>"] == sp.piece_to_id("<sep>")
+    for text in YUAN_TEXTS + SPM_TEXTS:
+        ids = t.encode(text)
+        assert ids == vendor_encode(sp, specials, text), text
+        assert t.decode(ids, skip_special_tokens=False) == text
+    assert t.encode("x<eod>") == sp.encode("x") + [eod]  # one token, no BOS (1), no </s> (2)
+    assert t.eos_token_id == eod and t.eos_token_ids == {eod, 7}  # <eod> and the config's end ids
+    assert t.decode(t.encode("你好<sep>世界<eod>")) == "你好世界"  # specials skipped, no prefix space left over
+    # an answer streamed after the prompt's <sep> starts without the space prefix its first piece carries
+    prompt = t.encode("hello<sep>")
+    detok = t.incremental_detokenizer(prompt_ids=prompt)
+    answer = t.encode("world model<eod>")
+    assert "".join(detok.add(i) for i in answer) + detok.flush() == "world model"
+
+
+YUAN_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"},
+             {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "Explain"}]
+
+
+def test_yuan_chat_format(yuan_like_tokenizer_dir, tmp_path):
+    """FastChat's `yuan2` conversation: system + "\\n", turns joined by "<n>", then <sep>; newlines inside a
+    message stay newlines; a last message ending in "n" keeps it (FastChat's rstrip("<n>") would eat it)."""
+    t = Tokenizer.load(yuan_model_dir(tmp_path, yuan_like_tokenizer_dir))
+    assert t.apply_chat_template(YUAN_CHAT) == "Be brief.\nHi\nthere<n>Hello! How can I help?<n>Explain<sep>"
+    assert t.apply_chat_template(YUAN_CHAT[1:2]) == "Hi\nthere<sep>"
+    assert t.apply_chat_template(YUAN_CHAT[:3], add_generation_prompt=False) == "Be brief.\nHi\nthere<n>Hello! How can I help?"
+    ids = t.encode(t.apply_chat_template(YUAN_CHAT[1:2]))
+    assert ids[-1] == t.token_to_id("<sep>") and ids.count(t.token_to_id("<sep>")) == 1
+    # a directory's own template wins over the family's
+    d = yuan_model_dir(tmp_path, yuan_like_tokenizer_dir)
+    with open(os.path.join(d, "tokenizer_config.json")) as f:
+        cfg = json.load(f)
+    os.unlink(os.path.join(d, "tokenizer_config.json"))
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump({**cfg, "chat_template": "{{ messages[-1]['content'] }}!"}, f)
+    assert Tokenizer.load(d).apply_chat_template(YUAN_CHAT) == "Explain!"

@@ -456,3 +456,153 @@ def test_llm_state_isolation_chunked_preempted(kind, model_dirs, golden):
     print(f"LLM {kind}: batched + chunked + {llm.engine.scheduler.num_preemptions} preemptions vs alone "
           f"max |dlogit| = {worst:.2e}")
     assert worst < TOL
+
+
+# -- text in and out through a real server: the vendor's tokenizer, <eod>, the yuan2 chat format -----------
+
+def _talking_checkpoint(golden_dir: str, dst, vocab: int, chain: dict[int, int]) -> None:
+    """The golden tiny model widened to `vocab` tokens, with its attention and MLP outputs zeroed (the last
+    hidden state is then the current token's embedding, normalised) and an untied lm_head whose row
+    `chain[c]` is c's embedding: greedy decoding walks the chain c -> chain[c], through the whole engine."""
+    import json
+
+    g = torch.Generator().manual_seed(0)
+    tensors = load_file(os.path.join(golden_dir, "model.safetensors"))
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    embed = torch.randn(vocab, hidden, generator=g)
+    head = torch.randn(vocab, hidden, generator=g) * 0.01
+    for cur, nxt in chain.items():
+        head[nxt] = embed[cur]
+    tensors.update({"model.embed_tokens.weight": embed, "lm_head.weight": head,
+                    "model.norm.weight": torch.ones(hidden)})
+    for name in tensors:
+        if name.endswith(("o_proj.weight", "down_proj.weight", "w2.weight")):
+            tensors[name] = torch.zeros_like(tensors[name])
+    save_file(tensors, str(dst / "model.safetensors"))
+    with open(os.path.join(golden_dir, "config.json")) as f:
+        cfg = json.load(f)
+    for k in ("eos_token_id", "eod_token_id", "bos_token_id", "pad_token_id", "sep_token_id", "mask_token_id"):
+        cfg.pop(k)  # nothing names <eod> but the tokenizer: generation must still end there
+    cfg.update(vocab_size=vocab, tie_word_embeddings=False)
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+class _YuanServer:
+    """`ferry serve` on a free 127.0.0.1 port, for one model directory."""
+
+    def __init__(self, model_dir: str):
+        import socket
+        import subprocess
+        import sys
+        import tempfile
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="ferry-yuan-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "ferrylm.cli", "serve", "--model", model_dir, "--served-model-name", "yuan",
+               "--port", str(self.port), "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
+               "--disable-access-log"]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("FERRY_TEST_THREADS", "1")}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()[-4000:]
+
+    def stop(self) -> int:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+YUAN_CHAT_TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"},
+                   {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Write about spring"}]
+YUAN_CHAT_TEXT = "Be brief.\nHi\nthere<n>Hello!<n>Write about spring<sep>"  # FastChat's yuan2 conversation
+
+
+@pytest.mark.parametrize("kind,tokenizer", [("dense", "vendor"), ("m32", "vendor"), ("dense", "yuan-like")])
+def test_served_text_in_and_out(kind, tokenizer, request, tmp_path):
+    """Prompt ids as the vendor makes them, generation ending at <eod> with finish reason `stop` and no <eod>
+    in the text, and a two-turn chat in the vendor's format, through `ferry serve` and the openai client."""
+    import httpx
+    import sentencepiece as spm
+
+    openai = pytest.importorskip("openai")
+    from helpers import vendor_encode
+
+    from ferrylm.tokenizer import Tokenizer
+
+    tok_dir = request.getfixturevalue("yuan_vendor_tokenizer_dir" if tokenizer == "vendor" else "yuan_like_tokenizer_dir")
+    for f in os.listdir(tok_dir):
+        if f != "golden_encodings.json":
+            os.symlink(os.path.join(tok_dir, f), tmp_path / f)
+    (tmp_path / "config.json").write_text('{"architectures": ["YuanForCausalLM"]}')
+    tok = Tokenizer.load(str(tmp_path))  # only to pick the chain's tokens and the expected ids
+    eod, sep = tok.token_to_id("<eod>"), tok.token_to_id("<sep>")
+    words = [i for i in dict.fromkeys(tok.encode("spring is warm and the world is new")) if i not in (eod, sep)][:4]
+    chain = dict(zip([sep] + words, words + [eod]))
+    _talking_checkpoint(os.path.join(DATA, GOLDEN_OF[kind]), tmp_path, tok.vocab_size, chain)
+    answer = tok.decode(words)
+    assert answer and answer == answer.lstrip()
+
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    specials = {s: tok.token_to_id(s) for s in ("<eod>", "<sep>", "<pad>", "<mask>")}
+    prompt = "Write a short story about spring.<sep>"
+    server = _YuanServer(str(tmp_path))
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            ids = http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+            chat_ids = http.post("/tokenize", json={"messages": YUAN_CHAT_TURNS}).json()["tokens"]
+        assert ids == vendor_encode(sp, specials, prompt)
+        if tokenizer == "vendor":
+            assert ids == [14350, 263, 3273, 5828, 1048, 6709, 29889, 77187]  # golden_encodings.json, case 0
+        assert chat_ids == vendor_encode(sp, specials, YUAN_CHAT_TEXT)
+
+        out = client.completions.create(model="yuan", prompt=prompt, max_tokens=20, temperature=0)
+        c = out.choices[0]
+        print(f"{kind}/{tokenizer}: completion {c.text!r} ({c.finish_reason}), usage {out.usage}")
+        assert c.finish_reason == "stop" and c.text == answer and "<eod>" not in c.text
+        assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(words) + 1  # + <eod>
+
+        chat = client.chat.completions.create(model="yuan", messages=YUAN_CHAT_TURNS, max_tokens=20, temperature=0)
+        assert chat.choices[0].finish_reason == "stop" and chat.choices[0].message.content == answer
+        assert chat.usage.prompt_tokens == len(chat_ids)
+        stream = client.chat.completions.create(model="yuan", messages=YUAN_CHAT_TURNS, max_tokens=20,
+                                                temperature=0, stream=True)
+        chunks = list(stream)
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == answer
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    finally:
+        rc = server.stop()
+        log = server.log_text()
+        os.unlink(server.log.name)
+    assert rc == 0 and "Traceback" not in log, log

@@ -19,7 +19,8 @@ from ferrylm.layers.context import ForwardContext, forward_context
 from ferrylm.layers.rotary import RotaryEmbedding
 from ferrylm.models.registry import model_class
 from ferrylm.offload.placed_weights import PlacedWeights
-from ferrylm.offload.placement import describe, group_tensors, minimum_device_bytes, place
+from ferrylm.offload.memory import activation_reserve, device_budget, size_memory
+from ferrylm.offload.placement import describe, group_tensors
 
 log = logging.getLogger(__name__)
 
@@ -132,16 +133,6 @@ class ModelRunner:
         return KVCache.bytes_per_block(cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads,
                                        cfg.head_dim, self.dtype, cfg.v_cache_dim)
 
-    def _activation_reserve(self) -> int:
-        """Device bytes kept free for activations, logits and library workspaces (an upper estimate
-        of one step at the token budget; the KV pool is sized after the weights within the rest)."""
-        cfg, sc = self.model_config, self.config.scheduler
-        T = sc.max_num_batched_tokens
-        inner = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(cfg.num_experts_per_tok, 1))
-        width = 6 * cfg.hidden_size + 3 * inner + 3 * cfg.num_attention_heads * cfg.head_dim
-        elt = torch.empty(0, dtype=self.dtype).element_size()
-        return T * width * elt + 3 * sc.max_num_seqs * cfg.vocab_size * 4 + (256 << 20)
-
     def _graphs_planned(self) -> bool:
         return self.device.type == "cuda" and not self.config.enforce_eager
 
@@ -196,51 +187,20 @@ class ModelRunner:
         return left
 
     def _place(self):
-        """(placement, KV bytes): the whole model resident when it fits, else placed under the budget."""
-        oc, cc, sc = self.config.offload, self.config.cache, self.config.scheduler
-        self._budget = self._fixed_kv = None
-        groups = group_tensors(self.model)
-        per_block = self._kv_bytes_per_block()
-        blocks_per_seq = (self.max_model_len + self.block_size - 1) // self.block_size
-        fixed_kv = None
-        if cc.num_kv_blocks is not None:
-            fixed_kv = cc.num_kv_blocks * per_block
-        elif cc.kv_cache_memory_gb is not None:
-            fixed_kv = int(cc.kv_cache_memory_gb * 2**30)
-        self._fixed_kv = fixed_kv
-        budget = oc.gpu_memory_budget
-        if budget is None and self.device.type == "cuda":
+        """(placement, KV bytes) by `offload/memory.py`, the rule `ferry plan` predicts with."""
+        total = free = None
+        if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(min((oc.gpu_memory_utilization or 0.9) * total, 0.9 * free))
-        if budget is None:  # CPU engine without a budget: everything "resident" in host memory
-            need = sc.max_num_seqs * blocks_per_seq  # every sequence at full length, capped at 2 GiB
-            kv = fixed_kv if fixed_kv is not None else min(need, max(2, int(2 * 2**30 // per_block))) * per_block
-            return place(groups, None, oc.place, stream_buffers=oc.stream_buffers), kv
-        self._budget = budget
-        reserve = self._activation_reserve() if self.device.type == "cuda" else 0
-        min_kv = (blocks_per_seq + 2) * per_block  # one sequence at full length, and the scratch block
-        kv = fixed_kv if fixed_kv is not None else min_kv
-        weights = sum(g.nbytes for g in groups)
-        forced_host = any(r.split("=")[-1].strip().lower() == "cpu" for r in oc.place)
-        if weights + reserve + kv <= budget and not forced_host:
-            placement = place(groups, None, oc.place, stream_buffers=oc.stream_buffers)
-            if fixed_kv is None:  # resident: the KV pool takes the rest, as much as every sequence can use
-                kv = max(kv, min(budget - weights - reserve, sc.max_num_seqs * blocks_per_seq * per_block
-                                 if self.device.type == "cpu" else budget))
-            return placement, kv
-        if fixed_kv is None:  # offloaded: weights are worth more than idle KV; a sixth of the budget
-            kv = max(min_kv, min(budget // 6, sc.max_num_seqs * blocks_per_seq * per_block))
-        least = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers)
-        if budget - reserve - kv < least:
-            def gib(n):
-                return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-            raise ConfigError(
-                f"GPU memory budget {gib(budget)} is too small for this model: it needs at least "
-                f"{gib(least + kv + reserve)} ({gib(least)} of weights: norms, routers, placement rules, stream "
-                f"buffers and expert slots; {gib(kv)} of KV cache; {gib(reserve)} for activations)")
-        return place(groups, budget - reserve - kv, oc.place, stream_buffers=oc.stream_buffers), kv
+        oc, sc, cc = self.config.offload, self.config.scheduler, self.config.cache
+        self._budget = device_budget(oc, total, free)
+        self._fixed_kv = (cc.num_kv_blocks * self._kv_bytes_per_block() if cc.num_kv_blocks is not None
+                          else int(cc.kv_cache_memory_gb * 2**30) if cc.kv_cache_memory_gb is not None else None)
+        elt = torch.empty(0, dtype=self.dtype).element_size()
+        reserve = activation_reserve(self.model_config, sc, elt) if self.device.type == "cuda" else 0
+        return size_memory(group_tensors(self.model), self._kv_bytes_per_block(), self.max_model_len,
+                           cc, sc, oc, self._budget, reserve,
+                           on_cpu=self.device.type == "cpu")
 
     def _allocate_kv(self, nbytes: int) -> KVCache:
         cfg = self.model_config

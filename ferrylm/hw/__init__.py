@@ -1,0 +1,1 @@
+"""The machine: topology probe (/proc, /sys, NVML), bandwidth measurement, `ferry doctor` checks."""

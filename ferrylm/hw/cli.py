@@ -1,0 +1,71 @@
+"""`ferry doctor`: read (and with --measure, measure) this machine, print each check, optionally as JSON
+or as a script of fixes. Exit status 1 when a check fails."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def add_doctor_parser(sub) -> None:
+    p = sub.add_parser("doctor", help="read this machine and say what to fix for serving (changes nothing)")
+    p.add_argument("--model-path", default=None, help="model directory or store whose disk to check")
+    p.add_argument("--log-path", default=".", help="where logs go (disk and inodes checked)")
+    p.add_argument("--plan-host-gb", type=float, default=0.0,
+                   help="host memory the plan keeps pinned, GB (ferry plan's placement host bytes)")
+    p.add_argument("--measure", action="store_true", help="also measure memory and PCIe bandwidth (takes seconds)")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument("--write-fixes", metavar="FILE", default=None, help="write the fix commands into a reviewable script")
+    p.set_defaults(func=cmd_doctor)
+
+
+def run_checks(a: argparse.Namespace) -> list:
+    from ferrylm.hw import doctor, probe
+
+    need = int(a.plan_host_gb * 1e9)
+    checks = doctor.host_checks(probe.read_host(), need)
+    paths = {"logs": probe.disk_usage(a.log_path)}
+    if a.model_path:
+        paths["model"] = probe.disk_usage(a.model_path)
+    checks += doctor.disk_checks(paths)
+    checks.append(doctor.log_level_check(os.environ.get("FERRY_LOG_LEVEL")))
+    gpus = probe.read_gpus()
+    checks += doctor.gpu_checks(gpus, probe.nvml() is not None)
+    if a.measure:
+        from ferrylm.hw import bandwidth
+
+        m = bandwidth.measure(a.plan_host_gb)
+        for g in gpus:
+            if g.index in m["gpus"]:
+                m["gpus"][g.index]["pcie_gen"] = g.pcie_gen_max
+        checks += doctor.bandwidth_checks(m, bool(m["gpus"]))
+    return checks
+
+
+def cmd_doctor(a: argparse.Namespace) -> None:
+    from ferrylm.hw import doctor
+
+    checks = run_checks(a)
+    if a.write_fixes:
+        with open(a.write_fixes, "w", encoding="utf-8") as f:
+            f.write(doctor.fixes_script(checks))
+    if a.json:
+        print(json.dumps({"checks": [c.to_dict() for c in checks], "summary": doctor.summary(checks)}))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        colour = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
+        t = Table(title="ferry doctor")
+        for col in ("check", "status", "found", "expected", "why / fix"):
+            t.add_column(col)
+        for c in checks:
+            note = c.why + (f"\n[bold]{c.fix}[/]" if c.fix and c.status != "ok" else "")
+            t.add_row(c.name, f"[{colour[c.status]}]{c.status}[/]", c.value, c.expected, note)
+        Console(file=sys.stdout, width=160).print(t)
+        s = doctor.summary(checks)
+        print(", ".join(f"{n} {k}" for k, n in s.items()))
+    if any(c.status == "fail" for c in checks):
+        sys.exit(1)

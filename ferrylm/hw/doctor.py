@@ -1,0 +1,248 @@
+"""`ferry doctor`'s checks: judge readings of the machine (`probe.py`, `bandwidth.py`) for serving.
+
+Each check gives ok / warn / fail / skip, the value found, what is expected, why it matters and the
+command that fixes it. Checks are pure functions of readings, so tests judge fixture readings; doctor
+changes nothing itself (`--write-fixes` writes the commands into a script for a person to review).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ferrylm.hw.probe import GpuReadings, HostReadings
+
+OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    value: str
+    expected: str = ""
+    why: str = ""
+    fix: str = ""
+    """A shell command (or a note starting with '#') that fixes it; empty when nothing to do."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+# -- host ----------------------------------------------------------------------------------------------
+
+def host_checks(h: HostReadings, need_host_bytes: int = 0) -> list[Check]:
+    """`need_host_bytes`: pinned host memory the plan needs (0: not known)."""
+    out = []
+    nodes = len(h.numa_nodes)
+    out.append(Check("numa", OK, f"{nodes or 1} node(s), {h.sockets or '?'} socket(s), {h.logical_cpus} CPUs",
+                     "", "a process on one node reading another node's memory gets about half the bandwidth",
+                     "# run the server under numactl --cpunodebind=N --membind=N with N the GPU's node" if nodes > 1
+                     else ""))
+    if h.governor is None:
+        out.append(Check("cpu_governor", SKIP, "no cpufreq", "performance", "a power-saving governor slows CPU experts "
+                         "and the Python step loop"))
+    else:
+        good = h.governor == "performance"
+        out.append(Check("cpu_governor", OK if good else WARN, h.governor, "performance",
+                         "a power-saving governor slows CPU experts and the Python step loop",
+                         "" if good else "cpupower frequency-set -g performance"))
+    if h.no_turbo is not None or h.boost is not None:
+        off = h.no_turbo == 1 or h.boost == 0
+        fix = ("echo 0 > /sys/devices/system/cpu/intel_pstate/no_turbo" if h.no_turbo == 1
+               else "echo 1 > /sys/devices/system/cpu/cpufreq/boost")
+        out.append(Check("cpu_turbo", WARN if off else OK, "off" if off else "on", "on",
+                         "turbo off caps single-thread speed: the step loop and CPU experts run slower",
+                         fix if off else ""))
+    else:
+        out.append(Check("cpu_turbo", SKIP, "not exposed", "on"))
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in h.flags]
+    status = FAIL if "avx2" not in h.flags else OK if "avx512f" in h.flags else WARN
+    out.append(Check("cpu_isa", status, ", ".join(isa) or "none of avx2/avx512", "avx512f (+ avx512_bf16, amx_tile)",
+                     "CPU experts run on vector units: without AVX-512 they are about half as fast, without AVX2 unusable",
+                     "" if status == OK else "# no fix: use GPU experts or a newer CPU"))
+    thp_ok = h.thp in (None, "madvise", "never")
+    out.append(Check("transparent_hugepages", OK if thp_ok else WARN, h.thp or "unknown", "madvise",
+                     "'always' lets khugepaged compact memory under a running server: latency spikes",
+                     "" if thp_ok else "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled"))
+    out.append(Check("hugepages", OK, str(h.hugepages_total or 0), "", "reserved huge pages are memory the server "
+                     "cannot use for weights or pinned staging unless it asks for them", ""))
+    if h.swappiness is not None:
+        good = h.swappiness <= 10
+        out.append(Check("swappiness", OK if good else WARN, str(h.swappiness), "<= 10",
+                         "swapping out a memory-mapped store or host-resident weights stalls decode for seconds",
+                         "" if good else "sysctl -w vm.swappiness=1"))
+    if h.overcommit is not None:
+        good = h.overcommit != 2
+        out.append(Check("overcommit", OK if good else WARN, str(h.overcommit), "0 or 1",
+                         "strict overcommit (2) refuses the large reservations of pinned pools and mapped stores",
+                         "" if good else "sysctl -w vm.overcommit_memory=0"))
+    if h.numa_balancing is not None:
+        bad = h.numa_balancing == 1 and nodes > 1
+        out.append(Check("numa_balancing", WARN if bad else OK, str(h.numa_balancing), "0 on multi-node hosts",
+                         "automatic NUMA balancing migrates hot pages (host-resident weights) while they are read",
+                         "sysctl -w kernel.numa_balancing=0" if bad else ""))
+    if h.memlock is not None:
+        soft = h.memlock[0]
+        unlimited = soft < 0 or soft >= 2**62
+        short = not unlimited and need_host_bytes > soft
+        out.append(Check("memlock_limit", WARN if short else OK, "unlimited" if unlimited else _gib(soft),
+                         f">= {_gib(need_host_bytes)}" if need_host_bytes else "what the plan pins (--plan-host-gb)",
+                         "pinning host memory with mlock/cudaHostRegister (and RDMA) is capped by RLIMIT_MEMLOCK",
+                         "ulimit -l unlimited  # and memlock unlimited in /etc/security/limits.conf" if short else ""))
+    if h.nofile is not None:
+        good = h.nofile[0] >= 65536
+        out.append(Check("open_files_limit", OK if good else WARN, str(h.nofile[0]), ">= 65536",
+                         "each client connection and each store shard takes a file descriptor",
+                         "" if good else "ulimit -n 65536"))
+    if h.max_map_count is not None:
+        good = h.max_map_count >= 262144
+        out.append(Check("max_map_count", OK if good else WARN, str(h.max_map_count), ">= 262144",
+                         "memory-mapped weights need one mapping per region; at the limit mmap fails",
+                         "" if good else "sysctl -w vm.max_map_count=1048576"))
+    if h.aspm is not None:
+        bad = h.aspm in ("powersave", "powersupersave")
+        out.append(Check("pcie_aspm", WARN if bad else OK, h.aspm, "default or performance",
+                         "ASPM power states add latency to every small PCIe transfer (expert copies)",
+                         "echo performance > /sys/module/pcie_aspm/parameters/policy" if bad else ""))
+    if h.oom_score_adj is not None:
+        bad = h.oom_score_adj > 0
+        out.append(Check("oom_score", WARN if bad else OK, str(h.oom_score_adj), "<= 0",
+                         "a positive score makes the server the first process the OOM killer picks",
+                         "echo -500 > /proc/self/oom_score_adj  # for the server process" if bad else ""))
+    limit = h.cgroup_memory_max
+    if limit is None:
+        out.append(Check("cgroup_memory", OK, "unlimited", f">= {_gib(need_host_bytes)}" if need_host_bytes else ""))
+    else:
+        short = need_host_bytes and limit < need_host_bytes
+        out.append(Check("cgroup_memory", FAIL if short else OK, _gib(limit),
+                         f">= {_gib(need_host_bytes)}" if need_host_bytes else "",
+                         "the container's memory limit kills the server when pinned weights exceed it",
+                         "# raise the container's memory limit (docker --memory, k8s resources.limits)" if short else ""))
+    if h.mem_available is not None and need_host_bytes:
+        short = h.mem_available < need_host_bytes
+        out.append(Check("host_memory", FAIL if short else OK, f"{_gib(h.mem_available)} available",
+                         f">= {_gib(need_host_bytes)}", "host-resident weights must fit in free host memory",
+                         "# free memory, add RAM, or quantize (ferry convert --quant)" if short else ""))
+    enc = (h.locale or "").lower()
+    utf8 = "utf-8" in enc or "utf8" in enc
+    out.append(Check("locale", OK if utf8 else WARN, h.locale or "unset (C)", "a UTF-8 locale",
+                     "a non-UTF-8 locale garbles CJK text in logs and terminal output (Yuan, Qwen)",
+                     "" if utf8 else "export LANG=C.UTF-8"))
+    return out
+
+
+def disk_checks(paths: dict[str, dict | None], need_bytes: int = 0) -> list[Check]:
+    """`paths`: label -> `probe.disk_usage()` result."""
+    out = []
+    for label, d in paths.items():
+        if d is None:
+            out.append(Check(f"disk_{label}", SKIP, "cannot stat"))
+            continue
+        low_inodes = d["inodes_total"] and d["inodes_free"] < max(10000, d["inodes_total"] // 20)
+        status = FAIL if low_inodes or d["bytes_free"] < need_bytes else WARN if d["bytes_free"] < 10 * 2**30 else OK
+        out.append(Check(f"disk_{label}", status,
+                         f"{_gib(d['bytes_free'])} and {d['inodes_free']:,} inodes free on {d['path']}",
+                         f">= {_gib(max(need_bytes, 10 * 2**30))} and >= 5% inodes free",
+                         "a full disk or exhausted inodes fails conversion, logging and checkpoints in odd ways",
+                         "" if status == OK else f"# free space on {d['path']} (df -h; df -i)"))
+    return out
+
+
+def log_level_check(level: str | None) -> Check:
+    lvl = (level or "WARNING").upper()
+    bad = lvl in ("DEBUG", "NOTSET")
+    return Check("log_level", WARN if bad else OK, lvl, "INFO or quieter",
+                 "debug logging formats a line per step and request: it costs tokens/s",
+                 "unset FERRY_LOG_LEVEL  # or drop -v" if bad else "")
+
+
+# -- GPUs ----------------------------------------------------------------------------------------------
+
+def gpu_checks(gpus: list[GpuReadings], nvml_present: bool) -> list[Check]:
+    if not gpus:
+        why = "no NVIDIA driver answered NVML" if nvml_present else "nvidia-ml-py is not installed or no driver"
+        return [Check("gpu", SKIP, "no GPU found", "", why, "" if nvml_present else "pip install nvidia-ml-py")]
+    out = []
+    for g in gpus:
+        p = f"gpu{g.index}"
+        out.append(Check(f"{p}_model", OK, f"{g.name}, {_gib(g.memory_total)}, driver {g.driver}, CUDA {g.cuda}"))
+        if g.pcie_gen and g.pcie_gen_max and g.pcie_width and g.pcie_width_max:
+            down = g.pcie_width < g.pcie_width_max or g.pcie_gen < g.pcie_gen_max
+            out.append(Check(f"{p}_pcie_link", WARN if down else OK, f"gen {g.pcie_gen} x{g.pcie_width}",
+                             f"gen {g.pcie_gen_max} x{g.pcie_width_max}",
+                             "a downtrained link cuts host-to-GPU bandwidth (offloaded weights); idle GPUs drop the "
+                             "generation to save power, so re-check under load (ferry doctor --measure)",
+                             "# reseat the card or check the slot's lanes in the BIOS if it stays low under load"
+                             if down else ""))
+        if g.persistence is not None:
+            out.append(Check(f"{p}_persistence", OK if g.persistence else WARN, "on" if g.persistence else "off", "on",
+                             "without persistence mode the driver re-initialises the GPU for each process (seconds)",
+                             "" if g.persistence else f"nvidia-smi -i {g.index} -pm 1"))
+        if g.ecc is not None:
+            errs = g.ecc_uncorrected or 0
+            out.append(Check(f"{p}_ecc", FAIL if errs else OK, f"{'on' if g.ecc else 'off'}, {errs} uncorrected",
+                             "0 uncorrected", "uncorrected ECC errors corrupt results silently or crash kernels",
+                             f"nvidia-smi -i {g.index} -r  # after draining; replace the GPU if they recur" if errs else ""))
+        if g.temperature_c is not None:
+            hot = g.temperature_c >= 85
+            out.append(Check(f"{p}_temperature", WARN if hot else OK, f"{g.temperature_c} C", "< 85 C",
+                             "hot GPUs throttle clocks", "# check airflow and fan settings" if hot else ""))
+        if g.throttle:
+            out.append(Check(f"{p}_throttle", WARN, ", ".join(g.throttle), "none",
+                             "active throttling lowers clocks below what the plan assumes",
+                             "nvidia-smi -q -d PERFORMANCE  # to see why"))
+        out.append(Check(f"{p}_numa", OK, f"node {g.numa_node}" if g.numa_node is not None else "unknown", "",
+                         "pin the server's CPU threads and host memory to this node"))
+    far = sorted({tuple(sorted((g.index, j))) for g in gpus for j, lvl in g.p2p.items() if lvl == "SYSTEM"})
+    if len(gpus) > 1:
+        out.append(Check("gpu_topology", WARN if far else OK,
+                         "; ".join(f"{a}-{b} across sockets" for a, b in far) or "all pairs under one node",
+                         "TP groups of GPUs that share a PCIe switch or NVLink",
+                         "tensor-parallel all-reduces between GPUs on different sockets cross the CPU interconnect",
+                         "# choose TP groups within one node (CUDA_VISIBLE_DEVICES)" if far else ""))
+    return out
+
+
+# -- measured ------------------------------------------------------------------------------------------
+
+def bandwidth_checks(m: dict, gpu: bool) -> list[Check]:
+    """`m`: `bandwidth.measure()` results (GB/s); thresholds are what serving assumes (plan.hardware)."""
+    out = [Check("host_memory_read", OK, f"{m['host_read_gbs']:.1f} GB/s", "",
+                 "CPU experts and host-to-GPU copies are bounded by it")]
+    if not gpu:
+        out.append(Check("h2d_bandwidth", SKIP, "no CUDA device", "", "pinned host-to-GPU copies feed offloaded weights"))
+        return out
+    from ferrylm.plan.hardware import PCIE_EFFECTIVE_GBS
+
+    for i, r in m.get("gpus", {}).items():
+        want = PCIE_EFFECTIVE_GBS.get(r.get("pcie_gen") or 4, 25.0) * 0.8
+        low = r["pinned_h2d_gbs"] < want
+        out.append(Check(f"gpu{i}_h2d", WARN if low else OK,
+                         f"pinned {r['pinned_h2d_gbs']:.1f}, pageable {r['pageable_h2d_gbs']:.1f}, "
+                         f"D2H {r['pinned_d2h_gbs']:.1f} GB/s", f"pinned >= {want:.0f} GB/s",
+                         "offloaded weights cross this link every decode step",
+                         "# check the PCIe link (lspci -vv) and run from the GPU's NUMA node" if low else ""))
+        out.append(Check(f"gpu{i}_hbm_copy", OK, f"{r['hbm_copy_gbs']:.0f} GB/s", ""))
+        if "pinned_ok_gb" in r:
+            ok = r["pinned_ok_gb"] >= r["pinned_want_gb"]
+            out.append(Check(f"gpu{i}_pinning", OK if ok else FAIL, f"{r['pinned_ok_gb']:.0f} GB pinned",
+                             f"{r['pinned_want_gb']:.0f} GB", "the plan keeps that much host memory pinned",
+                             "" if ok else "# raise memlock / cgroup limits or lower the host-resident weights"))
+    return out
+
+
+def summary(checks: list[Check]) -> dict:
+    return {s: sum(1 for c in checks if c.status == s) for s in (OK, WARN, FAIL, SKIP)}
+
+
+def fixes_script(checks: list[Check]) -> str:
+    """The fix commands of every non-ok check, commented, for a person to review before running."""
+    lines = ["#!/bin/sh", "# Written by `ferry doctor --write-fixes`: review each line before running it.", ""]
+    for c in checks:
+        if c.status in (WARN, FAIL) and c.fix:
+            lines += [f"# {c.name}: {c.value} (expected {c.expected}): {c.why}", c.fix, ""]
+    return "\n".join(lines)

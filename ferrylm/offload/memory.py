@@ -1,0 +1,67 @@
+"""The engine's start-up memory decision as pure functions, so `ferry plan` calls the same code the model
+runner calls: the device budget, the activation reserve, and (placement, KV bytes) from the model's
+tensor groups. Knows configs and byte counts; never touches a device (the caller reads total/free memory).
+"""
+
+from __future__ import annotations
+
+from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig
+from ferrylm.errors import ConfigError
+from ferrylm.offload.placement import Placement, TensorGroup, minimum_device_bytes, place
+
+
+def device_budget(oc: OffloadConfig, total: int | None, free: int | None) -> int | None:
+    """Device bytes the engine may allocate: the configured budget, else on CUDA the smaller of
+    `gpu_memory_utilization` (0.9) of the total and 0.9 of what is free now; None on the CPU."""
+    if oc.gpu_memory_budget is not None:
+        return oc.gpu_memory_budget
+    if total is None or free is None:
+        return None
+    return int(min((oc.gpu_memory_utilization or 0.9) * total, 0.9 * free))
+
+
+def activation_reserve(cfg: ModelConfig, sc: SchedulerConfig, elt: int) -> int:
+    """Device bytes kept free for activations, logits and library workspaces (an upper estimate of one
+    step at the token budget; the KV pool is sized after the weights within the rest)."""
+    T = sc.max_num_batched_tokens
+    inner = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(cfg.num_experts_per_tok, 1))
+    width = 6 * cfg.hidden_size + 3 * inner + 3 * cfg.num_attention_heads * cfg.head_dim
+    return T * width * elt + 3 * sc.max_num_seqs * cfg.vocab_size * 4 + (256 << 20)
+
+
+def size_memory(groups: list[TensorGroup], per_block: int, max_model_len: int, cc: CacheConfig,
+                sc: SchedulerConfig, oc: OffloadConfig, budget: int | None, reserve: int,
+                on_cpu: bool) -> tuple[Placement, int]:
+    """(placement, KV bytes): the whole model resident when it fits, else placed under the budget."""
+    blocks_per_seq = (max_model_len + cc.block_size - 1) // cc.block_size
+    fixed_kv = None
+    if cc.num_kv_blocks is not None:
+        fixed_kv = cc.num_kv_blocks * per_block
+    elif cc.kv_cache_memory_gb is not None:
+        fixed_kv = int(cc.kv_cache_memory_gb * 2**30)
+    if budget is None:  # CPU engine without a budget: everything "resident" in host memory
+        need = sc.max_num_seqs * blocks_per_seq  # every sequence at full length, capped at 2 GiB
+        kv = fixed_kv if fixed_kv is not None else min(need, max(2, int(2 * 2**30 // per_block))) * per_block
+        return place(groups, None, oc.place, stream_buffers=oc.stream_buffers), kv
+    min_kv = (blocks_per_seq + 2) * per_block  # one sequence at full length, and the scratch block
+    kv = fixed_kv if fixed_kv is not None else min_kv
+    weights = sum(g.nbytes for g in groups)
+    forced_host = any(r.split("=")[-1].strip().lower() == "cpu" for r in oc.place)
+    if weights + reserve + kv <= budget and not forced_host:
+        placement = place(groups, None, oc.place, stream_buffers=oc.stream_buffers)
+        if fixed_kv is None:  # resident: the KV pool takes the rest, as much as every sequence can use
+            kv = max(kv, min(budget - weights - reserve, sc.max_num_seqs * blocks_per_seq * per_block
+                             if on_cpu else budget))
+        return placement, kv
+    if fixed_kv is None:  # offloaded: weights are worth more than idle KV; a sixth of the budget
+        kv = max(min_kv, min(budget // 6, sc.max_num_seqs * blocks_per_seq * per_block))
+    least = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers)
+    if budget - reserve - kv < least:
+        def gib(n):
+            return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+        raise ConfigError(
+            f"GPU memory budget {gib(budget)} is too small for this model: it needs at least "
+            f"{gib(least + kv + reserve)} ({gib(least)} of weights: norms, routers, placement rules, stream "
+            f"buffers and expert slots; {gib(kv)} of KV cache; {gib(reserve)} for activations)")
+    return place(groups, budget - reserve - kv, oc.place, stream_buffers=oc.stream_buffers), kv

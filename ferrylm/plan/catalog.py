@@ -1,0 +1,92 @@
+"""The built-in catalog: HF `config.json` dicts of well-known models, shipped in the package so `ferry plan`
+can size them without a download, and `resolve_model()`, which turns a plan's model argument (a catalog
+name, a config.json, a model directory, a .gguf file or a ferry store) into (name, config dict).
+
+The dicts hold only the keys the planner and `ModelConfig.from_hf` read, with the values of the published
+config.json files. Knows nothing about memory or hardware.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ferrylm.errors import ConfigError
+from ferrylm.plan import yuan_sizes
+
+
+def _llama(arch, mtype, V, H, I, L, heads, kv, ctx, theta, tie=False, **kw) -> dict:
+    return dict(architectures=[arch], model_type=mtype, vocab_size=V, hidden_size=H, intermediate_size=I,
+                num_hidden_layers=L, num_attention_heads=heads, num_key_value_heads=kv,
+                max_position_embeddings=ctx, rope_theta=theta, tie_word_embeddings=tie, torch_dtype="bfloat16",
+                hidden_act="silu", rms_norm_eps=1e-5, **kw)
+
+
+CATALOG: dict[str, dict] = {
+    "Llama-3-8B": _llama("LlamaForCausalLM", "llama", 128256, 4096, 14336, 32, 32, 8, 8192, 5e5),
+    "Llama-3-70B": _llama("LlamaForCausalLM", "llama", 128256, 8192, 28672, 80, 64, 8, 8192, 5e5),
+    "Qwen2-72B": _llama("Qwen2ForCausalLM", "qwen2", 152064, 8192, 29568, 80, 64, 8, 32768, 1e6),
+    "Qwen2.5-72B": _llama("Qwen2ForCausalLM", "qwen2", 152064, 8192, 29568, 80, 64, 8, 32768, 1e6),
+    "Mixtral-8x7B": _llama("MixtralForCausalLM", "mixtral", 32000, 4096, 14336, 32, 32, 8, 32768, 1e6,
+                           num_local_experts=8, num_experts_per_tok=2),
+    "Mixtral-8x22B": _llama("MixtralForCausalLM", "mixtral", 32768, 6144, 16384, 56, 48, 8, 65536, 1e6,
+                            num_local_experts=8, num_experts_per_tok=2),
+    "Qwen3-30B-A3B": _llama("Qwen3MoeForCausalLM", "qwen3_moe", 151936, 2048, 6144, 48, 32, 4, 40960, 1e6,
+                            head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "Qwen3-235B-A22B": _llama("Qwen3MoeForCausalLM", "qwen3_moe", 151936, 4096, 12288, 94, 64, 4, 40960, 1e6,
+                              head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
+                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "DeepSeek-V3": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280,
+                        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+                        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
+                        n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3,
+                        num_nextn_predict_layers=1, max_position_embeddings=163840, tie_word_embeddings=False,
+                        torch_dtype="bfloat16", hidden_act="silu", rms_norm_eps=1e-6),
+    **{k: dict(v, torch_dtype="bfloat16") for k, v in yuan_sizes.REAL_CONFIGS.items()},
+}
+"""name -> config.json dict. Yuan's come from `yuan_sizes` (the vendor's launch scripts for 51B/102B)."""
+
+PUBLISHED_PARAMS: dict[str, tuple[float, float]] = {
+    "Llama-3-8B": (8.03e9, 8.03e9), "Llama-3-70B": (70.6e9, 70.6e9), "Qwen2-72B": (72.7e9, 72.7e9),
+    "Qwen2.5-72B": (72.7e9, 72.7e9), "Mixtral-8x7B": (46.7e9, 12.9e9), "Mixtral-8x22B": (140.6e9, 39.1e9),
+    "Qwen3-30B-A3B": (30.5e9, 3.3e9), "Qwen3-235B-A22B": (235e9, 22e9), "DeepSeek-V3": (671e9, 37e9),
+    "Yuan2-2B": (2.09e9, 2.09e9), "Yuan2-51B": (51.8e9, 51.8e9), "Yuan2-102B": (102.6e9, 102.6e9),
+    "Yuan2-M32": (39.9e9, 3.7e9),
+}
+"""name -> (total, active) parameters as the model cards state them (DeepSeek-V3 without its 14B MTP module)."""
+
+
+def _key(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".0-", "-")
+
+
+def lookup(name: str) -> tuple[str, dict] | None:
+    """Case-insensitive catalog lookup ('yuan2.0-m32', 'qwen2-72b-instruct' and 'Qwen/Qwen2-72B' also match)."""
+    want = _key(name.rsplit("/", 1)[-1])
+    for suffix in ("", "-instruct", "-chat", "-hf", "-base"):
+        for k, v in CATALOG.items():
+            if _key(k) + suffix == want:
+                return k, v
+    return None
+
+
+def resolve_model(spec: str) -> tuple[str, dict]:
+    """A catalog name, a config.json file, or anything `open_source` reads -> (display name, config dict)."""
+    path = os.path.expanduser(spec)
+    if os.path.isfile(path) and path.endswith(".json"):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return os.path.basename(os.path.dirname(os.path.abspath(path))) or path, json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read config ({e})") from None
+    if os.path.exists(path):
+        from ferrylm.weights.source import open_source
+
+        with open_source(path) as src:
+            return os.path.basename(os.path.normpath(path)), dict(src.config)
+    found = lookup(spec)
+    if found is None:
+        raise ConfigError(f"{spec!r} is neither a path nor a catalog model; catalog: {', '.join(CATALOG)}")
+    return found

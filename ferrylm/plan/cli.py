@@ -1,0 +1,77 @@
+"""`ferry plan`: flags map 1:1 onto `PlanOptions` fields (defaults come from the dataclass)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from ferrylm.plan.planner import PlanOptions
+
+_HELP = {
+    "gpu": 'COUNTxNAME, e.g. "4xA800-80G-PCIe", or local (NVML)',
+    "host": 'SOCKETSxCPU[,MEMORY], e.g. "2xXeon-8480C,1TB", or local (/proc, /sys)',
+    "quant": "int8 | fp8 | nf4 (a ferry store converted with --quant)",
+    "gpu_memory_budget_gb": "GB the engine may allocate per GPU (weights, KV, buffers); below the model's size it offloads",
+    "place": "placement rule SELECTOR=gpu|cpu, repeatable (e.g. experts=cpu)",
+    "concurrency": "sequences decoding together (default --max-num-seqs)",
+}
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="what fits where and how fast, before launch (no GPU needed)")
+    p.add_argument("model", nargs="?", help="catalog name (e.g. Qwen2-72B), config.json, model directory, .gguf or ferry store")
+    for f in dataclasses.fields(PlanOptions):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            p.add_argument(flag, action="store_true")
+            continue
+        if f.type.startswith("tuple"):
+            p.add_argument(flag, action="append", default=[], help=_HELP.get(f.name, "repeatable"))
+            continue
+        conv = int if "int" in f.type else float if "float" in f.type else None
+        p.add_argument(flag, type=conv or str, default=f.default, help=_HELP.get(f.name, f"default {f.default}"))
+    p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    p.add_argument("--list", action="store_true", help="list the built-in models and hardware profiles")
+    p.add_argument("--check", action="store_true",
+                   help="run the engine briefly with these settings (MODEL must hold weights) and print predicted "
+                        "vs measured")
+    p.add_argument("--device", default="cuda", help="device for --check (default cuda)")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(a: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from ferrylm.plan import report
+    from ferrylm.plan.planner import make_plan
+
+    if a.list:
+        from ferrylm.plan.catalog import CATALOG
+        from ferrylm.plan.hardware import GPUS, HOSTS
+
+        print("models:", ", ".join(CATALOG))
+        print("gpus:  ", ", ".join(GPUS))
+        print("hosts: ", ", ".join(HOSTS))
+        return
+    if not a.model:
+        from ferrylm.errors import ConfigError
+
+        raise ConfigError("ferry plan needs a MODEL (a catalog name, config.json, directory, .gguf or store; --list)")
+    values = {f.name: getattr(a, f.name) for f in dataclasses.fields(PlanOptions)}
+    opts = PlanOptions(**{**values, "place": tuple(values["place"])})
+    plan = make_plan(opts)
+    check = None
+    if a.check:
+        from ferrylm.plan.check import run_check
+
+        check = run_check(plan, a.model, a.device)
+    if a.json:
+        print(report.to_json(plan, check))
+    else:
+        console = Console(file=sys.stdout, width=120)
+        report.render(plan, console)
+        if check is not None:
+            report.render_check(check, console)

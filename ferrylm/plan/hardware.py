@@ -1,0 +1,168 @@
+"""Hardware profiles: what the planner assumes about a GPU and a host, built in from vendors' data sheets
+or read from this machine (`ferrylm.hw.probe`), and the `--gpu` / `--host` spellings that pick them.
+
+    --gpu  "4xA800-80G-PCIe" | "H200" | "local"        COUNT x NAME (COUNT defaults to 1)
+    --host "2xXeon-8480C,1TB" | "EPYC-9654" | "local"  SOCKETS x CPU [, MEMORY]
+
+Data-sheet figures are peaks: dense tensor TFLOP/s (no sparsity), HBM GB/s. `pinned_h2d_gbs` is what a
+pinned host-to-device copy reaches in practice on that PCIe generation (about 80% of the link), the figure
+offloading lives on; `ferry doctor` measures the real one. Knows nothing about models.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from ferrylm.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    name: str
+    memory_gb: float
+    """HBM capacity, GB (10^9 bytes; an "80G" card is 80 GiB: see `memory_bytes`)."""
+    hbm_gbs: float
+    """Peak memory bandwidth, GB/s."""
+    tflops: dict
+    """Dense tensor-core peak by dtype: bf16, fp16, fp8, int8 (absent: unsupported)."""
+    pcie_gen: int
+    pcie_width: int = 16
+    pinned_h2d_gbs: float = 0.0
+    """Effective pinned host->device GB/s (0: derived from the PCIe generation)."""
+    nvlink_gbs: float = 0.0
+    """GPU-to-GPU NVLink bandwidth per direction (0: peers talk over PCIe)."""
+    memory_gib: float | None = None
+    """Capacity in GiB when the card's marketing "G" means GiB (A100/A800/H100 80G: 80 GiB)."""
+    source: str = "data sheet"
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * 2**30) if self.memory_gib else int(self.memory_gb * 1e9)
+
+    @property
+    def fp8(self) -> bool:
+        return "fp8" in self.tflops
+
+    @property
+    def h2d_gbs(self) -> float:
+        return self.pinned_h2d_gbs or PCIE_EFFECTIVE_GBS.get(self.pcie_gen, 12.0) * self.pcie_width / 16
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    name: str
+    sockets: int
+    cores_per_socket: int
+    memory_channels_per_socket: int
+    channel_gbs: float
+    """Per channel peak (DDR4-3200: 25.6, DDR5-4800: 38.4)."""
+    memory_gb: float
+    avx512: bool = False
+    amx: bool = False
+    source: str = "data sheet"
+
+    @property
+    def numa_nodes(self) -> int:
+        return self.sockets
+
+    @property
+    def bandwidth_per_node_gbs(self) -> float:
+        return self.memory_channels_per_socket * self.channel_gbs
+
+    @property
+    def cores(self) -> int:
+        return self.sockets * self.cores_per_socket
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gb * 1e9)
+
+
+PCIE_EFFECTIVE_GBS = {3: 12.0, 4: 25.0, 5: 50.0}
+"""Pinned H2D a x16 link reaches in practice, by PCIe generation (peaks 15.8 / 31.5 / 63 GB/s)."""
+
+GPUS = {g.name: g for g in [
+    GpuProfile("A800-80G-PCIe", 85.9, 1935, {"bf16": 312, "fp16": 312, "int8": 624}, 4, memory_gib=80),
+    GpuProfile("A800-80G-SXM", 85.9, 2039, {"bf16": 312, "fp16": 312, "int8": 624}, 4, nvlink_gbs=200, memory_gib=80),
+    GpuProfile("A100-80G-PCIe", 85.9, 1935, {"bf16": 312, "fp16": 312, "int8": 624}, 4, memory_gib=80),
+    GpuProfile("A100-80G-SXM", 85.9, 2039, {"bf16": 312, "fp16": 312, "int8": 624}, 4, nvlink_gbs=300, memory_gib=80),
+    GpuProfile("A100-40G", 42.9, 1555, {"bf16": 312, "fp16": 312, "int8": 624}, 4, memory_gib=40),
+    GpuProfile("H100-80G-SXM", 85.9, 3350, {"bf16": 989, "fp16": 989, "fp8": 1979, "int8": 1979}, 5, nvlink_gbs=450, memory_gib=80),
+    GpuProfile("H100-80G-PCIe", 85.9, 2000, {"bf16": 756, "fp16": 756, "fp8": 1513, "int8": 1513}, 5, memory_gib=80),
+    GpuProfile("H800-80G-SXM", 85.9, 3350, {"bf16": 989, "fp16": 989, "fp8": 1979, "int8": 1979}, 5, nvlink_gbs=200, memory_gib=80),
+    GpuProfile("H200", 150.3, 4800, {"bf16": 989, "fp16": 989, "fp8": 1979, "int8": 1979}, 5, nvlink_gbs=450, memory_gib=140),
+    GpuProfile("H20", 103.1, 4000, {"bf16": 148, "fp16": 148, "fp8": 296, "int8": 296}, 5, nvlink_gbs=450, memory_gib=96),
+    GpuProfile("L40S", 48.3, 864, {"bf16": 362, "fp16": 362, "fp8": 733, "int8": 733}, 4, memory_gib=45),
+    GpuProfile("L20", 48.3, 864, {"bf16": 119.5, "fp16": 119.5, "fp8": 239, "int8": 239}, 4, memory_gib=45),
+    GpuProfile("RTX-4090", 25.8, 1008, {"bf16": 165, "fp16": 165, "fp8": 330, "int8": 661}, 4, memory_gib=24),
+    GpuProfile("A10", 24.2, 600, {"bf16": 125, "fp16": 125, "int8": 250}, 4, memory_gib=22.5),
+    GpuProfile("T4", 15.8, 320, {"fp16": 65, "int8": 130}, 3, memory_gib=15),
+]}
+"""Capacities are what the driver reports as total memory (e.g. H200: 141 GB on the box, ~140 GiB usable)."""
+
+HOSTS = {h.name: h for h in [
+    HostProfile("Xeon-8480C", 1, 56, 8, 38.4, 512, avx512=True, amx=True),
+    HostProfile("Xeon-8480+", 1, 56, 8, 38.4, 512, avx512=True, amx=True),
+    HostProfile("Xeon-8358", 1, 32, 8, 25.6, 256, avx512=True),
+    HostProfile("Xeon-6348", 1, 28, 8, 25.6, 256, avx512=True),
+    HostProfile("Xeon-6454S", 1, 32, 8, 38.4, 256, avx512=True, amx=True),
+    HostProfile("EPYC-9654", 1, 96, 12, 38.4, 768, avx512=True),
+    HostProfile("EPYC-7763", 1, 64, 8, 25.6, 512),
+    HostProfile("EPYC-7742", 1, 64, 8, 25.6, 512),
+]}
+"""Per socket; `memory_gb` is a typical fit, overridden by the ",1TB" part of --host."""
+
+
+def _norm(s: str) -> str:
+    return re.sub(r"[^a-z0-9+]", "", s.lower())
+
+
+def _count(spec: str) -> tuple[int, str]:
+    m = re.match(r"^\s*(\d+)\s*[x*]\s*(.+)$", spec, re.I)
+    return (int(m[1]), m[2].strip()) if m else (1, spec.strip())
+
+
+def _find(table: dict, name: str, what: str):
+    want = _norm(name)
+    hits = [v for k, v in table.items() if _norm(k) == want] or [v for k, v in table.items() if _norm(k).startswith(want)]
+    if len(hits) != 1:
+        raise ConfigError(f"unknown {what} {name!r}" + (" (ambiguous)" if hits else "")
+                          + f"; built in: {', '.join(table)}, or 'local'")
+    return hits[0]
+
+
+def parse_gpu(spec: str) -> tuple[int, GpuProfile]:
+    """"4xA800-80G-PCIe" -> (4, profile); "local" reads this machine (NVML)."""
+    if spec.strip().lower() == "local":
+        from ferrylm.hw.probe import local_gpus
+
+        gpus = local_gpus()
+        if not gpus:
+            raise ConfigError("--gpu local: no NVIDIA GPU found here (NVML); name a profile, e.g. --gpu 1xH200")
+        return len(gpus), gpus[0]
+    n, name = _count(spec)
+    if n < 1:
+        raise ConfigError(f"--gpu {spec!r}: the count must be at least 1")
+    return n, _find(GPUS, name, "GPU")
+
+
+def parse_host(spec: str) -> HostProfile:
+    """"2xXeon-8480C,1TB" -> a host of 2 sockets with 1 TB; "local" reads /proc and /sys."""
+    name, _, mem = spec.partition(",")
+    if name.strip().lower() == "local":
+        from ferrylm.hw.probe import local_host
+
+        host = local_host()
+    else:
+        n, cpu = _count(name)
+        base = _find(HOSTS, cpu, "host CPU")
+        host = replace(base, name=f"{n}x{base.name}", sockets=n, memory_gb=base.memory_gb * n)
+    if mem.strip():
+        m = re.match(r"^\s*([\d.]+)\s*(TB|GB|TiB|GiB|T|G)\s*$", mem, re.I)
+        if not m:
+            raise ConfigError(f"--host {spec!r}: memory must look like 512GB or 1TB")
+        unit = m[2].upper()
+        gb = float(m[1]) * {"TB": 1e3, "T": 1e3, "GB": 1, "G": 1, "TIB": 2**40 / 1e9, "GIB": 2**30 / 1e9}[unit]
+        host = replace(host, memory_gb=gb)
+    return host

@@ -1,0 +1,188 @@
+"""The memory model: bytes of every tensor group of a model, of KV per token and of per-sequence state,
+counted from the model itself so that the planner and the engine agree by construction.
+
+`meta_model(cfg)` builds the engine's own module (`models.registry.model_class`) on the `meta` device:
+no memory, exact shapes. Its tensor groups are the engine's (`offload.placement.group_tensors`: `embed`,
+`lm_head`, per layer `attention`, `norm`, `router`, `shared_experts`, `mlp`, one group per expert);
+`weight_groups` re-counts their bytes for a `WeightFormat` (quantized Linear weights of a ferry store;
+expert banks stay dense). The KV pool and the placement are decided by `offload/memory.py`, the functions
+the model runner calls at start-up; KV bytes per block come from `KVCache.bytes_per_block`.
+
+Families without a model class (DeepSeek-V3) are counted analytically from config.json (`analytical_groups`,
+formulas below) so they can still be planned; those counts are checked against published totals only.
+Knows nothing about hardware or speed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from ferrylm.config import ModelConfig
+from ferrylm.offload.placement import KINDS, TensorGroup, group_tensors
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the engine holds weights: the model dtype, optionally with quantized Linear weights."""
+
+    dtype: str = "bfloat16"
+    quant: str | None = None
+    """int8 | fp8 | nf4 (a ferry store converted with --quant), None = dense."""
+    group_size: int = 64
+    """NF4 group size."""
+
+    def param_bytes(self, name: str, shape: tuple[int, ...], expert_bank: bool = False) -> int:
+        """Bytes of one parameter. Quantized as `weights/convert.py` quantizes (2-D+, not embeddings, LM
+        head, norms or routers) and as the engine keeps it (Linear weights packed, expert banks dense)."""
+        numel = math.prod(shape)
+        dense = numel * DTYPE_BYTES[self.dtype]
+        if self.quant is None or expert_bank or len(shape) < 2:
+            return dense
+        from ferrylm.weights.convert import high_precision
+
+        if high_precision(name):
+            return dense
+        rows = numel // shape[-1]
+        if self.quant in ("int8", "fp8"):
+            return numel + 4 * rows  # 1-byte codes + one fp32 scale per output channel
+        if self.quant == "nf4":
+            groups = -(-numel // self.group_size)
+            return groups * self.group_size // 2 + 4 * groups  # two codes a byte + one fp32 absmax per group
+        raise ValueError(f"unknown quantization {self.quant!r}")
+
+
+def meta_model(cfg: ModelConfig | dict, dtype: str = "bfloat16") -> nn.Module:
+    """The engine's module for `cfg`, built on the meta device with `dtype` as the default dtype (as the
+    model runner builds it): exact parameter shapes and dtypes, no memory."""
+    from ferrylm.models.registry import model_class
+
+    mc = cfg if isinstance(cfg, ModelConfig) else ModelConfig.from_hf(cfg)
+    cls = model_class(mc)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(_DTYPES[dtype])
+    try:
+        with torch.device("meta"):  # as the model runner builds it
+            return cls(mc)
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def weight_groups(model: nn.Module, fmt: WeightFormat | None = None) -> list[TensorGroup]:
+    """The engine's tensor groups of `model` (built on meta), with bytes as `fmt` holds them (default: as
+    built). Quantization re-counts every non-expert group from its parameters' shapes."""
+    groups = group_tensors(model)
+    if fmt is None or fmt.quant is None:
+        return groups
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    return [g if g.kind == "experts" else replace(g, nbytes=sum(fmt.param_bytes(n, shapes[n]) for n in g.params))
+            for g in groups]
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    total: int
+    experts: int
+    """Of `total`, the routed experts' parameters."""
+    num_experts: int
+    top_k: int
+
+    @property
+    def active(self) -> int:
+        """Parameters one token touches: all but the routed experts it is not sent to."""
+        return self.total - self.experts + (self.experts * self.top_k // self.num_experts if self.num_experts else 0)
+
+
+def param_count(model: nn.Module) -> ParamCount:
+    from ferrylm.layers.moe import Experts
+
+    total = sum(p.numel() for p in model.parameters())  # shared (tied) tensors once
+    banks = [m for m in model.modules() if isinstance(m, Experts)]
+    experts = sum(p.numel() for b in banks for p in b.parameters())
+    cfg = getattr(model, "config", None)
+    return ParamCount(total, experts, banks[0].num_experts if banks else 0,
+                      getattr(cfg, "num_experts_per_tok", 0) if banks else 0)
+
+
+# -- families without a model class: counted from config.json ---------------------------------------------
+
+def analytical_groups(cfg: dict, fmt: WeightFormat) -> tuple[list[TensorGroup], ParamCount]:
+    """DeepSeek-V3 (MLA attention, `first_k_dense_replace` dense layers, shared + routed experts), from
+    config.json alone. Per layer: attention = q_a [q_lora, H] + q_a_norm + q_b [heads*(nope+rope), q_lora]
+    + kv_a [kv_lora + rope, H] + kv_a_norm + kv_b [heads*(nope+v), kv_lora] + o [H, heads*v]; dense MLP
+    3*H*I; router [E, H] (+ E bias); shared experts 3*H*(n_shared*I_moe); each expert 3*H*I_moe. The MTP
+    module (num_nextn_predict_layers) is not loaded for serving and not counted."""
+    if cfg.get("model_type") not in ("deepseek_v3", "deepseek_v2"):
+        raise ValueError(f"no analytical count for model_type {cfg.get('model_type')!r}")
+    H, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    heads, ql, kvl = cfg["num_attention_heads"], cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
+    nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    E, Im, I = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
+    shared, dense_layers = cfg.get("n_shared_experts") or 0, cfg.get("first_k_dense_replace", 0)
+    q = (ql * H + ql + heads * (nope + rope) * ql) if ql else heads * (nope + rope) * H
+    attn = q + (kvl + rope) * H + kvl + heads * (nope + vd) * kvl + H * heads * vd
+    b = DTYPE_BYTES[fmt.dtype]
+    numel = 0
+
+    def g(name, kind, layer, n, quantized=True, expert=None):
+        nonlocal numel
+        numel += n
+        nbytes = fmt.param_bytes("x.weight", (n // H, H)) if quantized and fmt.quant and kind != "experts" else n * b
+        return TensorGroup(name, kind, layer, expert, (), nbytes)
+
+    out = [g("embed", "embed", None, V * H, False), g("lm_head", "lm_head", None, V * H, False),
+           g("norm", "norm", None, H, False)]
+    for i in range(L):
+        out += [g(f"layers.{i}.attention", "attention", i, attn), g(f"layers.{i}.norm", "norm", i, 2 * H, False)]
+        if i < dense_layers:
+            out.append(g(f"layers.{i}.mlp", "mlp", i, 3 * H * I))
+            continue
+        out += [g(f"layers.{i}.router", "router", i, E * H + E, False),
+                g(f"layers.{i}.shared_experts", "shared_experts", i, 3 * H * Im * shared)]
+        out += [g(f"layers.{i}.experts.{e}", "experts", i, 3 * H * Im, expert=e) for e in range(E)]
+    experts = (L - dense_layers) * E * 3 * H * Im
+    return out, ParamCount(numel, experts, E, int(cfg["num_experts_per_tok"]))
+
+
+def analytical_kv_bytes_per_token(cfg: dict, kv_dtype_bytes: int) -> int:
+    """MLA caches the compressed latent and the shared rope key per token and layer: kv_lora + rope values."""
+    return cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * kv_dtype_bytes
+
+
+# -- KV cache and per-sequence state ------------------------------------------------------------------------
+
+def kv_bytes_per_block(mc: ModelConfig, block_size: int, kv_dtype: str) -> int:
+    """The engine's own sizing function (`KVCache.bytes_per_block`)."""
+    from ferrylm.kv.cache import KVCache
+
+    return KVCache.bytes_per_block(mc.num_hidden_layers, block_size, mc.num_key_value_heads, mc.head_dim,
+                                   _DTYPES[kv_dtype])
+
+
+def kv_pool(nbytes: int, per_block: int, block_size: int) -> tuple[int, int]:
+    """(bytes, tokens) of the pool the engine allocates for a KV budget of `nbytes`: whole blocks
+    (`ModelRunner._allocate_kv`) plus `KVCache`'s one scratch block."""
+    blocks = nbytes // per_block
+    return (blocks + 1) * per_block, blocks * block_size
+
+
+def state_bytes_per_seq(model: nn.Module) -> int:
+    """Per-sequence state that is not KV (Yuan's filter rows), from the model's own `state_specs()`."""
+    specs = model.state_specs() if hasattr(model, "state_specs") else None
+    if not specs:
+        return 0
+    return sum(math.prod(shape) * torch.tensor([], dtype=dt).element_size() for shape, dt in specs.values())
+
+
+def summarize(groups: list[TensorGroup]) -> dict[str, int]:
+    """kind -> bytes, in KINDS order (kinds with no group left out)."""
+    out = {k: 0 for k in KINDS}
+    for g in groups:
+        out[g.kind] += g.nbytes
+    return {k: v for k, v in out.items() if v}

@@ -1,0 +1,91 @@
+"""A plan as text: rich tables for a person, one JSON object for a machine. Knows nothing about how the
+figures were computed."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from ferrylm.plan.planner import Plan
+
+_VERDICT = {"fits": "[green]fits resident[/]", "offload": "[yellow]needs offload[/]", "cannot": "[red]cannot run[/]"}
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def render(plan: Plan, console: Console) -> None:
+    o = plan.options
+    console.print(f"[bold]{plan.model_name}[/] ({plan.architecture}, {plan.params_total / 1e9:.2f}B params, "
+                  f"{plan.params_active / 1e9:.2f}B active) on {plan.gpus}x {plan.gpu}, host {plan.host}: "
+                  f"{_VERDICT[plan.verdict]}")
+    w = Table(title=f"weights, {o.dtype}{' ' + o.quant if o.quant else ''}")
+    w.add_column("group")
+    w.add_column("bytes", justify="right")
+    for kind, n in plan.weights_bytes.items():
+        w.add_row(kind, gib(n))
+    w.add_row("[bold]total[/]", gib(sum(plan.weights_bytes.values())))
+    console.print(w)
+    g = plan.per_gpu
+    m = Table(title=f"per GPU (the heaviest of TP {o.tp} x PP {o.pp})")
+    m.add_column("item")
+    m.add_column("bytes", justify="right")
+    m.add_column("note")
+    m.add_row("weights on GPU", gib(g["weights"]), f"of {gib(g['weights_all'])} this rank holds (incl. stream "
+              "buffers and expert slots)")
+    m.add_row("KV cache", gib(g["kv"]), f"{g['kv_tokens']:,} tokens x {g['kv_bytes_per_token'] / 1024:.1f} KiB "
+              f"({o.block_size}-token blocks)")
+    if g["state"]:
+        m.add_row("sequence state", gib(g["state"]), f"{o.max_num_seqs} slots")
+    m.add_row("activation reserve", gib(g["activations"]), f"{o.max_num_batched_tokens}-token steps (the engine's "
+              "upper estimate)")
+    m.add_row("CUDA context", gib(g["cuda_context"]), "")
+    m.add_row("[bold]peak[/]", gib(g["peak"]), f"of {gib(g['capacity'])}; engine budget {gib(g['budget'] or 0)}")
+    console.print(m)
+    if plan.verdict == "offload":
+        p = plan.placement
+        layers = p["streamed_layers"]
+        console.print(f"placement (the engine's): {gib(p['gpu_bytes'])} resident, {gib(p['host_bytes'])} in host memory "
+                      f"({', '.join(p['host_groups'])}); {len(layers)} layers streamed through "
+                      f"{gib(p['stream_buffer_bytes'])} of buffers; {p['expert_slots']} expert cache slots per MoE "
+                      f"layer; PCIe {gib(p['pcie_bytes_per_decode_token'])} per decode token at batch 1")
+    s = plan.speed
+    t = Table(title="predicted speed (roofline; see assumptions)")
+    t.add_column("")
+    t.add_column("tok/s", justify="right")
+    t.add_column("step", justify="right")
+    t.add_column("binds")
+    for key in ("decode_batch1", "decode_concurrent"):
+        d = s[key]
+        t.add_row(f"decode, batch {d['batch']}", f"{d['tok_s']:,.1f}", f"{d['step_ms']:.2f} ms", d["binding"])
+    t.add_row(f"prefill ({o.prompt_len}-token prompt)", f"{s['prefill_tok_s']:,.0f}", f"TTFT {s['ttft_s']:.3f} s",
+              s["prefill_binding"])
+    console.print(t)
+    a = s["assumptions"]
+    console.print(f"[dim]assumptions: {a['hbm_eff']:.0%} of peak HBM, {a['mfu']:.0%} MFU, {a['h2d_gbs']:.0f} GB/s "
+                  f"pinned H2D, {a['launch_us_per_layer']:.0f} us launch per layer; counted from the "
+                  f"{'engine model on meta' if plan.counted_from == 'model' else 'config (analytical)'}[/]")
+    for n in plan.notes:
+        console.print(f"- {n}")
+
+
+def render_check(rows: list[dict], console: Console) -> None:
+    t = Table(title="predicted vs measured (ferry plan --check)")
+    for col in ("metric", "predicted", "measured", "error", "aim"):
+        t.add_column(col, justify="left" if col == "metric" else "right")
+    for r in rows:
+        fmt = gib if r["metric"] in ("weights", "kv", "peak") else (lambda v: f"{v:,.1f}")
+        colour = "green" if r["within"] else "red"
+        t.add_row(r["metric"], fmt(r["predicted"]), fmt(r["measured"]), f"[{colour}]{r['rel_error']:+.1%}[/]",
+                  f"+-{r['aim']:.0%}")
+    console.print(t)
+
+
+def to_json(plan: Plan, check: list[dict] | None = None) -> str:
+    d = plan.to_dict()
+    if check is not None:
+        d["check"] = check
+    return json.dumps(d, sort_keys=True)

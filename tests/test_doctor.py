@@ -1,0 +1,144 @@
+"""`ferry doctor`: the probe on fixture /proc and /sys trees, each check's judgement on fake readings
+(host, disk, NVML, measured bandwidth), the JSON schema, the fixes script, and a real run on this machine
+(no GPU here: the GPU checks say skip)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ferrylm.hw import doctor, probe
+from ferrylm.hw.probe import GpuReadings, HostReadings
+
+
+def _tree(root, files: dict[str, str]) -> str:
+    for path, text in files.items():
+        f = root / path.lstrip("/")
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    return str(root)
+
+
+CPU = "processor : {i}\nmodel name : Intel(R) Xeon(R) Platinum 8480C\nphysical id : {s}\nflags : fpu avx2 {extra}\n\n"
+
+
+def _host_files(bad: bool) -> dict[str, str]:
+    extra = "avx512f avx512_bf16 amx_tile"
+    files = {
+        "/proc/cpuinfo": "".join(CPU.format(i=i, s=i // 2, extra="" if bad else extra) for i in range(4)),
+        "/proc/meminfo": "MemTotal:       1048576000 kB\nMemAvailable:   1000000000 kB\nHugePages_Total:       0\n",
+        "/sys/devices/system/node/node0/cpulist": "0-1", "/sys/devices/system/node/node1/cpulist": "2-3",
+        "/sys/devices/system/node/node0/meminfo": "Node 0 MemTotal:       524288000 kB\n",
+        "/sys/devices/system/node/node1/meminfo": "Node 1 MemTotal:       524288000 kB\n",
+        "/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor": "powersave" if bad else "performance",
+        "/sys/devices/system/cpu/intel_pstate/no_turbo": "1" if bad else "0",
+        "/sys/kernel/mm/transparent_hugepage/enabled": "[always] madvise never" if bad else "always [madvise] never",
+        "/proc/sys/vm/swappiness": "60" if bad else "1",
+        "/proc/sys/vm/overcommit_memory": "2" if bad else "0",
+        "/proc/sys/kernel/numa_balancing": "1" if bad else "0",
+        "/proc/sys/vm/max_map_count": "65530" if bad else "1048576",
+        "/sys/module/pcie_aspm/parameters/policy": "default performance [powersave]" if bad else "[default] performance",
+        "/proc/self/oom_score_adj": "500" if bad else "0",
+        "/proc/self/cgroup": "0::/ferry\n",
+        "/sys/fs/cgroup/ferry/memory.max": str(64 * 2**30) if bad else "max",
+    }
+    return files
+
+
+def test_probe_reads_a_fixture_tree(tmp_path):
+    h = probe.read_host(_tree(tmp_path, _host_files(bad=True)), env={"LANG": "C"})
+    assert h.cpu_model.startswith("Intel") and h.sockets == 2 and h.logical_cpus == 4
+    assert h.numa_nodes == {0: {"cpus": [0, 1], "mem_total": 524288000 * 1024},
+                            1: {"cpus": [2, 3], "mem_total": 524288000 * 1024}}
+    assert (h.governor, h.no_turbo, h.thp, h.aspm, h.swappiness) == ("powersave", 1, "always", "powersave", 60)
+    assert h.cgroup_memory_max == 64 * 2**30 and h.mem_total == 1048576000 * 1024 and h.locale == "C"
+
+
+@pytest.mark.parametrize("bad", [True, False])
+def test_host_checks_judge_readings(tmp_path, bad):
+    h = probe.read_host(_tree(tmp_path, _host_files(bad)), env={"LANG": "C" if bad else "en_US.UTF-8"})
+    h.memlock, h.nofile = (2**20, 2**20) if bad else (-1, -1), (1024, 1024) if bad else (65536, 65536)
+    checks = {c.name: c for c in doctor.host_checks(h, need_host_bytes=100 * 2**30)}
+    expect_warn = ["cpu_governor", "cpu_turbo", "transparent_hugepages", "swappiness", "overcommit", "numa_balancing",
+                   "memlock_limit", "open_files_limit", "max_map_count", "pcie_aspm", "oom_score", "locale", "cpu_isa"]
+    for name in expect_warn:
+        assert checks[name].status == ("warn" if bad else "ok"), (name, checks[name])
+        assert bool(checks[name].fix) == bad, name
+    assert checks["cgroup_memory"].status == ("fail" if bad else "ok")  # 64 GiB limit < 100 GiB the plan pins
+    assert checks["host_memory"].status == "ok"
+    assert checks["numa"].fix.startswith("#") and "numactl" in checks["numa"].fix
+
+
+def test_disk_and_log_checks():
+    full = {"path": "/data", "bytes_free": 50 * 2**30, "inodes_free": 100, "inodes_total": 10**6}
+    roomy = {"path": "/data", "bytes_free": 500 * 2**30, "inodes_free": 9 * 10**5, "inodes_total": 10**6}
+    got = {c.name: c.status for c in doctor.disk_checks({"model": full, "logs": roomy, "x": None}, need_bytes=2**30)}
+    assert got == {"disk_model": "fail", "disk_logs": "ok", "disk_x": "skip"}  # inodes, not bytes, ran out
+    assert doctor.disk_checks({"m": roomy}, need_bytes=600 * 2**30)[0].status == "fail"
+    assert doctor.log_level_check("debug").status == "warn" and doctor.log_level_check(None).status == "ok"
+
+
+def _gpu(i, **kw) -> GpuReadings:
+    base = dict(name="NVIDIA H200", memory_total=141 * 10**9, driver="570.1", cuda="12.8", pcie_gen=5, pcie_gen_max=5,
+                pcie_width=16, pcie_width_max=16, persistence=True, ecc=True, ecc_uncorrected=0, temperature_c=40,
+                numa_node=0, p2p={})
+    return GpuReadings(i, **{**base, **kw})
+
+
+def test_gpu_checks_judge_nvml_readings():
+    assert [(c.name, c.status) for c in doctor.gpu_checks([], nvml_present=False)] == [("gpu", "skip")]
+    good = {c.name: c.status for c in doctor.gpu_checks([_gpu(0, p2p={1: "NODE"}), _gpu(1, p2p={0: "NODE"})], True)}
+    assert all(s == "ok" for s in good.values()) and good["gpu_topology"] == "ok"
+    bad = doctor.gpu_checks([_gpu(0, pcie_width=8, persistence=False, ecc_uncorrected=3, temperature_c=90,
+                                  throttle=["hw thermal"], p2p={1: "SYSTEM"}), _gpu(1, numa_node=1, p2p={0: "SYSTEM"})],
+                            True)
+    got = {c.name: c for c in bad}
+    assert got["gpu0_pcie_link"].status == "warn" and got["gpu0_pcie_link"].value == "gen 5 x8"
+    assert got["gpu0_persistence"].fix == "nvidia-smi -i 0 -pm 1"
+    assert got["gpu0_ecc"].status == "fail" and got["gpu0_temperature"].status == "warn"
+    assert got["gpu0_throttle"].status == "warn" and got["gpu1_numa"].value == "node 1"
+    assert got["gpu_topology"].status == "warn" and "0-1 across sockets" in got["gpu_topology"].value
+
+
+def test_bandwidth_checks_judge_measurements():
+    assert [c.status for c in doctor.bandwidth_checks({"host_read_gbs": 10.0, "gpus": {}}, gpu=False)] == ["ok", "skip"]
+    m = {"host_read_gbs": 100.0, "gpus": {0: dict(pinned_h2d_gbs=11.0, pageable_h2d_gbs=6.0, pinned_d2h_gbs=12.0,
+                                                  hbm_copy_gbs=3500.0, pcie_gen=5, pinned_ok_gb=10, pinned_want_gb=64)}}
+    got = {c.name: c.status for c in doctor.bandwidth_checks(m, gpu=True)}
+    assert got == {"host_memory_read": "ok", "gpu0_h2d": "warn", "gpu0_hbm_copy": "ok", "gpu0_pinning": "fail"}
+
+
+def test_doctor_on_this_machine(tmp_path, capsys):
+    from ferrylm.cli import main
+
+    fixes = tmp_path / "fixes.sh"
+    assert main(["doctor", "--json", "--model-path", str(tmp_path), "--write-fixes", str(fixes)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert set(d) == {"checks", "summary"} and sum(d["summary"].values()) == len(d["checks"])
+    for c in d["checks"]:
+        assert set(c) == {"name", "status", "value", "expected", "why", "fix"}
+        assert c["status"] in ("ok", "warn", "fail", "skip")
+    names = {c["name"]: c for c in d["checks"]}
+    assert {"numa", "cpu_isa", "locale", "disk_model", "disk_logs"} <= set(names)
+    if not probe.read_gpus():
+        assert names["gpu"]["status"] == "skip"
+    script = fixes.read_text()
+    assert script.startswith("#!/bin/sh")
+    for c in d["checks"]:
+        if c["status"] in ("warn", "fail") and c["fix"]:
+            assert c["fix"] in script
+        elif c["fix"] and c["status"] == "ok":
+            assert c["fix"] not in script
+    with pytest.raises(SystemExit) as e:  # a plan that pins more than this machine has fails host_memory
+        main(["doctor", "--plan-host-gb", "1000000"])
+    assert e.value.code == 1 and "host_memory" in capsys.readouterr().out
+
+
+def test_nvml_names_map_to_profiles():
+    assert probe.profile_for("NVIDIA H100 PCIe").name == "H100-80G-PCIe"
+    assert probe.profile_for("NVIDIA H100 80GB HBM3").name == "H100-80G-SXM"
+    assert probe.profile_for("NVIDIA A800 80GB PCIe").name == "A800-80G-PCIe"
+    assert probe.profile_for("NVIDIA H200").name == "H200"
+    assert probe.profile_for("NVIDIA GeForce RTX 4090").name == "RTX-4090"
+    assert probe.profile_for("Tesla V100-SXM2-32GB") is None

@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
     add_convert_parser(sub)
+    from ferrylm.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -272,3 +272,174 @@ def test_dataset_files(tmp_path):
     bad.write_text('{"prompt": "x"}\n{nope\n')
     with pytest.raises(BenchError, match=r"b.jsonl:2: not valid JSON"):
         load_dataset(str(bad), 10, TokenCounter(), seed=0)
+
+
+# -- against a real `ferry serve` ----------------------------------------------------------------------
+
+
+def test_latency_cli_process(ferry, tmp_path):
+    """The real `ferry bench latency` process: one request at a time, usage token counts, the files."""
+    out = tmp_path / "lat"
+    cmd = [sys.executable, "-m", "ferrylm.cli", "bench", "latency", "--url", ferry.url + "/v1", "--api-key", KEY,
+           "-n", "3", "--max-tokens", "6", "--prompt-tokens", "24", "--mix", "en,zh", "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    rows = check_consistent(summary, out, 6)
+    assert summary["model"] == "SmolLM2-135M-Instruct" and summary["bench"] == "latency"
+    assert summary["prompt_tokens_counted_by"].startswith("server POST /tokenize")
+    assert len(rows) == 3 and all(r["ok"] and r["output_tokens"] == 6 and r["tokens_from"] == "usage" for r in rows)
+    # fitted with the server's /tokenize, counted by its usage: the two agree
+    print([(r["prompt_tokens_fitted"], r["prompt_tokens"]) for r in rows])
+    assert all(r["prompt_tokens"] == r["prompt_tokens_fitted"] and abs(r["prompt_tokens"] - 24) <= 2 for r in rows)
+    # one at a time: each request is sent after the previous one ended
+    for a, b in zip(rows, rows[1:]):
+        assert b["sent"] >= a["end"] - 1e-6
+    assert summary["results"]["concurrency"]["max"] == 1
+    assert set(summary["plots"]) == {"latency_cdf.png", "timeline.png"}
+
+
+def test_load_chat_poisson(ferry, tmp_path, capsys):
+    rc, s, out = bench(capsys, "load", "--url", ferry.url, "--api-key", KEY, "--api", "chat", "--rate", "3",
+                       "--duration", "3s", "--max-tokens", "4", "--prompt-tokens", "16-64", "--mix", "en,zh,code,math",
+                       "--max-concurrency", "4", "--slo", "ttft=60s,e2e=120s", "--seed", "7", "--warmup", "0",
+                       "--out", str(tmp_path / "load"))
+    assert rc == 0
+    rows = check_consistent(s, out, 4)
+    planned = schedule(3.0, "poisson", 3.0, None, seed=7)
+    assert len(rows) == len(planned)  # the seeded schedule, every arrival sent
+    assert sorted(r["scheduled"] - rows[0]["scheduled"] for r in rows) == pytest.approx(planned, abs=1e-4)
+    res = s["results"]
+    # arrivals still waiting for one of the 4 slots when the 3 s ended are recorded, as not sent
+    unsent = [r for r in rows if r["sent"] is None]
+    assert all(r["cancelled"] and r["error"].startswith("not sent") for r in unsent)
+    assert res["requests"]["ok"] + len(unsent) == len(rows) and res["concurrency"]["max"] <= 4
+    assert all(r["output_tokens"] == 4 for r in rows if r["ok"])  # ignore_eos: every chat reply made max_tokens
+    g = res["goodput"]
+    assert g["good"] == res["requests"]["ok"] and g["met"] and g["fraction"] == 1.0
+    assert res["output_tok_s"] == pytest.approx(res["output_tokens"] / res["duration_s"])
+
+
+def test_soak_clean_server_passes(ferry, tmp_path, capsys):
+    rc, s, out = bench(capsys, "soak", "--url", ferry.url, "--api-key", KEY, "--requests-per-hour", "7200",
+                       "--duration", "6s", "--sample-every", "0.4s", "--window", "1.5s", "--max-tokens", "4",
+                       "--prompt-tokens", "16", "--max-rss-growth", "50GB", "--max-p99-drift", "60s",
+                       "--out", str(tmp_path / "soak"))
+    assert rc == 0
+    check_consistent(s, out, 4)
+    soak = s["soak"]
+    print(json.dumps(soak["memory"]["rss"]))
+    assert s["pid"] == ferry.proc.pid  # found as the listener of the URL's port
+    assert soak["checks"]["rss_leak"] == "pass" and soak["checks"]["health"] == "pass"
+    assert soak["checks"]["server_errors"] == "pass" and soak["memory"]["rss"]["samples"] >= 5
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == soak["samples"] and all(x["health"] == 200 and x["rss"] > 0 for x in samples)
+    assert all(x["kv_usage"] is not None for x in samples)  # read from ferry's /metrics
+    windows = json.loads((out / "windows.json").read_text())
+    assert sum(w["requests"] for w in windows) == s["results"]["requests"]["sent"] - s["results"]["requests"]["cancelled"]
+    assert "soak.png" in s["plots"]
+
+
+def test_ctrl_c_writes_what_it_has(ferry, tmp_path):
+    out = tmp_path / "int"
+    cmd = [sys.executable, "-m", "ferrylm.cli", "bench", "load", "--url", ferry.url, "--api-key", KEY, "--rate", "6",
+           "--duration", "10m", "--max-tokens", "8", "--prompt-tokens", "16", "--warmup", "0", "--out", str(out)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.monotonic() + 120
+    raw = out / "records.jsonl"
+    while time.monotonic() < deadline and not (raw.exists() and raw.read_text().count("\n") >= 1):
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted" in stderr
+    s = json.loads(stdout.strip().splitlines()[-1])
+    assert s["interrupted"] is True
+    rows = check_consistent(s, out, 8)
+    assert s["results"]["requests"]["ok"] >= 1 and s["results"]["requests"]["cancelled"] >= 1
+    assert any(r["cancelled"] and not r["ok"] for r in rows)
+    assert s["results"]["duration_s"] < 120  # it stopped, not ran out the 10 minutes
+
+
+# -- a test-only server: leaks, failures, death, llama.cpp dialect ---------------------------------------
+
+
+def test_soak_detects_injected_leak(tmp_path, capsys):
+    srv = fake("--leak-mb-per-request", "3", "--itl", "0.002")
+    try:
+        rc, s, out = bench(capsys, "soak", "--url", srv.url, "--requests-per-hour", "36000", "--duration", "4s",
+                           "--sample-every", "0.25s", "--window", "1s", "--max-tokens", "4", "--prompt-tokens", "16",
+                           "--max-rss-growth", "50GB", "--max-p99-drift", "60s", "--out", str(tmp_path / "leak"))
+    finally:
+        srv.stop()
+    assert rc == 0
+    mem = s["soak"]["memory"]["rss"]
+    print(json.dumps(mem))
+    assert s["pid"] == srv.proc.pid
+    assert s["soak"]["checks"]["rss_leak"] == "fail" and s["soak"]["verdict"] == "fail"
+    # ~10 requests/s x 3 MB: about 30 MB/s, i.e. ~2.6 TB/day; the interval's low end is far over the 50 GB bar
+    assert mem["slope_bytes_per_day"]["ci95"][0] > 50e9
+    assert mem["last"] - mem["first"] > 20e6
+
+
+def test_errors_and_a_dying_server_are_reported(tmp_path, capsys):
+    srv = fake("--fail-every", "3", "--die-after", "8", "--itl", "0.005")
+    try:
+        rc, s, out = bench(capsys, "load", "--url", srv.url, "--rate", "10", "--duration", "2s", "--max-tokens", "8",
+                           "--prompt-tokens", "16", "--warmup", "0", "--out", str(tmp_path / "err"))
+        assert srv.proc.wait(10) == 1  # it did die
+    finally:
+        srv.stop()
+    assert rc == 0
+    rows = check_consistent(s, out, 8)
+    q = s["results"]["requests"]
+    assert q["failed"] > 0 and q["ok"] > 0 and q["ok"] + q["failed"] == len(rows)
+    assert "500" in q["failed_by_status"] and "no response" in q["failed_by_status"]
+    assert any("injected failure" in e for e in q["first_errors"])
+    assert q["server_errors"] == q["failed"]
+    assert sorted(rows, key=lambda r: r["index"])[0]["ok"]  # the first request was fine
+
+
+def test_llamacpp_dialect_chat_without_usage(tmp_path, capsys):
+    srv = fake("--llamacpp", "--itl", "0.002")
+    try:
+        rc, s, out = bench(capsys, "latency", "--url", srv.url, "--api", "chat", "-n", "3", "--max-tokens", "5",
+                           "--prompt-tokens", "30", "--out", str(tmp_path / "lcpp"))
+    finally:
+        srv.stop()
+    assert rc == 0
+    rows = check_consistent(s, out, 5)
+    assert "llama.cpp" in s["prompt_tokens_counted_by"]
+    assert s["results"]["tokens_counted_from"] == {"chunks": 3}
+    # the role-only first chunk is not a token: 5 chunks with text, the first of them is the TTFT
+    assert all(r["output_tokens"] == 5 and r["chunks"] == 5 for r in rows)
+
+
+def test_sweep_stops_where_the_slo_breaks(tmp_path, capsys):
+    srv = fake("--itl", "0.02")
+    try:
+        rc, s, out = bench(capsys, "load", "--url", srv.url, "--rate", "5", "--sweep", "--sweep-steps", "3",
+                           "--duration", "1s", "--max-tokens", "3", "--prompt-tokens", "8", "--slo", "itl=1ms",
+                           "--out", str(tmp_path / "sw1"))
+        assert rc == 0 and len(s["steps"]) == 1 and s["slo_broke_at"] == 5 and s["max_rate_meeting_slo"] is None
+        rc, s, out = bench(capsys, "load", "--url", srv.url, "--rate", "5", "--sweep", "--sweep-steps", "3",
+                           "--duration", "1s", "--max-tokens", "3", "--prompt-tokens", "8", "--slo", "ttft=10s",
+                           "--out", str(tmp_path / "sw2"))
+    finally:
+        srv.stop()
+    assert rc == 0 and [x["rate"] for x in s["steps"]] == [5, 10, 20] and s["max_rate_meeting_slo"] == 20
+    assert "sweep.png" in s["plots"]
+    rows = records(out)
+    assert [sum(r["step"] == k for r in rows) for k in range(3)] == [x["requests"]["sent"] for x in s["steps"]]
+
+
+def test_unreachable_server_and_bad_flags(capsys):
+    rc = main(["bench", "latency", "--url", f"http://127.0.0.1:{_free_port()}", "-n", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cannot reach the server" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "load", "--slo", "speed=1s"])
+    assert e.value.code == 2 and "METRIC" in capsys.readouterr().err
+    rc = main(["bench", "load", "--rate", "inf", "--url", "http://127.0.0.1:1"])
+    assert rc == 2 and "-n" in capsys.readouterr().err

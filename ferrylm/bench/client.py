@@ -68,6 +68,7 @@ class Client:
     async def send(self, p: Prompt, rec: Record) -> Record:
         path, body = self.body(p)
         rec.sent = self.now()
+        rec.prompt_tokens_fitted = p.tokens
         usage = None
         try:
             async with self.http.stream("POST", path, json=body) as r:

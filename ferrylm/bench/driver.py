@@ -2,7 +2,7 @@
 an arrival does not wait for earlier answers, only for a free slot), then lets the in-flight ones finish.
 
 Bounded three ways: the plan's length, `until` (no request is sent after it, even one that waited for a
-slot), and the drain timeout; the session's stop event (Ctrl-C) ends sending and cancels what is in flight
+slot: it is recorded as cancelled, not sent), and the drain timeout; the session's stop event (Ctrl-C) ends sending and cancels what is in flight
 at once. Every request's `Record` reaches the session, cancelled ones included. Does not know statistics.
 """
 
@@ -32,7 +32,7 @@ async def drive(session, client: Client, plan: list[tuple[float, int, Prompt]], 
             session.live.inflight -= 1
             session.add(rec)
 
-    for offset, index, prompt in plan:
+    for k, (offset, index, prompt) in enumerate(plan):
         wait = base + offset - client.now()
         if deadline is not None and base + offset >= deadline:
             break
@@ -41,6 +41,13 @@ async def drive(session, client: Client, plan: list[tuple[float, int, Prompt]], 
         if slots.locked():
             left = None if deadline is None else deadline - client.now()
             if not await session.wait(slots.acquire(), left, release=slots.release):
+                if not session.stop.is_set():  # the run ended while arrivals still queued for a slot
+                    unsent = [e for e in plan[k:] if base + e[0] < deadline]
+                    for offset, index, prompt in unsent:
+                        rec = Record(index, prompt.kind, base + offset, step, cancelled=True,
+                                     error="not sent: still waiting for a free slot (--max-concurrency) at the end")
+                        records.append(rec)
+                        session.add(rec)
                 break
         else:
             await slots.acquire()
@@ -59,7 +66,7 @@ async def drive(session, client: Client, plan: list[tuple[float, int, Prompt]], 
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     for rec in records:
-        if rec.sent is None:  # cancelled before it started: it never reached `one`'s finally
+        if rec.sent is None and rec.error is None:  # cancelled before it started: it never reached `one`'s finally
             rec.cancelled = True
             session.live.inflight -= 1
             session.add(rec)

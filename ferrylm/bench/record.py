@@ -24,6 +24,9 @@ class Record:
     chunk_times: list[float] = field(default_factory=list)
     """Arrival of every chunk that carried text."""
     prompt_tokens: int | None = None
+    """From the server's usage; the fitted count when it sent none."""
+    prompt_tokens_fitted: int | None = None
+    """What the token counter said when the prompt was built."""
     output_tokens: int | None = None
     tokens_from: str | None = None
     """`usage` (the server's count) or `chunks` (chunks with text; the server sent no usage)."""
@@ -70,7 +73,8 @@ class Record:
         r = lambda x: None if x is None else round(x, 6)  # noqa: E731
         return {"index": self.index, "kind": self.kind, "step": self.step, "scheduled": r(self.scheduled),
                 "sent": r(self.sent), "ttft": r(self.ttft), "e2e": r(self.e2e), "end": r(self.end),
-                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+                "prompt_tokens": self.prompt_tokens, "prompt_tokens_fitted": self.prompt_tokens_fitted,
+                "output_tokens": self.output_tokens,
                 "tokens_from": self.tokens_from, "chunks": len(self.chunk_times), "finish_reason": self.finish_reason,
                 "status": self.status, "ok": self.ok, "error": self.error, "cancelled": self.cancelled,
                 "chunk_times": [round(t - self.sent, 6) for t in self.chunk_times]}

@@ -1,7 +1,7 @@
 """`Prompt` and the synthetic prompt generator: text of a target token length in a chosen kind
 (en, zh, code, math), drawn from the built-in corpus.
 
-A prompt is the drawn sentences followed by the kind's task line. Its length is fitted with a
+A prompt is the drawn sentences followed by the kind's task line (left out of prompts under twice its length). Its length is fitted with a
 `TokenCounter`: a few secant steps on the number of characters (cut at a word boundary, or any character
 for Chinese) until the count hits the target or stops moving, keeping the closest. Does not know HTTP.
 """
@@ -47,6 +47,7 @@ class _Fitter:
         self.counter = counter
         self.per_char: dict[str, float] = {}
         """Tokens per character of each kind's corpus, measured once."""
+        self.tail: dict[str, tuple[str, int]] = {}
 
     def fit(self, kind: str, target: int, rng: random.Random) -> Prompt:
         sentences, task, sep = KINDS[kind]
@@ -54,7 +55,11 @@ class _Fitter:
             whole = sep.join(sentences)
             self.per_char[kind] = max(self.counter.count(whole), 1) / len(whole)
         rate = self.per_char[kind]
-        tail = SEPARATOR + task
+        if kind not in self.tail:  # a task line longer than half the prompt would crowd it out: then none
+            self.tail[kind] = (SEPARATOR + task, self.counter.count(SEPARATOR + task))
+        tail, tail_tokens = self.tail[kind]
+        if tail_tokens > target / 2:
+            tail, tail_tokens = "", 0
         body = self._draw(sentences, sep, int(1.5 * target / rate) + 400, rng)
         # cut points: word starts, or every character for text without spaces (Chinese)
         cuts = [0] + [m.start() for m in re.finditer(r"(?<=\s)\S", body)] if " " in body else list(range(len(body)))
@@ -63,7 +68,7 @@ class _Fitter:
         def text_at(i: int) -> str:
             return body[:cuts[i]].rstrip() + tail
 
-        i = bisect.bisect(cuts, (target - self.counter.count(tail)) / rate)
+        i = bisect.bisect(cuts, (target - tail_tokens) / rate)
         i = min(max(i, 1), len(cuts) - 1)
         best, seen = None, set()
         for _ in range(8):

@@ -3,8 +3,8 @@ on hand-built inputs, plus a test-only server (tests/bench_fake_server.py) for w
 made to do: leak memory, fail, die mid-run, speak llama.cpp's dialect.
 
 Each run is a few seconds with tiny token budgets; most go through `ferrylm.cli.main` in this process (the
-CLI's own code path, without paying a torch import per run); the Ctrl-C test and one plain run go through
-a real `python -m ferrylm.cli` process.
+CLI's own code path, without paying a torch import per run); the Ctrl-C test goes through a real
+`python -m ferrylm.cli` process.
 """
 
 from __future__ import annotations
@@ -277,15 +277,11 @@ def test_dataset_files(tmp_path):
 # -- against a real `ferry serve` ----------------------------------------------------------------------
 
 
-def test_latency_cli_process(ferry, tmp_path):
-    """The real `ferry bench latency` process: one request at a time, usage token counts, the files."""
-    out = tmp_path / "lat"
-    cmd = [sys.executable, "-m", "ferrylm.cli", "bench", "latency", "--url", ferry.url + "/v1", "--api-key", KEY,
-           "-n", "3", "--max-tokens", "6", "--prompt-tokens", "24", "--mix", "en,zh", "--out", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
-    assert p.returncode == 0, p.stderr
-    assert "Traceback" not in p.stderr
-    summary = json.loads(p.stdout.strip().splitlines()[-1])
+def test_latency(ferry, tmp_path, capsys):
+    """One request at a time, usage token counts, the files."""
+    rc, summary, out = bench(capsys, "latency", "--url", ferry.url + "/v1", "--api-key", KEY, "-n", "3",
+                             "--max-tokens", "6", "--prompt-tokens", "24", "--mix", "en,zh", "--out", str(tmp_path / "l"))
+    assert rc == 0
     rows = check_consistent(summary, out, 6)
     assert summary["model"] == "SmolLM2-135M-Instruct" and summary["bench"] == "latency"
     assert summary["prompt_tokens_counted_by"].startswith("server POST /tokenize")
@@ -323,7 +319,7 @@ def test_load_chat_poisson(ferry, tmp_path, capsys):
 
 def test_soak_clean_server_passes(ferry, tmp_path, capsys):
     rc, s, out = bench(capsys, "soak", "--url", ferry.url, "--api-key", KEY, "--requests-per-hour", "7200",
-                       "--duration", "6s", "--sample-every", "0.4s", "--window", "1.5s", "--max-tokens", "4",
+                       "--duration", "4s", "--sample-every", "0.25s", "--window", "1s", "--max-tokens", "4",
                        "--prompt-tokens", "16", "--max-rss-growth", "50GB", "--max-p99-drift", "60s",
                        "--out", str(tmp_path / "soak"))
     assert rc == 0
@@ -344,7 +340,7 @@ def test_soak_clean_server_passes(ferry, tmp_path, capsys):
 def test_ctrl_c_writes_what_it_has(ferry, tmp_path):
     out = tmp_path / "int"
     cmd = [sys.executable, "-m", "ferrylm.cli", "bench", "load", "--url", ferry.url, "--api-key", KEY, "--rate", "6",
-           "--duration", "10m", "--max-tokens", "8", "--prompt-tokens", "16", "--warmup", "0", "--out", str(out)]
+           "--duration", "10m", "--max-tokens", "4", "--prompt-tokens", "16", "--warmup", "0", "--out", str(out)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     deadline = time.monotonic() + 120
     raw = out / "records.jsonl"
@@ -356,7 +352,7 @@ def test_ctrl_c_writes_what_it_has(ferry, tmp_path):
     assert "Traceback" not in stderr and "interrupted" in stderr
     s = json.loads(stdout.strip().splitlines()[-1])
     assert s["interrupted"] is True
-    rows = check_consistent(s, out, 8)
+    rows = check_consistent(s, out, 4)
     assert s["results"]["requests"]["ok"] >= 1 and s["results"]["requests"]["cancelled"] >= 1
     assert any(r["cancelled"] and not r["ok"] for r in rows)
     assert s["results"]["duration_s"] < 120  # it stopped, not ran out the 10 minutes
@@ -423,15 +419,15 @@ def test_sweep_stops_where_the_slo_breaks(tmp_path, capsys):
                            "--duration", "1s", "--max-tokens", "3", "--prompt-tokens", "8", "--slo", "itl=1ms",
                            "--out", str(tmp_path / "sw1"))
         assert rc == 0 and len(s["steps"]) == 1 and s["slo_broke_at"] == 5 and s["max_rate_meeting_slo"] is None
-        rc, s, out = bench(capsys, "load", "--url", srv.url, "--rate", "5", "--sweep", "--sweep-steps", "3",
+        rc, s, out = bench(capsys, "load", "--url", srv.url, "--rate", "5", "--sweep", "--sweep-steps", "2",
                            "--duration", "1s", "--max-tokens", "3", "--prompt-tokens", "8", "--slo", "ttft=10s",
                            "--out", str(tmp_path / "sw2"))
     finally:
         srv.stop()
-    assert rc == 0 and [x["rate"] for x in s["steps"]] == [5, 10, 20] and s["max_rate_meeting_slo"] == 20
+    assert rc == 0 and [x["rate"] for x in s["steps"]] == [5, 10] and s["max_rate_meeting_slo"] == 10
     assert "sweep.png" in s["plots"]
     rows = records(out)
-    assert [sum(r["step"] == k for r in rows) for k in range(3)] == [x["requests"]["sent"] for x in s["steps"]]
+    assert [sum(r["step"] == k for r in rows) for k in range(2)] == [x["requests"]["sent"] for x in s["steps"]]
 
 
 def test_unreachable_server_and_bad_flags(capsys):

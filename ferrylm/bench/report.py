@@ -54,6 +54,8 @@ def summarize(records: list[Record], slo=(), slo_target: float = 0.9) -> dict:
     ok = [r for r in records if r.ok]
     cancelled = [r for r in records if r.cancelled]
     failed = [r for r in records if not r.ok and not r.cancelled]
+    judged = [r for r in sent if not r.cancelled]
+    # requests that got an answer or failed: the base of error rates and goodput
     secs = span(records)
     out_tok = sum(r.output_tokens or 0 for r in ok)
     in_tok = sum(r.prompt_tokens or 0 for r in ok)
@@ -66,7 +68,7 @@ def summarize(records: list[Record], slo=(), slo_target: float = 0.9) -> dict:
         "requests": {"planned_or_sent": len(records), "sent": len(sent), "ok": len(ok), "failed": len(failed),
                      "cancelled": len(cancelled), "server_errors": sum(r.server_error for r in records),
                      "failed_by_status": dict(by_status), "first_errors": messages},
-        "error_rate": len(failed) / max(len(sent) - len(cancelled), 1),
+        "error_rate": len(failed) / max(len(judged), 1),
         "duration_s": secs,
         "request_throughput": per(len(ok)),
         "prompt_tokens": in_tok, "output_tokens": out_tok,
@@ -80,10 +82,9 @@ def summarize(records: list[Record], slo=(), slo_target: float = 0.9) -> dict:
         "client_wait": describe([r.sent - r.scheduled for r in sent]),
     }
     if slo:
-        good = sum(meets(r, slo) for r in records if not r.cancelled)
-        judged = len(sent) - len(cancelled)
-        frac = good / judged if judged else None
-        out["goodput"] = {"slo": dict(slo), "good": good, "judged": judged, "fraction": frac,
+        good = sum(meets(r, slo) for r in judged)
+        frac = good / len(judged) if judged else None
+        out["goodput"] = {"slo": dict(slo), "good": good, "judged": len(judged), "fraction": frac,
                           "requests_per_s": per(good), "target": slo_target,
                           "met": frac is not None and frac >= slo_target}
     return out

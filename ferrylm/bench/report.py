@@ -88,3 +88,23 @@ def summarize(records: list[Record], slo=(), slo_target: float = 0.9) -> dict:
                           "requests_per_s": per(good), "target": slo_target,
                           "met": frac is not None and frac >= slo_target}
     return out
+
+
+def _ms(d: dict) -> str:
+    if not d or not d.get("n"):
+        return "-"
+    return "/".join(f"{d[k] * 1000:.0f}" for k in ("p50", "p90", "p99")) + " ms"
+
+
+def brief(results: dict, label: str = "") -> str:
+    """One human line of a results block (stderr; the JSON is the record)."""
+    q = results["requests"]
+    rate = results["request_throughput"]
+    line = (f"{label}ok {q['ok']}/{q['sent']}" + (f", failed {q['failed']}" if q["failed"] else "")
+            + (f", cancelled {q['cancelled']}" if q["cancelled"] else "")
+            + (f" | {rate:.2f} req/s, {results['output_tok_s']:.1f} out tok/s" if rate is not None else "")
+            + f" | p50/p90/p99 TTFT {_ms(results['ttft'])}, ITL {_ms(results['itl'])}, E2E {_ms(results['e2e'])}")
+    if "goodput" in results:
+        g = results["goodput"]
+        line += f" | goodput {g['good']}/{g['judged']} {'met' if g['met'] else 'NOT met'}"
+    return line

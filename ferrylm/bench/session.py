@@ -26,6 +26,7 @@ from ferrylm.bench.client import Client, auth_headers
 from ferrylm.bench.config import BenchConfig
 from ferrylm.bench.progress import LiveView
 from ferrylm.bench.record import Record
+from ferrylm.bench.report import brief
 from ferrylm.bench.workload.dataset import load_dataset
 from ferrylm.bench.workload.prompts import Prompt, synthetic_prompts
 from ferrylm.bench.workload.tokens import make_counter
@@ -50,6 +51,8 @@ def prepare(cfg: BenchConfig, needed: int) -> tuple[str | None, list[Prompt], st
             raise BenchError(f"{cfg.base_url}/v1/models answered 401: give the API key (--api-key or OPENAI_API_KEY)")
         counter = make_counter(http, model, cfg.tokenizer)
         n = max(1, min(cfg.num_prompts, needed))
+        if cfg.progress:
+            print(f"ferry bench: building {n} prompts (tokens counted by {counter.name})", file=sys.stderr)
         if cfg.dataset:
             prompts = load_dataset(cfg.dataset, n, counter, cfg.seed)
         else:
@@ -69,6 +72,7 @@ class Session:
         self.t0 = time.perf_counter()
         self._raw = open(self.out / "records.jsonl", "w", encoding="utf-8")
         self.stop: asyncio.Event | None = None
+        self._ticker: asyncio.Future | None = None
 
     # -- inside the event loop ---------------------------------------------------------------------------
 
@@ -79,8 +83,16 @@ class Session:
         except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
             pass
         self.live.start()
+        self._ticker = asyncio.ensure_future(self._tick()) if self.cfg.progress else None
+
+    async def _tick(self) -> None:
+        while True:  # the bar moves with time too, not only when a request ends
+            await asyncio.sleep(0.5)
+            self.live.refresh()
 
     def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
         self.live.stop()
         try:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
@@ -139,6 +151,13 @@ class Session:
         summary["interrupted"] = self.interrupted
         summary["finished_at"] = _utc().isoformat(timespec="seconds")
         self.write_json("summary.json", summary)
+        for label, block in [("", summary.get("results"))] + [(f"rate {s['rate']:g}: ", s) for s in summary.get("steps", [])]:
+            if block:
+                print(f"ferry bench {self.level}: {brief(block, label)}", file=sys.stderr)
+        if "soak" in summary:
+            checks = ", ".join(f"{k} {v}" for k, v in summary["soak"]["checks"].items())
+            print(f"ferry bench soak: verdict {summary['soak']['verdict']} ({checks})", file=sys.stderr)
+        print(f"ferry bench: results in {self.out}", file=sys.stderr)
         print(json.dumps(clean(summary), ensure_ascii=False, allow_nan=False, default=_jsonable))
 
 

@@ -440,3 +440,17 @@ def test_unreachable_server_and_bad_flags(capsys):
     assert e.value.code == 2 and "METRIC" in capsys.readouterr().err
     rc = main(["bench", "load", "--rate", "inf", "--url", "http://127.0.0.1:1"])
     assert rc == 2 and "-n" in capsys.readouterr().err
+
+
+def test_request_timeout_bounds_a_trickling_stream(tmp_path, capsys):
+    srv = fake("--itl", "0.4")  # 8 tokens at 0.4 s each: each read is quick, the whole request is not
+    try:
+        rc, s, out = bench(capsys, "latency", "--url", srv.url, "-n", "2", "--max-tokens", "8", "--warmup", "0",
+                           "--prompt-tokens", "8", "--request-timeout", "1s", "--out", str(tmp_path / "slow"))
+    finally:
+        srv.stop()
+    assert rc == 0
+    rows = records(out)
+    assert [r["error"] for r in rows] == ["timeout after 1 s"] * 2
+    assert all(0.9 < r["end"] - r["sent"] < 2.0 and r["chunks"] >= 1 for r in rows)
+    assert s["results"]["requests"]["failed"] == 2 and s["results"]["ttft"]["n"] == 0

@@ -45,11 +45,14 @@ def _add_level(sub, level: str) -> None:
     p = sub.add_parser(level, help=HELP[level], description=HELP[level])
     d = BenchConfig(**LEVEL_DEFAULTS[level])
 
-    def flag(*names, field, help, show=True, **kw):
+    g = p
+
+    def flag(*names, field, help, **kw):
+        """A flag for one `BenchConfig` field; absent from the namespace unless given (the field's default holds)."""
         default = getattr(d, field)
-        if show and default not in (None, ()):
+        if default not in (None, ()):
             help = f"{help} (default: {_show(default)})"
-        p.add_argument(*names, dest=field, default=argparse.SUPPRESS, help=help, **kw)
+        g.add_argument(*names, dest=field, default=argparse.SUPPRESS, help=help, **kw)
 
     g = p.add_argument_group("server")
     flag("--url", field="url", help="server base URL, with or without /v1")
@@ -66,7 +69,7 @@ def _add_level(sub, level: str) -> None:
     flag("--tokenizer", field="tokenizer", help="local tokenizer to fit prompt lengths (default: the server's /tokenize)")
     flag("--num-prompts", field="num_prompts", type=int, help="distinct prompts; requests cycle through them")
     flag("--max-tokens", field="max_tokens", type=int, help="output tokens per request")
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", default=argparse.SUPPRESS,
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", default=argparse.SUPPRESS,
                    help="let requests stop at EOS (default: ignore_eos, so each makes --max-tokens)")
     flag("--temperature", field="temperature", type=float, help="sampling temperature")
     flag("--seed", field="seed", type=int, help="seeds prompts and arrivals")
@@ -87,13 +90,13 @@ def _add_level(sub, level: str) -> None:
         flag("--rate", field="rate", type=_typed(units.parse_rate), help="mean requests/s, or inf")
         flag("--arrivals", field="arrivals", choices=("poisson", "gamma", "constant"), help="arrival process")
         flag("--burstiness", field="burstiness", type=float, help="gamma shape (<1 bursty, 1 Poisson)")
-        p.add_argument("--sweep", dest="sweep", nargs="?", const=(), default=argparse.SUPPRESS,
+        g.add_argument("--sweep", dest="sweep", nargs="?", const=(), default=argparse.SUPPRESS,
                        type=_typed(lambda t: tuple(units.parse_rate(x) for x in t.split(","))),
                        help="run several rates: a list (1,2,4) or, bare, double --rate until the SLO breaks")
         flag("--sweep-steps", field="sweep_steps", type=int, help="most rates a bare --sweep tries")
     if level == "soak":
         g = p.add_argument_group("soak")
-        p.add_argument("--requests-per-hour", dest="rate", type=_typed(lambda t: units.parse_rate(t) / 3600),
+        g.add_argument("--requests-per-hour", dest="rate", type=_typed(lambda t: units.parse_rate(t) / 3600),
                        default=argparse.SUPPRESS, help=f"mean arrival rate (default: {d.rate * 3600:g})")
         flag("--arrivals", field="arrivals", choices=("poisson", "gamma", "constant"), help="arrival process")
         flag("--sample-every", field="sample_every", type=_typed(units.parse_duration), help="server sampling interval")
@@ -108,7 +111,7 @@ def _add_level(sub, level: str) -> None:
 
     g = p.add_argument_group("output")
     flag("--out", field="out", help="results folder (default: bench-results/LEVEL-UTCTIME)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", default=argparse.SUPPRESS,
+    g.add_argument("--no-progress", dest="progress", action="store_false", default=argparse.SUPPRESS,
                    help="no live progress on stderr")
     p.set_defaults(func=cmd_bench, bench_level=level)
 

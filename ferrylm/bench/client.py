@@ -66,50 +66,24 @@ class Client:
         return "/v1/completions", body
 
     async def send(self, p: Prompt, rec: Record) -> Record:
+        """Fill `rec` from one streamed request; errors land in the record, a cancel marks it cancelled."""
         path, body = self.body(p)
         rec.sent = self.now()
         rec.prompt_tokens_fitted = p.tokens
-        usage = None
+        usage: dict = {}
         try:
-            async with self.http.stream("POST", path, json=body) as r:
-                rec.status = r.status_code
-                if r.status_code != 200:
-                    rec.error = f"HTTP {r.status_code}: {_error_text(await r.aread())}"
-                    return rec
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    try:
-                        chunk = json.loads(data)
-                    except ValueError:
-                        rec.error = f"bad stream event: {data[:200]}"
-                        break
-                    if chunk.get("error"):
-                        err = chunk["error"]
-                        rec.error = "stream error: " + str(err.get("message") if isinstance(err, dict) else err)[:500]
-                        break
-                    usage = chunk.get("usage") or usage
-                    for c in chunk.get("choices") or ():
-                        delta = c.get("delta") or {}
-                        text = c.get("text") or delta.get("content") or delta.get("reasoning_content")
-                        if text:
-                            t = self.now()
-                            rec.first = t if rec.first is None else rec.first
-                            rec.chunk_times.append(t)
-                        rec.finish_reason = c.get("finish_reason") or rec.finish_reason
+            # the whole request is bounded, not only each read: a stream that trickles forever still ends
+            await asyncio.wait_for(self._stream(path, body, rec, usage), self.cfg.request_timeout)
+        except asyncio.TimeoutError:
+            rec.error = f"timeout after {self.cfg.request_timeout:g} s"
         except asyncio.CancelledError:
             rec.cancelled = True
             raise
-        except httpx.TimeoutException:
-            rec.error = f"timeout after {self.cfg.request_timeout:g} s"
         except httpx.HTTPError as e:  # refused, reset, server gone mid-stream
             rec.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         finally:
             rec.end = self.now()
-            if usage and isinstance(usage.get("completion_tokens"), int):
+            if isinstance(usage.get("completion_tokens"), int):
                 rec.output_tokens, rec.tokens_from = usage["completion_tokens"], "usage"
                 rec.prompt_tokens = usage.get("prompt_tokens")
             else:
@@ -119,6 +93,39 @@ class Client:
         if rec.status == 200 and rec.first is None and rec.error is None:
             rec.error = "stream ended without any text"
         return rec
+
+    async def _stream(self, path: str, body: dict, rec: Record, usage: dict) -> None:
+        async with self.http.stream("POST", path, json=body) as r:
+            rec.status = r.status_code
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {_error_text(await r.aread())}"
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    rec.error = f"bad stream event: {data[:200]}"
+                    return
+                if chunk.get("error"):
+                    err = chunk["error"]
+                    rec.error = "stream error: " + str(err.get("message") if isinstance(err, dict) else err)[:500]
+                    return
+                if chunk.get("usage"):  # the last one wins (some servers send running totals)
+                    usage.clear()
+                    usage.update(chunk["usage"])
+                for c in chunk.get("choices") or ():
+                    delta = c.get("delta") or {}
+                    text = c.get("text") or delta.get("content") or delta.get("reasoning_content")
+                    if text:
+                        t = self.now()
+                        rec.first = t if rec.first is None else rec.first
+                        rec.chunk_times.append(t)
+                    rec.finish_reason = c.get("finish_reason") or rec.finish_reason
 
     async def models(self) -> list[str]:
         r = await self.http.get("/v1/models", timeout=30)

@@ -6,6 +6,7 @@ Does not know HTTP or how requests are scheduled.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 
@@ -21,8 +22,8 @@ class Record:
     first: float | None = None
     """First streamed chunk that carried text."""
     end: float | None = None
-    chunk_times: list[float] = field(default_factory=list)
-    """Arrival of every chunk that carried text."""
+    chunk_times: array = field(default_factory=lambda: array("d"))
+    """Arrival of every chunk that carried text (8 bytes each: a 72 h soak keeps them all in memory)."""
     prompt_tokens: int | None = None
     """From the server's usage; the fitted count when it sent none."""
     prompt_tokens_fitted: int | None = None

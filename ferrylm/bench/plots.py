@@ -106,11 +106,16 @@ def sweep(steps: list[dict], path: Path) -> Path:
     return path
 
 
-def soak(samples: list[dict], windows: list[dict], fits: dict, metric: str, path: Path) -> Path:
-    """fits: name -> (slope per second, intercept) of the lines to draw over `rss` and `gpu_used`."""
+def soak(samples: list[dict], windows: list[dict], fits: dict, metric: str, path: Path,
+         warmup: tuple[float, float] | None = None) -> Path:
+    """fits: sample key -> (slope per second, intercept) of the lines to draw; warmup: the span left out of them."""
     plt = _plt()
     fig, axes = plt.subplots(2, 2, figsize=(13, 7), sharex=True)
     for ax, key, title in ((axes[0][0], "rss", "server RSS (MB)"), (axes[0][1], "gpu_used", "GPU memory used (MB)")):
+        if key == "rss" and fits.get("server_rss"):  # a remote server: its own /metrics RSS was fitted
+            key = "server_rss"
+        if key == "gpu_used" and fits.get("gpu_proc"):
+            key = "gpu_proc"
         pts = [(s["t"], s[key]) for s in samples if s.get(key) is not None]
         if pts:
             t, y = np.array(pts).T
@@ -132,6 +137,10 @@ def soak(samples: list[dict], windows: list[dict], fits: dict, metric: str, path
     axes[1][1].legend()
     for ax in axes.flat:
         ax.grid(alpha=0.3)
+        if warmup is not None:
+            ax.axvspan(*warmup, color="grey", alpha=0.12, lw=0)
+    axes[0][0].text(0.01, 0.97, "shaded: warm-up, not fitted" if warmup else "", transform=axes[0][0].transAxes,
+                    va="top", fontsize=8, color="grey")
     for ax in axes[1]:
         ax.set_xlabel("seconds since start")
     fig.tight_layout()

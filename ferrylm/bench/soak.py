@@ -155,5 +155,6 @@ async def run(session, client, prompts) -> dict:
     out = {**header, "results": summarize(records, cfg.slo, cfg.slo_target), "soak": soak}
     out["plots"] = [plots.latency_cdf(records, session.out / "latency_cdf.png").name,
                     plots.timeline(records, session.out / "timeline.png").name,
-                    plots.soak(samples, windows, lines, cfg.drift_metric, session.out / "soak.png").name]
+                    plots.soak(samples, windows, lines, cfg.drift_metric, session.out / "soak.png",
+                               (start, start + length) if soak["warmup_excluded_from_fits"] else None).name]
     return out

@@ -76,8 +76,8 @@ def make_counter(http: httpx.Client, model: str | None, tokenizer: str | None) -
     for body in dialects:
         try:
             r = http.post("/tokenize", json=body("hello world"))
-            if r.status_code == 200:
-                _tokens_in(r.json())
+            # llama.cpp answers a body without `content` with 200 and no tokens: a dialect must count something
+            if r.status_code == 200 and _tokens_in(r.json()) > 0:
                 return ServerCounter(http, body)
         except (httpx.HTTPError, ValueError, BenchError):
             continue

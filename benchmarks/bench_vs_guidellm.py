@@ -6,7 +6,8 @@ drift of a shared machine hits both), with chat requests of --prompt-tokens toke
 --output-tokens tokens out (ignore_eos in both). Compares TTFT (mean, median), inter-token time (GuideLLM's
 ITL = (latency - TTFT) / (tokens - 1), weighted by tokens; ferry's TPOT, the same per request), request
 latency (mean), and output tokens/s and requests/s (completed tokens or requests / the benchmark's
-duration: GuideLLM's `duration`, ferry's first send to last end). Prints a table of ferry / GuideLLM per
+duration: GuideLLM's `duration`, ferry's first send to last end), and the CPU seconds each tool itself used.
+Prints a table of ferry / GuideLLM per
 figure (median over rounds) and ends with one JSON line.
 
 GuideLLM needs torch and is not a ferrylm dependency: install it where it does not touch the project's
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -96,11 +98,16 @@ def main() -> None:
             order = ("guidellm", "ferry") if k % 2 == 0 else ("ferry", "guidellm")
             for tool in order:
                 out = os.path.join(tmp, f"{case}-{tool}-{k}")
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 res = run_guidellm(a, case, out + ".json") if tool == "guidellm" else run_ferry(a, case, out)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                # the tool's own CPU time: on a small CPU box it competes with the server it measures
+                res["tool_cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
                 runs[case][tool].append(res)
                 print(f"round {k} {case:8s} {tool:8s} " + " ".join(f"{n}={v:.4g}" for n, v in res.items()),
                       file=sys.stderr)
-    figures = ("ttft_mean", "ttft_p50", "itl_mean", "e2e_mean", "output_tok_s", "req_s", "prompt_tokens_mean")
+    figures = ("ttft_mean", "ttft_p50", "itl_mean", "e2e_mean", "output_tok_s", "req_s", "prompt_tokens_mean",
+               "tool_cpu_s")
     result = {}
     print(f"\n{'case':8s} {'figure':18s} {'GuideLLM':>10s} {'ferry':>10s} {'ferry/GuideLLM':>15s}")
     for case in a.cases:

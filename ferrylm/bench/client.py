@@ -127,10 +127,5 @@ class Client:
                         rec.chunk_times.append(t)
                     rec.finish_reason = c.get("finish_reason") or rec.finish_reason
 
-    async def models(self) -> list[str]:
-        r = await self.http.get("/v1/models", timeout=30)
-        r.raise_for_status()
-        return [m["id"] for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m]
-
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -43,20 +43,28 @@ def prepare(cfg: BenchConfig, needed: int) -> tuple[str | None, list[Prompt], st
             r = http.get("/v1/models")
         except httpx.HTTPError as e:
             raise BenchError(f"cannot reach the server at {cfg.base_url}: {type(e).__name__}: {e}") from None
-        model = cfg.model
-        if model is None and r.status_code == 200:
-            ids = [m.get("id") for m in (r.json().get("data") or []) if isinstance(m, dict)]
-            model = next((i for i in ids if i), None)
         if r.status_code == 401:
             raise BenchError(f"{cfg.base_url}/v1/models answered 401: give the API key (--api-key or OPENAI_API_KEY)")
-        counter = make_counter(http, model, cfg.tokenizer)
-        n = max(1, min(cfg.num_prompts, needed))
-        if cfg.progress:
-            print(f"ferry bench: building {n} prompts (tokens counted by {counter.name})", file=sys.stderr)
-        if cfg.dataset:
-            prompts = load_dataset(cfg.dataset, n, counter, cfg.seed)
-        else:
-            prompts = synthetic_prompts(n, cfg.prompt_tokens, cfg.mix, counter, cfg.seed)
+        if r.status_code >= 500:  # e.g. still loading: its /tokenize would fail too and prompts be mis-sized
+            raise BenchError(f"the server at {cfg.base_url} is not ready: /v1/models answered HTTP {r.status_code}")
+        model = cfg.model
+        if model is None and r.status_code == 200:
+            try:
+                ids = [m.get("id") for m in (r.json().get("data") or []) if isinstance(m, dict)]
+            except (ValueError, AttributeError):
+                ids = []
+            model = next((i for i in ids if i), None)
+        try:
+            counter = make_counter(http, model, cfg.tokenizer)
+            n = max(1, min(cfg.num_prompts, needed))
+            if cfg.progress:
+                print(f"ferry bench: building {n} prompts (tokens counted by {counter.name})", file=sys.stderr)
+            if cfg.dataset:
+                prompts = load_dataset(cfg.dataset, n, counter, cfg.seed)
+            else:
+                prompts = synthetic_prompts(n, cfg.prompt_tokens, cfg.mix, counter, cfg.seed)
+        except httpx.HTTPError as e:
+            raise BenchError(f"the server at {cfg.base_url} went away while prompts were built: {e}") from None
     return model, prompts, counter.name
 
 

@@ -1,6 +1,6 @@
 """`ferry bench` against GuideLLM on the same server and the same load: do the two tools agree?
 
-For each case (synchronous: one request at a time; poisson: open-loop arrivals at --rate for --seconds)
+For each case (synchronous: one request at a time; poisson: --requests open-loop arrivals at --rate)
 and each round, runs GuideLLM and `ferry bench` one after the other (the order alternates per round, so a
 drift of a shared machine hits both), with chat requests of --prompt-tokens tokens of content and
 --output-tokens tokens out (ignore_eos in both). Compares TTFT (mean, median), inter-token time (GuideLLM's
@@ -16,7 +16,7 @@ and transformers, and pass --guidellm-path /tmp/gl. It also needs an HF tokenize
 (--tokenizer); by default the embedded model's GGUF tokenizer is exported to a temporary one.
 
     python benchmarks/bench_vs_guidellm.py --url http://127.0.0.1:8000 --guidellm-path /tmp/gl \
-        [--rounds 2] [--rate 0.5] [--seconds 60] [--sync-requests 10] [--prompt-tokens 128] [--output-tokens 32]
+        [--rounds 2] [--rate 0.25] [--requests 16] [--sync-requests 10] [--prompt-tokens 128] [--output-tokens 32]
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def export_tokenizer(folder: str) -> str:
 
 def run_guidellm(a, case: str, out: str) -> dict:
     profile = "kind=synchronous" if case == "sync" else f"kind=poisson,rate={a.rate}"
-    limit = f"kind=max_requests,count={a.sync_requests}" if case == "sync" else f"kind=max_duration,seconds={a.seconds}"
+    # a count, not a duration, bounds the poisson case too: GuideLLM's max_duration drops the requests still in
+    # flight at the end while ferry drains them, which on a loaded server makes the two throughputs differ
+    limit = f"kind=max_requests,count={a.sync_requests if case == 'sync' else a.requests}"
     cmd = [sys.executable, "-m", "guidellm", "run", "--backend", f"kind=openai_http,target={a.url}",
            "--profile", profile, "--constraint", limit,
            "--data", f"kind=synthetic_text,prompt_tokens={a.prompt_tokens},output_tokens={a.output_tokens}",
@@ -64,7 +66,7 @@ def run_guidellm(a, case: str, out: str) -> dict:
 
 def run_ferry(a, case: str, out: str) -> dict:
     level = ["latency", "-n", str(a.sync_requests)] if case == "sync" else [
-        "load", "--rate", str(a.rate), "--duration", f"{a.seconds}s", "--max-concurrency", "256"]
+        "load", "--rate", str(a.rate), "-n", str(a.requests), "--max-concurrency", "256"]
     cmd = [sys.executable, "-m", "ferrylm.cli", "bench", *level, "--url", a.url, "--api", "chat",
            "--prompt-tokens", str(a.prompt_tokens), "--max-tokens", str(a.output_tokens), "--warmup", "0",
            "--seed", str(a.seed), "--out", out, "--no-progress"]
@@ -83,8 +85,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="HF tokenizer dir for GuideLLM (default: the embedded model's)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cases", nargs="+", default=["sync", "poisson"], choices=["sync", "poisson"])
-    ap.add_argument("--rate", type=float, default=0.5)
-    ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--rate", type=float, default=0.25)
+    ap.add_argument("--requests", type=int, default=20, help="requests of the poisson case")
     ap.add_argument("--sync-requests", type=int, default=10)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=32)
@@ -117,7 +119,7 @@ def main() -> None:
             m = statistics.median(r[f] for r in runs[case]["ferry"])
             result[case][f] = {"guidellm": g, "ferry": m, "ratio": m / g if g else None}
             print(f"{case:8s} {f:18s} {g:10.4g} {m:10.4g} {m / g if g else float('nan'):15.3f}")
-    print(json.dumps({"bench": "vs_guidellm", "rounds": a.rounds, "rate": a.rate, "seconds": a.seconds,
+    print(json.dumps({"bench": "vs_guidellm", "rounds": a.rounds, "rate": a.rate, "requests": a.requests,
                       "sync_requests": a.sync_requests, "prompt_tokens": a.prompt_tokens,
                       "output_tokens": a.output_tokens, "cases": result, "runs": runs}))
 

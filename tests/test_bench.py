@@ -454,3 +454,21 @@ def test_request_timeout_bounds_a_trickling_stream(tmp_path, capsys):
     assert [r["error"] for r in rows] == ["timeout after 1 s"] * 2
     assert all(0.9 < r["end"] - r["sent"] < 2.0 and r["chunks"] >= 1 for r in rows)
     assert s["results"]["requests"]["failed"] == 2 and s["results"]["ttft"]["n"] == 0
+
+
+def test_flags_map_onto_the_config():
+    from ferrylm.bench.cli import config_from_args
+    from ferrylm.cli import build_parser
+
+    cfg = lambda *argv: config_from_args(build_parser().parse_args(["bench", *argv]))  # noqa: E731
+    load = cfg("load", "--rate", "2", "--prompt-tokens", "50-2000", "--mix", "en,zh:2", "--slo", "ttft=2s,itl=100ms")
+    assert (load.rate, load.duration, load.num_requests, load.max_concurrency) == (2.0, 60.0, None, 64)
+    assert load.prompt_tokens == (50, 2000) and load.mix == (("en", 1.0), ("zh", 2.0)) and load.sweep is None
+    assert cfg("load", "-n", "16").duration is None  # -n alone: bounded by count, not the default minute
+    assert cfg("load", "--sweep").sweep == () and cfg("load", "--sweep", "1,2,4").sweep == (1.0, 2.0, 4.0)
+    soak = cfg("soak", "--requests-per-hour", "3600", "--max-rss-growth", "0.3GB", "--sample-every", "2m")
+    assert soak.rate == pytest.approx(1.0) and soak.rss_leak_per_day == 0.3e9 and soak.sample_every == 120
+    lat = cfg("latency", "--no-ignore-eos", "--api", "chat")
+    assert (lat.num_requests, lat.max_concurrency, lat.ignore_eos, lat.api) == (20, 1, False, "chat")
+    with pytest.raises(BenchError, match="--max-tokens"):
+        cfg("latency", "--max-tokens", "0")

@@ -129,6 +129,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 def config_from_args(a: argparse.Namespace) -> BenchConfig:
     names = {f.name for f in dataclasses.fields(BenchConfig)}
     given = {k: v for k, v in vars(a).items() if k in names}
+    if "num_requests" in given and "duration" not in given:  # -n alone bounds the run by count, not the level's time
+        given["duration"] = None
     return check(dataclasses.replace(BenchConfig(**LEVEL_DEFAULTS[a.bench_level]), **given))
 
 

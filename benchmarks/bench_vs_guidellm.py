@@ -1,6 +1,7 @@
 """`ferry bench` against GuideLLM on the same server and the same load: do the two tools agree?
 
-For each case (synchronous: one request at a time; poisson: --requests open-loop arrivals at --rate)
+For each case (synchronous: one request at a time; poisson: --requests open-loop arrivals at --rate;
+concurrent: --requests through --concurrency streams, where throughput is the server's, not the arrivals')
 and each round, runs GuideLLM and `ferry bench` one after the other (the order alternates per round, so a
 drift of a shared machine hits both), with chat requests of --prompt-tokens tokens of content and
 --output-tokens tokens out (ignore_eos in both). Compares TTFT (mean, median), inter-token time (GuideLLM's
@@ -42,7 +43,8 @@ def export_tokenizer(folder: str) -> str:
 
 
 def run_guidellm(a, case: str, out: str) -> dict:
-    profile = "kind=synchronous" if case == "sync" else f"kind=poisson,rate={a.rate}"
+    profile = {"sync": "kind=synchronous", "poisson": f"kind=poisson,rate={a.rate}",
+               "concurrent": f"kind=concurrent,streams={a.concurrency}"}[case]
     # a count, not a duration, bounds the poisson case too: GuideLLM's max_duration drops the requests still in
     # flight at the end while ferry drains them, which on a loaded server makes the two throughputs differ
     limit = f"kind=max_requests,count={a.sync_requests if case == 'sync' else a.requests}"
@@ -65,8 +67,11 @@ def run_guidellm(a, case: str, out: str) -> dict:
 
 
 def run_ferry(a, case: str, out: str) -> dict:
-    level = ["latency", "-n", str(a.sync_requests)] if case == "sync" else [
-        "load", "--rate", str(a.rate), "-n", str(a.requests), "--max-concurrency", "256"]
+    level = {"sync": ["latency", "-n", str(a.sync_requests)],
+             "poisson": ["load", "--rate", str(a.rate), "-n", str(a.requests), "--max-concurrency", "256"],
+             # all arrivals at once under a cap of C: each end lets the next one in, as C closed-loop streams do
+             "concurrent": ["load", "--rate", "inf", "-n", str(a.requests), "--max-concurrency", str(a.concurrency)],
+             }[case]
     cmd = [sys.executable, "-m", "ferrylm.cli", "bench", *level, "--url", a.url, "--api", "chat",
            "--prompt-tokens", str(a.prompt_tokens), "--max-tokens", str(a.output_tokens), "--warmup", "0",
            "--seed", str(a.seed), "--out", out, "--no-progress"]
@@ -84,7 +89,9 @@ def main() -> None:
     ap.add_argument("--guidellm-path", default=None, help="folder holding the guidellm package, if not installed")
     ap.add_argument("--tokenizer", default=None, help="HF tokenizer dir for GuideLLM (default: the embedded model's)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--cases", nargs="+", default=["sync", "poisson"], choices=["sync", "poisson"])
+    ap.add_argument("--cases", nargs="+", default=["sync", "poisson", "concurrent"],
+                    choices=["sync", "poisson", "concurrent"])
+    ap.add_argument("--concurrency", type=int, default=4, help="streams of the concurrent case")
     ap.add_argument("--rate", type=float, default=0.25)
     ap.add_argument("--requests", type=int, default=20, help="requests of the poisson case")
     ap.add_argument("--sync-requests", type=int, default=10)
@@ -119,7 +126,7 @@ def main() -> None:
             m = statistics.median(r[f] for r in runs[case]["ferry"])
             result[case][f] = {"guidellm": g, "ferry": m, "ratio": m / g if g else None}
             print(f"{case:8s} {f:18s} {g:10.4g} {m:10.4g} {m / g if g else float('nan'):15.3f}")
-    print(json.dumps({"bench": "vs_guidellm", "rounds": a.rounds, "rate": a.rate, "requests": a.requests,
+    print(json.dumps({"bench": "vs_guidellm", "rounds": a.rounds, "rate": a.rate, "requests": a.requests, "concurrency": a.concurrency,
                       "sync_requests": a.sync_requests, "prompt_tokens": a.prompt_tokens,
                       "output_tokens": a.output_tokens, "cases": result, "runs": runs}))
 

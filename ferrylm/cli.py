@@ -227,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_parser(sub)
     add_plan_parser(sub)
     add_doctor_parser(sub)
+    from ferrylm.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -55,14 +55,16 @@ class LFU(EvictionPolicy):
 POLICIES = {"lru": LRU, "lfu": LFU}
 
 
-def simulate(trace: list[list[int]], capacity: int, policy: str, initial: list[int] = ()) -> tuple[int, int]:
-    """(hits, accesses) of a policy on a trace of per-step needed experts (one layer), same rules as the
-    cache: all experts a step needs are touched together, victims hold no expert that step needs."""
-    pol, cached, hits, total = POLICIES[policy](), list(initial)[:capacity], 0, 0
-    for need in trace:
+def _replay(trace: list[list[int]], capacity: int, initial, victim, on_step=None) -> tuple[int, int]:
+    """(hits, accesses) of a cache run on a trace of per-step needed experts (one layer), by the cache's
+    rules: a step's misses fill empty slots first, then replace `victim(t, candidates)`, where candidates
+    hold no expert that step needs. `on_step(need)` runs as each step begins."""
+    cached, hits, total = list(initial)[:capacity], 0, 0
+    for t, need in enumerate(trace):
+        if on_step:
+            on_step(need)
         total += len(need)
         hits += sum(e in cached for e in need)
-        pol.touch(need)
         for e in need:
             if e in cached:
                 continue
@@ -71,31 +73,22 @@ def simulate(trace: list[list[int]], capacity: int, policy: str, initial: list[i
                 continue
             cand = [c for c in cached if c not in need]
             if cand:
-                cached[cached.index(pol.victims(cand)[0])] = e
+                cached[cached.index(victim(t, cand))] = e
     return hits, total
+
+
+def simulate(trace: list[list[int]], capacity: int, policy: str, initial: list[int] = ()) -> tuple[int, int]:
+    """(hits, accesses) of an eviction policy on a trace (all experts a step needs are touched together)."""
+    pol = POLICIES[policy]()
+    return _replay(trace, capacity, initial, lambda t, cand: pol.victims(cand)[0], on_step=pol.touch)
 
 
 def belady_hits(trace: list[list[int]], capacity: int, initial: list[int] = ()) -> tuple[int, int]:
     """(hits, accesses) of Belady's optimal policy: evict the cached expert needed furthest in the future."""
-    cached, hits, total = list(initial)[:capacity], 0, 0
-    for t, need in enumerate(trace):
-        total += len(need)
-        hits += sum(e in cached for e in need)
-        for e in need:
-            if e in cached:
-                continue
-            if len(cached) < capacity:
-                cached.append(e)
-                continue
-            cand = [c for c in cached if c not in need]
-            if not cand:
-                continue
+    def next_use(t, c):
+        return next((u for u in range(t + 1, len(trace)) if c in trace[u]), len(trace) + 1)
 
-            def next_use(c):
-                return next((u for u in range(t + 1, len(trace)) if c in trace[u]), len(trace) + 1)
-
-            cached[cached.index(max(cand, key=next_use))] = e
-    return hits, total
+    return _replay(trace, capacity, initial, lambda t, cand: max(cand, key=lambda c: next_use(t, c)))
 
 
 class CachedExperts(ExpertBackend):

@@ -11,25 +11,23 @@ from collections import Counter
 import pytest
 import torch
 
-from ferrylm.engine.sequence import Sequence
-from ferrylm.layers.sampler import Sampler, SamplerOutput, filter_logits
+from ferrylm.layers.sampler import Sampler, SamplerOutput, SamplingRow, filter_logits
 from ferrylm.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 
 
-def make_seq(prompt: list[int], outputs: list[int] = (), **params) -> Sequence:
+def make_seq(prompt: list[int], outputs: list[int] = (), **params) -> SamplingRow:
     params.setdefault("max_tokens", None)
-    return Sequence(prompt_token_ids=list(prompt), sampling_params=SamplingParams(**params),
-                    token_ids=list(prompt) + list(outputs))
+    return SamplingRow(SamplingParams(**params), list(prompt) + list(outputs), len(prompt))
 
 
 # ---------------------------------------------------------------- per-row reference (plain, loop-based)
 
-def ref_processed(row: torch.Tensor, seq: Sequence, eos_ids=()) -> torch.Tensor:
+def ref_processed(row: torch.Tensor, seq: SamplingRow, eos_ids=()) -> torch.Tensor:
     """min_tokens mask + penalties for one row, written the obvious way."""
     x = row.float().clone()  # [V]
-    p = seq.sampling_params
+    p = seq.params
     if seq.num_output_tokens < p.min_tokens:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
         for t in banned:
@@ -70,7 +68,7 @@ def chi_square(tokens: list[int], probs: torch.Tensor) -> float:
     return sum((counts.get(t, 0) - n * q) ** 2 / (n * q) for t, q in enumerate(probs.tolist()) if q > 0)
 
 
-def random_seqs(g: torch.Generator, V: int, params_list: list[dict]) -> list[Sequence]:
+def random_seqs(g: torch.Generator, V: int, params_list: list[dict]) -> list[SamplingRow]:
     seqs = []
     for kw in params_list:
         plen = int(torch.randint(1, 12, (1,), generator=g))
@@ -132,12 +130,12 @@ def test_vectorised_matches_per_row_reference(trial):
     print(f"processed logits max |diff| = {worst:.2e}")
     assert worst < 1e-5
 
-    rand = [i for i, s in enumerate(seqs) if not s.sampling_params.greedy]
-    probs = filter_logits(processed[rand], [seqs[i].sampling_params for i in rand]).softmax(-1)  # [R, V]
+    rand = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    probs = filter_logits(processed[rand], [seqs[i].params for i in rand]).softmax(-1)  # [R, V]
     worst = 0.0
     for j, i in enumerate(rand):
-        ref = ref_sampling_probs(ref_processed(logits[i], seqs[i], eos), seqs[i].sampling_params)
-        assert torch.equal(probs[j] > 0, ref > 0), (i, seqs[i].sampling_params)
+        ref = ref_sampling_probs(ref_processed(logits[i], seqs[i], eos), seqs[i].params)
+        assert torch.equal(probs[j] > 0, ref > 0), (i, seqs[i].params)
         worst = max(worst, (probs[j] - ref).abs().max().item())
     print(f"sampling probs max |diff| = {worst:.2e}")
     assert worst < 1e-5
@@ -145,10 +143,10 @@ def test_vectorised_matches_per_row_reference(trial):
     out = sampler(logits, seqs)
     for i, seq in enumerate(seqs):
         ref = ref_processed(logits[i], seq, eos)
-        if seq.sampling_params.greedy:
+        if seq.params.greedy:
             assert out.token_ids[i] == ref.argmax().item()
         else:  # sampled from the support of the reference distribution
-            assert ref_sampling_probs(ref, seq.sampling_params)[out.token_ids[i]] > 0
+            assert ref_sampling_probs(ref, seq.params)[out.token_ids[i]] > 0
 
 
 def test_temperature_sampling_matches_softmax():
@@ -204,7 +202,7 @@ def test_logprobs_are_log_softmax_of_penalised_logits():
     out = Sampler()(logits, seqs)
     assert out.logprobs is not None and out.logprobs[1] is None
     for i in (0, 2, 3):
-        n = seqs[i].sampling_params.logprobs
+        n = seqs[i].params.logprobs
         ref = ref_processed(logits[i], seqs[i]).log_softmax(-1)  # before temperature / top-k
         d = out.logprobs[i]
         tok = out.token_ids[i]
@@ -216,15 +214,15 @@ def test_logprobs_are_log_softmax_of_penalised_logits():
     assert len(out.logprobs[2]) == 1
 
 
-def _mock_logits(table: torch.Tensor, seq: Sequence) -> torch.Tensor:
+def _mock_logits(table: torch.Tensor, seq: SamplingRow) -> torch.Tensor:
     return table[seq.token_ids[-1]]  # [V]: a bigram "model"
 
 
-def _generate(sampler: Sampler, table: torch.Tensor, batch: list[Sequence], steps: int) -> None:
+def _generate(sampler: Sampler, table: torch.Tensor, batch: list[SamplingRow], steps: int) -> None:
     for _ in range(steps):
         logits = torch.stack([_mock_logits(table, s) for s in batch])  # [B, V]
         for s, t in zip(batch, sampler(logits, batch).token_ids):
-            s.append_token(t)
+            s.token_ids.append(t)
 
 
 def _seeded_run_in_batch(device: str, position: int, neighbours: list[dict], sampler_seed: int) -> list[int]:
@@ -299,7 +297,7 @@ def test_mixed_batch():
     assert out.token_ids[0] == logits[0].argmax().item()
     assert out.token_ids[1] == ref_processed(logits[1], seqs[1]).argmax().item()
     assert out.token_ids[2] in logits[2].topk(3).indices.tolist()
-    assert ref_sampling_probs(ref_processed(logits[5], seqs[5]), seqs[5].sampling_params)[out.token_ids[5]] > 0
+    assert ref_sampling_probs(ref_processed(logits[5], seqs[5]), seqs[5].params)[out.token_ids[5]] > 0
     for i in (3, 4):  # seeded rows: same token as when sampled alone
         alone = make_seq([1, 2, int(logits[1].argmax())], [4], **kws[i])
         assert Sampler(seed=99)(logits[i:i + 1], [alone]).token_ids[0] == out.token_ids[i]

@@ -12,6 +12,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.model_runner import ModelRunner
 from ferrylm.engine.scheduler import Scheduler
@@ -19,7 +21,7 @@ from ferrylm.engine.sequence import Sequence, SequenceStatus
 from ferrylm.errors import ConfigError, InvalidRequestError, ModelLoadError
 from ferrylm.kv.block_manager import BlockManager
 from ferrylm.kv.state_pool import StateSlotPool
-from ferrylm.layers.sampler import Sampler
+from ferrylm.layers.sampler import Sampler, SamplingRow
 from ferrylm.sampling_params import SamplingParams
 from ferrylm.weights.source import open_source
 
@@ -91,6 +93,14 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self.sampler = Sampler(eos_token_ids=tuple(sorted(eos)), seed=config.seed)
+        self.grammar = None
+        """Structured outputs (llguidance); needs the tokenizer."""
+        if self.tokenizer is not None:
+            from ferrylm.engine.grammar import GrammarEngine
+
+            self.grammar = GrammarEngine(self.tokenizer.backend, self.model_config.vocab_size, sorted(eos))
+        self._matchers: dict[int, object] = {}
+        """seq_id -> llguidance matcher, for sequences with a structured output."""
         # a sequence ends at the context length or when it alone would fill the KV pool
         self.max_seq_len = min(self.max_model_len, self.scheduler.max_seq_len)
         self.requests: dict[str, _Request] = {}
@@ -136,6 +146,11 @@ class LLMEngine:
         else:
             ids = [int(t) for t in prompt]
         self.check_prompt(ids, params)
+        matchers = []
+        if params.structured is not None:
+            if self.grammar is None:
+                raise InvalidRequestError("structured outputs need the model's tokenizer", param="response_format")
+            matchers = [self.grammar.matcher(params.structured) for _ in range(params.n)]
         # n > 1 with a seed: each child gets seed + index, so the completions differ but stay reproducible
         seqs = [Sequence(list(ids), params if params.seed is None or i == 0 else
                          dataclasses.replace(params, seed=params.seed + i), request_id=request_id)
@@ -146,6 +161,8 @@ class LLMEngine:
             req.detoks = [self.tokenizer.incremental_detokenizer(params.skip_special_tokens, prompt_ids=ids)
                           for _ in seqs]
         req.texts = ["" for _ in seqs]
+        for s, m in zip(seqs, matchers):
+            self._matchers[s.seq_id] = m
         for s in seqs:
             self.scheduler.add(s)
         self.requests[request_id] = req
@@ -159,6 +176,10 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+        bias = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
+        if bias:
+            raise InvalidRequestError(f"logit_bias token id {bias[0]} is outside the vocabulary [0, {vocab})",
+                                      param="logit_bias")
         if len(ids) >= self.max_seq_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_seq_len} tokens. However, your prompt has "
@@ -169,6 +190,8 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        for s in req.seqs:
+            self._matchers.pop(s.seq_id, None)
         self.scheduler.abort(request_id)
 
     def tokenizer_required(self):
@@ -191,7 +214,8 @@ class LLMEngine:
         self.scheduler.postprocess(out)
         if not sampling:
             return []
-        result = self.sampler(logits, sampling)
+        rows = [SamplingRow(s.sampling_params, s.token_ids, s.num_prompt_tokens) for s in sampling]
+        result = self.sampler(logits, rows, self._allowed(sampling))
         now = time.monotonic()
         touched: dict[str, _Request] = {}
         for row, (seq, tok) in enumerate(zip(sampling, result.token_ids)):
@@ -203,16 +227,38 @@ class LLMEngine:
                 seq.logprobs.append(result.logprobs[row])
                 seq.cumulative_logprob += result.logprobs[row][tok]
             self.stats["generation_tokens"] += 1
-            self._check_stop(req, seq, tok)
+            self._check_stop(req, seq, tok, self._advance_grammar(seq, tok))
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
             outputs.append(self._output(req))
             if req.finished:
                 del self.requests[req.request_id]
+                for s in req.seqs:
+                    self._matchers.pop(s.seq_id, None)
         return outputs
 
-    def _check_stop(self, req: _Request, seq: Sequence, tok: int) -> None:
+    def _allowed(self, seqs: list[Sequence]):
+        """(rows, bitmask) of the rows a grammar constrains this step, or None."""
+        if not self._matchers:
+            return None
+        rows = [i for i, s in enumerate(seqs) if s.seq_id in self._matchers]
+        if not rows:
+            return None
+        mask = self.grammar.fill_bitmask([self._matchers[seqs[i].seq_id] for i in rows])  # [M, W]
+        return torch.tensor(rows), mask
+
+    def _advance_grammar(self, seq: Sequence, tok: int) -> bool:
+        """Feed the token to the sequence's matcher; True when the grammar is complete (or broken)."""
+        m = self._matchers.get(seq.seq_id)
+        if m is None:
+            return False
+        if not m.consume_token(tok):
+            log.warning("sequence %s left its grammar: %s", seq.seq_id, m.get_error())
+            return True
+        return m.is_stopped()
+
+    def _check_stop(self, req: _Request, seq: Sequence, tok: int, grammar_done: bool = False) -> None:
         p, i = req.params, req.seqs.index(seq)
         n_out = seq.num_output_tokens
         status = None
@@ -230,6 +276,8 @@ class LLMEngine:
                     self._check_stop_strings(req, seq, i, len(prev))
                     if seq.stop_reason is not None and status is None:
                         status = SequenceStatus.FINISHED_STOPPED
+        if status is None and grammar_done:
+            status = SequenceStatus.FINISHED_STOPPED
         if status is None and (p.max_tokens is not None and n_out >= p.max_tokens):
             status = SequenceStatus.FINISHED_LENGTH
         if status is None and seq.num_tokens >= self.max_seq_len:

@@ -24,6 +24,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from ferrylm.errors import InvalidRequestError, ModelLoadError
 
 SPIECE_UNDERLINE = "\u2581"
+_GIL_FREE_CHARS = 4096
+"""Texts longer than this are encoded with the GIL released (encode_batch), so other threads keep running."""
 
 # llama.cpp token types (the same numbers as SentencePiece's piece types).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -260,7 +262,11 @@ class Tokenizer:
         """Token ids of `text`. Special tokens written in the text (e.g. `<|im_start|>`) become their ids.
         With `add_special_tokens`, BOS (and EOS) are added if the model's tokenizer config says so, but
         never a second BOS when the text already starts with it (chat templates often write it)."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens and not self._manual_special).ids
+        special = add_special_tokens and not self._manual_special
+        if len(text) > _GIL_FREE_CHARS:  # encode_batch drops the GIL, encode holds it (a server's loop would stall)
+            ids = self._tok.encode_batch([text], add_special_tokens=special)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=special).ids
         if add_special_tokens and self._manual_special:
             if self.add_bos and self.bos_token_id is not None:
                 ids = [self.bos_token_id] + ids

@@ -106,6 +106,8 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._next_id = 0
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.last_step_tokens = 0
+        """Tokens the last step computed (prefill chunks and decodes)."""
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -207,6 +209,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns an output for every request that advanced (finished ones last time)."""
         out = self.scheduler.schedule()
+        self.last_step_tokens = out.num_batched_tokens
         if out.is_empty:
             return []
         sampling = [s for i, s in enumerate(out.seqs) if out.samples(i)]  # before postprocess moves counts

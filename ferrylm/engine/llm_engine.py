@@ -217,7 +217,7 @@ class LLMEngine:
         self.scheduler.postprocess(out)
         if not sampling:
             return []
-        rows = [SamplingRow(s.sampling_params, s.token_ids, s.num_prompt_tokens) for s in sampling]
+        rows = [SamplingRow(s.sampling_params, s.token_ids, s.num_prompt_tokens, s.seq_id) for s in sampling]
         result = self.sampler(logits, rows, self._allowed(sampling))
         now = time.monotonic()
         touched: dict[str, _Request] = {}

@@ -53,6 +53,8 @@ class SamplingRow:
     token_ids: list[int]
     """Prompt followed by the generated tokens."""
     num_prompt_tokens: int
+    seq_id: int = -1
+    """Whose row this is, for the caller's bookkeeping; the sampler never reads it."""
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -678,13 +678,17 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
         result = await _unless_disconnected(request, serving.chat(body))
         return JSONResponse(result) if result is not None else Response(status_code=499)
 
+    def encoded(fn):
+        """On the worker pool: `fn`'s dict as JSON bytes (a long token list must not be encoded on the loop)."""
+        return lambda body: Response(_dumps(fn(body)).encode(), media_type="application/json")
+
     @app.post("/tokenize", responses=error_responses)
     async def tokenize(body: P.TokenizeRequest):
-        return await serving.offload(serving.tokenize, body)
+        return await serving.offload(encoded(serving.tokenize), body)
 
     @app.post("/detokenize", responses=error_responses)
     async def detokenize(body: P.DetokenizeRequest):
-        return await serving.offload(serving.detokenize, body)
+        return await serving.offload(encoded(serving.detokenize), body)
 
     # outermost last: the body limit and read timeout see the raw body before anything parses it
     app.add_middleware(JsonContentTypeMiddleware)

@@ -211,7 +211,8 @@ class AsyncEngine:
             stream._fail(EngineUnavailableError("the server is shutting down"))
         self._streams.clear()
         self._inbox.put((_STOP,))
-        if self._thread is not None and self._thread is not threading.current_thread():
+        # a thread still inside the model load cannot be interrupted; it is a daemon, so nobody waits for it
+        if self._thread is not None and self._thread is not threading.current_thread() and self.is_loaded:
             self._thread.join(timeout)
 
     # -- requests (event loop thread) ----------------------------------------------------------------

@@ -302,3 +302,50 @@ def test_mixed_batch():
         alone = make_seq([1, 2, int(logits[1].argmax())], [4], **kws[i])
         assert Sampler(seed=99)(logits[i:i + 1], [alone]).token_ids[0] == out.token_ids[i]
     assert [d is not None for d in out.logprobs] == [False, False, False, False, True, False]
+
+
+# ---------------------------------------------------------------- logit bias, allowed-token mask, finite logprobs
+
+def _bitmask(allowed_rows: list[set[int]], V: int) -> torch.Tensor:
+    """The llguidance layout written out plainly: bit t % 32 of int32 word t // 32."""
+    words = (V + 31) // 32
+    out = torch.zeros(len(allowed_rows), words, dtype=torch.int64)
+    for r, allowed in enumerate(allowed_rows):
+        for t in allowed:
+            out[r, t // 32] |= 1 << (t % 32)
+    return ((out + 2**31) % 2**32 - 2**31).to(torch.int32)  # as two's-complement int32
+
+
+def test_logit_bias_and_allowed_mask_match_a_plain_reference():
+    torch.manual_seed(5)
+    V = 70
+    logits = torch.randn(4, V)
+    seqs = [make_seq([1, 2], temperature=0.0, logit_bias={3: 100.0, 4: -100.0}, logprobs=3),
+            make_seq([1], temperature=0.0, logprobs=5),
+            make_seq([5], temperature=1.0, seed=1, logprobs=3),
+            make_seq([6], temperature=0.0, logit_bias={0: 5.0}, logprobs=0)]
+    allowed = [{7, 40, 69}, {0, 31, 32, 33, 63, 64}]
+    rows = torch.tensor([1, 2])
+    out = Sampler()(logits, seqs, (rows, _bitmask(allowed, V)))
+    ref = logits.clone()
+    ref[0, 3] += 100.0
+    ref[0, 4] -= 100.0
+    ref[3, 0] += 5.0
+    for r, a in zip(rows.tolist(), allowed):
+        ref[r, [t for t in range(V) if t not in a]] = NEG_INF
+    assert out.token_ids[0] == 3 and out.token_ids[1] == ref[1].argmax().item() and out.token_ids[3] == 0
+    assert out.token_ids[2] in allowed[1]
+    for i in range(4):
+        lp = torch.log_softmax(ref[i], -1)
+        for t, v in out.logprobs[i].items():
+            want = max(lp[t].item(), -9999.0)
+            assert math.isclose(v, want, abs_tol=1e-4), (i, t, v, want)
+    # a mask that rules out the top-n leaves finite logprobs for them, never -inf
+    assert all(math.isfinite(v) for d in out.logprobs for v in d.values())
+    assert min(out.logprobs[1].values()) == -9999.0
+
+
+def test_logprobs_finite_even_from_nan_logits():
+    logits = torch.tensor([[float("nan"), 1.0, float("-inf"), 0.5]])
+    out = Sampler()(logits, [make_seq([1], temperature=0.0, logprobs=3)])
+    assert all(math.isfinite(v) and v <= 0 for v in out.logprobs[0].values())

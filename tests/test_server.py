@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -428,6 +429,115 @@ def test_malformed_and_oversized_and_unknown_route(http):
     assert http.get("/health").status_code == 200  # the server is fine afterwards
 
 
+# -- structured outputs and tool calls -----------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def _is_person(obj) -> bool:
+    return (isinstance(obj, dict) and set(obj) == {"name", "age"} and isinstance(obj["name"], str)
+            and len(obj["name"]) <= 12 and type(obj["age"]) is int and 0 <= obj["age"] <= 150)
+
+
+def test_json_schema_output_always_validates(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], n=20, seed=7,
+        temperature=1.0, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    assert len(r.choices) == 20
+    texts = [c.message.content for c in r.choices]
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        assert _is_person(json.loads(c.message.content)), c.message.content
+    assert len(set(texts)) > 1  # sampled, not one answer repeated
+
+
+def test_json_object_regex_choice(http):
+    r = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 40, "seed": 1, "temperature": 0.7,
+                                                "response_format": {"type": "json_object"}}).json()
+    text = r["choices"][0]["message"]["content"]
+    if r["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(text), dict), text
+    else:
+        assert text.lstrip().startswith("{"), text
+    for n, seed in ((4, 3),):
+        r = http.post("/v1/completions", json={**COMP, "prompt": "My number:", "guided_regex": r"[0-9]{3}-[0-9]{4}",
+                                               "max_tokens": 20, "n": n, "seed": seed}).json()
+        for c in r["choices"]:
+            assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", c["text"]) and c["finish_reason"] == "stop", c
+    r = http.post("/v1/completions", json={**COMP, "prompt": "Colour:", "guided_choice": ["red", "green", "blue"],
+                                           "n": 6, "seed": 2, "max_tokens": 10}).json()
+    assert {c["text"] for c in r["choices"]} <= {"red", "green", "blue"}
+    with http.stream("POST", "/v1/completions", json={**COMP, "prompt": "Colour:", "stream": True, "max_tokens": 10,
+                                                      "guided_choice": ["red", "green", "blue"]}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) in {"red", "green", "blue"}
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_call_round_trip(client, tool_choice):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=tool_choice,
+                                       max_tokens=40, temperature=0)
+    msg = r.choices[0].message
+    assert msg.content is None and len(msg.tool_calls) == 1, msg
+    call = msg.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    if tool_choice == "required":
+        assert call.function.name in ("get_weather", "get_time") and r.choices[0].finish_reason == "tool_calls"
+    else:
+        assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert isinstance(args, dict)
+    # streamed, the deltas add up to the same call
+    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
+                                            tool_choice=tool_choice, max_tokens=40, temperature=0, stream=True)
+    name, arguments, ids, reasons = "", "", set(), []
+    for chunk in stream:
+        for d in chunk.choices[0].delta.tool_calls or []:
+            assert d.index == 0
+            ids.add(d.id) if d.id else None
+            name += (d.function.name or "") if d.function else ""
+            arguments += (d.function.arguments or "") if d.function else ""
+        reasons.append(chunk.choices[0].finish_reason)
+    assert name == call.function.name and json.loads(arguments) == args and len(ids) == 1
+    assert reasons[-1] == r.choices[0].finish_reason
+    # the result goes back to the model, which answers in text
+    messages += [msg.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21})}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], max_tokens=8,
+                                       temperature=0)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
+def test_tool_choice_auto_parses_hermes_calls(http):
+    """With --tool-call-parser hermes, a `<tool_call>` the model writes comes back parsed (forced here by a regex)."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    body = {**CHAT, "tools": [WEATHER], "max_tokens": 60, "guided_regex": re.escape(call)}
+    r = http.post("/v1/chat/completions", json=body).json()
+    c = r["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+    (tc,) = c["message"]["tool_calls"]
+    assert tc["function"]["name"] == "get_weather" and json.loads(tc["function"]["arguments"]) == {"city": "Oslo"}
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    deltas = [ch["choices"][0]["delta"] for ch in chunks]
+    assert not any("<tool_call>"[:k] in (d.get("content") or "") for d in deltas for k in (3,))  # never shown
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert [tc["function"]["name"] for tc in calls] == ["get_weather"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
 # -- load: queue bound, disconnects, concurrency ------------------------------------------------------
 
 def _long_stream_body(i: int) -> dict:
@@ -520,6 +630,27 @@ def test_metrics_names_and_labels(http):
         assert metric(text, name + "_bucket", model_name=MODEL, le="+Inf") > 0
     assert metric(text, "ferry:request_success_total", model_name=MODEL, finished_reason="length") > 0
     assert metric(text, "ferry:prompt_tokens_total") > 0 and metric(text, "ferry:prefix_cache_queries_total") > 0
+    # vLLM's request histograms; the per-request token counts add up to the counters
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
+                 "iteration_tokens_total", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_inference_time_seconds", "request_params_n", "request_params_max_tokens",
+                 "time_per_output_token_seconds"):
+        assert metric(text, f"ferry:{name}_count", model_name=MODEL) > 0, name
+    finished = sum(metric(text, "ferry:request_success_total", finished_reason=r) for r in ("stop", "length"))
+    assert metric(text, "ferry:request_generation_tokens_count") == finished
+    assert metric(text, "ferry:request_generation_tokens_sum") <= metric(text, "ferry:generation_tokens_total")
+    assert metric(text, "ferry:iteration_tokens_total_sum") >= metric(text, "ferry:generation_tokens_total")
+    info = [line for line in text.splitlines() if line.startswith("ferry:cache_config_info{")]
+    assert len(info) == 1 and 'block_size="16"' in info[0] and info[0].endswith(" 1.0"), info
+    # process collectors, and --metrics-compat vllm: every ferry: series again under vLLM's name
+    assert metric(text, "process_resident_memory_bytes") > 0 and metric(text, "process_cpu_seconds_total") > 0
+    ferry = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("ferry:")}
+    vllm = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("vllm:")}
+    assert {n.replace("ferry:", "vllm:", 1) for n in ferry} == vllm
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_success_total"):
+        assert name in vllm, name
+    assert metric(text, "vllm:generation_tokens_total") == metric(text, "ferry:generation_tokens_total")
 
 
 # -- life-cycle states, in process (a loading gate and a step that raises cannot be forced from outside) -----

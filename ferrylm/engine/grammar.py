@@ -22,6 +22,9 @@ from ferrylm.errors import InvalidRequestError
 from ferrylm.sampling_params import StructuredOutput
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""JSON is written as `json.dumps` writes it: with free whitespace a small model can pad with newlines until
+max_tokens runs out, and the output no longer parses."""
 
 
 def grammar_source(so: StructuredOutput) -> str:
@@ -29,11 +32,13 @@ def grammar_source(so: StructuredOutput) -> str:
     from llguidance import grammar_from
 
     try:
-        if so.kind == "json":
-            schema = so.spec if isinstance(so.spec, str) else json.dumps(so.spec)
-            return grammar_from("json_schema", schema)
-        if so.kind == "json_object":
-            return grammar_from("json_schema", '{"type": "object"}')
+        if so.kind in ("json", "json_object"):
+            from llguidance import LLMatcher
+
+            schema = {"type": "object"} if so.kind == "json_object" else so.spec
+            if not isinstance(schema, (dict, str)):
+                raise InvalidRequestError("a JSON schema must be an object", param=_param(so))
+            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         if so.kind == "regex":
             if not isinstance(so.spec, str):
                 raise InvalidRequestError("guided_regex must be a string", param="guided_regex")

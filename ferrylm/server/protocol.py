@@ -238,6 +238,8 @@ class ChatCompletionRequest(_SamplingRequest):
                         raise InvalidRequestError(f"content parts of type {kind!r} are not supported (text only)",
                                                   param="messages")
                 m = {**m, "content": "\n".join(texts)}
+            elif content is None:  # an assistant turn that only called tools: templates read content anyway
+                m = {**m, "content": ""}
             out.append(m)
         return out
 

@@ -218,10 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(pr)
     pr.set_defaults(func=cmd_profile, max_tokens=64)
 
-    from ferrylm.server.cli import add_serve_parser
+    from ferrylm.server.cli import add_export_tokenizer_parser, add_serve_parser
     from ferrylm.weights.convert import add_convert_parser
 
     add_serve_parser(sub)
+    add_export_tokenizer_parser(sub)
     add_convert_parser(sub)
     return parser
 

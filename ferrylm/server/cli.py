@@ -57,6 +57,39 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def add_export_tokenizer_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("export-tokenizer", help="write the model's tokenizer as an HF tokenizer directory "
+                              "(for benchmark tools such as GuideLLM and AIPerf, offline)")
+    p.add_argument("dir", help="directory to write tokenizer.json, tokenizer_config.json, special_tokens_map.json")
+    p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory, if not beside the model")
+    p.set_defaults(func=cmd_export_tokenizer)
+    return p
+
+
+def cmd_export_tokenizer(a: argparse.Namespace) -> None:
+    """`AutoTokenizer.from_pretrained(DIR)` then counts tokens and renders chat as the server does."""
+    import json
+
+    from ferrylm.default_model import default_model_path
+    from ferrylm.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(a.tokenizer or a.model or default_model_path())
+    os.makedirs(a.dir, exist_ok=True)
+    tok.backend.save(os.path.join(a.dir, "tokenizer.json"))
+    templates = tok.chat_templates
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+              "add_bos_token": bool(tok.add_bos), "add_eos_token": bool(tok.add_eos), **tok.special_tokens}
+    if templates:
+        config["chat_template"] = (templates["default"] if set(templates) == {"default"} else
+                                   [{"name": k, "template": v} for k, v in templates.items()])
+    with open(os.path.join(a.dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+    with open(os.path.join(a.dir, "special_tokens_map.json"), "w") as f:
+        json.dump(tok.special_tokens, f, indent=2, ensure_ascii=False)
+    print(a.dir)
+
+
 def server_config(a: argparse.Namespace):
     from ferrylm.default_model import default_model_path
     from ferrylm.server.app import ServerConfig

@@ -56,6 +56,9 @@ class SamplingParams:
     logprobs: int | None = None
     """Top-n logprobs to return per generated token (0 = only the sampled token's)."""
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    """Top-n logprobs for each prompt token after the first (0 = only the prompt token's); computing them
+    turns off the prefix cache for the request."""
     logit_bias: dict[int, float] | None = None
     """Added to the logits of these token ids before sampling (OpenAI's range: -100 to 100)."""
     structured: StructuredOutput | None = None
@@ -105,6 +108,8 @@ class SamplingParams:
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

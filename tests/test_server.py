@@ -196,6 +196,28 @@ def test_logprobs(client):
                for c in content)
 
 
+def test_echo_with_logprobs_covers_the_prompt(http, llm):
+    prompt = "The capital of France is"
+    ids = llm.tokenizer.encode(prompt)
+    want = llm.generate([ids], greedy(2, prompt_logprobs=2, logprobs=2))[0]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2}
+    c = http.post("/v1/completions", json=body).json()["choices"][0]
+    lp = c["logprobs"]
+    n = len(ids)
+    assert len(lp["tokens"]) == n + 2 and c["text"].startswith(prompt)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing predicts the first token
+    for i in range(1, n):
+        assert lp["token_logprobs"][i] == pytest.approx(want.prompt_logprobs[i][ids[i]], abs=1e-4)
+        assert len(lp["top_logprobs"][i]) == 2
+    assert lp["token_logprobs"][n:] == pytest.approx([want.outputs[0].logprobs[k][t]
+                                                      for k, t in enumerate(want.outputs[0].token_ids)], abs=1e-4)
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = [t for ch in chunks for t in ch["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"][1:n] == pytest.approx(lp["token_logprobs"][1:n])
+
+
 def test_stop_strings_params_and_unknown_fields(http):
     base = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 6, "temperature": 0}
     full = http.post("/v1/completions", json=base).json()["choices"][0]["text"]

@@ -21,7 +21,7 @@ from ferrylm.engine.sequence import Sequence, SequenceStatus
 from ferrylm.errors import ConfigError, InvalidRequestError, ModelLoadError
 from ferrylm.kv.block_manager import BlockManager
 from ferrylm.kv.state_pool import StateSlotPool
-from ferrylm.layers.sampler import Sampler, SamplingRow
+from ferrylm.layers.sampler import MIN_LOGPROB, Sampler, SamplingRow
 from ferrylm.sampling_params import SamplingParams
 from ferrylm.weights.source import open_source
 
@@ -49,6 +49,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With SamplingParams.prompt_logprobs: per prompt token {token: logprob, top-n...}; None for the first."""
     """arrival_time, first_scheduled_time, first_token_time, finished_time (time.monotonic)."""
 
 
@@ -62,6 +64,8 @@ class _Request:
     detoks: list = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
+    """Filled as the first sequence's prompt is computed (the first token has none)."""
 
     @property
     def finished(self) -> bool:
@@ -213,7 +217,11 @@ class LLMEngine:
         if out.is_empty:
             return []
         sampling = [s for i, s in enumerate(out.seqs) if out.samples(i)]  # before postprocess moves counts
-        logits = self.runner.execute(out)
+        extra, where = self._prompt_logit_rows(out)
+        logits = self.runner.execute(out, extra) if extra else self.runner.execute(out)
+        if extra:
+            logits, prompt_logits = logits[:len(sampling)], logits[len(sampling):]
+            self._record_prompt_logprobs(prompt_logits, where)
         self.scheduler.postprocess(out)
         if not sampling:
             return []
@@ -240,6 +248,37 @@ class LLMEngine:
                 for s in req.seqs:
                     self._matchers.pop(s.seq_id, None)
         return outputs
+
+    def _prompt_logit_rows(self, out) -> tuple[list[int], list[tuple[_Request, int]]]:
+        """Rows of this step's token batch whose logits give prompt logprobs, and (request, prompt index) each
+        predicts. Only the first of a request's sequences is read; positions already recorded (before a
+        preemption) are skipped."""
+        rows, where, offset = [], [], 0
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            req = self.requests.get(seq.request_id)
+            if seq.sampling_params.prompt_logprobs is not None and req is not None and req.seqs[0] is seq:
+                start = seq.num_computed_tokens
+                # the logits at position q predict token q + 1; the last prompt position's predict the output
+                for q in range(max(start, len(req.prompt_logprobs) - 1), min(start + n, seq.num_prompt_tokens - 1)):
+                    rows.append(offset + q - start)
+                    where.append((req, q + 1))
+            offset += n
+        return rows, where
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, where: list[tuple[_Request, int]]) -> None:
+        # logits: [P, V]
+        lp = torch.log_softmax(logits.float(), dim=-1)  # [P, V]
+        lp = torch.nan_to_num_(lp, nan=MIN_LOGPROB, neginf=MIN_LOGPROB).clamp_(MIN_LOGPROB, 0.0)
+        ids = torch.tensor([req.prompt_token_ids[i] for req, i in where], device=lp.device)
+        chosen = lp.gather(1, ids[:, None]).squeeze(1).tolist()  # [P]
+        n = min(max(req.params.prompt_logprobs for req, _ in where), lp.shape[1])
+        top_lp, top_id = (lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long()))  # [P, N]
+        top_lp, top_id = top_lp.tolist(), top_id.tolist()
+        for j, (req, i) in enumerate(where):
+            d = {req.prompt_token_ids[i]: chosen[j]}
+            for k in range(min(req.params.prompt_logprobs, n)):
+                d.setdefault(top_id[j][k], top_lp[j][k])
+            req.prompt_logprobs.append(d)
 
     def _allowed(self, seqs: list[Sequence]):
         """(rows, bitmask) of the rows a grammar constrains this step, or None."""
@@ -309,6 +348,7 @@ class LLMEngine:
             cumulative_logprob=s.cumulative_logprob) for i, s in enumerate(req.seqs)]
         first = req.seqs[0]
         return RequestOutput(
+            prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=outs, finished=req.finished, num_cached_tokens=first.num_cached_tokens,
             metrics={"arrival_time": req.arrival_time, "first_scheduled_time": first.first_scheduled_time,

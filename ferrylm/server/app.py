@@ -269,6 +269,8 @@ class Serving:
         """On the worker pool: sampling params, tokenized prompts, checks."""
         core = self.core()
         params = body.sampling_params()
+        if body.echo and body.logprobs is not None:
+            params.prompt_logprobs = body.logprobs  # the echoed prompt carries its logprobs too
         texts, prompts = [], []
         for p in body.prompts():
             if isinstance(p, str):
@@ -309,6 +311,8 @@ class Serving:
                 if body.logprobs is not None and c.logprobs is not None:
                     lp = P.completion_logprobs(c.token_ids, c.logprobs, self.token_text(core), body.logprobs,
                                                len(prefix))
+                    if body.echo and final[i].prompt_logprobs is not None:
+                        lp = P.join_completion_logprobs(self._prompt_logprobs(core, final[i], body.logprobs), lp)
                 choices.append(P.completion_choice(i * n + j, prefix + c.text, c.finish_reason, c.stop_reason, lp))
         return P.completion(rid, self.model_name, choices, P.usage(sum(map(len, prompts)), n_out))
 
@@ -319,6 +323,9 @@ class Serving:
         outputs = self.submit(prep.prompts, prep.params, rid)
         return self._stream(outputs, prep, rid, chat=False, echo=prep.texts if body.echo else None,
                             include_usage=body.include_usage), outputs
+
+    def _prompt_logprobs(self, core: LLMEngine, out: RequestOutput, num: int) -> dict:
+        return P.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.token_text(core), num, 0)
 
     # -- /v1/chat/completions -------------------------------------------------------------------------
 
@@ -448,6 +455,9 @@ class Serving:
                         delta = text[st.chars:end]
                         if not st.sent and echo is not None:
                             delta = echo[i] + delta
+                            if lp is not None and out.prompt_logprobs is not None:
+                                lp = P.join_completion_logprobs(
+                                    self._prompt_logprobs(core, out, params.logprobs), lp)
                         st.chars = end
                         chunk = P.completion(rid, model, [P.completion_choice(idx, delta, reason, stop_reason, lp)],
                                              None, created)

@@ -347,11 +347,16 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, float]], t
     for tid, entry in zip(token_ids, entries):
         s = token_text(tid)
         tokens.append(s)
-        lps.append(entry.get(tid))
-        tops.append({token_text(t): lp for t, lp in _top(entry, num)} if num > 0 else None)
+        lps.append(entry.get(tid) if entry is not None else None)  # None: the first prompt token
+        tops.append({token_text(t): lp for t, lp in _top(entry, num)} if num > 0 and entry is not None else None)
         offsets.append(text_offset)
         text_offset += len(s)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_completion_logprobs(a: dict, b: dict) -> dict:
+    """Two runs of completions logprobs (echoed prompt, then output) as one."""
+    return {k: a[k] + b[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], token_text, num: int) -> dict:

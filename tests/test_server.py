@@ -300,6 +300,20 @@ def test_invalid_requests(http, path, body, status, param):
     assert_envelope(http.post(path, json=body), status, param)
 
 
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\ud800"}], "max_tokens": 2}', "messages"),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "model": "\\ud800"}', "model"),
+    ("/v1/completions", '{"prompt": "hi", "logit_bias": {"\\ud800": 1}}', "logit_bias"),
+])
+def test_lone_surrogates_are_400(http, path, raw, param):
+    """JSON may spell a lone surrogate (\\ud800), which no tokenizer or UTF-8 encoder accepts (once a 500)."""
+    r = http.post(path, content=raw.encode(), headers={"Content-Type": "application/json"})
+    assert_envelope(r, 404 if param == "model" else 400, param)
+
+
 def _strict_json(text: str):
     """json.loads that refuses NaN and Infinity (Python's json accepts them; JSON does not)."""
     def no_constant(name):

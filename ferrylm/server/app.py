@@ -86,7 +86,7 @@ class ApiError(Exception):
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(P.error_body(self.message, self.type, self.param, self.code), self.status,
+        return _JSON(P.error_body(self.message, self.type, self.param, self.code), self.status,
                             headers=self.headers)
 
 
@@ -109,8 +109,27 @@ def api_error(e: Exception) -> ApiError:
 
 
 def _dumps(obj) -> str:
-    # allow_nan=False: a non-finite number (which the sampler never hands out) becomes an error, not bad JSON
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    # allow_nan=False: a non-finite number (which the sampler never hands out) becomes an error, not bad JSON;
+    # ensure_ascii: a lone surrogate echoed from a request (an error message) stays valid, encodable JSON
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+
+
+class _JSON(JSONResponse):
+    """JSONResponse with `_dumps`: ASCII-safe and never NaN."""
+
+    def render(self, content) -> bytes:
+        return _dumps(content).encode()
+
+
+def check_text(text: str, param: str) -> str:
+    """400 for text that is no valid Unicode (a lone surrogate from a JSON `\\ud800` escape): the tokenizer
+    cannot encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{param} is not valid Unicode: {e.reason} at position {e.start}",
+                                  param=param) from None
+    return text
 
 
 def _sse(obj) -> str:
@@ -274,7 +293,7 @@ class Serving:
         texts, prompts = [], []
         for p in body.prompts():
             if isinstance(p, str):
-                ids = core.tokenizer_required().encode(p)
+                ids = core.tokenizer_required().encode(check_text(p, "prompt"))
                 texts.append(p)
             else:
                 ids = [int(t) for t in p]
@@ -362,7 +381,7 @@ class Serving:
                   if k not in ("self", "messages", "add_generation_prompt", "tools") and k.isidentifier()}
         text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt
                                        is not False, tools=body.tool_dicts(), **kwargs)
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = tok.encode(check_text(text, "messages"), add_special_tokens=False)
         try:
             core.check_prompt(ids, params)
         except InvalidRequestError as e:
@@ -511,9 +530,9 @@ class Serving:
             req = P.ChatCompletionRequest(messages=body.messages)
             text = tok.apply_chat_template(req.template_messages(),
                                            add_generation_prompt=body.add_generation_prompt is not False)
-            ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            ids = tok.encode(check_text(text, "messages"), add_special_tokens=bool(body.add_special_tokens))
         elif body.prompt is not None:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+            ids = tok.encode(check_text(body.prompt, "prompt"), add_special_tokens=body.add_special_tokens is not False)
         else:
             raise InvalidRequestError("give a prompt or messages", param="prompt")
         strs = [tok.id_to_token(t) for t in ids] if body.return_token_strs else None
@@ -651,7 +670,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
         body = {"status": engine.state.name.lower()}
         if engine.error is not None:
             body["error"] = str(engine.error)
-        return JSONResponse(body, 503)
+        return _JSON(body, 503)
 
     @app.get("/version")
     async def version():
@@ -679,14 +698,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
         if body.stream:
             return sse(await serving.completion_stream(body))
         result = await _unless_disconnected(request, serving.completion(body))
-        return JSONResponse(result) if result is not None else Response(status_code=499)
+        return _JSON(result) if result is not None else Response(status_code=499)
 
     @app.post("/v1/chat/completions", responses=error_responses)
     async def create_chat_completion(body: P.ChatCompletionRequest, request: Request):
         if body.stream:
             return sse(await serving.chat_stream(body))
         result = await _unless_disconnected(request, serving.chat(body))
-        return JSONResponse(result) if result is not None else Response(status_code=499)
+        return _JSON(result) if result is not None else Response(status_code=499)
 
     def encoded(fn):
         """On the worker pool: `fn`'s dict as JSON bytes (a long token list must not be encoded on the loop)."""

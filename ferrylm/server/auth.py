@@ -18,7 +18,7 @@ PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 async def send_json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
-    data = json.dumps(body).encode()
+    data = json.dumps(body).encode()  # ensure_ascii (the default): always encodable
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
                             *headers]})

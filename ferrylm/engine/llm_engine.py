@@ -187,10 +187,13 @@ class LLMEngine:
             raise InvalidRequestError(f"logit_bias token id {bias[0]} is outside the vocabulary [0, {vocab})",
                                       param="logit_bias")
         if len(ids) >= self.max_seq_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_seq_len} tokens. However, your prompt has "
-                f"{len(ids)} tokens, leaving no room to generate. Please reduce the length of the prompt.",
-                param="prompt", code="context_length_exceeded")
+            raise self.context_error(len(ids))
+
+    def context_error(self, num_tokens: int) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"This model's maximum context length is {self.max_seq_len} tokens. However, your prompt has "
+            f"{num_tokens} tokens, leaving no room to generate. Please reduce the length of the prompt.",
+            param="prompt", code="context_length_exceeded")
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

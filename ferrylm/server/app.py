@@ -42,6 +42,7 @@ from ferrylm.server import tool_parser as T
 from ferrylm.server.auth import ApiKeyMiddleware, BodyLimitMiddleware, JsonContentTypeMiddleware
 from ferrylm.server.metrics import CONTENT_TYPE, Metrics
 from ferrylm.server.read_timeout import BodyTimeoutMiddleware
+from ferrylm.tokenizer import TooManyTokensError
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +262,14 @@ class Serving:
             return lambda t: f"token_id:{t}"
         return lambda t: tok.decode([t], skip_special_tokens=False)
 
+    @staticmethod
+    def encode(core: LLMEngine, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids; over the context: the context error, raised before a huge id list is built."""
+        try:
+            return core.tokenizer_required().encode(text, add_special_tokens=add_special_tokens, limit=core.max_seq_len)
+        except TooManyTokensError as e:
+            raise core.context_error(e.count) from None
+
     def check_structured(self, core: LLMEngine, params: SamplingParams) -> None:
         """Compile the grammar now (400 before any header), so the engine thread never meets a bad one."""
         if params.structured is not None:
@@ -293,7 +302,7 @@ class Serving:
         texts, prompts = [], []
         for p in body.prompts():
             if isinstance(p, str):
-                ids = core.tokenizer_required().encode(check_text(p, "prompt"))
+                ids = self.encode(core, check_text(p, "prompt"))
                 texts.append(p)
             else:
                 ids = [int(t) for t in p]
@@ -381,8 +390,8 @@ class Serving:
                   if k not in ("self", "messages", "add_generation_prompt", "tools") and k.isidentifier()}
         text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt
                                        is not False, tools=body.tool_dicts(), **kwargs)
-        ids = tok.encode(check_text(text, "messages"), add_special_tokens=False)
         try:
+            ids = self.encode(core, check_text(text, "messages"), add_special_tokens=False)
             core.check_prompt(ids, params)
         except InvalidRequestError as e:
             raise InvalidRequestError(str(e).replace("your prompt has", "your messages resulted in"),

@@ -1,9 +1,10 @@
 """End to end through a real `ferry serve` process on 127.0.0.1 (embedded default model, API key set).
 
 One server for the whole session (loading is the slow part); the official `openai` client drives chat,
-completions and streaming (sync and async), httpx every error case. Greedy outputs are compared with
-the offline `LLM` in this process. Token budgets stay small: the file should run in well under two
-minutes on two busy cores.
+completions, streaming (sync and async), structured outputs and tool calls, httpx every error case and
+each bug of issue 13 as a regression test, raw sockets the slow clients. Greedy outputs are compared with
+the offline `LLM` in this process. Token budgets stay small: the file should run in about two minutes on
+two busy cores.
 """
 
 from __future__ import annotations

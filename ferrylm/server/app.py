@@ -28,7 +28,7 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ferrylm
@@ -517,8 +517,9 @@ class Serving:
                 call["function"]["name"] = tools.name
             return None, ([call] if args or not st.sent else None), reason
         if not finished:
-            limit = end if tools.mode == "none" else (
-                st.chars if tools.mode == "required" else min(end, max(st.chars, tools.parser.call_starts_at(text))))
+            if tools.mode == "required":  # the whole output is the call: nothing to show until it is complete
+                return None, None, None
+            limit = min(end, max(st.chars, tools.parser.call_starts_at(text)))  # text that may open a call waits
             delta, st.chars = text[st.chars:limit], limit
             return delta, None, None
         content, calls, reason = tools.result(text, reason)

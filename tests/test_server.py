@@ -683,11 +683,12 @@ def test_metrics_names_and_labels(http):
     assert metric(text, "process_resident_memory_bytes") > 0 and metric(text, "process_cpu_seconds_total") > 0
     ferry = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("ferry:")}
     vllm = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("vllm:")}
-    assert {n.replace("ferry:", "vllm:", 1) for n in ferry} == vllm
+    assert {n.replace("ferry:", "vllm:", 1) for n in ferry} | {"vllm:gpu_cache_usage_perc"} == vllm
     for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:e2e_request_latency_seconds_count", "vllm:request_success_total"):
         assert name in vllm, name
     assert metric(text, "vllm:generation_tokens_total") == metric(text, "ferry:generation_tokens_total")
+    assert metric(text, "vllm:gpu_cache_usage_perc") == metric(text, "ferry:kv_cache_usage_perc")  # v0's name
 
 
 # -- life-cycle states, in process (a loading gate and a step that raises cannot be forced from outside) -----

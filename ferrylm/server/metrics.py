@@ -78,8 +78,12 @@ class _EngineCollector:
             yield c
 
 
+OLD_NAMES = {"kv_cache_usage_perc": "gpu_cache_usage_perc"}
+"""Series vLLM's older dashboards read under another name (vLLM v0's): exposed under both in compat mode."""
+
+
 class _Renamed:
-    """Every `ferry:` family of `source` again under another prefix."""
+    """Every `ferry:` family of `source` again under another prefix (and the old names of `OLD_NAMES`)."""
 
     def __init__(self, source: CollectorRegistry, prefix: str):
         self.source, self.prefix = source, prefix
@@ -91,9 +95,13 @@ class _Renamed:
         for fam in self.source.collect():
             if not fam.name.startswith(PREFIX):
                 continue
-            out = Metric(self.prefix + fam.name[len(PREFIX):], fam.documentation, fam.type, fam.unit)
-            out.samples = [s._replace(name=self.prefix + s.name[len(PREFIX):]) for s in fam.samples]
-            yield out
+            base = fam.name[len(PREFIX):]
+            for name in (base, OLD_NAMES.get(base)):
+                if name is None:
+                    continue
+                out = Metric(self.prefix + name, fam.documentation, fam.type, fam.unit)
+                out.samples = [s._replace(name=self.prefix + name + s.name[len(fam.name):]) for s in fam.samples]
+                yield out
 
 
 class Metrics:

@@ -349,3 +349,16 @@ def test_logprobs_finite_even_from_nan_logits():
     logits = torch.tensor([[float("nan"), 1.0, float("-inf"), 0.5]])
     out = Sampler()(logits, [make_seq([1], temperature=0.0, logprobs=3)])
     assert all(math.isfinite(v) and v <= 0 for v in out.logprobs[0].values())
+
+
+def test_allowed_mask_on_every_row():
+    torch.manual_seed(6)
+    V = 40
+    logits = torch.randn(3, V)
+    allowed = [{1, 2}, {39}, set(range(0, V, 3))]
+    seqs = [make_seq([1], temperature=0.0, logprobs=2) for _ in range(3)]
+    out = Sampler()(logits, seqs, (torch.arange(3), _bitmask(allowed, V)))
+    for i, a in enumerate(allowed):
+        ref = logits[i].clone()
+        ref[[t for t in range(V) if t not in a]] = NEG_INF
+        assert out.token_ids[i] == ref.argmax().item()

@@ -203,6 +203,17 @@ class AsyncEngine:
             self._abort(stream.request_id)
         return len(streams)
 
+    def abort_all_later(self, delay: float, error: BaseException, then: Callable[[int], None] | None = None) -> None:
+        """From any thread, a signal handler too: `abort_all(error)` on the event loop after `delay` seconds,
+        then `then(how many)`."""
+        def run():
+            n = self.abort_all(error)
+            if then is not None:
+                then(n)
+
+        if self._loop is not None:  # call_soon_threadsafe only writes to the loop's self-pipe
+            self._loop.call_soon_threadsafe(self._loop.call_later, delay, run)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Abort whatever is left and stop the engine thread."""
         if self.state < EngineState.STOPPED:

@@ -171,6 +171,8 @@ def apply_allowed_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.
     allowed = allowed.to(logits.device, non_blocking=True)
     if allowed.shape[1] < V:  # the grammar's vocabulary is shorter than the model's: the rest is padding
         allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
+    if rows.numel() == logits.shape[0]:  # every row constrained (rows are in order): no gather / scatter
+        return logits.masked_fill_(~allowed, float("-inf"))
     sub = logits[rows]  # [M, V]
     logits[rows] = sub.masked_fill_(~allowed, float("-inf"))
     return logits

@@ -128,14 +128,12 @@ def cmd_serve(a: argparse.Namespace) -> None:
             if not stopping:
                 stopping.append(True)
                 engine.begin_drain()  # /health turns 503 and new requests are refused while in-flight ones finish
-                loop = engine._loop
-                if loop is not None:  # the signal handler runs between bytecodes: hand over via the self-pipe
-                    loop.call_soon_threadsafe(loop.call_later, config.shutdown_timeout, abort_in_flight)
+                engine.abort_all_later(config.shutdown_timeout, EngineUnavailableError(
+                    "the server is shutting down: the request was aborted after --shutdown-timeout "
+                    f"{config.shutdown_timeout:g} s"), then=report_aborted)
             super().handle_exit(sig, frame)
 
-    def abort_in_flight() -> None:
-        n = engine.abort_all(EngineUnavailableError(
-            f"the server is shutting down: the request was aborted after --shutdown-timeout {config.shutdown_timeout:g} s"))
+    def report_aborted(n: int) -> None:
         if n:
             logging.getLogger("ferrylm.server").warning("shutdown timeout: aborted %d request(s) in flight", n)
 

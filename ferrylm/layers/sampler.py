@@ -165,10 +165,11 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Ten
 def apply_allowed_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """In place: -inf on tokens whose bit is 0 in `bitmask`, for the given rows (bit t%32 of word t//32)."""
     # logits: [B, V]; rows: [M] long; bitmask: [M, W] int32, W = ceil(V / 32)
-    V = logits.shape[1]
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    V, dev = logits.shape[1], logits.device
+    bitmask = bitmask.to(dev, non_blocking=True)  # the packed mask crosses to the device, 32x smaller than [M, V]
+    rows = rows.to(dev, non_blocking=True)
+    bits = torch.arange(32, dtype=torch.int32, device=dev)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, :V]  # [M, V]
-    allowed = allowed.to(logits.device, non_blocking=True)
     if allowed.shape[1] < V:  # the grammar's vocabulary is shorter than the model's: the rest is padding
         allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
     if rows.numel() == logits.shape[0]:  # every row constrained (rows are in order): no gather / scatter

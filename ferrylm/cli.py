@@ -218,12 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(pr)
     pr.set_defaults(func=cmd_profile, max_tokens=64)
 
-    from ferrylm.server.cli import add_serve_parser
+    from ferrylm.server.cli import add_export_tokenizer_parser, add_serve_parser
     from ferrylm.weights.convert import add_convert_parser
     from ferrylm.plan.cli import add_plan_parser
     from ferrylm.hw.cli import add_doctor_parser
 
     add_serve_parser(sub)
+    add_export_tokenizer_parser(sub)
     add_convert_parser(sub)
     add_plan_parser(sub)
     add_doctor_parser(sub)

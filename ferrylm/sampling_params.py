@@ -14,6 +14,20 @@ from ferrylm.errors import InvalidRequestError
 
 MAX_N = 128
 """Completions per request: each is a sequence holding KV blocks, so a request cannot ask for millions."""
+FLOAT32_MAX = 3.4028234663852886e38
+"""Sampling floats become fp32 tensors: a larger value turns into inf and the logits into NaN."""
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
+"""Outside it, dividing or multiplying fp32 logits overflows or flattens them to 0 (1e-300 rounds to 0)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text, compiled by `ferrylm.structured` into a token mask."""
+
+    kind: str
+    """json (a JSON schema), json_object (any JSON object), regex, choice (one of several strings), grammar (Lark)."""
+    spec: object = None
+    """The schema (dict), the regex or Lark source (str), or the list of choices."""
 
 
 @dataclass
@@ -42,6 +56,13 @@ class SamplingParams:
     logprobs: int | None = None
     """Top-n logprobs to return per generated token (0 = only the sampled token's)."""
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    """Top-n logprobs for each prompt token after the first (0 = only the prompt token's); computing them
+    turns off the prefix cache for the request."""
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before sampling (OpenAI's range: -100 to 100)."""
+    structured: StructuredOutput | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (None: free text)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,7 +83,7 @@ class SamplingParams:
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > FLOAT32_MAX:
                 bad(name, f"must be a finite number, got {v!r}")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
@@ -74,8 +95,9 @@ class SamplingParams:
             bad("top_k", f"must be -1 (off) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            bad("repetition_penalty", f"must be in [{lo:g}, {hi:g}], got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -86,9 +108,16 @@ class SamplingParams:
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
+        for t, b in (self.logit_bias or {}).items():
+            if not isinstance(t, int) or t < 0:
+                bad("logit_bias", f"keys must be token ids (non-negative integers), got {t!r}")
+            if not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
+                bad("logit_bias", f"values must be numbers in [-100, 100], got {b!r} for token {t}")

@@ -25,6 +25,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from ferrylm.errors import InvalidRequestError, ModelLoadError
 
 SPIECE_UNDERLINE = "\u2581"
+_GIL_FREE_CHARS = 4096
+"""Texts longer than this are encoded with the GIL released (encode_batch), so other threads keep running."""
 
 # llama.cpp token types (the same numbers as SentencePiece's piece types).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -122,6 +124,14 @@ def _pre_table() -> dict[str, tuple[list[str], bool]]:
 
 
 _PRE_TOKENIZERS = _pre_table()
+
+
+class TooManyTokensError(InvalidRequestError):
+    """A text longer than the `limit` given to `Tokenizer.encode`; `count` is about how many tokens it has."""
+
+    def __init__(self, count: int, limit: int):
+        super().__init__(f"the text has {count} tokens, more than {limit}", param="prompt")
+        self.count = count
 
 
 class Tokenizer:
@@ -305,11 +315,20 @@ class Tokenizer:
 
     # -- encode / decode --------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (e.g. `<|im_start|>`) become their ids.
         With `add_special_tokens`, BOS (and EOS) are added if the model's tokenizer config says so, but
-        never a second BOS when the text already starts with it (chat templates often write it)."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens and not self._manual_special).ids
+        never a second BOS when the text already starts with it (chat templates often write it).
+        `limit`: a long text of surely more tokens raises `TooManyTokensError` before its ids become a Python
+        list (for a 15 MB prompt that list alone holds the GIL for a third of a second)."""
+        special = add_special_tokens and not self._manual_special
+        if len(text) > _GIL_FREE_CHARS:  # encode_batch drops the GIL, encode holds it (a server's loop would stall)
+            enc = self._tok.encode_batch([text], add_special_tokens=special)[0]
+            if limit is not None and len(enc) > limit + 2:  # +2: the BOS / EOS handling below moves it by one
+                raise TooManyTokensError(len(enc), limit)
+            ids = enc.ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=special).ids
         if add_special_tokens and self._manual_special:
             if self.add_bos and self.bos_token_id is not None:
                 ids = [self.bos_token_id] + ids

@@ -13,10 +13,10 @@ class _Recorder:
     def __init__(self, inner, got: list):
         self._inner, self._got = inner, got
 
-    def __call__(self, logits, seqs):
+    def __call__(self, logits, seqs, *args):
         for row, s in zip(logits, seqs):
             self._got.append((s.seq_id, row.detach().clone()))
-        return self._inner(logits, seqs)
+        return self._inner(logits, seqs, *args)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)

@@ -11,25 +11,23 @@ from collections import Counter
 import pytest
 import torch
 
-from ferrylm.engine.sequence import Sequence
-from ferrylm.layers.sampler import Sampler, SamplerOutput, filter_logits
+from ferrylm.layers.sampler import Sampler, SamplerOutput, SamplingRow, filter_logits
 from ferrylm.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 
 
-def make_seq(prompt: list[int], outputs: list[int] = (), **params) -> Sequence:
+def make_seq(prompt: list[int], outputs: list[int] = (), **params) -> SamplingRow:
     params.setdefault("max_tokens", None)
-    return Sequence(prompt_token_ids=list(prompt), sampling_params=SamplingParams(**params),
-                    token_ids=list(prompt) + list(outputs))
+    return SamplingRow(SamplingParams(**params), list(prompt) + list(outputs), len(prompt))
 
 
 # ---------------------------------------------------------------- per-row reference (plain, loop-based)
 
-def ref_processed(row: torch.Tensor, seq: Sequence, eos_ids=()) -> torch.Tensor:
+def ref_processed(row: torch.Tensor, seq: SamplingRow, eos_ids=()) -> torch.Tensor:
     """min_tokens mask + penalties for one row, written the obvious way."""
     x = row.float().clone()  # [V]
-    p = seq.sampling_params
+    p = seq.params
     if seq.num_output_tokens < p.min_tokens:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
         for t in banned:
@@ -70,7 +68,7 @@ def chi_square(tokens: list[int], probs: torch.Tensor) -> float:
     return sum((counts.get(t, 0) - n * q) ** 2 / (n * q) for t, q in enumerate(probs.tolist()) if q > 0)
 
 
-def random_seqs(g: torch.Generator, V: int, params_list: list[dict]) -> list[Sequence]:
+def random_seqs(g: torch.Generator, V: int, params_list: list[dict]) -> list[SamplingRow]:
     seqs = []
     for kw in params_list:
         plen = int(torch.randint(1, 12, (1,), generator=g))
@@ -132,12 +130,12 @@ def test_vectorised_matches_per_row_reference(trial):
     print(f"processed logits max |diff| = {worst:.2e}")
     assert worst < 1e-5
 
-    rand = [i for i, s in enumerate(seqs) if not s.sampling_params.greedy]
-    probs = filter_logits(processed[rand], [seqs[i].sampling_params for i in rand]).softmax(-1)  # [R, V]
+    rand = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    probs = filter_logits(processed[rand], [seqs[i].params for i in rand]).softmax(-1)  # [R, V]
     worst = 0.0
     for j, i in enumerate(rand):
-        ref = ref_sampling_probs(ref_processed(logits[i], seqs[i], eos), seqs[i].sampling_params)
-        assert torch.equal(probs[j] > 0, ref > 0), (i, seqs[i].sampling_params)
+        ref = ref_sampling_probs(ref_processed(logits[i], seqs[i], eos), seqs[i].params)
+        assert torch.equal(probs[j] > 0, ref > 0), (i, seqs[i].params)
         worst = max(worst, (probs[j] - ref).abs().max().item())
     print(f"sampling probs max |diff| = {worst:.2e}")
     assert worst < 1e-5
@@ -145,10 +143,10 @@ def test_vectorised_matches_per_row_reference(trial):
     out = sampler(logits, seqs)
     for i, seq in enumerate(seqs):
         ref = ref_processed(logits[i], seq, eos)
-        if seq.sampling_params.greedy:
+        if seq.params.greedy:
             assert out.token_ids[i] == ref.argmax().item()
         else:  # sampled from the support of the reference distribution
-            assert ref_sampling_probs(ref, seq.sampling_params)[out.token_ids[i]] > 0
+            assert ref_sampling_probs(ref, seq.params)[out.token_ids[i]] > 0
 
 
 def test_temperature_sampling_matches_softmax():
@@ -204,7 +202,7 @@ def test_logprobs_are_log_softmax_of_penalised_logits():
     out = Sampler()(logits, seqs)
     assert out.logprobs is not None and out.logprobs[1] is None
     for i in (0, 2, 3):
-        n = seqs[i].sampling_params.logprobs
+        n = seqs[i].params.logprobs
         ref = ref_processed(logits[i], seqs[i]).log_softmax(-1)  # before temperature / top-k
         d = out.logprobs[i]
         tok = out.token_ids[i]
@@ -216,15 +214,15 @@ def test_logprobs_are_log_softmax_of_penalised_logits():
     assert len(out.logprobs[2]) == 1
 
 
-def _mock_logits(table: torch.Tensor, seq: Sequence) -> torch.Tensor:
+def _mock_logits(table: torch.Tensor, seq: SamplingRow) -> torch.Tensor:
     return table[seq.token_ids[-1]]  # [V]: a bigram "model"
 
 
-def _generate(sampler: Sampler, table: torch.Tensor, batch: list[Sequence], steps: int) -> None:
+def _generate(sampler: Sampler, table: torch.Tensor, batch: list[SamplingRow], steps: int) -> None:
     for _ in range(steps):
         logits = torch.stack([_mock_logits(table, s) for s in batch])  # [B, V]
         for s, t in zip(batch, sampler(logits, batch).token_ids):
-            s.append_token(t)
+            s.token_ids.append(t)
 
 
 def _seeded_run_in_batch(device: str, position: int, neighbours: list[dict], sampler_seed: int) -> list[int]:
@@ -299,8 +297,68 @@ def test_mixed_batch():
     assert out.token_ids[0] == logits[0].argmax().item()
     assert out.token_ids[1] == ref_processed(logits[1], seqs[1]).argmax().item()
     assert out.token_ids[2] in logits[2].topk(3).indices.tolist()
-    assert ref_sampling_probs(ref_processed(logits[5], seqs[5]), seqs[5].sampling_params)[out.token_ids[5]] > 0
+    assert ref_sampling_probs(ref_processed(logits[5], seqs[5]), seqs[5].params)[out.token_ids[5]] > 0
     for i in (3, 4):  # seeded rows: same token as when sampled alone
         alone = make_seq([1, 2, int(logits[1].argmax())], [4], **kws[i])
         assert Sampler(seed=99)(logits[i:i + 1], [alone]).token_ids[0] == out.token_ids[i]
     assert [d is not None for d in out.logprobs] == [False, False, False, False, True, False]
+
+
+# ---------------------------------------------------------------- logit bias, allowed-token mask, finite logprobs
+
+def _bitmask(allowed_rows: list[set[int]], V: int) -> torch.Tensor:
+    """The llguidance layout written out plainly: bit t % 32 of int32 word t // 32."""
+    words = (V + 31) // 32
+    out = torch.zeros(len(allowed_rows), words, dtype=torch.int64)
+    for r, allowed in enumerate(allowed_rows):
+        for t in allowed:
+            out[r, t // 32] |= 1 << (t % 32)
+    return ((out + 2**31) % 2**32 - 2**31).to(torch.int32)  # as two's-complement int32
+
+
+def test_logit_bias_and_allowed_mask_match_a_plain_reference():
+    torch.manual_seed(5)
+    V = 70
+    logits = torch.randn(4, V)
+    seqs = [make_seq([1, 2], temperature=0.0, logit_bias={3: 100.0, 4: -100.0}, logprobs=3),
+            make_seq([1], temperature=0.0, logprobs=5),
+            make_seq([5], temperature=1.0, seed=1, logprobs=3),
+            make_seq([6], temperature=0.0, logit_bias={0: 5.0}, logprobs=0)]
+    allowed = [{7, 40, 69}, {0, 31, 32, 33, 63, 64}]
+    rows = torch.tensor([1, 2])
+    out = Sampler()(logits, seqs, (rows, _bitmask(allowed, V)))
+    ref = logits.clone()
+    ref[0, 3] += 100.0
+    ref[0, 4] -= 100.0
+    ref[3, 0] += 5.0
+    for r, a in zip(rows.tolist(), allowed):
+        ref[r, [t for t in range(V) if t not in a]] = NEG_INF
+    assert out.token_ids[0] == 3 and out.token_ids[1] == ref[1].argmax().item() and out.token_ids[3] == 0
+    assert out.token_ids[2] in allowed[1]
+    for i in range(4):
+        lp = torch.log_softmax(ref[i], -1)
+        for t, v in out.logprobs[i].items():
+            want = max(lp[t].item(), -9999.0)
+            assert math.isclose(v, want, abs_tol=1e-4), (i, t, v, want)
+    # a mask that rules out the top-n leaves finite logprobs for them, never -inf
+    assert all(math.isfinite(v) for d in out.logprobs for v in d.values())
+    assert min(out.logprobs[1].values()) == -9999.0
+
+
+def test_logprobs_finite_even_from_nan_logits():
+    logits = torch.tensor([[float("nan"), 1.0, float("-inf"), 0.5]])
+    out = Sampler()(logits, [make_seq([1], temperature=0.0, logprobs=3)])
+    assert all(math.isfinite(v) and v <= 0 for v in out.logprobs[0].values())
+
+
+def test_allowed_mask_on_every_row():
+    torch.manual_seed(6)
+    V = 40
+    logits = torch.randn(3, V)
+    allowed = [{1, 2}, {39}, set(range(0, V, 3))]
+    seqs = [make_seq([1], temperature=0.0, logprobs=2) for _ in range(3)]
+    out = Sampler()(logits, seqs, (torch.arange(3), _bitmask(allowed, V)))
+    for i, a in enumerate(allowed):
+        ref = logits[i].clone()
+        ref[[t for t in range(V) if t not in a]] = NEG_INF
+        assert out.token_ids[i] == ref.argmax().item()

@@ -1,23 +1,20 @@
 """End to end through a real `ferry serve` process on 127.0.0.1 (embedded default model, API key set).
 
 One server for the whole session (loading is the slow part); the official `openai` client drives chat,
-completions and streaming (sync and async), httpx every error case. Greedy outputs are compared with
-the offline `LLM` in this process. Token budgets stay small: the file should run in well under two
-minutes on two busy cores.
+completions, streaming (sync and async), structured outputs and tool calls, httpx every error case and
+each bug of issue 13 as a regression test, raw sockets the slow clients. Greedy outputs are compared with
+the offline `LLM` in this process. Token budgets stay small: the file should run in about two minutes on
+two busy cores.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import re
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 
@@ -27,80 +24,24 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from ferrylm import LLM, SamplingParams  # noqa: E402
+from serving import Server, assert_envelope, metric, wait_idle  # noqa: E402
 
 API_KEY = "test-key-123"
 MODEL = "SmolLM2-135M-Instruct"
 MAX_LEN = 512
 MAX_SEQS = 32
 MAX_QUEUED = 8
-MAX_BODY = 1 << 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve_command() -> list[str]:
-    """`ferry serve` once ferrylm.cli registers it; the server module's own entry point until then."""
-    from ferrylm.cli import build_parser
-
-    subs = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    if subs and "serve" in subs[0].choices:
-        return [sys.executable, "-m", "ferrylm.cli", "serve"]
-    return [sys.executable, "-m", "ferrylm.server.cli"]
-
-
-class Server:
-    def __init__(self):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="ferry-serve-", suffix=".log", delete=False)
-        cmd = _serve_command() + [
-            "--port", str(self.port), "--api-key", API_KEY, "--max-model-len", str(MAX_LEN),
-            "--max-num-seqs", str(MAX_SEQS), "--max-queued-requests", str(MAX_QUEUED),
-            "--max-request-bytes", str(MAX_BODY), "--shutdown-timeout", "30", "--disable-access-log"]
-        # one torch thread: on two cores shared with other jobs, two OpenMP threads wait on each other at every
-        # barrier and a step runs ~20x slower (the server's answers do not depend on it)
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("FERRY_TEST_THREADS", "1")}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.returncode: int | None = None
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
-            try:
-                r = httpx.get(self.url + "/health", timeout=2)
-                if r.status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log_text()}")
-
-    def log_text(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()[-4000:]
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.returncode is None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.returncode = self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.returncode = self.proc.wait()
-        return self.returncode
+MAX_BODY = 16 << 20
+READ_TIMEOUT = 2.0
+SERVER_ARGS = ["--api-key", API_KEY, "--max-model-len", str(MAX_LEN), "--max-num-seqs", str(MAX_SEQS),
+               "--max-queued-requests", str(MAX_QUEUED), "--max-request-bytes", str(MAX_BODY),
+               "--shutdown-timeout", "30", "--disable-access-log", "--read-timeout", str(READ_TIMEOUT),
+               "--metrics-compat", "vllm", "--tool-call-parser", "hermes"]
 
 
 @pytest.fixture(scope="session")
 def server():
-    s = Server()
+    s = Server(SERVER_ARGS)
     try:
         s.wait_ready()
         yield s
@@ -141,39 +82,6 @@ def http(server):
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
-
-
-def metric(text: str, name: str, **labels) -> float:
-    """Value of one sample in Prometheus text (labels must match those given)."""
-    for line in text.splitlines():
-        m = re.match(r"^([^{\s]+)(\{[^}]*\})?\s+(\S+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            return float(m.group(3))
-    raise KeyError(name)
-
-
-def wait_idle(http, timeout: float = 60.0) -> str:
-    """Poll /metrics until nothing runs or waits and the KV cache is empty; returns the last scrape."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = http.get("/metrics").text
-        if (metric(text, "ferry:kv_cache_usage_perc") == 0 and metric(text, "ferry:num_requests_running") == 0
-                and metric(text, "ferry:num_requests_waiting") == 0):
-            return text
-        assert time.monotonic() < deadline, f"engine not idle:\n{text}"
-        time.sleep(0.1)
-
-
-def assert_envelope(r: httpx.Response, status: int, param: str | None = "__any__") -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    if param != "__any__":
-        assert err["param"] == param, err
-    return err
 
 
 # -- open endpoints and auth --------------------------------------------------------------------------
@@ -289,6 +197,28 @@ def test_logprobs(client):
                for c in content)
 
 
+def test_echo_with_logprobs_covers_the_prompt(http, llm):
+    prompt = "The capital of France is"
+    ids = llm.tokenizer.encode(prompt)
+    want = llm.generate([ids], greedy(2, prompt_logprobs=2, logprobs=2))[0]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2}
+    c = http.post("/v1/completions", json=body).json()["choices"][0]
+    lp = c["logprobs"]
+    n = len(ids)
+    assert len(lp["tokens"]) == n + 2 and c["text"].startswith(prompt)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing predicts the first token
+    for i in range(1, n):
+        assert lp["token_logprobs"][i] == pytest.approx(want.prompt_logprobs[i][ids[i]], abs=1e-4)
+        assert len(lp["top_logprobs"][i]) == 2
+    assert lp["token_logprobs"][n:] == pytest.approx([want.outputs[0].logprobs[k][t]
+                                                      for k, t in enumerate(want.outputs[0].token_ids)], abs=1e-4)
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = [t for ch in chunks for t in ch["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"][1:n] == pytest.approx(lp["token_logprobs"][1:n])
+
+
 def test_stop_strings_params_and_unknown_fields(http):
     base = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 6, "temperature": 0}
     full = http.post("/v1/completions", json=base).json()["choices"][0]["text"]
@@ -344,9 +274,178 @@ COMP = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     ("/v1/chat/completions", {**CHAT, "stream": True, "presence_penalty": 5}, 400, "presence_penalty"),
     ("/v1/completions", {**COMP, "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {**CHAT, "model": "nope", "stream": True}, 404, "model"),
+    # values that would overflow in the sampler (1e-300 rounds to 0 in fp32: NaN logprobs, once a 500)
+    ("/v1/completions", {**COMP, "repetition_penalty": 1e-300, "logprobs": 2}, 400, "repetition_penalty"),
+    ("/v1/completions", {**COMP, "repetition_penalty": 1e-300, "stream": True}, 400, "repetition_penalty"),
+    ("/v1/completions", {**COMP, "temperature": 1e39}, 400, "temperature"),
+    ("/v1/completions", {**COMP, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {**COMP, "logit_bias": {"999999999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {**COMP, "logit_bias": {"5": 1000}}, 400, "logit_bias"),
+    ("/v1/completions", {**COMP, "n": 2, "best_of": 1}, 400, "best_of"),
+    ("/v1/completions", {**COMP, "best_of": 3, "stream": True}, 400, "best_of"),
+    ("/v1/completions", {**COMP, "guided_regex": "[0-9"}, 400, "guided_regex"),
+    ("/v1/completions", {**COMP, "guided_choice": []}, 400, "guided_choice"),
+    ("/v1/completions", {**COMP, "guided_regex": "a", "guided_choice": ["b"]}, 400, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "bogus"}}}}, 400, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("/v1/completions", {**COMP, "prompt": ["x"] * (MAX_SEQS + MAX_QUEUED + 1)}, 400, "prompt"),
+    ("/v1/completions", [1, 2], 400, None),
+    ("/v1/completions", None, 400, None),
 ])
 def test_invalid_requests(http, path, body, status, param):
     assert_envelope(http.post(path, json=body), status, param)
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\ud800"}], "max_tokens": 2}', "messages"),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "model": "\\ud800"}', "model"),
+    ("/v1/completions", '{"prompt": "hi", "logit_bias": {"\\ud800": 1}}', "logit_bias"),
+])
+def test_lone_surrogates_are_400(http, path, raw, param):
+    """JSON may spell a lone surrogate (\\ud800), which no tokenizer or UTF-8 encoder accepts (once a 500)."""
+    r = http.post(path, content=raw.encode(), headers={"Content-Type": "application/json"})
+    assert_envelope(r, 404 if param == "model" else 400, param)
+
+
+def _strict_json(text: str):
+    """json.loads that refuses NaN and Infinity (Python's json accepts them; JSON does not)."""
+    def no_constant(name):
+        raise ValueError(f"non-JSON constant {name}")
+    return json.loads(text, parse_constant=no_constant)
+
+
+def test_logprobs_always_finite(http):
+    """A grammar leaves one token possible: the other top logprobs are -inf inside, -9999.0 on the wire."""
+    body = {**COMP, "guided_choice": ["yes"], "logprobs": 5, "max_tokens": 3}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    lp = _strict_json(r.text)["choices"][0]["logprobs"]
+    tops = [v for d in lp["top_logprobs"] for v in d.values()]
+    assert min(tops) == -9999.0 and max(tops) <= 0
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert all("logprobs" in _strict_json(e)["choices"][0] for e in events[:-1])
+
+
+def test_model_ids_are_matched_exactly(http):
+    for path in ("/v1/models/", "/v1/models/%0A", f"/v1/models/{MODEL}%0A", f"/v1/models/{MODEL}/", "/v1/models/x"):
+        err = assert_envelope(http.get(path), 404, "model")
+        assert err["code"] == "model_not_found"
+    assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert_envelope(http.post("/v1/completions", json={**COMP, "model": MODEL + "\n"}), 404, "model")
+
+
+def test_chat_template_kwargs_cannot_clash(http):
+    for kwargs in ({"self": 1}, {"messages": []}, {"add_generation_prompt": False, "1bad": 2}):
+        r = http.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": kwargs})
+        assert r.status_code == 200, r.text
+
+
+def test_405_names_the_allowed_methods(http):
+    r = http.get("/v1/completions")
+    assert_envelope(r, 405)
+    assert r.headers["allow"] == "POST"
+    r = http.post("/v1/models")
+    assert_envelope(r, 405)
+    assert r.headers["allow"] == "GET"
+
+
+def test_openapi_documents_request_bodies(server):
+    spec = httpx.get(server.url + "/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    for path, name in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
+                       ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")):
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{name}"}
+        assert "properties" in schemas[name]
+    for field in ("prompt", "max_tokens", "logprobs", "echo", "best_of", "logit_bias", "guided_json", "response_format"):
+        assert field in schemas["CompletionRequest"]["properties"], field
+    for field in ("messages", "tools", "tool_choice", "response_format", "top_logprobs"):
+        assert field in schemas["ChatCompletionRequest"]["properties"], field
+    assert "ErrorResponse" in schemas
+
+
+def test_logit_bias_and_best_of(http, llm):
+    want = llm.tokenizer.encode(" banana", add_special_tokens=False)[-1]
+    r = http.post("/v1/completions", json={**COMP, "temperature": 0, "max_tokens": 1, "logit_bias": {str(want): 100}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == llm.tokenizer.decode([want])
+    r = http.post("/v1/completions", json={**COMP, "max_tokens": 3, "ignore_eos": True, "n": 2, "best_of": 4,
+                                           "seed": 5}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1] and r["choices"][0]["logprobs"] is None
+    assert r["usage"]["completion_tokens"] == 4 * 3  # all four were generated
+
+
+def test_a_request_larger_than_the_queue_is_400_not_503(http):
+    before = metric(http.get("/metrics").text, "ferry:request_success_total", finished_reason="abort")
+    body = {**COMP, "prompt": ["x"] * (MAX_SEQS + MAX_QUEUED + 1)}
+    err = assert_envelope(http.post("/v1/completions", json=body), 400, "prompt")
+    assert err["code"] == "too_many_prompts"
+    r = http.post("/v1/completions", json={**COMP, "prompt": ["x"] * (MAX_SEQS + MAX_QUEUED)})  # fits, idle server
+    assert r.status_code == 200 and len(r.json()["choices"]) == MAX_SEQS + MAX_QUEUED
+    after = metric(wait_idle(http), "ferry:request_success_total", finished_reason="abort")
+    assert after == before  # a refused request was never queued, so nothing was aborted
+
+
+def test_huge_prompt_does_not_block_the_event_loop(server, http):
+    """A prompt that takes seconds to tokenize; /health answers meanwhile (FERRY_TEST_PROMPT_MB=15: the issue's size)."""
+    mb = float(os.environ.get("FERRY_TEST_PROMPT_MB", "1.5"))
+    data = json.dumps({**COMP, "prompt": "hello world, " * int(mb * 1e6 / 13)}).encode()  # encoded up front:
+    result = {}  # the client's own GIL-holding work would show up as server latency
+
+    def big():
+        result["r"] = http.post("/v1/completions", content=data, timeout=600)
+
+    t = threading.Thread(target=big)
+    lat = []
+    with httpx.Client(base_url=server.url) as c:
+        c.get("/health")  # connected before timing
+        t.start()
+        while t.is_alive():
+            t0 = time.perf_counter()
+            assert c.get("/health").status_code == 200
+            lat.append(time.perf_counter() - t0)
+            time.sleep(0.01)
+    t.join()
+    err = assert_envelope(result["r"], 400)
+    assert err["code"] == "context_length_exceeded"
+    assert len(lat) > 20, lat  # it really ran while the prompt was tokenized
+    print(f"/health while a {mb} MB prompt was read and tokenized: {len(lat)} calls, "
+          f"max {max(lat) * 1e3:.0f} ms, 2nd {sorted(lat)[-2] * 1e3:.0f} ms")
+    assert sorted(lat)[-2] < 0.1, sorted(lat)[-5:]  # one slow answer allowed (a loaded CI machine)
+
+
+def _raw(server, data: bytes) -> tuple[float, bytes]:
+    """Send `data` on a raw socket and read until the server closes it; (seconds to close, what came back)."""
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.settimeout(READ_TIMEOUT * 5)
+        s.sendall(data)
+        t0, got = time.monotonic(), b""
+        while chunk := s.recv(65536):
+            got += chunk
+        return time.monotonic() - t0, got
+
+
+@pytest.mark.parametrize("data", [
+    b"",  # connects and says nothing
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",  # headers never finish
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
+    + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ",  # body stops
+])
+def test_slow_clients_are_cut_off(server, data):
+    secs, got = _raw(server, data)
+    assert READ_TIMEOUT * 0.8 < secs < READ_TIMEOUT + 3, secs
+    assert got.startswith(b"HTTP/1.1 408"), got
+    assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
 
 
 def test_prompt_over_context(http):
@@ -365,6 +464,115 @@ def test_malformed_and_oversized_and_unknown_route(http):
     assert_envelope(r, 413)
     assert_envelope(http.get("/v1/nothing-here"), 404)
     assert http.get("/health").status_code == 200  # the server is fine afterwards
+
+
+# -- structured outputs and tool calls -----------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def _is_person(obj) -> bool:
+    return (isinstance(obj, dict) and set(obj) == {"name", "age"} and isinstance(obj["name"], str)
+            and len(obj["name"]) <= 12 and type(obj["age"]) is int and 0 <= obj["age"] <= 150)
+
+
+def test_json_schema_output_always_validates(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], n=20, seed=7,
+        temperature=1.0, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    assert len(r.choices) == 20
+    texts = [c.message.content for c in r.choices]
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        assert _is_person(json.loads(c.message.content)), c.message.content
+    assert len(set(texts)) > 1  # sampled, not one answer repeated
+
+
+def test_json_object_regex_choice(http):
+    r = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 40, "seed": 1, "temperature": 0.7,
+                                                "response_format": {"type": "json_object"}}).json()
+    text = r["choices"][0]["message"]["content"]
+    if r["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(text), dict), text
+    else:
+        assert text.lstrip().startswith("{"), text
+    for n, seed in ((4, 3),):
+        r = http.post("/v1/completions", json={**COMP, "prompt": "My number:", "guided_regex": r"[0-9]{3}-[0-9]{4}",
+                                               "max_tokens": 20, "n": n, "seed": seed}).json()
+        for c in r["choices"]:
+            assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", c["text"]) and c["finish_reason"] == "stop", c
+    r = http.post("/v1/completions", json={**COMP, "prompt": "Colour:", "guided_choice": ["red", "green", "blue"],
+                                           "n": 6, "seed": 2, "max_tokens": 10}).json()
+    assert {c["text"] for c in r["choices"]} <= {"red", "green", "blue"}
+    with http.stream("POST", "/v1/completions", json={**COMP, "prompt": "Colour:", "stream": True, "max_tokens": 10,
+                                                      "guided_choice": ["red", "green", "blue"]}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) in {"red", "green", "blue"}
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_call_round_trip(client, tool_choice):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=tool_choice,
+                                       max_tokens=40, temperature=0)
+    msg = r.choices[0].message
+    assert msg.content is None and len(msg.tool_calls) == 1, msg
+    call = msg.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    if tool_choice == "required":
+        assert call.function.name in ("get_weather", "get_time") and r.choices[0].finish_reason == "tool_calls"
+    else:
+        assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert isinstance(args, dict)
+    # streamed, the deltas add up to the same call
+    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
+                                            tool_choice=tool_choice, max_tokens=40, temperature=0, stream=True)
+    name, arguments, ids, reasons = "", "", set(), []
+    for chunk in stream:
+        for d in chunk.choices[0].delta.tool_calls or []:
+            assert d.index == 0
+            ids.add(d.id) if d.id else None
+            name += (d.function.name or "") if d.function else ""
+            arguments += (d.function.arguments or "") if d.function else ""
+        reasons.append(chunk.choices[0].finish_reason)
+    assert name == call.function.name and json.loads(arguments) == args and len(ids) == 1
+    assert reasons[-1] == r.choices[0].finish_reason
+    # the result goes back to the model, which answers in text
+    messages += [msg.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21})}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], max_tokens=8,
+                                       temperature=0)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
+def test_tool_choice_auto_parses_hermes_calls(http):
+    """With --tool-call-parser hermes, a `<tool_call>` the model writes comes back parsed (forced here by a regex)."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    body = {**CHAT, "tools": [WEATHER], "max_tokens": 60, "guided_regex": re.escape(call)}
+    r = http.post("/v1/chat/completions", json=body).json()
+    c = r["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+    (tc,) = c["message"]["tool_calls"]
+    assert tc["function"]["name"] == "get_weather" and json.loads(tc["function"]["arguments"]) == {"city": "Oslo"}
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    deltas = [ch["choices"][0]["delta"] for ch in chunks]
+    assert not any("<tool_call>"[:k] in (d.get("content") or "") for d in deltas for k in (3,))  # never shown
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert [tc["function"]["name"] for tc in calls] == ["get_weather"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 # -- load: queue bound, disconnects, concurrency ------------------------------------------------------
@@ -459,6 +667,28 @@ def test_metrics_names_and_labels(http):
         assert metric(text, name + "_bucket", model_name=MODEL, le="+Inf") > 0
     assert metric(text, "ferry:request_success_total", model_name=MODEL, finished_reason="length") > 0
     assert metric(text, "ferry:prompt_tokens_total") > 0 and metric(text, "ferry:prefix_cache_queries_total") > 0
+    # vLLM's request histograms; the per-request token counts add up to the counters
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
+                 "iteration_tokens_total", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_inference_time_seconds", "request_params_n", "request_params_max_tokens",
+                 "time_per_output_token_seconds"):
+        assert metric(text, f"ferry:{name}_count", model_name=MODEL) > 0, name
+    finished = sum(metric(text, "ferry:request_success_total", finished_reason=r) for r in ("stop", "length"))
+    assert metric(text, "ferry:request_generation_tokens_count") == finished
+    assert metric(text, "ferry:request_generation_tokens_sum") <= metric(text, "ferry:generation_tokens_total")
+    assert metric(text, "ferry:iteration_tokens_total_sum") >= metric(text, "ferry:generation_tokens_total")
+    info = [line for line in text.splitlines() if line.startswith("ferry:cache_config_info{")]
+    assert len(info) == 1 and 'block_size="16"' in info[0] and info[0].endswith(" 1.0"), info
+    # process collectors, and --metrics-compat vllm: every ferry: series again under vLLM's name
+    assert metric(text, "process_resident_memory_bytes") > 0 and metric(text, "process_cpu_seconds_total") > 0
+    ferry = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("ferry:")}
+    vllm = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("vllm:")}
+    assert {n.replace("ferry:", "vllm:", 1) for n in ferry} | {"vllm:gpu_cache_usage_perc"} == vllm
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_success_total"):
+        assert name in vllm, name
+    assert metric(text, "vllm:generation_tokens_total") == metric(text, "ferry:generation_tokens_total")
+    assert metric(text, "vllm:gpu_cache_usage_perc") == metric(text, "ferry:kv_cache_usage_perc")  # v0's name
 
 
 # -- life-cycle states, in process (a loading gate and a step that raises cannot be forced from outside) -----

@@ -78,7 +78,8 @@ class EngineStats:
 class StatListener(Protocol):
     """Receives request events on the event loop thread (the server's Prometheus metrics)."""
 
-    def on_request(self, request_id: str, arrival_time: float) -> None: ...
+    def on_request(self, request_id: str, arrival_time: float, params: SamplingParams) -> None: ...
+    def on_step(self, num_tokens: int) -> None: ...
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None: ...
     def on_abort(self, request_id: str) -> None: ...
 
@@ -170,6 +171,10 @@ class AsyncEngine:
         await asyncio.shield(self._loaded)
 
     @property
+    def is_loaded(self) -> bool:
+        return self.engine is not None
+
+    @property
     def is_ready(self) -> bool:
         return self.state == EngineState.READY
 
@@ -190,6 +195,25 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         return not self._streams
 
+    def abort_all(self, error: BaseException) -> int:
+        """Fail every in-flight request with `error` (their streams end with it) and abort them; returns how many."""
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream._fail(error)
+            self._abort(stream.request_id)
+        return len(streams)
+
+    def abort_all_later(self, delay: float, error: BaseException, then: Callable[[int], None] | None = None) -> None:
+        """From any thread, a signal handler too: `abort_all(error)` on the event loop after `delay` seconds,
+        then `then(how many)`."""
+        def run():
+            n = self.abort_all(error)
+            if then is not None:
+                then(n)
+
+        if self._loop is not None:  # call_soon_threadsafe only writes to the loop's self-pipe
+            self._loop.call_soon_threadsafe(self._loop.call_later, delay, run)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Abort whatever is left and stop the engine thread."""
         if self.state < EngineState.STOPPED:
@@ -198,7 +222,8 @@ class AsyncEngine:
             stream._fail(EngineUnavailableError("the server is shutting down"))
         self._streams.clear()
         self._inbox.put((_STOP,))
-        if self._thread is not None and self._thread is not threading.current_thread():
+        # a thread still inside the model load cannot be interrupted; it is a daemon, so nobody waits for it
+        if self._thread is not None and self._thread is not threading.current_thread() and self.is_loaded:
             self._thread.join(timeout)
 
     # -- requests (event loop thread) ----------------------------------------------------------------
@@ -213,6 +238,26 @@ class AsyncEngine:
                EngineState.DEAD: f"the engine died: {self.error}"}[self.state]
         raise EngineUnavailableError(why)
 
+    def check_capacity(self, num_requests: int) -> None:
+        """Raise unless `num_requests` more requests fit now: InvalidRequestError (400) when they never can
+        (more than the batch's seats plus the waiting queue), QueueFullError (503, retry) when they do not fit yet.
+        Checked once for a whole multi-prompt request, so it is queued all or nothing."""
+        if self.max_queued_requests is None:
+            return
+        seats = self._max_num_seqs
+        limit = seats + self.max_queued_requests
+        if num_requests > limit:
+            raise InvalidRequestError(
+                f"this request holds {num_requests} prompts but the server takes at most {limit} requests at once "
+                f"({seats} running + {self.max_queued_requests} waiting); send fewer prompts per request",
+                param="prompt", code="too_many_prompts")
+        # the published count lags a step; requests beyond the batch's seats will wait too
+        queued = max(self.stats.num_waiting, len(self._streams) - seats, 0)
+        new_waiting = max(0, num_requests - max(0, seats - len(self._streams)))
+        if queued >= self.max_queued_requests or queued + new_waiting > self.max_queued_requests:
+            raise QueueFullError(f"the server is busy: {queued} requests are already waiting "
+                                 f"(--max-queued-requests {self.max_queued_requests}); retry later")
+
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestStream:
         """Queue a request; raises now (not on iteration) when the engine cannot take it.
 
@@ -221,16 +266,11 @@ class AsyncEngine:
         self.check_accepting()
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        if self.max_queued_requests is not None:
-            # the published count lags a step; requests beyond the batch's seats will wait too
-            queued = max(self.stats.num_waiting, len(self._streams) - self._max_num_seqs)
-            if queued >= self.max_queued_requests:
-                raise QueueFullError(f"the server is busy: {queued} requests are already waiting "
-                                     f"(--max-queued-requests {self.max_queued_requests}); retry later")
+        self.check_capacity(1)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         if self.listener is not None:
-            self.listener.on_request(request_id, time.monotonic())
+            self.listener.on_request(request_id, time.monotonic(), params)
         self._inbox.put((_ADD, request_id, prompt, params))
         return stream
 
@@ -302,8 +342,10 @@ class AsyncEngine:
                         engine.abort_request(rid)
                     self.stats = self._snapshot(engine)
                     return
+            num_tokens = 0
             try:
                 outputs = engine.step() if engine.has_unfinished_requests() else []
+                num_tokens = engine.last_step_tokens
                 failures = 0
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep the server
                 failures += 1
@@ -318,8 +360,8 @@ class AsyncEngine:
                 outputs = []
             now = time.monotonic()
             self.stats = self._snapshot(engine)
-            if outputs or errors:
-                self._post(self._dispatch, outputs, errors, now)
+            if outputs or errors or num_tokens:
+                self._post(self._dispatch, outputs, errors, now, num_tokens)
 
     @staticmethod
     def _snapshot(engine: LLMEngine) -> EngineStats:
@@ -350,8 +392,10 @@ class AsyncEngine:
             stream._fail(dead)
         self._streams.clear()
 
-    def _dispatch(self, outputs: list[RequestOutput], errors: list, now: float) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], errors: list, now: float, num_tokens: int = 0) -> None:
         streams = self._streams
+        if self.listener is not None and num_tokens:
+            self.listener.on_step(num_tokens)
         for rid, error in errors:
             stream = streams.get(rid)
             if stream is not None:

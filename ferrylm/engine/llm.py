@@ -10,9 +10,22 @@ from typing import Sequence as Seq
 
 from ferrylm.config import engine_config
 from ferrylm.engine.llm_engine import LLMEngine, RequestOutput
+from ferrylm.errors import InvalidRequestError
 from ferrylm.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict
+"""Text, token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": [...]}`."""
+
+
+def _plain_prompt(p: Prompt) -> str | list[int]:
+    if not isinstance(p, dict):
+        return p
+    if "prompt_token_ids" in p:
+        return list(p["prompt_token_ids"])
+    if "prompt" in p:
+        return p["prompt"]
+    raise InvalidRequestError(f"a dict prompt needs `prompt` or `prompt_token_ids`, got keys {sorted(p)}",
+                              param="prompt")
 
 
 class LLM:
@@ -26,9 +39,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_plain_prompt(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:

@@ -12,6 +12,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.model_runner import ModelRunner
 from ferrylm.engine.scheduler import Scheduler
@@ -19,7 +21,7 @@ from ferrylm.engine.sequence import Sequence, SequenceStatus
 from ferrylm.errors import ConfigError, InvalidRequestError, ModelLoadError
 from ferrylm.kv.block_manager import BlockManager
 from ferrylm.kv.state_pool import StateSlotPool
-from ferrylm.layers.sampler import Sampler
+from ferrylm.layers.sampler import MIN_LOGPROB, Sampler, SamplingRow
 from ferrylm.sampling_params import SamplingParams
 from ferrylm.weights.source import open_source
 
@@ -47,6 +49,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With SamplingParams.prompt_logprobs: per prompt token {token: logprob, top-n...}; None for the first."""
     """arrival_time, first_scheduled_time, first_token_time, finished_time (time.monotonic)."""
 
 
@@ -60,6 +64,8 @@ class _Request:
     detoks: list = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
+    """Filled as the first sequence's prompt is computed (the first token has none)."""
 
     @property
     def finished(self) -> bool:
@@ -91,11 +97,21 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self.sampler = Sampler(eos_token_ids=tuple(sorted(eos)), seed=config.seed)
+        self.grammar = None
+        """Structured outputs (llguidance); needs the tokenizer."""
+        if self.tokenizer is not None:
+            from ferrylm.engine.grammar import GrammarEngine
+
+            self.grammar = GrammarEngine(self.tokenizer.backend, self.model_config.vocab_size, sorted(eos))
+        self._matchers: dict[int, object] = {}
+        """seq_id -> llguidance matcher, for sequences with a structured output."""
         # a sequence ends at the context length or when it alone would fill the KV pool
         self.max_seq_len = min(self.max_model_len, self.scheduler.max_seq_len)
         self.requests: dict[str, _Request] = {}
         self._next_id = 0
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.last_step_tokens = 0
+        """Tokens the last step computed (prefill chunks and decodes)."""
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -136,6 +152,11 @@ class LLMEngine:
         else:
             ids = [int(t) for t in prompt]
         self.check_prompt(ids, params)
+        matchers = []
+        if params.structured is not None:
+            if self.grammar is None:
+                raise InvalidRequestError("structured outputs need the model's tokenizer", param="response_format")
+            matchers = [self.grammar.matcher(params.structured) for _ in range(params.n)]
         # n > 1 with a seed: each child gets seed + index, so the completions differ but stay reproducible
         seqs = [Sequence(list(ids), params if params.seed is None or i == 0 else
                          dataclasses.replace(params, seed=params.seed + i), request_id=request_id)
@@ -146,6 +167,8 @@ class LLMEngine:
             req.detoks = [self.tokenizer.incremental_detokenizer(params.skip_special_tokens, prompt_ids=ids)
                           for _ in seqs]
         req.texts = ["" for _ in seqs]
+        for s, m in zip(seqs, matchers):
+            self._matchers[s.seq_id] = m
         for s in seqs:
             self.scheduler.add(s)
         self.requests[request_id] = req
@@ -159,16 +182,25 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+        bias = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
+        if bias:
+            raise InvalidRequestError(f"logit_bias token id {bias[0]} is outside the vocabulary [0, {vocab})",
+                                      param="logit_bias")
         if len(ids) >= self.max_seq_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_seq_len} tokens. However, your prompt has "
-                f"{len(ids)} tokens, leaving no room to generate. Please reduce the length of the prompt.",
-                param="prompt", code="context_length_exceeded")
+            raise self.context_error(len(ids))
+
+    def context_error(self, num_tokens: int) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"This model's maximum context length is {self.max_seq_len} tokens. However, your prompt has "
+            f"{num_tokens} tokens, leaving no room to generate. Please reduce the length of the prompt.",
+            param="prompt", code="context_length_exceeded")
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        for s in req.seqs:
+            self._matchers.pop(s.seq_id, None)
         self.scheduler.abort(request_id)
 
     def tokenizer_required(self):
@@ -184,14 +216,20 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns an output for every request that advanced (finished ones last time)."""
         out = self.scheduler.schedule()
+        self.last_step_tokens = out.num_batched_tokens
         if out.is_empty:
             return []
         sampling = [s for i, s in enumerate(out.seqs) if out.samples(i)]  # before postprocess moves counts
-        logits = self.runner.execute(out)
+        extra, where = self._prompt_logit_rows(out)
+        logits = self.runner.execute(out, extra) if extra else self.runner.execute(out)
+        if extra:
+            logits, prompt_logits = logits[:len(sampling)], logits[len(sampling):]
+            self._record_prompt_logprobs(prompt_logits, where)
         self.scheduler.postprocess(out)
         if not sampling:
             return []
-        result = self.sampler(logits, sampling)
+        rows = [SamplingRow(s.sampling_params, s.token_ids, s.num_prompt_tokens, s.seq_id) for s in sampling]
+        result = self.sampler(logits, rows, self._allowed(sampling))
         now = time.monotonic()
         touched: dict[str, _Request] = {}
         for row, (seq, tok) in enumerate(zip(sampling, result.token_ids)):
@@ -203,16 +241,69 @@ class LLMEngine:
                 seq.logprobs.append(result.logprobs[row])
                 seq.cumulative_logprob += result.logprobs[row][tok]
             self.stats["generation_tokens"] += 1
-            self._check_stop(req, seq, tok)
+            self._check_stop(req, seq, tok, self._advance_grammar(seq, tok))
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
             outputs.append(self._output(req))
             if req.finished:
                 del self.requests[req.request_id]
+                for s in req.seqs:
+                    self._matchers.pop(s.seq_id, None)
         return outputs
 
-    def _check_stop(self, req: _Request, seq: Sequence, tok: int) -> None:
+    def _prompt_logit_rows(self, out) -> tuple[list[int], list[tuple[_Request, int]]]:
+        """Rows of this step's token batch whose logits give prompt logprobs, and (request, prompt index) each
+        predicts. Only the first of a request's sequences is read; positions already recorded (before a
+        preemption) are skipped."""
+        rows, where, offset = [], [], 0
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            req = self.requests.get(seq.request_id)
+            if seq.sampling_params.prompt_logprobs is not None and req is not None and req.seqs[0] is seq:
+                start = seq.num_computed_tokens
+                # the logits at position q predict token q + 1; the last prompt position's predict the output
+                for q in range(max(start, len(req.prompt_logprobs) - 1), min(start + n, seq.num_prompt_tokens - 1)):
+                    rows.append(offset + q - start)
+                    where.append((req, q + 1))
+            offset += n
+        return rows, where
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, where: list[tuple[_Request, int]]) -> None:
+        # logits: [P, V]
+        lp = torch.log_softmax(logits.float(), dim=-1)  # [P, V]
+        lp = torch.nan_to_num_(lp, nan=MIN_LOGPROB, neginf=MIN_LOGPROB).clamp_(MIN_LOGPROB, 0.0)
+        ids = torch.tensor([req.prompt_token_ids[i] for req, i in where], device=lp.device)
+        chosen = lp.gather(1, ids[:, None]).squeeze(1).tolist()  # [P]
+        n = min(max(req.params.prompt_logprobs for req, _ in where), lp.shape[1])
+        top_lp, top_id = (lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long()))  # [P, N]
+        top_lp, top_id = top_lp.tolist(), top_id.tolist()
+        for j, (req, i) in enumerate(where):
+            d = {req.prompt_token_ids[i]: chosen[j]}
+            for k in range(min(req.params.prompt_logprobs, n)):
+                d.setdefault(top_id[j][k], top_lp[j][k])
+            req.prompt_logprobs.append(d)
+
+    def _allowed(self, seqs: list[Sequence]):
+        """(rows, bitmask) of the rows a grammar constrains this step, or None."""
+        if not self._matchers:
+            return None
+        rows = [i for i, s in enumerate(seqs) if s.seq_id in self._matchers]
+        if not rows:
+            return None
+        mask = self.grammar.fill_bitmask([self._matchers[seqs[i].seq_id] for i in rows])  # [M, W]
+        return torch.tensor(rows), mask
+
+    def _advance_grammar(self, seq: Sequence, tok: int) -> bool:
+        """Feed the token to the sequence's matcher; True when the grammar is complete (or broken)."""
+        m = self._matchers.get(seq.seq_id)
+        if m is None:
+            return False
+        if not m.consume_token(tok):
+            log.warning("sequence %s left its grammar: %s", seq.seq_id, m.get_error())
+            return True
+        return m.is_stopped()
+
+    def _check_stop(self, req: _Request, seq: Sequence, tok: int, grammar_done: bool = False) -> None:
         p, i = req.params, req.seqs.index(seq)
         n_out = seq.num_output_tokens
         status = None
@@ -230,6 +321,8 @@ class LLMEngine:
                     self._check_stop_strings(req, seq, i, len(prev))
                     if seq.stop_reason is not None and status is None:
                         status = SequenceStatus.FINISHED_STOPPED
+        if status is None and grammar_done:
+            status = SequenceStatus.FINISHED_STOPPED
         if status is None and (p.max_tokens is not None and n_out >= p.max_tokens):
             status = SequenceStatus.FINISHED_LENGTH
         if status is None and seq.num_tokens >= self.max_seq_len:
@@ -258,6 +351,7 @@ class LLMEngine:
             cumulative_logprob=s.cumulative_logprob) for i, s in enumerate(req.seqs)]
         first = req.seqs[0]
         return RequestOutput(
+            prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=outs, finished=req.finished, num_cached_tokens=first.num_cached_tokens,
             metrics={"arrival_time": req.arrival_time, "first_scheduled_time": first.first_scheduled_time,

@@ -270,9 +270,10 @@ class ModelRunner:
         return model.final_norm(x)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns logits [N, V] (fp32) for the sequences with `out.samples(i)`, in order."""
-        if self.graphs is not None and self.graphs.eligible(out):
+    def execute(self, out: SchedulerOutput, extra_rows: list[int] = ()) -> torch.Tensor:
+        """Run one step; returns logits [N, V] (fp32) for the sequences with `out.samples(i)`, in order, then
+        those of `extra_rows` (indices into the step's flat token batch: prompt logprobs)."""
+        if self.graphs is not None and not extra_rows and self.graphs.eligible(out):
             return self.graphs.run(out)
         ids, pos, ctx, sample_rows = self.prepare(out)
         if self.piecewise is not None and self.piecewise.eligible(ids.numel()):
@@ -280,6 +281,7 @@ class ModelRunner:
         else:
             with forward_context(ctx):
                 hidden = self.forward(ids, pos)  # [T, H]
+        sample_rows = sample_rows + list(extra_rows)
         if not sample_rows:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

@@ -136,7 +136,9 @@ class Scheduler:
         # 2. Waiting sequences, FIFO, unless this step had to preempt (no room to grow, so none to admit).
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(seq) if self.use_prefix_cache else []
+            # prompt logprobs need logits at every prompt position, so such a prompt is computed in full
+            cached = self.block_manager.find_cached_prefix(seq) \
+                if self.use_prefix_cache and seq.sampling_params.prompt_logprobs is None else []
             uncomputed = seq.num_tokens - len(cached) * self.block_manager.block_size
             n = min(uncomputed, budget)
             # Without chunked prefill a prompt waits for a step with room for all of it; one longer than

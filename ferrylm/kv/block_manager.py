@@ -17,10 +17,23 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
+from typing import Protocol
 
 import xxhash
 
-from ferrylm.engine.sequence import Sequence
+
+class Sequence(Protocol):
+    """What the block manager reads and writes of a sequence (the engine's `Sequence` is one); kv/ does not
+    import engine/."""
+
+    seq_id: int
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
 
 NO_HASH = -1
 

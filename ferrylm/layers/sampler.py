@@ -2,12 +2,14 @@
 
 Owns vLLM's per-token sampling semantics, batched and vectorised, on whatever device the logits live:
 min_tokens masking of stop ids, repetition / presence / frequency penalties, temperature, min-p, top-k,
-top-p, greedy and random sampling, per-request seeds. It reads each row's SamplingParams and token ids
-from its Sequence and nothing else: it knows nothing about tokenizers, stop strings, scheduling or when a
-sequence finishes.
+top-p, greedy and random sampling, per-request seeds, `logit_bias`, and an optional allowed-token bitmask
+(structured outputs: the grammar engine fills it, the sampler only applies it). Each row comes as a plain
+`SamplingRow` (params, token ids, prompt length): it knows nothing about sequences, tokenizers, grammars,
+stop strings, scheduling or when a sequence finishes.
 
 Order, per row (vLLM v1's):
-  1. fp32 copy of the logits; rows below min_tokens get their eos and stop token ids masked.
+  1. fp32 copy of the logits; rows below min_tokens get their eos and stop token ids masked; logit_bias is
+     added; tokens outside a row's allowed bitmask get -inf.
   2. Penalties: repetition over prompt + output tokens, presence and frequency over output tokens.
      These are the "processed" logits: greedy rows take their argmax, and logprobs are the
      log_softmax of them (after penalties, before temperature / min-p / top-k / top-p; vLLM's default
@@ -15,6 +17,9 @@ Order, per row (vLLM v1's):
   3. Random rows: divide by temperature, min-p (relative to the max prob, on the full distribution),
      top-k, top-p (renormalised after top-k, at least one token kept), softmax, then the exponential
      race `argmax(probs / q)`, `q ~ Exp(1)`.
+
+Logprobs are finite: a token the processed logits rule out (-inf, or NaN from degenerate values) reports
+-9999.0, as vLLM does, so the JSON a server builds from them is always valid.
 
 Seeds: a seeded row draws its `q` from a generator re-seeded from (seed, number of tokens it has
 generated), so its token depends on nothing but its own logits, params and position in its own output:
@@ -33,10 +38,31 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrylm.engine.sequence import Sequence
 from ferrylm.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+MIN_LOGPROB = -9999.0
+"""Reported for tokens whose logprob is -inf or NaN (JSON has no infinities)."""
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row: its params and its tokens so far."""
+
+    params: SamplingParams
+    token_ids: list[int]
+    """Prompt followed by the generated tokens."""
+    num_prompt_tokens: int
+    seq_id: int = -1
+    """Whose row this is, for the caller's bookkeeping; the sampler never reads it."""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass
@@ -72,14 +98,14 @@ def seed_for_step(seed: int, step: int) -> int:
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
 
-def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[int]) -> torch.Tensor:
+def apply_min_tokens(logits: torch.Tensor, seqs: list[SamplingRow], eos_token_ids: Iterable[int]) -> torch.Tensor:
     """In place: -inf on eos (unless ignore_eos) and stop token ids for rows below min_tokens."""
     # logits: [B, V]
     V = logits.shape[1]
     rows: list[int] = []
     cols: list[int] = []
     for i, seq in enumerate(seqs):
-        p = seq.sampling_params
+        p = seq.params
         if seq.num_output_tokens >= p.min_tokens:
             continue
         ids = set(p.stop_token_ids)
@@ -94,12 +120,12 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
     """In place: repetition penalty over prompt + output tokens, presence / frequency over output tokens."""
     # logits: [B, V] fp32
     B, V = logits.shape
     dev = logits.device
-    params = [s.sampling_params for s in seqs]
+    params = [s.params for s in seqs]
     use = [_uses_penalties(p) for p in params]
 
     if any(p.repetition_penalty != 1.0 for p in params):
@@ -117,6 +143,39 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev)[:, None]  # [B, 1]
         freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev)[:, None]  # [B, 1]
         logits -= freq * counts + pres * (counts > 0)
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
+    """In place: add each row's {token id: bias} (ids outside the vocabulary were refused at validation)."""
+    # logits: [B, V]
+    rows, cols, vals = [], [], []
+    for i, s in enumerate(seqs):
+        for t, b in (s.params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(t)
+            vals.append(b)
+    if rows:
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                          torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+    return logits
+
+
+def apply_allowed_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """In place: -inf on tokens whose bit is 0 in `bitmask`, for the given rows (bit t%32 of word t//32)."""
+    # logits: [B, V]; rows: [M] long; bitmask: [M, W] int32, W = ceil(V / 32)
+    V, dev = logits.shape[1], logits.device
+    bitmask = bitmask.to(dev, non_blocking=True)  # the packed mask crosses to the device, 32x smaller than [M, V]
+    rows = rows.to(dev, non_blocking=True)
+    bits = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, :V]  # [M, V]
+    if allowed.shape[1] < V:  # the grammar's vocabulary is shorter than the model's: the rest is padding
+        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
+    if rows.numel() == logits.shape[0]:  # every row constrained (rows are in order): no gather / scatter
+        return logits.masked_fill_(~allowed, float("-inf"))
+    sub = logits[rows]  # [M, V]
+    logits[rows] = sub.masked_fill_(~allowed, float("-inf"))
     return logits
 
 
@@ -187,49 +246,57 @@ class Sampler:
             self._seeded[device] = torch.Generator(device=device)
         return self._seeded[device]
 
-    def _exponential(self, shape: tuple[int, int], seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    def _exponential(self, shape: tuple[int, int], seqs: list[SamplingRow], device: torch.device) -> torch.Tensor:
         """q ~ Exp(1): [R, V]; seeded rows from their own (seed, step) stream, the rest from the shared one."""
         q = torch.empty(shape, dtype=torch.float32, device=device)
-        seeded = [i for i, s in enumerate(seqs) if s.sampling_params.seed is not None]
+        seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
         if not seeded:
             q.exponential_(generator=self._shared_gen(device))
         else:
-            unseeded = [i for i, s in enumerate(seqs) if s.sampling_params.seed is None]
+            unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
             if unseeded:
                 draw = torch.empty(len(unseeded), shape[1], dtype=torch.float32, device=device)
                 q[torch.tensor(unseeded, device=device)] = draw.exponential_(generator=self._shared_gen(device))
             g = self._seeded_gen(device)
             for i in seeded:
                 s = seqs[i]
-                g.manual_seed(seed_for_step(s.sampling_params.seed, s.num_output_tokens))
+                g.manual_seed(seed_for_step(s.params.seed, s.num_output_tokens))
                 q[i].exponential_(generator=g)
         # Exp(1) can round to 0; keep masked tokens (prob 0) at 0 instead of nan / inf.
         return q.clamp_min_(torch.finfo(torch.float32).tiny)
 
-    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """fp32 copy of the logits with min_tokens masking and penalties applied (the input is not touched)."""
+    def process(self, logits: torch.Tensor, seqs: list[SamplingRow],
+                allowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """fp32 copy of the logits with min_tokens masking, logit bias, the allowed mask and penalties applied
+        (the input is not touched)."""
         # logits: [B, V] -> [B, V] fp32
         x = logits.to(torch.float32, copy=True)
         apply_min_tokens(x, seqs, self.eos_token_ids)
-        if any(_uses_penalties(s.sampling_params) for s in seqs):
+        apply_logit_bias(x, seqs)
+        if allowed is not None:
+            apply_allowed_mask(x, *allowed)
+        if any(_uses_penalties(s.params) for s in seqs):
             apply_penalties(x, seqs)
         return x
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow],
+                 allowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
+        """`allowed`: (rows [M] long, bitmask [M, ceil(V/32)] int32) for the rows a grammar constrains."""
         # logits: [B, V], row i belongs to seqs[i]
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (tuple(logits.shape), len(seqs))
-        params = [s.sampling_params for s in seqs]
+        params = [s.params for s in seqs]
         want_lp = any(p.logprobs is not None for p in params)
         if (
-            all(p.greedy for p in params)
+            allowed is None
+            and all(p.greedy and not p.logit_bias for p in params)
             and not want_lp
             and not any(_uses_penalties(p) for p in params)
-            and not any(s.num_output_tokens < s.sampling_params.min_tokens for s in seqs)
+            and not any(s.num_output_tokens < s.params.min_tokens for s in seqs)
         ):
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=None)
 
         dev = logits.device
-        x = self.process(logits, seqs)  # [B, V]
+        x = self.process(logits, seqs, allowed)  # [B, V]
         tokens = x.argmax(dim=-1)  # [B]; random rows are overwritten below
 
         rand = [i for i, p in enumerate(params) if not p.greedy]
@@ -238,7 +305,7 @@ class Sampler:
                 xr, rseqs = x, seqs
             else:
                 xr, rseqs = x[torch.tensor(rand, device=dev)], [seqs[i] for i in rand]  # [R, V]
-            probs = filter_logits(xr, [s.sampling_params for s in rseqs]).softmax(dim=-1)  # [R, V]
+            probs = filter_logits(xr, [s.params for s in rseqs]).softmax(dim=-1)  # [R, V]
             q = self._exponential(tuple(probs.shape), rseqs, dev)  # [R, V]
             sampled = probs.div_(q).argmax(dim=-1)  # [R]
             if len(rand) == len(seqs):
@@ -258,6 +325,7 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         idx = torch.tensor(rows, device=x.device)
         lp = torch.log_softmax(x[idx], dim=-1)  # [Bl, V]
+        lp = torch.nan_to_num_(lp, nan=MIN_LOGPROB, neginf=MIN_LOGPROB).clamp_(MIN_LOGPROB, 0.0)
         chosen = torch.tensor([token_ids[i] for i in rows], device=x.device)
         chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1).tolist()  # [Bl]
         n = min(max(params[i].logprobs for i in rows), x.shape[1])

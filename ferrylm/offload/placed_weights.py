@@ -165,7 +165,8 @@ class PlacedWeights:
 
         if self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
-        self.cpu_pool = ThreadPoolExecutor(1, thread_name_prefix="ferry-cpu-experts")  # intra-op threads inside
+        if self.device.type == "cuda":  # one worker (torch's intra-op threads inside) beside the GPU work
+            self.cpu_pool = ThreadPoolExecutor(1, thread_name_prefix="ferry-cpu-experts")
         first = next(iter(self.caches.values()))
         costs, self.calibration = calibrate(first.host_w13, first.host_w2, first.act, self.device)
         for c in self.caches.values():

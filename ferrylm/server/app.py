@@ -6,8 +6,10 @@ away, and the engine's start and stop in the app's lifespan.
 Does not know how the engine schedules or samples (`AsyncEngine` owns the thread), the wire shapes
 (`protocol.py`), the metric names (`metrics.py`) or process concerns like signals and ports (`cli.py`).
 
-Prompts are tokenized here, on the event loop, and checked against the context before they are queued,
-so a bad request fails with 400 before any response header is sent, streaming or not.
+Prompts are tokenized (and chat templates rendered, grammars compiled) on a small worker pool, never on
+the event loop, and checked against the context before they are queued, so a bad request fails with 400
+before any response header is sent, streaming or not, and a huge prompt never stalls other clients.
+Every body is a typed pydantic model on its route, so `/openapi.json` documents it.
 """
 
 from __future__ import annotations
@@ -16,15 +18,17 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 import uuid
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ferrylm
@@ -32,10 +36,13 @@ from ferrylm.engine.async_engine import (AsyncEngine, EngineUnavailableError, Qu
                                          StepFailedError)
 from ferrylm.engine.llm_engine import LLMEngine, RequestOutput
 from ferrylm.errors import FerryError, InvalidRequestError
-from ferrylm.sampling_params import SamplingParams
+from ferrylm.sampling_params import SamplingParams, StructuredOutput
 from ferrylm.server import protocol as P
-from ferrylm.server.auth import ApiKeyMiddleware, BodyLimitMiddleware
+from ferrylm.server import tool_parser as T
+from ferrylm.server.auth import ApiKeyMiddleware, BodyLimitMiddleware, JsonContentTypeMiddleware
 from ferrylm.server.metrics import CONTENT_TYPE, Metrics
+from ferrylm.server.read_timeout import BodyTimeoutMiddleware
+from ferrylm.tokenizer import TooManyTokensError
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +64,17 @@ class ServerConfig:
     max_request_bytes: int = 16 * 2**20
     """Request bodies over this get 413."""
     shutdown_timeout: float = 30.0
-    """Seconds SIGTERM waits for in-flight requests before aborting them."""
+    """Seconds SIGTERM waits for in-flight requests before aborting them (their streams end with an error
+    event and [DONE], non-streaming ones get 503)."""
     access_log: bool = True
+    read_timeout: float = 30.0
+    """Seconds a client may take to send a request's headers, and may pause while sending its body (408)."""
+    tool_call_parser: str | None = None
+    """How tool calls are read out of text when tool_choice is auto (hermes, llama3_json, mistral); None: not read."""
+    metrics_compat: str | None = None
+    """`vllm`: /metrics also exposes every series under vLLM's `vllm:` names."""
+    tokenizer_workers: int = 4
+    """Threads that tokenize, render chat templates and compile grammars off the event loop."""
 
 
 class ApiError(Exception):
@@ -71,7 +87,7 @@ class ApiError(Exception):
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(P.error_body(self.message, self.type, self.param, self.code), self.status,
+        return _JSON(P.error_body(self.message, self.type, self.param, self.code), self.status,
                             headers=self.headers)
 
 
@@ -87,12 +103,34 @@ def api_error(e: Exception) -> ApiError:
         return ApiError(503, str(e), "server_error", code="unavailable")
     if isinstance(e, StepFailedError):
         return ApiError(500, str(e), "server_error", code="step_failed")
+    if isinstance(e, RecursionError):
+        return ApiError(400, "the request is nested too deeply")
     log.error("unexpected error", exc_info=e)
     return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
 
 def _dumps(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    # allow_nan=False: a non-finite number (which the sampler never hands out) becomes an error, not bad JSON;
+    # ensure_ascii: a lone surrogate echoed from a request (an error message) stays valid, encodable JSON
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+
+
+class _JSON(JSONResponse):
+    """JSONResponse with `_dumps`: ASCII-safe and never NaN."""
+
+    def render(self, content) -> bytes:
+        return _dumps(content).encode()
+
+
+def check_text(text: str, param: str) -> str:
+    """400 for text that is no valid Unicode (a lone surrogate from a JSON `\\ud800` escape): the tokenizer
+    cannot encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{param} is not valid Unicode: {e.reason} at position {e.start}",
+                                  param=param) from None
+    return text
 
 
 def _sse(obj) -> str:
@@ -151,6 +189,45 @@ class _ChoiceState:
     offset: int = 0
     """text_offset of the next token (completions logprobs)."""
     done: bool = False
+    sent: bool = False
+    """A chunk of this choice went out (the first carries the role)."""
+
+
+@dataclass
+class _Tools:
+    """How a chat request's tool calls are produced and read back."""
+
+    mode: str = "none"
+    """none | auto (a parser reads them from free text) | named (the output is the forced function's arguments)
+    | required (the output is {"name", "arguments"})."""
+    parser: T.ToolParser | None = None
+    name: str | None = None
+    """The forced function (named)."""
+    call_id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def result(self, text: str, finish_reason: str | None) -> tuple[str | None, list[T.ToolCall], str | None]:
+        """(content, calls, finish_reason) of a finished choice."""
+        if self.mode == "named":
+            return None, [T.ToolCall(self.name, text, self.call_id)], finish_reason
+        if self.mode == "required":
+            calls = T.parse_required(text)
+            return (None if calls else text), calls, ("tool_calls" if calls and finish_reason == "stop"
+                                                      else finish_reason)
+        if self.mode == "auto" and self.parser is not None:
+            content, calls = self.parser.parse(text)
+            if calls:
+                return content, calls, "tool_calls" if finish_reason == "stop" else finish_reason
+        return text, [], finish_reason
+
+
+@dataclass
+class _Prepared:
+    core: LLMEngine
+    params: SamplingParams
+    prompts: list[list[int]]
+    texts: list[str | None] = field(default_factory=list)
+    """Echoed prompt text per prompt (completions with echo)."""
+    tools: _Tools = field(default_factory=_Tools)
 
 
 class Serving:
@@ -160,6 +237,13 @@ class Serving:
         self.engine, self.config, self.metrics = engine, config, metrics
         self.model_name = config.served_model_names[0]
         self.created = int(time.time())
+        self.pool = ThreadPoolExecutor(max(1, min(config.tokenizer_workers, os.cpu_count() or 1)),
+                                       thread_name_prefix="ferry-tokenize")
+        self.tool_parser = T.get_parser(config.tool_call_parser)
+
+    async def offload(self, fn, *args):
+        """Run `fn(*args)` on the worker pool: tokenizing a long prompt must not stall the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # -- checks ---------------------------------------------------------------------------------------
 
@@ -169,7 +253,7 @@ class Serving:
         return self.engine.engine
 
     def check_model(self, model: str | None) -> None:
-        if model and model not in self.config.served_model_names:
+        if model is not None and model not in self.config.served_model_names:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     def token_text(self, core: LLMEngine) -> Callable[[int], str]:
@@ -178,8 +262,24 @@ class Serving:
             return lambda t: f"token_id:{t}"
         return lambda t: tok.decode([t], skip_special_tokens=False)
 
+    @staticmethod
+    def encode(core: LLMEngine, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids; over the context: the context error, raised before a huge id list is built."""
+        try:
+            return core.tokenizer_required().encode(text, add_special_tokens=add_special_tokens, limit=core.max_seq_len)
+        except TooManyTokensError as e:
+            raise core.context_error(e.count) from None
+
+    def check_structured(self, core: LLMEngine, params: SamplingParams) -> None:
+        """Compile the grammar now (400 before any header), so the engine thread never meets a bad one."""
+        if params.structured is not None:
+            if core.grammar is None:
+                raise InvalidRequestError("structured outputs need the model's tokenizer", param="response_format")
+            core.grammar.compile(params.structured)
+
     def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> _Outputs:
-        """Queue one engine request per prompt; all or none."""
+        """Queue one engine request per prompt; all or none (the capacity is checked for all of them first)."""
+        self.engine.check_capacity(len(prompts))
         streams = []
         try:
             for i, ids in enumerate(prompts):
@@ -193,14 +293,16 @@ class Serving:
 
     # -- /v1/completions ------------------------------------------------------------------------------
 
-    def prepare_completion(self, body: P.CompletionRequest):
-        self.check_model(body.model)
+    def prepare_completion(self, body: P.CompletionRequest) -> _Prepared:
+        """On the worker pool: sampling params, tokenized prompts, checks."""
         core = self.core()
         params = body.sampling_params()
+        if body.echo and body.logprobs is not None:
+            params.prompt_logprobs = body.logprobs  # the echoed prompt carries its logprobs too
         texts, prompts = [], []
         for p in body.prompts():
             if isinstance(p, str):
-                ids = core.tokenizer_required().encode(p)
+                ids = self.encode(core, check_text(p, "prompt"))
                 texts.append(p)
             else:
                 ids = [int(t) for t in p]
@@ -210,13 +312,13 @@ class Serving:
         if body.echo:  # token-id prompts echo their decoded text
             texts = [t if t is not None else core.tokenizer_required().decode(ids, skip_special_tokens=False)
                      for t, ids in zip(texts, prompts)]
-        return core, params, texts, prompts
-
-    def _completion_logprobs(self, core, c, start: int, offset: int, num: int):
-        return P.completion_logprobs(c.token_ids[start:], c.logprobs[start:], self.token_text(core), num, offset)
+        self.check_structured(core, params)
+        return _Prepared(core, params, prompts, texts)
 
     async def completion(self, body: P.CompletionRequest) -> dict:
-        core, params, texts, prompts = self.prepare_completion(body)
+        self.check_model(body.model)
+        prep = await self.offload(self.prepare_completion, body)
+        core, params, prompts, texts = prep.core, prep.params, prep.prompts, prep.texts
         rid = f"cmpl-{uuid.uuid4().hex}"
         outputs = self.submit(prompts, params, rid)
         final: dict[int, RequestOutput] = {}
@@ -225,48 +327,84 @@ class Serving:
                 final[i] = out
         finally:
             outputs.close()
-        choices, n_out = [], 0
+        choices, n_out, n = [], 0, body.num_choices
         for i in range(len(prompts)):
             prefix = texts[i] if body.echo else ""
-            for c in final[i].outputs:
+            outs = final[i].outputs
+            n_out += sum(len(c.token_ids) for c in outs)
+            if len(outs) > n:  # best_of: the n with the highest cumulative logprob
+                outs = sorted(outs, key=lambda c: -c.cumulative_logprob)[:n]
+            for j, c in enumerate(outs):
                 lp = None
-                if params.logprobs is not None and c.logprobs is not None:
-                    lp = self._completion_logprobs(core, c, 0, len(prefix), params.logprobs)
-                choices.append(P.completion_choice(i * params.n + c.index, prefix + c.text, c.finish_reason,
-                                                   c.stop_reason, lp))
-                n_out += len(c.token_ids)
+                if body.logprobs is not None and c.logprobs is not None:
+                    lp = P.completion_logprobs(c.token_ids, c.logprobs, self.token_text(core), body.logprobs,
+                                               len(prefix))
+                    if body.echo and final[i].prompt_logprobs is not None:
+                        lp = P.join_completion_logprobs(self._prompt_logprobs(core, final[i], body.logprobs), lp)
+                choices.append(P.completion_choice(i * n + j, prefix + c.text, c.finish_reason, c.stop_reason, lp))
         return P.completion(rid, self.model_name, choices, P.usage(sum(map(len, prompts)), n_out))
 
-    def completion_stream(self, body: P.CompletionRequest) -> tuple[AsyncIterator[str], _Outputs]:
-        core, params, texts, prompts = self.prepare_completion(body)
+    async def completion_stream(self, body: P.CompletionRequest) -> tuple[AsyncIterator[str], _Outputs]:
+        self.check_model(body.model)
+        prep = await self.offload(self.prepare_completion, body)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        outputs = self.submit(prompts, params, rid)
-        return self._stream(outputs, core, params, rid, chat=False, echo=texts if body.echo else None,
-                            include_usage=body.include_usage, num_prompt_tokens=sum(map(len, prompts))), outputs
+        outputs = self.submit(prep.prompts, prep.params, rid)
+        return self._stream(outputs, prep, rid, chat=False, echo=prep.texts if body.echo else None,
+                            include_usage=body.include_usage), outputs
+
+    def _prompt_logprobs(self, core: LLMEngine, out: RequestOutput, num: int) -> dict:
+        return P.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.token_text(core), num, 0)
 
     # -- /v1/chat/completions -------------------------------------------------------------------------
 
-    def prepare_chat(self, body: P.ChatCompletionRequest):
-        self.check_model(body.model)
+    def _chat_tools(self, body: P.ChatCompletionRequest) -> tuple[_Tools, StructuredOutput | None]:
+        choice = body.tool_choice
+        if not body.tools:
+            if choice not in (None, "none"):
+                raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+            return _Tools(), None
+        if choice == "none":
+            return _Tools(), None
+        if choice == "required":
+            return _Tools("required"), StructuredOutput("json", T.required_schema(body.tools))
+        forced = body.forced_tool()
+        if forced is not None:
+            return _Tools("named", name=forced.function.name), StructuredOutput("json", T.arguments_schema(forced))
+        return _Tools("auto", self.tool_parser), None
+
+    def prepare_chat(self, body: P.ChatCompletionRequest) -> _Prepared:
+        """On the worker pool: sampling params, the rendered chat template, its tokens, checks."""
         core = self.core()
         params = body.sampling_params()
+        tools, forced = self._chat_tools(body)
+        if forced is not None:
+            if params.structured is not None:
+                raise InvalidRequestError("tool_choice required or named cannot be combined with response_format",
+                                          param="tool_choice")
+            params.structured = forced
+        if tools.mode == "auto" and isinstance(tools.parser, T.MistralParser):
+            params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
         tok = core.tokenizer_required()
+        # the names the template call itself uses cannot be overridden (a clash would be a TypeError)
         kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items()
-                  if k not in ("messages", "add_generation_prompt", "tools")}
+                  if k not in ("self", "messages", "add_generation_prompt", "tools") and k.isidentifier()}
         text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt
-                                       is not False, tools=body.tools, **kwargs)
-        ids = tok.encode(text, add_special_tokens=False)
+                                       is not False, tools=body.tool_dicts(), **kwargs)
         try:
+            ids = self.encode(core, check_text(text, "messages"), add_special_tokens=False)
             core.check_prompt(ids, params)
         except InvalidRequestError as e:
             raise InvalidRequestError(str(e).replace("your prompt has", "your messages resulted in"),
-                                      param="messages", code=e.code) from None
-        return core, params, ids
+                                      param="messages" if e.param == "prompt" else e.param, code=e.code) from None
+        self.check_structured(core, params)
+        return _Prepared(core, params, [ids], tools=tools)
 
     async def chat(self, body: P.ChatCompletionRequest) -> dict:
-        core, params, ids = self.prepare_chat(body)
+        self.check_model(body.model)
+        prep = await self.offload(self.prepare_chat, body)
+        core, params = prep.core, prep.params
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = self.submit([ids], params, rid)
+        outputs = self.submit(prep.prompts, params, rid)
         final = None
         try:
             async for _, out in outputs:
@@ -278,26 +416,31 @@ class Serving:
             lp = None
             if params.logprobs is not None and c.logprobs is not None:
                 lp = P.chat_logprobs(c.token_ids, c.logprobs, self.token_text(core), params.logprobs)
-            choices.append(P.chat_choice(c.index, c.text, c.finish_reason, c.stop_reason, lp))
+            content, calls, reason = prep.tools.result(c.text, c.finish_reason)
+            choices.append(P.chat_choice(c.index, content, reason, c.stop_reason, lp,
+                                         [t.to_dict() for t in calls] or None))
         n_out = sum(len(c.token_ids) for c in final.outputs)
-        return P.chat_completion(rid, self.model_name, choices, P.usage(len(ids), n_out))
+        return P.chat_completion(rid, self.model_name, choices, P.usage(len(prep.prompts[0]), n_out))
 
-    def chat_stream(self, body: P.ChatCompletionRequest) -> tuple[AsyncIterator[str], _Outputs]:
-        core, params, ids = self.prepare_chat(body)
+    async def chat_stream(self, body: P.ChatCompletionRequest) -> tuple[AsyncIterator[str], _Outputs]:
+        self.check_model(body.model)
+        prep = await self.offload(self.prepare_chat, body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = self.submit([ids], params, rid)
-        return self._stream(outputs, core, params, rid, chat=True, echo=None, include_usage=body.include_usage,
-                            num_prompt_tokens=len(ids)), outputs
+        outputs = self.submit(prep.prompts, prep.params, rid)
+        return self._stream(outputs, prep, rid, chat=True, echo=None, include_usage=body.include_usage), outputs
 
     # -- streaming ------------------------------------------------------------------------------------
 
-    async def _stream(self, outputs: _Outputs, core: LLMEngine, params: SamplingParams, rid: str, *, chat: bool,
-                      echo: list[str] | None, include_usage: bool, num_prompt_tokens: int) -> AsyncIterator[str]:
+    async def _stream(self, outputs: _Outputs, prep: _Prepared, rid: str, *, chat: bool,
+                      echo: list[str] | None, include_usage: bool) -> AsyncIterator[str]:
         """SSE events: one chunk per choice that advanced, the last with its finish_reason; then usage, [DONE].
 
         With stop strings, the last (longest stop - 1) characters are held back until the next token shows
-        whether they start a stop string, so text once sent is never taken back.
+        whether they start a stop string, so text once sent is never taken back. Tool calls: a forced
+        function's arguments stream as `tool_calls[0].function.arguments` deltas; otherwise text that may
+        start a call is held back and the parsed calls go out whole in the finishing chunk.
         """
+        core, params, tools = prep.core, prep.params, prep.tools
         created, model, n = int(time.time()), self.model_name, params.n
         holdback = max(map(len, params.stop)) - 1 if params.stop else 0
         token_text = self.token_text(core) if params.logprobs is not None else None
@@ -314,10 +457,8 @@ class Serving:
                     ntok = len(c.token_ids)
                     if st.done or (ntok == st.tokens and not finished):
                         continue
-                    first = st.tokens == 0 and st.chars == 0
                     text = c.text
                     end = len(text) if finished else max(st.chars, len(text) - holdback)
-                    delta = text[st.chars:end]
                     lp = None
                     if token_text is not None and c.logprobs is not None:
                         if chat:
@@ -329,20 +470,29 @@ class Serving:
                             st.offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else st.offset
                     reason = c.finish_reason if finished else None
                     stop_reason = c.stop_reason if finished else None
-                    if chat:
-                        choice = P.chat_delta_choice(idx, delta, first, reason, stop_reason, lp)
-                        chunk = P.chat_completion(rid, model, [choice], None, created, chunk=True)
-                    else:
-                        if first and echo is not None:
-                            delta = echo[i] + delta
-                        chunk = P.completion(rid, model, [P.completion_choice(idx, delta, reason, stop_reason, lp)],
-                                             None, created)
-                    st.chars, st.tokens, st.done = end, ntok, finished
+                    st.tokens, st.done = ntok, finished
                     if finished:
                         num_out += ntok
+                    if chat:
+                        delta, calls, reason = self._chat_delta(tools, st, text, end, finished, reason)
+                        if not delta and not calls and not finished and lp is None:
+                            continue  # nothing to show yet (a tool call is being written)
+                        choice = P.chat_delta_choice(idx, delta, not st.sent, reason, stop_reason, lp, calls)
+                        chunk = P.chat_completion(rid, model, [choice], None, created, chunk=True)
+                    else:
+                        delta = text[st.chars:end]
+                        if not st.sent and echo is not None:
+                            delta = echo[i] + delta
+                            if lp is not None and out.prompt_logprobs is not None:
+                                lp = P.join_completion_logprobs(
+                                    self._prompt_logprobs(core, out, params.logprobs), lp)
+                        st.chars = end
+                        chunk = P.completion(rid, model, [P.completion_choice(idx, delta, reason, stop_reason, lp)],
+                                             None, created)
+                    st.sent = True
                     yield _sse(chunk)
             if include_usage:
-                u = P.usage(num_prompt_tokens, num_out)
+                u = P.usage(sum(map(len, prep.prompts)), num_out)
                 yield _sse(P.chat_completion(rid, model, [], u, created, chunk=True) if chat
                            else P.completion(rid, model, [], u, created))
         except Exception as e:  # noqa: BLE001 - after the headers went out, an error can only be an event
@@ -351,6 +501,34 @@ class Serving:
         finally:
             outputs.close()
         yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _chat_delta(tools: _Tools, st: _ChoiceState, text: str, end: int, finished: bool,
+                    reason: str | None) -> tuple[str | None, list[dict] | None, str | None]:
+        """(content delta, tool_calls delta, finish_reason) for one chat choice; advances `st.chars`."""
+        if tools.mode == "none" or (tools.mode == "auto" and tools.parser is None):
+            delta, st.chars = text[st.chars:end], end
+            return delta, None, reason
+        if tools.mode == "named":  # the text is the arguments: stream them as they come
+            args, st.chars = text[st.chars:end], end
+            call = {"index": 0, "function": {"arguments": args}}
+            if not st.sent:
+                call.update(id=tools.call_id, type="function")
+                call["function"]["name"] = tools.name
+            return None, ([call] if args or not st.sent else None), reason
+        if not finished:
+            if tools.mode == "required":  # the whole output is the call: nothing to show until it is complete
+                return None, None, None
+            limit = min(end, max(st.chars, tools.parser.call_starts_at(text)))  # text that may open a call waits
+            delta, st.chars = text[st.chars:limit], limit
+            return delta, None, None
+        content, calls, reason = tools.result(text, reason)
+        if not calls:
+            delta, st.chars = text[st.chars:], len(text)
+            return delta, None, reason
+        rest = (content or "")[st.chars:] if content and content.startswith(text[:st.chars]) else None
+        st.chars = len(text)
+        return rest or None, [c.to_dict(k) for k, c in enumerate(calls)], reason
 
     # -- tokenizer endpoints --------------------------------------------------------------------------
 
@@ -362,9 +540,9 @@ class Serving:
             req = P.ChatCompletionRequest(messages=body.messages)
             text = tok.apply_chat_template(req.template_messages(),
                                            add_generation_prompt=body.add_generation_prompt is not False)
-            ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            ids = tok.encode(check_text(text, "messages"), add_special_tokens=bool(body.add_special_tokens))
         elif body.prompt is not None:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+            ids = tok.encode(check_text(body.prompt, "prompt"), add_special_tokens=body.add_special_tokens is not False)
         else:
             raise InvalidRequestError("give a prompt or messages", param="prompt")
         strs = [tok.id_to_token(t) for t in ids] if body.return_token_strs else None
@@ -422,14 +600,6 @@ async def _unless_disconnected(request: Request, work):
     return task.result()
 
 
-async def _parse(request: Request, model: type[BaseModel]):
-    """The JSON body as `model`, whatever the Content-Type says (curl -d sends form-urlencoded)."""
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as e:
-        raise _validation_error(e) from None
-
-
 def _validation_error(exc: RequestValidationError | ValidationError) -> ApiError:
     errors = exc.errors()
     first = errors[0] if errors else {}
@@ -444,7 +614,7 @@ def _validation_error(exc: RequestValidationError | ValidationError) -> ApiError
 def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | None = None,
                on_load_failed: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The app; its lifespan starts the engine thread (loading in the background) and stops it."""
-    metrics = metrics or Metrics(config.served_model_names[0])
+    metrics = metrics or Metrics(config.served_model_names[0], compat=config.metrics_compat)
     metrics.attach(engine)
     serving = Serving(engine, config, metrics)
 
@@ -456,6 +626,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
             try:
                 await engine.wait_loaded()
                 log.info("model loaded: serving %s", ", ".join(config.served_model_names))
+                metrics.on_loaded(engine)
             except BaseException as e:  # noqa: BLE001
                 if on_load_failed is not None:
                     on_load_failed(e)
@@ -467,9 +638,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
             watcher.cancel()
             await engine.drain(1.0)  # uvicorn already waited for connections up to the shutdown timeout
             engine.shutdown()
+            serving.pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="ferrylm", version=ferrylm.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="ferrylm", version=ferrylm.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="OpenAI-compatible API (completions, chat completions with tools and structured "
+                              "outputs) plus vLLM's tokenizer endpoints. Errors use OpenAI's error envelope.")
     app.state.serving = serving
+    errors = {"description": "OpenAI error envelope", "model": P.ErrorResponse}
+    error_responses = {s: errors for s in (400, 401, 404, 408, 413, 503)}
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -486,7 +662,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return ApiError(e.status_code, str(e.detail), code=code).response()
+        err = ApiError(e.status_code, str(e.detail), code=code, headers=getattr(e, "headers", None))
+        return err.response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
@@ -503,7 +680,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
         body = {"status": engine.state.name.lower()}
         if engine.error is not None:
             body["error"] = str(engine.error)
-        return JSONResponse(body, 503)
+        return _JSON(body, 503)
 
     @app.get("/version")
     async def version():
@@ -513,40 +690,49 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
     async def get_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses)
     async def list_models():
         return serving.models()
 
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str):
-        serving.check_model(model_id)
-        return next(c for c in serving.models()["data"] if c["id"] == model_id)
+    @app.get("/v1/models/{model_id:path}", responses=error_responses)
+    async def get_model(model_id: str, request: Request):
+        # the path as sent: Starlette's `$` also matches before a trailing newline, which would cut it off
+        model_id = request.scope["path"][len("/v1/models/"):]
+        card = next((c for c in serving.models()["data"] if c["id"] == model_id), None)
+        if card is None:
+            raise ApiError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return card
 
-    @app.post("/v1/completions")
-    async def create_completion(request: Request):
-        body = await _parse(request, P.CompletionRequest)
+    @app.post("/v1/completions", responses=error_responses)
+    async def create_completion(body: P.CompletionRequest, request: Request):
         if body.stream:
-            return sse(serving.completion_stream(body))
+            return sse(await serving.completion_stream(body))
         result = await _unless_disconnected(request, serving.completion(body))
-        return JSONResponse(result) if result is not None else Response(status_code=499)
+        return _JSON(result) if result is not None else Response(status_code=499)
 
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: Request):
-        body = await _parse(request, P.ChatCompletionRequest)
+    @app.post("/v1/chat/completions", responses=error_responses)
+    async def create_chat_completion(body: P.ChatCompletionRequest, request: Request):
         if body.stream:
-            return sse(serving.chat_stream(body))
+            return sse(await serving.chat_stream(body))
         result = await _unless_disconnected(request, serving.chat(body))
-        return JSONResponse(result) if result is not None else Response(status_code=499)
+        return _JSON(result) if result is not None else Response(status_code=499)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        return serving.tokenize(await _parse(request, P.TokenizeRequest))
+    def encoded(fn):
+        """On the worker pool: `fn`'s dict as JSON bytes (a long token list must not be encoded on the loop)."""
+        return lambda body: Response(_dumps(fn(body)).encode(), media_type="application/json")
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        return serving.detokenize(await _parse(request, P.DetokenizeRequest))
+    @app.post("/tokenize", responses=error_responses)
+    async def tokenize(body: P.TokenizeRequest):
+        return await serving.offload(encoded(serving.tokenize), body)
 
+    @app.post("/detokenize", responses=error_responses)
+    async def detokenize(body: P.DetokenizeRequest):
+        return await serving.offload(encoded(serving.detokenize), body)
+
+    # outermost last: the body limit and read timeout see the raw body before anything parses it
+    app.add_middleware(JsonContentTypeMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(BodyTimeoutMiddleware, timeout=config.read_timeout)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app

@@ -1,4 +1,5 @@
-"""ASGI middleware in front of the app: the API key check and the request body size limit.
+"""ASGI middleware in front of the app: the API key check, the request body size limit, and JSON bodies
+whatever their Content-Type says.
 
 Both are plain ASGI (not Starlette's BaseHTTPMiddleware) so a streamed response passes straight through
 and costs nothing per chunk. Neither knows the OpenAI routes beyond which paths need the key.
@@ -17,7 +18,7 @@ PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 async def send_json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
-    data = json.dumps(body).encode()
+    data = json.dumps(body).encode()  # ensure_ascii (the default): always encodable
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
                             *headers]})
@@ -111,3 +112,17 @@ class BodyLimitMiddleware:
             if not started:
                 started = True
                 await self._reject(send)
+
+
+class JsonContentTypeMiddleware:
+    """Every POST body is JSON: `curl -d` sends form-urlencoded and some clients send none, so the header is
+    set to application/json before FastAPI reads the typed body (a body that is not JSON is still a 400)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)

@@ -4,14 +4,17 @@ Flags map 1:1 onto `ServerConfig` and (through `ferrylm.cli.add_engine_args`) on
 The HTTP port opens at once and the model loads on the engine thread meanwhile (/health says 503 until
 it is ready); if loading fails the server exits with the load error.
 
-SIGTERM: stop accepting, let in-flight requests finish for up to --shutdown-timeout seconds, abort the
-rest, stop the engine thread and exit 0.
+SIGTERM: stop accepting, let in-flight requests finish for up to --shutdown-timeout seconds, then end
+the rest ourselves (each open stream gets an error event and `[DONE]`, each waiting non-streaming request a
+503 envelope) before uvicorn's own deadline (a few seconds later) would cut them at the TCP level; stop the
+engine thread and exit 0, whether the model had loaded or not.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -19,6 +22,8 @@ from ferrylm.errors import FerryError
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 """What the embedded default model is called when no --model is given."""
+SHUTDOWN_GRACE = 5.0
+"""Seconds between our shutdown deadline (streams end with an error event) and uvicorn's (connections cut)."""
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +42,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight requests before aborting them")
     p.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send a request's headers, or pause while sending its body (408)")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="read tool calls out of generated text when tool_choice is auto (required/named need none)")
+    p.add_argument("--metrics-compat", default=None, choices=["vllm"],
+                   help="also expose every metric under vLLM's `vllm:` names (for vLLM's dashboards)")
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -44,6 +55,39 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
     return p
+
+
+def add_export_tokenizer_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("export-tokenizer", help="write the model's tokenizer as an HF tokenizer directory "
+                              "(for benchmark tools such as GuideLLM and AIPerf, offline)")
+    p.add_argument("dir", help="directory to write tokenizer.json, tokenizer_config.json, special_tokens_map.json")
+    p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory, if not beside the model")
+    p.set_defaults(func=cmd_export_tokenizer)
+    return p
+
+
+def cmd_export_tokenizer(a: argparse.Namespace) -> None:
+    """`AutoTokenizer.from_pretrained(DIR)` then counts tokens and renders chat as the server does."""
+    import json
+
+    from ferrylm.default_model import default_model_path
+    from ferrylm.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(a.tokenizer or a.model or default_model_path())
+    os.makedirs(a.dir, exist_ok=True)
+    tok.backend.save(os.path.join(a.dir, "tokenizer.json"))
+    templates = tok.chat_templates
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+              "add_bos_token": bool(tok.add_bos), "add_eos_token": bool(tok.add_eos), **tok.special_tokens}
+    if templates:
+        config["chat_template"] = (templates["default"] if set(templates) == {"default"} else
+                                   [{"name": k, "template": v} for k, v in templates.items()])
+    with open(os.path.join(a.dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+    with open(os.path.join(a.dir, "special_tokens_map.json"), "w") as f:
+        json.dump(tok.special_tokens, f, indent=2, ensure_ascii=False)
+    print(a.dir)
 
 
 def server_config(a: argparse.Namespace):
@@ -55,15 +99,17 @@ def server_config(a: argparse.Namespace):
     return ServerConfig(served_model_names=names, model_root=root, host=a.host, port=a.port, api_key=a.api_key,
                         max_queued_requests=None if a.max_queued_requests < 0 else a.max_queued_requests,
                         max_request_bytes=a.max_request_bytes, shutdown_timeout=a.shutdown_timeout,
-                        access_log=not a.disable_access_log)
+                        access_log=not a.disable_access_log, read_timeout=a.read_timeout,
+                        tool_call_parser=a.tool_call_parser, metrics_compat=a.metrics_compat)
 
 
 def cmd_serve(a: argparse.Namespace) -> None:
     import uvicorn
 
     from ferrylm.cli import engine_kwargs
-    from ferrylm.engine.async_engine import AsyncEngine
+    from ferrylm.engine.async_engine import AsyncEngine, EngineUnavailableError
     from ferrylm.server.app import create_app
+    from ferrylm.server.read_timeout import protocol_class
 
     config = server_config(a)
     kwargs = engine_kwargs(a)
@@ -75,19 +121,33 @@ def cmd_serve(a: argparse.Namespace) -> None:
 
     engine = AsyncEngine(build_engine, max_queued_requests=config.max_queued_requests)
     load_error: list[BaseException] = []
+    stopping: list[bool] = []
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            engine.begin_drain()  # /health turns 503 and new requests are refused while in-flight ones finish
+            if not stopping:
+                stopping.append(True)
+                engine.begin_drain()  # /health turns 503 and new requests are refused while in-flight ones finish
+                engine.abort_all_later(config.shutdown_timeout, EngineUnavailableError(
+                    "the server is shutting down: the request was aborted after --shutdown-timeout "
+                    f"{config.shutdown_timeout:g} s"), then=report_aborted)
             super().handle_exit(sig, frame)
 
+    def report_aborted(n: int) -> None:
+        if n:
+            logging.getLogger("ferrylm.server").warning("shutdown timeout: aborted %d request(s) in flight", n)
+
     def on_load_failed(e: BaseException) -> None:
+        if stopping:  # SIGTERM while loading: the load was abandoned, not failed
+            return
         load_error.append(e)
         server.should_exit = True
 
     app = create_app(engine, config, on_load_failed=on_load_failed)
+    # uvicorn's own deadline is a backstop behind ours: past it, it cancels tasks and cuts streams mid-way
     uv = uvicorn.Config(app, host=config.host, port=config.port, access_log=config.access_log,
-                        timeout_graceful_shutdown=config.shutdown_timeout, log_level="info")
+                        timeout_graceful_shutdown=config.shutdown_timeout + SHUTDOWN_GRACE, log_level="info",
+                        http=protocol_class(config.read_timeout), timeout_keep_alive=5)
     server = Server(uv)
     logging.getLogger("ferrylm.server").setLevel(logging.INFO)
     # uvicorn re-raises a caught SIGTERM once it has shut down; with the default action that would kill the
@@ -102,6 +162,12 @@ def cmd_serve(a: argparse.Namespace) -> None:
         if isinstance(e, FerryError):
             raise e
         raise SystemExit(1)
+    if stopping and not engine.is_loaded:
+        # the engine thread is still inside the model load (torch code cannot be interrupted): leave without
+        # waiting for it, and without running interpreter teardown under its feet
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":  # `python -m ferrylm.server.cli ...` is `ferry serve ...`

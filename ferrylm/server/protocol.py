@@ -9,20 +9,34 @@ Does not know the engine, HTTP status codes or routing.
 from __future__ import annotations
 
 import time
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ferrylm.errors import InvalidRequestError
-from ferrylm.sampling_params import SamplingParams
+from ferrylm.sampling_params import SamplingParams, StructuredOutput
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), populate_by_name=True)
 
 
 class StreamOptions(_Lenient):
     include_usage: bool | None = False
+
+
+class JsonSchemaFormat(_Lenient):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingRequest(_Lenient):
@@ -46,10 +60,49 @@ class _SamplingRequest(_Lenient):
     include_stop_str_in_output: bool | None = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    """{token id (as a string, JSON keys are strings): bias in [-100, 100]}."""
+    response_format: ResponseFormat | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    """vLLM's extras: a JSON schema, a regex, one of several strings, or a Lark / GBNF grammar."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def structured(self) -> StructuredOutput | None:
+        """The one output constraint asked for (several at once: 400)."""
+        found = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(StructuredOutput("json_object"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise InvalidRequestError("response_format json_schema needs json_schema.schema",
+                                          param="response_format")
+            found.append(StructuredOutput("json", rf.json_schema.schema_))
+        for kind, value in (("json", self.guided_json), ("regex", self.guided_regex),
+                            ("choice", self.guided_choice), ("grammar", self.guided_grammar)):
+            if value is not None:
+                found.append(StructuredOutput(kind, value))
+        if len(found) > 1:
+            raise InvalidRequestError("give one of response_format, guided_json, guided_regex, guided_choice, "
+                                      "guided_grammar", param="response_format")
+        return found[0] if found else None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out = {}
+        for k, v in self.logit_bias.items():
+            try:
+                out[int(k)] = v
+            except ValueError:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias") from None
+        return out
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams validate every value and name the bad one (InvalidRequestError -> 400)."""
@@ -66,6 +119,7 @@ class _SamplingRequest(_Lenient):
             stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             ignore_eos=bool(self.ignore_eos), include_stop_str_in_output=bool(self.include_stop_str_in_output),
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens is not False,
+            logit_bias=self._logit_bias(), structured=self.structured(),
         )
 
 
@@ -75,9 +129,23 @@ class CompletionRequest(_SamplingRequest):
     """OpenAI's default for completions; null means up to the context length."""
     logprobs: int | None = None
     echo: bool | None = False
+    best_of: int | None = None
+    """Generate this many per prompt and return the `n` with the highest cumulative logprob (not streamable)."""
 
     def sampling_params(self) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs)
+        params = self._params(self.max_tokens, self.logprobs)
+        if self.best_of is not None and self.best_of != params.n:
+            if self.best_of < params.n:
+                raise InvalidRequestError(f"best_of must be >= n ({params.n}), got {self.best_of}", param="best_of")
+            if self.stream:
+                raise InvalidRequestError("best_of > n cannot be streamed", param="best_of")
+            params.n = self.best_of
+            params.validate()
+        return params
+
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
@@ -93,15 +161,53 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
 
+class FunctionDefinition(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema for the arguments."""
+
+
+class Tool(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]] = Field(default_factory=list)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    """Default: auto when tools are given."""
+    parallel_tool_calls: bool | None = True
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools as the chat templates expect them (OpenAI's shape), or None."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def forced_tool(self) -> Tool | None:
+        """The tool a named tool_choice forces, checked against `tools`."""
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        name = self.tool_choice.function.name
+        for t in self.tools or []:
+            if t.function.name == name:
+                return t
+        raise InvalidRequestError(f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
@@ -132,6 +238,8 @@ class ChatCompletionRequest(_SamplingRequest):
                         raise InvalidRequestError(f"content parts of type {kind!r} are not supported (text only)",
                                                   param="messages")
                 m = {**m, "content": "\n".join(texts)}
+            elif content is None:  # an assistant turn that only called tools: templates read content anyway
+                m = {**m, "content": ""}
             out.append(m)
         return out
 
@@ -154,6 +262,19 @@ class DetokenizeRequest(_Lenient):
 # ---------------------------------------------------------------------------------------------------
 # Responses
 # ---------------------------------------------------------------------------------------------------
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server answers (OpenAI's envelope)."""
+
+    error: ErrorDetail
+
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -183,15 +304,23 @@ def completion(request_id: str, model: str, choices: list[dict], usage_: dict | 
     return body
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, stop_reason=None, logprobs=None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason, "stop_reason": stop_reason}
+def chat_choice(index: int, text: str | None, finish_reason: str | None, stop_reason=None, logprobs=None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
-def chat_delta_choice(index: int, text: str, first: bool, finish_reason: str | None, stop_reason=None,
-                      logprobs=None) -> dict:
+def chat_delta_choice(index: int, text: str | None, first: bool, finish_reason: str | None, stop_reason=None,
+                      logprobs=None, tool_calls: list[dict] | None = None) -> dict:
     # the role rides on the first token's chunk: no role-only chunk ahead of it (clients time TTFT from it)
-    delta = {"role": "assistant", "content": text} if first else {"content": text}
+    delta = {"role": "assistant"} if first else {}
+    if text or not tool_calls:
+        delta["content"] = text
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
 
@@ -218,11 +347,16 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, float]], t
     for tid, entry in zip(token_ids, entries):
         s = token_text(tid)
         tokens.append(s)
-        lps.append(entry.get(tid))
-        tops.append({token_text(t): lp for t, lp in _top(entry, num)} if num > 0 else None)
+        lps.append(entry.get(tid) if entry is not None else None)  # None: the first prompt token
+        tops.append({token_text(t): lp for t, lp in _top(entry, num)} if num > 0 and entry is not None else None)
         offsets.append(text_offset)
         text_offset += len(s)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_completion_logprobs(a: dict, b: dict) -> dict:
+    """Two runs of completions logprobs (echoed prompt, then output) as one."""
+    return {k: a[k] + b[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], token_text, num: int) -> dict:

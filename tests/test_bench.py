@@ -472,3 +472,30 @@ def test_flags_map_onto_the_config():
     assert (lat.num_requests, lat.max_concurrency, lat.ignore_eos, lat.api) == (20, 1, False, "chat")
     with pytest.raises(BenchError, match="--max-tokens"):
         cfg("latency", "--max-tokens", "0")
+
+
+def test_soak_chaos_faults_are_reported_and_undone(tmp_path, capsys):
+    import psutil
+
+    srv = fake("--itl", "0.005")
+    try:
+        rc, s, out = bench(capsys, "soak", "--url", srv.url, "--requests-per-hour", "36000", "--duration", "6s",
+                           "--sample-every", "0.5s", "--max-tokens", "4", "--prompt-tokens", "8",
+                           "--chaos", "net-delay,cpu-load", "--chaos-delay", "0.25s", "--out", str(tmp_path / "chaos"))
+    finally:
+        srv.stop()
+    assert rc == 0
+    c = s["chaos"]
+    print(json.dumps(c))
+    delay, cpu = c["faults"]
+    assert [f["fault"] for f in c["faults"]] == ["net-delay", "cpu-load"]
+    assert c["baseline"]["requests"] >= 5 and delay["requests"] >= 3 and delay["error_rate"] == 0
+    # each read from the server held 0.25 s by the proxy: over the baseline, and back to it once the fault is off
+    assert delay["e2e_p50"] > 0.3 > c["baseline"]["e2e_p99"]
+    assert delay["recovered_after_s"] is not None and delay["recovered_after_s"] < 1.5
+    # baseline: the first third; then one 2 s slot per fault, on for its first half
+    first = min(r["scheduled"] for r in records(out))
+    assert delay["start"] - first == pytest.approx(2.0, abs=0.3) and cpu["start"] - delay["start"] == pytest.approx(2.0)
+    assert delay["end"] - delay["start"] == pytest.approx(1.0)
+    assert not [p for p in psutil.Process().children(recursive=True) if "while True" in " ".join(p.cmdline())]
+    assert s["soak"]["checks"]["health"] == "pass"  # the monitor went around the proxy

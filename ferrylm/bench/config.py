@@ -88,6 +88,10 @@ class BenchConfig:
     """Soak bar: the fitted change of the per-window P99 over the run, in seconds, either way."""
     drift_metric: str = "e2e"
     """Soak: which latency's P99 the drift bar reads (ttft, itl, e2e)."""
+    chaos: tuple[str, ...] = ()
+    """Soak: faults to inject one after another on this machine (cpu-load, net-delay); see bench/chaos.py."""
+    chaos_delay: float = 0.2
+    """Soak: seconds the net-delay proxy holds each chunk from the server while that fault is on."""
 
     @property
     def base_url(self) -> str:
@@ -131,6 +135,7 @@ def check(cfg: BenchConfig) -> BenchConfig:
         (cfg.window is None or cfg.window > 0, "--window must be > 0"),
         (cfg.sweep_steps >= 1, "--sweep-steps must be >= 1"),
         (cfg.sweep is None or all(r > 0 for r in cfg.sweep), "--sweep rates must be > 0"),
+        (not cfg.chaos or cfg.duration is not None, "--chaos needs a --duration to place its faults in"),
     ]
     for ok, message in problems:
         if not ok:

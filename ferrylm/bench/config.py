@@ -89,9 +89,15 @@ class BenchConfig:
     drift_metric: str = "e2e"
     """Soak: which latency's P99 the drift bar reads (ttft, itl, e2e)."""
     chaos: tuple[str, ...] = ()
-    """Soak: faults to inject one after another on this machine (cpu-load, net-delay); see bench/chaos.py."""
+    """Soak: faults to inject one after another on this machine (cpu-load, net-delay, disk-fill); bench/chaos.py."""
     chaos_delay: float = 0.2
     """Soak: seconds the net-delay proxy holds each chunk from the server while that fault is on."""
+    chaos_dir: str | None = None
+    """Soak: the folder disk-fill fills (the server's temp or log folder); required for disk-fill."""
+    chaos_fill_size: float = 1e9
+    """Soak: bytes disk-fill writes at most (less if the disk fills first)."""
+    chaos_fill_files: int = 100_000
+    """Soak: empty files disk-fill creates at most (fewer if the inodes run out first)."""
 
     @property
     def base_url(self) -> str:
@@ -136,6 +142,8 @@ def check(cfg: BenchConfig) -> BenchConfig:
         (cfg.sweep_steps >= 1, "--sweep-steps must be >= 1"),
         (cfg.sweep is None or all(r > 0 for r in cfg.sweep), "--sweep rates must be > 0"),
         (not cfg.chaos or cfg.duration is not None, "--chaos needs a --duration to place its faults in"),
+        ("disk-fill" not in cfg.chaos or bool(cfg.chaos_dir), "--chaos disk-fill needs --chaos-dir (the server's "
+                                                              "temp or log folder)"),
     ]
     for ok, message in problems:
         if not ok:

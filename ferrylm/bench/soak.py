@@ -120,7 +120,8 @@ async def run(session, client, prompts) -> dict:
     # the monitor talks to the server directly, never through the chaos proxy
     direct = httpx.AsyncClient(base_url=cfg.base_url, headers=auth_headers(cfg), timeout=30)
     monitor = Monitor(direct, pid)
-    chaos = Chaos(cfg.chaos, cfg.base_url, cfg.chaos_delay) if cfg.chaos else None
+    chaos = Chaos(cfg.chaos, cfg.base_url, cfg.chaos_delay, cfg.chaos_dir, cfg.chaos_fill_size,
+                  cfg.chaos_fill_files) if cfg.chaos else None
     if chaos is not None and (proxy := await chaos.start()):
         client.http.base_url = proxy
     samples: list[dict] = []
@@ -172,7 +173,7 @@ async def run(session, client, prompts) -> dict:
     session.write_json("windows.json", windows)
     out = {**header, "results": summarize(records, cfg.slo, cfg.slo_target), "soak": soak}
     if chaos is not None:
-        out["chaos"] = chaos_report(records, chaos.windows, chaos.windows[0][1])
+        out["chaos"] = chaos_report(records, chaos.windows, chaos.windows[0][1], chaos.disk)
     out["plots"] = [plots.latency_cdf(records, session.out / "latency_cdf.png").name,
                     plots.timeline(records, session.out / "timeline.png").name,
                     plots.soak(samples, windows, lines, cfg.drift_metric, session.out / "soak.png",

@@ -222,14 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     from ferrylm.weights.convert import add_convert_parser
     from ferrylm.plan.cli import add_plan_parser
     from ferrylm.hw.cli import add_doctor_parser
+    from ferrylm.bench.cli import add_bench_parser
 
     add_serve_parser(sub)
     add_export_tokenizer_parser(sub)
     add_convert_parser(sub)
     add_plan_parser(sub)
     add_doctor_parser(sub)
-    from ferrylm.bench.cli import add_bench_parser
-
     add_bench_parser(sub)
     return parser
 

@@ -41,6 +41,16 @@ def _show(v) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
+def _faults(text: str) -> tuple[str, ...]:
+    from ferrylm.bench.chaos import FAULTS
+
+    faults = tuple(f.strip() for f in text.split(",") if f.strip())
+    bad = [f for f in faults if f not in FAULTS]
+    if bad or not faults:
+        raise BenchError(f"unknown fault {bad[0] if bad else text!r}: choose from {', '.join(FAULTS)}")
+    return faults
+
+
 def _add_level(sub, level: str) -> None:
     p = sub.add_parser(level, help=HELP[level], description=HELP[level])
     d = BenchConfig(**LEVEL_DEFAULTS[level])
@@ -108,6 +118,13 @@ def _add_level(sub, level: str) -> None:
         flag("--max-5xx-rate", field="max_5xx_rate", type=float, help="fraction of requests")
         flag("--max-p99-drift", field="max_p99_drift", type=_typed(units.parse_duration), help="either way")
         flag("--drift-metric", field="drift_metric", choices=DRIFT_METRICS, help="latency whose P99 is judged")
+        flag("--chaos", field="chaos", type=_typed(_faults),
+             help="inject faults on this machine, one after another: cpu-load,net-delay,disk-fill (docs/bench.md)")
+        flag("--chaos-delay", field="chaos_delay", type=_typed(units.parse_duration),
+             help="net-delay: hold each chunk from the server this long")
+        flag("--chaos-dir", field="chaos_dir", help="disk-fill: the server's temp or log folder to fill")
+        flag("--chaos-fill-size", field="chaos_fill_size", type=_typed(units.parse_size), help="disk-fill: bytes at most")
+        flag("--chaos-fill-files", field="chaos_fill_files", type=int, help="disk-fill: empty files at most")
 
     g = p.add_argument_group("output")
     flag("--out", field="out", help="results folder (default: bench-results/LEVEL-UTCTIME)")

@@ -88,6 +88,16 @@ class BenchConfig:
     """Soak bar: the fitted change of the per-window P99 over the run, in seconds, either way."""
     drift_metric: str = "e2e"
     """Soak: which latency's P99 the drift bar reads (ttft, itl, e2e)."""
+    chaos: tuple[str, ...] = ()
+    """Soak: faults to inject one after another on this machine (cpu-load, net-delay, disk-fill); bench/chaos.py."""
+    chaos_delay: float = 0.2
+    """Soak: seconds the net-delay proxy holds each chunk from the server while that fault is on."""
+    chaos_dir: str | None = None
+    """Soak: the folder disk-fill fills (the server's temp or log folder); required for disk-fill."""
+    chaos_fill_size: float = 1e9
+    """Soak: bytes disk-fill writes at most (less if the disk fills first)."""
+    chaos_fill_files: int = 100_000
+    """Soak: empty files disk-fill creates at most (fewer if the inodes run out first)."""
 
     @property
     def base_url(self) -> str:
@@ -131,6 +141,9 @@ def check(cfg: BenchConfig) -> BenchConfig:
         (cfg.window is None or cfg.window > 0, "--window must be > 0"),
         (cfg.sweep_steps >= 1, "--sweep-steps must be >= 1"),
         (cfg.sweep is None or all(r > 0 for r in cfg.sweep), "--sweep rates must be > 0"),
+        (not cfg.chaos or cfg.duration is not None, "--chaos needs a --duration to place its faults in"),
+        ("disk-fill" not in cfg.chaos or bool(cfg.chaos_dir), "--chaos disk-fill needs --chaos-dir (the server's "
+                                                              "temp or log folder)"),
     ]
     for ok, message in problems:
         if not ok:

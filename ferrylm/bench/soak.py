@@ -10,6 +10,7 @@ Statistics (each verdict is `pass`, `fail` or `inconclusive`, see `stats.verdict
   pass when the interval is inside +-max_p99_drift.
 - errors: server errors (5xx, error events, dropped connections) over requests that finished or failed.
 - health: the fraction of samples whose GET /health answered 200.
+With --chaos, faults are injected in the last two thirds of the run and reported per fault (bench/chaos.py).
 samples.jsonl grows with every sample and summary.json is rewritten after every window (`"partial": true`),
 so a soak that is killed still leaves its evidence; windows.json is written at the end.
 """
@@ -20,8 +21,13 @@ import asyncio
 import json
 import math
 
+import httpx
+
 from ferrylm.bench import plots
 from ferrylm.bench.arrivals import schedule
+from ferrylm.bench.chaos import Chaos
+from ferrylm.bench.chaos import report as chaos_report
+from ferrylm.bench.client import auth_headers
 from ferrylm.bench.config import BenchConfig
 from ferrylm.bench.driver import drive
 from ferrylm.bench.latency import warm_up
@@ -111,7 +117,13 @@ def analyse(cfg: BenchConfig, records: list[Record], samples: list[dict], start:
 async def run(session, client, prompts) -> dict:
     cfg = session.cfg
     pid = cfg.pid or find_pid(cfg.base_url)
-    monitor = Monitor(client.http, pid)
+    # the monitor talks to the server directly, never through the chaos proxy
+    direct = httpx.AsyncClient(base_url=cfg.base_url, headers=auth_headers(cfg), timeout=30)
+    monitor = Monitor(direct, pid)
+    chaos = Chaos(cfg.chaos, cfg.base_url, cfg.chaos_delay, cfg.chaos_dir, cfg.chaos_fill_size,
+                  cfg.chaos_fill_files) if cfg.chaos else None
+    if chaos is not None and (proxy := await chaos.start()):
+        client.http.base_url = proxy
     samples: list[dict] = []
     sample_file = open(session.out / "samples.jsonl", "w", encoding="utf-8")
     warm_failed = await warm_up(session, client, prompts)
@@ -140,19 +152,28 @@ async def run(session, client, prompts) -> dict:
     offsets = schedule(cfg.rate, cfg.arrivals, cfg.duration, cfg.num_requests, cfg.seed, cfg.burstiness)
     plan = [(o, i, prompts[(cfg.warmup + i) % len(prompts)]) for i, o in enumerate(offsets)]
     session.live.step(f"soak {cfg.rate * 3600:g} req/h", cfg.duration, cfg.num_requests)
-    task = asyncio.create_task(sampler())
+    tasks = [asyncio.create_task(sampler())]
+    if chaos is not None:
+        chaos.plan(client.now(), cfg.duration)
+        tasks.append(asyncio.create_task(chaos.run(client.now, lambda s: session.wait(asyncio.sleep(s)))))
     try:
         records = await drive(session, client, plan, cfg.max_concurrency, until=cfg.duration)
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if chaos is not None:
+            await chaos.close()
     await sample()  # the state after the last request
+    await direct.aclose()
     sample_file.close()
     end = client.now()
     soak, lines = analyse(cfg, records, samples, start, end)
     windows = windows_of(records, samples, start, end, length)
     session.write_json("windows.json", windows)
     out = {**header, "results": summarize(records, cfg.slo, cfg.slo_target), "soak": soak}
+    if chaos is not None:
+        out["chaos"] = chaos_report(records, chaos.windows, chaos.windows[0][1], chaos.disk)
     out["plots"] = [plots.latency_cdf(records, session.out / "latency_cdf.png").name,
                     plots.timeline(records, session.out / "timeline.png").name,
                     plots.soak(samples, windows, lines, cfg.drift_metric, session.out / "soak.png",

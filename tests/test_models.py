@@ -323,6 +323,9 @@ def test_mla_cache_holds_the_latent_only(tmp_path_factory):
     llm = LLM(path, dtype="float32", max_num_seqs=2, num_kv_blocks=8, block_size=4)
     kv = llm.engine.runner.kv_cache
     assert tuple(kv.k.shape) == (3, 9, 4, 1, 32 + 8) and kv.v.numel() == 0
+    from ferrylm.plan.memory import kv_bytes_per_block  # the planner counts what the engine allocates
+
+    assert kv_bytes_per_block(llm.engine.model_config, 4, "float32") * 9 == kv.nbytes
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")

@@ -162,7 +162,7 @@ def kv_bytes_per_block(mc: ModelConfig, block_size: int, kv_dtype: str) -> int:
     from ferrylm.kv.cache import KVCache
 
     return KVCache.bytes_per_block(mc.num_hidden_layers, block_size, mc.num_key_value_heads, mc.head_dim,
-                                   _DTYPES[kv_dtype])
+                                   _DTYPES[kv_dtype], mc.v_cache_dim)
 
 
 def kv_pool(nbytes: int, per_block: int, block_size: int) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""`ferry`: the command line. Each subcommand maps its flags 1:1 onto config fields and calls the library;
+"""`ferry`: the command line. Engine flags are generated from the config fields (one spelling per knob);
 errors the library raises on purpose (`FerryError`) print as one line, never a traceback.
 """
 
@@ -12,39 +12,61 @@ import time
 from ferrylm.errors import FerryError, InvalidRequestError
 
 
-def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> None:
-    p.add_argument("--model", default=None, help="HF model directory, .gguf file or ferry store (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory, if not beside the model")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--gpu-memory-budget", default=None, help="device memory ferrylm may use, e.g. 16GiB; "
-                   "a model that does not fit is placed across device and host memory")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="share of the device's memory (vLLM spelling)")
-    p.add_argument("--place", action="append", default=[], metavar="SELECTOR=gpu|cpu",
-                   help="placement rule, repeatable: experts=cpu, layers.0-7=gpu, layers.4.experts.0-3=gpu, lm_head=gpu")
-    p.add_argument("--expert-cache-policy", default="lru", choices=["lru", "lfu"])
-    p.add_argument("--expert-profile", default=None, help="expert popularity JSON: its hottest experts stay resident")
-    p.add_argument("--experts", default="auto", choices=["auto", "gpu", "cpu"],
-                   help="where expert misses run: auto (measured cost model), gpu (copy), cpu (host cores)")
-    p.add_argument("--cpu-threads", type=int, default=None, help="threads for experts computed on the host")
-    p.add_argument("--seed", type=int, default=0)
+# Engine flags are generated from the config dataclasses (ferrylm/config.py): a field is a flag of the same
+# name with its docstring as help and its default; only what argparse cannot read off a field is said here.
+FLAG_EXTRAS: dict[str, dict] = {
+    "model": dict(help="HF model directory, .gguf file or ferry store (default: embedded SmolLM2-135M-Instruct)"),
+    "device": dict(help="cpu | cuda | cuda:N"),
+    "dtype": dict(choices=["auto", "float32", "bfloat16", "float16"]),
+    "enable_prefix_caching": dict(flag="--no-prefix-caching"),
+    "enable_chunked_prefill": dict(flag="--no-chunked-prefill"),
+    "moe_backend": dict(choices=["auto", "torch"]),
+    "gpu_memory_budget": dict(type=str, metavar="BYTES", help="device memory ferrylm may use, e.g. 16GiB; a model "
+                              "that does not fit is placed across device and host memory"),
+    "place": dict(metavar="SELECTOR=gpu|cpu", help="placement rule, repeatable: experts=cpu, layers.0-7=gpu, "
+                  "layers.4.experts.0-3=gpu, lm_head=gpu"),
+    "expert_cache_policy": dict(choices=["lru", "lfu"]),
+    "experts": dict(choices=["auto", "gpu", "cpu"]),
+}
+NOT_FLAGS = {"model_overrides"}
+
+
+def _engine_fields():
+    import dataclasses
+
+    from ferrylm.config import SECTIONS, EngineConfig, field_docs
+
+    for cls in (EngineConfig, *SECTIONS.values()):
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if f.name not in SECTIONS and f.name not in NOT_FLAGS:
+                yield f, docs.get(f.name, "")
+
+
+def add_engine_args(p: argparse.ArgumentParser, **defaults) -> None:
+    """Every engine knob as a flag; `defaults` overrides a field's default for this subcommand."""
+    for f, doc in _engine_fields():
+        extra = dict(FLAG_EXTRAS.get(f.name, {}))
+        flag = extra.pop("flag", "--" + f.name.replace("_", "-"))
+        default = defaults.get(f.name, f.default)
+        kw = dict(dest=f.name, default=default, help=extra.pop("help", doc.split(". ")[0].strip() or None))
+        ann = str(f.type)
+        if ann == "bool":
+            kw["action"] = "store_false" if flag.startswith("--no-") else "store_true"
+            if kw["action"] == "store_false" and kw["help"]:
+                kw["help"] = "turn off: " + kw["help"]
+        elif ann.startswith("tuple"):
+            kw.update(action="append", default=list(default))
+        else:
+            kw["type"] = int if ann.startswith("int") else float if ann.startswith("float") else str
+        kw.update(extra)
+        p.add_argument(flag, **kw)
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(device=a.device, dtype=a.dtype, seed=a.seed, tokenizer=a.tokenizer, max_num_seqs=a.max_num_seqs,
-                max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-                block_size=a.block_size, kv_cache_memory_gb=a.kv_cache_memory_gb,
-                enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
-                gpu_memory_budget=a.gpu_memory_budget, gpu_memory_utilization=a.gpu_memory_utilization,
-                place=tuple(a.place), expert_cache_policy=a.expert_cache_policy, expert_profile=a.expert_profile,
-                experts=a.experts, cpu_threads=a.cpu_threads)
+    """The engine options of parsed flags, for `LLM(a.model, **engine_kwargs(a))`."""
+    return {f.name: tuple(getattr(a, f.name)) if str(f.type).startswith("tuple") else getattr(a, f.name)
+            for f, _ in _engine_fields() if f.name != "model"}
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

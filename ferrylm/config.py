@@ -222,7 +222,8 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     """Blocks in the pool; None sizes it from `kv_cache_memory_gb` (or the budget, or the context on CPU)."""
     kv_cache_memory_gb: float | None = None
-    """KV memory to allocate when `num_blocks` is None; None picks a default for the device."""
+    """KV memory to allocate when `num_kv_blocks` is None; None sizes it from the budget (a measured warm-up
+    on CUDA) or, on the CPU, to every sequence at full length capped at 2 GiB."""
     enable_prefix_caching: bool = True
     """Reuse full blocks whose token prefix was already computed (hash of the block chain)."""
 
@@ -359,3 +360,18 @@ def engine_config(**options) -> EngineConfig:
     if "place" in per["offload"]:
         per["offload"]["place"] = tuple(per["offload"]["place"] or ())
     return EngineConfig(**flat, **{sec: cls(**per[sec]) for sec, cls in SECTIONS.items()})
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a config dataclass (the CLI's help text), read from the source."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body, docs = tree.body[0].body, {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) \
+                and isinstance(nxt.value.value, str):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs

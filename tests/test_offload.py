@@ -246,3 +246,24 @@ def test_budget_errors_and_cli(ckpts, tmp_path):
     assert "streamed layers 0-29" in streamed.stderr  # the placement table is printed at start
     bad = subprocess.run(cmd + ["--place", "experts=cpu"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "matches no tensor group" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_server_reports_offload_traffic():
+    """`ferry serve` with every layer streamed answers like the resident server and counts what moved."""
+    import httpx
+    from serving import Server, metric
+
+    s = Server(["--place", "layers.0-29=cpu", "--max-num-seqs", "2"])
+    try:
+        s.wait_ready()
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 4,
+                "temperature": 0}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        text = httpx.get(s.url + "/metrics", timeout=30).text
+        moved = metric(text, "ferry:offload_h2d_bytes_total", model_name="SmolLM2-135M-Instruct")
+        tokens = metric(text, "ferry:generation_tokens_total", model_name="SmolLM2-135M-Instruct")
+        assert moved > 0 and tokens >= 4
+        print(f"served with every layer streamed: {moved / tokens / 2**20:.1f} MiB host->device per generated token")
+    finally:
+        assert s.stop() == 0

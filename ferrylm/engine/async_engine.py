@@ -15,6 +15,7 @@ that falls behind skips intermediate outputs instead of queueing them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import queue
@@ -73,6 +74,8 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    offload: dict | None = None
+    """The offload engine's cumulative counters (`OffloadStats` fields); None when everything is resident."""
 
 
 class StatListener(Protocol):
@@ -371,7 +374,8 @@ class AsyncEngine:
             num_running=len(engine.requests) - waiting, num_waiting=waiting, kv_cache_usage=bm.usage,
             num_preemptions=sched.num_preemptions, prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits, prompt_tokens=engine.stats["prompt_tokens"],
-            generation_tokens=engine.stats["generation_tokens"])
+            generation_tokens=engine.stats["generation_tokens"],
+            offload=None if engine.runner.placement.fully_resident else dataclasses.asdict(engine.runner.placed.stats))
 
     # -- callbacks on the event loop thread ----------------------------------------------------------
 

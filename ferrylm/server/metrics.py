@@ -76,6 +76,27 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(self.labels, value)
             yield c
+        yield from self._offload(s.offload)
+
+    OFFLOAD = {
+        "h2d_bytes": "Weight bytes copied host to device (streamed layers and expert misses).",
+        "expert_hits": "Routed experts found on the device.",
+        "expert_misses": "Routed experts not on the device (copied or computed on the host).",
+        "cpu_experts": "Expert misses computed on the host's cores.",
+        "weight_waits": "Layers that waited for a weight copy still in flight.",
+        "cpu_busy_s": "Seconds the host spent computing experts.",
+        "cpu_wait_s": "Seconds steps waited for host expert results.",
+    }
+
+    def _offload(self, stats: dict | None):
+        """`ferry:offload_*` counters, only when weights live off the device; the per-token bytes and the
+        hit rate are ratios of these with `generation_tokens`."""
+        if stats is None:
+            return
+        for key, doc in self.OFFLOAD.items():
+            c = CounterMetricFamily(f"ferry:offload_{key}", doc, labels=["model_name"])
+            c.add_metric(self.labels, stats[key])
+            yield c
 
 
 OLD_NAMES = {"kv_cache_usage_perc": "gpu_cache_usage_perc"}

@@ -3,7 +3,7 @@ loading, and SIGTERM with requests that outlast --shutdown-timeout.
 
 Fuzzing (schemathesis): requests come from the server's own /openapi.json (valid ones and, in negative mode,
 ones that break the schema), seeded and bounded: FERRY_FUZZ_EXAMPLES per mode and operation (default small
-for CI; the issue's sweep is FERRY_FUZZ_EXAMPLES=100, about 900 requests). Token budgets in generated bodies
+for CI: 25, about 225 requests; the full sweep is FERRY_FUZZ_EXAMPLES=100, about 900). Token budgets in generated bodies
 are clamped so a run stays short; every other value goes through as generated. Each response must be below
 500, valid JSON (no NaN / Infinity) or an SSE stream that ends with [DONE]. The same server is then stopped
 with requests in flight past its shutdown timeout: each gets an answer in the OpenAI envelope (streams an
@@ -31,7 +31,7 @@ from schemathesis.generation.modes import GenerationMode  # noqa: E402
 
 API_KEY = "fuzz-key"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
-EXAMPLES = int(os.environ.get("FERRY_FUZZ_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("FERRY_FUZZ_EXAMPLES", "25"))  # ~225 requests in CI
 BUDGET_FIELDS = {"max_tokens": 4, "max_completion_tokens": 4, "min_tokens": 4, "n": 3, "best_of": 3}
 SHUTDOWN_TIMEOUT = 1.0
 GRACE = 5.0  # ferrylm.server.cli.SHUTDOWN_GRACE

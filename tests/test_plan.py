@@ -87,7 +87,7 @@ def test_catalog_counts_match_published_totals(name):
           f"active {p.params_active / 1e9:.2f}B ({p.params_active / active - 1:+.2%}), from {p.counted_from}")
     assert abs(p.params_total / total - 1) < 0.01
     assert abs(p.params_active / active - 1) < 0.02
-    assert p.counted_from == "model"  # every catalog family has a model class now (DeepSeek since issue 12)
+    assert p.counted_from == "model"
 
 
 def test_weight_groups_are_the_engines_groups():
@@ -163,12 +163,16 @@ def test_hardware_specs():
     assert catalog.lookup("yuan2.0-m32")[0] == "Yuan2-M32"
 
 
-def test_deepseek_v3_analytical_count():
-    groups, count = analytical_groups(catalog.CATALOG["DeepSeek-V3"], WeightFormat("bfloat16"))
-    kinds = summarize(groups)
+def test_deepseek_v3_analytical_count_equals_the_module():
+    cfg = catalog.CATALOG["DeepSeek-V3"]
+    groups, count = analytical_groups(cfg, WeightFormat("bfloat16"))
+    model = meta_model(cfg)
+    assert count.total == param_count(model).total and count.active == param_count(model).active
     assert sum(g.nbytes for g in groups) == 2 * count.total
     assert len([g for g in groups if g.kind == "experts"]) == 256 * (61 - 3)
-    assert kinds["mlp"] == 3 * 3 * 7168 * 18432 * 2  # three dense layers
+    assert summarize(groups)["mlp"] == 3 * 3 * 7168 * 18432 * 2  # three dense layers
+    p = make_plan(PlanOptions("DeepSeek-V3", gpu="8xH200", host=HOST, tp=8, max_model_len=4096))
+    assert p.per_gpu["kv_bytes_per_token"] == 61 * (512 + 64) * 2  # MLA: the latent and the rope key
 
 
 def _ferry(*args):

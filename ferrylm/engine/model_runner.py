@@ -19,7 +19,7 @@ from ferrylm.layers.context import ForwardContext, forward_context
 from ferrylm.layers.rotary import RotaryEmbedding
 from ferrylm.models.registry import model_class
 from ferrylm.offload.placed_weights import PlacedWeights
-from ferrylm.offload.memory import activation_reserve, device_budget, size_memory
+from ferrylm.offload.memory import activation_reserve, device_budget, fixed_kv_bytes, size_memory
 from ferrylm.offload.placement import describe, group_tensors
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,11 @@ class ModelRunner:
         return KVCache.bytes_per_block(cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads,
                                        cfg.head_dim, self.dtype, cfg.v_cache_dim)
 
+    def _activation_reserve(self) -> int:
+        """The planned activation reserve (`offload/memory.py`); on CUDA the warm-up measures the real one."""
+        elt = torch.empty(0, dtype=self.dtype).element_size()
+        return activation_reserve(self.model_config, self.config.scheduler, elt)
+
     def _graphs_planned(self) -> bool:
         return self.device.type == "cuda" and not self.config.enforce_eager
 
@@ -187,20 +192,19 @@ class ModelRunner:
         return left
 
     def _place(self):
-        """(placement, KV bytes) by `offload/memory.py`, the rule `ferry plan` predicts with."""
+        """(placement, KV bytes) by `offload/memory.py`, the rule `ferry plan` predicts with; keeps the budget
+        and any fixed KV size for the measured warm-up."""
+        oc, sc = self.config.offload, self.config.scheduler
         total = free = None
-        if self.device.type == "cuda":
+        if oc.gpu_memory_budget is None and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             free, _ = torch.cuda.mem_get_info(self.device)
-        oc, sc, cc = self.config.offload, self.config.scheduler, self.config.cache
+        per_block = self._kv_bytes_per_block()
         self._budget = device_budget(oc, total, free)
-        self._fixed_kv = (cc.num_kv_blocks * self._kv_bytes_per_block() if cc.num_kv_blocks is not None
-                          else int(cc.kv_cache_memory_gb * 2**30) if cc.kv_cache_memory_gb is not None else None)
-        elt = torch.empty(0, dtype=self.dtype).element_size()
-        reserve = activation_reserve(self.model_config, sc, elt) if self.device.type == "cuda" else 0
-        return size_memory(group_tensors(self.model), self._kv_bytes_per_block(), self.max_model_len,
-                           cc, sc, oc, self._budget, reserve,
-                           on_cpu=self.device.type == "cpu")
+        self._fixed_kv = fixed_kv_bytes(self.config.cache, per_block)
+        reserve = self._activation_reserve() if self.device.type == "cuda" else 0
+        return size_memory(group_tensors(self.model), per_block, self.max_model_len, self.config.cache, sc, oc,
+                           self._budget, reserve, on_cpu=self.device.type == "cpu")
 
     def _allocate_kv(self, nbytes: int) -> KVCache:
         cfg = self.model_config

@@ -1,6 +1,8 @@
 """The engine's start-up memory decision as pure functions, so `ferry plan` calls the same code the model
 runner calls: the device budget, the activation reserve, and (placement, KV bytes) from the model's
 tensor groups. Knows configs and byte counts; never touches a device (the caller reads total/free memory).
+On CUDA the model runner then re-sizes the KV pool from a measured warm-up step (`_kv_after_warmup`); this
+module gives the planned figure.
 """
 
 from __future__ import annotations
@@ -29,16 +31,22 @@ def activation_reserve(cfg: ModelConfig, sc: SchedulerConfig, elt: int) -> int:
     return T * width * elt + 3 * sc.max_num_seqs * cfg.vocab_size * 4 + (256 << 20)
 
 
+def fixed_kv_bytes(cc: CacheConfig, per_block: int) -> int | None:
+    """KV bytes the cache config fixes (`num_kv_blocks` or `kv_cache_memory_gb`), None when it leaves them
+    to the budget."""
+    if cc.num_kv_blocks is not None:
+        return cc.num_kv_blocks * per_block
+    if cc.kv_cache_memory_gb is not None:
+        return int(cc.kv_cache_memory_gb * 2**30)
+    return None
+
+
 def size_memory(groups: list[TensorGroup], per_block: int, max_model_len: int, cc: CacheConfig,
                 sc: SchedulerConfig, oc: OffloadConfig, budget: int | None, reserve: int,
                 on_cpu: bool) -> tuple[Placement, int]:
     """(placement, KV bytes): the whole model resident when it fits, else placed under the budget."""
     blocks_per_seq = (max_model_len + cc.block_size - 1) // cc.block_size
-    fixed_kv = None
-    if cc.num_kv_blocks is not None:
-        fixed_kv = cc.num_kv_blocks * per_block
-    elif cc.kv_cache_memory_gb is not None:
-        fixed_kv = int(cc.kv_cache_memory_gb * 2**30)
+    fixed_kv = fixed_kv_bytes(cc, per_block)
     if budget is None:  # CPU engine without a budget: everything "resident" in host memory
         need = sc.max_num_seqs * blocks_per_seq  # every sequence at full length, capped at 2 GiB
         kv = fixed_kv if fixed_kv is not None else min(need, max(2, int(2 * 2**30 // per_block))) * per_block

@@ -8,8 +8,8 @@ no memory, exact shapes. Its tensor groups are the engine's (`offload.placement.
 expert banks stay dense). The KV pool and the placement are decided by `offload/memory.py`, the functions
 the model runner calls at start-up; KV bytes per block come from `KVCache.bytes_per_block`.
 
-Families without a model class (DeepSeek-V3) are counted analytically from config.json (`analytical_groups`,
-formulas below) so they can still be planned; those counts are checked against published totals only.
+Families without a model class are planned from config.json where a formula exists (`analytical_groups`:
+DeepSeek-V2/V3, checked against the DeepSeek module's own count and the published total).
 Knows nothing about hardware or speed.
 """
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
+from ferrylm.errors import ModelLoadError
 from ferrylm.weights.gguf import GGUFSource
 from test_models import DEEPSEEK, MLA, OLMOE, build, compare, prompts_of
 from test_models_hf import FAMILIES
@@ -181,3 +182,25 @@ def test_gguf_moe_matches_transformers(case, tmp_path_factory):
             assert src.ggml_type("model.layers.0.mlp.experts.1.up_proj.weight") == "Q8_0"
     # 40 tokens cross the yarn case's original context (32)
     compare(f"gguf {case}", str(path), ref, prompts_of(11, 40 if "v3" in case else 19))
+
+
+@pytest.mark.parametrize("drop, gating, message", [
+    ("deepseek2.attention.kv_lora_rank", 2, "lacks deepseek2.attention.kv_lora_rank"),
+    (None, 3, "unsupported deepseek2.expert_gating_func 3"),
+])
+def test_deepseek2_metadata_errors_name_the_key(tmp_path, drop, gating, message):
+    path = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    for key, v in (("block_count", 1), ("embedding_length", 64), ("attention.head_count", 4),
+                   ("attention.kv_lora_rank", 32), ("rope.dimension_count", 8), ("attention.key_length", 24),
+                   ("attention.value_length", 12), ("expert_gating_func", gating)):
+        if f"deepseek2.{key}" != drop:
+            w.add_uint32(f"deepseek2.{key}", v)
+    w.add_tensor("token_embd.weight", np.zeros((16, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match=message) as e:
+        GGUFSource(str(path))
+    assert str(path) in str(e.value)

@@ -2,7 +2,8 @@
 
 Owns the GGUF container format (header, metadata, tensor table, memory-mapped data), the translation
 of llama.cpp's metadata keys into an HF `config.json`-style dict, the mapping of llama.cpp tensor names
-to HF names, dequantization (through `gguf.quants`) and undoing the converter's q/k row permutation of
+to HF names (llama, qwen2/3, their MoE variants, olmoe, deepseek2 with MLA, stacked experts split per
+expert), dequantization (through `gguf.quants`) and undoing the converter's q/k row permutation of
 llama-architecture files. It does not know models, devices or tokenization (`ferrylm/tokenizer.py` reads
 the tokenizer from the same metadata through `read_gguf_metadata`).
 
@@ -355,7 +356,7 @@ def gguf_to_hf_config(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path:
     if arch == "olmoe" and k("attention.clamp_kqv") is not None:
         cfg["clip_qkv"] = float(k("attention.clamp_kqv"))
     if arch == "deepseek2":
-        _deepseek_config(cfg, k, heads, n_experts)
+        _deepseek_config(cfg, k, heads, n_experts, path)
     for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                              ("pad_token_id", "padding_token_id")):
         v = meta.get(f"tokenizer.ggml.{gguf_key}")
@@ -368,16 +369,22 @@ def gguf_to_hf_config(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path:
     return cfg
 
 
-def _deepseek_config(cfg: dict, k, heads: int, n_experts: int) -> None:
+def _deepseek_config(cfg: dict, k, heads: int, n_experts: int, path: str) -> None:
     """MLA shapes and DeepSeek routing from deepseek2 metadata (`DeepseekV2Model` in convert_hf_to_gguf.py).
 
     Newer converters describe MLA as MQA over the latent (head_count_kv 1, key_length R + r) and keep the
     per-head sizes in `key_length_mla`/`value_length_mla`; older ones wrote the per-head sizes directly.
     """
+    for key in ("rope.dimension_count", "attention.kv_lora_rank", "attention.key_length", "attention.value_length"):
+        if k(key) is None:
+            raise ModelLoadError(f"{path}: deepseek2 GGUF metadata lacks deepseek2.{key} (needed for MLA)")
+    gating = k("expert_gating_func", 1)  # files from before the key are DeepSeek-V2/V2.5: softmax
+    if gating not in (1, _SIGMOID_GATING):
+        raise ModelLoadError(f"{path}: unsupported deepseek2.expert_gating_func {gating} (1 softmax, 2 sigmoid)")
     rope = int(k("rope.dimension_count"))
     key_len = int(k("attention.key_length_mla") or k("attention.key_length"))
     value_len = int(k("attention.value_length_mla") or k("attention.value_length"))
-    v3 = k("expert_gating_func") == _SIGMOID_GATING
+    v3 = gating == _SIGMOID_GATING
     n_group = int(k("expert_group_count", 1) or 1)
     cfg.update(
         architectures=["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],

@@ -1,10 +1,11 @@
-"""MoE and MLA families loaded from GGUF as from HF: qwen2moe, qwen3moe, olmoe and deepseek2 (V2 and V3).
+"""Families loaded from GGUF as from HF: qwen2, qwen3, llama with experts (Mixtral), qwen2moe, qwen3moe, olmoe
+and deepseek2 (V2 and V3).
 
 Each test builds a tiny random transformers model, writes it as a GGUF the way llama.cpp's
 convert_hf_to_gguf.py would (tensor names from the gguf package's own `TensorNameMap`, experts stacked
-[E, R, C], the converter's metadata keys, no q/k permutation for these architectures, DeepSeek's
-kv_b_proj split into attn_k_b / attn_v_b), loads the file with ferrylm and compares greedy tokens and
-logits with transformers (max difference printed).
+[E, R, C], the converter's metadata keys, q/k permuted for llama only, DeepSeek's kv_b_proj split into
+attn_k_b / attn_v_b), loads the file with ferrylm and compares greedy tokens and logits with
+transformers (max difference printed).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from test_models import DEEPSEEK, MLA, OLMOE, build, compare, prompts_of
 from test_models_hf import FAMILIES
 
 Q = gguf.GGMLQuantizationType
-_ARCH = {"qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
+_ARCH = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3, "mixtral": gguf.MODEL_ARCH.LLAMA,
+         "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
          "olmoe": gguf.MODEL_ARCH.OLMOE, "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2,
          "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2}
 
@@ -38,7 +40,8 @@ def _metadata(w: gguf.GGUFWriter, c, split_kv_b: bool) -> None:
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
     w.add_vocab_size(c.vocab_size)
-    w.add_expert_used_count(c.num_experts_per_tok)
+    if getattr(c, "num_experts_per_tok", None):
+        w.add_expert_used_count(c.num_experts_per_tok)
     if mt.startswith("deepseek"):
         w.add_expert_count(c.n_routed_experts)
         w.add_leading_dense_block_count(c.first_k_dense_replace)
@@ -72,7 +75,12 @@ def _metadata(w: gguf.GGUFWriter, c, split_kv_b: bool) -> None:
             w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
         return
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_expert_count(c.num_experts)
+    if mt in ("qwen2", "qwen3"):
+        w.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        return
+    w.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
+    if mt == "mixtral":
+        return
     if mt != "olmoe":
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
         w.add_key_length(c.head_dim if mt == "qwen3_moe" else c.hidden_size // c.num_attention_heads)
@@ -86,7 +94,7 @@ def write_gguf(path, model, quant: dict | None = None, split_kv_b: bool = False)
     """`model` as llama.cpp's converter writes it. Tensors whose GGUF name ends with a key of `quant` are
     stored in that type, and the model's own weights are replaced by their dequantized values, so the
     reference runs the very numbers the file holds."""
-    c = model.config
+    c, mt = model.config, model.config.model_type
     names = gguf.get_tensor_name_map(_ARCH[c.model_type], c.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[_ARCH[c.model_type]])
     _metadata(w, c, split_kv_b)
@@ -114,6 +122,8 @@ def write_gguf(path, model, quant: dict | None = None, split_kv_b: bool = False)
             continue
         gname = names.get_name(name, (".weight", ".bias"))
         assert gname is not None, name
+        if mt == "mixtral" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            t = _permute(t, c.num_attention_heads if "attn_q" in gname else c.num_key_value_heads)
         out[gname] = t
     for gname, t in out.items():
         qt = next((q for suffix, q in (quant or {}).items() if gname.endswith(suffix)), None)
@@ -128,6 +138,11 @@ def write_gguf(path, model, quant: dict | None = None, split_kv_b: bool = False)
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute: rotate-half rows -> ggml's interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _set_dequantized(model, gname: str, values: torch.Tensor) -> None:
@@ -149,6 +164,9 @@ V3_GGUF = ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(  # yarn with equal
                                                       original_max_position_embeddings=32, mscale=0.707,
                                                       mscale_all_dim=0.707, beta_fast=32, beta_slow=1)))
 CASES = {  # name -> (build spec, write_gguf options)
+    "qwen2": (FAMILIES["qwen2"], {}),
+    "qwen3-tied": (FAMILIES["qwen3"], {}),
+    "llama-mixtral": (FAMILIES["mixtral"], {}),  # llama arch with experts, q/k permuted by the converter
     # llama.cpp's qwen2moe has no dense layers (mlp_only_layers); the shared expert and its gate it has
     "qwen2moe": ((*FAMILIES["qwen2_moe"][:2], {**FAMILIES["qwen2_moe"][2], "mlp_only_layers": []}), {}),
     "qwen3moe-q8_0": (FAMILIES["qwen3_moe"], {"quant": {"_exps.weight": Q.Q8_0}}),

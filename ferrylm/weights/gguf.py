@@ -2,7 +2,8 @@
 
 Owns the GGUF container format (header, metadata, tensor table, memory-mapped data), the translation
 of llama.cpp's metadata keys into an HF `config.json`-style dict, the mapping of llama.cpp tensor names
-to HF names, dequantization (through `gguf.quants`) and undoing the converter's q/k row permutation of
+to HF names (llama, qwen2/3, their MoE variants, olmoe, deepseek2 with MLA, stacked experts split per
+expert), dequantization (through `gguf.quants`) and undoing the converter's q/k row permutation of
 llama-architecture files. It does not know models, devices or tokenization (`ferrylm/tokenizer.py` reads
 the tokenizer from the same metadata through `read_gguf_metadata`).
 
@@ -265,9 +266,14 @@ _ARCHS = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "olmoe": ("OlmoeForCausalLM", "olmoe"),
+    "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # V3 too: sigmoid gating makes it V3 below
 }
 # Architectures whose converter permuted q/k rows for llama.cpp's interleaved rope (LlamaModel.permute).
+# The others are written in HF's row order: qwen2moe/qwen3moe/olmoe use ggml's NEOX (rotate-half) rope,
+# and deepseek2 uses ggml's interleaved rope on the unpermuted rows, which is HF DeepSeek's own rotation.
 _PERMUTED_QK = {"llama"}
+_SIGMOID_GATING = 2  # gguf.ExpertGatingFuncType.SIGMOID
 
 
 def supported_gguf_architectures() -> list[str]:
@@ -344,9 +350,13 @@ def gguf_to_hf_config(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path:
             cfg["moe_intermediate_size"] = int(k("expert_feed_forward_length", 0) or 0)
             cfg["shared_expert_intermediate_size"] = int(k("expert_shared_feed_forward_length", 0) or 0)
             cfg["decoder_sparse_step"] = 1
-            cfg["mlp_only_layers"] = []
-            # llama.cpp's qwen3moe graph always renormalizes the top-k weights; qwen2moe never does.
-            cfg["norm_topk_prob"] = model_type == "qwen3_moe"
+            cfg["mlp_only_layers"] = []  # llama.cpp's qwen2moe/qwen3moe have no dense layers
+            # llama.cpp's qwen3moe graph always renormalizes the top-k weights; qwen2moe and olmoe never do.
+            cfg["norm_topk_prob"] = bool(k("expert_weights_norm", model_type == "qwen3_moe"))
+    if arch == "olmoe" and k("attention.clamp_kqv") is not None:
+        cfg["clip_qkv"] = float(k("attention.clamp_kqv"))
+    if arch == "deepseek2":
+        _deepseek_config(cfg, k, heads, n_experts, path)
     for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                              ("pad_token_id", "padding_token_id")):
         v = meta.get(f"tokenizer.ggml.{gguf_key}")
@@ -357,6 +367,52 @@ def gguf_to_hf_config(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path:
         cfg["gguf_rope_freqs"] = True
     cfg["gguf_architecture"] = arch
     return cfg
+
+
+def _deepseek_config(cfg: dict, k, heads: int, n_experts: int, path: str) -> None:
+    """MLA shapes and DeepSeek routing from deepseek2 metadata (`DeepseekV2Model` in convert_hf_to_gguf.py).
+
+    Newer converters describe MLA as MQA over the latent (head_count_kv 1, key_length R + r) and keep the
+    per-head sizes in `key_length_mla`/`value_length_mla`; older ones wrote the per-head sizes directly.
+    """
+    for key in ("rope.dimension_count", "attention.kv_lora_rank", "attention.key_length", "attention.value_length"):
+        if k(key) is None:
+            raise ModelLoadError(f"{path}: deepseek2 GGUF metadata lacks deepseek2.{key} (needed for MLA)")
+    gating = k("expert_gating_func", 1)  # files from before the key are DeepSeek-V2/V2.5: softmax
+    if gating not in (1, _SIGMOID_GATING):
+        raise ModelLoadError(f"{path}: unsupported deepseek2.expert_gating_func {gating} (1 softmax, 2 sigmoid)")
+    rope = int(k("rope.dimension_count"))
+    key_len = int(k("attention.key_length_mla") or k("attention.key_length"))
+    value_len = int(k("attention.value_length_mla") or k("attention.value_length"))
+    v3 = gating == _SIGMOID_GATING
+    n_group = int(k("expert_group_count", 1) or 1)
+    cfg.update(
+        architectures=["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        model_type="deepseek_v3" if v3 else "deepseek_v2",
+        num_key_value_heads=heads, head_dim=key_len,
+        q_lora_rank=int(k("attention.q_lora_rank")) if k("attention.q_lora_rank") else None,
+        kv_lora_rank=int(k("attention.kv_lora_rank")),
+        qk_nope_head_dim=key_len - rope, qk_rope_head_dim=rope, v_head_dim=value_len,
+        n_routed_experts=n_experts, n_shared_experts=int(k("expert_shared_count", 0) or 0),
+        moe_intermediate_size=int(k("expert_feed_forward_length", 0) or 0),
+        first_k_dense_replace=int(k("leading_dense_block_count", 0) or 0),
+        routed_scaling_factor=float(k("expert_weights_scale", 1.0)),
+        norm_topk_prob=bool(k("expert_weights_norm", False)),
+        n_group=n_group, topk_group=int(k("expert_group_used_count", 1) or 1),
+        scoring_func="sigmoid" if v3 else "softmax",
+        topk_method="noaux_tc" if v3 else ("group_limited_greedy" if n_group > 1 else "greedy"),
+        rope_interleave=True,  # ggml's deepseek2 graph rotates interleaved pairs
+    )
+    for key in ("partial_rotary_factor", "num_experts", "shared_expert_intermediate_size", "decoder_sparse_step",
+                "mlp_only_layers"):
+        cfg.pop(key, None)
+    rs = cfg.get("rope_scaling")
+    if rs and rs["rope_type"] == "yarn":
+        # the converter stores 0.1 * mscale_all_dim; ggml's graph applies it as both mscale and
+        # mscale_all_dim (the released configs have them equal), so the rotary attention factor is 1
+        m = float(k("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        rs.update(mscale=m, mscale_all_dim=m, beta_fast=float(k("rope.scaling.yarn_beta_fast", 32.0)),
+                  beta_slow=float(k("rope.scaling.yarn_beta_slow", 1.0)))
 
 
 def _checkpoint_dtype(tensors: list[GGUFTensorInfo]) -> str:
@@ -400,6 +456,19 @@ _BLOCK_NAMES = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# DeepSeek's MLA projections, its plural shared experts and V3's router correction bias
+_DEEPSEEK_NAMES = {
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+}
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _STACKED_EXPERTS = re.compile(r"^ffn_(gate|up|down)_exps\.weight$")
 _SPLIT_EXPERT = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")  # older Mixtral files, one per expert
@@ -414,6 +483,8 @@ class _Entry:
     expert: int | None = None
     unpermute_heads: int | None = None
     unsqueeze: bool = False
+    v_b: GGUFTensorInfo | None = None
+    """Set when `info` is a DeepSeek `attn_k_b` [h, R, n]: kv_b_proj is rebuilt from it and this [h, v, R]."""
 
 
 class GGUFSource(WeightSource):
@@ -442,7 +513,9 @@ class GGUFSource(WeightSource):
         cfg = self.config
         moe = "block_sparse_moe" if cfg["model_type"] == "mixtral" else "mlp"
         permuted = cfg["gguf_architecture"] in _PERMUTED_QK
+        names = {**_BLOCK_NAMES, **_DEEPSEEK_NAMES} if cfg["gguf_architecture"] == "deepseek2" else _BLOCK_NAMES
         entries: dict[str, _Entry] = {}
+        split_kv_b: dict[str, dict[str, GGUFTensorInfo]] = {}  # HF prefix -> {"attn_k_b": .., "attn_v_b": ..}
         self.unmapped: list[str] = []
         for t in self.tensors:
             if t.name in _GLOBAL_NAMES:
@@ -456,7 +529,7 @@ class GGUFSource(WeightSource):
             prefix = f"model.layers.{layer}."
             if leaf == "ffn_gate_inp.weight":
                 entries[f"{prefix}{moe}.gate.weight"] = _Entry(t)
-            elif leaf in _BLOCK_NAMES:
+            elif leaf in names:
                 heads = None
                 if permuted and leaf == "attn_q.weight":
                     heads = cfg["num_attention_heads"]
@@ -464,7 +537,9 @@ class GGUFSource(WeightSource):
                     heads = cfg["num_key_value_heads"]
                 # HF keeps the shared-expert gate as a [1, H] Linear weight; GGUF squeezes it to [H].
                 unsqueeze = leaf == "ffn_gate_inp_shexp.weight" and len(t.dims) == 1
-                entries[prefix + _BLOCK_NAMES[leaf]] = _Entry(t, unpermute_heads=heads, unsqueeze=unsqueeze)
+                entries[prefix + names[leaf]] = _Entry(t, unpermute_heads=heads, unsqueeze=unsqueeze)
+            elif leaf in ("attn_k_b.weight", "attn_v_b.weight") and names is not _BLOCK_NAMES:
+                split_kv_b.setdefault(prefix, {})[leaf.split(".")[0]] = t
             elif sm := _STACKED_EXPERTS.match(leaf):
                 n_exp = t.shape[0]
                 for e in range(n_exp):
@@ -473,8 +548,20 @@ class GGUFSource(WeightSource):
                 entries[self._expert_name(prefix, moe, int(sm[2]), sm[1])] = _Entry(t)
             else:
                 self.unmapped.append(t.name)
+        # Newer deepseek2 files carry kv_b_proj split for llama.cpp's absorbed MLA (k_b transposed), some
+        # without the whole attn_kv_b; then kv_b_proj is put back together from the two halves.
+        for prefix, parts in split_kv_b.items():
+            name = prefix + "self_attn.kv_b_proj.weight"
+            if name in entries:
+                self.unmapped += [p.name for p in parts.values()]
+            elif len(parts) == 2:
+                entries[name] = _Entry(parts["attn_k_b"], v_b=parts["attn_v_b"])
+            else:
+                raise ModelLoadError(f"{self.path}: {next(iter(parts.values())).name} has no matching "
+                                     f"attn_{'v' if 'attn_k_b' in parts else 'k'}_b tensor")
         # Fail at open, not halfway through loading a model, on a storage type we cannot turn into values.
-        for info in sorted({e.info for e in entries.values()}, key=lambda t: t.offset):
+        infos = {e.info for e in entries.values()} | {e.v_b for e in entries.values() if e.v_b is not None}
+        for info in sorted(infos, key=lambda t: t.offset):
             if not _readable(info.ggml_type):
                 raise ModelLoadError(
                     f"{self.path}: tensor {info.name!r} is stored as {info.type_name}, which ferrylm cannot "
@@ -517,6 +604,9 @@ class GGUFSource(WeightSource):
             out = _unpermute_qk(out, ent.unpermute_heads)
         if ent.unsqueeze:
             out = out.unsqueeze(0)
+        if ent.v_b is not None:  # k_b: [h, R, n], v_b: [h, v, R] -> kv_b_proj [h * (n + v), R]
+            v_b = _load(self._mm, ent.v_b, self.path, None)
+            out = torch.cat((out.transpose(1, 2).to(v_b.dtype), v_b), dim=1).flatten(0, 1).contiguous()
         return out
 
     def close(self) -> None:

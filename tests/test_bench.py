@@ -526,29 +526,28 @@ def test_soak_disk_fill_is_bounded_and_removed(tmp_path, capsys):
         config_from_args(build_parser().parse_args(["bench", "soak", "--chaos", "disk-fill"]))
 
 
-def test_soak_net_drop_cuts_streams_and_recovers(tmp_path, capsys):
-    srv = fake("--itl", "0.005")
-    try:
-        rc, s, out = bench(capsys, "soak", "--url", srv.url, "--requests-per-hour", "36000", "--duration", "4.5s",
-                           "--sample-every", "0.5s", "--max-tokens", "8", "--prompt-tokens", "8", "--chaos",
-                           "net-drop", "--chaos-drop", "0.6", "--seed", "3", "--out", str(tmp_path / "drop"))
-    finally:
-        srv.stop()
+def test_soak_net_drop_cuts_streams_and_recovers(ferry, tmp_path, capsys):
+    rc, s, out = bench(capsys, "soak", "--url", ferry.url, "--api-key", KEY, "--requests-per-hour", "14400",
+                       "--duration", "4.5s", "--sample-every", "0.5s", "--max-tokens", "6", "--prompt-tokens", "8",
+                       "--chaos", "net-drop", "--chaos-drop", "0.6", "--seed", "3", "--out", str(tmp_path / "drop"))
     assert rc == 0
     c = s["chaos"]
     print(json.dumps(c))
     (drop,) = c["faults"]
-    assert drop["fault"] == "net-drop" and drop["drop"] == 0.6 and drop["requests"] >= 5
-    # some, not all, requests sent during the fault saw a broken stream, and every one of those was a cut
-    assert drop["cuts"] >= 1 and 0 < drop["error_rate"] < 1
+    assert drop["fault"] == "net-drop" and drop["drop"] == 0.6 and drop["requests"] >= 3
+    # some requests sent during the fault saw a broken stream, and every one of those was a cut
+    assert drop["cuts"] >= 1 and drop["error_rate"] > 0
     assert drop["failed_by_cuts"] == round(drop["error_rate"] * drop["requests"])
     assert all(("Error" in e or "stream" in e) for e in drop["errors"]), drop["errors"]
     # nothing failed outside the fault, the server stayed healthy, and the injected failures were excused
     rows = records(out)
     assert all(r["ok"] for r in rows if not (drop["start"] <= r["sent"] <= drop["end"] + 0.5))
-    assert drop["recovered_after_s"] is not None and drop["recovered_after_s"] < 1.0
+    assert drop["recovered_after_s"] is not None
     assert s["soak"]["server_errors"]["injected_excluded"] >= drop["failed_by_cuts"]
     assert s["soak"]["checks"]["server_errors"] == "pass" and s["soak"]["checks"]["health"] == "pass"
+    # the server let go of the requests whose client vanished: nothing left running or holding KV blocks
+    last = json.loads((out / "samples.jsonl").read_text().splitlines()[-1])
+    assert (last["running"], last["waiting"], last["kv_usage"]) == (0, 0, 0), last
 
 
 def test_disk_fill_on_a_real_small_file_system_runs_out_of_bytes_and_inodes(tmp_path):

@@ -548,6 +548,11 @@ def test_soak_net_drop_cuts_streams_and_recovers(ferry, tmp_path, capsys):
     # the server let go of the requests whose client vanished: nothing left running or holding KV blocks
     last = json.loads((out / "samples.jsonl").read_text().splitlines()[-1])
     assert (last["running"], last["waiting"], last["kv_usage"]) == (0, 0, 0), last
+    from ferrylm.bench.cli import config_from_args
+    from ferrylm.cli import build_parser
+
+    with pytest.raises(BenchError, match="--chaos-drop"):
+        config_from_args(build_parser().parse_args(["bench", "soak", "--chaos", "net-drop", "--chaos-drop", "0"]))
 
 
 def test_disk_fill_on_a_real_small_file_system_runs_out_of_bytes_and_inodes(tmp_path):

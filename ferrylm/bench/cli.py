@@ -119,9 +119,12 @@ def _add_level(sub, level: str) -> None:
         flag("--max-p99-drift", field="max_p99_drift", type=_typed(units.parse_duration), help="either way")
         flag("--drift-metric", field="drift_metric", choices=DRIFT_METRICS, help="latency whose P99 is judged")
         flag("--chaos", field="chaos", type=_typed(_faults),
-             help="inject faults on this machine, one after another: cpu-load,net-delay,disk-fill (docs/bench.md)")
+             help="inject faults on this machine, one after another: "
+                  "cpu-load,net-delay,net-drop,disk-fill (docs/bench.md)")
         flag("--chaos-delay", field="chaos_delay", type=_typed(units.parse_duration),
              help="net-delay: hold each chunk from the server this long")
+        flag("--chaos-drop", field="chaos_drop", type=float,
+             help="net-drop: share of requests whose response is cut mid-stream (seeded by --seed)")
         flag("--chaos-dir", field="chaos_dir", help="disk-fill: the server's temp or log folder to fill")
         flag("--chaos-fill-size", field="chaos_fill_size", type=_typed(units.parse_size), help="disk-fill: bytes at most")
         flag("--chaos-fill-files", field="chaos_fill_files", type=int, help="disk-fill: empty files at most")

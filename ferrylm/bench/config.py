@@ -89,9 +89,12 @@ class BenchConfig:
     drift_metric: str = "e2e"
     """Soak: which latency's P99 the drift bar reads (ttft, itl, e2e)."""
     chaos: tuple[str, ...] = ()
-    """Soak: faults to inject one after another on this machine (cpu-load, net-delay, disk-fill); bench/chaos.py."""
+    """Soak: faults to inject one after another on this machine (cpu-load, net-delay, net-drop, disk-fill);
+    bench/chaos.py."""
     chaos_delay: float = 0.2
     """Soak: seconds the net-delay proxy holds each chunk from the server while that fault is on."""
+    chaos_drop: float = 0.5
+    """Soak: the share of requests whose response the net-drop proxy cuts mid-stream while that fault is on."""
     chaos_dir: str | None = None
     """Soak: the folder disk-fill fills (the server's temp or log folder); required for disk-fill."""
     chaos_fill_size: float = 1e9
@@ -142,6 +145,7 @@ def check(cfg: BenchConfig) -> BenchConfig:
         (cfg.sweep_steps >= 1, "--sweep-steps must be >= 1"),
         (cfg.sweep is None or all(r > 0 for r in cfg.sweep), "--sweep rates must be > 0"),
         (not cfg.chaos or cfg.duration is not None, "--chaos needs a --duration to place its faults in"),
+        (0 < cfg.chaos_drop <= 1, "--chaos-drop must be in (0, 1]: the share of requests net-drop cuts"),
         ("disk-fill" not in cfg.chaos or bool(cfg.chaos_dir), "--chaos disk-fill needs --chaos-dir (the server's "
                                                               "temp or log folder)"),
     ]

@@ -10,7 +10,8 @@ Statistics (each verdict is `pass`, `fail` or `inconclusive`, see `stats.verdict
   pass when the interval is inside +-max_p99_drift.
 - errors: server errors (5xx, error events, dropped connections) over requests that finished or failed.
 - health: the fraction of samples whose GET /health answered 200.
-With --chaos, faults are injected in the last two thirds of the run and reported per fault (bench/chaos.py).
+With --chaos, faults are injected in the last two thirds of the run and reported per fault (bench/chaos.py);
+requests the net-drop proxy cut on purpose are left out of the errors verdict (and counted as injected).
 samples.jsonl grows with every sample and summary.json is rewritten after every window (`"partial": true`),
 so a soak that is killed still leaves its evidence; windows.json is written at the end.
 """
@@ -67,8 +68,10 @@ def windows_of(records: list[Record], samples: list[dict], start: float, end: fl
     return out
 
 
-def analyse(cfg: BenchConfig, records: list[Record], samples: list[dict], start: float, end: float) -> tuple[dict, dict]:
-    """(the soak part of the summary, the fitted lines for the plot)."""
+def analyse(cfg: BenchConfig, records: list[Record], samples: list[dict], start: float, end: float,
+            excused=None) -> tuple[dict, dict]:
+    """(the soak part of the summary, the fitted lines for the plot). `excused(record)`: a failure the bench
+    injected itself (chaos net-drop), left out of the server-error check and counted apart."""
     length = window_length(cfg)
     windows = windows_of(records, samples, start, end, length)
     after = [s for s in samples if s["t"] >= start + length]
@@ -91,7 +94,9 @@ def analyse(cfg: BenchConfig, records: list[Record], samples: list[dict], start:
     ws = [w for w in windows[1:] if w[f"{metric}_p99"] is not None]
     dfit = fit_slope([w["mid"] for w in ws], [w[f"{metric}_p99"] for w in ws]) if len(ws) >= 3 else None
     across = ws[-1]["mid"] - ws[0]["mid"] if len(ws) >= 2 else 0.0
-    judged = [r for r in records if r.sent is not None and not r.cancelled]
+    sent = [r for r in records if r.sent is not None and not r.cancelled]
+    judged = [r for r in sent if excused is None or not excused(r)]
+    injected = len(sent) - len(judged)
     server_errors = sum(r.server_error for r in judged)
     rate_5xx = server_errors / len(judged) if judged else None
     health = [s["health"] for s in samples]
@@ -107,7 +112,8 @@ def analyse(cfg: BenchConfig, records: list[Record], samples: list[dict], start:
                           "drift_s": dfit.to_json(across) if dfit else None, "bar_s": cfg.max_p99_drift,
                           "first_window_p99": ws[0][f"{metric}_p99"] if ws else None,
                           "last_window_p99": ws[-1][f"{metric}_p99"] if ws else None},
-            "server_errors": {"count": server_errors, "rate": rate_5xx, "bar": cfg.max_5xx_rate},
+            "server_errors": {"count": server_errors, "rate": rate_5xx, "bar": cfg.max_5xx_rate,
+                              "injected_excluded": injected},
             "health": {"samples": len(health), "ok": sum(h == 200 for h in health),
                        "first_failure_t": next((s["t"] for s in samples if s["health"] != 200), None)},
             "samples": len(samples)}
@@ -121,7 +127,8 @@ async def run(session, client, prompts) -> dict:
     direct = httpx.AsyncClient(base_url=cfg.base_url, headers=auth_headers(cfg), timeout=30)
     monitor = Monitor(direct, pid)
     chaos = Chaos(cfg.chaos, cfg.base_url, cfg.chaos_delay, cfg.chaos_dir, cfg.chaos_fill_size,
-                  cfg.chaos_fill_files) if cfg.chaos else None
+                  cfg.chaos_fill_files, cfg.chaos_drop, cfg.seed, client.now) if cfg.chaos else None
+    excused = chaos.excused if chaos is not None else None
     if chaos is not None and (proxy := await chaos.start()):
         client.http.base_url = proxy
     samples: list[dict] = []
@@ -143,7 +150,7 @@ async def run(session, client, prompts) -> dict:
             await sample()
             if client.now() >= next_checkpoint:  # interim summary: a killed soak keeps its verdict so far
                 next_checkpoint += length
-                part, _ = analyse(cfg, session.records, samples, start, client.now())
+                part, _ = analyse(cfg, session.records, samples, start, client.now(), excused)
                 session.write_json("summary.json", {**session.header(client.model, ""), **header, "partial": True,
                                                     "soak": part})
             if not await session.wait(asyncio.sleep(cfg.sample_every)):
@@ -168,12 +175,12 @@ async def run(session, client, prompts) -> dict:
     await direct.aclose()
     sample_file.close()
     end = client.now()
-    soak, lines = analyse(cfg, records, samples, start, end)
+    soak, lines = analyse(cfg, records, samples, start, end, excused)
     windows = windows_of(records, samples, start, end, length)
     session.write_json("windows.json", windows)
     out = {**header, "results": summarize(records, cfg.slo, cfg.slo_target), "soak": soak}
     if chaos is not None:
-        out["chaos"] = chaos_report(records, chaos.windows, chaos.windows[0][1], chaos.disk)
+        out["chaos"] = chaos_report(records, chaos.windows, chaos.windows[0][1], chaos.disk, chaos)
     out["plots"] = [plots.latency_cdf(records, session.out / "latency_cdf.png").name,
                     plots.timeline(records, session.out / "timeline.png").name,
                     plots.soak(samples, windows, lines, cfg.drift_metric, session.out / "soak.png",

@@ -109,7 +109,7 @@ class QuantizedTensor:
     @property
     def row_wise(self) -> bool:
         """Every part is [N, ...] over the rows of a 2-D weight (rows can be gathered and concatenated)."""
-        return len(self.shape) == 2 and (self.scheme == "int4" or "group_size" in self.params and self.scheme == "int8")
+        return len(self.shape) == 2 and self.scheme in ("int4", "int8", "fp8")
 
     def rows(self, idx: torch.Tensor) -> "QuantizedTensor":
         """The rows `idx` [R] of a row-wise tensor, still packed (an embedding lookup decodes only these)."""

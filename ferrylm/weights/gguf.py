@@ -692,13 +692,13 @@ def _packed(buf, t: GGUFTensorInfo) -> QuantizedTensor:
     d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]  # [R, G]
     if scheme == "int8":
         q = blocks[..., 2:].contiguous().view(torch.int8).view(rows, cols)
-        return QuantizedTensor(scheme, (rows, cols), {"q": q, "scale": d}, dict(params), torch.bfloat16)
+        return QuantizedTensor(scheme, (rows, cols), {"q": q, "scale": d}, dict(params), torch.float32)
     parts = {"scale": d}
     if params["zero"] == "min":
         parts["min"] = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
     qs = blocks[..., -16:]  # [R, G, 16]
     codes = torch.cat((qs & 0xF, qs >> 4), dim=-1).view(rows, cols)  # [R, C]: values in order
-    return QuantizedTensor(scheme, (rows, cols), {"q": pack_nibbles(codes), **parts}, dict(params), torch.bfloat16)
+    return QuantizedTensor(scheme, (rows, cols), {"q": pack_nibbles(codes), **parts}, dict(params), torch.float32)
 
 
 def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -156,8 +156,15 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         path = default_model_path()
+        kw = {}
+        try:  # transformers >= 5 can keep GGUF blocks packed with hub kernels; the baseline is the dense bf16 model
+            from transformers import GgufConfig
+
+            kw["quantization_config"] = GgufConfig(gguf_file=os.path.basename(path), dequantize=True)
+        except ImportError:
+            pass
         hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                  dtype=torch.bfloat16).eval()
+                                                  dtype=torch.bfloat16, **kw).eval()
     for llm in llms.values():  # warm-up
         ferry_decode(llm, chat, 4)
     if hf is not None:

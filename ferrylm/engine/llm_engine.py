@@ -19,11 +19,11 @@ from ferrylm.engine.model_runner import ModelRunner
 from ferrylm.engine.scheduler import Scheduler
 from ferrylm.engine.sequence import Sequence, SequenceStatus
 from ferrylm.errors import ConfigError, InvalidRequestError, ModelLoadError
+from ferrylm.hw.cpu_binding import bind_cpu
 from ferrylm.kv.block_manager import BlockManager
 from ferrylm.kv.state_pool import StateSlotPool
 from ferrylm.layers.sampler import MIN_LOGPROB, Sampler, SamplingRow
 from ferrylm.sampling_params import SamplingParams
-from ferrylm.hw.cpu_binding import bind_cpu
 from ferrylm.weights.source import open_source
 
 log = logging.getLogger(__name__)

@@ -327,6 +327,13 @@ class EngineConfig:
     reference loop everywhere."""
     enforce_eager: bool = False
     """Never use CUDA graphs (they serve pure decode steps of dense models on CUDA)."""
+    dequantize: bool = False
+    """Dequantize packed weights (GGUF Q4_0/Q4_1/Q8_0 blocks, a quantized store) to dense `dtype` at load:
+    the plain reference path (more memory, slower). Off: they stay packed and quantized kernels run on them."""
+    threads: int | None = None
+    """CPU threads for torch's kernels (None: torch's default, or the NUMA node's CPUs with `numa_node`)."""
+    numa_node: int | None = None
+    """Run on this NUMA node's CPUs and allocate from its memory (None: no binding)."""
     model_overrides: dict = field(default_factory=dict)
     """Family-specific options (e.g. Yuan's `rope_dtype`)."""
 

@@ -84,6 +84,20 @@ def test_every_tensor_equals_transformers(smol_path, smol):
     assert not torch.equal(_permute(q, 9), q)
 
 
+def test_packed_tensors_of_the_embedded_default_hold_the_dequantized_values(smol):
+    """Every Q4_1 / Q8_0 matrix of the embedded default, handed out packed, dequantizes bit for bit to what
+    `get()` (gguf's dequantizer, q/k un-permuted) gives; packed bytes stay within the block sizes."""
+    names = [n for n in smol.keys() if smol.get_quantized(n) is not None]
+    assert len(names) == 211  # 30 layers x 7 matrices + the Q8_0 embedding
+    for name in names[:: 7] + ["model.embed_tokens.weight", "model.layers.3.self_attn.q_proj.weight",
+                               "model.layers.3.self_attn.k_proj.weight"]:
+        qt = smol.get_quantized(name)
+        assert torch.equal(qt.dequantize(torch.float32), smol.get(name)), name
+        per_value = {"Q4_1": 20 / 32, "Q8_0": 34 / 32}[smol.ggml_type(name)]
+        assert qt.nbytes == int(qt.shape[0] * qt.shape[1] * per_value), name
+    assert smol.get_quantized("model.norm.weight") is None
+
+
 @pytest.mark.parametrize("n_bytes", [0, 3, 100, 1_000_000, 1_786_000, 50_000_000, -1])
 def test_truncated_file_is_a_clear_error(smol_path, tmp_path, n_bytes):
     size = os.path.getsize(smol_path)
@@ -235,6 +249,13 @@ def test_synthetic_llama_roundtrip(tmp_path):
                 err = (got.float() - hf[name]).abs().max().item() / scale
                 worst[src.ggml_type(name)] = max(worst.get(src.ggml_type(name), 0.0), err)
         print("max relative error vs original values by storage type:", worst)
+        for name, want in expected.items():  # Q4_0 / Q4_1 / Q8_0 also come packed, holding the same values
+            qt = src.get_quantized(name)
+            packed = src.ggml_type(name) in ("Q4_0", "Q4_1", "Q8_0")
+            assert (qt is not None) == packed, name
+            if packed:
+                assert qt.shape == tuple(want.shape) and qt.row_wise
+                torch.testing.assert_close(qt.dequantize(torch.float32), want.float(), rtol=0, atol=0, msg=name)
         tol = {"F32": 0, "F16": 1e-3, "BF16": 1e-2, "Q8_0": 1e-2, "Q5_0": 0.05, "Q4_1": 0.1, "Q4_0": 0.1}
         for t, err in worst.items():
             assert err <= tol[t], (t, err)

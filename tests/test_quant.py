@@ -93,4 +93,59 @@ def test_quantized_tensor_to_and_dtype():
     assert qt.dequantize(torch.float16).dtype == torch.float16
     assert qt.nbytes == sum(p.numel() * p.element_size() for p in qt.parts.values())
     with pytest.raises(ValueError):
-        Q.quantize(w, "int4")
+        Q.quantize(w, "int3")
+
+
+# -- group-wise int4 / int8 (llama.cpp's Q4_0, Q4_1, Q8_0 at group 32) -------------------------------
+
+GROUPED = [("int4", {"group_size": 32, "zero": "sym"}), ("int4", {"group_size": 32, "zero": "min"}),
+           ("int4", {"group_size": 128, "zero": "min"}), ("int8", {"group_size": 32})]
+
+
+def _grouped(w, scheme, kw):
+    return Q.quantize_int4(w, **kw) if scheme == "int4" else Q.quantize_int8(w, **kw)
+
+
+@pytest.mark.parametrize("scheme,kw", GROUPED, ids=str)
+@pytest.mark.parametrize("shape", [(64, 128), (3, 256), (130, 384)], ids=str)
+def test_grouped_round_trip_within_bound(scheme, kw, shape):
+    torch.manual_seed(sum(shape))
+    w = torch.randn(shape) * 0.05
+    gs = kw["group_size"]
+    w[1, :gs] = 0  # an all-zero group
+    qt = _grouped(w, scheme, kw)
+    assert qt.row_wise and all(p.shape[0] == shape[0] for p in qt.parts.values())
+    err = (w - qt.dequantize()).abs()
+    worst = (err - Q.error_bound(w, qt)).max().item()
+    print(f"{scheme} {kw} {shape}: max |err| {err.max():.3e}, max (err - bound) {worst:.3e}")
+    assert worst <= 0
+    assert qt.dequantize()[1, :gs].abs().max() == 0
+    bits = 4 if scheme == "int4" else 8
+    assert qt.parts["q"].numel() * 8 == w.numel() * bits
+
+
+def test_int4_codes_follow_the_stated_formulas():
+    """Hand-built codes and scales: dequantize is exactly d*(q-8) (sym) / d*q + m (min), even k low nibble."""
+    codes = torch.arange(64).remainder(16).view(2, 32)  # [2, 32]: each row one group
+    d = torch.tensor([[0.5], [0.25]], dtype=torch.float16)
+    m = torch.tensor([[-1.0], [2.0]], dtype=torch.float16)
+    packed = Q.pack_nibbles(codes)
+    assert packed[0, 0] == codes[0, 0] | (codes[0, 1] << 4)
+    assert torch.equal(Q.unpack_nibbles(packed), codes.to(torch.uint8))
+    sym = Q.QuantizedTensor("int4", (2, 32), {"q": packed, "scale": d}, {"group_size": 32, "zero": "sym"})
+    asym = Q.QuantizedTensor("int4", (2, 32), {"q": packed, "scale": d, "min": m}, {"group_size": 32, "zero": "min"})
+    assert torch.equal(sym.dequantize(), (codes - 8) * d.float())
+    assert torch.equal(asym.dequantize(), codes * d.float() + m.float())
+
+
+def test_rows_and_cat_keep_the_packing():
+    torch.manual_seed(0)
+    a, b = torch.randn(6, 64), torch.randn(4, 64)
+    for scheme, kw in GROUPED:
+        kw = {**kw, "group_size": min(kw["group_size"], 64)}
+        qa, qb = _grouped(a, scheme, kw), _grouped(b, scheme, kw)
+        both = Q.QuantizedTensor.cat([qa, qb])
+        assert both.shape == (10, 64)
+        assert torch.equal(both.dequantize(), torch.cat([qa.dequantize(), qb.dequantize()]))
+        idx = torch.tensor([9, 0, 3])
+        assert torch.equal(both.rows(idx).dequantize(), both.dequantize()[idx])

@@ -19,6 +19,7 @@ from ferrylm.engine.model_runner import ModelRunner
 from ferrylm.engine.scheduler import Scheduler
 from ferrylm.engine.sequence import Sequence, SequenceStatus
 from ferrylm.errors import ConfigError, InvalidRequestError, ModelLoadError
+from ferrylm.hw.cpu_binding import bind_cpu
 from ferrylm.kv.block_manager import BlockManager
 from ferrylm.kv.state_pool import StateSlotPool
 from ferrylm.layers.sampler import MIN_LOGPROB, Sampler, SamplingRow
@@ -75,7 +76,10 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress=None):
         self.config = config
+        bind_cpu(config.threads, config.numa_node)
         source = open_source(config.model)
+        if config.dequantize:  # the plain path: the source hands every tensor out dense
+            source.get_quantized = lambda name: None
         try:
             self.model_config = ModelConfig.from_hf(source.config)
             self.tokenizer = self._load_tokenizer(source)

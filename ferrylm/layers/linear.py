@@ -1,10 +1,11 @@
 """Linear layers. `Linear` holds one dense weight; fused projections (qkv, gate_up) are one `Linear`
 whose rows are filled shard by shard at load time, so a step does one matmul instead of three.
 
-A `Linear` may instead hold its weight quantized (`QuantizedTensor`s from a ferry store, one per shard of a
-fused weight): `finish_load()` keeps that form when the pieces cover every row (the dense weight is then
-released) and forward dequantizes them, then does the matmul; pieces that cover only part of a fused weight
-are dequantized into the dense weight at load.
+A `Linear` may instead hold its weight quantized (`QuantizedTensor`s from a ferry store or a GGUF file, one
+per shard of a fused weight, copied to where the loader places the weight): `finish_load()` keeps that form
+when the pieces cover every row (the dense weight is then released) and builds the matmul kernel for it
+once (`layers/qmatmul.py`: row-wise pieces are concatenated into one kernel, so a fused projection stays
+one matmul); pieces that cover only part of a fused weight are dequantized into the dense weight at load.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferrylm.layers.params import device_for, replace, writable
+from ferrylm.layers.qmatmul import QuantKernel
 from ferrylm.weights.quant import QuantizedTensor
 
 
@@ -28,6 +30,8 @@ class Linear(nn.Module):
         """shard id -> (first row, rows) of a fused weight, e.g. {"q": (0, 576), "k": (576, 192), ...}."""
         self.qweight: dict[str | None, QuantizedTensor] = {}
         """Quantized weight pieces by shard id (None: the whole weight); kept only if they cover all rows."""
+        self.kernels: list[QuantKernel] = []
+        """Matmul kernels over `qweight` in row order (one when the pieces concatenate), built at load."""
 
     def load(self, name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """Copy a checkpoint tensor (`name` is `weight` or `bias`) into all rows or into one shard."""
@@ -57,6 +61,10 @@ class Linear(nn.Module):
         if whole:
             order = [None] if None in self.qweight else sorted(self.shards, key=lambda s: self.shards[s][0])
             self.qweight = {s: self.qweight[s] for s in order}  # row order, as forward concatenates them
+            pieces = list(self.qweight.values())
+            if len(pieces) > 1 and all(p.row_wise for p in pieces) and len({(p.scheme, str(p.params)) for p in pieces}) == 1:
+                pieces = [QuantizedTensor.cat(pieces)]
+            self.kernels = [QuantKernel.for_tensor(p) for p in pieces]
             replace(self, "weight", torch.empty(0, dtype=self.weight.dtype, device=device_for(self, "weight")))
             return
         pieces, self.qweight = self.qweight, {}
@@ -72,6 +80,7 @@ class Linear(nn.Module):
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)  # [out, in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight:
-            return F.linear(x, self.dense_weight(x.dtype), self.bias)
+        if self.kernels:
+            out = self.kernels[0](x) if len(self.kernels) == 1 else torch.cat([k(x) for k in self.kernels], dim=-1)
+            return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)

@@ -15,6 +15,7 @@ from torch import nn
 from ferrylm.config import ModelConfig
 from ferrylm.layers.activation import get_act
 from ferrylm.layers.attention import PagedAttention
+from ferrylm.layers.embedding import LMHead, TiedLMHead, VocabEmbedding
 from ferrylm.layers.linear import Linear
 from ferrylm.layers.norm import RMSNorm
 from ferrylm.layers.rotary import RotaryEmbedding
@@ -101,8 +102,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, make_mlp: MLPFactory, mlp_name: str):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, make_mlp, mlp_name) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -120,11 +120,10 @@ class LlamaForCausalLM(CausalLM):
         # length-dependent RoPE reads the step's sequence lengths, which piecewise graphs do not capture
         self.cuda_graphs = type(self).cuda_graphs and not self.model.layers[0].self_attn.rotary.length_dependent
         self.tied = cfg.tie_word_embeddings
-        if self.tied:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if self.tied:  # the embedding table's own matmul (packed or dense)
+            self.lm_head = TiedLMHead(self.model.embed_tokens)
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
 
     @property
     def attn_width(self) -> int:

@@ -182,7 +182,9 @@ class PlacedWeights:
 
     @property
     def embed_device(self) -> torch.device:
-        return next(m for m in self.model.modules() if isinstance(m, nn.Embedding)).weight.device
+        from ferrylm.layers.embedding import VocabEmbedding  # a Linear over the table (it may be packed)
+
+        return next(m for m in self.model.modules() if isinstance(m, (nn.Embedding, VocabEmbedding))).weight.device
 
     def device_bytes(self) -> int:
         """Device bytes the weights take: resident parameters, stream buffers, expert slots."""

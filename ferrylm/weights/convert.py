@@ -51,9 +51,10 @@ _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 @dataclass
 class ConvertOptions:
     quant: str = "none"
-    """none | int8 | nf4 | fp8"""
+    """none | int8 | nf4 | fp8 | int4. With none, a source's packed blocks (GGUF Q4_0 / Q4_1 / Q8_0) are
+    kept as they are (lossless); any other choice re-quantizes from the dequantized values."""
     group_size: int = 64
-    """NF4 values per absmax (64 or 128)."""
+    """NF4 values per absmax (64 or 128); int4 values per scale (32, 64, 128 or 256)."""
     double_quant: bool = False
     """NF4: store the per-group absmaxes as int8 (QLoRA double quantization)."""
     keep_high_precision: tuple[str, ...] = ()
@@ -76,6 +77,8 @@ class ConvertReport:
     dst: str
     tensors: int = 0
     quantized: int = 0
+    packed: int = 0
+    """Tensors kept in the source's own packed blocks (lossless)."""
     bytes_before: int = 0
     """Source tensor bytes as read (GGUF tensors count dequantized)."""
     bytes_source_files: int = 0
@@ -178,6 +181,8 @@ def convert(src: str, dst: str, opts: ConvertOptions | None = None, progress: bo
         raise FerryError(f"unknown --quant {opts.quant!r}; choose one of {', '.join(QUANT_CHOICES)}")
     if opts.quant == "nf4" and opts.group_size not in Q.GROUP_SIZES:
         raise FerryError(f"--group-size must be one of {Q.GROUP_SIZES}, not {opts.group_size}")
+    if opts.quant == "int4" and opts.group_size not in Q.INT4_GROUP_SIZES:
+        raise FerryError(f"--group-size must be one of {Q.INT4_GROUP_SIZES} for int4, not {opts.group_size}")
     if opts.dtype is not None and opts.dtype not in DTYPES:
         raise FerryError(f"unknown --dtype {opts.dtype!r}")
     if os.path.abspath(src) == os.path.abspath(dst):
@@ -202,8 +207,13 @@ def convert(src: str, dst: str, opts: ConvertOptions | None = None, progress: bo
             with _Progress(progress, sum(len(ns) for _, ns in groups)) as bar:
                 for gname, names in groups:
                     writer.begin_group(gname)
+                    packed = getattr(source, "get_quantized", None) if opts.quant == "none" else None
                     for name in names:
-                        _convert_one(name, source.get(name), writer, opts, report)
+                        qt = packed(name) if packed else None
+                        if qt is not None:  # the source's blocks as they are
+                            _keep_packed(name, qt, writer, opts, report)
+                        else:
+                            _convert_one(name, source.get(name), writer, opts, report)
                         bar.advance(report)
             for fname, data in files.items():
                 writer.add_file(fname, data)
@@ -223,11 +233,25 @@ def convert(src: str, dst: str, opts: ConvertOptions | None = None, progress: bo
     return report
 
 
+def _keep_packed(name: str, qt: Q.QuantizedTensor, writer: StoreWriter, opts: ConvertOptions,
+                 report: ConvertReport) -> None:
+    report.tensors += 1
+    report.packed += 1
+    report.bytes_before += qt.shape[0] * qt.shape[1] * 4  # as read dequantized
+    if opts.dtype:
+        qt.dtype = DTYPES[opts.dtype]
+    e = writer.add(name, qt, {"packed_from": "gguf"})
+    report.bytes_raw += e["raw_bytes"]
+    report.bytes_stored += e["stored_bytes"]
+
+
 def _convert_one(name: str, t: torch.Tensor, writer: StoreWriter, opts: ConvertOptions, report: ConvertReport) -> None:
     report.tensors += 1
     report.bytes_before += t.numel() * t.element_size()
     target = DTYPES[opts.dtype] if opts.dtype and t.is_floating_point() else t.dtype
     scheme = scheme_for(name, t, opts)
+    if scheme == "int4" and (t.dim() != 2 or t.shape[1] % opts.group_size):
+        scheme = None  # int4 is group-wise along rows: such a tensor stays in high precision
     if scheme is None:
         value, extra = t.to(target), None
     else:
@@ -302,7 +326,7 @@ def print_report(r: ConvertReport, console=None) -> None:
 
     console = console or Console()
     t = Table(title=f"ferry convert {r.src} -> {r.dst}", show_header=False)
-    t.add_row("tensors", f"{r.tensors} ({r.quantized} quantized)")
+    t.add_row("tensors", f"{r.tensors} ({r.quantized} quantized, {r.packed} kept in the source's packed blocks)")
     t.add_row("bytes before", f"{r.bytes_before:,} ({_fmt_bytes(r.bytes_before)} of tensors as read)")
     if r.bytes_source_files and r.bytes_source_files != r.bytes_before:
         t.add_row("source files", f"{r.bytes_source_files:,} ({_fmt_bytes(r.bytes_source_files)} on disk)")
@@ -348,7 +372,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", nargs="?", help="store directory to create")
     p.add_argument("--verify", action="store_true", help="re-check every checksum of the store SRC and exit")
     p.add_argument("--quant", default="none", choices=QUANT_CHOICES, help="weight quantization (default none)")
-    p.add_argument("--group-size", type=int, default=64, choices=Q.GROUP_SIZES, help="NF4 group size")
+    p.add_argument("--group-size", type=int, default=64, choices=sorted(set(Q.GROUP_SIZES + Q.INT4_GROUP_SIZES)),
+                   help="NF4 group size (64, 128); int4 group size (32 .. 256)")
     p.add_argument("--double-quant", action="store_true", help="NF4: int8 absmaxes (double quantization)")
     p.add_argument("--keep-high-precision", nargs="+", action="extend", default=[], metavar="PATTERN",
                    help="fnmatch patterns of tensor names to leave unquantized (embeddings, LM head, norms "

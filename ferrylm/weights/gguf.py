@@ -10,6 +10,8 @@ the tokenizer from the same metadata through `read_gguf_metadata`).
 The header is parsed here rather than with `gguf.GGUFReader`: the reader turns every vocabulary entry
 into numpy arrays, which takes seconds on a 49k-token vocabulary, while this parser needs ~0.1 s and
 reports truncation precisely. Tensor bytes stay memory-mapped until `get()` dequantizes one tensor.
+`get_quantized()` hands Q4_0 / Q4_1 / Q8_0 matrices out still packed, as the `int4` / `int8` group-32
+`QuantizedTensor`s that hold exactly the same values (only the nibble order within a block changes).
 
 Dimension letters: E experts, R rows (output features), C columns (input features).
 """
@@ -29,6 +31,7 @@ import torch
 from gguf.quants import dequantize
 
 from ferrylm.errors import ModelLoadError, UnsupportedArchitectureError
+from ferrylm.weights.quant import QuantizedTensor, pack_nibbles
 from ferrylm.weights.source import WeightSource
 
 # ---------------------------------------------------------------------------------------------------
@@ -609,6 +612,21 @@ class GGUFSource(WeightSource):
             out = torch.cat((out.transpose(1, 2).to(v_b.dtype), v_b), dim=1).flatten(0, 1).contiguous()
         return out
 
+    def get_quantized(self, name: str) -> QuantizedTensor | None:
+        """The tensor still packed when it is a Q4_0 / Q4_1 / Q8_0 matrix (not one expert of a stacked
+        tensor), else None: `get()` then gives it dense."""
+        ent = self._entry(name)
+        t = ent.info
+        if t.ggml_type not in _PACKED or len(t.dims) != 2 or ent.expert is not None:
+            return None
+        if self._mm is None:
+            raise ModelLoadError(f"{self.path}: source is closed")
+        qt = _packed(self._mm, t)
+        if ent.unpermute_heads:
+            qt = QuantizedTensor(qt.scheme, qt.shape, {k: _unpermute_qk(v, ent.unpermute_heads) for k, v in
+                                                        qt.parts.items()}, qt.params, qt.dtype)
+        return qt
+
     def close(self) -> None:
         mm, self._mm = getattr(self, "_mm", None), None
         if mm is not None:
@@ -649,6 +667,38 @@ def _load(buf, t: GGUFTensorInfo, path: str, expert: int | None) -> torch.Tensor
             ) from None
         arr = np.ascontiguousarray(arr, dtype=np.float32)
     return torch.from_numpy(arr).reshape(shape)
+
+
+# ggml type -> (scheme, params, block bytes): the blocks ferrylm keeps packed
+_PACKED = {
+    _Q.Q4_0: ("int4", {"group_size": 32, "zero": "sym"}),
+    _Q.Q4_1: ("int4", {"group_size": 32, "zero": "min"}),
+    _Q.Q8_0: ("int8", {"group_size": 32}),
+}
+
+
+def _packed(buf, t: GGUFTensorInfo) -> QuantizedTensor:
+    """A Q4_0 / Q4_1 / Q8_0 matrix as a group-32 `QuantizedTensor` (owned CPU memory).
+
+    Blocks of 32 values: Q4_0 = d fp16, 16 bytes of codes; Q4_1 = d, m fp16, codes; Q8_0 = d fp16, 32 int8.
+    A Q4 block keeps value j in the low nibble of byte j and value j+16 in its high nibble; the int4
+    scheme packs neighbours (2i low, 2i+1 high), so the codes are re-paired here.
+    """
+    scheme, params = _PACKED[_Q(t.ggml_type)]
+    rows, cols = t.shape
+    _, block_bytes = _block(t.ggml_type)
+    raw = np.frombuffer(buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+    blocks = torch.from_numpy(raw.copy()).view(rows, cols // 32, block_bytes)  # [R, G, bytes]
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]  # [R, G]
+    if scheme == "int8":
+        q = blocks[..., 2:].contiguous().view(torch.int8).view(rows, cols)
+        return QuantizedTensor(scheme, (rows, cols), {"q": q, "scale": d}, dict(params), torch.float32)
+    parts = {"scale": d}
+    if params["zero"] == "min":
+        parts["min"] = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+    qs = blocks[..., -16:]  # [R, G, 16]
+    codes = torch.cat((qs & 0xF, qs >> 4), dim=-1).view(rows, cols)  # [R, C]: values in order
+    return QuantizedTensor(scheme, (rows, cols), {"q": pack_nibbles(codes), **parts}, dict(params), torch.float32)
 
 
 def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:

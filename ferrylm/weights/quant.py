@@ -1,10 +1,16 @@
 """Weight-only quantization schemes and the `QuantizedTensor` that carries packed weights in memory.
 
-Three schemes, each a pair of plain-torch functions (quantize, dequantize) that are the reference every
+Four schemes, each a pair of plain-torch functions (quantize, dequantize) that are the reference every
 faster kernel is checked against:
 
 - `int8`: per-output-channel symmetric INT8. scale[n] = absmax(row n) / 127.
   Bound: |w - deq| <= scale[n] / 2 per element.
+  With `group_size` (2-D weights): one fp16 scale per `group_size` values of a row; group 32 is exactly
+  llama.cpp's Q8_0 (w = d * q).
+- `int4`: group-wise 4-bit along each row (2-D weights), codes 0..15 and one fp16 scale per group;
+  `zero="sym"`: w = d * (q - 8) (llama.cpp's Q4_0 at group 32); `zero="min"`: w = d * q + m with an fp16
+  min per group (Q4_1 at group 32). Bound: |w - deq| <= d / 2 (+ the fp16 rounding of d and m); d for
+  "sym", whose largest-magnitude value maps to -8 so the other end clamps at +7.
 - `fp8`: per-output-channel FP8 e4m3 (`torch.float8_e4m3fn`, max 448). scale[n] = absmax(row n) / 448.
   Bound: |w - deq| <= max(2**-4 * |w|, 2**-10 * scale[n]) (half an ulp of a 3-bit mantissa; half the
   smallest subnormal near zero).
@@ -27,7 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-SCHEMES = ("int8", "nf4", "fp8")
+SCHEMES = ("int8", "nf4", "fp8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
 GROUP_SIZES = (64, 128)
 DQ_BLOCK = 256
 """Groups per fp32 scale when NF4 absmaxes are double-quantized."""
@@ -65,15 +72,20 @@ class QuantizedTensor:
     """Packed weight + scales. `dequantize()` gives the dense tensor of `shape` back."""
 
     scheme: str
-    """int8 | nf4 | fp8"""
+    """int8 | nf4 | fp8 | int4"""
     shape: tuple[int, ...]
     """Logical (dequantized) shape, e.g. [N, K]."""
     parts: dict[str, torch.Tensor]
     """int8/fp8: q [N, K] (int8 / uint8 bits of e4m3), scale [N] fp32.
     nf4: q [ceil(M/G_size)*G_size/2] uint8 (two codes per byte, low nibble first), and either
-    absmax [G] fp32 or (double-quantized) absmax_q [G] int8, absmax_scale [B] fp32, absmax_mean [1] fp32."""
+    absmax [G] fp32 or (double-quantized) absmax_q [G] int8, absmax_scale [B] fp32, absmax_mean [1] fp32.
+    int8 with group_size: q [N, K] int8, scale [N, K/gs] fp16.
+    int4: q [N, K/2] uint8 (codes k=2i in the low nibble, 2i+1 in the high), scale [N, K/gs] fp16, and
+    min [N, K/gs] fp16 when zero="min". Every part has the rows leading, so rows can be gathered or
+    concatenated part by part."""
     params: dict = field(default_factory=dict)
-    """Scheme parameters: nf4 -> group_size, double_quant."""
+    """Scheme parameters: nf4 -> group_size, double_quant; int8 -> group_size (absent: per channel);
+    int4 -> group_size, zero ("sym" | "min")."""
     dtype: torch.dtype = torch.float32
     """The high-precision dtype the weight had (and dequantizes to by default)."""
 
@@ -94,6 +106,28 @@ class QuantizedTensor:
         out = _DEQUANT[self.scheme](q)  # fp32, on q's device
         return out.to(dtype or self.dtype)
 
+    @property
+    def row_wise(self) -> bool:
+        """Every part is [N, ...] over the rows of a 2-D weight (rows can be gathered and concatenated)."""
+        return len(self.shape) == 2 and self.scheme in ("int4", "int8", "fp8")
+
+    def rows(self, idx: torch.Tensor) -> "QuantizedTensor":
+        """The rows `idx` [R] of a row-wise tensor, still packed (an embedding lookup decodes only these)."""
+        parts = {k: v.index_select(0, idx) for k, v in self.parts.items()}
+        return QuantizedTensor(self.scheme, (idx.numel(), self.shape[1]), parts, dict(self.params), self.dtype)
+
+    @staticmethod
+    def cat(pieces: list["QuantizedTensor"]) -> "QuantizedTensor":
+        """Row-wise tensors of one scheme stacked along the rows (fused qkv / gate_up pieces)."""
+        a = pieces[0]
+        if len(pieces) == 1:
+            return a
+        if not all(p.row_wise and p.scheme == a.scheme and p.params == a.params and p.shape[1] == a.shape[1]
+                   for p in pieces):
+            raise ValueError("only row-wise pieces of one scheme and width can be concatenated")
+        parts = {k: torch.cat([p.parts[k] for p in pieces]) for k in a.parts}
+        return QuantizedTensor(a.scheme, (sum(p.shape[0] for p in pieces), a.shape[1]), parts, dict(a.params), a.dtype)
+
 
 # -- INT8 per channel ------------------------------------------------------------------------------
 
@@ -109,7 +143,9 @@ def _channel_scale(w2: torch.Tensor, qmax: float) -> torch.Tensor:
     return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
 
 
-def quantize_int8(w: torch.Tensor) -> QuantizedTensor:
+def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> QuantizedTensor:
+    if group_size:
+        return _quantize_int8_groups(w, group_size)
     w2 = _rows(w.float())  # [N, K]
     scale = _channel_scale(w2, 127.0)  # [N]
     q = torch.round(w2 / scale[:, None]).clamp_(-127, 127).to(torch.int8)
@@ -117,7 +153,76 @@ def quantize_int8(w: torch.Tensor) -> QuantizedTensor:
 
 
 def _dequant_int8(qt: QuantizedTensor) -> torch.Tensor:
+    if "group_size" in qt.params:  # w = d * q, in the order gguf's Q8_0 reference multiplies
+        n, k = qt.shape
+        q = qt.parts["q"].float().view(n, -1, qt.params["group_size"])  # [N, G, gs]
+        return q.mul_(qt.parts["scale"].float()[..., None]).view(n, k)
     return qt.parts["q"].float().mul_(qt.parts["scale"][:, None]).reshape(qt.shape)
+
+
+def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    # w: [N, K] -> [N, G, gs]
+    if w.dim() != 2 or w.shape[1] % group_size:
+        raise ValueError(f"group-wise int4/int8 needs a 2-D weight whose rows are a multiple of {group_size} "
+                         f"long, not {tuple(w.shape)}")
+    return w.float().view(w.shape[0], -1, group_size)
+
+
+def _fp16_scale(x: torch.Tensor) -> torch.Tensor:
+    x = x.to(torch.float16)
+    return torch.where(x > 0, x, torch.ones_like(x))
+
+
+def _quantize_int8_groups(w: torch.Tensor, group_size: int) -> QuantizedTensor:
+    g = _groups(w, group_size)  # [N, G, gs]
+    d = _fp16_scale(g.abs().amax(dim=-1) / 127.0)  # [N, G]
+    q = torch.round(g / d.float()[..., None]).clamp_(-127, 127).to(torch.int8).view(w.shape)
+    return QuantizedTensor("int8", tuple(w.shape), {"q": q, "scale": d}, {"group_size": group_size}, w.dtype)
+
+
+# -- INT4 group-wise (Q4_0 / Q4_1) -----------------------------------------------------------------
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    # codes: [N, K] 0..15 -> [N, K/2] uint8, even k in the low nibble
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    # packed: [N, K/2] uint8 -> codes [N, K] uint8
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], -1)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32, zero: str = "min") -> QuantizedTensor:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, not {group_size}")
+    g = _groups(w, group_size)  # [N, G, gs]
+    if zero == "sym":  # llama.cpp's Q4_0 rounding: the value of largest magnitude maps to code 0 (-8)
+        big = g.gather(-1, g.abs().argmax(dim=-1, keepdim=True))[..., 0]  # [N, G], signed
+        d = (big / -8.0).to(torch.float16)
+        d = torch.where(d != 0, d, torch.ones_like(d))
+        q = torch.round(g / d.float()[..., None] + 8).clamp_(0, 15)
+        parts = {"scale": d}
+    elif zero == "min":
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # [N, G]
+        d = _fp16_scale((hi - lo) / 15.0)
+        m = lo.to(torch.float16)
+        q = torch.round((g - m.float()[..., None]) / d.float()[..., None]).clamp_(0, 15)
+        parts = {"scale": d, "min": m}
+    else:
+        raise ValueError(f"int4 zero must be 'sym' or 'min', not {zero!r}")
+    q = pack_nibbles(q.view(w.shape))
+    return QuantizedTensor("int4", tuple(w.shape), {"q": q, **parts}, {"group_size": group_size, "zero": zero}, w.dtype)
+
+
+def _dequant_int4(qt: QuantizedTensor) -> torch.Tensor:
+    # the order of gguf's reference: Q4_0 d * (q - 8); Q4_1 d * q + m
+    n, k = qt.shape
+    q = unpack_nibbles(qt.parts["q"]).float().view(n, -1, qt.params["group_size"])  # [N, G, gs]
+    d = qt.parts["scale"].float()[..., None]
+    if qt.params["zero"] == "sym":
+        return q.sub_(8).mul_(d).view(n, k)
+    return q.mul_(d).add_(qt.parts["min"].float()[..., None]).view(n, k)
 
 
 # -- FP8 e4m3 per channel --------------------------------------------------------------------------
@@ -201,13 +306,17 @@ def _dequant_nf4(qt: QuantizedTensor) -> torch.Tensor:
     return vals.mul_(nf4_absmax(qt)[:, None]).view(-1)[:m].view(qt.shape)
 
 
-_DEQUANT = {"int8": _dequant_int8, "fp8": _dequant_fp8, "nf4": _dequant_nf4}
+_DEQUANT = {"int8": _dequant_int8, "fp8": _dequant_fp8, "nf4": _dequant_nf4, "int4": _dequant_int4}
 
 
-def quantize(w: torch.Tensor, scheme: str, group_size: int = 64, double_quant: bool = False) -> QuantizedTensor:
-    """Quantize a floating-point weight with one of `SCHEMES`."""
+def quantize(w: torch.Tensor, scheme: str, group_size: int = 64, double_quant: bool = False,
+             zero: str = "min") -> QuantizedTensor:
+    """Quantize a floating-point weight with one of `SCHEMES` (int8 is per channel unless `group_size` is
+    given for it explicitly through `quantize_int8`)."""
     if scheme == "int8":
         return quantize_int8(w)
+    if scheme == "int4":
+        return quantize_int4(w, group_size, zero)
     if scheme == "fp8":
         return quantize_fp8(w)
     if scheme == "nf4":
@@ -219,6 +328,13 @@ def error_bound(w: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
     """Per-element bound on |w - qt.dequantize()| that the scheme guarantees (tests check against it)."""
     w = w.float()
     eps = 1e-6 * w.abs()  # fp32 rounding of the scale multiply
+    if qt.scheme == "int4" or (qt.scheme == "int8" and "group_size" in qt.params):
+        gs = qt.params["group_size"]
+        d = qt.parts["scale"].float().abs()[..., None].expand(*qt.parts["scale"].shape, gs).reshape(w.shape)
+        # (Q4_0's d carries the sign of the largest-magnitude value, which maps to -8); so a value near +absmax clamps at +7: up to d off;
+        # otherwise half a step, plus a little where fp16-rounded d or m make an end code clamp
+        half = 1.0 if qt.params.get("zero") == "sym" else 0.5
+        return d * half * 1.01 + 2 ** -10 * w.abs() + eps
     if qt.scheme == "int8":
         return (qt.parts["scale"][:, None] / 2).expand(_rows(w).shape).reshape(w.shape) * 1.0001 + eps
     if qt.scheme == "fp8":

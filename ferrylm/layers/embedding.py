@@ -1,0 +1,73 @@
+"""Token embeddings that may stay quantized, and LM heads (tied to them or their own).
+
+`VocabEmbedding` is a `Linear` over the [V, H] table, so the loader hands it packed weights exactly as it
+does a projection (`Linear.load`), and a tied LM head is the same module's matmul (`TiedLMHead`). A lookup
+decodes only the rows it gathers; the LM head runs on the kernel `Linear` built for the table.
+
+The CPU kernels return bf16, whose step near a logit of 16 is 0.06: close candidates would tie or swap. So
+a packed LM head in an fp32 model recomputes its `REFINE_TOP` highest logits exactly (fp32, from the
+dequantized rows): greedy picks and the head of the distribution are fp32-exact, the tail keeps bf16
+rounding. It knows nothing about checkpoints or which family uses it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrylm.layers.linear import Linear
+from ferrylm.weights.quant import QuantizedTensor
+
+REFINE_TOP = 64
+"""Logits per row recomputed in fp32 after a packed LM head's bf16 kernel."""
+
+
+def refine_top(logits: torch.Tensor, hidden: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """Recompute the `REFINE_TOP` largest logits of each row exactly from `qt`'s rows (fp32)."""
+    # logits: [N, V]; hidden: [N, H]
+    top = logits.topk(min(REFINE_TOP, logits.shape[-1]), dim=-1).indices  # [N, R]
+    rows = qt.rows(top.flatten()).dequantize(torch.float32).view(*top.shape, -1)  # [N, R, H]
+    exact = torch.bmm(rows, hidden.float()[:, :, None])[..., 0]  # [N, R]
+    return logits.scatter_(-1, top, exact.to(logits.dtype))
+
+
+def _logits(head: Linear, hidden: torch.Tensor) -> torch.Tensor:
+    out = Linear.forward(head, hidden)
+    if head.kernels and out.dtype == torch.float32 and len(head.qweight) == 1 and next(iter(head.qweight.values())).row_wise:
+        out = refine_top(out, hidden, next(iter(head.qweight.values())))
+    return out
+
+
+class VocabEmbedding(Linear):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__(hidden_size, vocab_size)  # weight: [V, H], as nn.Embedding keeps it
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] -> [T, H]
+        if self.qweight:
+            return self.qweight[None].rows(input_ids).dequantize(self.weight.dtype)
+        return F.embedding(input_ids, self.weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, H] -> [N, V]
+        return _logits(self, hidden)
+
+
+class LMHead(Linear):
+    """An untied LM head: a `Linear` whose packed form gets the exact top-logit pass."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _logits(self, hidden)
+
+
+class TiedLMHead(nn.Module):
+    """The LM head of a tied model: the embedding table's matmul. Holds the embedding without registering
+    it, so its parameters are listed (and loaded) once, under the embedding's name."""
+
+    def __init__(self, embedding: VocabEmbedding):
+        super().__init__()
+        self._embedding = (embedding,)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._embedding[0].logits(hidden)

@@ -487,61 +487,6 @@ def _talking_checkpoint(golden_dir: str, dst, vocab: int, chain: dict[int, int])
     (dst / "config.json").write_text(json.dumps(cfg))
 
 
-class _YuanServer:
-    """`ferry serve` on a free 127.0.0.1 port, for one model directory."""
-
-    def __init__(self, model_dir: str):
-        import socket
-        import subprocess
-        import sys
-        import tempfile
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="ferry-yuan-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "ferrylm.cli", "serve", "--model", model_dir, "--served-model-name", "yuan",
-               "--port", str(self.port), "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
-               "--disable-access-log"]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("FERRY_TEST_THREADS", "1")}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        import time
-
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log_text()}")
-
-    def log_text(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()[-4000:]
-
-    def stop(self) -> int:
-        import signal
-        import subprocess
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-
 YUAN_CHAT_TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"},
                    {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Write about spring"}]
 YUAN_CHAT_TEXT = "Be brief.\nHi\nthere<n>Hello!<n>Write about spring<sep>"  # FastChat's yuan2 conversation
@@ -575,7 +520,10 @@ def test_served_text_in_and_out(kind, tokenizer, request, tmp_path):
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
     specials = {s: tok.token_to_id(s) for s in ("<eod>", "<sep>", "<pad>", "<mask>")}
     prompt = "Write a short story about spring.<sep>"
-    server = _YuanServer(str(tmp_path))
+    from serving import Server
+
+    server = Server(["--model", str(tmp_path), "--served-model-name", "yuan", "--dtype", "float32",
+                     "--max-model-len", "128", "--max-num-seqs", "4", "--disable-access-log"])
     try:
         server.wait_ready()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)

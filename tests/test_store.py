@@ -23,7 +23,12 @@ from ferrylm.errors import FerryError, ModelLoadError  # noqa: E402
 from ferrylm.layers.linear import Linear  # noqa: E402
 from ferrylm.weights import quant as Q  # noqa: E402
 from ferrylm.weights import store as S  # noqa: E402
-from ferrylm.weights.convert import ConvertOptions, add_convert_parser, convert, main, verify  # noqa: E402
+from ferrylm.cli import main as ferry_main  # noqa: E402
+from ferrylm.weights.convert import ConvertOptions, add_convert_parser, convert, verify  # noqa: E402
+
+
+def main(argv):
+    return ferry_main(["convert", *argv])
 from ferrylm.weights.source import SafetensorsSource, open_source  # noqa: E402
 from ferrylm.weights.gguf import GGUFSource  # noqa: E402
 
@@ -288,7 +293,7 @@ def test_killed_convert_leaves_nothing_loadable_and_rerun_completes(tmp_path):
     src = _big_source(tmp_path / "big")
     dst = str(tmp_path / "store")
     tmp = S.temp_dir_for(dst)
-    cmd = [sys.executable, "-m", "ferrylm.weights.convert", src, dst, "--quant", "nf4", "--quiet",
+    cmd = [sys.executable, "-m", "ferrylm.cli", "convert", src, dst, "--quant", "nf4", "--quiet",
            "--shard-size-mb", "4"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60

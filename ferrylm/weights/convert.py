@@ -276,11 +276,12 @@ def _weight_file_bytes(src: str) -> int:
 
 
 def _created_by() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        from ferrylm import __version__
-    except ImportError:  # pragma: no cover
-        __version__ = "?"
-    return f"ferrylm {__version__}"
+        return f"ferrylm {version('ferrylm')}"
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "ferrylm (not installed)"
 
 
 class _Progress:
@@ -417,14 +418,3 @@ def cmd_convert(a: argparse.Namespace) -> None:
                           dtype=a.dtype, shard_bytes=a.shard_size_mb << 20, force=a.force)
     report = convert(a.src, a.dst, opts, progress=not a.quiet)
     print_report(report)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m ferrylm.weights.convert ...` is `ferry convert ...`."""
-    from ferrylm.cli import main as ferry_main
-
-    return ferry_main(["convert", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

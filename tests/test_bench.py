@@ -10,6 +10,7 @@ CLI's own code path, without paying a torch import per run); the Ctrl-C test goe
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
@@ -583,7 +584,7 @@ def test_disk_fill_on_a_real_small_file_system_runs_out_of_bytes_and_inodes(tmp_
 def test_serve_keeps_serving_when_its_log_cannot_be_written(tmp_path, capsys):
     """`ferry serve` has no log-file option: it logs to stderr. With stdout and stderr on /dev/full (every write
     fails with ENOSPC) and -v plus the access log (a line per request), it must still start, stay healthy and
-    answer every request. It cannot say so anywhere: see docs/bench.md (Chaos) for that gap."""
+    answer every request, and report the lost log lines on /health and /metrics."""
     port = _free_port()
     p = Proc([sys.executable, "-m", "ferrylm.cli", "-v", "serve", "--port", str(port), "--api-key", KEY,
               "--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-gb", "0.05"], port, log="/dev/full")
@@ -591,6 +592,11 @@ def test_serve_keeps_serving_when_its_log_cannot_be_written(tmp_path, capsys):
         rc, s, out = bench(capsys, "latency", "--url", p.url, "--api-key", KEY, "-n", "4", "--max-tokens", "3",
                            "--prompt-tokens", "8", "--out", str(tmp_path / "full-log"))
         assert rc == 0 and s["results"]["requests"]["ok"] == 4, s.get("results")
-        assert httpx.get(p.url + "/health", timeout=5).status_code == 200 and p.proc.poll() is None
+        health = httpx.get(p.url + "/health", timeout=5)
+        assert health.status_code == 200 and p.proc.poll() is None
+        # the lost lines are counted and said where they can be read
+        assert health.json()["log_write_errors"] > 0 and "could not be written" in health.json()["warning"]
+        metrics = httpx.get(p.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).text
+        assert re.search(r"^ferry:log_write_errors_total\{[^}]*\} [1-9]", metrics, re.M), metrics[-2000:]
     finally:
         p.stop()

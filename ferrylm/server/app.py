@@ -675,7 +675,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig, metrics: Metrics | Non
 
     @app.get("/health")
     async def health():
+        from ferrylm.server import log_errors
+
         if engine.is_ready:
+            if log_errors.lost:  # still serving, but its log is failing: say so where it can be read
+                return {"status": "ok", "log_write_errors": log_errors.lost,
+                        "warning": f"{log_errors.lost} log records could not be written (the log stream fails)"}
             return {"status": "ok"}
         body = {"status": engine.state.name.lower()}
         if engine.error is not None:

@@ -143,6 +143,9 @@ def cmd_serve(a: argparse.Namespace) -> None:
         load_error.append(e)
         server.should_exit = True
 
+    from ferrylm.server import log_errors
+
+    log_errors.install()  # a failing log stream is counted and reported, not silently dropped
     app = create_app(engine, config, on_load_failed=on_load_failed)
     # uvicorn's own deadline is a backstop behind ours: past it, it cancels tasks and cuts streams mid-way
     uv = uvicorn.Config(app, host=config.host, port=config.port, access_log=config.access_log,

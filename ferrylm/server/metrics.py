@@ -77,6 +77,12 @@ class _EngineCollector:
             c.add_metric(self.labels, value)
             yield c
         yield from self._offload(s.offload)
+        from ferrylm.server import log_errors
+
+        c = CounterMetricFamily("ferry:log_write_errors", "Log records that could not be written (a failing log "
+                                "stream); serving goes on.", labels=["model_name"])
+        c.add_metric(self.labels, log_errors.lost)
+        yield c
 
     OFFLOAD = {
         "h2d_bytes": "Weight bytes copied host to device (streamed layers and expert misses).",

@@ -54,8 +54,41 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
+class ReceiveRefused(Exception):
+    """Raised by a guarded `receive` to refuse the request; `run_guarded` answers it."""
+
+
+async def run_guarded(app, scope, receive, send, reject) -> None:
+    """Run `app` with a `receive` that may raise `ReceiveRefused`: whatever response the app makes of that
+    error is replaced by `reject(send)`, sent once, and nothing after it goes out."""
+    started = refused = False
+
+    async def guarded_receive():
+        nonlocal refused
+        try:
+            return await receive()
+        except ReceiveRefused:
+            refused = True
+            raise
+
+    async def guarded_send(message):
+        nonlocal started
+        if message["type"] == "http.response.start":
+            if started:
+                return
+            started = True
+            if refused:
+                return await reject(send)
+        elif refused:
+            return
+        await send(message)
+
+    try:
+        await app(scope, guarded_receive, guarded_send)
+    except ReceiveRefused:
+        if not started:
+            started = True
+            await reject(send)
 
 
 class BodyLimitMiddleware:
@@ -81,37 +114,18 @@ class BodyLimitMiddleware:
                 if too_big:
                     return await self._reject(send)
                 break
-        seen, exceeded, started = 0, False, False
+        seen = 0
 
         async def counting_receive():
-            nonlocal seen, exceeded
+            nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    exceeded = True
-                    raise _BodyTooLarge
+                    raise ReceiveRefused
             return message
 
-        async def guarded_send(message):
-            # the app may turn the receive error into a response of its own: answer 413 instead
-            nonlocal started
-            if message["type"] == "http.response.start":
-                if started:
-                    return
-                started = True
-                if exceeded:
-                    return await self._reject(send)
-            elif exceeded:
-                return
-            await send(message)
-
-        try:
-            await self.app(scope, counting_receive, guarded_send)
-        except _BodyTooLarge:
-            if not started:
-                started = True
-                await self._reject(send)
+        await run_guarded(self.app, scope, counting_receive, send, self._reject)
 
 
 class JsonContentTypeMiddleware:

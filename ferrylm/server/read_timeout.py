@@ -17,7 +17,7 @@ import json
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ferrylm.server.auth import send_json
+from ferrylm.server.auth import ReceiveRefused, run_guarded, send_json
 from ferrylm.server.protocol import error_body
 
 _408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
@@ -78,10 +78,6 @@ def protocol_class(header_timeout: float) -> type[TimedH11Protocol]:
     return type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout": header_timeout})
 
 
-class _BodyTimeout(Exception):
-    pass
-
-
 class BodyTimeoutMiddleware:
     """408 when the client pauses longer than `timeout` seconds while sending a request body."""
 
@@ -91,39 +87,21 @@ class BodyTimeoutMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        body_done, started, timed_out = False, False, False
+        body_done = False
 
         async def timed_receive():
-            nonlocal body_done, timed_out
+            nonlocal body_done
             if body_done:
                 return await receive()  # after the body: only the disconnect, which may take as long as it takes
             try:
                 message = await asyncio.wait_for(receive(), self.timeout)
             except asyncio.TimeoutError:
-                timed_out = True
-                raise _BodyTimeout from None
+                raise ReceiveRefused from None
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_done = True
             return message
 
-        async def guarded_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                if started:
-                    return
-                started = True
-                if timed_out:
-                    return await self._reject(send)
-            elif timed_out:
-                return
-            await send(message)
-
-        try:
-            await self.app(scope, timed_receive, guarded_send)
-        except _BodyTimeout:
-            if not started:
-                started = True
-                await self._reject(send)
+        await run_guarded(self.app, scope, timed_receive, send, self._reject)
 
     def _reject(self, send):
         return send_json(send, 408, _timeout_body("body", self.timeout), [(b"connection", b"close")])

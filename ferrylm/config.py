@@ -290,6 +290,9 @@ class OffloadConfig:
     the CPU engine), gpu (copy every miss to the device), cpu (compute every miss on the host's cores)."""
     cpu_threads: int | None = None
     """Threads for host experts (torch intra-op threads); None keeps torch's default."""
+    mapped_experts: bool = True
+    """Decode steps read missed experts in place from pinned host memory over PCIe (no copy first, no
+    host sync, CUDA-graphed) and the slots follow the routing; off: every miss is copied into a slot."""
 
     def __post_init__(self) -> None:
         if self.gpu_memory_budget is not None and self.gpu_memory_budget <= 0:

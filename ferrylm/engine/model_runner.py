@@ -92,7 +92,8 @@ class ModelRunner:
         placement, kv_bytes = self._place()
         self.placed = PlacedWeights(self.model, placement, self.device, config.offload.expert_cache_policy,
                                     config.offload.expert_profile, config.offload.stream_buffers,
-                                    config.moe_backend, config.offload.experts, config.offload.cpu_threads)
+                                    config.moe_backend, config.offload.experts, config.offload.cpu_threads,
+                                    config.offload.mapped_experts)
         self.model.load_weights(source, progress=progress, allocator=self.placed)
         meta = [n for n, p in self.model.named_parameters() if p.is_meta]
         if meta:  # load_weights reports missing tensors; this is a model whose loader skipped one
@@ -114,15 +115,17 @@ class ModelRunner:
         (log.warning if not placement.fully_resident else log.info)("%s", text)
         self.placement_text = text
         self.graphs = self.piecewise = None
-        graphs_ok = (self.device.type == "cuda" and not config.enforce_eager and placement.fully_resident
-                     and self.model.graph_safe())
+        # offloaded models graph their decode steps when nothing is streamed and every cached expert bank
+        # reads misses in place (up to `graph_tokens` rows); prefill then runs eagerly
+        graphs_ok = (self.device.type == "cuda" and not config.enforce_eager and self.model.graph_safe()
+                     and (placement.fully_resident or self.placed.graphable))
         if graphs_ok:
             from ferrylm.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs
 
+            max_batch = min(config.scheduler.max_num_seqs, self.placed.graph_tokens or config.scheduler.max_num_seqs)
             self.graphs = DecodeGraphs(lambda ids, pos: self.model.compute_logits(self.forward(ids, pos)),
-                                       self.kv_cache, config.scheduler.max_num_seqs, max_model_len,
-                                       model_config.vocab_size, self.device)
-            if self.model.piecewise:
+                                       self.kv_cache, max_batch, max_model_len, model_config.vocab_size, self.device)
+            if self.model.piecewise and placement.fully_resident:
                 self.piecewise = PiecewiseGraphs(self.model, config.scheduler.max_num_batched_tokens, self.dtype,
                                                  self.device)
 
@@ -277,6 +280,12 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, extra_rows: list[int] = ()) -> torch.Tensor:
         """Run one step; returns logits [N, V] (fp32) for the sequences with `out.samples(i)`, in order, then
         those of `extra_rows` (indices into the step's flat token batch: prompt logprobs)."""
+        try:
+            return self._execute(out, extra_rows)
+        finally:
+            self.placed.after_step()  # expert slots follow the routing of mapped steps
+
+    def _execute(self, out: SchedulerOutput, extra_rows) -> torch.Tensor:
         if self.graphs is not None and not extra_rows and self.graphs.eligible(out):
             return self.graphs.run(out)
         ids, pos, ctx, sample_rows = self.prepare(out)

@@ -51,7 +51,7 @@ if triton is not None:
     def _grouped_gemm(a_ptr, w_ptr, out_ptr, rows_ptr, block_expert_ptr, used_ptr, scale_ptr,
                       N, K, A, stride_am, stride_we, stride_wn, stride_om,
                       TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr,
-                      SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SCALE: tl.constexpr, MAPPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -65,7 +65,11 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-        w_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
+        if MAPPED:  # w_ptr is a table of each expert's address: a device slot or pinned host memory
+            w_base = tl.load(w_ptr + e).to(tl.pointer_type(a_ptr.dtype.element_ty))
+        else:
+            w_base = w_ptr + e * stride_we
+        w_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
         n_ok = offs_n[None, :] < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -96,12 +100,34 @@ def _blocks(A: int) -> tuple[int, int, int]:
     return 64, 128, 64
 
 
-def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+class WeightTable:
+    """An expert bank addressed through a device table of per-expert addresses: each entry points at a
+    device slot or at the expert's rows in pinned (mapped) host memory, which the kernel then reads in
+    place over PCIe. `shape` is the bank's [E, N, K]; each expert's [N, K] is contiguous."""
+
+    def __init__(self, ptrs: torch.Tensor, shape: tuple[int, int, int], dtype: torch.dtype):
+        self.ptrs, self.shape, self.dtype = ptrs, tuple(shape), dtype
+
+    @staticmethod
+    def addresses(t: torch.Tensor) -> list[int]:
+        """Per-expert addresses of a contiguous [E, N, K] bank (device or registered host memory)."""
+        return [t.data_ptr() + e * t.stride(0) * t.element_size() for e in range(t.shape[0])]
+
+
+def _weight_args(w) -> tuple:
+    """(kernel pointer argument, expert stride, row stride, MAPPED) for a tensor bank or a `WeightTable`."""
+    if isinstance(w, WeightTable):
+        return w.ptrs, 0, w.shape[2], True
+    return w, w.stride(0), w.stride(1), False
+
+
+def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, skip: bool = False) -> torch.Tensor:
     """The weighted expert output of every assignment: [A, H] in x's dtype, row t * k + j for token t's
-    j-th expert. With `skip`, ids equal to E (w13.shape[0]) are skipped and their rows are 0: the offload
-    cache computes the experts present on the device in rounds and adds the rows (exactly: each row is
-    non-zero in one round only)."""
+    j-th expert. `w13`/`w2` are device banks or `WeightTable`s (the same bits either way: only the address
+    arithmetic differs). With `skip`, ids equal to E (w13.shape[0]) are skipped and their rows are 0: the
+    offload cache computes the experts present on the device in rounds and adds the rows (exactly: each
+    row is non-zero in one round only)."""
     T, k = topk_ids.shape
     E, two_i, H = w13.shape
     I = two_i // 2
@@ -116,13 +142,15 @@ def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     h = torch.empty(m_pad, I, dtype=x.dtype, device=x.device)
     y = (torch.zeros if skip else torch.empty)(m_pad, H, dtype=x.dtype, device=x.device)
     scale = topk_weights.flatten().float().contiguous()  # [A]
+    p13, se13, sn13, mapped13 = _weight_args(w13)
+    p2, se2, sn2, mapped2 = _weight_args(w2)
     grid1 = (m_pad // BM, triton.cdiv(I, BN))
-    _grouped_gemm[grid1](x, w13, h, rows, block_expert, used, scale, I, H, A, x.stride(0), w13.stride(0),
-                         w13.stride(1), h.stride(0), TOP_K=k, A_BY_TOKEN=True, GATED=True, SCALE=False,
+    _grouped_gemm[grid1](x, p13, h, rows, block_expert, used, scale, I, H, A, x.stride(0), se13, sn13,
+                         h.stride(0), TOP_K=k, A_BY_TOKEN=True, GATED=True, SCALE=False, MAPPED=mapped13,
                          BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
     grid2 = (m_pad // BM, triton.cdiv(H, BN))
-    _grouped_gemm[grid2](h, w2, y, rows, block_expert, used, scale, H, I, A, h.stride(0), w2.stride(0),
-                         w2.stride(1), y.stride(0), TOP_K=k, A_BY_TOKEN=False, GATED=False, SCALE=True,
+    _grouped_gemm[grid2](h, p2, y, rows, block_expert, used, scale, H, I, A, h.stride(0), se2, sn2,
+                         y.stride(0), TOP_K=k, A_BY_TOKEN=False, GATED=False, SCALE=True, MAPPED=mapped2,
                          BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
     return y[inv]
 

@@ -10,6 +10,14 @@ results; when a step needs more experts than there are free slots, the
 slots of experts already computed are reused (waves). Outputs are added in ascending expert order
 (`layers.moe.combine`), so the result is bit-identical to the resident reference path.
 
+Decode steps on CUDA (`mapped`, up to `mapped_tokens` tokens) take another road: the fused kernel reads
+each expert through a table of addresses (`layers.fused_moe.WeightTable`) that points at a device slot or
+at the expert's pinned, mapped host rows, so a miss is read in place over PCIe inside the kernel. Nothing
+is read back to the host, and decode steps are CUDA-graphed. The slots then follow the routing
+(`offload/routing_tally.py`): after each step the hottest experts missing from a layer are copied in on
+the copy stream, behind the table (an evicted expert is pointed back at the host before its slot is
+overwritten; a promoted one at its slot once its copy has landed).
+
 Eviction policies behind one interface (`EvictionPolicy`): LRU and LFU; experts pinned from a profile are
 never evicted. `belady_hits` replays a trace with the optimal offline policy (the oracle hit rate).
 """
@@ -92,9 +100,11 @@ def belady_hits(trace: list[list[int]], capacity: int, initial: list[int] = ()) 
 
 
 class CachedExperts(ExpertBackend):
-    reads_host = True
     single_round_tokens = 64
     """Up to this many tokens the fused path waits for the misses and runs hits and misses in one launch."""
+    mapped_tokens = 64
+    """Up to this many tokens a mapped cache reads its misses in place (each expert's rows then fit one
+    row block of the kernel, so its weights cross PCIe once); larger steps copy them into slots."""
 
     def __init__(self, bank, host_w13: torch.Tensor, host_w2: torch.Tensor, capacity: int, initial: list[int],
                  pinned: set[int], policy: str, device: torch.device, copy_stream, stats, layer: int,
@@ -125,6 +135,77 @@ class CachedExperts(ExpertBackend):
             self.w13[s].copy_(host_w13[e])
             self.w2[s].copy_(host_w2[e])
             self.owner[s], self.slot_of[e] = e, s
+        self.reads_host = True
+        self.mapped = False
+        self.landing: list[tuple[int, int]] = []
+        """Promotions in flight (expert, slot): the slot is reserved, the table still points at the host."""
+        self.resident: torch.Tensor | None = None  # [E] bool row of the tally: experts the table points at a slot
+        self.counts: torch.Tensor | None = None  # [E] fp32 device row of the tally: assignments this step
+
+    def map(self, resident_row: torch.Tensor, counts_row: torch.Tensor) -> None:
+        """Turn on the in-place decode path (host banks registered mapped, fused kernel, CUDA)."""
+        from ferrylm.layers.fused_moe import WeightTable
+
+        self.host_addr = (WeightTable.addresses(self.host_w13), WeightTable.addresses(self.host_w2))
+        self.slot_addr = (WeightTable.addresses(self.w13), WeightTable.addresses(self.w2))
+        E = self.host_w13.shape[0]
+        ptrs = [[self.slot_addr[i][self.slot_of[e]] if e in self.slot_of else self.host_addr[i][e] for e in range(E)]
+                for i in range(2)]
+        self.t13 = WeightTable(torch.tensor(ptrs[0], dtype=torch.long, device=self.device), self.host_w13.shape,
+                               self.host_w13.dtype)
+        self.t2 = WeightTable(torch.tensor(ptrs[1], dtype=torch.long, device=self.device), self.host_w2.shape,
+                              self.host_w2.dtype)
+        self.resident, self.counts = resident_row, counts_row
+        for e in self.slot_of:
+            self.resident[e] = True
+        self.mapped, self.reads_host = True, False
+
+    def _point(self, e: int, s: int | None) -> None:
+        """Table entry of expert e -> slot s, or its host rows (None); stream-ordered, no host sync."""
+        for i, t in enumerate((self.t13, self.t2)):
+            t.ptrs[e:e + 1].fill_(self.host_addr[i][e] if s is None else self.slot_addr[i][s])
+        self.resident[e] = s is not None
+
+    def promote(self, e: int, victim: int | None) -> None:
+        """Copy expert e into victim's slot (an empty one for None) behind the table (mapped decode path)."""
+        cur = torch.cuda.current_stream(self.device)
+        if victim is None:
+            s = self.owner.index(None)
+        else:
+            s = self.slot_of.pop(victim)
+            self._point(victim, None)  # kernels after this read the victim in place
+        self.free[s].record(cur)
+        self.owner[s] = e
+        self.stream.wait_event(self.free[s])
+        with torch.cuda.stream(self.stream):
+            self.w13[s].copy_(self.host_w13[e], non_blocking=True)
+            self.w2[s].copy_(self.host_w2[e], non_blocking=True)
+            self.ready[s].record(self.stream)
+        self.landing.append((e, s))
+        self.stats.h2d_bytes += self.expert_bytes
+
+    def land(self, wait: bool = False) -> None:
+        """Point the table at promotions whose copies have landed (all of them, waiting, with `wait`)."""
+        if not self.landing:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        still = []
+        for e, s in self.landing:
+            if wait:
+                cur.wait_event(self.ready[s])
+            elif not self.ready[s].query():
+                still.append((e, s))
+                continue
+            self.slot_of[e] = s
+            self._point(e, s)
+        self.landing = still
+
+    def _forward_mapped(self, x, topk_ids, topk_weights):
+        from ferrylm.layers.fused_moe import expert_rows, sum_rows
+
+        flat = topk_ids.flatten()
+        self.counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=self.counts.dtype))
+        return sum_rows(expert_rows(x, self.t13, self.t2, topk_ids, topk_weights), topk_ids.shape[1])
 
     @property
     def fused(self) -> bool:
@@ -272,6 +353,9 @@ class CachedExperts(ExpertBackend):
         old = self.owner[s]
         if old is not None:
             del self.slot_of[old]
+            if self.mapped:  # the next mapped step reads it in place; the copy waits for this fill
+                self._point(old, None)
+                self.free[s].record(torch.cuda.current_stream(self.device))
         self.owner[s], self.slot_of[e] = e, s
         if self.stream is None:
             self.w13[s].copy_(self.host_w13[e])
@@ -296,6 +380,16 @@ class CachedExperts(ExpertBackend):
         return y
 
     def forward(self, bank, x, topk_ids, topk_weights):
+        if self.mapped:
+            if topk_ids.shape[0] <= self.mapped_tokens:
+                return self._forward_mapped(x, topk_ids, topk_weights)
+            self.land(wait=True)  # the rounds below treat slots as landed
+            fetched = [e for e in range(bank.num_experts) if e not in self.slot_of]
+            out = self._forward_fused(bank, x, topk_ids, topk_weights)
+            for e in fetched:  # every copy of the step has been waited for by now
+                if e in self.slot_of:
+                    self._point(e, self.slot_of[e])
+            return out
         if self.fused:
             return self._forward_fused(bank, x, topk_ids, topk_weights)
         counts, rows, order = dispatch(topk_ids, bank.num_experts)  # the layer's one host sync

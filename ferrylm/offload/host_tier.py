@@ -5,6 +5,10 @@ torch's pinned allocator rounds every request up to a power of two (a 2.8 GB exp
 at most `piece_bytes` (large registrations fail on some kernels and drivers). When registration fails the
 tensor stays pageable and copies from it are synchronous: a warning says so once. Without CUDA (the CPU
 engine, CI) tensors are plain host memory and the copy path still runs.
+
+Registrations are mapped (`cudaHostRegisterMapped`): under unified addressing the host address is also a
+device address, so a kernel can read a registered tensor in place over PCIe (`is_mapped`; the expert
+cache's decode path does).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
+_PORTABLE, _MAPPED = 1, 2  # cudaHostRegisterPortable, cudaHostRegisterMapped
+
 
 class HostTier:
     def __init__(self, pin: bool, piece_bytes: int = 1 << 30):
@@ -24,6 +30,7 @@ class HostTier:
         self.pinned_bytes = self.pageable_bytes = 0
         self._warned = False
         self._held: list[torch.Tensor] = []  # registered memory must outlive its registration
+        self._mapped: set[int] = set()  # data_ptr of tensors registered whole
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         numel = 1
@@ -49,7 +56,7 @@ class HostTier:
         done = 0
         while done < nbytes:
             n = min(piece, nbytes - done)
-            err = cudart.cudaHostRegister(ptr + done, n, 0)
+            err = cudart.cudaHostRegister(ptr + done, n, _PORTABLE | _MAPPED)
             if int(err) != 0:
                 torch.cuda.synchronize()  # clear the sticky-free error state of the failed call
                 if not self._warned:
@@ -63,7 +70,13 @@ class HostTier:
             self.registered.append(ptr + done)
             self.pinned_bytes += n
             done += n
+        if done >= nbytes:
+            self._mapped.add(t.data_ptr())
         return t
+
+    def is_mapped(self, t: torch.Tensor) -> bool:
+        """Whether all of `t` (a tensor this tier handed out) is registered, so a kernel may read it in place."""
+        return t.data_ptr() in self._mapped
 
     def close(self) -> None:
         if self.registered:
@@ -71,6 +84,7 @@ class HostTier:
             for ptr in self.registered:
                 cudart.cudaHostUnregister(ptr)
             self.registered.clear()
+        self._mapped.clear()
         self._held.clear()
 
     def __del__(self):

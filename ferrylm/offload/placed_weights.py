@@ -22,6 +22,7 @@ from ferrylm.layers.moe import Experts
 from ferrylm.offload.expert_cache import CachedExperts
 from ferrylm.offload.host_tier import HostTier
 from ferrylm.offload.placement import GPU, Placement
+from ferrylm.offload.routing_tally import RoutingTally
 from ferrylm.offload.streamer import LayerStreamer
 
 log = logging.getLogger(__name__)
@@ -55,13 +56,15 @@ class OffloadStats:
 class PlacedWeights:
     def __init__(self, model: nn.Module, placement: Placement, device: torch.device, policy: str = "lru",
                  profile: str | None = None, stream_buffers: int = 2, moe_backend: str = "auto",
-                 experts: str = "auto", cpu_threads: int | None = None):
+                 experts: str = "auto", cpu_threads: int | None = None, mapped_experts: bool = True):
         self.model, self.placement, self.device = model, placement, device
         self.target = device
         self.policy, self.stream_buffers, self.moe_backend = policy, stream_buffers, moe_backend
         # on the CPU engine both tiers are host memory: "auto" has nothing to balance and copies
         self.experts = "gpu" if experts == "auto" and device.type != "cuda" else experts
         self.cpu_threads = cpu_threads
+        self.mapped_experts = mapped_experts
+        self.tally: RoutingTally | None = None
         self.cpu_pool = None
         self.calibration: dict | None = None
         self.stats = OffloadStats()
@@ -157,6 +160,24 @@ class PlacedWeights:
             log.warning("%s", self.profile_note)
         if self.caches and self.experts != "gpu":
             self._start_hybrid()
+        if self.caches and self.mapped_experts and self.experts != "cpu" and all(
+                c.fused and self.host.is_mapped(c.host_w13) and self.host.is_mapped(c.host_w2)
+                for c in self.caches.values()):
+            self.tally = RoutingTally(self.caches, self.device, self.stats)
+
+    @property
+    def graphable(self) -> bool:
+        """Decode steps can be CUDA-graphed: no streamed layer, every cached bank reads in place."""
+        return self.streamer is None and all(c.mapped for c in self.caches.values())
+
+    @property
+    def graph_tokens(self) -> int | None:
+        """The most tokens a graphed step may have (mapped caches copy larger steps), None: no limit."""
+        return min((c.mapped_tokens for c in self.caches.values()), default=None)
+
+    def after_step(self) -> None:
+        if self.tally is not None:
+            self.tally.after_step()
 
     def _start_hybrid(self) -> None:
         from concurrent.futures import ThreadPoolExecutor

@@ -1,0 +1,85 @@
+"""Routing tally of the mapped expert caches: which experts decode steps use, and which ones earn a slot.
+
+Mapped decode steps (`offload/expert_cache.py`) read misses in place and never stop to look at the
+routing, so the slots cannot follow misses as they happen. Instead every mapped step adds its assignments
+to one [L, E] device counter; after the step it is copied to pinned host memory and read one step late
+(no sync: when the copy has not landed the counts wait for the next step). A decayed score per expert
+decides promotions: a layer copies its hottest missing expert into the slot of its coldest resident one
+(never a pinned one) when the candidate's score beats `margin` x the victim's + `floor`, at most one copy
+in flight per layer. The hysteresis keeps uniform routing from churning the slots (each promotion costs
+one expert's bytes over PCIe) while skewed routing pulls its hot experts in within a few steps.
+
+Hit and miss counts come from the same read: an assignment's expert was resident or not when the tally
+was read, which can differ from the moment it was computed by the one step of lag.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RoutingTally:
+    decay = 0.9
+    margin = 2.0
+    floor = 1.0
+
+    def __init__(self, caches: dict, device: torch.device, stats):
+        self.layers = sorted(caches)
+        self.caches = [caches[l] for l in self.layers]
+        L, E = len(self.layers), self.caches[0].host_w13.shape[0]
+        self.stats, self.device = stats, device
+        self.counts = torch.zeros(L, E, dtype=torch.float32, device=device)
+        self.host = torch.zeros(L, E, dtype=torch.float32).pin_memory()
+        self.score = torch.zeros(L, E)
+        self.resident = torch.zeros(L, E, dtype=torch.bool)
+        self.pinned = torch.zeros(L, E, dtype=torch.bool)
+        self.event: torch.cuda.Event | None = None
+        for i, c in enumerate(self.caches):
+            c.map(self.resident[i], self.counts[i])
+            for e in c.pinned:
+                self.pinned[i, e] = True
+
+    def after_step(self) -> None:
+        for c in self.caches:
+            if c.landing:
+                c.land()
+        if self.event is not None:
+            if not self.event.query():
+                return
+            counts = self.host.clone()
+            self._account(counts)
+            self.score.mul_(self.decay).add_(counts)
+            self._promote()
+        self.host.copy_(self.counts, non_blocking=True)
+        self.counts.zero_()
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream(self.device))
+
+    def _account(self, counts: torch.Tensor) -> None:
+        needed = counts > 0  # [L, E]
+        hits = int((needed & self.resident).sum())
+        misses = int(needed.sum()) - hits
+        self.stats.expert_hits += hits
+        self.stats.expert_misses += misses
+        self.stats.h2d_bytes += misses * self.caches[0].expert_bytes  # read in place over PCIe
+        for i, c in enumerate(self.caches):
+            if c.trace is not None and needed[i].any():
+                c.trace.append(needed[i].nonzero().flatten().tolist())
+                c.trace_hits += int((needed[i] & self.resident[i]).sum())
+
+    def _promote(self) -> None:
+        inf = float("inf")
+        best, cand = self.score.masked_fill(self.resident, -inf).max(1)  # [L]
+        worst, victim = self.score.masked_fill(~self.resident | self.pinned, inf).min(1)
+        for i in (best > self.margin * worst + self.floor).nonzero().flatten().tolist():
+            c = self.caches[i]
+            if c.landing:
+                continue
+            if None in c.owner:
+                c.promote(int(cand[i]), None)
+            elif worst[i] < inf:
+                c.promote(int(cand[i]), int(victim[i]))
+        # empty slots take any expert that is used at all
+        for i, c in enumerate(self.caches):
+            if not c.landing and None in c.owner and best[i] > 0:
+                c.promote(int(cand[i]), None)

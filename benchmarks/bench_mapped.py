@@ -45,9 +45,11 @@ def main() -> None:
     for name, (E, H, I, k) in SHAPES.items():
         w13 = tier.empty((E, 2 * I, H), torch.bfloat16)
         w2 = tier.empty((E, H, I), torch.bfloat16)
-        w13.normal_(0, 0.02)
-        w2.normal_(0, 0.02)
-        d13, d2 = w13.cuda(), w2.cuda()
+        d13 = (torch.randn(w13.shape, device="cuda") * 0.02).bfloat16()
+        d2 = (torch.randn(w2.shape, device="cuda") * 0.02).bfloat16()
+        for e in range(E):  # per expert: a copy must not span two registered pieces
+            w13[e].copy_(d13[e])
+            w2[e].copy_(d2[e])
         t13 = WeightTable(torch.tensor(WeightTable.addresses(w13), device="cuda"), w13.shape, w13.dtype)
         t2 = WeightTable(torch.tensor(WeightTable.addresses(w2), device="cuda"), w2.shape, w2.dtype)
         per_expert = (w13[0].numel() + w2[0].numel()) * 2
@@ -79,7 +81,7 @@ def main() -> None:
                    "pcie_roofline_ms": nbytes / pcie / 1e6}
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del d13, d2
+        del d13, d2, w13, w2
     print(json.dumps({"bench": "mapped_experts", "h2d_gb_s": pcie, "gpu": torch.cuda.get_device_name(),
                       "rows": rows}))
 

@@ -269,13 +269,29 @@ def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, 
         r, per_step = decode_rate(llm, batch, steps, seed=1000 + batch, stats=stats)
         floor = batch / (per_step / h2d) if per_step else None
         hit, opt = oracle(runner)
-        rows.append({"model": name, "budget_gib": budget_gib, "batch": batch, "routing": routing, "ferry_tok_s": r,
+        rows.append({"model": name, "budget_gib": budget_gib, "batch": batch, "routing": routing,
+                     "path": "mapped" if runner.placed.tally is not None else "copy", "ferry_tok_s": r,
                      "accelerate_tok_s": acc if batch == 1 else None, "resident_tok_s": None,
                      "pcie_floor_tok_s": floor, "h2d_bytes_per_step": per_step, "hit_rate": hit,
                      "oracle_hit_rate": opt, "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30})
         print(f"{name} {routing} batch {batch:3d}: {r:8.2f} tok/s; PCIe floor {floor and round(floor, 2)} tok/s "
               f"({per_step / 2**30:.2f} GiB/step); hit rate {hit and round(hit, 3)} (Belady {opt and round(opt, 3)})",
               flush=True)
+    if runner.placed.tally is not None:  # the same engine on the copy path: the baseline of this run
+        for c in runner.placed.caches.values():
+            c.land(wait=True)
+            c.mapped = False
+        runner.placed.tally, runner.graphs = None, None
+        for batch in batches:
+            for c in runner.placed.caches.values():
+                c.start_trace()
+            r, per_step = decode_rate(llm, batch, 24 if batch == 1 else 8, seed=2000 + batch, stats=stats)
+            hit, opt = oracle(runner)
+            rows.append({"model": name, "budget_gib": budget_gib, "batch": batch, "routing": routing,
+                         "path": "copy (mapped off)", "ferry_tok_s": r, "h2d_bytes_per_step": per_step,
+                         "hit_rate": hit, "oracle_hit_rate": opt})
+            print(f"{name} {routing} batch {batch:3d} copy path: {r:8.2f} tok/s; hit rate {hit and round(hit, 3)}",
+                  flush=True)
     for c in runner.placed.caches.values():
         c.trace = None
     if prefill:

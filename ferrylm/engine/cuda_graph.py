@@ -21,11 +21,14 @@ def _bucket(n: int, buckets: list[int]) -> int:
 
 
 class DecodeGraphs:
-    """`forward(ids, pos) -> logits` is the runner's eager step, captured as it is."""
+    """`body(embed(ids), pos) -> logits` is the runner's eager step, captured as it is. An embedding table
+    on the host (offloaded) is looked up before the replay into a static [B, H] buffer the graph reads."""
 
-    def __init__(self, forward, kv_cache, max_num_seqs: int, max_model_len: int, vocab_size: int,
-                 device: torch.device):
-        self.forward, self.kv, self.device = forward, kv_cache, device
+    def __init__(self, embed, body, kv_cache, max_num_seqs: int, max_model_len: int, vocab_size: int,
+                 device: torch.device, embed_in_graph: bool = True, hidden_size: int = 0,
+                 dtype: torch.dtype = torch.float32):
+        self.embed, self.body, self.kv, self.device = embed, body, kv_cache, device
+        self.embed_in_graph = embed_in_graph
         self.bs = kv_cache.block_size
         self.batch_buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_num_seqs] + [max_num_seqs]
         max_blocks = (max_model_len + self.bs - 1) // self.bs
@@ -37,6 +40,7 @@ class DecodeGraphs:
         self.slots = torch.zeros(B, dtype=torch.long, device=device)
         self.lens = torch.ones(B, dtype=torch.long, device=device)
         self.tables = torch.zeros(B, nb, dtype=torch.long, device=device)
+        self.x = None if embed_in_graph else torch.zeros(B, hidden_size, dtype=dtype, device=device)
         # one logits buffer for every graph: per-graph outputs would cost [bucket, V] fp32 per (batch,
         # context) pair, gigabytes with a large vocabulary and many buckets
         self.logits = torch.zeros(B, vocab_size, dtype=torch.float32, device=device)
@@ -75,6 +79,8 @@ class DecodeGraphs:
         self.slots[:Bb].copy_(torch.tensor(slots), non_blocking=True)
         self.lens[:Bb].copy_(torch.tensor(lens), non_blocking=True)
         self.tables[:Bb, :nbb].copy_(torch.tensor(tables), non_blocking=True)
+        if not self.embed_in_graph:
+            self.x[:Bb].copy_(self.embed(torch.tensor(ids)))
         graph, logits = self._graph(Bb, nbb)
         graph.replay()
         return logits[:B]
@@ -93,13 +99,15 @@ class DecodeGraphs:
             ids, pos = self.ids[:Bb], self.pos[:Bb]
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
+            step = (lambda: self.body(self.embed(ids), pos)) if self.embed_in_graph else (
+                lambda: self.body(self.x[:Bb], pos))
             with torch.cuda.stream(stream), forward_context(ctx):  # warm-up: lazy tables, allocator, kernels
-                self.forward(ids, pos)
+                step()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             logits = self.logits[:Bb]
             with torch.cuda.graph(graph, pool=self.pool), forward_context(ctx):
-                logits.copy_(self.forward(ids, pos))
+                logits.copy_(step())
             self.pool = graph.pool()
             self.graphs[key] = (graph, logits)
         return self.graphs[key]

@@ -123,8 +123,10 @@ class ModelRunner:
             from ferrylm.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs
 
             max_batch = min(config.scheduler.max_num_seqs, self.placed.graph_tokens or config.scheduler.max_num_seqs)
-            self.graphs = DecodeGraphs(lambda ids, pos: self.model.compute_logits(self.forward(ids, pos)),
-                                       self.kv_cache, max_batch, max_model_len, model_config.vocab_size, self.device)
+            self.graphs = DecodeGraphs(self.embed, lambda x, pos: self.model.compute_logits(self.run_layers(x, pos)),
+                                       self.kv_cache, max_batch, max_model_len, model_config.vocab_size, self.device,
+                                       embed_in_graph=not self.embed_on_host, hidden_size=model_config.hidden_size,
+                                       dtype=self.dtype)
             if self.model.piecewise and placement.fully_resident:
                 self.piecewise = PiecewiseGraphs(self.model, config.scheduler.max_num_batched_tokens, self.dtype,
                                                  self.device)
@@ -267,9 +269,16 @@ class ModelRunner:
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The eager step, with the runner owning the layer loop: ids, pos [T] -> hidden states [T, H].
         Around each layer the placed weights wait for that layer's copy and start the next one's."""
+        return self.run_layers(self.embed(ids), pos)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> embeddings [T, H] on the device (looked up on the host when the table lives there)."""
+        return self.model.embed(ids.cpu()).to(self.device) if self.embed_on_host else self.model.embed(ids)
+
+    def run_layers(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Embeddings [T, H] -> final hidden states [T, H]."""
         model, weights = self.model, self.placed
         step = model.begin_step(self.device)
-        x = model.embed(ids.cpu()).to(self.device) if self.embed_on_host else model.embed(ids)
         for i in range(model.num_layers):
             weights.before_layer(i)
             x = model.run_layer(i, pos, x, step)

@@ -104,7 +104,11 @@ class CachedExperts(ExpertBackend):
     """Up to this many tokens the fused path waits for the misses and runs hits and misses in one launch."""
     mapped_tokens = 64
     """Up to this many tokens a mapped cache reads its misses in place (each expert's rows then fit one
-    row block of the kernel, so its weights cross PCIe once); larger steps copy them into slots."""
+    row block of the kernel, so its weights cross PCIe once); larger steps copy them into slots. Large
+    experts read in place only at one token: in place runs at ~45 GB/s against the copy engine's ~54
+    (H200, `benchmarks/bench_mapped.py`), and beside a 352 MB Mixtral expert the copy path's per-layer
+    sync is small."""
+    large_expert_bytes = 64 << 20
 
     def __init__(self, bank, host_w13: torch.Tensor, host_w2: torch.Tensor, capacity: int, initial: list[int],
                  pinned: set[int], policy: str, device: torch.device, copy_stream, stats, layer: int,
@@ -159,6 +163,8 @@ class CachedExperts(ExpertBackend):
         for e in self.slot_of:
             self.resident[e] = True
         self.mapped, self.reads_host = True, False
+        if self.expert_bytes > self.large_expert_bytes:
+            self.mapped_tokens = 1
 
     def _point(self, e: int, s: int | None) -> None:
         """Table entry of expert e -> slot s, or its host rows (None); stream-ordered, no host sync."""

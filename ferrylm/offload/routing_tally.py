@@ -2,8 +2,9 @@
 
 Mapped decode steps (`offload/expert_cache.py`) read misses in place and never stop to look at the
 routing, so the slots cannot follow misses as they happen. Instead every mapped step adds its assignments
-to one [L, E] device counter; after the step it is copied to pinned host memory and read one step late
-(no sync: when the copy has not landed the counts wait for the next step). A decayed score per expert
+to one [L, E] device counter; after the step it is copied into a ring of pinned host buffers and zeroed,
+and each landed copy is read a step or two late (no sync: one that has not landed waits for the next
+step; a full ring skips a step's counts). A decayed score per expert
 decides promotions: a layer copies its hottest missing expert into the slot of its coldest resident one
 (never a pinned one) when the candidate's score beats `margin` x the victim's + `floor`, at most one copy
 in flight per layer. The hysteresis keeps uniform routing from churning the slots (each promotion costs
@@ -22,6 +23,7 @@ class RoutingTally:
     decay = 0.9
     margin = 2.0
     floor = 1.0
+    depth = 4
 
     def __init__(self, caches: dict, device: torch.device, stats):
         self.layers = sorted(caches)
@@ -29,11 +31,12 @@ class RoutingTally:
         L, E = len(self.layers), self.caches[0].host_w13.shape[0]
         self.stats, self.device = stats, device
         self.counts = torch.zeros(L, E, dtype=torch.float32, device=device)
-        self.host = torch.zeros(L, E, dtype=torch.float32).pin_memory()
+        self.ring = torch.zeros(self.depth, L, E, dtype=torch.float32).pin_memory()
+        self.pending: list[tuple[int, torch.cuda.Event]] = []  # (ring row, its copy's event), oldest first
+        self.next_row = 0
         self.score = torch.zeros(L, E)
         self.resident = torch.zeros(L, E, dtype=torch.bool)
         self.pinned = torch.zeros(L, E, dtype=torch.bool)
-        self.event: torch.cuda.Event | None = None
         for i, c in enumerate(self.caches):
             c.map(self.resident[i], self.counts[i])
             for e in c.pinned:
@@ -43,17 +46,23 @@ class RoutingTally:
         for c in self.caches:
             if c.landing:
                 c.land()
-        if self.event is not None:
-            if not self.event.query():
-                return
-            counts = self.host.clone()
+        read = False
+        while self.pending and self.pending[0][1].query():
+            row, _ = self.pending.pop(0)
+            counts = self.ring[row].clone()
             self._account(counts)
             self.score.mul_(self.decay).add_(counts)
+            read = True
+        if read:
             self._promote()
-        self.host.copy_(self.counts, non_blocking=True)
-        self.counts.zero_()
-        self.event = torch.cuda.Event()
-        self.event.record(torch.cuda.current_stream(self.device))
+        if len(self.pending) < self.depth:
+            row = self.next_row
+            self.next_row = (row + 1) % self.depth
+            self.ring[row].copy_(self.counts, non_blocking=True)
+            self.counts.zero_()
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self.pending.append((row, ev))
 
     def _account(self, counts: torch.Tensor) -> None:
         needed = counts > 0  # [L, E]

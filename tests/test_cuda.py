@@ -284,7 +284,8 @@ def test_mapped_experts_equal_resident_fused_and_graphed(tmp_path_factory):
         if eager not in refs:
             refs[eager] = sampled_rows(LLM(path, **kw), prompts, 24)
         ref_out, ref = refs[eager]
-        llm = LLM(path, place=("experts=cpu", "layers.0.experts.0-1=gpu", *extra), experts="gpu", **kw)
+        budget = {"gpu_memory_budget": "2GiB"} if extra else {}
+        llm = LLM(path, place=("experts=cpu", "layers.0.experts.0-1=gpu", *extra), experts="gpu", **budget, **kw)
         placed = llm.engine.runner.placed
         assert placed.tally is not None and all(c.mapped for c in placed.caches.values())
         assert (llm.engine.runner.graphs is not None) == (not eager)

@@ -277,6 +277,18 @@ def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, 
         print(f"{name} {routing} batch {batch:3d}: {r:8.2f} tok/s; PCIe floor {floor and round(floor, 2)} tok/s "
               f"({per_step / 2**30:.2f} GiB/step); hit rate {hit and round(hit, 3)} (Belady {opt and round(opt, 3)})",
               flush=True)
+    tally = runner.placed.tally
+    for knobs in TALLY_SWEEP if tally is not None and 1 in batches else ():  # promotion policies, batch 1
+        for key, v in knobs.items():
+            setattr(tally, key, v)
+        for c in runner.placed.caches.values():
+            c.start_trace()
+        r, per_step = decode_rate(llm, 1, 24, seed=3000, stats=stats)
+        hit, opt = oracle(runner)
+        rows.append({"model": name, "budget_gib": budget_gib, "batch": 1, "routing": routing, "path": "mapped",
+                     "tally": knobs, "ferry_tok_s": r, "h2d_bytes_per_step": per_step, "hit_rate": hit,
+                     "oracle_hit_rate": opt, "pcie_floor_tok_s": 1 / (per_step / h2d) if per_step else None})
+        print(f"{name} batch 1 tally {knobs}: {r:8.2f} tok/s; hit rate {hit and round(hit, 3)}", flush=True)
     if runner.placed.tally is not None:  # the same engine on the copy path: the baseline of this run
         for c in runner.placed.caches.values():
             c.land(wait=True)
@@ -339,6 +351,10 @@ def case_hybrid(rows: list, h2d: float, routing: str = "model") -> None:
     gc.collect()
     torch.cuda.empty_cache()
 
+
+TALLY_SWEEP = [{"decay": 0.5, "margin": 1.0, "floor": 0.25, "per_layer": 8},
+               {"decay": 0.9, "margin": 2.0, "floor": 1.0, "per_layer": 2}]
+"""Promotion policies (`offload/routing_tally.py` knobs) tried at batch 1 on the same engine."""
 
 CASES = {
     "hybrid16": lambda rows, h2d: case_hybrid(rows, h2d),

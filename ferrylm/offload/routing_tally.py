@@ -24,6 +24,8 @@ class RoutingTally:
     margin = 2.0
     floor = 1.0
     depth = 4
+    per_layer = 2
+    """Promotions a layer may have in flight."""
 
     def __init__(self, caches: dict, device: torch.device, stats):
         self.layers = sorted(caches)
@@ -77,18 +79,25 @@ class RoutingTally:
                 c.trace_hits += int((needed[i] & self.resident[i]).sum())
 
     def _promote(self) -> None:
+        """Per layer: its hottest missing experts against its coldest evictable residents, pair by pair
+        while the candidate wins; an empty slot takes any expert used at all. At most `per_layer` copies
+        in flight per layer."""
         inf = float("inf")
-        best, cand = self.score.masked_fill(self.resident, -inf).max(1)  # [L]
-        worst, victim = self.score.masked_fill(~self.resident | self.pinned, inf).min(1)
-        for i in (best > self.margin * worst + self.floor).nonzero().flatten().tolist():
+        n = self.per_layer
+        best, cand = self.score.masked_fill(self.resident, -inf).topk(n, dim=1)  # [L, n], hottest first
+        worst, victim = self.score.masked_fill(~self.resident | self.pinned, inf).topk(n, dim=1, largest=False)
+        for i in (best[:, 0] > 0).nonzero().flatten().tolist():
             c = self.caches[i]
-            if c.landing:
-                continue
-            if None in c.owner:
-                c.promote(int(cand[i]), None)
-            elif worst[i] < inf:
-                c.promote(int(cand[i]), int(victim[i]))
-        # empty slots take any expert that is used at all
-        for i, c in enumerate(self.caches):
-            if not c.landing and None in c.owner and best[i] > 0:
-                c.promote(int(cand[i]), None)
+            busy = {e for e, _ in c.landing}
+            j = 0
+            for r in range(n):
+                e, b = int(cand[i, r]), float(best[i, r])
+                if len(c.landing) >= n or b <= 0 or e in busy:
+                    break
+                if None in c.owner:
+                    c.promote(e, None)
+                elif j < n and b > self.margin * float(worst[i, j]) + self.floor:  # inf when none is evictable
+                    c.promote(e, int(victim[i, j]))
+                    j += 1
+                else:
+                    break

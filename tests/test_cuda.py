@@ -254,8 +254,8 @@ def test_weight_table_reads_mapped_host_memory_in_place():
     slots = [1, 5]  # experts 1 and 5 on the device, the rest read from the host
     p13 = [w13[e].data_ptr() if e in slots else a for e, a in enumerate(WeightTable.addresses(h13))]
     p2 = [w2[e].data_ptr() if e in slots else a for e, a in enumerate(WeightTable.addresses(h2))]
-    t13 = WeightTable(torch.tensor(p13, device="cuda"), w13.shape, w13.dtype)
-    t2 = WeightTable(torch.tensor(p2, device="cuda"), w2.shape, w2.dtype)
+    t13 = WeightTable(torch.tensor(p13, device="cuda"), w13)
+    t2 = WeightTable(torch.tensor(p2, device="cuda"), w2)
     for T in (1, 5, 64):
         x = torch.randn(T, H, device="cuda").bfloat16()
         ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])

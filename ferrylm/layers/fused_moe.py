@@ -45,13 +45,55 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return rows, block_expert, ends[-1:], inv
 
 
+FORMATS = {"dense": 0, "int8": 1, "fp8": 2, "int4": 3, "int4min": 4, "nf4": 5}
+"""Weight formats the kernel reads: dense (the activations' dtype), int8 (per channel or per group of a
+row), fp8 (e4m3 bits, per channel), int4 (two codes a byte, sym or with a min per group), nf4 (two codes a
+byte, fp32 absmax per group). Quantized tiles are decoded in fp32 exactly as `weights/quant.py`'s
+dequantizers compute, rounded to the activations' dtype and fed to the same dot."""
+
 if triton is not None:
 
     @triton.jit
-    def _grouped_gemm(a_ptr, w_ptr, out_ptr, rows_ptr, block_expert_ptr, used_ptr, scale_ptr,
-                      N, K, A, stride_am, stride_we, stride_wn, stride_om,
+    def _weight_tile(w_base, s_base, m_base, lut_ptr, rows, n_ok, k0, kleft, offs_k, stride_wn, stride_sn,
+                     FMT: tl.constexpr, GS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        # -> [BK, BN]: weight rows `rows` (int64), columns k0 .. k0 + BK (kleft = K - k0 of them exist);
+        # dense as stored, quantized as fp32 values
+        k_ok = offs_k < kleft
+        mask = k_ok[:, None] & n_ok[None, :]
+        if FMT == 0:
+            w = tl.load(w_base + rows[None, :] * stride_wn + (k0 + offs_k)[:, None], mask=mask, other=0.0)
+        else:
+            s = tl.load(s_base + rows * stride_sn + k0 // GS, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if FMT == 1 or FMT == 2:  # a byte a weight: the int8 value, or e4m3 bits through the table
+                q = tl.load(w_base + rows[None, :] * stride_wn + (k0 + offs_k)[:, None], mask=mask, other=0)
+                v = q.to(tl.float32) if FMT == 1 else tl.load(lut_ptr + q.to(tl.int32))
+                w = v * s
+            else:  # two codes a byte, column 2i in the low nibble: decode both halves, interleave the rows
+                offs_h = tl.arange(0, BLOCK_K // 2)
+                h_ok = offs_h * 2 < kleft
+                q = tl.load(w_base + rows[None, :] * stride_wn + (k0 // 2 + offs_h)[:, None],
+                            mask=h_ok[:, None] & n_ok[None, :], other=0).to(tl.int32)  # [BK/2, BN]
+                lo = q & 15
+                hi = q >> 4
+                if FMT == 5:
+                    vlo = tl.load(lut_ptr + lo) * s
+                    vhi = tl.load(lut_ptr + hi) * s
+                elif FMT == 3:
+                    vlo = (lo.to(tl.float32) - 8.0) * s
+                    vhi = (hi.to(tl.float32) - 8.0) * s
+                else:
+                    m = tl.load(m_base + rows * stride_sn + k0 // GS, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                    vlo = lo.to(tl.float32) * s + m
+                    vhi = hi.to(tl.float32) * s + m
+                w = tl.reshape(tl.permute(tl.join(vlo, vhi), (0, 2, 1)), (BLOCK_K, BLOCK_N))
+        return w
+
+    @triton.jit
+    def _grouped_gemm(a_ptr, w_ptr, ws_ptr, wm_ptr, lut_ptr, out_ptr, rows_ptr, block_expert_ptr, used_ptr,
+                      scale_ptr, N, K, A, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                       TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr,
-                      SCALE: tl.constexpr, MAPPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SCALE: tl.constexpr, MAPPED: tl.constexpr, FMT: tl.constexpr, GS: tl.constexpr,
+                      W_T: tl.constexpr, S_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -65,30 +107,35 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-        if MAPPED:  # w_ptr is a table of each expert's address: a device slot or pinned host memory
-            w_base = tl.load(w_ptr + e).to(tl.pointer_type(a_ptr.dtype.element_ty))
+        if MAPPED:  # each part's pointer is a table of per-expert addresses: a device slot or mapped host rows
+            w_base = tl.load(w_ptr + e).to(tl.pointer_type(W_T))
+            s_base = tl.load(ws_ptr + e).to(tl.pointer_type(S_T))
+            m_base = tl.load(wm_ptr + e).to(tl.pointer_type(S_T))
         else:
             w_base = w_ptr + e * stride_we
-        w_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
-        n_ok = offs_n[None, :] < N
+            s_base = ws_ptr + e * stride_se
+            m_base = wm_ptr + e * stride_se
+        rows = offs_n.to(tl.int64)
+        n_ok = offs_n < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
-            acc = tl.dot(a, w, acc)
+            w = _weight_tile(w_base, s_base, m_base, lut_ptr, rows, n_ok, k0, K - k0, offs_k, stride_wn, stride_sn,
+                             FMT, GS, BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, w.to(a.dtype), acc)
             if GATED:  # the up rows sit N rows below the gate rows of w13
-                wu = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok, other=0.0)
-                acc_up = tl.dot(a, wu, acc_up)
+                wu = _weight_tile(w_base, s_base, m_base, lut_ptr, rows + N, n_ok, k0, K - k0, offs_k, stride_wn,
+                                  stride_sn, FMT, GS, BLOCK_K, BLOCK_N)
+                acc_up = tl.dot(a, wu.to(a.dtype), acc_up)
             a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up
         if SCALE:
             acc = acc * tl.load(scale_ptr + assign, mask=valid, other=0.0)[:, None]
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
 def _blocks(A: int) -> tuple[int, int, int]:
@@ -100,25 +147,157 @@ def _blocks(A: int) -> tuple[int, int, int]:
     return 64, 128, 64
 
 
-class WeightTable:
-    """An expert bank addressed through a device table of per-expert addresses: each entry points at a
-    device slot or at the expert's rows in pinned (mapped) host memory, which the kernel then reads in
-    place over PCIe. `shape` is the bank's [E, N, K]; each expert's [N, K] is contiguous."""
+class ExpertWeights:
+    """One side of an expert bank (w13 [E, 2I, H] or w2 [E, H, I]) as the kernel reads it: a format of
+    `FORMATS`, the logical [E, N, K], the group size along K (K: one scale per row), and parts with the
+    expert and row leading: q [E, N, K or K/2], scale [E, N, G], min [E, N, G] (int4min only)."""
 
-    def __init__(self, ptrs: torch.Tensor, shape: tuple[int, int, int], dtype: torch.dtype):
-        self.ptrs, self.shape, self.dtype = ptrs, tuple(shape), dtype
+    def __init__(self, fmt: str, shape, group: int, q: torch.Tensor, scale: torch.Tensor | None = None,
+                 min: torch.Tensor | None = None):
+        self.fmt, self.shape, self.group = fmt, tuple(shape), group
+        self.parts = {k: v for k, v in (("q", q), ("scale", scale), ("min", min)) if v is not None}
+
+    @staticmethod
+    def stack(experts: list[list], dtype: torch.dtype) -> "ExpertWeights":
+        """Per expert, its row pieces (e.g. [gate, up]) as `QuantizedTensor`s [n_i, K] of one scheme ->
+        the stacked bank (the pieces' rows concatenated, then the experts stacked)."""
+        kinds = set()
+        parts: dict[str, list] = {}
+        for pieces in experts:
+            got = [_kernel_parts(_row_wise(p)) for p in pieces]
+            kinds |= {(f, g, p.shape[1]) for (f, g, _), p in zip(got, pieces)}
+            for name in got[0][2]:
+                parts.setdefault(name, []).append(torch.cat([d[name] for _, _, d in got]))
+        if len(kinds) != 1:
+            raise ValueError(f"an expert bank's pieces must share one format, group and width, not {sorted(kinds)}")
+        (fmt, group, k), = kinds
+        n = sum(p.shape[0] for p in experts[0])
+        bank = {name: torch.stack(v) for name, v in parts.items()}
+        return ExpertWeights(fmt, (len(experts), n, k), group, bank["q"], bank.get("scale"), bank.get("min"))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+    def to(self, device) -> "ExpertWeights":
+        p = {k: v.to(device) for k, v in self.parts.items()}
+        return ExpertWeights(self.fmt, self.shape, self.group, p["q"], p.get("scale"), p.get("min"))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """[E, N, K] dense: the plain-torch reference (`weights/quant.py`'s dequantizers), expert by expert."""
+        from ferrylm.weights.quant import QuantizedTensor
+
+        E, N, K = self.shape
+        out = []
+        for e in range(E):
+            q, s = self.parts["q"][e], self.parts["scale"][e]
+            if self.fmt == "nf4":
+                qt = QuantizedTensor("nf4", (N, K), {"q": q.reshape(-1), "absmax": s.reshape(-1)},
+                                     {"group_size": self.group, "double_quant": False})
+            elif self.fmt in ("int8", "fp8"):
+                grouped = self.fmt == "int8" and self.group != K
+                qt = QuantizedTensor(self.fmt, (N, K), {"q": q, "scale": s if grouped else s[:, 0]},
+                                     {"group_size": self.group} if grouped else {})
+            else:
+                parts = {"q": q, "scale": s, **({"min": self.parts["min"][e]} if self.fmt == "int4min" else {})}
+                qt = QuantizedTensor("int4", (N, K), parts, {"group_size": self.group,
+                                                             "zero": "min" if self.fmt == "int4min" else "sym"})
+            out.append(qt.dequantize(dtype))
+        return torch.stack(out)
+
+
+def _row_wise(qt):
+    """An NF4 tensor whose groups tile its rows, seen as row-wise parts ([N, K/2] codes, [N, K/gs] absmax)."""
+    from ferrylm.weights.quant import QuantizedTensor, nf4_absmax
+
+    if qt.scheme != "nf4":
+        return qt
+    n, k = qt.shape
+    gs = qt.params["group_size"]
+    if k % gs:
+        raise ValueError(f"NF4 groups of {gs} do not tile rows of {k}: the kernel cannot read them")
+    return QuantizedTensor("nf4", qt.shape, {"q": qt.parts["q"].view(n, k // 2),
+                                             "scale": nf4_absmax(qt).float().view(n, k // gs)},
+                           {"group_size": gs}, qt.dtype)
+
+
+def _kernel_parts(qt) -> tuple[str, int, dict]:
+    """A row-wise `QuantizedTensor` [N, K] -> (format, group along K, parts [N, ...])."""
+    n, k = qt.shape
+    p = qt.parts
+    if qt.scheme in ("int8", "fp8"):
+        gs = qt.params.get("group_size")
+        return qt.scheme, gs or k, {"q": p["q"], "scale": p["scale"] if gs else p["scale"].view(n, 1)}
+    if qt.scheme == "int4":
+        fmt = "int4min" if qt.params["zero"] == "min" else "int4"
+        parts = {"q": p["q"], "scale": p["scale"]}
+        if fmt == "int4min":
+            parts["min"] = p["min"]
+        return fmt, qt.params["group_size"], parts
+    if qt.scheme == "nf4":
+        return "nf4", qt.params["group_size"], {"q": p["q"], "scale": p["scale"]}
+    raise ValueError(f"the fused MoE kernel cannot read {qt.scheme!r} weights")
+
+
+class WeightTable:
+    """An expert bank addressed through device tables of per-expert addresses, one per part: each entry
+    points at a device slot or at the expert's rows in pinned (mapped) host memory, which the kernel then
+    reads in place over PCIe. `like` says the format and shape (a dense [E, N, K] tensor or `ExpertWeights`);
+    each expert's rows of each part are contiguous."""
+
+    def __init__(self, ptrs, like):
+        self.ptrs = ptrs if isinstance(ptrs, dict) else {"q": ptrs}
+        self.like = like
+        self.shape = tuple(like.shape)
 
     @staticmethod
     def addresses(t: torch.Tensor) -> list[int]:
-        """Per-expert addresses of a contiguous [E, N, K] bank (device or registered host memory)."""
+        """Per-expert addresses of a contiguous [E, ...] bank part (device or registered host memory)."""
         return [t.data_ptr() + e * t.stride(0) * t.element_size() for e in range(t.shape[0])]
 
 
-def _weight_args(w) -> tuple:
-    """(kernel pointer argument, expert stride, row stride, MAPPED) for a tensor bank or a `WeightTable`."""
-    if isinstance(w, WeightTable):
-        return w.ptrs, 0, w.shape[2], True
-    return w, w.stride(0), w.stride(1), False
+_TL = {}
+_LUT: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _tl(dtype: torch.dtype):
+    if not _TL:
+        _TL.update({torch.int8: tl.int8, torch.uint8: tl.uint8, torch.bfloat16: tl.bfloat16,
+                    torch.float16: tl.float16, torch.float32: tl.float32})
+    return _TL[dtype]
+
+
+def _lut(fmt: str, device: torch.device) -> torch.Tensor:
+    from ferrylm.weights.quant import _FP8_VALUES, NF4_LEVELS
+
+    key = (fmt, device)
+    if key not in _LUT:
+        _LUT[key] = (NF4_LEVELS if fmt == "nf4" else _FP8_VALUES if fmt == "fp8" else torch.zeros(1)).float().to(device)
+    return _LUT[key]
+
+
+def _weight_args(w, device: torch.device) -> dict:
+    """Kernel arguments for a dense bank tensor, an `ExpertWeights` or a `WeightTable`."""
+    table = isinstance(w, WeightTable)
+    like = w.like if table else w
+    if isinstance(like, torch.Tensor):  # dense
+        q, scale, mn, fmt, group = like, None, None, "dense", 1
+    else:
+        q, scale, mn = like.parts["q"], like.parts.get("scale"), like.parts.get("min")
+        fmt, group = like.fmt, like.group
+    scale_like = scale if scale is not None else q
+    if table:
+        ptr = {k: w.ptrs.get(k, w.ptrs["q"]) for k in ("q", "scale", "min")}
+        pw, ps, pm = ptr["q"], ptr["scale"], ptr["min"]
+        se = 0
+        we = 0
+    else:
+        pw, ps = q, scale_like
+        pm = mn if mn is not None else scale_like
+        we, se = q.stride(0), scale_like.stride(0)
+    return dict(w_ptr=pw, ws_ptr=ps, wm_ptr=pm, lut_ptr=_lut(fmt, device), stride_we=we, stride_wn=q.stride(1),
+                stride_se=se, stride_sn=scale_like.stride(1) if scale is not None else 0, MAPPED=table,
+                FMT=FORMATS[fmt], GS=group, W_T=_tl(q.dtype), S_T=_tl(scale_like.dtype))
 
 
 def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
@@ -142,17 +321,21 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
     h = torch.empty(m_pad, I, dtype=x.dtype, device=x.device)
     y = (torch.zeros if skip else torch.empty)(m_pad, H, dtype=x.dtype, device=x.device)
     scale = topk_weights.flatten().float().contiguous()  # [A]
-    p13, se13, sn13, mapped13 = _weight_args(w13)
-    p2, se2, sn2, mapped2 = _weight_args(w2)
+    a13, a2 = _weight_args(w13, x.device), _weight_args(w2, x.device)
     grid1 = (m_pad // BM, triton.cdiv(I, BN))
-    _grouped_gemm[grid1](x, p13, h, rows, block_expert, used, scale, I, H, A, x.stride(0), se13, sn13,
-                         h.stride(0), TOP_K=k, A_BY_TOKEN=True, GATED=True, SCALE=False, MAPPED=mapped13,
-                         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+    _grouped_gemm[grid1](x, out_ptr=h, rows_ptr=rows, block_expert_ptr=block_expert, used_ptr=used, scale_ptr=scale,
+                         N=I, K=H, A=A, stride_am=x.stride(0), stride_om=h.stride(0), TOP_K=k, A_BY_TOKEN=True,
+                         GATED=True, SCALE=False, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=_block_k(BK, a13, H), **a13)
     grid2 = (m_pad // BM, triton.cdiv(H, BN))
-    _grouped_gemm[grid2](h, p2, y, rows, block_expert, used, scale, H, I, A, h.stride(0), se2, sn2,
-                         y.stride(0), TOP_K=k, A_BY_TOKEN=False, GATED=False, SCALE=True, MAPPED=mapped2,
-                         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+    _grouped_gemm[grid2](h, out_ptr=y, rows_ptr=rows, block_expert_ptr=block_expert, used_ptr=used, scale_ptr=scale,
+                         N=H, K=I, A=A, stride_am=h.stride(0), stride_om=y.stride(0), TOP_K=k, A_BY_TOKEN=False,
+                         GATED=False, SCALE=True, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=_block_k(BK, a2, I), **a2)
     return y[inv]
+
+
+def _block_k(bk: int, args: dict, K: int) -> int:
+    # a tile of a grouped format must not straddle two groups (per-row scales: GS = K, no limit)
+    return bk if args["FMT"] == 0 or args["GS"] >= K else min(bk, args["GS"])
 
 
 def sum_rows(rows: torch.Tensor, k: int) -> torch.Tensor:

@@ -155,10 +155,8 @@ class CachedExperts(ExpertBackend):
         E = self.host_w13.shape[0]
         ptrs = [[self.slot_addr[i][self.slot_of[e]] if e in self.slot_of else self.host_addr[i][e] for e in range(E)]
                 for i in range(2)]
-        self.t13 = WeightTable(torch.tensor(ptrs[0], dtype=torch.long, device=self.device), self.host_w13.shape,
-                               self.host_w13.dtype)
-        self.t2 = WeightTable(torch.tensor(ptrs[1], dtype=torch.long, device=self.device), self.host_w2.shape,
-                              self.host_w2.dtype)
+        self.t13 = WeightTable(torch.tensor(ptrs[0], dtype=torch.long, device=self.device), self.host_w13)
+        self.t2 = WeightTable(torch.tensor(ptrs[1], dtype=torch.long, device=self.device), self.host_w2)
         self.resident, self.counts = resident_row, counts_row
         for e in self.slot_of:
             self.resident[e] = True
@@ -169,7 +167,7 @@ class CachedExperts(ExpertBackend):
     def _point(self, e: int, s: int | None) -> None:
         """Table entry of expert e -> slot s, or its host rows (None); stream-ordered, no host sync."""
         for i, t in enumerate((self.t13, self.t2)):
-            t.ptrs[e:e + 1].fill_(self.host_addr[i][e] if s is None else self.slot_addr[i][s])
+            t.ptrs["q"][e:e + 1].fill_(self.host_addr[i][e] if s is None else self.slot_addr[i][s])
         self.resident[e] = s is not None
 
     def promote(self, e: int, victim: int | None) -> None:

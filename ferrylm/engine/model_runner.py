@@ -89,6 +89,13 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(prev)
         self.model.eval()
+        from ferrylm.layers import fused_moe
+
+        if (self.device.type == "cuda" and config.moe_backend == "auto" and fused_moe.triton is not None
+                and self.dtype in (torch.bfloat16, torch.float16)):
+            packed = self.model.pack_experts(source)  # the fused kernel reads them packed: placed at that size
+            if packed:
+                log.info("experts kept packed in %d banks (read by the fused MoE kernel)", len(packed))
         placement, kv_bytes = self._place()
         self.placed = PlacedWeights(self.model, placement, self.device, config.offload.expert_cache_policy,
                                     config.offload.expert_profile, config.offload.stream_buffers,

@@ -179,6 +179,25 @@ class ExpertWeights:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parts.values())
 
+    def expert(self, e: int) -> "ExpertWeights":
+        """Expert e alone (a bank of one, views)."""
+        p = {k: v[e:e + 1] for k, v in self.parts.items()}
+        return ExpertWeights(self.fmt, (1, *self.shape[1:]), self.group, p["q"], p.get("scale"), p.get("min"))
+
+    def empty_like(self, n: int, device) -> "ExpertWeights":
+        """A bank of n experts of this format, uninitialised, on `device` (cache slots)."""
+        p = {k: torch.empty((n, *v.shape[1:]), dtype=v.dtype, device=device) for k, v in self.parts.items()}
+        return ExpertWeights(self.fmt, (n, *self.shape[1:]), self.group, p["q"], p.get("scale"), p.get("min"))
+
+    def copy_expert_(self, s: int, src: "ExpertWeights", e: int, non_blocking: bool = False) -> None:
+        """Slot s <- expert e of `src`, part by part."""
+        for k, v in self.parts.items():
+            v[s].copy_(src.parts[k][e], non_blocking=non_blocking)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.parts["q"].is_cuda
+
     def to(self, device) -> "ExpertWeights":
         p = {k: v.to(device) for k, v in self.parts.items()}
         return ExpertWeights(self.fmt, self.shape, self.group, p["q"], p.get("scale"), p.get("min"))
@@ -204,6 +223,14 @@ class ExpertWeights:
                                                              "zero": "min" if self.fmt == "int4min" else "sym"})
             out.append(qt.dequantize(dtype))
         return torch.stack(out)
+
+
+def expert_format(qt) -> str | None:
+    """The kernel format a `QuantizedTensor` expert piece would be read in, None if it cannot be."""
+    try:
+        return _kernel_parts(_row_wise(qt))[0] if len(qt.shape) == 2 else None
+    except ValueError:
+        return None
 
 
 def _row_wise(qt):
@@ -356,11 +383,13 @@ class FusedExperts(ExpertBackend):
 
     @staticmethod
     def supports(bank) -> bool:
-        return FusedExperts.supports_tensors(bank.w13, bank.act_name)
+        return FusedExperts.supports_tensors(bank.weights()[0], bank.act_name, bank.w13.dtype)
 
     @staticmethod
-    def supports_tensors(w13: torch.Tensor, act: str) -> bool:
-        return triton is not None and w13.is_cuda and act == "silu" and w13.dtype in (torch.bfloat16, torch.float16)
+    def supports_tensors(w13, act: str, dtype: torch.dtype | None = None) -> bool:
+        """A dense bank of the activations' dtype or an `ExpertWeights` of a kernel format, on CUDA."""
+        dtype = dtype or w13.dtype
+        return triton is not None and w13.is_cuda and act == "silu" and dtype in (torch.bfloat16, torch.float16)
 
     def forward(self, bank, x, topk_ids, topk_weights):
-        return fused_experts(x, bank.w13, bank.w2, topk_ids, topk_weights)
+        return fused_experts(x, *bank.weights(), topk_ids, topk_weights)

@@ -6,7 +6,10 @@ the model runner: `TorchExperts` (the per-expert loop, the reference every other
 against), `FusedExperts` (`layers/fused_moe.py`: one Triton grouped GEMM, no host sync, graph-capturable)
 for resident banks on CUDA, and `offload.expert_cache.CachedExperts` for banks that live in host memory.
 Every backend computes `out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t])`.
-Experts of a quantized ferry store arrive dequantized (dense w13/w2).
+Experts of a quantized ferry store arrive dequantized (dense w13/w2), unless the bank is `packing` (set by
+the model runner on CUDA, where the fused kernel reads packed tiles): then they stay packed in
+`Experts.packed` (`layers.fused_moe.ExpertWeights`, a quarter of the bytes for 4-bit formats) and w13/w2
+are empty.
 """
 
 from __future__ import annotations
@@ -83,9 +86,23 @@ class Experts(nn.Module):
         self.backend: ExpertBackend = TorchExperts()
         self.routing_counts: torch.Tensor | None = None
         """[E] long on the device while profiling: how many assignments each expert got."""
+        self.packing = False
+        """Keep quantized experts packed (`load` stashes them; `finish_load` stacks and places them)."""
+        self.packed = None
+        """(w13, w2) as `ExpertWeights` when the bank holds packed experts; w13/w2 are then empty."""
+        self.packed_nbytes: int | None = None
+        """Bytes of one packed expert (set with `packing`, before placement)."""
+        self._pieces: dict[tuple[int, str], object] = {}
 
-    def load(self, expert: int, part: str, tensor: torch.Tensor) -> None:
-        """part: gate | up | down | gate_up (already stacked [2I, H])."""
+    def load(self, expert: int, part: str, tensor) -> None:
+        """part: gate | up | down | gate_up (already stacked [2I, H]); `tensor` may be a `QuantizedTensor`."""
+        from ferrylm.weights.quant import QuantizedTensor
+
+        if isinstance(tensor, QuantizedTensor):
+            if self.packing:
+                self._pieces[(expert, part)] = tensor
+                return
+            tensor = tensor.dequantize()
         I = self.inter
         w = writable(self, "w2" if part == "down" else "w13")
         dst = {"gate": w[expert, :I], "up": w[expert, I:], "gate_up": w[expert], "down": w[expert]}[part]
@@ -93,7 +110,35 @@ class Experts(nn.Module):
             raise ValueError(f"expert {expert} {part}: shape {tuple(tensor.shape)} does not fit {tuple(dst.shape)}")
         dst.copy_(tensor)
 
+    def finish_load(self) -> None:
+        """Packed experts: stack every expert's pieces into one bank per side, placed where w13/w2 are."""
+        from ferrylm.layers.fused_moe import ExpertWeights
+        from ferrylm.layers.params import device_for, placed_empty, replace
+
+        if not self._pieces:
+            return
+        E, dtype = self.num_experts, self.w13.dtype
+        up = [[self._pieces[(e, "gate_up")]] if (e, "gate_up") in self._pieces
+              else [self._pieces[(e, "gate")], self._pieces[(e, "up")]] for e in range(E)]
+        sides = []
+        for attr, pieces in (("w13", up), ("w2", [[self._pieces[(e, "down")]] for e in range(E)])):
+            bank = ExpertWeights.stack(pieces, dtype)
+            for name, t in bank.parts.items():  # where the placement puts this side (device or host tier)
+                dst = placed_empty(self, attr, t.shape, t.dtype)
+                dst.copy_(t)
+                bank.parts[name] = dst
+            replace(self, attr, torch.empty(0, dtype=dtype, device=device_for(self, attr)))
+            sides.append(bank)
+        self.packed = tuple(sides)
+        self._pieces.clear()
+
+    def weights(self) -> tuple:
+        """(w13, w2): dense [E, 2I, H] / [E, H, I] tensors, or packed `ExpertWeights`."""
+        return self.packed if self.packed is not None else (self.w13, self.w2)
+
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.packed is not None:  # the reference path decodes one expert at a time
+            return tuple(side.expert(e).dequantize(self.w13.dtype)[0] for side in self.packed)
         return self.w13[e], self.w2[e]
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,9 @@ class Allocator(Protocol):
     def allocate(self, module: nn.Module, attr: str) -> torch.Tensor:
         """An empty tensor of the parameter's shape and dtype, where it is placed."""
 
+    def allocate_like(self, module: nn.Module, attr: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An empty tensor of another shape and dtype (a packed part of the parameter), where it is placed."""
+
 
 _allocator: Allocator | None = None
 _holders: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -74,3 +77,10 @@ def device_for(module: nn.Module, attr: str) -> torch.device:
     if _allocator is None:
         return torch.device("cpu")
     return _allocator.placed_device(module, attr)
+
+
+def placed_empty(module: nn.Module, attr: str, shape, dtype: torch.dtype) -> torch.Tensor:
+    """Storage for a packed part of `module.<attr>` (its codes or scales), where the parameter is placed."""
+    if _allocator is None:
+        return torch.empty(shape, dtype=dtype)
+    return _allocator.allocate_like(module, attr, shape, dtype)

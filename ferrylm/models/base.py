@@ -100,8 +100,10 @@ class CausalLM(nn.Module):
                 qt = get_quantized(name) if get_quantized else None
                 if qt is None:
                     tensor = source.get(name)
-                else:  # kept packed where a Linear takes it, else dequantized here (decoded only once)
+                else:  # kept packed where a Linear or a packing expert bank takes it, else dequantized here
                     tensor = self._quantized_for_linear(name, qt, params)
+                    if tensor is None and self._packing_bank(name) is not None:
+                        tensor = qt
                     tensor = qt.dequantize() if tensor is None else tensor
                 self._load_one(name, tensor, params, loaded)
             except (ValueError, KeyError, AttributeError) as e:
@@ -109,7 +111,7 @@ class CausalLM(nn.Module):
             if progress:
                 progress(name)
         for mod in self.modules():
-            if isinstance(mod, Linear):
+            if isinstance(mod, (Linear, Experts)):
                 mod.finish_load()
             elif isinstance(mod, nn.Embedding) and not mod.weight.is_meta:
                 mod.weight.requires_grad_(False)
@@ -153,6 +155,45 @@ class CausalLM(nn.Module):
             if isinstance(mod, Linear) and m[2] in mod.shards and tuple(qt.shape) == (mod.shards[m[2]][1], mod.in_features):
                 return qt
         return None
+
+    def _packing_bank(self, name: str):
+        """The expert bank a checkpoint name's rows go to when that bank keeps its experts packed."""
+        m = _EXPERT.match(name)
+        if not m:
+            return None
+        try:
+            bank = self.get_submodule(m[1])
+        except AttributeError:
+            return None
+        return bank if isinstance(bank, Experts) and bank.packing else None
+
+    def pack_experts(self, source) -> list[str]:
+        """Let expert banks keep a quantized source's experts packed (the fused kernel reads them): a bank
+        packs when its first expert's gate/up/down are all stored in one format the kernel reads; its
+        per-expert bytes (`packed_nbytes`) then size the placement. Returns the banks that pack."""
+        from ferrylm.layers.fused_moe import expert_format
+
+        get_quantized = getattr(source, "get_quantized", None)
+        banks = {n: m for n, m in self.named_modules() if isinstance(m, Experts)}
+        if get_quantized is None or not banks:
+            return []
+        first: dict[str, dict[str, object]] = {}
+        for name in source.keys():
+            m = _EXPERT.match(name)
+            if m and m[1] in banks and m[2] == "0":
+                first.setdefault(m[1], {})[m[3]] = get_quantized(name)
+        packed = []
+        for bname, parts in first.items():
+            qts = list(parts.values())
+            if len(qts) < 2 or any(q is None for q in qts):
+                continue
+            fmts = {expert_format(q) for q in qts}
+            if len(fmts) != 1 or None in fmts:
+                continue
+            bank = banks[bname]
+            bank.packing, bank.packed_nbytes = True, sum(q.nbytes for q in qts)
+            packed.append(bname)
+        return packed
 
     def _load_one(self, name, tensor, params, loaded) -> None:
         if done := self.map_weight(name, tensor):

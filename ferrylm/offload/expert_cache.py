@@ -28,8 +28,28 @@ from collections import deque
 
 import torch
 
+from ferrylm.layers.fused_moe import ExpertWeights
 from ferrylm.layers.moe import ExpertBackend, combine, dispatch, expert_mlp
 from ferrylm.offload.cost_model import split_misses
+
+
+def _parts(side) -> dict[str, torch.Tensor]:
+    """A bank side's tensors by part: a dense [E, N, K] tensor is its own "q"; packed sides have codes,
+    scales (and mins)."""
+    return side.parts if isinstance(side, ExpertWeights) else {"q": side}
+
+
+def _slots(side, n: int, device) -> object:
+    if isinstance(side, ExpertWeights):
+        return side.empty_like(n, device)
+    return torch.empty((n, *side.shape[1:]), dtype=side.dtype, device=device)
+
+
+def _copy(dst, s: int, src, e: int, non_blocking: bool = False) -> None:
+    """Slot s of `dst` <- expert e of `src`, every part."""
+    src_parts = _parts(src)
+    for k, t in _parts(dst).items():
+        t[s].copy_(src_parts[k][e], non_blocking=non_blocking)
 
 
 class EvictionPolicy:
@@ -113,18 +133,19 @@ class CachedExperts(ExpertBackend):
     def __init__(self, bank, host_w13: torch.Tensor, host_w2: torch.Tensor, capacity: int, initial: list[int],
                  pinned: set[int], policy: str, device: torch.device, copy_stream, stats, layer: int,
                  use_fused: bool = True):
-        """host_w13: [E, 2I, H], host_w2: [E, H, I] in host memory; `capacity` device slots, filled with
-        `initial` (the resident experts); `pinned` experts are never evicted."""
+        """host_w13: [E, 2I, H], host_w2: [E, H, I] in host memory (dense, or packed `ExpertWeights`);
+        `capacity` device slots, filled with `initial` (the resident experts); `pinned` experts are never
+        evicted."""
         self.host_w13, self.host_w2 = host_w13, host_w2
         self.device, self.stream, self.stats, self.layer = device, copy_stream, stats, layer
         self.use_fused, self.act_name, self.act = use_fused, bank.act_name, bank.act
         self.cpu_mode, self.costs, self.cpu_pool = "gpu", None, None
         """Hybrid: `cpu_mode` auto | cpu lets misses run on the host (`costs`, a worker `cpu_pool`)."""
         C = capacity
-        self.w13 = torch.empty((C, *host_w13.shape[1:]), dtype=host_w13.dtype, device=device)
-        self.w2 = torch.empty((C, *host_w2.shape[1:]), dtype=host_w2.dtype, device=device)
-        self.expert_bytes = (host_w13[0].numel() * host_w13.element_size()
-                             + host_w2[0].numel() * host_w2.element_size())
+        self.dtype = bank.w13.dtype
+        self.packed = isinstance(host_w13, ExpertWeights)
+        self.w13, self.w2 = _slots(host_w13, C, device), _slots(host_w2, C, device)
+        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.host_parts())
         self.owner: list[int | None] = [None] * C
         self.slot_of: dict[int, int] = {}
         self.pinned = set(pinned)
@@ -136,8 +157,8 @@ class CachedExperts(ExpertBackend):
         """Per-step needed experts while tracing (`start_trace`; benchmarks compute the oracle from it)."""
         self.trace_hits, self.trace_initial = 0, []
         for s, e in enumerate(list(initial)[:C]):
-            self.w13[s].copy_(host_w13[e])
-            self.w2[s].copy_(host_w2[e])
+            _copy(self.w13, s, host_w13, e)
+            _copy(self.w2, s, host_w2, e)
             self.owner[s], self.slot_of[e] = e, s
         self.reads_host = True
         self.mapped = False
@@ -150,13 +171,19 @@ class CachedExperts(ExpertBackend):
         """Turn on the in-place decode path (host banks registered mapped, fused kernel, CUDA)."""
         from ferrylm.layers.fused_moe import WeightTable
 
-        self.host_addr = (WeightTable.addresses(self.host_w13), WeightTable.addresses(self.host_w2))
-        self.slot_addr = (WeightTable.addresses(self.w13), WeightTable.addresses(self.w2))
+        def addresses(side):  # part -> per-expert (or per-slot) addresses
+            return {k: WeightTable.addresses(t) for k, t in _parts(side).items()}
+
+        self.host_addr = (addresses(self.host_w13), addresses(self.host_w2))
+        self.slot_addr = (addresses(self.w13), addresses(self.w2))
         E = self.host_w13.shape[0]
-        ptrs = [[self.slot_addr[i][self.slot_of[e]] if e in self.slot_of else self.host_addr[i][e] for e in range(E)]
-                for i in range(2)]
-        self.t13 = WeightTable(torch.tensor(ptrs[0], dtype=torch.long, device=self.device), self.host_w13)
-        self.t2 = WeightTable(torch.tensor(ptrs[1], dtype=torch.long, device=self.device), self.host_w2)
+        tables = []
+        for i, side in enumerate((self.host_w13, self.host_w2)):
+            ptrs = {k: torch.tensor([self.slot_addr[i][k][self.slot_of[e]] if e in self.slot_of else host[e]
+                                     for e in range(E)], dtype=torch.long, device=self.device)
+                    for k, host in self.host_addr[i].items()}
+            tables.append(WeightTable(ptrs, side))
+        self.t13, self.t2 = tables
         self.resident, self.counts = resident_row, counts_row
         for e in self.slot_of:
             self.resident[e] = True
@@ -167,7 +194,8 @@ class CachedExperts(ExpertBackend):
     def _point(self, e: int, s: int | None) -> None:
         """Table entry of expert e -> slot s, or its host rows (None); stream-ordered, no host sync."""
         for i, t in enumerate((self.t13, self.t2)):
-            t.ptrs["q"][e:e + 1].fill_(self.host_addr[i][e] if s is None else self.slot_addr[i][s])
+            for k, ptrs in t.ptrs.items():
+                ptrs[e:e + 1].fill_(self.host_addr[i][k][e] if s is None else self.slot_addr[i][k][s])
         self.resident[e] = s is not None
 
     def promote(self, e: int, victim: int | None) -> None:
@@ -182,8 +210,8 @@ class CachedExperts(ExpertBackend):
         self.owner[s] = e
         self.stream.wait_event(self.free[s])
         with torch.cuda.stream(self.stream):
-            self.w13[s].copy_(self.host_w13[e], non_blocking=True)
-            self.w2[s].copy_(self.host_w2[e], non_blocking=True)
+            _copy(self.w13, s, self.host_w13, e, non_blocking=True)
+            _copy(self.w2, s, self.host_w2, e, non_blocking=True)
             self.ready[s].record(self.stream)
         self.landing.append((e, s))
         self.stats.h2d_bytes += self.expert_bytes
@@ -215,7 +243,14 @@ class CachedExperts(ExpertBackend):
     def fused(self) -> bool:
         from ferrylm.layers.fused_moe import FusedExperts
 
-        return self.use_fused and FusedExperts.supports_tensors(self.w13, self.act_name)
+        return self.use_fused and FusedExperts.supports_tensors(self.w13, self.act_name, self.dtype)
+
+    def host_parts(self) -> list[torch.Tensor]:
+        return [*_parts(self.host_w13).values(), *_parts(self.host_w2).values()]
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for side in (self.w13, self.w2) for t in _parts(side).values())
 
     def _plan(self, counts: list[int]):
         """Hits, the copied misses' queue, the slots free to take a miss now (policy order), host misses."""
@@ -362,13 +397,13 @@ class CachedExperts(ExpertBackend):
                 self.free[s].record(torch.cuda.current_stream(self.device))
         self.owner[s], self.slot_of[e] = e, s
         if self.stream is None:
-            self.w13[s].copy_(self.host_w13[e])
-            self.w2[s].copy_(self.host_w2[e])
+            _copy(self.w13, s, self.host_w13, e)
+            _copy(self.w2, s, self.host_w2, e)
         else:
             self.stream.wait_event(self.free[s])  # the slot's previous expert has finished computing
             with torch.cuda.stream(self.stream):
-                self.w13[s].copy_(self.host_w13[e], non_blocking=True)
-                self.w2[s].copy_(self.host_w2[e], non_blocking=True)
+                _copy(self.w13, s, self.host_w13, e, non_blocking=True)
+                _copy(self.w2, s, self.host_w2, e, non_blocking=True)
                 self.ready[s].record(self.stream)
         self.stats.h2d_bytes += self.expert_bytes
 

@@ -32,7 +32,7 @@ def start(model: nn.Module) -> None:
     for bank in banks(model).values():
         dev = bank.w13.device if not bank.w13.is_meta else torch.device("cpu")
         if bank.backend.__class__.__name__ == "CachedExperts":
-            dev = bank.backend.w13.device
+            dev = bank.backend.device
         bank.routing_counts = torch.zeros(bank.num_experts, dtype=torch.long, device=dev)
 
 

@@ -98,6 +98,11 @@ class PlacedWeights:
     def placed_device(self, module: nn.Module, attr: str) -> torch.device:
         return self.target if self._tier(module, attr) == GPU else torch.device("cpu")
 
+    def allocate_like(self, module: nn.Module, attr: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        if self._tier(module, attr) == GPU:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        return self.host.empty(shape, dtype)
+
     def allocate(self, module: nn.Module, attr: str) -> torch.Tensor:
         p = getattr(module, attr)
         if self._tier(module, attr) == GPU:
@@ -149,7 +154,8 @@ class PlacedWeights:
                 covered = sum(counts[e] for e in hot) / max(sum(counts), 1)
                 moved.append((len(set(hot) - set(resident)), covered))
                 resident, pinned = hot, set(hot)
-            bank.backend = CachedExperts(bank, bank.w13.data, bank.w2.data, capacity, resident, pinned, self.policy,
+            host_w13, host_w2 = bank.packed or (bank.w13.data, bank.w2.data)
+            bank.backend = CachedExperts(bank, host_w13, host_w2, capacity, resident, pinned, self.policy,
                                          self.device, self.copy_stream, self.stats, layer,
                                          use_fused=self.moe_backend == "auto")
             self.caches[layer] = bank.backend
@@ -158,11 +164,11 @@ class PlacedWeights:
                                  f"and pinned ({sum(m for m, _ in moved)} changed from the default choice); they took "
                                  f"{sum(c for _, c in moved) / len(moved):.0%} of the recorded routing")
             log.warning("%s", self.profile_note)
-        if self.caches and self.experts != "gpu":
+        packed = any(c.packed for c in self.caches.values())  # host cores would have to decode them first
+        if self.caches and self.experts != "gpu" and not packed:
             self._start_hybrid()
-        if self.caches and self.mapped_experts and self.experts != "cpu" and all(
-                c.fused and self.host.is_mapped(c.host_w13) and self.host.is_mapped(c.host_w2)
-                for c in self.caches.values()):
+        if self.caches and self.mapped_experts and (self.experts != "cpu" or packed) and all(
+                c.fused and all(self.host.is_mapped(t) for t in c.host_parts()) for c in self.caches.values()):
             self.tally = RoutingTally(self.caches, self.device, self.stats)
 
     @property
@@ -214,7 +220,7 @@ class PlacedWeights:
         if self.streamer is not None:
             total += self.streamer.bytes
         for c in self.caches.values():
-            total += c.w13.numel() * c.w13.element_size() + c.w2.numel() * c.w2.element_size()
+            total += c.slot_bytes
         return total
 
     def close(self) -> None:

@@ -90,7 +90,7 @@ def group_tensors(model: nn.Module) -> list[TensorGroup]:
         groups.append(TensorGroup(name, kind, layer, None, tuple(n for n, _ in ps), sum(b for _, b in ps)))
     for bname, bank in banks.items():
         layer = int(layer_re.match(bname + ".")[1])
-        per = (_bytes(bank.w13) + _bytes(bank.w2)) // bank.num_experts
+        per = bank.packed_nbytes or (_bytes(bank.w13) + _bytes(bank.w2)) // bank.num_experts
         for e in range(bank.num_experts):
             groups.append(TensorGroup(f"layers.{layer}.experts.{e}", "experts", layer, e,
                                       (f"{bname}.w13", f"{bname}.w2"), per))

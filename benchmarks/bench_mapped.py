@@ -39,10 +39,15 @@ def h2d_rate(tier: HostTier) -> float:
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--packed-only", action="store_true", help="only the packed banks (int8, nf4)")
+    a = ap.parse_args()
     tier = HostTier(pin=True)
     pcie = h2d_rate(tier)
     rows = []
-    for name, (E, H, I, k) in SHAPES.items():
+    for name, (E, H, I, k) in ({} if a.packed_only else SHAPES).items():
         w13 = tier.empty((E, 2 * I, H), torch.bfloat16)
         w2 = tier.empty((E, H, I), torch.bfloat16)
         d13 = (torch.randn(w13.shape, device="cuda") * 0.02).bfloat16()

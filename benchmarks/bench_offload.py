@@ -245,7 +245,7 @@ print('ACC', {tokens} / (tn - t1))
 
 
 def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, batches, prefill: int | None,
-                 routing: str = "model", accelerate: bool = False) -> None:
+                 routing: str = "model", accelerate: bool = False, expert_quant: str | None = None) -> None:
     from ferrylm import LLM
     from ferrylm.weights.random_source import RandomSource
 
@@ -256,7 +256,8 @@ def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, 
         zipf_routing(float(routing[4:] or 1.2))
     t = time.perf_counter()
     torch.cuda.reset_peak_memory_stats()
-    llm = LLM(RandomSource(cfg), device="cuda", dtype="bfloat16", max_num_seqs=max(batches), max_model_len=4096,
+    llm = LLM(RandomSource(cfg, expert_quant=expert_quant), device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
+              max_model_len=4096,
               max_num_batched_tokens=2048, gpu_memory_budget=f"{budget_gib}GiB")
     runner = llm.engine.runner
     print(f"{name} loaded in {time.perf_counter() - t:.1f} s; peak GPU {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
@@ -366,6 +367,12 @@ CASES = {
     "zipf16": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16}, 16,
                                              (1, 64), None, routing="zipf1.2"),
     "qwen3-30b": lambda rows, h2d: case_offload(rows, h2d, "qwen3-30b-a3b", QWEN3_30B, 8, (1, 64), None),
+    # experts NF4 (g64, packed in host memory and read packed), the rest bf16: the 32-layer NF4 case
+    "mixtral-32L-nf4": lambda rows, h2d: case_offload(rows, h2d, "mixtral-32L-nf4-experts",
+                                                      {**MIXTRAL, "num_hidden_layers": 32}, 16, (1, 16),
+                                                      None, expert_quant="nf4"),
+    "qwen3-30b-nf4": lambda rows, h2d: case_offload(rows, h2d, "qwen3-30b-a3b-nf4-experts", QWEN3_30B, 8, (1, 64),
+                                                    None, expert_quant="nf4"),
     "qwen2-72b-24L": lambda rows, h2d: case_offload(rows, h2d, "qwen2-72b-24L", {**QWEN2_72B, "num_hidden_layers": 24},
                                                     16, (1, 32), 2048),
     "deepseek-v2-lite": lambda rows, h2d: case_offload(rows, h2d, "deepseek-v2-lite", DEEPSEEK_V2_LITE, 8, (1, 32),

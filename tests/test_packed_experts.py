@@ -65,3 +65,25 @@ def test_loader_keeps_a_quantized_stores_experts_packed(scheme, packs, tmp_path_
         for e in range(a.num_experts):
             for x, y in zip(a.expert_weights(e), b.expert_weights(e)):
                 assert torch.equal(x, y)
+
+
+def test_random_source_hands_out_packed_experts():
+    """The benchmarks' random source in packed-expert mode: per-expert names the loader packs (or dequantizes)."""
+    from ferrylm.config import ModelConfig
+    from ferrylm.models.registry import model_class
+    from ferrylm.weights.random_source import RandomSource
+
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 64, "hidden_size": 128,
+           "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64}
+    mc = ModelConfig.from_hf(cfg)
+    for scheme in ("int8", "nf4"):
+        src = RandomSource(cfg, dtype=torch.float32, expert_quant=scheme)
+        with torch.device("meta"):
+            model = model_class(mc)(mc)
+        assert len(model.pack_experts(src)) == 2
+        model.load_weights(src)
+        bank = model.model.layers[0].block_sparse_moe.experts
+        assert bank.packed[0].fmt == scheme and bank.packed[0].shape == (4, 384, 128)
+        w13, w2 = bank.expert_weights(1)
+        assert 0.01 < w13.float().std().item() < 0.04 and 0.01 < w2.float().std().item() < 0.04

@@ -4,6 +4,11 @@ of any real shape loads in seconds with no checkpoint on disk (benchmarks, tests
 Values are N(0, std) drawn once into a pool and tiled (fast enough for tens of GB; not zeros, which
 would hide bugs and time differently); norms are 1. The names are ferrylm's fused parameter names
 (`qkv_proj`, stacked expert banks), which the loader fills directly.
+
+With `expert_quant` ("int8" or "nf4") the experts come as a quantized store would hand them out: one
+name per expert and projection (`...experts.<e>.w1|w3|w2.weight`) and `get_quantized` returning random
+packed codes with scales of the same spread, so packed-expert paths (kept packed on CUDA, read in place
+over PCIe) are benchmarked at real shapes without quantizing tens of GB first.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from ferrylm.weights.source import WeightSource
 
 class RandomSource(WeightSource):
     def __init__(self, config: dict, dtype: torch.dtype = torch.bfloat16, seed: int = 0, std: float = 0.02,
-                 pool_elements: int = 1 << 24):
+                 pool_elements: int = 1 << 24, expert_quant: str | None = None):
         from ferrylm.models.registry import model_class
 
         self.config, self.path, self.dtype = config, f"random:{config.get('architectures', ['?'])[0]}", dtype
@@ -28,21 +33,54 @@ class RandomSource(WeightSource):
         self.norms = {n for n, m in model.named_modules() if type(m).__name__ == "RMSNorm"}
         g = torch.Generator().manual_seed(seed)
         self.pool = (torch.randn(pool_elements, generator=g) * std).to(dtype)
+        self.codes = torch.randint(0, 256, (pool_elements,), generator=g, dtype=torch.uint8)
         self.offset = 0
+        self.std, self.expert_quant = std, expert_quant
+        self.experts: dict[str, tuple[int, int]] = {}  # per-expert name -> its [N, K]
+        if expert_quant is not None:
+            if expert_quant not in ("int8", "nf4"):
+                raise ValueError(f"expert_quant {expert_quant!r}: choose int8 or nf4")
+            for n, m in model.named_modules():
+                if type(m).__name__ == "Experts":
+                    I = m.inter
+                    del self.shapes[f"{n}.w13"], self.shapes[f"{n}.w2"]
+                    for e in range(m.num_experts):  # w1 gate, w3 up, w2 down
+                        for part, shape in (("w1", (I, m.hidden)), ("w3", (I, m.hidden)), ("w2", (m.hidden, I))):
+                            self.experts[f"{n}.{e}.{part}.weight"] = shape
 
     def keys(self) -> list[str]:
-        return list(self.shapes)
+        return list(self.shapes) + list(self.experts)
 
-    def get(self, name: str) -> torch.Tensor:
-        shape = self.shapes[name]
-        if name.rpartition(".")[0] in self.norms:
-            return torch.ones(shape, dtype=self.dtype)
-        t = torch.empty(shape, dtype=self.dtype)
+    def _tile(self, pool: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         flat, n, done = t.view(-1), t.numel(), 0
         while done < n:  # tile the pool from a moving offset, so tensors differ from one another
-            a = self.offset % self.pool.numel()
-            k = min(n - done, self.pool.numel() - a)
-            flat[done:done + k].copy_(self.pool[a:a + k])
+            a = self.offset % pool.numel()
+            k = min(n - done, pool.numel() - a)
+            flat[done:done + k].copy_(pool[a:a + k])
             done += k
             self.offset += k + 7919
         return t
+
+    def get_quantized(self, name: str):
+        from ferrylm.weights.quant import NF4_LEVELS, QuantizedTensor
+
+        if name not in self.experts:
+            return None
+        N, K = self.experts[name]
+        if self.expert_quant == "int8":  # codes uniform in [-127, 127]: values of spread std
+            q = self._tile(self.codes, torch.empty(N, K, dtype=torch.uint8)).view(torch.int8)
+            q[q == -128] = 0
+            scale = torch.full((N,), self.std * 3 ** 0.5 / 127)
+            return QuantizedTensor("int8", (N, K), {"q": q, "scale": scale}, {}, self.dtype)
+        q = self._tile(self.codes, torch.empty(N * K // 2, dtype=torch.uint8))
+        absmax = torch.full((N * K // 64,), self.std / float(NF4_LEVELS.pow(2).mean().sqrt()))
+        return QuantizedTensor("nf4", (N, K), {"q": q, "absmax": absmax}, {"group_size": 64, "double_quant": False},
+                               self.dtype)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self.experts:
+            return self.get_quantized(name).dequantize(self.dtype)
+        shape = self.shapes[name]
+        if name.rpartition(".")[0] in self.norms:
+            return torch.ones(shape, dtype=self.dtype)
+        return self._tile(self.pool, torch.empty(shape, dtype=self.dtype))

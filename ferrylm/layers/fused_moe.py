@@ -225,6 +225,11 @@ class ExpertWeights:
         return torch.stack(out)
 
 
+def piece_parts(qt) -> tuple[str, int, dict]:
+    """A quantized expert piece [n, K] -> (kernel format, group along K, its parts with rows leading)."""
+    return _kernel_parts(_row_wise(qt))
+
+
 def expert_format(qt) -> str | None:
     """The kernel format a `QuantizedTensor` expert piece would be read in, None if it cannot be."""
     try:

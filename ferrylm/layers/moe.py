@@ -8,8 +8,8 @@ for resident banks on CUDA, and `offload.expert_cache.CachedExperts` for banks t
 Every backend computes `out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t])`.
 Experts of a quantized ferry store arrive dequantized (dense w13/w2), unless the bank is `packing` (set by
 the model runner on CUDA, where the fused kernel reads packed tiles): then they stay packed in
-`Experts.packed` (`layers.fused_moe.ExpertWeights`, a quarter of the bytes for 4-bit formats) and w13/w2
-are empty.
+`Experts.packed` (`layers.fused_moe.ExpertWeights`, a quarter of the bytes for 4-bit formats; each piece
+written where the placement puts it as it arrives) and w13/w2 are empty.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class Experts(nn.Module):
         """(w13, w2) as `ExpertWeights` when the bank holds packed experts; w13/w2 are then empty."""
         self.packed_nbytes: int | None = None
         """Bytes of one packed expert (set with `packing`, before placement)."""
-        self._pieces: dict[tuple[int, str], object] = {}
+        self._sides: dict[str, object] = {}  # w13 / w2 -> the packed bank being filled
 
     def load(self, expert: int, part: str, tensor) -> None:
         """part: gate | up | down | gate_up (already stacked [2I, H]); `tensor` may be a `QuantizedTensor`."""
@@ -100,7 +100,7 @@ class Experts(nn.Module):
 
         if isinstance(tensor, QuantizedTensor):
             if self.packing:
-                self._pieces[(expert, part)] = tensor
+                self._load_packed(expert, part, tensor)
                 return
             tensor = tensor.dequantize()
         I = self.inter
@@ -110,27 +110,42 @@ class Experts(nn.Module):
             raise ValueError(f"expert {expert} {part}: shape {tuple(tensor.shape)} does not fit {tuple(dst.shape)}")
         dst.copy_(tensor)
 
-    def finish_load(self) -> None:
-        """Packed experts: stack every expert's pieces into one bank per side, placed where w13/w2 are."""
-        from ferrylm.layers.fused_moe import ExpertWeights
-        from ferrylm.layers.params import device_for, placed_empty, replace
+    def _load_packed(self, expert: int, part: str, qt) -> None:
+        """Write a packed piece straight into its side's bank, allocated (where the placement puts the side)
+        when its first piece arrives: the model never holds a second copy."""
+        from ferrylm.layers.fused_moe import ExpertWeights, piece_parts
+        from ferrylm.layers.params import placed_empty
 
-        if not self._pieces:
+        attr = "w2" if part == "down" else "w13"
+        fmt, group, parts = piece_parts(qt)
+        side = self._sides.get(attr)
+        rows = self.hidden if attr == "w2" else 2 * self.inter
+        if side is None:
+            bank = {k: placed_empty(self, attr, (self.num_experts, rows, *v.shape[1:]), v.dtype) for k, v in parts.items()}
+            side = self._sides[attr] = ExpertWeights(fmt, (self.num_experts, rows, qt.shape[1]), group, bank["q"],
+                                                     bank.get("scale"), bank.get("min"))
+        if (fmt, group) != (side.fmt, side.group) or set(parts) != set(side.parts):
+            raise ValueError(f"expert {expert} {part}: packed as {fmt}/{group}, the bank as {side.fmt}/{side.group}")
+        I = self.inter
+        lo = {"gate": 0, "up": I, "gate_up": 0, "down": 0}[part]
+        for k, v in parts.items():
+            dst = side.parts[k][expert, lo:lo + v.shape[0]]
+            if tuple(dst.shape) != tuple(v.shape):
+                raise ValueError(f"expert {expert} {part}: packed shape {tuple(v.shape)} does not fit {tuple(dst.shape)}")
+            dst.copy_(v)
+
+    def finish_load(self) -> None:
+        """Packed experts: w13/w2 become empty; the banks are `packed`."""
+        from ferrylm.layers.params import device_for, replace
+
+        if not self._sides:
             return
-        E, dtype = self.num_experts, self.w13.dtype
-        up = [[self._pieces[(e, "gate_up")]] if (e, "gate_up") in self._pieces
-              else [self._pieces[(e, "gate")], self._pieces[(e, "up")]] for e in range(E)]
-        sides = []
-        for attr, pieces in (("w13", up), ("w2", [[self._pieces[(e, "down")]] for e in range(E)])):
-            bank = ExpertWeights.stack(pieces, dtype)
-            for name, t in bank.parts.items():  # where the placement puts this side (device or host tier)
-                dst = placed_empty(self, attr, t.shape, t.dtype)
-                dst.copy_(t)
-                bank.parts[name] = dst
-            replace(self, attr, torch.empty(0, dtype=dtype, device=device_for(self, attr)))
-            sides.append(bank)
-        self.packed = tuple(sides)
-        self._pieces.clear()
+        if set(self._sides) != {"w13", "w2"}:
+            raise ValueError(f"packed experts: only {sorted(self._sides)} arrived packed")
+        for attr in ("w13", "w2"):
+            replace(self, attr, torch.empty(0, dtype=self.w13.dtype, device=device_for(self, attr)))
+        self.packed = (self._sides["w13"], self._sides["w2"])
+        self._sides = {}
 
     def weights(self) -> tuple:
         """(w13, w2): dense [E, 2I, H] / [E, H, I] tensors, or packed `ExpertWeights`."""

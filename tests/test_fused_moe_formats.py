@@ -29,7 +29,6 @@ FORMATS = {
     "int4min-g64": lambda t: quant.quantize_int4(t, 64, "min"),
     "nf4-g64": lambda t: quant.quantize_nf4(t, 64),
 }
-EXACT = {"int8", "fp8"}  # one scale per row: the same tiles as the dense kernel, so the same bits
 
 
 def bank(fmt: str, w13: torch.Tensor, w2: torch.Tensor):
@@ -66,8 +65,6 @@ def test_packed_experts_equal_dequantized(fmt):
         ref = TorchExperts().forward(ref_bank, x.double(), ids, w.double())
         rel = ((sum_rows(got, k).double() - ref).norm() / ref.norm()).item()
         print(f"packed {fmt} T={T}: max |diff| vs dequantized kernel {worst:.2e}, rel err vs fp64 reference {rel:.2e}")
-        if fmt in EXACT:
-            assert worst == 0.0
-        else:  # grouped formats use narrower K tiles: another summation order
-            assert worst <= 2e-2 * want.float().abs().max().item() + 1e-6
+        # the same decoded values; packed tiles are twice as wide along K, so the sums run in another order
+        assert worst <= 2e-2 * want.float().abs().max().item() + 1e-6
         assert rel < (2e-2 if DT == torch.bfloat16 else 1e-5)

@@ -49,43 +49,50 @@ FORMATS = {"dense": 0, "int8": 1, "fp8": 2, "int4": 3, "int4min": 4, "nf4": 5}
 """Weight formats the kernel reads: dense (the activations' dtype), int8 (per channel or per group of a
 row), fp8 (e4m3 bits, per channel), int4 (two codes a byte, sym or with a min per group), nf4 (two codes a
 byte, fp32 absmax per group). Quantized tiles are decoded in fp32 exactly as `weights/quant.py`'s
-dequantizers compute, rounded to the activations' dtype and fed to the same dot."""
+dequantizers compute and rounded to the activations' dtype: the dot sees the dequantized weights' values
+(in tiles twice as wide along K, so its sums run in another order than the dense kernel's)."""
 
 if triton is not None:
 
     @triton.jit
     def _weight_tile(w_base, s_base, m_base, lut_ptr, rows, n_ok, k0, kleft, offs_k, stride_wn, stride_sn,
-                     FMT: tl.constexpr, GS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                     FMT: tl.constexpr, GS: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
         # -> [BK, BN]: weight rows `rows` (int64), columns k0 .. k0 + BK (kleft = K - k0 of them exist);
         # dense as stored, quantized as fp32 values
         k_ok = offs_k < kleft
         mask = k_ok[:, None] & n_ok[None, :]
         if FMT == 0:
             w = tl.load(w_base + rows[None, :] * stride_wn + (k0 + offs_k)[:, None], mask=mask, other=0.0)
-        else:
-            s = tl.load(s_base + rows * stride_sn + k0 // GS, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            if FMT == 1 or FMT == 2:  # a byte a weight: the int8 value, or e4m3 bits through the table
-                q = tl.load(w_base + rows[None, :] * stride_wn + (k0 + offs_k)[:, None], mask=mask, other=0)
-                v = q.to(tl.float32) if FMT == 1 else tl.load(lut_ptr + q.to(tl.int32))
-                w = v * s
-            else:  # two codes a byte, column 2i in the low nibble: decode both halves, interleave the rows
-                offs_h = tl.arange(0, BLOCK_K // 2)
-                h_ok = offs_h * 2 < kleft
-                q = tl.load(w_base + rows[None, :] * stride_wn + (k0 // 2 + offs_h)[:, None],
-                            mask=h_ok[:, None] & n_ok[None, :], other=0).to(tl.int32)  # [BK/2, BN]
-                lo = q & 15
-                hi = q >> 4
-                if FMT == 5:
-                    vlo = tl.load(lut_ptr + lo) * s
-                    vhi = tl.load(lut_ptr + hi) * s
-                elif FMT == 3:
-                    vlo = (lo.to(tl.float32) - 8.0) * s
-                    vhi = (hi.to(tl.float32) - 8.0) * s
-                else:
-                    m = tl.load(m_base + rows * stride_sn + k0 // GS, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                    vlo = lo.to(tl.float32) * s + m
-                    vhi = hi.to(tl.float32) * s + m
-                w = tl.reshape(tl.permute(tl.join(vlo, vhi), (0, 2, 1)), (BLOCK_K, BLOCK_N))
+        elif FMT == 1 or FMT == 2:  # a byte a weight: the int8 value, or e4m3 bits through the table
+            if PER_ROW:
+                s = tl.load(s_base + rows * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            else:  # a tile may span several groups: each element's own scale
+                s = tl.load(s_base + rows[None, :] * stride_sn + ((k0 + offs_k) // GS)[:, None], mask=mask,
+                            other=0.0).to(tl.float32)
+            q = tl.load(w_base + rows[None, :] * stride_wn + (k0 + offs_k)[:, None], mask=mask, other=0)
+            v = q.to(tl.float32) if FMT == 1 else tl.load(lut_ptr + q.to(tl.int32))
+            w = v * s
+        else:  # two codes a byte, column 2i in the low nibble: decode both halves, interleave the rows
+            offs_h = tl.arange(0, BLOCK_K // 2)
+            h_mask = (offs_h * 2 < kleft)[:, None] & n_ok[None, :]
+            q = tl.load(w_base + rows[None, :] * stride_wn + (k0 // 2 + offs_h)[:, None], mask=h_mask,
+                        other=0).to(tl.int32)  # [BK/2, BN]
+            g = ((k0 + 2 * offs_h) // GS)[:, None]  # columns 2i and 2i + 1 share a group (GS is even)
+            s = tl.load(s_base + rows[None, :] * stride_sn + g, mask=h_mask, other=0.0).to(tl.float32)
+            lo = q & 15
+            hi = q >> 4
+            if FMT == 5:
+                vlo = tl.load(lut_ptr + lo) * s
+                vhi = tl.load(lut_ptr + hi) * s
+            elif FMT == 3:
+                vlo = (lo.to(tl.float32) - 8.0) * s
+                vhi = (hi.to(tl.float32) - 8.0) * s
+            else:
+                m = tl.load(m_base + rows[None, :] * stride_sn + g, mask=h_mask, other=0.0).to(tl.float32)
+                vlo = lo.to(tl.float32) * s + m
+                vhi = hi.to(tl.float32) * s + m
+            w = tl.reshape(tl.permute(tl.join(vlo, vhi), (0, 2, 1)), (BLOCK_K, BLOCK_N))
         return w
 
     @triton.jit
@@ -93,7 +100,7 @@ if triton is not None:
                       scale_ptr, N, K, A, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                       TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr,
                       SCALE: tl.constexpr, MAPPED: tl.constexpr, FMT: tl.constexpr, GS: tl.constexpr,
-                      W_T: tl.constexpr, S_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PER_ROW: tl.constexpr, W_T: tl.constexpr, S_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -123,11 +130,11 @@ if triton is not None:
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             w = _weight_tile(w_base, s_base, m_base, lut_ptr, rows, n_ok, k0, K - k0, offs_k, stride_wn, stride_sn,
-                             FMT, GS, BLOCK_K, BLOCK_N)
+                             FMT, GS, PER_ROW, BLOCK_K, BLOCK_N)
             acc = tl.dot(a, w.to(a.dtype), acc)
             if GATED:  # the up rows sit N rows below the gate rows of w13
                 wu = _weight_tile(w_base, s_base, m_base, lut_ptr, rows + N, n_ok, k0, K - k0, offs_k, stride_wn,
-                                  stride_sn, FMT, GS, BLOCK_K, BLOCK_N)
+                                  stride_sn, FMT, GS, PER_ROW, BLOCK_K, BLOCK_N)
                 acc_up = tl.dot(a, wu.to(a.dtype), acc_up)
             a_ptrs += BLOCK_K
         if GATED:
@@ -357,17 +364,20 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
     grid1 = (m_pad // BM, triton.cdiv(I, BN))
     _grouped_gemm[grid1](x, out_ptr=h, rows_ptr=rows, block_expert_ptr=block_expert, used_ptr=used, scale_ptr=scale,
                          N=I, K=H, A=A, stride_am=x.stride(0), stride_om=h.stride(0), TOP_K=k, A_BY_TOKEN=True,
-                         GATED=True, SCALE=False, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=_block_k(BK, a13, H), **a13)
+                         GATED=True, SCALE=False, BLOCK_M=BM, BLOCK_N=BN, **_tiles(BK, a13, H), **a13)
     grid2 = (m_pad // BM, triton.cdiv(H, BN))
     _grouped_gemm[grid2](h, out_ptr=y, rows_ptr=rows, block_expert_ptr=block_expert, used_ptr=used, scale_ptr=scale,
                          N=H, K=I, A=A, stride_am=h.stride(0), stride_om=y.stride(0), TOP_K=k, A_BY_TOKEN=False,
-                         GATED=False, SCALE=True, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=_block_k(BK, a2, I), **a2)
+                         GATED=False, SCALE=True, BLOCK_M=BM, BLOCK_N=BN, **_tiles(BK, a2, I), **a2)
     return y[inv]
 
 
-def _block_k(bk: int, args: dict, K: int) -> int:
-    # a tile of a grouped format must not straddle two groups (per-row scales: GS = K, no limit)
-    return bk if args["FMT"] == 0 or args["GS"] >= K else min(bk, args["GS"])
+def _tiles(bk: int, args: dict, K: int) -> dict:
+    """BLOCK_K and warps per format: packed tiles span twice the columns (as many bytes in flight per step
+    as a dense tile: reads in place over PCIe are latency-bound) on twice the warps (their fp32 decode)."""
+    if args["FMT"] == 0:
+        return dict(BLOCK_K=bk, PER_ROW=True)
+    return dict(BLOCK_K=min(2 * bk, 256), PER_ROW=args["GS"] >= K, num_warps=8)
 
 
 def sum_rows(rows: torch.Tensor, k: int) -> torch.Tensor:

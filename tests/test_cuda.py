@@ -330,3 +330,26 @@ def test_packed_experts_resident_and_offloaded(scheme, group, tmp_path_factory):
     assert placed.stats.expert_misses > 0
     assert token_ids(off_out) == token_ids(res_out)
     assert all(torch.equal(a, b) for a, b in zip(res, got))
+
+
+def test_packed_dense_layers_streamed_equal_resident(tmp_path_factory):
+    """A quantized store's streamed layers cross PCIe packed and are dequantized on the device: the same
+    bits as the resident packed run."""
+    from test_models_hf import build
+
+    from ferrylm.weights.convert import ConvertOptions, convert
+
+    path, _ = build(tmp_path_factory, "llama3")
+    store = str(tmp_path_factory.mktemp("packed-dense") / "s")
+    convert(path, store, ConvertOptions(quant="int8"))
+    p = [[5, 17, 42, 99, 3, 200, 7], [1, 2, 3]]
+    kw = dict(device="cuda", dtype="bfloat16", enforce_eager=True)
+    out, ref = sampled_rows(LLM(store, **kw), p, 10)
+    llm = LLM(store, place=("layers.1=cpu",), **kw)
+    placed = llm.engine.runner.placed
+    assert placed.streamer is not None
+    got_out, got = sampled_rows(llm, p, 10)
+    print(f"packed streamed layers: {placed.stats}")
+    assert placed.stats.h2d_bytes > 0
+    assert token_ids(got_out) == token_ids(out)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))

@@ -87,3 +87,24 @@ def test_random_source_hands_out_packed_experts():
         assert bank.packed[0].fmt == scheme and bank.packed[0].shape == (4, 384, 128)
         w13, w2 = bank.expert_weights(1)
         assert 0.01 < w13.float().std().item() < 0.04 and 0.01 < w2.float().std().item() < 0.04
+
+
+def test_placement_counts_packed_linear_weights_at_their_packed_size(tmp_path_factory):
+    from test_models_hf import build
+
+    from ferrylm.config import ModelConfig
+    from ferrylm.models.registry import model_class
+    from ferrylm.offload.placement import group_tensors
+
+    path, _ = build(tmp_path_factory, "llama3")
+    store = str(tmp_path_factory.mktemp("store-int4") / "s")
+    convert(path, store, ConvertOptions(quant="int4", group_size=32))
+    src = open_source(store)
+    cfg = ModelConfig.from_hf(src.config)
+    with torch.device("meta"):
+        dense, packed = model_class(cfg)(cfg), model_class(cfg)(cfg)
+    assert packed.note_packed_linears(src) > 0
+    by = {g.name: g.nbytes for g in group_tensors(dense)}
+    for g in group_tensors(packed):
+        if g.kind in ("attention", "mlp"):
+            assert g.nbytes < by[g.name] * 0.4, g.name  # int4 codes + fp16 scales of fp32 weights

@@ -96,6 +96,8 @@ class ModelRunner:
             packed = self.model.pack_experts(source)  # the fused kernel reads them packed: placed at that size
             if packed:
                 log.info("experts kept packed in %d banks (read by the fused MoE kernel)", len(packed))
+        if self.device.type == "cuda":  # packed Linear weights are placed (and streamed) at their packed size
+            self.model.note_packed_linears(source)
         placement, kv_bytes = self._place()
         self.placed = PlacedWeights(self.model, placement, self.device, config.offload.expert_cache_policy,
                                     config.offload.expert_profile, config.offload.stream_buffers,

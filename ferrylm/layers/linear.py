@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrylm.layers.params import device_for, replace, writable
+from ferrylm.layers.params import device_for, placed_empty, replace, writable
 from ferrylm.layers.qmatmul import QuantKernel
 from ferrylm.weights.quant import QuantizedTensor
 
@@ -30,6 +30,8 @@ class Linear(nn.Module):
         """shard id -> (first row, rows) of a fused weight, e.g. {"q": (0, 576), "k": (576, 192), ...}."""
         self.qweight: dict[str | None, QuantizedTensor] = {}
         """Quantized weight pieces by shard id (None: the whole weight); kept only if they cover all rows."""
+        self.packed_nbytes: int | None = None
+        """Bytes the weight will keep packed (noted before placement from a quantized source)."""
         self.kernels: list[QuantKernel] = []
         """Matmul kernels over `qweight` in row order (one when the pieces concatenate), built at load."""
 
@@ -51,7 +53,7 @@ class Linear(nn.Module):
         rows = self.shards[shard][1] if shard is not None else self.out_features
         if tuple(qt.shape) != (rows, self.in_features):
             raise ValueError(f"shape {tuple(qt.shape)} does not fit {(rows, self.in_features)}")
-        self.qweight[shard] = qt.to(device_for(self, "weight"), copy=True)  # owned memory, not a view of the file
+        self.qweight[shard] = _placed(self, qt)  # owned memory where the weight is placed, not a view of the file
 
     def finish_load(self) -> None:
         """Called once every checkpoint tensor is in: quantized compute if the pieces cover all rows."""
@@ -63,13 +65,17 @@ class Linear(nn.Module):
             self.qweight = {s: self.qweight[s] for s in order}  # row order, as forward concatenates them
             pieces = list(self.qweight.values())
             if len(pieces) > 1 and all(p.row_wise for p in pieces) and len({(p.scheme, str(p.params)) for p in pieces}) == 1:
-                pieces = [QuantizedTensor.cat(pieces)]
+                pieces = [_placed(self, QuantizedTensor.cat(pieces))]
             self.kernels = [QuantKernel.for_tensor(p) for p in pieces]
             replace(self, "weight", torch.empty(0, dtype=self.weight.dtype, device=device_for(self, "weight")))
             return
         pieces, self.qweight = self.qweight, {}
         for shard, qt in pieces.items():
             self.load("weight", qt.dequantize(self.weight.dtype), shard)
+
+    def packed_parts(self) -> list[tuple[QuantizedTensor, str]]:
+        """(tensor, part name) of every packed part the kernels read (a layer streamer re-points them)."""
+        return [(k.qt, name) for k in self.kernels for name in k.qt.parts]
 
     def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight as a dense [out, in] tensor (dequantized when held quantized)."""
@@ -84,3 +90,12 @@ class Linear(nn.Module):
             out = self.kernels[0](x) if len(self.kernels) == 1 else torch.cat([k(x) for k in self.kernels], dim=-1)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
+
+
+def _placed(module: nn.Module, qt: QuantizedTensor) -> QuantizedTensor:
+    """A copy of `qt` whose parts lie where `module.weight` is placed (device, or the pinned host tier)."""
+    parts = {}
+    for k, v in qt.parts.items():
+        parts[k] = placed_empty(module, "weight", v.shape, v.dtype)
+        parts[k].copy_(v)
+    return QuantizedTensor(qt.scheme, qt.shape, parts, dict(qt.params), qt.dtype)

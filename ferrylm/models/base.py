@@ -167,6 +167,25 @@ class CausalLM(nn.Module):
             return None
         return bank if isinstance(bank, Experts) and bank.packing else None
 
+    def note_packed_linears(self, source) -> int:
+        """Record on each Linear the bytes its weight will keep packed (`packed_nbytes`), so placement sizes
+        it at that, not at its dense shape. Returns how many checkpoint tensors stay packed."""
+        get_quantized = getattr(source, "get_quantized", None)
+        if get_quantized is None:
+            return 0
+        params = dict(self.named_parameters())
+        n = 0
+        for name in source.keys():
+            qt = self._quantized_for_linear(name, get_quantized(name), params)
+            if qt is None:
+                continue
+            m = _SHARD.match(name)
+            mod = self.get_submodule(name[: -len(".weight")] if name in params else
+                                     f"{m[1]}.{'qkv_proj' if m[2] in 'qkv' else 'gate_up_proj'}")
+            mod.packed_nbytes = (mod.packed_nbytes or 0) + qt.nbytes
+            n += 1
+        return n
+
     def pack_experts(self, source) -> list[str]:
         """Let expert banks keep a quantized source's experts packed (the fused kernel reads them): a bank
         packs when its first expert's gate/up/down are all stored in one format the kernel reads; its

@@ -99,23 +99,29 @@ class PlacedWeights:
         return self.target if self._tier(module, attr) == GPU else torch.device("cpu")
 
     def allocate_like(self, module: nn.Module, attr: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        p = getattr(module, attr)
+        if not p.is_meta:  # already materialised (a weight written densely, then a packed piece): beside it
+            return torch.empty(shape, dtype=dtype, device=p.device)
         if self._tier(module, attr) == GPU:
             return torch.empty(shape, dtype=dtype, device=self.device)
+        name = self.name_of[id(p)]
+        if ".layers." not in f".{name}":
+            return torch.empty(shape, dtype=dtype)  # embeddings and head on the host: looked up, never copied
         return self.host.empty(shape, dtype)
 
     def allocate(self, module: nn.Module, attr: str) -> torch.Tensor:
         p = getattr(module, attr)
-        if self._tier(module, attr) == GPU:
-            return torch.empty(p.shape, dtype=p.dtype, device=self.device)
-        name = self.name_of[id(p)]
-        if isinstance(module, nn.Embedding) or ".layers." not in f".{name}":
-            return torch.empty(p.shape, dtype=p.dtype)  # looked up on the host: no need to pin
-        return self.host.empty(p.shape, p.dtype)
+        if isinstance(module, nn.Embedding):
+            return torch.empty(p.shape, dtype=p.dtype, device=self.placed_device(module, attr))
+        return self.allocate_like(module, attr, p.shape, p.dtype)
 
     # -- after loading --------------------------------------------------------------------------------
 
     def finish(self) -> None:
         from ferrylm.layers.fused_moe import FusedExperts
+
+        from ferrylm.layers.linear import Linear
+        from ferrylm.layers.qmatmul import QuantKernel
 
         streamed: dict[int, list] = {}
         for name, p in self.model.named_parameters():
@@ -125,7 +131,12 @@ class PlacedWeights:
             if isinstance(mod, Experts):
                 continue
             layer = int(name.split(".")[2])
-            streamed.setdefault(layer, []).append((p, p.data))
+            streamed.setdefault(layer, []).append((lambda v, p=p: setattr(p, "data", v), p.data))
+            if isinstance(mod, Linear) and name.endswith(".weight") and mod.kernels and self.device.type == "cuda":
+                # packed weight of a streamed layer: its parts cross PCIe packed, the device dequantizes
+                mod.kernels = [QuantKernel.for_tensor(k.qt, reference=True) for k in mod.kernels]
+                for qt, part in mod.packed_parts():
+                    streamed[layer].append((lambda v, qt=qt, part=part: qt.parts.__setitem__(part, v), qt.parts[part]))
         if streamed:
             self.streamer = LayerStreamer(streamed, self.stream_buffers, self.device, self.copy_stream, self.stats)
         from ferrylm.offload import expert_profile

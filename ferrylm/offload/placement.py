@@ -81,7 +81,9 @@ def group_tensors(model: nn.Module) -> list[TensorGroup]:
             kind = "router"
         else:
             kind = "mlp"
-        plain.setdefault((kind, layer), []).append((pname, _bytes(p)))
+        owner = model.get_submodule(mod) if mod else model
+        packed = getattr(owner, "packed_nbytes", None) if pname.endswith(".weight") else None
+        plain.setdefault((kind, layer), []).append((pname, packed or _bytes(p)))
     tied = getattr(model, "tied", False)
     for (kind, layer), ps in plain.items():
         if tied and kind == "embed":

@@ -21,9 +21,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class LayerStreamer:
-    def __init__(self, layers: dict[int, list[tuple[torch.nn.Parameter, torch.Tensor]]], num_buffers: int,
+    def __init__(self, layers: dict[int, list[tuple[object, torch.Tensor]]], num_buffers: int,
                  device: torch.device, copy_stream, stats):
-        """layers: layer index -> [(parameter, its host copy)]; the parameters are re-pointed into buffers."""
+        """layers: layer index -> [(point, host tensor)]: `point(view)` re-points whatever held the host tensor
+        (a parameter's data, a packed weight's part) at its view in the layer's device buffer."""
         self.order = sorted(layers)
         self.rank = {layer: r for r, layer in enumerate(self.order)}
         self.host = layers
@@ -35,9 +36,9 @@ class LayerStreamer:
         self.targets: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for layer in self.order:
             buf, off, pairs = self.buffers[self.rank[layer] % n], 0, []
-            for p, h in layers[layer]:
+            for point, h in layers[layer]:
                 view = buf[off:off + _nbytes(h)].view(h.dtype).view(h.shape)
-                p.data = view
+                point(view)
                 pairs.append((view, h))
                 off += (_nbytes(h) + ALIGN - 1) // ALIGN * ALIGN
             self.targets[layer] = pairs

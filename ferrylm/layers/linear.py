@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrylm.layers.params import device_for, placed_empty, replace, writable
+from ferrylm.layers.params import compute_device, device_for, placed_empty, replace, writable
 from ferrylm.layers.qmatmul import QuantKernel
 from ferrylm.weights.quant import QuantizedTensor
 
@@ -66,7 +66,10 @@ class Linear(nn.Module):
             pieces = list(self.qweight.values())
             if len(pieces) > 1 and all(p.row_wise for p in pieces) and len({(p.scheme, str(p.params)) for p in pieces}) == 1:
                 pieces = [_placed(self, QuantizedTensor.cat(pieces))]
-            self.kernels = [QuantKernel.for_tensor(p) for p in pieces]
+            # on a GPU engine, pieces in host memory belong to a streamed layer: its copies land on the
+            # device, so the kernel is the device's (the host's packed layouts would never see them)
+            streamed = device_for(self, "weight").type == "cpu" and compute_device().type != "cpu"
+            self.kernels = [QuantKernel.for_tensor(p, reference=streamed) for p in pieces]
             replace(self, "weight", torch.empty(0, dtype=self.weight.dtype, device=device_for(self, "weight")))
             return
         pieces, self.qweight = self.qweight, {}

@@ -84,3 +84,8 @@ def placed_empty(module: nn.Module, attr: str, shape, dtype: torch.dtype) -> tor
     if _allocator is None:
         return torch.empty(shape, dtype=dtype)
     return _allocator.allocate_like(module, attr, shape, dtype)
+
+
+def compute_device() -> torch.device:
+    """The device the loading engine computes on (the allocator's; CPU without one)."""
+    return getattr(_allocator, "device", None) or torch.device("cpu")

@@ -121,7 +121,6 @@ class PlacedWeights:
         from ferrylm.layers.fused_moe import FusedExperts
 
         from ferrylm.layers.linear import Linear
-        from ferrylm.layers.qmatmul import QuantKernel
 
         streamed: dict[int, list] = {}
         for name, p in self.model.named_parameters():
@@ -133,8 +132,8 @@ class PlacedWeights:
             layer = int(name.split(".")[2])
             streamed.setdefault(layer, []).append((lambda v, p=p: setattr(p, "data", v), p.data))
             if isinstance(mod, Linear) and name.endswith(".weight") and mod.kernels and self.device.type == "cuda":
-                # packed weight of a streamed layer: its parts cross PCIe packed, the device dequantizes
-                mod.kernels = [QuantKernel.for_tensor(k.qt, reference=True) for k in mod.kernels]
+                # packed weight of a streamed layer (its kernels are the device's reference ones, see
+                # Linear.finish_load): the parts cross PCIe packed, the device dequantizes
                 for qt, part in mod.packed_parts():
                     streamed[layer].append((lambda v, qt=qt, part=part: qt.parts.__setitem__(part, v), qt.parts[part]))
         if streamed:

@@ -1,0 +1,167 @@
+"""Triton paged attention (`layers/triton_attention.py`) against the plain torch path, on random paged caches:
+scattered block tables, ragged lengths, decode rows beside prefill chunks with cached prefixes, GQA 1/4/8,
+sliding windows, head_dim 64/128, fp32 and bf16, V narrower than K, MLA latent values, fp8/int8 caches.
+
+The kernel tests need CUDA or the Triton interpreter (`TRITON_INTERPRET=1` with triton installed) and are
+skipped otherwise; the quantization round trip runs everywhere."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from ferrylm.kv.cache import KVCache, dequantize, quantize
+from ferrylm.layers.attention import PagedAttention
+from ferrylm.layers.context import ForwardContext, forward_context
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(not HAVE_TRITON or not (torch.cuda.is_available() or INTERPRET),
+                                  reason="needs triton and CUDA, or TRITON_INTERPRET=1")
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def paged_step(starts, news, Hq, Hk, D, page=16, dtype=torch.float32, kv_dtype=None, Dv=None, seed=0,
+               pad_blocks=0):
+    """A cache holding random K/V for each sequence's first `starts[i]` tokens, in blocks scattered over
+    the pool, and this step's q/k/v for `news[i]` new tokens each (decode rows, news == 1, first)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [s + n for s, n in zip(starts, news)]
+    need = [-(-L // page) for L in lens]
+    num_blocks = 2 * sum(need) + 3  # holes: half the pool is never used
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at:at + n])
+        at += n
+    width = max(need) + pad_blocks
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=DEVICE)
+    dv = D if Dv is None else Dv
+    kv = KVCache(1, num_blocks, page, Hk, D, dtype, DEVICE, v_head_dim=Dv, kv_dtype=kv_dtype)
+
+    def slots(i, positions):
+        return [tables[i][p // page] * page + p % page for p in positions]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+    pre = [s for i, st in enumerate(starts) for s in slots(i, range(st))]
+    if pre:
+        kv.write(0, torch.tensor(pre, device=DEVICE), rand(len(pre), Hk, D), rand(len(pre), Hk, dv))
+    T = sum(news)
+    q, k, v = rand(T, Hq, D), rand(T, Hk, D), rand(T, Hk, dv)
+    qsl = [0]
+    for n in news:
+        qsl.append(qsl[-1] + n)
+    nd = next((i for i, n in enumerate(news) if n != 1), len(news))
+    step = [s for i, (st, L) in enumerate(zip(starts, lens)) for s in slots(i, range(st, L))]
+    ctx = ForwardContext(query_start_loc=qsl, start_pos=list(starts), seq_lens=lens,
+                         slot_mapping=torch.tensor(step, dtype=torch.long, device=DEVICE), block_tables=bt,
+                         num_decodes=nd, kv_cache=kv,
+                         decode_seq_lens=torch.tensor(lens[:nd], dtype=torch.long, device=DEVICE) if nd else None,
+                         decode_max_len=max(lens[:nd], default=0))
+    return q, k, v, ctx
+
+
+def run(attn, backend, q, k, v, ctx):
+    attn.backend = backend
+    ctx._masks.clear()
+    with forward_context(ctx):
+        return attn(q, k, v).float()
+
+
+def compare(attn, q, k, v, ctx):
+    ref = run(attn, "torch", q, k, v, ctx)
+    got = run(attn, "triton", q, k, v, ctx)
+    return (ref - got).abs().max().item(), ref.abs().max().item()
+
+
+TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2}
+# decode rows (ragged contexts) then a chunk after a cached prefix, a fresh prompt and a 1-block chunk
+STARTS, NEWS = [37, 5, 90, 16, 0, 3], [1, 1, 1, 21, 40, 14]
+
+
+@needs_triton
+@pytest.mark.parametrize("Hq,Hk", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_torch(Hq, Hk, D, window, dtype):
+    q, k, v, ctx = paged_step(STARTS, NEWS, Hq, Hk, D, page=16, dtype=dtype, seed=D + Hq + Hk)
+    attn = PagedAttention(0, Hq, Hk, D, D ** -0.5, sliding_window=window)
+    diff, ref = compare(attn, q, k, v, ctx)
+    print(f"triton vs torch Hq={Hq} Hk={Hk} D={D} window={window} {dtype}: max |diff| = {diff:.2e} (|ref| {ref:.2f})")
+    assert diff < TOL[dtype]
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_split_decode_long_context(splits):
+    """Flash-decoding splits (and a padded CUDA-graph-style table: extra blocks, max_len a bucket bound)."""
+    from ferrylm.layers import triton_attention
+
+    q, k, v, ctx = paged_step([700, 129, 1, 300], [1, 1, 1, 1], 8, 2, 64, page=8, seed=splits, pad_blocks=5)
+    attn = PagedAttention(0, 8, 2, 64, 0.125, sliding_window=None if splits != 3 else 100)
+    ref = run(attn, "torch", q, k, v, ctx)
+    kc, vc = ctx.kv_cache.layer(0)
+    got = triton_attention.paged_decode(q, kc, vc, ctx.block_tables, ctx.decode_seq_lens, 0.125,
+                                        ctx.block_tables.shape[1] * 8, window=attn.window, splits=splits)
+    diff = (ref - got.flatten(1).float()).abs().max().item()
+    print(f"split decode, {splits} splits: max |diff| = {diff:.2e}")
+    assert diff < 2e-4
+
+
+@needs_triton
+@pytest.mark.parametrize("page", [1, 5, 32])
+def test_odd_block_sizes(page):
+    q, k, v, ctx = paged_step(STARTS, NEWS, 8, 2, 64, page=page, seed=page)
+    diff, _ = compare(PagedAttention(0, 8, 2, 64, 0.125), q, k, v, ctx)
+    print(f"block size {page}: max |diff| = {diff:.2e}")
+    assert diff < 2e-4
+
+
+@needs_triton
+def test_narrow_values_and_mla_latent():
+    q, k, v, ctx = paged_step(STARTS, NEWS, 4, 2, 96, Dv=64, seed=11)  # v_head_dim 64 < head_dim 96
+    diff, _ = compare(PagedAttention(0, 4, 2, 96, 96 ** -0.5), q, k, v, ctx)
+    print(f"v_head_dim 64 < 96: max |diff| = {diff:.2e}")
+    assert diff < 2e-4
+    # MLA: one cached row per token (latent 64 + rope 16), values = its first 64 features, 20 query heads
+    q, k, v, ctx = paged_step(STARTS, NEWS, 20, 1, 80, Dv=0, seed=12)
+    attn = PagedAttention(0, 20, 1, 80, 0.1, latent_values=64)
+    diff, _ = compare(attn, q, k, v, ctx)
+    print(f"MLA latent values: max |diff| = {diff:.2e}")
+    assert diff < 2e-4
+
+
+@needs_triton
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+@pytest.mark.parametrize("window", [None, 24])
+def test_quantized_cache_kernel_matches_torch(kv, window):
+    """The kernels read fp8/int8 codes and scales directly; the torch path dequantizes as it gathers."""
+    q, k, v, ctx = paged_step(STARTS, NEWS, 8, 2, 64, dtype=torch.bfloat16, kv_dtype=KV_DTYPES[kv], seed=21)
+    diff, ref = compare(PagedAttention(0, 8, 2, 64, 0.125, sliding_window=window), q, k, v, ctx)
+    print(f"{kv} cache, window {window}: triton vs torch max |diff| = {diff:.2e}")
+    assert diff < 3e-2
+
+
+@pytest.mark.parametrize("kv,bound,drift_bound", [("fp8", 0.07, 0.25), ("int8", 0.005, 0.06)])
+def test_kv_quantization_round_trip_and_drift(kv, bound, drift_bound):
+    """Codes x per-(token, head) scale reproduce the row within the format's step, and attention over a
+    quantized cache stays close to the bf16 one (torch path, so this runs on CPU)."""
+    x = torch.randn(50, 4, 64) * torch.logspace(-2, 2, 50)[:, None, None]  # rows of very different sizes
+    codes, s = quantize(x, KV_DTYPES[kv])
+    back = dequantize(codes, s, torch.float32)
+    rel = ((back - x).abs().amax(-1) / x.abs().amax(-1)).max().item()
+    print(f"{kv} round trip: worst error / row absmax = {rel:.4f}")
+    assert rel < bound
+    outs = {}
+    for name in ("bf16", kv):
+        q, k, v, ctx = paged_step(STARTS, NEWS, 8, 2, 64, page=16, dtype=torch.bfloat16, seed=3,
+                                  kv_dtype=KV_DTYPES.get(name))
+        outs[name] = run(PagedAttention(0, 8, 2, 64, 0.125), "torch", q, k, v, ctx)
+    drift = (outs[kv] - outs["bf16"]).abs().max().item()
+    print(f"{kv} vs bf16 cache, attention output: max |diff| = {drift:.3e}")
+    assert drift < drift_bound

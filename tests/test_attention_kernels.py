@@ -165,3 +165,85 @@ def test_kv_quantization_round_trip_and_drift(kv, bound, drift_bound):
     drift = (outs[kv] - outs["bf16"]).abs().max().item()
     print(f"{kv} vs bf16 cache, attention output: max |diff| = {drift:.3e}")
     assert drift < drift_bound
+
+
+def _greedy_rows(llm, prompts, steps):
+    from ferrylm import SamplingParams
+    from helpers import capture_logits
+
+    with capture_logits(llm.engine) as got:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+    rows: dict[int, list] = {}
+    for sid, r in got:
+        rows.setdefault(sid, []).append(r.float().cpu())
+    return [o.outputs[0].token_ids for o in outs], [torch.stack(rows[s]) for s in sorted(rows)]
+
+
+@needs_triton
+def test_tiny_llama_triton_backend_equals_torch(tiny_llama):
+    """The whole engine with each backend: chunked prefill (small token budget), prefix-cache hits (shared
+    prompt heads), decode batches of ragged lengths, small blocks."""
+    from ferrylm import LLM
+
+    g = torch.Generator().manual_seed(9)
+    head = torch.randint(0, 256, (24,), generator=g).tolist()
+    prompts = [head + torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 30, 2)] + [[7, 8, 9]]
+    kw = dict(device=DEVICE, dtype="float32", block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
+              enforce_eager=True)
+    results = {}
+    for b in ("torch", "triton"):
+        llm = LLM(tiny_llama, attention_backend=b, **kw)
+        first = _greedy_rows(llm, prompts[:1], 6)  # the shared head is cached by the time the rest arrive
+        rest = _greedy_rows(llm, prompts[1:], 6)
+        assert llm.engine.scheduler.block_manager.prefix_hits > 0
+        results[b] = first[0] + rest[0], first[1] + rest[1]
+    (ids_t, rows_t), (ids_k, rows_k) = results["torch"], results["triton"]
+    worst = max((a - b).abs().max().item() for a, b in zip(rows_t, rows_k))
+    print(f"tiny llama, triton vs torch attention: max |logit diff| = {worst:.2e}")
+    assert worst < 1e-4
+    assert ids_t == ids_k
+
+
+def test_backend_knob_rejects_unknown_and_unavailable():
+    from ferrylm.config import EngineConfig
+    from ferrylm.errors import ConfigError
+    from ferrylm.layers.attention import resolve_backend
+
+    with pytest.raises(ConfigError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
+    assert resolve_backend("torch", torch.device("cpu")) == "torch"
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"  # auto is Triton only on CUDA
+    if not (HAVE_TRITON and INTERPRET):
+        with pytest.raises(ConfigError, match="triton"):
+            resolve_backend("triton", torch.device("cpu"))
+
+
+def kv_drift(path, kv, device, dtype, **kw):
+    """Greedy logits with a `kv` cache against the model-dtype cache, compared on the steps whose inputs
+    agree (up to and including the first differing pick). -> (max |diff|, max |logit|, steps compared)."""
+    from ferrylm import LLM
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 7, 90)]
+    base = dict(device=device, dtype=dtype, block_size=8, max_num_batched_tokens=32, max_num_seqs=4, **kw)
+    ids_a, rows_a = _greedy_rows(LLM(path, **base), prompts, 12)
+    ids_b, rows_b = _greedy_rows(LLM(path, kv_cache_dtype=kv, **base), prompts, 12)
+    worst = top = 0.0
+    n = 0
+    for ia, ib, ra, rb in zip(ids_a, ids_b, rows_a, rows_b):
+        same = next((j for j, (x, y) in enumerate(zip(ia, ib)) if x != y), len(ia))
+        k = min(same + 1, len(ia))
+        worst = max(worst, (ra[:k] - rb[:k]).abs().max().item())
+        top = max(top, ra[:k].abs().max().item())
+        n += k
+    return worst, top, n
+
+
+@pytest.mark.parametrize("kv,bound", [("fp8", 0.15), ("int8", 0.02)])
+def test_quantized_kv_logits_drift_cpu(tiny_llama, kv, bound):
+    """The engine end to end on a quantized cache (torch path): chunked prefill reads earlier chunks back
+    as codes, decode reads every past token as codes. Drift stated relative to the largest logit."""
+    worst, top, n = kv_drift(tiny_llama, kv, "cpu", "float32")
+    print(f"{kv} KV vs fp32 KV, tiny llama on CPU: max |logit diff| = {worst:.3e} (max |logit| {top:.2f}, "
+          f"{n} steps)")
+    assert 0 < worst < bound * top

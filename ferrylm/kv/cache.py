@@ -31,6 +31,15 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (codes.float() * scale[..., None]).to(dtype)
 
 
+def gather(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[blocks] as `dtype`, dequantized when `scale` is given: [n, bs, Hk, D] for blocks [n].
+    The plain attention path's read of a layer's K or V (`KVCache.layer`, `KVCache.scales`)."""
+    if scale is None:
+        return cache.index_select(0, blocks)
+    codes = cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype)  # no float8 index_select everywhere
+    return dequantize(codes, scale.index_select(0, blocks), dtype)
+
+
 class KVCache:
     """K and V for L layers, each [num_blocks + 1, block_size, kv_heads, head_dim] (V may be narrower:
     `v_head_dim`, 0 for MLA, whose K row is the compressed latent + rope key and holds the values too).
@@ -49,8 +58,6 @@ class KVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device | str, v_head_dim: int | None = None,
                  kv_dtype: torch.dtype | None = None):
         shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
-        self.dtype = dtype
-        """The model's activation dtype: what reads of a quantized cache dequantize to."""
         self.kv_dtype = kv_dtype or dtype
         self.quantized = self.kv_dtype in QMAX
         # Zeroed, not empty: batched decode reads whole blocks and masks the unwritten tail, and a masked
@@ -110,12 +117,6 @@ class KVCache:
         cache.view(torch.uint8).view(-1, *x.shape[1:]).index_copy_(0, slots, codes.view(torch.uint8))
         scale.view(-1, x.shape[1]).index_copy_(0, slots, s)
 
-    def gather(self, cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
-        """cache[blocks] as `self.dtype` (dequantized): [n, bs, Hk, D] for blocks [n]. The plain path's read."""
-        if scale is None:
-            return cache.index_select(0, blocks)
-        codes = cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype)
-        return dequantize(codes, scale.index_select(0, blocks), self.dtype)
 
 
 class SequenceStatePool:

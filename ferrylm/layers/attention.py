@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferrylm.errors import ConfigError
+from ferrylm.kv.cache import gather
 from ferrylm.layers import triton_attention
 from ferrylm.layers.context import get_forward_context
 
@@ -62,21 +63,19 @@ class PagedAttention(nn.Module):
         if self.backend == "triton":
             self._triton(q, out, k_cache, v_cache, k_scale, v_scale, ctx)
             return out.flatten(1)
-        gather = ctx.kv_cache.gather
         nd = ctx.num_decodes
         W, bs = self.window, k_cache.shape[1]
         for a, b, max_len in ctx.decode_groups or ([(0, nd, ctx.decode_max_len)] if nd else []):
             # blocks wholly before every row's window are not read (a padded decode has no host lengths)
             first = 0 if W is None or ctx.padded_decode else max(0, min(ctx.seq_lens[a:b]) - W) // bs
-            out[a:b] = self._decode(q[a:b], gather, k_cache, v_cache, k_scale, v_scale, ctx.block_tables[a:b],
-                                    ctx.decode_seq_lens[a:b], max_len, ctx.padded_decode, first)
+            out[a:b] = self._decode(q[a:b], k_cache, v_cache, ctx.block_tables[a:b], ctx.decode_seq_lens[a:b],
+                                    max_len, ctx.padded_decode, first, k_scale, v_scale)
         for i in range(nd, ctx.num_seqs):
             a, b = ctx.query_start_loc[i], ctx.query_start_loc[i + 1]
             start, seq_len = ctx.start_pos[i], ctx.seq_lens[i]
             plain = start == 0 and (W is None or seq_len <= W)  # SDPA's own causal mask is exact
-            out[a:b] = self._prefill(q[a:b], k[a:b], v[a:b], gather, k_cache, v_cache, k_scale, v_scale,
-                                     ctx.block_tables[i], start, seq_len,
-                                     None if plain else ctx.prefill_mask(i, q.device, W))
+            out[a:b] = self._prefill(q[a:b], k[a:b], v[a:b], k_cache, v_cache, ctx.block_tables[i], start,
+                                     seq_len, None if plain else ctx.prefill_mask(i, q.device, W), k_scale, v_scale)
         return out.flatten(1)
 
     def _triton(self, q, out, k_cache, v_cache, k_scale, v_scale, ctx) -> None:
@@ -102,19 +101,19 @@ class PagedAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               scale=self.scale, enable_gqa=gqa)
 
-    def _decode(self, q, gather, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, max_len: int,
-                padded: bool, first: int = 0):
+    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, max_len: int, padded: bool, first: int = 0,
+                k_scale=None, v_scale=None):
         # q: [B, H, D]; block_tables: [B, nb]; seq_lens: [B]; keys from block `first` on (sliding window)
         B = q.shape[0]
         bs = k_cache.shape[1]
         nb = (max_len + bs - 1) // bs
         S = max_len - first * bs
         idx = block_tables[:, first:nb].flatten()  # index_select: advanced indexing is ~1000x slower on CPU
-        k = gather(k_cache, k_scale, idx).view(B, (nb - first) * bs, *k_cache.shape[2:])[:, :S]  # [B, S, Hk, D]
+        k = gather(k_cache, k_scale, idx, q.dtype).view(B, (nb - first) * bs, *k_cache.shape[2:])[:, :S]  # [B, S, Hk, D]
         if self.latent_values:
             v = k[..., :self.latent_values]  # [B, S, Hk, Dv]
         else:
-            v = gather(v_cache, v_scale, idx).view(B, (nb - first) * bs, *v_cache.shape[2:])[:, :S]
+            v = gather(v_cache, v_scale, idx, q.dtype).view(B, (nb - first) * bs, *v_cache.shape[2:])[:, :S]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hk, S, D]
         mask = None
         W = self.window
@@ -127,7 +126,7 @@ class PagedAttention(nn.Module):
         o = self._sdpa(q[:, :, None, :], k, v, mask=mask)  # [B, H, 1, D]
         return o[:, :, 0, :]  # [B, H, Dv]
 
-    def _prefill(self, q, k, v, gather, k_cache, v_cache, k_scale, v_scale, block_table, start, seq_len, mask):
+    def _prefill(self, q, k, v, k_cache, v_cache, block_table, start, seq_len, mask, k_scale=None, v_scale=None):
         # q: [n, H, D]; k, v: [n, Hk, D] (this chunk's own keys, already written to the cache); mask: [n, S]
         if start > 0 or k_scale is not None:  # earlier chunks or prefix-cache hits live only in the cache;
             # a quantized cache is read back for the chunk's own keys too (what the decode steps will see)
@@ -136,9 +135,9 @@ class PagedAttention(nn.Module):
             # sliding window: blocks wholly before the first query's window are not read
             first = 0 if self.window is None else max(0, start - self.window + 1) // bs
             bt = block_table[first:nb]
-            k = gather(k_cache, k_scale, bt).flatten(0, 1)[:seq_len - first * bs]  # [S, Hk, D]
+            k = gather(k_cache, k_scale, bt, q.dtype).flatten(0, 1)[:seq_len - first * bs]  # [S, Hk, D]
             if not self.latent_values:
-                v = gather(v_cache, v_scale, bt).flatten(0, 1)[:seq_len - first * bs]
+                v = gather(v_cache, v_scale, bt, q.dtype).flatten(0, 1)[:seq_len - first * bs]
             if mask is not None:
                 mask = mask[:, first * bs:]
         if self.latent_values:

@@ -24,6 +24,7 @@ G = H / Hk, D key features, DV value features, page = tokens per KV block.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -55,10 +56,15 @@ def _p2(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
+@functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
     """Context chunks per sequence so the grid fills the GPU (~4 programs an SM) at small batch and long
     context; each chunk keeps >= 256 tokens so the combine stays cheap. A function of host values only."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sms(device) if device.type == "cuda" else 4
     want = -(-4 * sms // max(1, rows * kv_heads))
     return max(1, min(want, -(-max_len // 256), 64))
 

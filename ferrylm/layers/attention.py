@@ -109,7 +109,8 @@ class PagedAttention(nn.Module):
         nb = (max_len + bs - 1) // bs
         S = max_len - first * bs
         idx = block_tables[:, first:nb].flatten()  # index_select: advanced indexing is ~1000x slower on CPU
-        k = gather(k_cache, k_scale, idx, q.dtype).view(B, (nb - first) * bs, *k_cache.shape[2:])[:, :S]  # [B, S, Hk, D]
+        k = gather(k_cache, k_scale, idx, q.dtype).view(B, (nb - first) * bs, *k_cache.shape[2:])[:, :S]
+        # k: [B, S, Hk, D]
         if self.latent_values:
             v = k[..., :self.latent_values]  # [B, S, Hk, Dv]
         else:

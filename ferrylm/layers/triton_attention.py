@@ -72,6 +72,50 @@ def decode_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) 
 if triton is not None:
 
     @triton.jit
+    def _attend(acc, l_i, m_i, q, n0, hi, pos, window, qk_scale, K, V, KS, VS, BT_ROW, kvh,
+                s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_sb, s_st, s_vsb, s_vst,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                QUANT: tl.constexpr, IEEE: tl.constexpr):
+        """One key tile n0 .. n0 + BLOCK_N (keys >= hi masked) folded into the online softmax of the rows of q
+        ([R, BLOCK_D], query positions `pos` [R]); CAUSAL / WINDOWED add the per-row position masks."""
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        nmask = offs_n < hi
+        blk = tl.load(BT_ROW + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)  # the block of each key
+        tok = offs_n % PAGE
+        k = tl.load(K + (blk * s_kb + tok * s_kt + kvh * s_kh)[:, None] + offs_d[None, :],
+                    mask=nmask[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_N, BLOCK_D]
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [R, BLOCK_N] fp32
+        s = s * qk_scale
+        if QUANT:
+            s = s * tl.load(KS + blk * s_sb + tok * s_st + kvh, mask=nmask, other=0.0)[None, :]
+        ok = nmask[None, :]
+        if CAUSAL:
+            ok = ok & (offs_n[None, :] <= pos[:, None])
+        if WINDOWED:
+            ok = ok & (offs_n[None, :] > pos[:, None] - window)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays empty
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + (blk * s_vb + tok * s_vt + kvh * s_vh)[:, None] + offs_dv[None, :],
+                    mask=nmask[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [BLOCK_N, BLOCK_DV]
+        if QUANT:
+            p = p * tl.load(VS + blk * s_vsb + tok * s_vst + kvh, mask=nmask, other=0.0)[None, :]
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        return acc, l_i, m_new
+
+    @triton.jit
     def _decode_kernel(Q, K, V, KS, VS, BT, LENS, OUT, PART, LSE, sm_scale, window,
                        s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_sb, s_st, s_vsb, s_vst, s_btb,
                        s_ob, s_oh,
@@ -88,7 +132,7 @@ if triton is not None:
         heads = kvh * G + g
         L = tl.load(LENS + b).to(tl.int32)
         lo = 0
-        if WINDOWED:  # the new token at L - 1 sees keys L - W .. L - 1
+        if WINDOWED:  # the new token at L - 1 sees keys L - W .. L - 1: the range is the whole mask
             lo = tl.maximum(L - window, 0)
         chunk = tl.cdiv(tl.cdiv(L - lo, SPLITS), BLOCK_N) * BLOCK_N
         start = lo + split * chunk
@@ -103,33 +147,10 @@ if triton is not None:
         l_i = tl.zeros([HT], tl.float32)
         acc = tl.zeros([HT, BLOCK_DV], tl.float32)
         for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            nmask = offs_n < end
-            blk = tl.load(BT + b * s_btb + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
-            tok = offs_n % PAGE
-            k = tl.load(K + (blk * s_kb + tok * s_kt + kvh * s_kh)[:, None] + offs_d[None, :],
-                        mask=nmask[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_N, BLOCK_D]
-            if IEEE:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [HT, BLOCK_N] fp32
-            s = s * qk_scale
-            if QUANT:
-                s = s * tl.load(KS + blk * s_sb + tok * s_st + kvh, mask=nmask, other=0.0)[None, :]
-            s = tl.where(nmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + (blk * s_vb + tok * s_vt + kvh * s_vh)[:, None] + offs_dv[None, :],
-                        mask=nmask[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [BLOCK_N, BLOCK_DV]
-            if QUANT:
-                p = p * tl.load(VS + blk * s_vsb + tok * s_vst + kvh, mask=nmask, other=0.0)[None, :]
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-            m_i = m_new
+            # pos (m_i here) is unused: the range itself is the mask
+            acc, l_i, m_i = _attend(acc, l_i, m_i, q, n0, end, m_i, window, qk_scale, K, V, KS, VS, BT + b * s_btb,
+                                    kvh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_sb, s_st, s_vsb, s_vst,
+                                    D, BLOCK_D, DV, BLOCK_DV, PAGE, BLOCK_N, False, False, QUANT, IEEE)
 
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_safe[:, None]
@@ -187,44 +208,25 @@ if triton is not None:
                     mask=rmask[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_Q * HT, BLOCK_D]
         qk_scale = sm_scale * 1.4426950408889634
         hi = tl.minimum(L, start + q0 + BLOCK_Q)  # past the tile's last query
-        lo = 0
-        if WINDOWED:
-            lo = tl.maximum(start + q0 - window + 1, 0)
+        bt_row = BT + seq.to(tl.int64) * s_btb
         m_i = tl.full([BLOCK_Q * HT], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * HT], tl.float32)
         acc = tl.zeros([BLOCK_Q * HT, BLOCK_DV], tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            nmask = offs_n < hi
-            blk = tl.load(BT + seq.to(tl.int64) * s_btb + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
-            tok = offs_n % PAGE
-            k = tl.load(K + (blk * s_kb + tok * s_kt + kvh * s_kh)[:, None] + offs_d[None, :],
-                        mask=nmask[:, None] & (offs_d[None, :] < D), other=0.0)
-            if IEEE:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))
-            s = s * qk_scale
-            if QUANT:
-                s = s * tl.load(KS + blk * s_sb + tok * s_st + kvh, mask=nmask, other=0.0)[None, :]
-            ok = nmask[None, :] & (offs_n[None, :] <= pos[:, None])
-            if WINDOWED:
-                ok = ok & (offs_n[None, :] > pos[:, None] - window)
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw no key yet stays at 0
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + (blk * s_vb + tok * s_vt + kvh * s_vh)[:, None] + offs_dv[None, :],
-                        mask=nmask[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            if QUANT:
-                p = p * tl.load(VS + blk * s_vsb + tok * s_vst + kvh, mask=nmask, other=0.0)[None, :]
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-            m_i = m_new
+        if WINDOWED:  # one masked loop from the first query's window start
+            for n0 in range(tl.maximum(start + q0 - window + 1, 0), hi, BLOCK_N):
+                acc, l_i, m_i = _attend(acc, l_i, m_i, q, n0, hi, pos, window, qk_scale, K, V, KS, VS, bt_row, kvh,
+                                        s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_sb, s_st, s_vsb, s_vst,
+                                        D, BLOCK_D, DV, BLOCK_DV, PAGE, BLOCK_N, True, True, QUANT, IEEE)
+        else:  # key tiles wholly before the tile's first query need no mask; the rest are causal-masked
+            diag = (start + q0) // BLOCK_N * BLOCK_N
+            for n0 in range(0, diag, BLOCK_N):
+                acc, l_i, m_i = _attend(acc, l_i, m_i, q, n0, hi, pos, window, qk_scale, K, V, KS, VS, bt_row, kvh,
+                                        s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_sb, s_st, s_vsb, s_vst,
+                                        D, BLOCK_D, DV, BLOCK_DV, PAGE, BLOCK_N, False, False, QUANT, IEEE)
+            for n0 in range(diag, hi, BLOCK_N):
+                acc, l_i, m_i = _attend(acc, l_i, m_i, q, n0, hi, pos, window, qk_scale, K, V, KS, VS, bt_row, kvh,
+                                        s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_sb, s_st, s_vsb, s_vst,
+                                        D, BLOCK_D, DV, BLOCK_DV, PAGE, BLOCK_N, True, False, QUANT, IEEE)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(OUT + (qs + tq).to(tl.int64)[:, None] * s_ot + heads[:, None] * s_oh + offs_dv[None, :],
                  o.to(OUT.dtype.element_ty), mask=rmask[:, None] & (offs_dv[None, :] < DV))
@@ -298,9 +300,10 @@ def prefill_meta(query_start_loc: list[int], start_pos: list[int], seq_lens: lis
 
 
 def prefill_block_q(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
-    """Query tokens per prefill tile: rows = tokens x the head tile, 128 rows (64 for wide MLA rows)."""
+    """Query tokens per prefill tile: rows = tokens x the head tile, 128 rows (16 for MLA's 576-wide rows,
+    which pad to 1024 features: TODO a split 512 + 64 dot would let them take larger tiles)."""
     ht = min(HEAD_TILE, _p2(num_heads // num_kv_heads))
-    return max(1, (64 if head_dim > 256 else 128) // ht)
+    return max(1, (16 if head_dim > 256 else 128) // ht)
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -74,7 +74,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.block_size = config.cache.block_size
         self.kv_dtype = KV_DTYPES.get(config.cache.kv_cache_dtype)  # None: the model's dtype
-        self.attention_backend = resolve_backend(config.attention_backend, self.device)
+        self.attention_backend = resolve_backend(config.attention_backend, self.device, self.kv_dtype)
         self.max_model_len = max_model_len
         # what this engine allocates is measured from here (other engines may share the device)
         self._mem_base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0

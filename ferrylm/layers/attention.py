@@ -28,12 +28,12 @@ from ferrylm.layers import triton_attention
 from ferrylm.layers.context import get_forward_context
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """`EngineConfig.attention_backend` -> "torch" | "triton" for this device."""
-    ok = triton_attention.available(device)
+def resolve_backend(name: str, device: torch.device, kv_dtype: torch.dtype | None = None) -> str:
+    """`EngineConfig.attention_backend` -> "torch" | "triton" for this device and KV cache dtype."""
+    ok = triton_attention.available(device, kv_dtype)
     if name == "triton" and not ok:
-        raise ConfigError("attention_backend triton needs Triton and a CUDA device (or TRITON_INTERPRET=1); "
-                          "use auto or torch")
+        raise ConfigError("attention_backend triton needs Triton and a CUDA device (sm_89+ for an fp8 KV cache), "
+                          "or TRITON_INTERPRET=1; use auto or torch")
     return "triton" if ok and (name == "triton" or (name == "auto" and device.type == "cuda")) else "torch"
 
 

@@ -39,11 +39,16 @@ HEAD_TILE = 16
 """Query heads per program (padded): tl.dot needs at least 16 rows, and a GQA group is 1-8 heads."""
 
 
-def available(device: torch.device) -> bool:
-    """Triton can run these kernels here: a CUDA device, or the CPU under the Triton interpreter."""
+def available(device: torch.device, kv_dtype: torch.dtype | None = None) -> bool:
+    """Triton can run these kernels here: a CUDA device (fp8 codes need sm_89+), or the CPU under the
+    Triton interpreter."""
     if triton is None:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    if device.type != "cuda":
+        return False
+    return kv_dtype != torch.float8_e4m3fn or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _ieee(q: torch.Tensor) -> bool:
@@ -53,7 +58,8 @@ def _ieee(q: torch.Tensor) -> bool:
 
 
 def _p2(n: int) -> int:
-    return triton.next_power_of_2(n)
+    """Tile extent for n features: a power of two, >= 16 (tl.dot's smallest operand side)."""
+    return max(16, triton.next_power_of_2(n))
 
 
 @functools.lru_cache(maxsize=None)
@@ -280,8 +286,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         BLOCK_N=16 if big else 64, SPLITS=S, WINDOWED=window is not None, QUANT=quant,
         IEEE=_ieee(q), num_warps=8 if big else 4, num_stages=1 if big else 3)
     if S > 1:
-        _combine_kernel[(B, H)](part, lse, out, out.stride(0), out.stride(1), H=H, SPLITS=S, BLOCK_S=_p2(S),
-                                DV=DV, BLOCK_DV=_p2(DV), num_warps=4)
+        _combine_kernel[(B, H)](part, lse, out, out.stride(0), out.stride(1), H=H, SPLITS=S,
+                                BLOCK_S=triton.next_power_of_2(S), DV=DV, BLOCK_DV=_p2(DV), num_warps=4)
     return out
 
 
@@ -302,7 +308,7 @@ def prefill_meta(query_start_loc: list[int], start_pos: list[int], seq_lens: lis
 def prefill_block_q(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
     """Query tokens per prefill tile: rows = tokens x the head tile, 128 rows (16 for MLA's 576-wide rows,
     which pad to 1024 features: TODO a split 512 + 64 dot would let them take larger tiles)."""
-    ht = min(HEAD_TILE, _p2(num_heads // num_kv_heads))
+    ht = min(HEAD_TILE, triton.next_power_of_2(num_heads // num_kv_heads))
     return max(1, (16 if head_dim > 256 else 128) // ht)
 
 
@@ -324,7 +330,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out = q.new_empty(T, H, DV)
     if num_tiles == 0:
         return out
-    ht = min(HEAD_TILE, _p2(G))
+    ht = min(HEAD_TILE, triton.next_power_of_2(G))
     big = D > 256
     _prefill_kernel[(num_tiles, Hk * -(-G // ht))](
         q, K, V, KS, VS, block_tables, meta, out, scale, window or 0, num_seqs, num_tiles,

@@ -10,6 +10,7 @@ Prefill: a 2k-token prompt and a 2k chunk after a 2k cached prefix, TFLOP/s (cau
 needed) against the bf16 matmul rate measured in the same run.
 
     python benchmarks/bench_attention.py [--batches 1,16,64] [--contexts 1024,4096,16384] [--iters 20]
+                                         [--splits N]   # force the flash-decoding split count (tuning)
 
 Prints a table and ends with one JSON line.
 """
@@ -116,7 +117,12 @@ def main() -> None:
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--contexts", default="1024,4096,16384")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--splits", type=int, default=None, help="force the decode split count (default: heuristic)")
     a = p.parse_args()
+    if a.splits:
+        from ferrylm.layers import triton_attention
+
+        triton_attention.decode_splits = lambda *args: a.splits
     bw, mm = read_gb_s(), matmul_tflops()
     print(f"{torch.cuda.get_device_name()}: read {bw:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s")
     rows = []
@@ -157,7 +163,8 @@ def main() -> None:
         rows.append(row)
         print(f"{name:26s}: torch {row['torch_us']:8.1f} us ({row['torch_tflops']:6.1f} TFLOP/s)  "
               f"triton {row['triton_us']:8.1f} us ({row['triton_tflops']:6.1f} TFLOP/s)  x{row['speedup']}")
-    print(json.dumps({"bench": "attention", "device": torch.cuda.get_device_name(), "read_gb_s": round(bw, 1),
+    print(json.dumps({"bench": "attention", "device": torch.cuda.get_device_name(), "splits": a.splits or "auto",
+                      "read_gb_s": round(bw, 1),
                       "matmul_tflops": round(mm, 1), "shape": {"q_heads": H, "kv_heads": HK, "head_dim": D,
                                                                 "block_size": PAGE}, "rows": rows}))
 

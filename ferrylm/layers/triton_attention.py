@@ -69,10 +69,11 @@ def _sms(device: torch.device) -> int:
 
 def decode_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
     """Context chunks per sequence so the grid fills the GPU (~4 programs an SM) at small batch and long
-    context; each chunk keeps >= 256 tokens so the combine stays cheap. A function of host values only."""
+    context; each chunk keeps >= 128 tokens (two key tiles) so the partials stay a few % of the KV bytes.
+    A function of host values only (a graph bucket's rows and context bound)."""
     sms = _sms(device) if device.type == "cuda" else 4
     want = -(-4 * sms // max(1, rows * kv_heads))
-    return max(1, min(want, -(-max_len // 256), 64))
+    return max(1, min(want, -(-max_len // 128), 64))
 
 
 if triton is not None:

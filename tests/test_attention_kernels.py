@@ -263,3 +263,18 @@ def test_quantized_kv_logits_drift_cpu(tiny_llama, kv, bound):
     print(f"{kv} KV vs fp32 KV, tiny llama on CPU: max |logit diff| = {worst:.3e} (max |logit| {top:.2f}, "
           f"{n} steps)")
     assert 0 < worst < bound * top
+
+
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_quantized_cache_sizing_matches_the_planner(tiny_llama, kv):
+    """Codes of one byte plus a 4-byte scale per token and head, for K and V: what the engine allocates is
+    what `ferry plan` counts."""
+    from ferrylm import LLM
+    from ferrylm.plan.memory import kv_bytes_per_block
+
+    llm = LLM(tiny_llama, kv_cache_dtype=kv, num_kv_blocks=8, block_size=4, max_num_seqs=2)
+    cache, mc = llm.engine.runner.kv_cache, llm.engine.model_config
+    assert cache.k.dtype == KV_DTYPES[kv] and cache.k_scale.shape == cache.k.shape[:-1]
+    assert cache.nbytes == 9 * kv_bytes_per_block(mc, 4, "float32", kv)
+    L, Hk, D = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
+    assert kv_bytes_per_block(mc, 4, "float32", kv) == L * 4 * Hk * 2 * (D + 4)  # vs L * 4 * Hk * 2 * 4D in fp32

@@ -122,7 +122,8 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         return acc, l_i, m_new
 
-    @triton.jit
+    # values that change step to step (table width, batch, tile count) are not specialised on: no recompiles
+    @triton.jit(do_not_specialize=["window", "s_btb"])
     def _decode_kernel(Q, K, V, KS, VS, BT, LENS, OUT, PART, LSE, sm_scale, window,
                        s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_sb, s_st, s_vsb, s_vst, s_btb,
                        s_ob, s_oh,
@@ -185,7 +186,7 @@ if triton is not None:
         o = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
         tl.store(OUT + b * s_ob + h * s_oh + offs_dv, o.to(OUT.dtype.element_ty), mask=offs_dv < DV)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["window", "B", "NT", "s_btb"])
     def _prefill_kernel(Q, K, V, KS, VS, BT, META, OUT, sm_scale, window, B, NT,
                         s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_sb, s_st, s_vsb, s_vst, s_btb,
                         s_ot, s_oh,
@@ -285,7 +286,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), *st, block_tables.stride(0), out.stride(0), out.stride(1),
         H=H, G=G, HT=HEAD_TILE, D=D, BLOCK_D=_p2(D), DV=DV, BLOCK_DV=_p2(DV), PAGE=page,
         BLOCK_N=16 if big else 64, SPLITS=S, WINDOWED=window is not None, QUANT=quant,
-        IEEE=_ieee(q), num_warps=8 if big else 4, num_stages=1 if big else 3)
+        IEEE=_ieee(q), num_warps=8 if big else 4, num_stages=1 if big else (2 if q.dtype == torch.float32 else 3))
     if S > 1:
         _combine_kernel[(B, H)](part, lse, out, out.stride(0), out.stride(1), H=H, SPLITS=S,
                                 BLOCK_S=triton.next_power_of_2(S), DV=DV, BLOCK_DV=_p2(DV), num_warps=4)

@@ -3,7 +3,9 @@ scattered block tables, ragged lengths, decode rows beside prefill chunks with c
 sliding windows, head_dim 64/128, fp32 and bf16, V narrower than K, MLA latent values, fp8/int8 caches.
 
 The kernel tests need CUDA or the Triton interpreter (`TRITON_INTERPRET=1` with triton installed) and are
-skipped otherwise; the quantization round trip runs everywhere."""
+skipped otherwise; the quantization round trip runs everywhere. Under the interpreter (CPU) the dots run in
+fp32 (its bf16 tl.dot is wrong), so the bf16 dot path is exercised on CUDA only; triton 3.5's interpreter
+also needs numpy < 2.3 (later numpy refuses int() of its 1-element scalars)."""
 
 import importlib.util
 import os

@@ -226,9 +226,14 @@ class CacheConfig:
     on CUDA) or, on the CPU, to every sequence at full length capped at 2 GiB."""
     enable_prefix_caching: bool = True
     """Reuse full blocks whose token prefix was already computed (hash of the block chain)."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model's dtype) | fp8 (e4m3) | int8: quantized K/V with one fp32 scale per token and head,
+    half the bytes of bf16; attention reads the codes directly (see kv/cache.py)."""
 
     def __post_init__(self) -> None:
         _positive(block_size=self.block_size)
+        if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
+            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r}: choose auto, fp8 or int8")
         if self.num_kv_blocks is not None:
             _positive(num_kv_blocks=self.num_kv_blocks)
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
@@ -328,6 +333,10 @@ class EngineConfig:
     moe_backend: str = "auto"
     """auto: the fused Triton kernel for resident expert banks on CUDA (bf16/fp16); torch: the per-expert
     reference loop everywhere."""
+    attention_backend: str = "auto"
+    """auto: the Triton paged kernels on CUDA (decode reads the KV blocks in place, one launch for every
+    prefill chunk), the torch path elsewhere; torch: the plain reference path everywhere; triton: the
+    kernels, an error where they cannot run."""
     enforce_eager: bool = False
     """Never use CUDA graphs (they serve pure decode steps of dense models on CUDA)."""
     dequantize: bool = False
@@ -343,6 +352,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.moe_backend not in ("auto", "torch"):
             raise ConfigError(f"moe_backend {self.moe_backend!r}: choose auto or torch")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"attention_backend {self.attention_backend!r}: choose auto, torch or triton")
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

@@ -14,7 +14,8 @@ import torch
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.scheduler import SchedulerOutput
 from ferrylm.errors import ConfigError
-from ferrylm.kv.cache import KVCache, SequenceStatePool
+from ferrylm.kv.cache import KV_DTYPES, KVCache, SequenceStatePool
+from ferrylm.layers.attention import PagedAttention, resolve_backend
 from ferrylm.layers.context import ForwardContext, forward_context
 from ferrylm.layers.rotary import RotaryEmbedding
 from ferrylm.models.registry import model_class
@@ -72,6 +73,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.block_size = config.cache.block_size
+        self.kv_dtype = KV_DTYPES.get(config.cache.kv_cache_dtype)  # None: the model's dtype
+        self.attention_backend = resolve_backend(config.attention_backend, self.device, self.kv_dtype)
         self.max_model_len = max_model_len
         # what this engine allocates is measured from here (other engines may share the device)
         self._mem_base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
@@ -98,6 +101,9 @@ class ModelRunner:
                 log.info("experts kept packed in %d banks (read by the fused MoE kernel)", len(packed))
         if self.device.type == "cuda":  # packed Linear weights are placed (and streamed) at their packed size
             self.model.note_packed_linears(source)
+        for m in self.model.modules():
+            if isinstance(m, PagedAttention):
+                m.backend = self.attention_backend
         placement, kv_bytes = self._place()
         self.placed = PlacedWeights(self.model, placement, self.device, config.offload.expert_cache_policy,
                                     config.offload.expert_profile, config.offload.stream_buffers,
@@ -145,7 +151,7 @@ class ModelRunner:
     def _kv_bytes_per_block(self) -> int:
         cfg = self.model_config
         return KVCache.bytes_per_block(cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads,
-                                       cfg.head_dim, self.dtype, cfg.v_cache_dim)
+                                       cfg.head_dim, self.dtype, cfg.v_cache_dim, self.kv_dtype)
 
     def _activation_reserve(self) -> int:
         """The planned activation reserve (`offload/memory.py`); on CUDA the warm-up measures the real one."""
@@ -161,11 +167,13 @@ class ModelRunner:
         `max_num_seqs` rows, plus the sampler's [B, V] work tensors."""
         cfg, sc = self.model_config, self.config.scheduler
         T = min(sc.max_num_batched_tokens, self.max_model_len)
-        kv = KVCache(cfg.num_hidden_layers, 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
-                     self.dtype, self.device, v_head_dim=cfg.v_cache_dim)
+        # a real table over T tokens of scratch KV: the Triton prefill reads the chunk back from the cache
+        nb = (T + self.block_size - 1) // self.block_size
+        kv = KVCache(cfg.num_hidden_layers, nb, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                     self.dtype, self.device, v_head_dim=cfg.v_cache_dim, kv_dtype=self.kv_dtype)
         ctx = ForwardContext(query_start_loc=[0, T], start_pos=[0], seq_lens=[T],
-                             slot_mapping=torch.zeros(T, dtype=torch.long, device=self.device),
-                             block_tables=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                             slot_mapping=torch.arange(T, dtype=torch.long, device=self.device),
+                             block_tables=torch.arange(nb, dtype=torch.long, device=self.device)[None],
                              num_decodes=0, kv_cache=kv, state_slots=[None], state=None)
         ids = torch.randint(0, cfg.vocab_size, (T,), device=self.device)
         torch.cuda.synchronize(self.device)
@@ -228,7 +236,7 @@ class ModelRunner:
             raise ConfigError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
         log.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size, num_blocks * per_block / 2**30)
         return KVCache(cfg.num_hidden_layers, num_blocks, self.block_size, cfg.num_key_value_heads,
-                       cfg.head_dim, self.dtype, self.device, v_head_dim=cfg.v_cache_dim)
+                       cfg.head_dim, self.dtype, self.device, v_head_dim=cfg.v_cache_dim, kv_dtype=self.kv_dtype)
 
     def _allocate_state(self) -> SequenceStatePool | None:
         specs = self.model.state_specs() if hasattr(self.model, "state_specs") else None

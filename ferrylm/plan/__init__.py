@@ -10,7 +10,7 @@ TODO (what is left of issue #14):
   `--gpu-memory-budget`) and put predicted vs measured in docs/benchmarks.md; the efficiency constants in
   `estimate.py` are unmeasured assumptions until then (the offloaded step model ignores the expert cache's
   overlap of hits with misses and its real hit rate: PCIe bytes assume uniform routing);
-- `--kv-cache-dtype fp8` and quantized experts once the engine has them; multi-GPU is per-rank arithmetic only;
+- quantized experts once the engine has them; multi-GPU is per-rank arithmetic only;
 - the engine re-sizes KV on CUDA after a measured warm-up; the plan predicts the planned (reserve-based) figure;
 - quantization quality notes (measured deltas per model/scheme) are not built in;
 - `ferry doctor --measure` per NUMA node.

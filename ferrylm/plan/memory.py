@@ -157,12 +157,12 @@ def analytical_kv_bytes_per_token(cfg: dict, kv_dtype_bytes: int) -> int:
 
 # -- KV cache and per-sequence state ------------------------------------------------------------------------
 
-def kv_bytes_per_block(mc: ModelConfig, block_size: int, kv_dtype: str) -> int:
-    """The engine's own sizing function (`KVCache.bytes_per_block`)."""
-    from ferrylm.kv.cache import KVCache
+def kv_bytes_per_block(mc: ModelConfig, block_size: int, kv_dtype: str, cache_dtype: str = "auto") -> int:
+    """The engine's own sizing function (`KVCache.bytes_per_block`); `cache_dtype` fp8 | int8: quantized."""
+    from ferrylm.kv.cache import KV_DTYPES, KVCache
 
     return KVCache.bytes_per_block(mc.num_hidden_layers, block_size, mc.num_key_value_heads, mc.head_dim,
-                                   _DTYPES[kv_dtype], mc.v_cache_dim)
+                                   _DTYPES[kv_dtype], mc.v_cache_dim, KV_DTYPES.get(cache_dtype))
 
 
 def kv_pool(nbytes: int, per_block: int, block_size: int) -> tuple[int, int]:

@@ -39,7 +39,7 @@ class PlanOptions:
     quant: str | None = None
     """int8 | fp8 | nf4: Linear weights of a ferry store converted with --quant."""
     kv_cache_dtype: str = "auto"
-    """auto = the model dtype."""
+    """auto = the model dtype; fp8 | int8: the engine's quantized cache (`--kv-cache-dtype`)."""
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -113,9 +113,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         raise ConfigError("--tp and --pp must be at least 1")
     if opts.dtype not in DTYPE_BYTES:
         raise ConfigError(f"--dtype {opts.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
-    kv_dtype = opts.dtype if opts.kv_cache_dtype == "auto" else opts.kv_cache_dtype
+    quant_kv = opts.kv_cache_dtype in ("fp8", "int8")  # 1-byte codes + a 4-byte scale per token and head
+    kv_dtype = opts.dtype if opts.kv_cache_dtype == "auto" or quant_kv else opts.kv_cache_dtype
     if kv_dtype not in DTYPE_BYTES:
-        raise ConfigError(f"--kv-cache-dtype {kv_dtype!r}: the engine keeps KV in {', '.join(DTYPE_BYTES)}")
+        raise ConfigError(f"--kv-cache-dtype {kv_dtype!r}: the engine keeps KV in {', '.join(DTYPE_BYTES)}, "
+                          f"fp8 or int8")
     name, cfg = catalog.resolve_model(opts.model)
     mc = ModelConfig.from_hf(cfg)
     n_gpu, gpu = hardware.parse_gpu(opts.gpu)
@@ -129,11 +131,12 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     except UnsupportedArchitectureError:  # no model class: count from config.json
         groups, count = analytical_groups(cfg, fmt) if _analytical(cfg) else _no_count(mc)
         state_per_seq, counted = 0, "config"
-        kv_per_token = analytical_kv_bytes_per_token(cfg, DTYPE_BYTES[kv_dtype])
+        kv_per_token = analytical_kv_bytes_per_token(cfg, 1 if quant_kv else DTYPE_BYTES[kv_dtype])
     else:
         groups, count, state_per_seq, counted = weight_groups(model, fmt), param_count(model), \
             state_bytes_per_seq(model), "model"
-        kv_per_token = kv_bytes_per_block(mc, opts.block_size, kv_dtype) // opts.block_size
+        kv_per_token = kv_bytes_per_block(mc, opts.block_size, kv_dtype,
+                                          opts.kv_cache_dtype if quant_kv else "auto") // opts.block_size
         graphs_family = model.graph_safe()
     max_len = opts.max_model_len or mc.max_position_embeddings
     conc = opts.concurrency or opts.max_num_seqs

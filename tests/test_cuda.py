@@ -300,7 +300,7 @@ def test_mapped_experts_equal_resident_fused_and_graphed(tmp_path_factory):
         assert worst == 0.0 if eager else worst < 1e-2
 
 
-@pytest.mark.parametrize("scheme,group", [("int8", 64), ("int4", 32)])
+@pytest.mark.parametrize("scheme,group", [("int4", 32)])  # int8: see models/base.py ENGINE_PACKED_FORMATS
 def test_packed_experts_resident_and_offloaded(scheme, group, tmp_path_factory):
     """A quantized store's experts stay packed on CUDA (the fused kernel decodes tiles): close to the
     dequantized torch reference; offloaded (read in place / copied packed) equal to resident bit for bit."""

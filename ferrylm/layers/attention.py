@@ -61,7 +61,7 @@ class PagedAttention(nn.Module):
         dv = self.latent_values or v_cache.shape[-1]
         out = q.new_empty(*q.shape[:2], dv)
         if self.backend == "triton":
-            self._triton(q, out, k_cache, v_cache, k_scale, v_scale, ctx)
+            self._triton(q, k, v, out, k_cache, v_cache, k_scale, v_scale, ctx)
             return out.flatten(1)
         nd = ctx.num_decodes
         W, bs = self.window, k_cache.shape[1]
@@ -70,22 +70,33 @@ class PagedAttention(nn.Module):
             first = 0 if W is None or ctx.padded_decode else max(0, min(ctx.seq_lens[a:b]) - W) // bs
             out[a:b] = self._decode(q[a:b], k_cache, v_cache, ctx.block_tables[a:b], ctx.decode_seq_lens[a:b],
                                     max_len, ctx.padded_decode, first, k_scale, v_scale)
-        for i in range(nd, ctx.num_seqs):
-            a, b = ctx.query_start_loc[i], ctx.query_start_loc[i + 1]
-            start, seq_len = ctx.start_pos[i], ctx.seq_lens[i]
-            plain = start == 0 and (W is None or seq_len <= W)  # SDPA's own causal mask is exact
-            out[a:b] = self._prefill(q[a:b], k[a:b], v[a:b], k_cache, v_cache, ctx.block_tables[i], start,
-                                     seq_len, None if plain else ctx.prefill_mask(i, q.device, W), k_scale, v_scale)
+        self._torch_prefills(q, k, v, out, k_cache, v_cache, k_scale, v_scale, ctx)
         return out.flatten(1)
 
-    def _triton(self, q, out, k_cache, v_cache, k_scale, v_scale, ctx) -> None:
+    def _plain(self, ctx, i: int) -> bool:
+        # a fresh prompt inside its window: SDPA's own causal mask is exact
+        return ctx.start_pos[i] == 0 and (self.window is None or ctx.seq_lens[i] <= self.window)
+
+    def _torch_prefills(self, q, k, v, out, k_cache, v_cache, k_scale, v_scale, ctx) -> None:
+        for i in range(ctx.num_decodes, ctx.num_seqs):
+            a, b = ctx.query_start_loc[i], ctx.query_start_loc[i + 1]
+            mask = None if self._plain(ctx, i) else ctx.prefill_mask(i, q.device, self.window)
+            out[a:b] = self._prefill(q[a:b], k[a:b], v[a:b], k_cache, v_cache, ctx.block_tables[i], ctx.start_pos[i],
+                                     ctx.seq_lens[i], mask, k_scale, v_scale)
+
+    def _triton(self, q, k, v, out, k_cache, v_cache, k_scale, v_scale, ctx) -> None:
         # q: [T, H, D] -> out: [T, H, Dv], decode rows then every prefill chunk, each in one launch
         nd, kw = ctx.num_decodes, dict(window=self.window, k_scale=k_scale, v_scale=v_scale,
                                        latent_values=self.latent_values)
         if nd:
             triton_attention.paged_decode(q[:nd], k_cache, v_cache, ctx.block_tables[:nd], ctx.decode_seq_lens,
                                           self.scale, ctx.decode_max_len, out=out[:nd], **kw)
-        if nd < ctx.num_seqs:
+        if nd < ctx.num_seqs and k_scale is None and not self.latent_values and all(
+                self._plain(ctx, i) for i in range(nd, ctx.num_seqs)):
+            # only fresh prompts: SDPA's flash kernel on the chunk's own K/V beats the paged kernel
+            # (0.58x on a 2k prompt, H200, benchmarks/bench_attention.py)
+            self._torch_prefills(q, k, v, out, k_cache, v_cache, k_scale, v_scale, ctx)
+        elif nd < ctx.num_seqs:
             block_q = triton_attention.prefill_block_q(self.num_heads, self.num_kv_heads, self.head_dim)
             key = ("triton_prefill", block_q)
             if key not in ctx._masks:  # once per step, shared by every layer

@@ -1,0 +1,149 @@
+"""Dist: one process's place in a parallel engine. The process groups (NCCL between GPUs, gloo on the
+CPU; a separate gloo group carries the control channel), the step channel from rank 0 to every worker,
+and start-up synchronisation through the rendezvous store.
+
+Start-up syncs go through the store, polled, not through collectives: ranks load weights at different
+speeds, and a rank that fails or dies while loading is named at once (its error is left in the store)
+instead of surfacing as a collective timeout. After start-up every collective waits at most
+`parallel_timeout` seconds. Each rank also stamps `alive/<rank>` in the store every second, so rank 0 can
+say which rank stopped answering. It knows nothing about models, steps' contents or the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ferrylm.errors import WorkerLostError
+from ferrylm.parallel.group import TPGroup
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT = 1800.0
+"""Seconds the slowest rank may take to start and load its weights."""
+ALIVE_EVERY = 1.0
+"""Seconds between a rank's `alive/<rank>` stamps."""
+
+
+def rank_device(device: str, local_rank: int, order: list[int] | None = None) -> str:
+    """The device of a rank on its host: cpu, or cuda:<the rank's GPU> (`order`: the topology's)."""
+    if not device.startswith("cuda"):
+        return device
+    return f"cuda:{order[local_rank] if order else local_rank}"
+
+
+class Dist:
+    def __init__(self, rank: int, world: int, store, store_addr: tuple[str, int], config, watch=None):
+        """Join the world: wait (polling) until every rank is up, then form the process groups.
+        `watch()` raises when a peer is known to be gone (rank 0: a worker process exited; a spawned
+        worker: its parent exited)."""
+        pc = config.parallel
+        self.rank, self.world, self.store, self.watch = rank, world, store, watch
+        self.timeout = pc.parallel_timeout
+        self._stamp = threading.Thread(target=self._stamp_alive, args=(store_addr,), daemon=True, name="ferry-alive")
+        self._stamp.start()
+        self.sync("started")
+        device = torch.device(config.device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kw = {"device_id": device} if device.type == "cuda" else {}
+        if not dist.is_initialized():  # torchrun may have formed it already
+            dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=self.timeout), **kw)
+        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        """Steps and pings from rank 0 (gloo: plain Python objects, whatever the data backend)."""
+        self.tp = TPGroup(rank % pc.tensor_parallel_size, pc.tensor_parallel_size, dist.group.WORLD,
+                          pc.expert_parallel)
+        self.backend = backend
+
+    # -- start-up -----------------------------------------------------------------------------------
+
+    def _stamp_alive(self, addr: tuple[str, int]) -> None:
+        store = dist.TCPStore(addr[0], addr[1], is_master=False, timeout=timedelta(seconds=10))  # its own socket
+        while True:
+            try:
+                store.set(f"alive/{self.rank}", repr(time.time()))
+            except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone; `watch` ends this process
+                return
+            time.sleep(ALIVE_EVERY)
+
+    def sync(self, tag: str, timeout: float = START_TIMEOUT) -> None:
+        """Wait until every rank reached `tag`; a rank that reported an error or died fails it, naming it."""
+        self.store.set(f"{tag}/{self.rank}", "1")
+        keys = [f"{tag}/{r}" for r in range(self.world)]
+        deadline = time.monotonic() + timeout
+        while not self.store.check(keys):
+            self.raise_reported()
+            if self.watch:
+                self.watch()
+            if time.monotonic() > deadline:
+                late = [r for r in range(self.world) if not self.store.check([keys[r]])]
+                raise WorkerLostError(f"rank(s) {late} did not reach {tag!r} within {timeout:g} s")
+            time.sleep(0.05)
+
+    def report(self, error: BaseException) -> None:
+        """Leave this rank's failure in the store for rank 0 to name."""
+        try:
+            self.store.set(f"error/{self.rank}", f"{type(error).__name__}: {error}")
+        except Exception:  # noqa: BLE001 - nobody left to tell
+            pass
+
+    def reported(self, rank: int) -> str | None:
+        try:
+            return self.store.get(f"error/{rank}").decode() if self.store.check([f"error/{rank}"]) else None
+        except Exception:  # noqa: BLE001
+            return None
+
+    def raise_reported(self) -> None:
+        for r in range(self.world):
+            if r != self.rank and (err := self.reported(r)):
+                raise WorkerLostError(f"rank {r} failed: {err}")
+
+    def silent_ranks(self, older_than: float = 3 * ALIVE_EVERY) -> list[int]:
+        """Ranks whose alive stamp is older than `older_than` seconds (hung, stopped or gone)."""
+        now, out = time.time(), []
+        for r in range(self.world):
+            try:
+                if now - float(self.store.get(f"alive/{r}").decode()) > older_than:
+                    out.append(r)
+            except Exception:  # noqa: BLE001
+                out.append(r)
+        return out
+
+    def min_int(self, n: int) -> int:
+        """The smallest `n` over all ranks (e.g. KV blocks every rank can hold)."""
+        t = torch.tensor([n], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return int(t.item())
+
+    # -- the step channel ---------------------------------------------------------------------------
+
+    def send(self, msg) -> None:
+        """Rank 0: one message (a step, PING or STOP) to every worker."""
+        dist.broadcast_object_list([msg], src=0, group=self.control)
+
+    def recv(self):
+        """A worker: the next message from rank 0 (blocks up to `parallel_timeout`; rank 0 pings when idle)."""
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 - a broken group still has to go
+                log.debug("destroy_process_group: %s", e)
+
+
+def parent_watch(parent_pid: int):
+    """For a spawned worker: raises once its parent (rank 0) is gone (it was re-parented)."""
+    def watch():
+        if os.getppid() != parent_pid:
+            raise WorkerLostError("rank 0 exited")
+    return watch

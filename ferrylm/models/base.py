@@ -147,10 +147,13 @@ class CausalLM(nn.Module):
         else:
             return None
         try:
-            tp_part = getattr(self.get_submodule(mod), "tp_part", None)
+            mod = self.get_submodule(mod)
         except AttributeError:
             return None
-        return tp_part(*args) if tp_part else None
+        tp_part = getattr(mod, "tp_part", None)
+        if tp_part is None or (isinstance(mod, Experts) != bool(_EXPERT.match(name))):
+            return None
+        return tp_part(*args)
 
     def _missing(self, params, loaded: set[str]) -> list[str]:
         """Parameters not fully filled: every shard of a fused Linear and every expert's rows must arrive."""
@@ -269,9 +272,14 @@ class CausalLM(nn.Module):
                 self.get_submodule(name[: -len(".weight")]).load("weight", tensor)
                 loaded.add(name)
                 return
+            mod_name, _, attr = name.rpartition(".")
+            mod = self.get_submodule(mod_name)
+            if isinstance(mod, Linear) and hasattr(mod, "tp_part"):  # a sharded layer: its slice, its checks
+                mod.load(attr, tensor)
+                loaded.add(name)
+                return
             if tuple(p.shape) != tuple(tensor.shape):
                 raise ValueError(f"shape {tuple(tensor.shape)} != {tuple(p.shape)}")
-            mod_name, _, attr = name.rpartition(".")
             writable(self.get_submodule(mod_name), attr).copy_(tensor)
             loaded.add(name)
             return

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
 import time
 from datetime import timedelta
@@ -50,16 +51,17 @@ class Dist:
         self._stamp.start()
         self.sync("started")
         device = torch.device(config.device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        kw = {"device_id": device} if device.type == "cuda" else {}
-        if not dist.is_initialized():  # torchrun may have formed it already
-            dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=self.timeout), **kw)
-        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        timeout = timedelta(seconds=self.timeout)
+        # process groups of our own (not torch.distributed's global default group), so two engines can live
+        # in one process (tests) and nothing global is left behind when an engine closes
+        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, timeout)
         """Steps and pings from rank 0 (gloo: plain Python objects, whatever the data backend)."""
-        self.tp = TPGroup(rank % pc.tensor_parallel_size, pc.tensor_parallel_size, dist.group.WORLD,
+        self.tp = TPGroup(rank % pc.tensor_parallel_size, pc.tensor_parallel_size,
+                          _data_group(self.backend, dist.PrefixStore("tp", store), rank, world, timeout),
                           pc.expert_parallel)
-        self.backend = backend
 
     # -- start-up -----------------------------------------------------------------------------------
 
@@ -118,27 +120,39 @@ class Dist:
     def min_int(self, n: int) -> int:
         """The smallest `n` over all ranks (e.g. KV blocks every rank can hold)."""
         t = torch.tensor([n], dtype=torch.long)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.control.allreduce([t], opts).wait()
         return int(t.item())
 
     # -- the step channel ---------------------------------------------------------------------------
 
     def send(self, msg) -> None:
-        """Rank 0: one message (a step, PING or STOP) to every worker."""
-        dist.broadcast_object_list([msg], src=0, group=self.control)
+        """Rank 0: one message (a step, PING or STOP) to every worker: its pickle's length, then its bytes."""
+        data = torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8)
+        self.control.broadcast(torch.tensor([data.numel()], dtype=torch.long), 0).wait()
+        self.control.broadcast(data, 0).wait()
 
     def recv(self):
         """A worker: the next message from rank 0 (blocks up to `parallel_timeout`; rank 0 pings when idle)."""
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        n = torch.zeros(1, dtype=torch.long)
+        self.control.broadcast(n, 0).wait()
+        data = torch.empty(int(n.item()), dtype=torch.uint8)
+        self.control.broadcast(data, 0).wait()
+        return pickle.loads(data.numpy().tobytes())
 
     def close(self) -> None:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as e:  # noqa: BLE001 - a broken group still has to go
-                log.debug("destroy_process_group: %s", e)
+        """Drop the groups (their sockets close; peers still waiting on them fail at once)."""
+        self.control = None
+        self.tp = TPGroup()
+
+
+def _data_group(backend: str, store, rank: int, world: int, timeout: timedelta):
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world, opts)
 
 
 def parent_watch(parent_pid: int):

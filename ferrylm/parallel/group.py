@@ -22,7 +22,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     pg: object = None
-    """torch.distributed ProcessGroup of the TP ranks (None for size 1)."""
+    """The TP ranks' torch.distributed backend (ProcessGroupGloo / ProcessGroupNCCL; None for size 1)."""
     expert_parallel: bool = False
     """MoE banks shard whole experts across the group instead of each expert's intermediate dim."""
 
@@ -30,19 +30,15 @@ class TPGroup:
         """Sum of every rank's `x` (in place), the row-parallel combine."""
         if self.size == 1:
             return x
-        import torch.distributed as dist
-
-        dist.all_reduce(x, group=self.pg)
+        self.pg.allreduce([x]).wait()
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Each rank's [..., n] concatenated in rank order: [..., size * n] (vocabulary-parallel logits)."""
         if self.size == 1:
             return x
-        import torch.distributed as dist
-
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.pg)
+        self.pg.allgather([parts], [x.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
 
     def split(self, n: int, what: str) -> int:

@@ -39,8 +39,23 @@ def torchrun_env() -> dict | None:
     return {k: os.environ[k] for k in keys}
 
 
-def _check(config) -> None:
+def _check(config, model_config) -> None:
+    """What can be refused before any process starts."""
+    from ferrylm.layers.parallel_linear import kv_heads_per_rank
+    from ferrylm.models.registry import model_class
+
     pc = config.parallel
+    cls = model_class(model_config)
+    if pc.tensor_parallel_size > 1:
+        if not getattr(cls, "tensor_parallel", False):
+            raise ConfigError(f"{cls.__name__} does not support tensor_parallel_size > 1 yet (docs/parallel.md)")
+        tp, mc = pc.tensor_parallel_size, model_config
+        if mc.num_attention_heads % tp:
+            raise ConfigError(f"the model's {mc.num_attention_heads} attention heads are not divisible by "
+                              f"tensor_parallel_size {tp}")
+        kv_heads_per_rank(mc.num_key_value_heads, tp)
+        if pc.expert_parallel and mc.is_moe and mc.num_experts % tp:
+            raise ConfigError(f"the model's {mc.num_experts} experts are not divisible by tensor_parallel_size {tp}")
     env = torchrun_env()
     if env and int(env["WORLD_SIZE"]) != pc.world_size:
         raise ConfigError(f"torchrun started {env['WORLD_SIZE']} processes but tensor_parallel_size x "
@@ -61,7 +76,7 @@ def start_runner(config, model_config, source, max_model_len: int, progress=None
     from ferrylm.parallel.executor import ParallelExecutor
     from ferrylm.parallel.topology import device_order
 
-    _check(config)
+    _check(config, model_config)
     world, env = config.parallel.world_size, torchrun_env()
     order = device_order(config, world)
     procs = {}

@@ -1,0 +1,298 @@
+"""Tensor and expert parallelism on the CPU (gloo, 2 ranks = 2 processes): tiny random-weight checkpoints
+written by transformers, each parallel engine against the single-process engine on the same files.
+
+fp32 tolerance: a sharded model sums its row-parallel products (and the expert outputs) over ranks in
+another order than one process does, so logits differ by float rounding only: we allow 1e-4 (the
+max difference is printed; it is ~1e-6 here). Greedy tokens must be identical.
+Each parallel engine start costs a few seconds on two cores (two interpreters import torch), so each
+one is built once per module and shared.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+psutil = pytest.importorskip("psutil")
+
+from ferrylm import LLM, SamplingParams  # noqa: E402
+from ferrylm.errors import ConfigError, WorkerLostError  # noqa: E402
+
+from helpers import capture_logits  # noqa: E402
+
+TOL = 1e-4
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+SMALL_POOL = dict(max_num_seqs=8, max_num_batched_tokens=16, block_size=4, num_kv_blocks=24)
+"""16-token budget chunks every prompt; 24 blocks of 4 tokens cannot hold 6 sequences of ~60 tokens."""
+
+
+def build(tmp_path_factory, name: str, cfg_cls: str, model_cls: str, **extra) -> str:
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**{**COMMON, **extra})).eval()
+    with torch.no_grad():  # widen the tiny random init so a wrong shard would show
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def prompts(lens, seed=1, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def run(llm, ps, steps):
+    """(greedy token ids per prompt, logits [steps, V] per prompt)."""
+    with capture_logits(llm.engine) as got:
+        outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+    by_seq: dict[int, list] = {}
+    for sid, row in got:
+        by_seq.setdefault(sid, []).append(row)
+    return [o.outputs[0].token_ids for o in outs], [torch.stack(by_seq[s]) for s in sorted(by_seq)]
+
+
+def compare(name, ref, got):
+    (ref_tok, ref_logits), (tok, logits) = ref, got
+    diff = max((a - b).abs().max().item() for a, b in zip(ref_logits, logits))
+    print(f"{name}: max |logit diff| vs one process = {diff:.3e}")
+    assert diff < TOL
+    assert tok == ref_tok
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread in this process too: two ranks share two cores (OpenMP barriers thrash otherwise)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """Parallel engines built in this module, closed at its end (nothing may be left running)."""
+    made = []
+
+    def make(path, **kw):
+        llm = LLM(path, dtype="float32", **kw)
+        made.append(llm)
+        return llm
+    yield make
+    procs = [p for llm in made for p in getattr(llm.engine.runner, "procs", {}).values()]
+    for llm in made:
+        llm.engine.close()
+    assert all(p.exitcode is not None for p in procs), "a worker outlived its engine"
+
+
+def byte_tokenizer(path: str) -> None:
+    """tokenizer.json of 256 byte-level tokens (ids 0..255), so the server can take and give text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(os.path.join(path, "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = build(tmp_path_factory, "llama", "LlamaConfig", "LlamaForCausalLM", tie_word_embeddings=False)
+    byte_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_tp(llama, engines):
+    return engines(llama, tensor_parallel_size=2, **SMALL_POOL)
+
+
+# -- tensor parallelism ------------------------------------------------------------------------------------
+
+
+def test_tp2_batched_with_preemption_equals_one_process_alone(llama, llama_tp):
+    ps = prompts([37, 5, 60, 1, 23, 48])
+    alone = LLM(llama, dtype="float32", max_num_seqs=1, enable_prefix_caching=False)
+    ref = [run(alone, [p], 12) for p in ps]
+    tok, logits = run(llama_tp, ps, 12)
+    assert llama_tp.engine.scheduler.num_preemptions > 0, "the small pool should have forced a preemption"
+    compare("llama TP=2 batched (preempted) vs alone", ([t for r in ref for t in r[0]], [r[1][0] for r in ref]),
+            (tok, logits))
+    assert llama_tp.engine.block_manager.num_free_blocks == SMALL_POOL["num_kv_blocks"]
+    # each rank caches its own KV heads: 2 heads over 2 ranks
+    assert llama_tp.engine.runner.kv_cache.k.shape[-2] == 1
+
+
+def test_tp2_tied_replicated_kv_padded_vocab_qkv_bias(tmp_path_factory, engines):
+    """Qwen2 (qkv bias), tied embeddings, 1 KV head (replicated on both ranks), a vocabulary of 251 (the
+    second rank's table shard is padded)."""
+    path = build(tmp_path_factory, "qwen2", "Qwen2Config", "Qwen2ForCausalLM", vocab_size=251, num_key_value_heads=1,
+                 tie_word_embeddings=True)
+    ps = prompts([9, 30, 2], vocab=251)
+    ref = run(LLM(path, dtype="float32"), ps, 10)
+    tp = engines(path, tensor_parallel_size=2)
+    compare("qwen2 tied, replicated KV, padded vocab, TP=2", ref, run(tp, ps, 10))
+
+
+def test_sharded_weights_are_this_ranks_slice(llama_tp):
+    """Rank 0 holds the first half of each split: its q rows, its half of the MLP, its vocabulary rows."""
+    from safetensors import safe_open
+
+    model = llama_tp.engine.runner.model
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    with safe_open(os.path.join(llama_tp.engine.config.model, "model.safetensors"), "pt") as f:
+        q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        down = f.get_tensor("model.layers.0.mlp.down_proj.weight")
+        emb = f.get_tensor("model.embed_tokens.weight")
+    assert torch.equal(attn.qkv_proj.weight[:32], q[:32])  # 2 of 4 heads x 16
+    assert torch.equal(mlp.down_proj.weight, down[:, :48])  # columns of intermediate 0..47
+    assert torch.equal(model.model.embed_tokens.weight, emb[:128])
+
+
+def test_refused_before_any_process_starts(llama):
+    with pytest.raises(ConfigError, match="not divisible by tensor_parallel_size 3"):
+        LLM(llama, tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
+        LLM(llama, pipeline_parallel_size=2)
+
+
+# -- MoE: experts sharded by intermediate features (TP) or whole experts (EP) -------------------------------
+
+MOE = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1])),
+}
+
+
+@pytest.mark.parametrize("family", list(MOE))
+def test_moe_tp2_and_ep2_equal_one_process(family, tmp_path_factory, engines):
+    cfg, cls, extra = MOE[family]
+    path = build(tmp_path_factory, family, cfg, cls, **extra)
+    ps = prompts([21, 4, 33])
+    ref = run(LLM(path, dtype="float32"), ps, 8)
+    tp = engines(path, tensor_parallel_size=2)
+    compare(f"{family} TP=2 (expert intermediate split)", ref, run(tp, ps, 8))
+    tp.engine.close()
+    ep = engines(path, tensor_parallel_size=2, expert_parallel=True)
+    bank = next(m for m in ep.engine.runner.model.modules() if type(m).__name__ == "ParallelExperts")
+    assert bank.num_experts == 2 and bank.first_expert == 0  # rank 0 holds experts 0 and 1, whole
+    compare(f"{family} EP=2 (whole experts per rank)", ref, run(ep, ps, 8))
+
+
+# -- failures -------------------------------------------------------------------------------------------------
+
+
+def test_killed_worker_fails_the_step_naming_the_rank(llama, engines):
+    llm = engines(llama, tensor_parallel_size=2)
+    run(llm, prompts([5]), 2)
+    worker = llm.engine.runner.procs[1]
+    worker.kill()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerLostError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        run(llm, prompts([6]), 2)
+    print(f"killed worker reported after {time.monotonic() - t0:.2f} s")
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(WorkerLostError):  # and stays failed
+        llm.engine.check_health()
+
+
+def test_hung_worker_fails_within_the_timeout(llama, engines):
+    llm = engines(llama, tensor_parallel_size=2, parallel_timeout=3.0)
+    run(llm, prompts([5]), 2)
+    worker = llm.engine.runner.procs[1]
+    os.kill(worker.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerLostError, match=r"rank\(s\) \[1\] stopped answering"):
+            run(llm, prompts([6]), 2)
+    finally:
+        if worker.exitcode is None:
+            os.kill(worker.pid, signal.SIGCONT)
+    took = time.monotonic() - t0
+    print(f"hung worker reported after {took:.2f} s (timeout 3 s)")
+    assert took < 15
+    worker.join(5)
+    assert worker.exitcode is not None, "the hung worker was not stopped"
+
+
+def test_rank0_killed_leaves_no_worker(llama, tmp_path):
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import sys, time\n"
+        "from ferrylm import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({llama!r}, tensor_parallel_size=2)\n"
+        "    print(*[p.pid for p in llm.engine.runner.procs.values()], flush=True)\n"
+        "    time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        pid = int(proc.stdout.readline())
+        assert psutil.pid_exists(pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the worker outlived rank 0 by 10 s")
+
+
+# -- the server ------------------------------------------------------------------------------------------------
+
+
+def test_server_tp2_answers_openai_then_reports_a_lost_worker(llama, llama_tp):
+    openai = pytest.importorskip("openai")
+    from serving import Server
+
+    texts = ["hello parallel world", "abc"]
+    single = LLM(llama, dtype="float32")
+    want = [o.outputs[0].text for o in single.generate(texts, SamplingParams(temperature=0, max_tokens=6,
+                                                                             ignore_eos=True))]
+    server = Server(["--model", llama, "--tensor-parallel-size", "2", "--device", "cpu", "--dtype", "float32"])
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        for text, w in zip(texts, want):
+            r = client.completions.create(model=llama, prompt=text, max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.choices[0].text == w  # greedy: the single-process engine's text
+            assert r.usage.completion_tokens == 6
+        workers = [c for c in psutil.Process(server.proc.pid).children(recursive=True)
+                   if "spawn_main" in " ".join(c.cmdline())]
+        assert len(workers) == 1
+        workers[0].kill()
+        t0 = time.monotonic()
+        import httpx
+
+        while True:
+            h = httpx.get(server.url + "/health", timeout=5)
+            if h.status_code == 503:
+                break
+            assert time.monotonic() - t0 < 15, "still healthy 15 s after the worker died"
+            time.sleep(0.2)
+        print(f"/health unhealthy {time.monotonic() - t0:.2f} s after the worker was killed: {h.json()}")
+        assert "rank 1" in h.json()["error"]
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model=llama, prompt=texts[0], max_tokens=2)
+        assert e.value.status_code == 503
+    finally:
+        assert server.stop() == 0
+    assert not any(psutil.pid_exists(w.pid) and w.status() != psutil.STATUS_ZOMBIE for w in workers)

@@ -322,7 +322,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Ranks each layer is sharded over (Megatron-style: heads, MLP and expert intermediate, vocabulary)."""
     pipeline_parallel_size: int = 1
-    """Stages the layers are split into (not implemented yet: only 1)."""
+    """Stages the layers are split into (contiguous layer ranges, one process group per stage)."""
     expert_parallel: bool = False
     """Shard whole experts over the tensor-parallel ranks instead of each expert's intermediate features."""
     parallel_timeout: float = 60.0
@@ -337,8 +337,6 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _positive(tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size)
-        if self.pipeline_parallel_size != 1:
-            raise ConfigError("pipeline_parallel_size > 1 is not implemented yet (docs/parallel.md)")
         if not self.parallel_timeout > 0:
             raise ConfigError(f"parallel_timeout must be > 0 seconds, got {self.parallel_timeout}")
         if self.tp_groups not in ("auto", "in-order"):

@@ -160,8 +160,26 @@ def test_sharded_weights_are_this_ranks_slice(llama_tp):
 def test_refused_before_any_process_starts(llama):
     with pytest.raises(ConfigError, match="not divisible by tensor_parallel_size 3"):
         LLM(llama, tensor_parallel_size=3)
-    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
-        LLM(llama, pipeline_parallel_size=2)
+    with pytest.raises(ConfigError, match="2 layers cannot be split into 3 pipeline stages"):
+        LLM(llama, pipeline_parallel_size=3)
+
+
+# -- pipeline parallelism ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pipeline_stages_equal_one_process(llama, engines, tp):
+    """PP=2 (one layer per stage) and TP=2 x PP=2 (4 processes), batched with preemption."""
+    ps = prompts([37, 5, 60, 1, 23, 48], seed=3)
+    alone = LLM(llama, dtype="float32", max_num_seqs=1, enable_prefix_caching=False)
+    ref = [run(alone, [p], 8) for p in ps]
+    llm = engines(llama, pipeline_parallel_size=2, tensor_parallel_size=tp, **SMALL_POOL)
+    assert list(llm.engine.runner.layers) == [0] and llm.engine.runner.kv_cache.k.shape[0] == 1  # stage 0's own
+    got = run(llm, ps, 8)
+    assert llm.engine.scheduler.num_preemptions > 0
+    compare(f"llama TP={tp} x PP=2 batched (preempted) vs alone",
+            ([t for r in ref for t in r[0]], [r[1][0] for r in ref]), got)
+    llm.engine.close()
 
 
 # -- MoE: experts sharded by intermediate features (TP) or whole experts (EP) -------------------------------

@@ -104,6 +104,13 @@ class ModelRunner:
         self.tp = dist.tp if dist is not None else SINGLE
         self.kv_heads = kv_heads_per_rank(model_config.num_key_value_heads, self.tp.size)
         """KV heads this rank caches (all of them in one process)."""
+        self.pipelined = dist is not None and dist.pp_size > 1
+        self.layers = range(model_config.num_hidden_layers)
+        """The layers this rank runs (a pipeline stage's range; all of them otherwise)."""
+        if self.pipelined:
+            from ferrylm.parallel.pipeline import stage_layers
+
+            self.layers = stage_layers(model_config.num_hidden_layers, dist.pp_size, dist.stage)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.block_size = config.cache.block_size
@@ -129,6 +136,8 @@ class ModelRunner:
                               f"{cls.__name__}: {e}") from None
         finally:
             torch.set_default_dtype(prev)
+        if self.pipelined:
+            self.model.keep_layers(self.layers, dist.first_stage, dist.last_stage)
         self.model.eval()
         from ferrylm.layers import fused_moe
 
@@ -191,7 +200,7 @@ class ModelRunner:
 
     def _kv_bytes_per_block(self) -> int:
         cfg = self.model_config
-        return KVCache.bytes_per_block(cfg.num_hidden_layers, self.block_size, self.kv_heads,
+        return KVCache.bytes_per_block(len(self.layers), self.block_size, self.kv_heads,
                                        cfg.head_dim, self.dtype, cfg.v_cache_dim, self.kv_dtype)
 
     def _activation_reserve(self) -> int:
@@ -210,8 +219,8 @@ class ModelRunner:
         T = min(sc.max_num_batched_tokens, self.max_model_len)
         # a real table over T tokens of scratch KV: the Triton prefill reads the chunk back from the cache
         nb = (T + self.block_size - 1) // self.block_size
-        kv = KVCache(cfg.num_hidden_layers, nb, self.block_size, self.kv_heads, cfg.head_dim,
-                     self.dtype, self.device, v_head_dim=cfg.v_cache_dim, kv_dtype=self.kv_dtype)
+        kv = self._stage_kv(KVCache(len(self.layers), nb, self.block_size, self.kv_heads, cfg.head_dim,
+                                    self.dtype, self.device, v_head_dim=cfg.v_cache_dim, kv_dtype=self.kv_dtype))
         ctx = ForwardContext(query_start_loc=[0, T], start_pos=[0], seq_lens=[T],
                              slot_mapping=torch.arange(T, dtype=torch.long, device=self.device),
                              block_tables=torch.arange(nb, dtype=torch.long, device=self.device)[None],
@@ -221,8 +230,11 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode(), forward_context(ctx):
-            hidden = self.forward(ids, torch.arange(T, device=self.device))
-            self.model.compute_logits(hidden[:min(T, sc.max_num_seqs)])
+            x_in = None if not self.pipelined or self.dist.first_stage else \
+                torch.randn(T, cfg.hidden_size, dtype=self.dtype, device=self.device)  # no neighbours in the warm-up
+            hidden = self.forward(ids, torch.arange(T, device=self.device), x_in)
+            if not self.pipelined or self.dist.last_stage:
+                self.model.compute_logits(hidden[:min(T, sc.max_num_seqs)])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del kv, ctx, hidden
@@ -278,8 +290,16 @@ class ModelRunner:
         if num_blocks < 2:
             raise ConfigError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
         log.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size, num_blocks * per_block / 2**30)
-        return KVCache(cfg.num_hidden_layers, num_blocks, self.block_size, self.kv_heads,
-                       cfg.head_dim, self.dtype, self.device, v_head_dim=cfg.v_cache_dim, kv_dtype=self.kv_dtype)
+        return self._stage_kv(KVCache(len(self.layers), num_blocks, self.block_size, self.kv_heads, cfg.head_dim,
+                                      self.dtype, self.device, v_head_dim=cfg.v_cache_dim, kv_dtype=self.kv_dtype))
+
+    def _stage_kv(self, cache: KVCache):
+        """A pipeline stage caches its own layers only, addressed by global layer index."""
+        if not self.pipelined:
+            return cache
+        from ferrylm.parallel.pipeline import StageKV
+
+        return StageKV(cache, self.layers.start)
 
     def _allocate_state(self) -> SequenceStatePool | None:
         specs = self.model.state_specs() if hasattr(self.model, "state_specs") else None
@@ -335,23 +355,27 @@ class ModelRunner:
         step = self.describe(out)
         return *self.tensors(step), step.sample_rows
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         """The eager step, with the runner owning the layer loop: ids, pos [T] -> hidden states [T, H].
-        Around each layer the placed weights wait for that layer's copy and start the next one's."""
-        return self.run_layers(self.embed(ids), pos)
+        Around each layer the placed weights wait for that layer's copy and start the next one's.
+        A pipeline stage after the first starts from `hidden_in` [T, H]; one before the last returns its
+        last layer's output (no final norm)."""
+        return self.run_layers(self.embed(ids) if hidden_in is None else hidden_in, pos)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> embeddings [T, H] on the device (looked up on the host when the table lives there)."""
         return self.model.embed(ids.cpu()).to(self.device) if self.embed_on_host else self.model.embed(ids)
 
     def run_layers(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Embeddings [T, H] -> final hidden states [T, H]."""
+        """Embeddings [T, H] -> final hidden states [T, H] (a pipeline stage: its layers only)."""
         model, weights = self.model, self.placed
         step = model.begin_step(self.device)
-        for i in range(model.num_layers):
+        for i in self.layers:
             weights.before_layer(i)
             x = model.run_layer(i, pos, x, step)
             weights.after_layer(i)
+        if self.pipelined and not self.dist.last_stage:
+            return x
         return model.final_norm(x)
 
     @torch.inference_mode()
@@ -372,6 +396,8 @@ class ModelRunner:
     def run(self, step: StepInput) -> torch.Tensor:
         """The eager (or piecewise-graph) step of a plain description: logits [N, V] (fp32) of
         `step.sample_rows`. Tensor-parallel workers run exactly this on the step rank 0 ships."""
+        if self.pipelined:
+            return self._run_stage(step)
         ids, pos, ctx = self.tensors(step)
         if self.piecewise is not None and self.piecewise.eligible(ids.numel()):
             hidden = self.piecewise.run(ids, pos, ctx)  # [T, H]
@@ -383,3 +409,22 @@ class ModelRunner:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
+
+    def _run_stage(self, step: StepInput) -> torch.Tensor | None:
+        """One pipeline stage's part of a step: hidden states in from the previous stage (or the embedding),
+        out to the next (or the LM head, whose logits the last stage's first rank sends to rank 0)."""
+        d = self.dist
+        ids, pos, ctx = self.tensors(step)
+        shape, N = (ids.numel(), self.model_config.hidden_size), len(step.sample_rows)
+        x_in = None if d.first_stage else d.recv_prev(shape, self.dtype, self.device)
+        with forward_context(ctx):
+            hidden = self.forward(ids, pos, x_in)  # [T, H]
+        if not d.last_stage:
+            d.send_next(hidden)
+            return d.recv_logits((N, self.model_config.vocab_size), self.device) if d.rank == 0 and N else None
+        if not N:
+            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
+        logits = self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])  # [N, V]
+        if d.tp.rank == 0 and d.rank != 0:
+            d.send_logits(logits)
+        return logits

@@ -58,6 +58,25 @@ class CausalLM(nn.Module):
     def num_layers(self) -> int:
         return len(self.model.layers)
 
+    absent: tuple[str, ...] = ()
+    """Name prefixes of modules another pipeline stage holds (`keep_layers`): their tensors are not read."""
+
+    def keep_layers(self, layers: range, embed: bool, head: bool) -> None:
+        """Keep only a pipeline stage's part: the layers in `layers`, the embedding if `embed` (or a tied head
+        needs it), the final norm and LM head if `head`. The rest become empty placeholders."""
+        dropped = []
+        for i in range(self.num_layers):
+            if i not in layers:
+                self.model.layers[i] = nn.Module()
+                dropped.append(f"model.layers.{i}.")
+        if not embed and not (head and getattr(self, "tied", False)):
+            self.model.embed_tokens = nn.Module()
+            dropped.append("model.embed_tokens.")
+        if not head:
+            self.model.norm, self.lm_head = nn.Module(), nn.Module()
+            dropped += ["model.norm.", "lm_head."]
+        self.absent = tuple(dropped)
+
     def begin_step(self, device: torch.device):
         return None
 
@@ -100,6 +119,8 @@ class CausalLM(nn.Module):
         get_quantized = getattr(source, "get_quantized", None)
         for name in source.keys():
             if any(name.endswith(s) for s in self.ignored_weights):
+                continue
+            if self.absent and name.startswith(self.absent):  # another pipeline stage's tensor
                 continue
             part = self._tp_part(name, params)
             if part == SKIP:  # an expert another tensor-parallel rank holds: never read here

@@ -46,6 +46,7 @@ class Dist:
         worker: its parent exited)."""
         pc = config.parallel
         self.rank, self.world, self.store, self.watch = rank, world, store, watch
+        self._closed = False
         self.timeout = pc.parallel_timeout
         self._stamp = threading.Thread(target=self._stamp_alive, args=(store_addr,), daemon=True, name="ferry-alive")
         self._stamp.start()
@@ -59,15 +60,20 @@ class Dist:
         # in one process (tests) and nothing global is left behind when an engine closes
         self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, timeout)
         """Steps and pings from rank 0 (gloo: plain Python objects, whatever the data backend)."""
-        self.tp = TPGroup(rank % pc.tensor_parallel_size, pc.tensor_parallel_size,
-                          _data_group(self.backend, dist.PrefixStore("tp", store), rank, world, timeout),
-                          pc.expert_parallel)
+        tp, self.pp_size = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        self.stage, tp_rank = divmod(rank, tp)
+        """Ranks are stage-major: stage s holds ranks s * tp .. s * tp + tp - 1, one tensor-parallel group."""
+        self.world_pg = _data_group(self.backend, dist.PrefixStore("world", store), rank, world, timeout)
+        """Every rank, on the data backend: hidden states between stages, logits back to rank 0."""
+        tp_pg = self.world_pg if self.pp_size == 1 else _data_group(
+            self.backend, dist.PrefixStore(f"tp{self.stage}", store), tp_rank, tp, timeout)
+        self.tp = TPGroup(tp_rank, tp, tp_pg, pc.expert_parallel)
 
     # -- start-up -----------------------------------------------------------------------------------
 
     def _stamp_alive(self, addr: tuple[str, int]) -> None:
         store = dist.TCPStore(addr[0], addr[1], is_master=False, timeout=timedelta(seconds=10))  # its own socket
-        while True:
+        while not self._closed:
             try:
                 store.set(f"alive/{self.rank}", repr(time.time()))
             except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone; `watch` ends this process
@@ -141,10 +147,46 @@ class Dist:
         self.control.broadcast(data, 0).wait()
         return pickle.loads(data.numpy().tobytes())
 
-    def close(self) -> None:
-        """Drop the groups (their sockets close; peers still waiting on them fail at once)."""
-        self.control = None
-        self.tp = TPGroup()
+    # -- pipeline stages ----------------------------------------------------------------------------
+
+    @property
+    def first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.stage == self.pp_size - 1
+
+    def send_next(self, x: torch.Tensor) -> None:
+        """Hidden states to the same tensor-parallel rank of the next stage."""
+        self.world_pg.send([x.contiguous()], self.rank + self.tp.size, 0).wait()
+
+    def recv_prev(self, shape, dtype, device) -> torch.Tensor:
+        x = torch.empty(shape, dtype=dtype, device=device)
+        self.world_pg.recv([x], self.rank - self.tp.size, 0).wait()
+        return x
+
+    def send_logits(self, logits: torch.Tensor) -> None:
+        """The last stage's first rank: the step's logits to rank 0, which samples."""
+        self.world_pg.send([logits.contiguous()], 0, 1).wait()
+
+    def recv_logits(self, shape, device) -> torch.Tensor:
+        out = torch.empty(shape, dtype=torch.float32, device=device)
+        self.world_pg.recv([out], (self.pp_size - 1) * self.tp.size, 1).wait()
+        return out
+
+    def close(self, abort: bool = False) -> None:
+        """Shut the groups down (abort them after a failure: a peer may never answer); their sockets close,
+        so peers still waiting on them fail at once. Layers keep their `TPGroup`, so the backends must be
+        shut here, not left to the garbage collector at interpreter exit."""
+        self._closed = True
+        groups = {id(g): g for g in (self.control, self.world_pg, self.tp.pg) if g is not None}
+        for g in groups.values():
+            try:
+                g.abort() if abort else g.shutdown()
+            except Exception as e:  # noqa: BLE001 - already broken: nothing more to release
+                log.debug("process group %s: %s", "abort" if abort else "shutdown", e)
+        self.control = self.world_pg = None
 
 
 def _data_group(backend: str, store, rank: int, world: int, timeout: timedelta):

@@ -145,4 +145,4 @@ class ParallelExecutor:
             except Exception as e:  # noqa: BLE001 - a worker already gone: it is killed below
                 log.debug("stop message: %s", e)
         self._stop_workers(kill=self.failed is not None)
-        self.dist.close()
+        self.dist.close(abort=self.failed is not None)

@@ -46,9 +46,13 @@ def _check(config, model_config) -> None:
 
     pc = config.parallel
     cls = model_class(model_config)
+    if not getattr(cls, "tensor_parallel", False):  # sharded layers and the plain layer structure
+        raise ConfigError(f"{cls.__name__} does not support tensor or pipeline parallelism yet (docs/parallel.md)")
+    if pc.pipeline_parallel_size > 1:
+        from ferrylm.parallel.pipeline import stage_layers
+
+        stage_layers(model_config.num_hidden_layers, pc.pipeline_parallel_size, 0)
     if pc.tensor_parallel_size > 1:
-        if not getattr(cls, "tensor_parallel", False):
-            raise ConfigError(f"{cls.__name__} does not support tensor_parallel_size > 1 yet (docs/parallel.md)")
         tp, mc = pc.tensor_parallel_size, model_config
         if mc.num_attention_heads % tp:
             raise ConfigError(f"the model's {mc.num_attention_heads} attention heads are not divisible by "
@@ -106,7 +110,7 @@ def start_runner(config, model_config, source, max_model_len: int, progress=None
         for p in procs.values():
             p.kill()
         if d is not None:
-            d.close()
+            d.close(abort=True)
         raise
     return ParallelExecutor(runner, d, procs)
 
@@ -177,16 +181,17 @@ def serve(d: Dist, runner: ModelRunner) -> int:
         while True:
             msg = d.recv()
             if msg == STOP:
-                return 0
+                break
             if msg == PING:
                 continue
             runner.run(msg)
     except Exception as e:  # noqa: BLE001 - rank 0 gone, a collective timed out, or the step failed here
         log.error("rank %d stops: %s: %s", d.rank, type(e).__name__, e)
         d.report(e)
+        d.close(abort=True)
         return 1
-    finally:
-        d.close()
+    d.close()
+    return 0
 
 
 def torchrun_worker(config, max_model_len: int) -> int:

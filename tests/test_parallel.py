@@ -314,3 +314,37 @@ def test_server_tp2_answers_openai_then_reports_a_lost_worker(llama, llama_tp):
     finally:
         assert server.stop() == 0
     assert not any(psutil.pid_exists(w.pid) and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+
+
+# -- torchrun, topology -----------------------------------------------------------------------------------------
+
+
+def test_torchrun_joins_its_processes_instead_of_spawning(llama, tmp_path):
+    want = LLM(llama, dtype="float32").generate("hi there", SamplingParams(temperature=0, max_tokens=5,
+                                                                           ignore_eos=True))[0].outputs[0].text
+    port = 29000 + os.getpid() % 1000
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "-m", "ferrylm", "generate", "--model", llama, "--tensor-parallel-size", "2", "--dtype", "float32",
+           "--max-tokens", "5", "hi there"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert want in r.stdout  # rank 0 printed the single-process engine's greedy text; rank 1 printed nothing
+    assert r.stdout.count(want) == 1
+
+
+def test_tp_groups_auto_keeps_each_group_on_one_socket():
+    from ferrylm.parallel.topology import GPU, plan_groups
+
+    # 8 PCIe GPUs, even ones on socket 0 (two switches), odd ones on socket 1, as some BIOSes number them
+    gpus = [GPU(i, i % 2, ("0000:00:01.0", f"0000:1{i % 2}:00.0", f"0000:2{i % 4}:00.0")) for i in range(8)]
+    order, why = plan_groups(gpus, tp=4, pp=2)
+    assert set(order[:4]) == {0, 2, 4, 6} and set(order[4:]) == {1, 3, 5, 7}
+    assert order[:2] == [0, 4]  # and the GPUs behind one switch next to each other
+    assert all("crosses" not in w and "cross the CPU socket" not in w for w in why), why
+    assert "NUMA node 0" in why[0] and "NUMA node 1" in why[1]
+    order, why = plan_groups(gpus, tp=2, pp=4)  # pairs under one switch
+    assert order[:2] == [0, 4] and "under PCI bridge 0000:20:00.0" in why[0]
+    _, why = plan_groups(gpus, tp=8, pp=1)
+    assert any("cross the CPU socket link" in w for w in why)
+    with pytest.raises(ConfigError, match="16 ranks need 16 GPUs"):
+        plan_groups(gpus, tp=8, pp=2)

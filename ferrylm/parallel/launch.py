@@ -82,7 +82,7 @@ def start_runner(config, model_config, source, max_model_len: int, progress=None
 
     _check(config, model_config)
     world, env = config.parallel.world_size, torchrun_env()
-    order = device_order(config, world)
+    order = None if env else device_order(config, world)  # under torchrun LOCAL_RANK picks the GPU
     procs = {}
     if env:
         host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"]) + 1  # torchrun's own store is on MASTER_PORT
@@ -97,13 +97,16 @@ def start_runner(config, model_config, source, max_model_len: int, progress=None
         ctx = torch.multiprocessing.get_context("spawn")
         for r in range(1, world):
             p = ctx.Process(target=worker_main, name=f"ferry-rank{r}", daemon=True,
-                            args=(r, world, (host, port), config.replace(device=rank_device(config.device, r, order)),
-                                  max_model_len, os.getpid()))
+                            args=(r, world, (host, port), _rank_config(config, r, order), max_model_len, os.getpid()))
             p.start()
             procs[r] = p
     d = None
     try:
-        config = config.replace(device=rank_device(config.device, local_rank, order))
+        config = _rank_config(config, local_rank, order)
+        if config.numa_node is not None:
+            from ferrylm.hw.cpu_binding import bind_cpu
+
+            bind_cpu(config.threads, config.numa_node)
         d = Dist(0, world, store, (host, port), config, watch=_watch_procs(procs))
         runner = ModelRunner(config, model_config, source, max_model_len, progress=progress, dist=d)
     except BaseException:
@@ -113,6 +116,15 @@ def start_runner(config, model_config, source, max_model_len: int, progress=None
             d.close(abort=True)
         raise
     return ParallelExecutor(runner, d, procs)
+
+
+def _rank_config(config, local_rank: int, order: list[int] | None):
+    """A rank's own config: its device and (tp_groups auto on CUDA) its GPU's NUMA node."""
+    from ferrylm.parallel.topology import numa_node_of
+
+    device = rank_device(config.device, local_rank, order)
+    numa = numa_node_of(config, int(device.split(":")[1])) if device.startswith("cuda") else config.numa_node
+    return config.replace(device=device, numa_node=numa)
 
 
 def _watch_procs(procs: dict):
@@ -142,7 +154,10 @@ def _build(rank: int, world: int, addr, config, max_model_len: int, watch) -> tu
         if config.dequantize:
             source.get_quantized = lambda name: None
         try:
-            runner = ModelRunner(config, ModelConfig.from_hf(source.config), source, max_model_len, dist=d)
+            model_config = ModelConfig.from_hf(source.config)
+            if max_model_len is None:  # a torchrun worker: the rule LLMEngine uses (its checks ran on rank 0)
+                max_model_len = config.scheduler.max_model_len or model_config.context_limit
+            runner = ModelRunner(config, model_config, source, max_model_len, dist=d)
         finally:
             source.close()
     except BaseException as e:
@@ -194,13 +209,10 @@ def serve(d: Dist, runner: ModelRunner) -> int:
     return 0
 
 
-def torchrun_worker(config, max_model_len: int) -> int:
+def torchrun_worker(config, max_model_len: int | None = None) -> int:
     """A torchrun process of rank > 0: build this rank's runner and serve steps (the command does not run)."""
     env = torchrun_env()
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    from ferrylm.parallel.topology import device_order
-
-    order = device_order(config, world)
-    config = config.replace(device=rank_device(config.device, int(env["LOCAL_RANK"]), order))
+    config = config.replace(device=rank_device(config.device, int(env["LOCAL_RANK"])))
     d, runner = _build(rank, world, (env["MASTER_ADDR"], int(env["MASTER_PORT"]) + 1), config, max_model_len, None)
     return serve(d, runner)

@@ -207,6 +207,52 @@ def test_moe_tp2_and_ep2_equal_one_process(family, tmp_path_factory, engines):
     compare(f"{family} EP=2 (whole experts per rank)", ref, run(ep, ps, 8))
 
 
+# -- Yuan 2.0: LF filter and attention router replicated per rank, heads / MLP / experts sharded ---------------
+
+YUAN = os.path.join(os.path.dirname(__file__), "data")
+
+
+@pytest.fixture(scope="module")
+def yuan_dirs(tmp_path_factory):
+    """The golden checkpoints' config.json + model.safetensors (their folders also hold golden.safetensors)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in ("yuan2-tiny", "yuan2-m32-tiny"):
+        d = tmp_path_factory.mktemp(name)
+        for f in ("config.json", "model.safetensors"):
+            os.symlink(os.path.join(YUAN, name, f), d / f)
+        out[name] = (str(d), load_file(os.path.join(YUAN, name, "golden.safetensors")))
+    return out
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("yuan2-tiny", dict(tensor_parallel_size=2)),
+    ("yuan2-m32-tiny", dict(tensor_parallel_size=2)),
+    ("yuan2-m32-tiny", dict(tensor_parallel_size=2, expert_parallel=True)),
+    ("yuan2-m32-tiny", dict(pipeline_parallel_size=2)),
+], ids=["dense-tp2", "m32-tp2", "m32-ep2", "m32-pp2"])
+def test_yuan_parallel_matches_golden_batched_with_preemption(name, kw, yuan_dirs, engines):
+    """The golden prompt batched with three others, 8-token chunks and a pool small enough to preempt: its
+    greedy ids and logits equal the reference HF code's (golden), the others' tokens equal one process's."""
+    path, g = yuan_dirs[name]
+    opts = {"rope_dtype": "bfloat16"} if "m32" in name else {}
+    gen = torch.Generator().manual_seed(11)
+    ps = [g["input_ids"][0].tolist()] + [torch.randint(0, 380, (n,), generator=gen).tolist() for n in (13, 3, 7)]
+    steps = len(g["greedy_ids"])
+    one = LLM(path, dtype="float32", max_num_seqs=4, model_overrides=opts)
+    ref_tok, _ = run(one, ps, steps)
+    llm = engines(path, max_num_seqs=4, max_num_batched_tokens=8, block_size=4, num_kv_blocks=14,
+                  model_overrides=opts, **kw)
+    tok, logits = run(llm, ps, steps)
+    assert llm.engine.scheduler.num_preemptions > 0
+    diff = (logits[0] - g["decode_logits"]).abs().max().item()
+    print(f"{name} {kw}: batched + preempted, max |logit diff| vs golden = {diff:.3e}")
+    assert tok[0] == g["greedy_ids"].tolist() and diff < TOL
+    assert tok == ref_tok
+    llm.engine.close()
+
+
 # -- failures -------------------------------------------------------------------------------------------------
 
 

@@ -48,6 +48,13 @@ class ParallelExperts(Experts):
         I, r = self.inter, self.tp.rank
         return (1, r * I, I) if part == "down" else (0, r * I, I)  # down: [H, I]; gate, up: [I, H]
 
+    def shard_gate_up(self, w: torch.Tensor) -> torch.Tensor:
+        """A stacked [gate; up] checkpoint tensor [2 I, H] -> this rank's [its gate rows; its up rows]."""
+        if self.tp.size == 1 or self.ep:
+            return w
+        full, I, r = w.shape[0] // 2, self.inter, self.tp.rank
+        return torch.cat([w[r * I:(r + 1) * I], w[full + r * I:full + (r + 1) * I]])
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_ids, topk_weights: [T, k] (global expert ids) -> [T, H]
         if self.tp.size == 1:

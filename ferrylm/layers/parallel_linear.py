@@ -94,3 +94,33 @@ class RowParallelLinear(Linear):
             return Linear.forward(self, x)
         out = self.tp.all_reduce(self.matmul(x))  # [T, out]: the sum of every rank's columns
         return out if self.bias is None else out + self.bias
+
+
+class StackedParallelLinear(Linear):
+    """Several checkpoint tensors stacked by rows ([shard 0; shard 1; ...]) and split over the ranks as one
+    stack: rank r holds stacked rows [r R/n, (r+1) R/n), whatever shards they fall in. For layouts read
+    per head across the stack (Yuan's cat(q_proj(x), k_proj(x)) viewed as [heads, 2 D]). A shard none of
+    whose rows a rank holds is not read there."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
+        """shards: name -> rows, in stack order."""
+        g = current_group()
+        n = g.split(sum(shards.values()), "stacked rows")
+        lo, hi = g.rank * n, (g.rank + 1) * n
+        local, parts, at, start = {}, {}, 0, 0
+        for name, rows in shards.items():
+            a, b = max(lo, start), min(hi, start + rows)
+            if b > a:
+                local[name], parts[name], at = (at, b - a), (a - start, b - a), at + b - a
+            start += rows
+        super().__init__(in_features, n, bias, local)
+        self.tp, self._parts = g, parts
+
+    def tp_part(self, attr: str, shard: str | None) -> Part:
+        from ferrylm.layers.parallel_experts import SKIP
+
+        if self.tp.size == 1:
+            return None
+        if shard not in self._parts:
+            return SKIP
+        return (0, *self._parts[shard])

@@ -179,6 +179,14 @@ def test_pipeline_stages_equal_one_process(llama, engines, tp):
     assert llm.engine.scheduler.num_preemptions > 0
     compare(f"llama TP={tp} x PP=2 batched (preempted) vs alone",
             ([t for r in ref for t in r[0]], [r[1][0] for r in ref]), got)
+    # prompt logprobs: rows of several micro-batches come back in the order the engine asked for them
+    lp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    want = [o.prompt_logprobs for o in alone.generate(ps[:3], lp)] if tp == 1 else None
+    if want:
+        got_lp = [o.prompt_logprobs for o in llm.generate(ps[:3], lp)]
+        for w, g_ in zip(want, got_lp):
+            assert [sorted(d) if d else d for d in w] == [sorted(d) if d else d for d in g_]
+            assert max(abs(w[i][t] - g_[i][t]) for i in range(1, len(w)) for t in w[i]) < TOL
     llm.engine.close()
 
 

@@ -411,20 +411,37 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     def _run_stage(self, step: StepInput) -> torch.Tensor | None:
-        """One pipeline stage's part of a step: hidden states in from the previous stage (or the embedding),
-        out to the next (or the LM head, whose logits the last stage's first rank sends to rank 0)."""
-        d = self.dist
-        ids, pos, ctx = self.tensors(step)
-        shape, N = (ids.numel(), self.model_config.hidden_size), len(step.sample_rows)
-        x_in = None if d.first_stage else d.recv_prev(shape, self.dtype, self.device)
-        with forward_context(ctx):
-            hidden = self.forward(ids, pos, x_in)  # [T, H]
+        """One pipeline stage's part of a step, in micro-batches of whole sequences (one per stage, so
+        the stages overlap): hidden states in from the previous stage (or the embedding), out to the next
+        (or the LM head, whose logits the last stage's first rank sends to rank 0). Rank 0 returns the
+        step's logits [N, V] in `sample_rows` order; other ranks return None."""
+        from ferrylm.parallel.pipeline import split_step
+
+        d, V = self.dist, self.model_config.vocab_size
+        mbs = split_step(step, d.pp_size)
+        pending, logits = [], []  # sends in flight (with their tensors), the last stage's logits
+        for mb, (sub, _) in enumerate(mbs):
+            ids, pos, ctx = self.tensors(sub)
+            shape = (ids.numel(), self.model_config.hidden_size)
+            x_in = None if d.first_stage else d.recv_prev(shape, self.dtype, self.device, mb)
+            with forward_context(ctx):
+                hidden = self.forward(ids, pos, x_in)  # [t, H]
+            if not d.last_stage:
+                hidden = hidden.contiguous()
+                pending.append((d.send_next(hidden, mb), hidden))
+            elif sub.sample_rows:
+                out = self.model.compute_logits(hidden[torch.tensor(sub.sample_rows, device=self.device)])
+                logits.append(out)  # [n, V]
+                if d.tp.rank == 0 and d.rank != 0:
+                    pending.append((d.send_logits(out.contiguous(), mb), out))
+        for work, _ in pending:
+            work.wait()
+        if d.rank != 0:
+            return None
         if not d.last_stage:
-            d.send_next(hidden)
-            return d.recv_logits((N, self.model_config.vocab_size), self.device) if d.rank == 0 and N else None
-        if not N:
-            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
-        logits = self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])  # [N, V]
-        if d.tp.rank == 0 and d.rank != 0:
-            d.send_logits(logits)
-        return logits
+            logits = [d.recv_logits((len(sub.sample_rows), V), self.device, mb)
+                      for mb, (sub, _) in enumerate(mbs) if sub.sample_rows]
+        out = torch.empty((len(step.sample_rows), V), dtype=torch.float32, device=self.device)
+        for part, (_, where) in zip(logits, [m for m in mbs if m[0].sample_rows]):
+            out[torch.tensor(where, device=self.device)] = part
+        return out

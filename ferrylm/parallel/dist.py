@@ -157,22 +157,25 @@ class Dist:
     def last_stage(self) -> bool:
         return self.stage == self.pp_size - 1
 
-    def send_next(self, x: torch.Tensor) -> None:
-        """Hidden states to the same tensor-parallel rank of the next stage."""
-        self.world_pg.send([x.contiguous()], self.rank + self.tp.size, 0).wait()
+    # Tags: 2 * micro-batch for hidden states, 2 * micro-batch + 1 for logits. Sends return their `Work`
+    # (the tensor must live until it is waited on), so a stage computes its next micro-batch meanwhile.
 
-    def recv_prev(self, shape, dtype, device) -> torch.Tensor:
+    def send_next(self, x: torch.Tensor, mb: int = 0):
+        """Hidden states to the same tensor-parallel rank of the next stage."""
+        return self.world_pg.send([x], self.rank + self.tp.size, 2 * mb)
+
+    def recv_prev(self, shape, dtype, device, mb: int = 0) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=device)
-        self.world_pg.recv([x], self.rank - self.tp.size, 0).wait()
+        self.world_pg.recv([x], self.rank - self.tp.size, 2 * mb).wait()
         return x
 
-    def send_logits(self, logits: torch.Tensor) -> None:
-        """The last stage's first rank: the step's logits to rank 0, which samples."""
-        self.world_pg.send([logits.contiguous()], 0, 1).wait()
+    def send_logits(self, logits: torch.Tensor, mb: int = 0):
+        """The last stage's first rank: a micro-batch's logits to rank 0, which samples."""
+        return self.world_pg.send([logits], 0, 2 * mb + 1)
 
-    def recv_logits(self, shape, device) -> torch.Tensor:
+    def recv_logits(self, shape, device, mb: int = 0) -> torch.Tensor:
         out = torch.empty(shape, dtype=torch.float32, device=device)
-        self.world_pg.recv([out], (self.pp_size - 1) * self.tp.size, 1).wait()
+        self.world_pg.recv([out], (self.pp_size - 1) * self.tp.size, 2 * mb + 1).wait()
         return out
 
     def close(self, abort: bool = False) -> None:

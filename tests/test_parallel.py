@@ -402,3 +402,21 @@ def test_tp_groups_auto_keeps_each_group_on_one_socket():
     assert any("cross the CPU socket link" in w for w in why)
     with pytest.raises(ConfigError, match="16 ranks need 16 GPUs"):
         plan_groups(gpus, tp=8, pp=2)
+
+
+def test_plan_predicts_a_ranks_kv_as_the_engine_caches_it(llama, llama_tp, tmp_path_factory):
+    """`ferry plan --tensor-parallel-size 2`: per-rank KV bytes per token as the TP engine allocates them,
+    including one replicated KV head per rank when the model has fewer KV heads than ranks."""
+    from ferrylm.plan.planner import PlanOptions, make_plan
+
+    def plan_kv(path, tp, pp=1):
+        p = make_plan(PlanOptions(path, gpu="4xH200", host="1xXeon-8480C,1TB", dtype="float32", tp=tp, pp=pp,
+                                  max_model_len=256), advise=False)
+        return pytest.approx(p.per_gpu["kv"] / p.per_gpu["kv_tokens"], rel=1e-4)  # the pool is whole blocks
+
+    engine_kv = llama_tp.engine.runner._kv_bytes_per_block() / llama_tp.engine.runner.block_size
+    assert plan_kv(llama, 2) == engine_kv  # 2 KV heads over 2 ranks: half
+    assert plan_kv(llama, 2, pp=2) == engine_kv / 2  # and one of the two layers
+    assert plan_kv(llama, 1) == 2 * engine_kv
+    one_kv = build(tmp_path_factory, "llama-1kv", "LlamaConfig", "LlamaForCausalLM", num_key_value_heads=1)
+    assert plan_kv(one_kv, 2) == plan_kv(one_kv, 1).expected  # replicated, not halved

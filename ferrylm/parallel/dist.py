@@ -46,7 +46,7 @@ class Dist:
         worker: its parent exited)."""
         pc = config.parallel
         self.rank, self.world, self.store, self.watch = rank, world, store, watch
-        self._closed = False
+        self._closed = threading.Event()
         self.timeout = pc.parallel_timeout
         self._stamp = threading.Thread(target=self._stamp_alive, args=(store_addr,), daemon=True, name="ferry-alive")
         self._stamp.start()
@@ -67,18 +67,23 @@ class Dist:
         """Every rank, on the data backend: hidden states between stages, logits back to rank 0."""
         tp_pg = self.world_pg if self.pp_size == 1 else _data_group(
             self.backend, dist.PrefixStore(f"tp{self.stage}", store), tp_rank, tp, timeout)
-        self.tp = TPGroup(tp_rank, tp, tp_pg, pc.expert_parallel)
+        self.tp = TPGroup(tp_rank, tp, [tp_pg], pc.expert_parallel)
+        last = (self.pp_size - 1) * tp
+        self.logits_pg = _data_group(self.backend, dist.PrefixStore("logits", store), int(rank == last), 2, timeout) \
+            if self.pp_size > 1 and rank in (0, last) else None
+        """Rank 0 and the last stage's first rank: logits come back on a group (a stream, under NCCL) of their
+        own, so they never queue behind the hidden states rank 0 is still sending (a cycle on one stream)."""
 
     # -- start-up -----------------------------------------------------------------------------------
 
     def _stamp_alive(self, addr: tuple[str, int]) -> None:
         store = dist.TCPStore(addr[0], addr[1], is_master=False, timeout=timedelta(seconds=10))  # its own socket
-        while not self._closed:
+        while not self._closed.is_set():
             try:
                 store.set(f"alive/{self.rank}", repr(time.time()))
             except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone; `watch` ends this process
                 return
-            time.sleep(ALIVE_EVERY)
+            self._closed.wait(ALIVE_EVERY)
 
     def sync(self, tag: str, timeout: float = START_TIMEOUT) -> None:
         """Wait until every rank reached `tag`; a rank that reported an error or died fails it, naming it."""
@@ -171,25 +176,30 @@ class Dist:
 
     def send_logits(self, logits: torch.Tensor, mb: int = 0):
         """The last stage's first rank: a micro-batch's logits to rank 0, which samples."""
-        return self.world_pg.send([logits], 0, 2 * mb + 1)
+        return self.logits_pg.send([logits], 0, 2 * mb + 1)
 
     def recv_logits(self, shape, device, mb: int = 0) -> torch.Tensor:
         out = torch.empty(shape, dtype=torch.float32, device=device)
-        self.world_pg.recv([out], (self.pp_size - 1) * self.tp.size, 2 * mb + 1).wait()
+        self.logits_pg.recv([out], 1, 2 * mb + 1).wait()
         return out
 
     def close(self, abort: bool = False) -> None:
         """Shut the groups down (abort them after a failure: a peer may never answer); their sockets close,
         so peers still waiting on them fail at once. Layers keep their `TPGroup`, so the backends must be
         shut here, not left to the garbage collector at interpreter exit."""
-        self._closed = True
-        groups = {id(g): g for g in (self.control, self.world_pg, self.tp.pg) if g is not None}
+        self._closed.set()
+        self._stamp.join(5)
+        groups = {id(g): g for g in (self.control, self.world_pg, *self.tp.backend, self.logits_pg) if g is not None}
         for g in groups.values():
             try:
                 g.abort() if abort else g.shutdown()
             except Exception as e:  # noqa: BLE001 - already broken: nothing more to release
                 log.debug("process group %s: %s", "abort" if abort else "shutdown", e)
-        self.control = self.world_pg = None
+        # drop every reference now (layers hold the TP group's box), so the backends and the store are
+        # destroyed here, their threads joined, rather than during interpreter exit
+        groups.clear()
+        self.tp.backend.clear()
+        self.control = self.world_pg = self.logits_pg = self.store = None
 
 
 def _data_group(backend: str, store, rank: int, world: int, timeout: timedelta):

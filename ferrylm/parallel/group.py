@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,10 +21,20 @@ import torch
 class TPGroup:
     rank: int = 0
     size: int = 1
-    pg: object = None
-    """The TP ranks' torch.distributed backend (ProcessGroupGloo / ProcessGroupNCCL; None for size 1)."""
+    backend: list = field(default_factory=list, compare=False)
+    """[the TP ranks' torch.distributed backend] (ProcessGroupGloo / ProcessGroupNCCL; empty for size 1).
+    A box: every layer holds this group, and closing the engine empties it, so the backend is destroyed
+    then (its threads joined) and not at interpreter exit."""
     expert_parallel: bool = False
     """MoE banks shard whole experts across the group instead of each expert's intermediate dim."""
+
+    @property
+    def pg(self):
+        if not self.backend:
+            from ferrylm.errors import WorkerLostError
+
+            raise WorkerLostError("the parallel engine is closed")
+        return self.backend[0]
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's `x` (in place), the row-parallel combine."""

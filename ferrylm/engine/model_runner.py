@@ -387,6 +387,13 @@ class ModelRunner:
         finally:
             self.placed.after_step()  # expert slots follow the routing of mapped steps
 
+    def run_shipped(self, step: StepInput) -> torch.Tensor | None:
+        """`run` plus the per-step bookkeeping `execute` does: what every rank of a parallel engine runs."""
+        try:
+            return self.run(step)
+        finally:
+            self.placed.after_step()
+
     def _execute(self, out: SchedulerOutput, extra_rows) -> torch.Tensor:
         if self.graphs is not None and not extra_rows and self.graphs.eligible(out):
             return self.graphs.run(out)

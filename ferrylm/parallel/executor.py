@@ -54,7 +54,7 @@ class ParallelExecutor:
         step = self.runner.describe(out, extra_rows)
         try:
             self._send(step)
-            return self.runner.run(step)
+            return self.runner.run_shipped(step)
         except WorkerLostError:
             raise
         except Exception as e:  # noqa: BLE001 - torch.distributed raises RuntimeError subclasses

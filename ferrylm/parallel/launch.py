@@ -199,7 +199,7 @@ def serve(d: Dist, runner: ModelRunner) -> int:
                 break
             if msg == PING:
                 continue
-            runner.run(msg)
+            runner.run_shipped(msg)
     except Exception as e:  # noqa: BLE001 - rank 0 gone, a collective timed out, or the step failed here
         log.error("rank %d stops: %s: %s", d.rank, type(e).__name__, e)
         d.report(e)

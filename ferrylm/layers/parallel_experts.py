@@ -26,6 +26,13 @@ SKIP = "skip"
 """`tp_part` of an expert this rank does not hold: the loader does not read it."""
 
 
+def expert_bank(num_experts: int, hidden: int, inter: int, act: str = "silu") -> Experts:
+    """The bank a model declares: `ParallelExperts` in a tensor-parallel group, else the plain `Experts`
+    (one process keeps exactly the bank it always had)."""
+    cls = ParallelExperts if current_group().size > 1 else Experts
+    return cls(num_experts, hidden, inter, act)
+
+
 class ParallelExperts(Experts):
     def __init__(self, num_experts: int, hidden: int, inter: int, act: str = "silu"):
         g = current_group()

@@ -50,7 +50,7 @@ from ferrylm.layers.context import get_forward_context
 from ferrylm.layers.embedding import ParallelLMHead, ParallelVocabEmbedding, TiedLMHead
 from ferrylm.layers.linear import Linear
 from ferrylm.layers.moe import route
-from ferrylm.layers.parallel_experts import SKIP, ParallelExperts
+from ferrylm.layers.parallel_experts import SKIP, ParallelExperts, expert_bank
 from ferrylm.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, StackedParallelLinear
 from ferrylm.layers.norm import RMSNorm
 from ferrylm.layers.rotary import RotaryEmbedding
@@ -266,7 +266,7 @@ class YuanMoE(nn.Module):
         super().__init__()
         self.top_k, self.normalize = shape.top_k, shape.norm_topk_prob
         self.gate = AttentionRouter(shape.hidden, shape.num_experts)
-        self.experts = ParallelExperts(shape.num_experts, shape.hidden, shape.expert_ffn, cfg.hidden_act)
+        self.experts = expert_bank(shape.num_experts, shape.hidden, shape.expert_ffn, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
@@ -330,8 +330,8 @@ class YuanForCausalLM(CausalLM):
 
     def _tp_part(self, name: str, params):
         if m := _W1.match(name):  # stacked [gate; up]: read whole, split by `shard_gate_up` (experts of
-            part = self.get_submodule(m[1]).tp_part(int(m[2]), "gate")  # another rank are not read at all)
-            return SKIP if part == SKIP else None
+            bank = self.get_submodule(m[1])  # another rank are not read at all)
+            return SKIP if isinstance(bank, ParallelExperts) and bank.tp_part(int(m[2]), "gate") == SKIP else None
         return super()._tp_part(name, params)
 
     def begin_step(self, device: torch.device) -> LFBatch:
@@ -351,9 +351,12 @@ class YuanForCausalLM(CausalLM):
             self.get_submodule(name.rsplit(".", 1)[0]).load("weight", LocalizedFilter.conv_weight(tensor))
             return True
         if m := _W1.match(name):  # M32's w1 is [gate; up] stacked already
-            bank: ParallelExperts = self.get_submodule(m[1])
-            e = int(m[2]) - bank.first_expert
-            bank.load(e, "gate_up", bank.shard_gate_up(tensor))
+            bank = self.get_submodule(m[1])
+            if isinstance(bank, ParallelExperts):  # its own index and share
+                e, tensor = int(m[2]) - bank.first_expert, bank.shard_gate_up(tensor)
+            else:
+                e = int(m[2])
+            bank.load(e, "gate_up", tensor)
             return {f"{m[1]}:{e}:gate_up"}
         # A tied checkpoint may still carry lm_head.weight (a copy of the embeddings): nothing to do.
         return self.tied and name == "lm_head.weight"

@@ -420,3 +420,20 @@ def test_plan_predicts_a_ranks_kv_as_the_engine_caches_it(llama, llama_tp, tmp_p
     assert plan_kv(llama, 1) == 2 * engine_kv
     one_kv = build(tmp_path_factory, "llama-1kv", "LlamaConfig", "LlamaForCausalLM", num_key_value_heads=1)
     assert plan_kv(one_kv, 2) == plan_kv(one_kv, 1).expected  # replicated, not halved
+
+
+# -- on GPUs (NCCL): skipped where fewer than 2 (CI); the lead's check on a multi-GPU host ------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                                dict(tensor_parallel_size=2, expert_parallel=True)], ids=["tp2", "pp2", "ep2"])
+def test_cuda_nccl_equals_one_gpu(kw, tmp_path_factory, engines):
+    """NCCL ranks on 2 GPUs against one GPU, fp32 (Mixtral: attention, MLP experts, vocabulary all sharded)."""
+    cfg, cls, extra = MOE["mixtral"]
+    path = build(tmp_path_factory, "mixtral-cuda", cfg, cls, **extra)
+    ps = prompts([37, 5, 60, 1, 23, 48], seed=5)
+    ref = run(LLM(path, dtype="float32", device="cuda", enforce_eager=True, **SMALL_POOL), ps, 8)
+    llm = engines(path, device="cuda", **SMALL_POOL, **kw)
+    compare(f"mixtral {kw} on 2 GPUs (NCCL)", ref, run(llm, ps, 8))
+    llm.engine.close()

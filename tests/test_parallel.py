@@ -190,6 +190,15 @@ def test_pipeline_stages_equal_one_process(llama, engines, tp):
     llm.engine.close()
 
 
+def test_pipeline_stage_reads_its_own_int8_kv_scales(llama, engines):
+    """A stage's KV cache holds its layers only (global layer index -> its own row), scales included."""
+    ps = prompts([30, 4, 17], seed=4)
+    ref = run(LLM(llama, dtype="float32", kv_cache_dtype="int8"), ps, 8)
+    llm = engines(llama, pipeline_parallel_size=2, kv_cache_dtype="int8")
+    compare("llama PP=2, int8 KV cache", ref, run(llm, ps, 8))
+    llm.engine.close()
+
+
 # -- MoE: experts sharded by intermediate features (TP) or whole experts (EP) -------------------------------
 
 MOE = {

@@ -27,10 +27,13 @@ class StageKV:
     def layer(self, i: int):
         return self.cache.layer(i - self.first)
 
+    def scales(self, i: int):
+        return self.cache.scales(i - self.first)
+
     def write(self, i: int, slots, k, v) -> None:
         self.cache.write(i - self.first, slots, k, v)
 
-    def __getattr__(self, name):  # num_blocks, block_size, k, v, nbytes, ...
+    def __getattr__(self, name):  # num_blocks, block_size, k, v, nbytes, ... (every per-layer method is above)
         return getattr(self.cache, name)
 
 

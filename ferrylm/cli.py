@@ -29,6 +29,7 @@ FLAG_EXTRAS: dict[str, dict] = {
                   "layers.4.experts.0-3=gpu, lm_head=gpu"),
     "expert_cache_policy": dict(choices=["lru", "lfu"]),
     "experts": dict(choices=["auto", "gpu", "cpu"]),
+    "tp_groups": dict(choices=["auto", "in-order"]),
 }
 NOT_FLAGS = {"model_overrides"}
 
@@ -257,11 +258,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torchrun_rank() -> int:
+    from ferrylm.parallel.launch import torchrun_env
+
+    env = torchrun_env()
+    return int(env["RANK"]) if env else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        if hasattr(args, "tensor_parallel_size") and _torchrun_rank() > 0:  # a worker: serves rank 0's steps
+            from ferrylm.config import engine_config
+            from ferrylm.parallel.launch import torchrun_worker
+
+            return torchrun_worker(engine_config(model=args.model, model_overrides={}, **engine_kwargs(args)))
         args.func(args)
     except FerryError as e:
         print(f"ferry: error: {e}", file=sys.stderr)

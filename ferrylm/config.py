@@ -316,6 +316,34 @@ class OffloadConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How one engine spreads over processes (docs/parallel.md)."""
+
+    tensor_parallel_size: int = 1
+    """Ranks each layer is sharded over (Megatron-style: heads, MLP and expert intermediate, vocabulary)."""
+    pipeline_parallel_size: int = 1
+    """Stages the layers are split into (contiguous layer ranges, one process group per stage)."""
+    expert_parallel: bool = False
+    """Shard whole experts over the tensor-parallel ranks instead of each expert's intermediate features."""
+    parallel_timeout: float = 60.0
+    """Seconds a collective may wait for a rank before the step fails naming it (a hung or dead worker)."""
+    tp_groups: str = "auto"
+    """Which devices form a tensor-parallel group: auto (from the topology: GPUs under one NUMA node or PCIe
+    switch together) or in-order (ranks 0..N-1 on devices 0..N-1)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def __post_init__(self) -> None:
+        _positive(tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size)
+        if not self.parallel_timeout > 0:
+            raise ConfigError(f"parallel_timeout must be > 0 seconds, got {self.parallel_timeout}")
+        if self.tp_groups not in ("auto", "in-order"):
+            raise ConfigError(f"tp_groups {self.tp_groups!r}: choose auto or in-order")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything `LLMEngine` needs: where the model is and how to run it."""
 
@@ -330,6 +358,7 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     offload: OffloadConfig = OffloadConfig()
+    parallel: ParallelConfig = ParallelConfig()
     moe_backend: str = "auto"
     """auto: the fused Triton kernel for resident expert banks on CUDA (bf16/fp16); torch: the per-expert
     reference loop everywhere."""
@@ -359,7 +388,8 @@ class EngineConfig:
         return dataclasses.replace(self, **kw)
 
 
-SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "offload": OffloadConfig}
+SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "offload": OffloadConfig,
+            "parallel": ParallelConfig}
 
 
 def engine_config(**options) -> EngineConfig:

@@ -17,6 +17,13 @@ class UnsupportedArchitectureError(ModelLoadError):
     """The checkpoint's architecture has no ferrylm family."""
 
 
+class WorkerLostError(FerryError):
+    """A rank of a parallel engine died, hung or failed: the engine cannot go on (the message names the rank)."""
+
+    fatal = True
+    """The engine is unusable from here: a server marks itself dead instead of retrying steps."""
+
+
 class InvalidRequestError(FerryError):
     """A request the engine refuses: bad sampling values, prompt longer than the context, ..."""
 

@@ -324,7 +324,12 @@ class AsyncEngine:
         inbox = self._inbox
         failures = 0
         while True:
-            cmds = [] if engine.has_unfinished_requests() else [inbox.get()]  # idle: block, never spin
+            cmds = []
+            while not cmds and not engine.has_unfinished_requests():  # idle: block, never spin, but look at
+                try:  # the engine's workers every second (a parallel engine's lost rank is found while idle)
+                    cmds = [inbox.get(timeout=1.0)]
+                except queue.Empty:
+                    engine.check_health()
             try:
                 while True:
                     cmds.append(inbox.get_nowait())
@@ -344,6 +349,7 @@ class AsyncEngine:
                     for rid in list(engine.requests):
                         engine.abort_request(rid)
                     self.stats = self._snapshot(engine)
+                    engine.close()  # worker processes of a parallel engine, if any
                     return
             num_tokens = 0
             try:
@@ -352,7 +358,7 @@ class AsyncEngine:
                 failures = 0
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep the server
                 failures += 1
-                if failures >= MAX_STEP_FAILURES:
+                if failures >= MAX_STEP_FAILURES or getattr(e, "fatal", False):  # fatal: a parallel rank lost
                     raise
                 log.exception("engine step failed (%d in a row); failing the requests in flight", failures)
                 failed = list(engine.requests)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ferrylm.config import EngineConfig, ModelConfig
-from ferrylm.engine.model_runner import ModelRunner
+from ferrylm.parallel.launch import start_runner
 from ferrylm.engine.scheduler import Scheduler
 from ferrylm.engine.sequence import Sequence, SequenceStatus
 from ferrylm.errors import ConfigError, InvalidRequestError, ModelLoadError
@@ -84,7 +84,8 @@ class LLMEngine:
             self.model_config = ModelConfig.from_hf(source.config)
             self.tokenizer = self._load_tokenizer(source)
             self.max_model_len = self._max_model_len()
-            self.runner = ModelRunner(config, self.model_config, source, self.max_model_len, progress=progress)
+            # a ModelRunner, or rank 0's ParallelExecutor driving one worker process per other rank
+            self.runner = start_runner(config, self.model_config, source, self.max_model_len, progress=progress)
         finally:
             source.close()
         kv = self.runner.kv_cache
@@ -214,6 +215,16 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def check_health(self) -> None:
+        """Raises when the engine can no longer run steps (a parallel engine that lost a worker)."""
+        if hasattr(self.runner, "check_health"):
+            self.runner.check_health()
+
+    def close(self) -> None:
+        """Stop worker processes, if any (a one-process engine holds nothing to release)."""
+        if hasattr(self.runner, "close"):
+            self.runner.close()
 
     # -- the loop ---------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ Notation: T tokens in the step, B sequences, N sequences that sample this step, 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -17,11 +18,13 @@ from ferrylm.errors import ConfigError
 from ferrylm.kv.cache import KV_DTYPES, KVCache, SequenceStatePool
 from ferrylm.layers.attention import PagedAttention, resolve_backend
 from ferrylm.layers.context import ForwardContext, forward_context
+from ferrylm.layers.parallel_linear import kv_heads_per_rank
 from ferrylm.layers.rotary import RotaryEmbedding
 from ferrylm.models.registry import model_class
 from ferrylm.offload.placed_weights import PlacedWeights
 from ferrylm.offload.memory import activation_reserve, device_budget, fixed_kv_bytes, size_memory
 from ferrylm.offload.placement import describe, group_tensors
+from ferrylm.parallel.group import SINGLE, building
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +66,51 @@ def decode_groups(lens: list[int], budget: int) -> list[tuple[int, int, int]]:
     return groups
 
 
+@dataclass
+class StepInput:
+    """One step as plain values (no `Sequence`s): what `ModelRunner.run` needs. Rank 0 builds it from the
+    scheduler's output and ships it as it is to tensor-parallel workers (`parallel/executor.py`)."""
+
+    input_ids: list[int]
+    """[T] the step's new tokens, sequence after sequence."""
+    positions: list[int]
+    """[T] their positions."""
+    slots: list[int]
+    """[T] the KV cache slot each new token's K/V goes to."""
+    query_start_loc: list[int]
+    """[B + 1] offsets of each sequence's tokens."""
+    start_pos: list[int]
+    """[B] tokens already cached per sequence."""
+    seq_lens: list[int]
+    """[B] context length after the step."""
+    block_tables: list[list[int]]
+    """[B, max_blocks] padded with 0."""
+    num_decodes: int
+    state_slots: list[int | None]
+    """[B] per-sequence state row (models with non-KV state)."""
+    sample_rows: list[int]
+    """Rows of the flat token batch whose logits are returned: sampling rows, then prompt-logprob rows."""
+
+
 class ModelRunner:
     decode_gather_tokens = 1 << 16
     """Decode attention gathers each group's K/V into [rows, max_len]: this caps rows x max_len."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, source, max_model_len: int,
-                 progress=None):
+                 progress=None, dist=None):
         self.config, self.model_config = config, model_config
+        self.dist = dist
+        """`parallel.dist.Dist` of this rank when the engine runs over several processes, else None."""
+        self.tp = dist.tp if dist is not None else SINGLE
+        self.kv_heads = kv_heads_per_rank(model_config.num_key_value_heads, self.tp.size)
+        """KV heads this rank caches (all of them in one process)."""
+        self.pipelined = dist is not None and dist.pp_size > 1
+        self.layers = range(model_config.num_hidden_layers)
+        """The layers this rank runs (a pipeline stage's range; all of them otherwise)."""
+        if self.pipelined:
+            from ferrylm.parallel.pipeline import stage_layers
+
+            self.layers = stage_layers(model_config.num_hidden_layers, dist.pp_size, dist.stage)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.block_size = config.cache.block_size
@@ -79,10 +120,14 @@ class ModelRunner:
         # what this engine allocates is measured from here (other engines may share the device)
         self._mem_base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         cls = model_class(model_config)
+        if self.tp.size > 1 and not getattr(cls, "tensor_parallel", False):
+            raise ConfigError(f"{cls.__name__} does not support tensor_parallel_size > 1 yet (docs/parallel.md)")
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device("meta"):  # shapes only: each tensor gets memory once, where placement puts it
+            # shapes only: each tensor gets memory once, where placement puts it; sharded layers take this
+            # rank's share
+            with torch.device("meta"), building(self.tp):
                 self.model = cls(model_config, **config.model_overrides)
         except TypeError as e:
             if not config.model_overrides:
@@ -91,6 +136,8 @@ class ModelRunner:
                               f"{cls.__name__}: {e}") from None
         finally:
             torch.set_default_dtype(prev)
+        if self.pipelined:
+            self.model.keep_layers(self.layers, dist.first_stage, dist.last_stage)
         self.model.eval()
         from ferrylm.layers import fused_moe
 
@@ -114,6 +161,8 @@ class ModelRunner:
         if meta:  # load_weights reports missing tensors; this is a model whose loader skipped one
             raise ConfigError(f"parameters never loaded: {', '.join(meta[:5])}")
         self.placed.finish()
+        if dist is not None:  # every rank loaded (a slow or failed one is named) before any collective
+            dist.sync("weights loaded")
         self.embed_on_host = self.placed.embed_device.type != self.device.type
         for m in self.model.modules():  # RoPE tables before the KV cache takes the free memory, and only
             if isinstance(m, RotaryEmbedding):  # as long as the engine's context (128k-position models)
@@ -133,7 +182,8 @@ class ModelRunner:
         # offloaded models graph their decode steps when nothing is streamed and every cached expert bank
         # reads misses in place (up to `graph_tokens` rows); prefill then runs eagerly
         graphs_ok = (self.device.type == "cuda" and not config.enforce_eager and self.model.graph_safe()
-                     and (placement.fully_resident or self.placed.graphable))
+                     and (placement.fully_resident or self.placed.graphable)
+                     and dist is None)  # TODO(parallel): graphs with collectives inside
         if graphs_ok:
             from ferrylm.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs
 
@@ -150,7 +200,7 @@ class ModelRunner:
 
     def _kv_bytes_per_block(self) -> int:
         cfg = self.model_config
-        return KVCache.bytes_per_block(cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads,
+        return KVCache.bytes_per_block(len(self.layers), self.block_size, self.kv_heads,
                                        cfg.head_dim, self.dtype, cfg.v_cache_dim, self.kv_dtype)
 
     def _activation_reserve(self) -> int:
@@ -169,8 +219,8 @@ class ModelRunner:
         T = min(sc.max_num_batched_tokens, self.max_model_len)
         # a real table over T tokens of scratch KV: the Triton prefill reads the chunk back from the cache
         nb = (T + self.block_size - 1) // self.block_size
-        kv = KVCache(cfg.num_hidden_layers, nb, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
-                     self.dtype, self.device, v_head_dim=cfg.v_cache_dim, kv_dtype=self.kv_dtype)
+        kv = self._stage_kv(KVCache(len(self.layers), nb, self.block_size, self.kv_heads, cfg.head_dim,
+                                    self.dtype, self.device, v_head_dim=cfg.v_cache_dim, kv_dtype=self.kv_dtype))
         ctx = ForwardContext(query_start_loc=[0, T], start_pos=[0], seq_lens=[T],
                              slot_mapping=torch.arange(T, dtype=torch.long, device=self.device),
                              block_tables=torch.arange(nb, dtype=torch.long, device=self.device)[None],
@@ -180,8 +230,11 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode(), forward_context(ctx):
-            hidden = self.forward(ids, torch.arange(T, device=self.device))
-            self.model.compute_logits(hidden[:min(T, sc.max_num_seqs)])
+            x_in = None if not self.pipelined or self.dist.first_stage else \
+                torch.randn(T, cfg.hidden_size, dtype=self.dtype, device=self.device)  # no neighbours in the warm-up
+            hidden = self.forward(ids, torch.arange(T, device=self.device), x_in)
+            if not self.pipelined or self.dist.last_stage:
+                self.model.compute_logits(hidden[:min(T, sc.max_num_seqs)])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del kv, ctx, hidden
@@ -232,11 +285,21 @@ class ModelRunner:
         cfg = self.model_config
         per_block = self._kv_bytes_per_block()
         num_blocks = int(nbytes // per_block)
+        if self.dist is not None:  # one block table for all ranks: the smallest pool
+            num_blocks = self.dist.min_int(num_blocks)
         if num_blocks < 2:
             raise ConfigError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
         log.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size, num_blocks * per_block / 2**30)
-        return KVCache(cfg.num_hidden_layers, num_blocks, self.block_size, cfg.num_key_value_heads,
-                       cfg.head_dim, self.dtype, self.device, v_head_dim=cfg.v_cache_dim, kv_dtype=self.kv_dtype)
+        return self._stage_kv(KVCache(len(self.layers), num_blocks, self.block_size, self.kv_heads, cfg.head_dim,
+                                      self.dtype, self.device, v_head_dim=cfg.v_cache_dim, kv_dtype=self.kv_dtype))
+
+    def _stage_kv(self, cache: KVCache):
+        """A pipeline stage caches its own layers only, addressed by global layer index."""
+        if not self.pipelined:
+            return cache
+        from ferrylm.parallel.pipeline import StageKV
+
+        return StageKV(cache, self.layers.start)
 
     def _allocate_state(self) -> SequenceStatePool | None:
         specs = self.model.state_specs() if hasattr(self.model, "state_specs") else None
@@ -246,7 +309,8 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
+    def describe(self, out: SchedulerOutput, extra_rows: list[int] = ()) -> StepInput:
+        """The step as plain values; `extra_rows` (indices into the flat token batch) follow the sampling rows."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -268,38 +332,50 @@ class ModelRunner:
             num_decodes += 1
         width = max(len(s.block_table) for s in out.seqs)
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in out.seqs]
-        dev = self.device
-        ctx = ForwardContext(
-            query_start_loc=qsl, start_pos=starts, seq_lens=lens,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-            num_decodes=num_decodes, kv_cache=self.kv_cache,
-            state_slots=[s.state_slot for s in out.seqs], state=self.state_pool,
-            decode_seq_lens=torch.tensor(lens[:num_decodes], dtype=torch.long, device=dev) if num_decodes else None,
-            decode_max_len=max(lens[:num_decodes], default=0),
-            decode_groups=decode_groups(lens[:num_decodes], self.decode_gather_tokens),
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        return ids, pos, ctx, sample_rows
+        return StepInput(input_ids, positions, slots, qsl, starts, lens, tables, num_decodes,
+                         [s.state_slot for s in out.seqs], sample_rows + list(extra_rows))
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """ids, positions [T] and the step's `ForwardContext`, on this runner's device."""
+        dev, nd, lens = self.device, step.num_decodes, step.seq_lens
+        ctx = ForwardContext(
+            query_start_loc=step.query_start_loc, start_pos=step.start_pos, seq_lens=lens,
+            slot_mapping=torch.tensor(step.slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(step.block_tables, dtype=torch.long, device=dev),
+            num_decodes=nd, kv_cache=self.kv_cache, state_slots=step.state_slots, state=self.state_pool,
+            decode_seq_lens=torch.tensor(lens[:nd], dtype=torch.long, device=dev) if nd else None,
+            decode_max_len=max(lens[:nd], default=0),
+            decode_groups=decode_groups(lens[:nd], self.decode_gather_tokens),
+        )
+        ids = torch.tensor(step.input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
+        return ids, pos, ctx
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
+        step = self.describe(out)
+        return *self.tensors(step), step.sample_rows
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         """The eager step, with the runner owning the layer loop: ids, pos [T] -> hidden states [T, H].
-        Around each layer the placed weights wait for that layer's copy and start the next one's."""
-        return self.run_layers(self.embed(ids), pos)
+        Around each layer the placed weights wait for that layer's copy and start the next one's.
+        A pipeline stage after the first starts from `hidden_in` [T, H]; one before the last returns its
+        last layer's output (no final norm)."""
+        return self.run_layers(self.embed(ids) if hidden_in is None else hidden_in, pos)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> embeddings [T, H] on the device (looked up on the host when the table lives there)."""
         return self.model.embed(ids.cpu()).to(self.device) if self.embed_on_host else self.model.embed(ids)
 
     def run_layers(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Embeddings [T, H] -> final hidden states [T, H]."""
+        """Embeddings [T, H] -> final hidden states [T, H] (a pipeline stage: its layers only)."""
         model, weights = self.model, self.placed
         step = model.begin_step(self.device)
-        for i in range(model.num_layers):
+        for i in self.layers:
             weights.before_layer(i)
             x = model.run_layer(i, pos, x, step)
             weights.after_layer(i)
+        if self.pipelined and not self.dist.last_stage:
+            return x
         return model.final_norm(x)
 
     @torch.inference_mode()
@@ -311,17 +387,68 @@ class ModelRunner:
         finally:
             self.placed.after_step()  # expert slots follow the routing of mapped steps
 
+    def run_shipped(self, step: StepInput) -> torch.Tensor | None:
+        """`run` plus the per-step bookkeeping `execute` does: what every rank of a parallel engine runs."""
+        try:
+            return self.run(step)
+        finally:
+            self.placed.after_step()
+
     def _execute(self, out: SchedulerOutput, extra_rows) -> torch.Tensor:
         if self.graphs is not None and not extra_rows and self.graphs.eligible(out):
             return self.graphs.run(out)
-        ids, pos, ctx, sample_rows = self.prepare(out)
+        return self.run(self.describe(out, extra_rows))
+
+    @torch.inference_mode()
+    def run(self, step: StepInput) -> torch.Tensor:
+        """The eager (or piecewise-graph) step of a plain description: logits [N, V] (fp32) of
+        `step.sample_rows`. Tensor-parallel workers run exactly this on the step rank 0 ships."""
+        if self.pipelined:
+            return self._run_stage(step)
+        ids, pos, ctx = self.tensors(step)
         if self.piecewise is not None and self.piecewise.eligible(ids.numel()):
             hidden = self.piecewise.run(ids, pos, ctx)  # [T, H]
         else:
             with forward_context(ctx):
                 hidden = self.forward(ids, pos)  # [T, H]
-        sample_rows = sample_rows + list(extra_rows)
+        sample_rows = step.sample_rows
         if not sample_rows:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
+
+    def _run_stage(self, step: StepInput) -> torch.Tensor | None:
+        """One pipeline stage's part of a step, in micro-batches of whole sequences (one per stage, so
+        the stages overlap): hidden states in from the previous stage (or the embedding), out to the next
+        (or the LM head, whose logits the last stage's first rank sends to rank 0). Rank 0 returns the
+        step's logits [N, V] in `sample_rows` order; other ranks return None."""
+        from ferrylm.parallel.pipeline import split_step
+
+        d, V = self.dist, self.model_config.vocab_size
+        mbs = split_step(step, d.pp_size)
+        pending, logits = [], []  # sends in flight (with their tensors), the last stage's logits
+        for mb, (sub, _) in enumerate(mbs):
+            ids, pos, ctx = self.tensors(sub)
+            shape = (ids.numel(), self.model_config.hidden_size)
+            x_in = None if d.first_stage else d.recv_prev(shape, self.dtype, self.device, mb)
+            with forward_context(ctx):
+                hidden = self.forward(ids, pos, x_in)  # [t, H]
+            if not d.last_stage:
+                hidden = hidden.contiguous()
+                pending.append((d.send_next(hidden, mb), hidden))
+            elif sub.sample_rows:
+                out = self.model.compute_logits(hidden[torch.tensor(sub.sample_rows, device=self.device)])
+                logits.append(out)  # [n, V]
+                if d.tp.rank == 0 and d.rank != 0:
+                    pending.append((d.send_logits(out.contiguous(), mb), out))
+        for work, _ in pending:
+            work.wait()
+        if d.rank != 0:
+            return None
+        if not d.last_stage:
+            logits = [d.recv_logits((len(sub.sample_rows), V), self.device, mb)
+                      for mb, (sub, _) in enumerate(mbs) if sub.sample_rows]
+        out = torch.empty((len(step.sample_rows), V), dtype=torch.float32, device=self.device)
+        for part, (_, where) in zip(logits, [m for m in mbs if m[0].sample_rows]):
+            out[torch.tensor(where, device=self.device)] = part
+        return out

@@ -71,3 +71,52 @@ class TiedLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._embedding[0].logits(hidden)
+
+
+class ParallelVocabEmbedding(VocabEmbedding):
+    """The table split by vocabulary rows over the TP group: rank r holds ids [r n, (r+1) n) with
+    n = ceil(V / ranks) (the last rank's tail rows are zero padding). A lookup embeds the ids it holds,
+    zeros the others, and sums over the group; its logits are gathered (padding cut off). With a group of
+    size 1 it is `VocabEmbedding`."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        from ferrylm.parallel.group import current_group
+
+        g = current_group()
+        n = -(-vocab_size // g.size)  # ceil
+        super().__init__(n if g.size > 1 else vocab_size, hidden_size)
+        self.tp, self.vocab_size, self.first = g, vocab_size, g.rank * n
+
+    def tp_part(self, attr: str, shard: str | None):
+        if self.tp.size == 1:
+            return None
+        return (0, self.first, min(self.out_features, self.vocab_size - self.first))
+
+    def load(self, name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
+        if self.tp.size > 1 and tensor.shape[0] < self.out_features:  # the last rank: pad with zero rows
+            tensor = torch.cat([tensor, tensor.new_zeros(self.out_features - tensor.shape[0], *tensor.shape[1:])])
+        super().load(name, tensor, shard)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.first  # [T]
+        outside = (local < 0) | (local >= self.out_features)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
+        return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0.0))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, H] -> [N, V] (each rank's [N, n] gathered)
+        if self.tp.size == 1:
+            return super().logits(hidden)
+        return self.tp.all_gather_last(_logits(self, hidden))[:, :self.vocab_size]
+
+
+class ParallelLMHead(ParallelVocabEmbedding):
+    """An untied LM head split by vocabulary rows like the table (`ParallelVocabEmbedding`'s logits)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__(vocab_size, hidden_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden)

@@ -88,9 +88,15 @@ class Linear(nn.Module):
         pieces = [qt.dequantize(dtype) for qt in self.qweight.values()]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)  # [out, in]
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T without the bias (a row-parallel layer adds it once, after the sum over ranks)."""
+        if self.kernels:
+            return self.kernels[0](x) if len(self.kernels) == 1 else torch.cat([k(x) for k in self.kernels], dim=-1)
+        return F.linear(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels:
-            out = self.kernels[0](x) if len(self.kernels) == 1 else torch.cat([k(x) for k in self.kernels], dim=-1)
+            out = self.matmul(x)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
 

@@ -19,6 +19,7 @@ from torch import nn
 from ferrylm.errors import ModelLoadError
 from ferrylm.layers.linear import Linear
 from ferrylm.layers.moe import Experts
+from ferrylm.layers.parallel_experts import SKIP
 from ferrylm.layers.params import materializing, writable
 from ferrylm.weights.quant import QuantizedTensor
 
@@ -56,6 +57,25 @@ class CausalLM(nn.Module):
     @property
     def num_layers(self) -> int:
         return len(self.model.layers)
+
+    absent: tuple[str, ...] = ()
+    """Name prefixes of modules another pipeline stage holds (`keep_layers`): their tensors are not read."""
+
+    def keep_layers(self, layers: range, embed: bool, head: bool) -> None:
+        """Keep only a pipeline stage's part: the layers in `layers`, the embedding if `embed` (or a tied head
+        needs it), the final norm and LM head if `head`. The rest become empty placeholders."""
+        dropped = []
+        for i in range(self.num_layers):
+            if i not in layers:
+                self.model.layers[i] = nn.Module()
+                dropped.append(f"model.layers.{i}.")
+        if not embed and not (head and getattr(self, "tied", False)):
+            self.model.embed_tokens = nn.Module()
+            dropped.append("model.embed_tokens.")
+        if not head:
+            self.model.norm, self.lm_head = nn.Module(), nn.Module()
+            dropped += ["model.norm.", "lm_head."]
+        self.absent = tuple(dropped)
 
     def begin_step(self, device: torch.device):
         return None
@@ -100,9 +120,17 @@ class CausalLM(nn.Module):
         for name in source.keys():
             if any(name.endswith(s) for s in self.ignored_weights):
                 continue
+            if self.absent and name.startswith(self.absent):  # another pipeline stage's tensor
+                continue
+            part = self._tp_part(name, params)
+            if part == SKIP:  # an expert another tensor-parallel rank holds: never read here
+                continue
             try:
-                qt = get_quantized(name) if get_quantized else None
-                if qt is None:
+                qt = get_quantized(name) if get_quantized and part is None else None
+                if part is not None:  # a sharded layer's slice (dense; packed pieces are not sliced)
+                    get_part = getattr(source, "get_part", None)
+                    tensor = get_part(name, *part) if get_part else source.get(name).narrow(*part)
+                elif qt is None:
                     tensor = source.get(name)
                 else:  # kept packed where a Linear or a packing expert bank takes it, else dequantized here
                     tensor = self._quantized_for_linear(name, qt, params)
@@ -125,6 +153,28 @@ class CausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"{source.path}: checkpoint lacks tensors the model needs: {shown}")
+
+    def _tp_part(self, name: str, params):
+        """What this rank reads of checkpoint tensor `name`: None (all of it), (dim, start, length) of a
+        sharded layer's slice (`tp_part` of `layers/parallel_linear.py`, `layers/parallel_experts.py`),
+        or SKIP (an expert bank's expert held by another rank)."""
+        if m := _EXPERT.match(name):
+            mod, args = m[1], (int(m[2]), _EXPERT_PART[m[3]])
+        elif name in params:
+            mod, _, attr = name.rpartition(".")
+            args = (attr, None)
+        elif m := _SHARD.match(name):
+            mod, args = f"{m[1]}.{'qkv_proj' if m[2] in 'qkv' else 'gate_up_proj'}", (m[3], m[2])
+        else:
+            return None
+        try:
+            mod = self.get_submodule(mod)
+        except AttributeError:
+            return None
+        tp_part = getattr(mod, "tp_part", None)
+        if tp_part is None or (isinstance(mod, Experts) != bool(_EXPERT.match(name))):
+            return None
+        return tp_part(*args)
 
     def _missing(self, params, loaded: set[str]) -> list[str]:
         """Parameters not fully filled: every shard of a fused Linear and every expert's rows must arrive."""
@@ -224,11 +274,14 @@ class CausalLM(nn.Module):
             return
         if m := _EXPERT.match(name):
             mod: Experts = self.get_submodule(m[1])
-            mod.load(int(m[2]), _EXPERT_PART[m[3]], tensor)
-            loaded.add(f"{m[1]}:{int(m[2])}:{_EXPERT_PART[m[3]]}")
+            e = int(m[2]) - getattr(mod, "first_expert", 0)  # the bank's own index (expert-parallel banks)
+            mod.load(e, _EXPERT_PART[m[3]], tensor)
+            loaded.add(f"{m[1]}:{e}:{_EXPERT_PART[m[3]]}")
             return
         if m := _FUSED_EXPERTS.match(name):
             mod = self.get_submodule(m[1])
+            if getattr(mod, "tp", None) is not None and mod.tp.size > 1:
+                raise ValueError("stacked expert tensors cannot be sharded over tensor-parallel ranks")
             part = "gate_up" if m[2] == "gate_up_proj" else "down"
             for e in range(mod.num_experts):
                 mod.load(e, part, tensor[e])
@@ -240,9 +293,14 @@ class CausalLM(nn.Module):
                 self.get_submodule(name[: -len(".weight")]).load("weight", tensor)
                 loaded.add(name)
                 return
+            mod_name, _, attr = name.rpartition(".")
+            mod = self.get_submodule(mod_name)
+            if isinstance(mod, Linear) and hasattr(mod, "tp_part"):  # a sharded layer: its slice, its checks
+                mod.load(attr, tensor)
+                loaded.add(name)
+                return
             if tuple(p.shape) != tuple(tensor.shape):
                 raise ValueError(f"shape {tuple(tensor.shape)} != {tuple(p.shape)}")
-            mod_name, _, attr = name.rpartition(".")
             writable(self.get_submodule(mod_name), attr).copy_(tensor)
             loaded.add(name)
             return

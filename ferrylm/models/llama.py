@@ -15,8 +15,8 @@ from torch import nn
 from ferrylm.config import ModelConfig
 from ferrylm.layers.activation import get_act
 from ferrylm.layers.attention import PagedAttention
-from ferrylm.layers.embedding import LMHead, TiedLMHead, VocabEmbedding
-from ferrylm.layers.linear import Linear
+from ferrylm.layers.embedding import ParallelLMHead, ParallelVocabEmbedding, TiedLMHead
+from ferrylm.layers.parallel_linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ferrylm.layers.norm import RMSNorm
 from ferrylm.layers.rotary import RotaryEmbedding
 from ferrylm.models.base import CausalLM
@@ -25,11 +25,11 @@ from ferrylm.models.base import CausalLM
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.hq, self.hk, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q, kv = self.hq * self.d, self.hk * self.d
-        self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias,
-                               shards={"q": (0, q), "k": (q, kv), "v": (q + kv, kv)})
-        self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.o_proj_bias)
+        # heads of this tensor-parallel rank (all of them in one process)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          cfg.head_dim, bias=cfg.attention_bias)
+        self.hq, self.hk, self.d = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
@@ -57,9 +57,10 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False):
         super().__init__()
-        self.inter = inter
-        self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias, shards={"gate": (0, inter), "up": (inter, inter)})
-        self.down_proj = Linear(inter, hidden, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(hidden, 2 * inter, bias=bias,
+                                                 shards={"gate": (0, inter), "up": (inter, inter)})
+        self.inter = self.gate_up_proj.shards["gate"][1]  # this tensor-parallel rank's share
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
         self.act = get_act(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +103,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, make_mlp: MLPFactory, mlp_name: str):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = ParallelVocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, make_mlp, mlp_name) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -111,6 +112,8 @@ class LlamaForCausalLM(CausalLM):
     make_mlp: MLPFactory = staticmethod(dense_mlp)
     cuda_graphs = True
     piecewise = True
+    tensor_parallel = True
+    """Built from sharded layers (`layers/parallel_linear.py`): runs with tensor_parallel_size > 1."""
     mlp_name = "mlp"
 
     def __init__(self, cfg: ModelConfig):
@@ -123,7 +126,7 @@ class LlamaForCausalLM(CausalLM):
         if self.tied:  # the embedding table's own matmul (packed or dense)
             self.lm_head = TiedLMHead(self.model.embed_tokens)
         else:
-            self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
 
     @property
     def attn_width(self) -> int:

@@ -7,7 +7,8 @@ from torch import nn
 
 from ferrylm.config import ModelConfig
 from ferrylm.layers.linear import Linear
-from ferrylm.layers.moe import Experts, route
+from ferrylm.layers.moe import route
+from ferrylm.layers.parallel_experts import expert_bank
 from ferrylm.models.llama import LlamaForCausalLM
 
 
@@ -16,7 +17,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.gate = Linear(cfg.hidden_size, cfg.num_experts)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.experts = expert_bank(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]

@@ -46,6 +46,7 @@ class OlmoeMoeBlock(nn.Module):
 
 
 class OlmoeForCausalLM(LlamaForCausalLM):
+    tensor_parallel = False  # q/k norms over the whole projections: not sharded yet
     make_mlp = staticmethod(OlmoeMoeBlock)  # graphs when every expert backend is graph-safe (`graph_safe`)
 
     def __init__(self, cfg: ModelConfig):

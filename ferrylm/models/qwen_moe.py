@@ -9,7 +9,8 @@ from torch import nn
 
 from ferrylm.config import ModelConfig
 from ferrylm.layers.linear import Linear
-from ferrylm.layers.moe import Experts, route
+from ferrylm.layers.moe import route
+from ferrylm.layers.parallel_experts import expert_bank
 from ferrylm.models.llama import GatedMLP, LlamaForCausalLM
 
 
@@ -18,7 +19,7 @@ class QwenMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = Linear(cfg.hidden_size, cfg.num_experts)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
+        self.experts = expert_bank(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
         self.has_shared = cfg.shared_expert_intermediate_size > 0
         if self.has_shared:
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act)

@@ -47,11 +47,15 @@ from ferrylm.errors import ConfigError
 from ferrylm.layers.activation import get_act
 from ferrylm.layers.attention import PagedAttention
 from ferrylm.layers.context import get_forward_context
+from ferrylm.layers.embedding import ParallelLMHead, ParallelVocabEmbedding, TiedLMHead
 from ferrylm.layers.linear import Linear
-from ferrylm.layers.moe import Experts, route
+from ferrylm.layers.moe import route
+from ferrylm.layers.parallel_experts import SKIP, ParallelExperts, expert_bank
+from ferrylm.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, StackedParallelLinear
 from ferrylm.layers.norm import RMSNorm
 from ferrylm.layers.rotary import RotaryEmbedding
 from ferrylm.models.base import CausalLM
+from ferrylm.parallel.group import current_group
 
 log = logging.getLogger(__name__)
 
@@ -194,12 +198,14 @@ class BF16RefRotary(RotaryEmbedding):
 class YuanAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, shape: YuanShape, layer_idx: int, rope_dtype: torch.dtype):
         super().__init__()
-        self.nh, self.hd = shape.heads, shape.head_dim
-        proj, H = self.nh * self.hd, shape.hidden
-        # q_proj and k_proj fused into one matmul (the loader fills the shards; v reads another input)
-        self.qkv_proj = Linear(H, 2 * proj, shards={"q": (0, proj), "k": (proj, proj)})
-        self.v_proj = Linear(H, proj)
-        self.o_proj = Linear(proj, H)
+        # this tensor-parallel rank's heads (all of them in one process); the filter is replicated
+        self.nh, self.hd = current_group().split(shape.heads, "attention heads"), shape.head_dim
+        proj, H = shape.heads * self.hd, shape.hidden
+        # q_proj and k_proj fused into one matmul (the loader fills the shards; v reads another input); a
+        # head reads 2 hd rows of the [q_proj; k_proj] stack, so ranks split the stack, not each shard
+        self.qkv_proj = StackedParallelLinear(H, {"q": proj, "k": proj})
+        self.v_proj = ColumnParallelLinear(H, proj)
+        self.o_proj = RowParallelLinear(proj, H)
         self.lf_gate = LocalizedFilter(H, layer_idx)
         rotary_cls = BF16RefRotary if rope_dtype == torch.bfloat16 else RotaryEmbedding
         self.rotary = rotary_cls(self.hd, shape.rot_dim, cfg.max_position_embeddings, cfg.rope_theta)
@@ -220,9 +226,9 @@ class YuanMLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int, act: str):
         super().__init__()
-        self.inter = inter
-        self.gate_up_proj = Linear(hidden, 2 * inter, shards={"up": (0, inter), "gate": (inter, inter)})
-        self.down_proj = Linear(inter, hidden)
+        self.gate_up_proj = ColumnParallelLinear(hidden, 2 * inter, shards={"up": (0, inter), "gate": (inter, inter)})
+        self.inter = self.gate_up_proj.shards["up"][1]  # this tensor-parallel rank's share
+        self.down_proj = RowParallelLinear(inter, hidden)
         self.act = get_act(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -260,7 +266,7 @@ class YuanMoE(nn.Module):
         super().__init__()
         self.top_k, self.normalize = shape.top_k, shape.norm_topk_prob
         self.gate = AttentionRouter(shape.hidden, shape.num_experts)
-        self.experts = Experts(shape.num_experts, shape.hidden, shape.expert_ffn, cfg.hidden_act)
+        self.experts = expert_bank(shape.num_experts, shape.hidden, shape.expert_ffn, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
@@ -285,9 +291,7 @@ class YuanDecoderLayer(nn.Module):
 class YuanModel(nn.Module):
     def __init__(self, cfg: ModelConfig, shape: YuanShape, rope_dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = ParallelVocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(YuanDecoderLayer(cfg, shape, i, rope_dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -298,6 +302,10 @@ class YuanForCausalLM(CausalLM):
     Options (`EngineConfig.model_overrides`): `rope_dtype` "float32" (default) or "bfloat16" (the M32 HF
     reference's tables, see the module docstring).
     """
+
+    tensor_parallel = True
+    """Heads, MLP, experts and vocabulary sharded; each rank runs the (small) LF filter and the attention
+    router on the whole hidden state, so its filter state is its own full copy (docs/parallel.md)."""
 
     def __init__(self, cfg: ModelConfig, rope_dtype: str | torch.dtype = "float32"):
         super().__init__()
@@ -315,9 +323,16 @@ class YuanForCausalLM(CausalLM):
         self.config, self.shape, self.rope_dtype = cfg, shape, rope_dtype
         self.model = YuanModel(cfg, shape, rope_dtype)
         self.tied = shape.tied
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if self.tied:  # the embedding table's own matmul
+            self.lm_head = TiedLMHead(self.model.embed_tokens)
+        else:
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
+
+    def _tp_part(self, name: str, params):
+        if m := _W1.match(name):  # stacked [gate; up]: read whole, split by `shard_gate_up` (experts of
+            bank = self.get_submodule(m[1])  # another rank are not read at all)
+            return SKIP if isinstance(bank, ParallelExperts) and bank.tp_part(int(m[2]), "gate") == SKIP else None
+        return super()._tp_part(name, params)
 
     def begin_step(self, device: torch.device) -> LFBatch:
         return LFBatch.from_context(device)
@@ -336,8 +351,13 @@ class YuanForCausalLM(CausalLM):
             self.get_submodule(name.rsplit(".", 1)[0]).load("weight", LocalizedFilter.conv_weight(tensor))
             return True
         if m := _W1.match(name):  # M32's w1 is [gate; up] stacked already
-            self.get_submodule(m[1]).load(int(m[2]), "gate_up", tensor)
-            return {f"{m[1]}:{int(m[2])}:gate_up"}
+            bank = self.get_submodule(m[1])
+            if isinstance(bank, ParallelExperts):  # its own index and share
+                e, tensor = int(m[2]) - bank.first_expert, bank.shard_gate_up(tensor)
+            else:
+                e = int(m[2])
+            bank.load(e, "gate_up", tensor)
+            return {f"{m[1]}:{e}:gate_up"}
         # A tied checkpoint may still carry lm_head.weight (a copy of the embeddings): nothing to do.
         return self.tied and name == "lm_head.weight"
 

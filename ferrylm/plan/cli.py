@@ -32,7 +32,8 @@ def add_plan_parser(sub) -> None:
             p.add_argument(flag, action="append", default=[], help=_HELP.get(f.name, "repeatable"))
             continue
         conv = int if "int" in f.type else float if "float" in f.type else None
-        p.add_argument(flag, type=conv or str, default=f.default, help=_HELP.get(f.name, f"default {f.default}"))
+        alias = {"tp": ["--tensor-parallel-size"], "pp": ["--pipeline-parallel-size"]}.get(f.name, [])  # engine spelling
+        p.add_argument(flag, *alias, type=conv or str, default=f.default, help=_HELP.get(f.name, f"default {f.default}"))
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     p.add_argument("--list", action="store_true", help="list the built-in models and hardware profiles")
     p.add_argument("--check", action="store_true",

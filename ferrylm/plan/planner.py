@@ -95,10 +95,11 @@ class Plan:
 def _stage_groups(groups: list[TensorGroup], layers: int, tp: int, pp: int) -> list[TensorGroup]:
     """The heaviest GPU's share: PP stage 0 (embeddings) or the last (LM head, final norm), every group
     split over TP ranks (norms and routers replicated)."""
-    per = math.ceil(layers / pp)
+    from ferrylm.parallel.pipeline import stage_layers  # the engine's split
+
     stages = []
     for s in range(pp):
-        lo, hi = s * per, min(layers, (s + 1) * per)
+        lo, hi = stage_layers(layers, pp, s).start, stage_layers(layers, pp, s).stop
         stages.append([g for g in groups if (g.layer is not None and lo <= g.layer < hi) or (
             g.layer is None and ((g.kind == "embed" and s == 0) or (g.kind != "embed" and s == pp - 1)))])
     worst = max(stages, key=lambda gs: sum(g.nbytes for g in gs))
@@ -145,7 +146,14 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
 
     # -- memory of the heaviest GPU, decided as the engine decides ----------------------------------
     mine = _stage_groups(groups, mc.num_hidden_layers, opts.tp, opts.pp)
-    per_block = -(-kv_per_token * opts.block_size // ranks)
+    # as the engine caches: each rank its KV heads (one, replicated, when fewer than TP ranks), its stage's layers
+    from ferrylm.layers.parallel_linear import kv_heads_per_rank
+    from ferrylm.parallel.pipeline import stage_layers
+
+    hk = max(1, mc.num_key_value_heads)
+    stage_len = max(len(stage_layers(mc.num_hidden_layers, opts.pp, s)) for s in range(opts.pp))
+    per_block = -(-kv_per_token * opts.block_size * kv_heads_per_rank(hk, opts.tp) * stage_len
+                  // (hk * mc.num_hidden_layers))
     cc = CacheConfig(block_size=opts.block_size, kv_cache_memory_gb=opts.kv_cache_memory_gb)
     sc = SchedulerConfig(max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
                          max_model_len=max_len)
@@ -155,7 +163,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     capacity = gpu.memory_bytes
     budget = device_budget(oc, capacity, capacity - CUDA_CONTEXT_BYTES)
     reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype])
-    state = state_per_seq * opts.max_num_seqs // opts.tp
+    state = state_per_seq * opts.max_num_seqs  # per-sequence state (Yuan's filter) is whole on every rank
     notes: list[str] = []
     try:
         placement, kv_budget = size_memory(mine, per_block, max_len, cc, sc, oc, budget, reserve, on_cpu=False)
@@ -185,7 +193,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         tflops /= 8  # no fp32 tensor cores: TF32 at best
     layers = math.ceil(mc.num_hidden_layers / opts.pp)
     act_b, link = DTYPE_BYTES[opts.dtype], gpu.nvlink_gbs or gpu.h2d_gbs
-    graphs = graphs_family and not opts.enforce_eager and verdict == "fits"
+    graphs = graphs_family and not opts.enforce_eager and verdict == "fits" and ranks == 1  # none when parallel
     ctx = opts.prompt_len + opts.output_len / 2
     on_gpu = [g for g in mine if placement and placement.tier[g.name] == GPU]
     dense_res = sum(g.nbytes for g in on_gpu if g.kind not in ("experts", "embed"))

@@ -84,6 +84,15 @@ class SafetensorsSource(WeightSource):
             raise ModelLoadError(f"{self.path}: checkpoint has no tensor {name!r}") from None
         return self._handles[fname].get_tensor(name)
 
+    def get_part(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """`get(name).narrow(dim, start, length)`, reading only those bytes (a tensor-parallel rank's slice)."""
+        if name not in self._where:
+            return self.get(name)  # raises the missing-tensor error
+        sl = self._handles[self._where[name]].get_slice(name)
+        index = [slice(None)] * len(sl.get_shape())
+        index[dim] = slice(start, start + length)
+        return sl[tuple(index)]
+
     def close(self) -> None:
         self._handles.clear()
 

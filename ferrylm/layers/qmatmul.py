@@ -1,20 +1,29 @@
-"""Quantized matmul: `x @ W.T` computed on a `QuantizedTensor` where it lies, by the fastest kernel that
-serves its scheme on its device. The kernel's own layout is derived once (`QuantKernel.for_tensor`, at
-load) and cached beside the device-agnostic `QuantizedTensor`, never rebuilt per forward.
+"""Quantized matmul: `x @ W.T` computed on a quantized weight where it lies, by the fastest kernel that
+serves its scheme on its device. A kernel is built once at load (`QuantKernel.for_tensor`) from a
+device-agnostic `QuantizedTensor` and then *is* the weight: it holds the one copy, in its own layout where
+it has one, and gives the exact `QuantizedTensor` back (`tensor()`, `rows(idx)` for embedding lookups and
+the LM head's exact top-logit pass, `dequantize()`), so no second copy is kept beside it.
 
 Kernels, by scheme, on CPU (each checked against `Dequantize` over a sweep of shapes in
 tests/test_qmatmul.py):
 - `Int4PackCPU`: int4 (Q4_0 / Q4_1 and re-quantized int4), torch's `_weight_int4pack_mm_for_cpu` with bf16
   activations. That kernel dequantizes as (q - 8) * scale + zero, so Q4_0 is (d, 0) and Q4_1 (d, m + 8d);
   scale and zero are rounded to bf16 (the activations' dtype; the kernel is ~100x slower on fp32 ones).
-- `Int8PackCPU`: per-channel int8, torch's `_weight_int8pack_mm`, bf16 activations.
-- `DenseBF16`: group-wise int8 (Q8_0: a tied embedding used as the LM head): dequantized once to a bf16
-  weight for oneDNN's bf16 GEMM. No torch kernel takes group-wise int8 scales; this reads 2 bytes a weight
-  instead of 1.06 (TODO: a Q8_0 GEMV of our own would halve the LM head's reads).
+  Its packed layout is a fixed permutation of the codes (blocks of 64 rows: [N/64, K, 32] bytes, row j of
+  a block in the low nibble, row 32 + j in the high), so the original codes are dropped and read back
+  from it exactly (`_unpack_rows`); the fp16 scales (and mins) are kept for exact dequantization.
+- `Int8PackCPU`: per-channel int8, torch's `_weight_int8pack_mm`, bf16 activations; shares the codes.
+- `Int8GroupCPU`: group-wise int8 (Q8_0, e.g. a tied embedding used as the LM head). No torch kernel takes
+  group-wise scales and `_weight_int8pack_mm` wants contiguous rows, so the codes are held once as
+  [G, N, gs]: at T <= `GROUPED_MAX_T` tokens one `_weight_int8pack_mm` per group (unit scales, K = gs)
+  accumulated in fp32 with the group's scale (reads 1.06 bytes a weight, no bf16 copy); for more tokens
+  (compute-bound there) row chunks are dequantized into a bf16 buffer for oneDNN's GEMM, which gives
+  exactly what a held bf16 copy gave.
 - `Dequantize`: everything else (nf4, fp8, any device without a kernel): dequantize, then `F.linear`.
   The plain reference path.
-Activations come and go in the caller's dtype; the kernel casts at its edge. T tokens, K in, N out.
-This module knows nothing about modules, checkpoints or where the tensor came from.
+Activations come and go in the caller's dtype; the kernel casts at its edge. T tokens, K in, N out,
+G = K / gs groups of a row. This module knows nothing about modules, checkpoints or where the tensor
+came from.
 """
 
 from __future__ import annotations
@@ -22,16 +31,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ferrylm.weights.quant import QuantizedTensor, unpack_nibbles
+from ferrylm.weights.quant import QuantizedTensor, pack_nibbles, unpack_nibbles
+
+GROUPED_MAX_T = 2
+"""Most tokens for which the Q8_0 kernel runs per group (memory-bound); above it, chunked dequantization."""
+DEQUANT_CHUNK = 2048
+"""Rows the Q8_0 kernel dequantizes at a time for many tokens (a bf16 buffer of 2048 x K)."""
+_INT4_BLOCK = 64
+"""Rows per block of torch's CPU int4 packed layout."""
 
 
 class QuantKernel:
-    """Computes x [T, K] -> [T, N] against one quantized weight."""
+    """Computes x [T, K] -> [T, N] against one quantized weight, and holds that weight."""
 
     name = "dequantize"
 
     def __init__(self, qt: QuantizedTensor):
         self.qt = qt
+        self.shape = tuple(qt.shape)
+        self.row_wise = qt.row_wise
 
     @staticmethod
     def for_tensor(qt: QuantizedTensor, reference: bool = False) -> "QuantKernel":
@@ -43,15 +61,26 @@ class QuantKernel:
             if qt.scheme == "int8" and "group_size" not in qt.params:
                 return Int8PackCPU(qt)
             if qt.scheme == "int8":
-                return DenseBF16(qt)
+                return Int8GroupCPU(qt)
         return Dequantize(qt)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def tensor(self) -> QuantizedTensor:
+        """The weight, exactly as it was loaded (rebuilt from the kernel's layout where it has its own)."""
+        return self.qt
+
+    def rows(self, idx: torch.Tensor) -> QuantizedTensor:
+        """Rows `idx` [R] of a row-wise weight, still packed."""
+        return self.tensor().rows(idx)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.tensor().dequantize(dtype)
+
     @property
     def nbytes(self) -> int:
-        """Bytes the kernel reads per call (its own copy of the weight)."""
+        """Bytes the kernel holds (and reads per call, give or take its scales)."""
         return self.qt.nbytes
 
 
@@ -74,6 +103,32 @@ class Int4PackCPU(QuantKernel):
         d = qt.parts["scale"].float()  # [N, G]
         zero = qt.parts["min"].float() + 8 * d if qt.params["zero"] == "min" else torch.zeros_like(d)
         self.scale_zero = torch.stack((d, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [G, N, 2]
+        # the layout is torch's, not ours: drop our copy of the codes only where reading them back is
+        # checked to give them exactly (whole 64-row blocks; the first block verified here)
+        probe = torch.arange(min(n, _INT4_BLOCK))
+        if n % _INT4_BLOCK == 0 and torch.equal(self._unpack_rows(probe), codes[:_INT4_BLOCK].to(torch.uint8)):
+            self.qt = QuantizedTensor(qt.scheme, qt.shape, {p: v for p, v in qt.parts.items() if p != "q"},
+                                      dict(qt.params), qt.dtype)
+
+    def _unpack_rows(self, idx: torch.Tensor) -> torch.Tensor:
+        # packed: [N, K/2] -> [N/64, K, 32] bytes; row b*64 + j: low nibble (j < 32) / high (j >= 32) of [b, :, j % 32]
+        n, k = self.shape
+        blocks = self.packed.view(-1, k, _INT4_BLOCK // 2)
+        half = _INT4_BLOCK // 2
+        byte = blocks[idx // _INT4_BLOCK, :, idx % half]  # [R, K]
+        return torch.where((idx % _INT4_BLOCK < half)[:, None], byte & 0xF, byte >> 4)  # [R, K] codes
+
+    def tensor(self) -> QuantizedTensor:
+        if "q" in self.qt.parts:
+            return self.qt
+        return self.rows(torch.arange(self.shape[0]))
+
+    def rows(self, idx: torch.Tensor) -> QuantizedTensor:
+        if "q" in self.qt.parts:
+            return self.qt.rows(idx)
+        parts = {p: v.index_select(0, idx) for p, v in self.qt.parts.items()}
+        parts["q"] = pack_nibbles(self._unpack_rows(idx))  # [R, K/2]
+        return QuantizedTensor(self.qt.scheme, (idx.numel(), self.shape[1]), parts, dict(self.qt.params), self.qt.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zero)
@@ -81,7 +136,7 @@ class Int4PackCPU(QuantKernel):
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scale_zero.nbytes
+        return self.packed.nbytes + self.scale_zero.nbytes + self.qt.nbytes
 
 
 class Int8PackCPU(QuantKernel):
@@ -96,19 +151,51 @@ class Int8PackCPU(QuantKernel):
 
     @property
     def nbytes(self) -> int:
-        return self.qt.parts["q"].nbytes + self.scale.nbytes
+        return self.qt.nbytes + self.scale.nbytes
 
 
-class DenseBF16(QuantKernel):
-    name = "dense-bf16"
+class Int8GroupCPU(QuantKernel):
+    name = "int8group"
 
     def __init__(self, qt: QuantizedTensor):
         super().__init__(qt)
-        self.weight = qt.dequantize(torch.bfloat16)  # [N, K]
+        n, k = qt.shape
+        self.gs = qt.params["group_size"]
+        self.codes = qt.parts["q"].view(n, -1, self.gs).transpose(0, 1).contiguous()  # [G, N, gs]
+        self.scale = qt.parts["scale"]  # [N, G] fp16, as loaded
+        self.scale_t = self.scale.t().float().contiguous()  # [G, N] fp32, per-group multipliers
+        self.ones = torch.ones(n, dtype=torch.bfloat16)
+        self.dtype = qt.dtype
+        self.qt = None  # the codes live in `codes` only
+
+    def tensor(self) -> QuantizedTensor:
+        return self.rows(torch.arange(self.shape[0]))
+
+    def rows(self, idx: torch.Tensor) -> QuantizedTensor:
+        q = self.codes.index_select(1, idx).transpose(0, 1).reshape(idx.numel(), -1)  # [G, R, gs] -> [R, K]
+        return QuantizedTensor("int8", (idx.numel(), self.shape[1]), {"q": q, "scale": self.scale.index_select(0, idx)},
+                               {"group_size": self.gs}, self.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        xb = x.to(torch.bfloat16)
+        if x.shape[0] <= GROUPED_MAX_T:
+            xg = xb.view(x.shape[0], -1, self.gs).transpose(0, 1).contiguous()  # [G, T, gs]
+            out = torch.zeros(x.shape[0], self.shape[0])  # [T, N] fp32
+            for g in range(self.codes.shape[0]):
+                out.addcmul_(torch._weight_int8pack_mm(xg[g], self.codes[g], self.ones), self.scale_t[g])
+            return out.to(x.dtype)
+        n, k = self.shape
+        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        w32 = torch.empty(min(DEQUANT_CHUNK, n), k // self.gs, self.gs)  # [C, G, gs]
+        wb = torch.empty(w32.shape[0], k, dtype=torch.bfloat16)  # [C, K]
+        for a in range(0, n, DEQUANT_CHUNK):
+            c = min(DEQUANT_CHUNK, n - a)
+            # w = d * q in fp32 then rounded to bf16: the same weight a held bf16 copy would be
+            torch.mul(self.codes[:, a:a + c].transpose(0, 1), self.scale_t[:, a:a + c].t()[..., None], out=w32[:c])
+            wb[:c].copy_(w32[:c].view(c, k))
+            out[:, a:a + c] = F.linear(xb, wb[:c])
+        return out.to(x.dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.weight.nbytes
+        return self.codes.nbytes + self.scale.nbytes + self.scale_t.nbytes

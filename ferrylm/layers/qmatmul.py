@@ -131,6 +131,8 @@ class Int4PackCPU(QuantKernel):
         return QuantizedTensor(self.qt.scheme, (idx.numel(), self.shape[1]), parts, dict(self.qt.params), self.qt.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16:  # no cast dispatches on the bf16 path (120 matmuls a token on SmolLM2)
+            return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zero)
         out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zero)
         return out.to(x.dtype)
 
@@ -147,6 +149,8 @@ class Int8PackCPU(QuantKernel):
         self.scale = qt.parts["scale"].to(torch.bfloat16)  # [N]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16:
+            return torch._weight_int8pack_mm(x, self.qt.parts["q"], self.scale)
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qt.parts["q"], self.scale).to(x.dtype)
 
     @property
@@ -180,9 +184,10 @@ class Int8GroupCPU(QuantKernel):
         xb = x.to(torch.bfloat16)
         if x.shape[0] <= GROUPED_MAX_T:
             xg = xb.view(x.shape[0], -1, self.gs).transpose(0, 1).contiguous()  # [G, T, gs]
-            out = torch.zeros(x.shape[0], self.shape[0])  # [T, N] fp32
-            for g in range(self.codes.shape[0]):
-                out.addcmul_(torch._weight_int8pack_mm(xg[g], self.codes[g], self.ones), self.scale_t[g])
+            mm, codes, scale, ones = torch._weight_int8pack_mm, self.codes, self.scale_t, self.ones
+            out = mm(xg[0], codes[0], ones).float().mul_(scale[0])  # [T, N] fp32
+            for g in range(1, codes.shape[0]):
+                out.addcmul_(mm(xg[g], codes[g], ones), scale[g])
             return out.to(x.dtype)
         n, k = self.shape
         out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)

@@ -48,13 +48,13 @@ def test_kernel_matches_dequantize_then_matmul(fmt, shape):
     assert kern.name == EXPECTED_KERNEL[fmt]
     w = qt.dequantize(torch.float32)
     for t, dtype in ((1, torch.float32), (2, torch.bfloat16), (7, torch.float32), (16, torch.bfloat16),
-                     (64, torch.float32)):
+                     (64, torch.float32), (130, torch.bfloat16)):  # 130: int4's dense-GEMM path (DENSE_FROM_T)
         x = torch.randn(t, k).to(dtype)
         out = kern(x)
         assert out.shape == (t, n) and out.dtype == dtype
         err, worst = _check(out, x, w)
         assert worst <= 0, f"{fmt} {shape} T={t} {dtype}: max err {err:.3e} exceeds the bf16 bound by {worst:.3e}"
-    print(f"{fmt} {shape} kernel={kern.name}: max |err| {err:.3e} (T=64)")
+    print(f"{fmt} {shape} kernel={kern.name}: max |err| {err:.3e} (T=130)")
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "int4-g128", "q8_0", "int8"])

@@ -92,6 +92,23 @@ def test_q8_0_chunked_path_over_many_chunks(monkeypatch):
     assert worst <= 0
 
 
+def test_int4_dense_path_over_row_chunks(monkeypatch):
+    """From DENSE_FROM_T tokens the int4 kernel dequantizes row chunks (here 128 rows, a 64-row tail) for the
+    bf16 GEMM: within the bf16 bound of the plain path, and equal to the unchunked dense product."""
+    from ferrylm.layers import qmatmul
+
+    torch.manual_seed(5)
+    qt = FORMATS["q4_1"](torch.randn(960, 576) * 0.05)
+    kern = QuantKernel.for_tensor(qt)
+    x = torch.randn(qmatmul.DENSE_FROM_T, 576)
+    whole = kern(x)
+    monkeypatch.setattr(qmatmul, "DEQUANT_CHUNK", 128)
+    chunked = kern(x)
+    _, worst = _check(chunked, x, qt.dequantize(torch.float32))
+    assert worst <= 0
+    torch.testing.assert_close(chunked, whole, rtol=2 ** -8, atol=1e-5)
+
+
 def test_reference_kernel_is_the_plain_path():
     qt = FORMATS["q4_1"](torch.randn(64, 64))
     x = torch.randn(3, 64)

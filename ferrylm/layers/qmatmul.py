@@ -13,7 +13,7 @@ tests/test_qmatmul.py):
   a block in the low nibble, row 32 + j in the high), so the original codes are dropped and read back
   from it exactly (`_unpack_rows`); the fp16 scales (and mins) are kept for exact dequantization. From
   `DENSE_FROM_T` tokens (prefill chunks) the kernel is compute-bound and ~2x slower than oneDNN's bf16 GEMM,
-  so there the weight is dequantized per call into a bf16 temporary for the dense GEMM (measured on this
+  so there the weight is dequantized per call, `DEQUANT_CHUNK` rows at a time, into bf16 for the dense GEMM (measured on this
   machine, 1 thread, [3072, 576] at T=500: 34 ms int4pack vs 4 ms dequantize + 14 ms GEMM; even at T=64).
 - `Int8PackCPU`: per-channel int8, torch's `_weight_int8pack_mm`, bf16 activations; shares the codes.
 - `Int8GroupCPU`: group-wise int8 (Q8_0, e.g. a tied embedding used as the LM head). No torch kernel takes
@@ -39,7 +39,7 @@ from ferrylm.weights.quant import QuantizedTensor, pack_nibbles, unpack_nibbles
 GROUPED_MAX_T = 2
 """Most tokens for which the Q8_0 kernel runs per group (memory-bound); above it, chunked dequantization."""
 DEQUANT_CHUNK = 2048
-"""Rows the Q8_0 kernel dequantizes at a time for many tokens (a bf16 buffer of 2048 x K)."""
+"""Rows the Q8_0 and int4 kernels dequantize at a time for many tokens (a multiple of 64)."""
 DENSE_FROM_T = 128
 """Tokens from which the int4 kernel dequantizes to bf16 and runs the dense GEMM instead (prefill)."""
 _INT4_BLOCK = 64
@@ -123,27 +123,32 @@ class Int4PackCPU(QuantKernel):
         byte = blocks[idx // _INT4_BLOCK, :, idx % half]  # [R, K]
         return torch.where((idx % _INT4_BLOCK < half)[:, None], byte & 0xF, byte >> 4)  # [R, K] codes
 
-    def _codes(self) -> torch.Tensor:
-        # every row at once, by views: [N/64, K, 32] bytes -> [N/64, K, 64] codes -> [N, K]
-        n, k = self.shape
-        blocks = self.packed.view(-1, k, _INT4_BLOCK // 2)
-        return torch.cat((blocks & 0xF, blocks >> 4), dim=-1).transpose(1, 2).reshape(n, k)
+    def _codes(self, a: int, c: int) -> torch.Tensor:
+        # rows [a, a + c) (multiples of 64), by views: [c/64, K, 32] bytes -> [c/64, K, 64] codes -> [c, K]
+        k = self.shape[1]
+        blocks = self.packed.view(-1, k, _INT4_BLOCK // 2)[a // _INT4_BLOCK:(a + c) // _INT4_BLOCK]
+        return torch.cat((blocks & 0xF, blocks >> 4), dim=-1).transpose(1, 2).reshape(c, k)
+
+    def _dequant_rows(self, a: int, c: int, dtype: torch.dtype) -> torch.Tensor:
+        # gguf's order, as quant._dequant_int4: Q4_0 d * (q - 8); Q4_1 d * q + m -> [c, K]
+        if "q" in self.qt.parts:
+            return self.qt.dequantize(dtype)[a:a + c]
+        q = self._codes(a, c).float().view(c, -1, self.group_size)  # [c, G, gs]
+        d = self.qt.parts["scale"][a:a + c].float()[..., None]
+        if self.qt.params["zero"] == "sym":
+            w = q.sub_(8).mul_(d)
+        else:
+            w = q.mul_(d).add_(self.qt.parts["min"][a:a + c].float()[..., None])
+        return w.view(c, -1).to(dtype)
 
     def tensor(self) -> QuantizedTensor:
         if "q" in self.qt.parts:
             return self.qt
-        return QuantizedTensor(self.qt.scheme, self.qt.shape, {"q": pack_nibbles(self._codes()), **self.qt.parts},
-                               dict(self.qt.params), self.qt.dtype)
+        return QuantizedTensor(self.qt.scheme, self.qt.shape, {"q": pack_nibbles(self._codes(0, self.shape[0])),
+                                                               **self.qt.parts}, dict(self.qt.params), self.qt.dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        if "q" in self.qt.parts:
-            return self.qt.dequantize(dtype)
-        # gguf's order, as quant._dequant_int4: Q4_0 d * (q - 8); Q4_1 d * q + m
-        n, k = self.shape
-        q = self._codes().float().view(n, -1, self.group_size)  # [N, G, gs]
-        d = self.qt.parts["scale"].float()[..., None]
-        w = q.sub_(8).mul_(d) if self.qt.params["zero"] == "sym" else q.mul_(d).add_(self.qt.parts["min"].float()[..., None])
-        return w.view(n, k).to(dtype or self.qt.dtype)
+        return self._dequant_rows(0, self.shape[0], dtype or self.qt.dtype)
 
     def rows(self, idx: torch.Tensor) -> QuantizedTensor:
         if "q" in self.qt.parts:
@@ -153,8 +158,16 @@ class Int4PackCPU(QuantKernel):
         return QuantizedTensor(self.qt.scheme, (idx.numel(), self.shape[1]), parts, dict(self.qt.params), self.qt.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= DENSE_FROM_T:
-            return F.linear(x.to(torch.bfloat16), self.dequantize(torch.bfloat16)).to(x.dtype)
+        if x.shape[0] >= DENSE_FROM_T:  # row chunks, so the bf16 temporary stays small for expert-sized weights
+            n = self.shape[0]
+            xb = x.to(torch.bfloat16)
+            if "q" in self.qt.parts or n <= DEQUANT_CHUNK:
+                return F.linear(xb, self.dequantize(torch.bfloat16)).to(x.dtype)
+            out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+            for a in range(0, n, DEQUANT_CHUNK):
+                c = min(DEQUANT_CHUNK, n - a)
+                out[:, a:a + c] = F.linear(xb, self._dequant_rows(a, c, torch.bfloat16))
+            return out.to(x.dtype)
         if x.dtype == torch.bfloat16:  # no cast dispatches on the bf16 path (120 matmuls a token on SmolLM2)
             return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zero)
         out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zero)

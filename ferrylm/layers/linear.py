@@ -82,7 +82,8 @@ class Linear(nn.Module):
             self.load("weight", qt.dequantize(self.weight.dtype), shard)
 
     def packed_parts(self) -> list[tuple[QuantizedTensor, str]]:
-        """(tensor, part name) of every packed part the kernels read (a layer streamer re-points them)."""
+        """(tensor, part name) of every packed part the kernels read (a layer streamer re-points them). For
+        the reference kernels a streamed layer gets; a CPU kernel holds its own layout (`QuantKernel.tensor()`)."""
         return [(k.qt, name) for k in self.kernels for name in k.qt.parts]
 
     def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:

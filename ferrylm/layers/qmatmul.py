@@ -13,8 +13,9 @@ tests/test_qmatmul.py):
   a block in the low nibble, row 32 + j in the high), so the original codes are dropped and read back
   from it exactly (`_unpack_rows`); the fp16 scales (and mins) are kept for exact dequantization. From
   `DENSE_FROM_T` tokens (prefill chunks) the kernel is compute-bound and ~2x slower than oneDNN's bf16 GEMM,
-  so there the weight is dequantized per call, `DEQUANT_CHUNK` rows at a time, into bf16 for the dense GEMM (measured on this
-  machine, 1 thread, [3072, 576] at T=500: 34 ms int4pack vs 4 ms dequantize + 14 ms GEMM; even at T=64).
+  so there the weight is dequantized per call, `DEQUANT_CHUNK` rows at a time, into bf16 for the dense
+  GEMM (measured on this machine, 1 thread, [3072, 576]: at T=500 34 ms int4pack vs 4 ms dequantize + 14 ms
+  GEMM; at T=64 4.6 vs 2.2 + 2.9 ms, so the break-even is near T=100).
 - `Int8PackCPU`: per-channel int8, torch's `_weight_int8pack_mm`, bf16 activations; shares the codes.
 - `Int8GroupCPU`: group-wise int8 (Q8_0, e.g. a tied embedding used as the LM head). No torch kernel takes
   group-wise scales and `_weight_int8pack_mm` wants contiguous rows, so the codes are held once as

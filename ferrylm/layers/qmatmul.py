@@ -22,7 +22,8 @@ tests/test_qmatmul.py):
   [G, N, gs]: at T <= `GROUPED_MAX_T` tokens one `_weight_int8pack_mm` per group (unit scales, K = gs)
   accumulated in fp32 with the group's scale (reads 1.06 bytes a weight, no bf16 copy); for more tokens
   (compute-bound there) row chunks are dequantized into a bf16 buffer for oneDNN's GEMM, which gives
-  exactly what a held bf16 copy gave.
+  exactly what a held bf16 copy gave, 1.3-3x slower than the copy at 4-16 tokens (TODO: a Q8_0 GEMM of
+  our own for batched LM heads; the copy would double the head's memory).
 - `Dequantize`: everything else (nf4, fp8, any device without a kernel): dequantize, then `F.linear`.
   The plain reference path.
 Activations come and go in the caller's dtype; the kernel casts at its edge. T tokens, K in, N out,
@@ -37,8 +38,9 @@ import torch.nn.functional as F
 
 from ferrylm.weights.quant import QuantizedTensor, pack_nibbles, unpack_nibbles
 
-GROUPED_MAX_T = 2
-"""Most tokens for which the Q8_0 kernel runs per group (memory-bound); above it, chunked dequantization."""
+GROUPED_MAX_T = 6
+"""Most tokens for which the Q8_0 kernel runs per group (its cost grows ~linearly in tokens; chunked
+dequantization costs about as much as 4-8 grouped tokens on the SmolLM2 head, measured on this machine)."""
 DEQUANT_CHUNK = 2048
 """Rows the Q8_0 and int4 kernels dequantize at a time for many tokens (a multiple of 64)."""
 DENSE_FROM_T = 128

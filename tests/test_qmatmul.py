@@ -48,7 +48,7 @@ def test_kernel_matches_dequantize_then_matmul(fmt, shape):
     assert kern.name == EXPECTED_KERNEL[fmt]
     w = qt.dequantize(torch.float32)
     for t, dtype in ((1, torch.float32), (2, torch.bfloat16), (7, torch.float32), (16, torch.bfloat16),
-                     (64, torch.float32), (130, torch.bfloat16)):  # 130: int4's dense-GEMM path (DENSE_FROM_T)
+                     (64, torch.float32), (130, torch.bfloat16)):
         x = torch.randn(t, k).to(dtype)
         out = kern(x)
         assert out.shape == (t, n) and out.dtype == dtype
@@ -97,10 +97,11 @@ def test_int4_dense_path_over_row_chunks(monkeypatch):
     bf16 GEMM: within the bf16 bound of the plain path, and equal to the unchunked dense product."""
     from ferrylm.layers import qmatmul
 
+    monkeypatch.setattr(qmatmul, "DENSE_FROM_T", 128)  # opt-in (off by default)
     torch.manual_seed(5)
     qt = FORMATS["q4_1"](torch.randn(960, 576) * 0.05)
     kern = QuantKernel.for_tensor(qt)
-    x = torch.randn(qmatmul.DENSE_FROM_T, 576)
+    x = torch.randn(130, 576)
     whole = kern(x)
     monkeypatch.setattr(qmatmul, "DEQUANT_CHUNK", 128)
     chunked = kern(x)

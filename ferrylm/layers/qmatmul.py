@@ -12,8 +12,8 @@ tests/test_qmatmul.py):
   Its packed layout is a fixed permutation of the codes (blocks of 64 rows: [N/64, K, 32] bytes, row j of
   a block in the low nibble, row 32 + j in the high), so the original codes are dropped and read back
   from it exactly (`_unpack_rows`); the fp16 scales (and mins) are kept for exact dequantization. From
-  `DENSE_FROM_T` tokens (prefill chunks) the kernel is compute-bound and ~2x slower than oneDNN's bf16 GEMM,
-  so there the weight is dequantized per call, `DEQUANT_CHUNK` rows at a time, into bf16 for the dense
+  `DENSE_FROM_T` tokens (prefill chunks; off by default, see there) the kernel is compute-bound and ~2x
+  slower than oneDNN's bf16 GEMM, so there the weight is dequantized per call, `DEQUANT_CHUNK` rows at a time, into bf16 for the dense
   GEMM (measured on this machine, 1 thread, [3072, 576]: at T=500 34 ms int4pack vs 4 ms dequantize + 14 ms
   GEMM; at T=64 4.6 vs 2.2 + 2.9 ms, so the break-even is near T=100).
 - `Int8PackCPU`: per-channel int8, torch's `_weight_int8pack_mm`, bf16 activations; shares the codes.
@@ -43,8 +43,11 @@ GROUPED_MAX_T = 6
 dequantization costs about as much as 4-8 grouped tokens on the SmolLM2 head, measured on this machine)."""
 DEQUANT_CHUNK = 2048
 """Rows the Q8_0 and int4 kernels dequantize at a time for many tokens (a multiple of 64)."""
-DENSE_FROM_T = 128
-"""Tokens from which the int4 kernel dequantizes to bf16 and runs the dense GEMM instead (prefill)."""
+DENSE_FROM_T: int | None = None
+"""Tokens from which the int4 kernel dequantizes to bf16 and runs the dense GEMM instead (prefill); None:
+never. Off by default: the two paths round differently (int4pack rounds scale and zero to bf16), so a
+greedy answer would depend on how many tokens its step batched (tests/test_server.py's 32 concurrent streams
+vs offline caught a flip). 128 measured ~1.7x faster prefill (docs/benchmarks.md). TODO: match the numerics."""
 _INT4_BLOCK = 64
 """Rows per block of torch's CPU int4 packed layout."""
 
@@ -161,7 +164,7 @@ class Int4PackCPU(QuantKernel):
         return QuantizedTensor(self.qt.scheme, (idx.numel(), self.shape[1]), parts, dict(self.qt.params), self.qt.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= DENSE_FROM_T:  # row chunks, so the bf16 temporary stays small for expert-sized weights
+        if DENSE_FROM_T is not None and x.shape[0] >= DENSE_FROM_T:  # row chunks, so the bf16 temporary stays small for expert-sized weights
             n = self.shape[0]
             xb = x.to(torch.bfloat16)
             if "q" in self.qt.parts or n <= DEQUANT_CHUNK:

@@ -1,17 +1,22 @@
-"""The embedded default on the CPU: ferrylm's paths against transformers bf16 (and llama.cpp when
-`llama_cpp` imports), all in one run, plus a profile of one decode step.
+"""The embedded default on the CPU: ferrylm's paths against transformers bf16 and llama.cpp, all in one
+run, plus a profile of one decode step.
 
 Model: the embedded SmolLM2-135M-Instruct Q4_1 GGUF. ferrylm paths:
   - `quant`: the default (weights stay packed, CPU int4/bf16 kernels, fp32 residual stream)
   - `quant-bf16`: `--dtype bfloat16` (the same kernels, bf16 everywhere)
   - `fp32-dequant`: `--dequantize` (weights dequantized to fp32 at load: the path before the kernels)
 Cases: `decode`: batch-1 greedy decode of `--decode-tokens` after a chat prompt (prefill timed apart and
-taken out); `pp500`: prompt processing of a 500-token prompt (no prefix cache). The decode-step profile
+taken out); `pp500`: prompt processing of a 500-token prompt (no prefix cache). llama.cpp runs the same GGUF
+on the same token ids and thread count in a worker process (benchmarks/llamacpp_worker.py) started with
+the python of its own venv (`--llamacpp-python`, e.g. /work/venv-llamacpp/bin/python with
+llama-cpp-python==0.3.36; never ferrylm's venv). Every repeat measures each engine once, in turn (the
+machine is shared: neighbours drift), and the rows report medians over the repeats. The decode-step profile
 splits a step's wall time into matmul kernels, attention ops, other torch ops and the rest (Python and
 dispatch), from torch.profiler self times.
 Writes benchmarks/results/cpu-<date>.json; the last line printed is JSON.
 
-    python benchmarks/bench_cpu.py [--threads 2] [--decode-tokens 64] [--repeats 3] [--skip-hf]
+    python benchmarks/bench_cpu.py [--threads 2] [--decode-tokens 64] [--repeats 5] [--skip-hf]
+        [--llamacpp-python /work/venv-llamacpp/bin/python]
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import datetime
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -113,23 +120,24 @@ def hf_pp(model, prompt: list[int]) -> float:
     return len(prompt) / (time.perf_counter() - t)
 
 
-def llamacpp(prompt: list[int], long: list[int], n: int, threads: int):
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    m = Llama(default_model_path(), n_ctx=1024, n_threads=threads, n_batch=512, verbose=False)
+class LlamaCpp:
+    """benchmarks/llamacpp_worker.py in a process of its own venv's python; one measurement per `measure`."""
 
-    def gen(p, k):
-        m.reset()
-        t = time.perf_counter()
-        for i, _ in enumerate(m.generate(p, temp=0.0)):
-            if i + 1 >= k:
-                break
-        return time.perf_counter() - t
-    dec = n / (gen(prompt, 1 + n) - gen(prompt, 1))
-    pp = len(long) / gen(long, 1)
-    return dec, pp
+    def __init__(self, python: str, threads: int):
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamacpp_worker.py")
+        self.proc = subprocess.Popen([python, worker, default_model_path(), "--threads", str(threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.version = json.loads(self.proc.stdout.readline())["version"]
+
+    def measure(self, prompt: list[int], long: list[int], n: int) -> tuple[float, float]:
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "long": long, "decode_tokens": n}) + "\n")
+        self.proc.stdin.flush()
+        r = json.loads(self.proc.stdout.readline())
+        return r["decode_tok_s"], r["pp_tok_s"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
 def main() -> None:
@@ -137,8 +145,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--pp-tokens", type=int, default=500)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--llamacpp-python", default=None,
+                    help="python of a venv with llama-cpp-python (llama.cpp baseline; skipped without it)")
     ap.add_argument("--paths", nargs="*", default=list(PATHS))
     ap.add_argument("--out", default=None, help="results file (default benchmarks/results/cpu-<date>.json)")
     a = ap.parse_args()
@@ -169,6 +179,9 @@ def main() -> None:
         ferry_decode(llm, chat, 4)
     if hf is not None:
         hf_decode(hf, chat, 4)
+    lc = LlamaCpp(a.llamacpp_python, threads) if a.llamacpp_python else None
+    if lc is not None:
+        lc.measure(chat, long, 4)  # warm-up
 
     rates: dict[str, list[float]] = {}
     for _ in range(a.repeats):  # alternate the engines: neighbours on a shared machine drift
@@ -178,16 +191,19 @@ def main() -> None:
         if hf is not None:
             rates.setdefault("decode:hf", []).append(hf_decode(hf, chat, a.decode_tokens))
             rates.setdefault(f"pp{a.pp_tokens}:hf", []).append(hf_pp(hf, long))
-    lc = llamacpp(chat, long, a.decode_tokens, threads)
+        if lc is not None:
+            dec, pp = lc.measure(chat, long, a.decode_tokens)
+            rates.setdefault("decode:llamacpp", []).append(dec)
+            rates.setdefault(f"pp{a.pp_tokens}:llamacpp", []).append(pp)
+    if lc is not None:
+        lc.close()
     med = {k: statistics.median(v) for k, v in rates.items()}
 
     rows = []
     for case in ("decode", f"pp{a.pp_tokens}"):
         for p in llms:
             row = {"case": f"{case}:{p}", "ferry_tok_s": med[f"{case}:{p}"],
-                   "hf_bf16_tok_s": med.get(f"{case}:hf"), "llamacpp_tok_s": None}
-            if lc is not None:
-                row["llamacpp_tok_s"] = lc[0] if case == "decode" else lc[1]
+                   "hf_bf16_tok_s": med.get(f"{case}:hf"), "llamacpp_tok_s": med.get(f"{case}:llamacpp")}
             if row["hf_bf16_tok_s"]:
                 row["vs_hf_bf16"] = row["ferry_tok_s"] / row["hf_bf16_tok_s"]
             if row["llamacpp_tok_s"]:
@@ -201,8 +217,17 @@ def main() -> None:
         load = os.getloadavg()[0]
     except OSError:
         load = None
-    result = {"bench": "cpu", "model": "smollm2-135m-q4_1-gguf", "threads": threads, "load_avg_1m": load,
-              "decode_tokens": a.decode_tokens, "repeats": a.repeats, "rows": rows, "decode_profile_ms": profiles}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except OSError:
+        commit = None
+    result = {"bench": "cpu", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+              "commit": commit, "command": " ".join(["python", *sys.argv]),
+              "model": "smollm2-135m-q4_1-gguf", "threads": threads, "load_avg_1m": load,
+              "llamacpp_version": lc.version if lc is not None else None,
+              "decode_tokens": a.decode_tokens, "pp_tokens": a.pp_tokens, "repeats": a.repeats,
+              "rows": rows, "samples_tok_s": rates, "decode_profile_ms": profiles}
     out = a.out or os.path.join(os.path.dirname(__file__), "results",
                                 f"cpu-{datetime.date.today().isoformat()}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)

@@ -23,7 +23,7 @@ FORMATS = {
     "int8": lambda w: Q.quantize_int8(w),
     "nf4": lambda w: Q.quantize_nf4(w, 64),
 }
-EXPECTED_KERNEL = {"q4_0": "int4pack", "q4_1": "int4pack", "int4-g128": "int4pack", "q8_0": "dense-bf16",
+EXPECTED_KERNEL = {"q4_0": "int4pack", "q4_1": "int4pack", "int4-g128": "int4pack", "q8_0": "int8group",
                    "int8": "int8pack", "nf4": "dequantize"}
 SHAPES = [(64, 128), (960, 576), (576, 1536), (48, 256)]
 SKIP = {("int4-g128", (960, 576))}  # 576 is no multiple of 128
@@ -48,13 +48,66 @@ def test_kernel_matches_dequantize_then_matmul(fmt, shape):
     assert kern.name == EXPECTED_KERNEL[fmt]
     w = qt.dequantize(torch.float32)
     for t, dtype in ((1, torch.float32), (2, torch.bfloat16), (7, torch.float32), (16, torch.bfloat16),
-                     (64, torch.float32)):
+                     (64, torch.float32), (130, torch.bfloat16)):
         x = torch.randn(t, k).to(dtype)
         out = kern(x)
         assert out.shape == (t, n) and out.dtype == dtype
         err, worst = _check(out, x, w)
         assert worst <= 0, f"{fmt} {shape} T={t} {dtype}: max err {err:.3e} exceeds the bf16 bound by {worst:.3e}"
-    print(f"{fmt} {shape} kernel={kern.name}: max |err| {err:.3e} (T=64)")
+    print(f"{fmt} {shape} kernel={kern.name}: max |err| {err:.3e} (T=130)")
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "int4-g128", "q8_0", "int8"])
+def test_kernel_gives_the_exact_weight_back(fmt):
+    """A kernel holds the only copy: `tensor()`, `rows()` and `dequantize()` equal the loaded weight's."""
+    torch.manual_seed(3)
+    qt = FORMATS[fmt](torch.randn(192, 256) * 0.05)
+    kern = QuantKernel.for_tensor(qt)
+    back = kern.tensor()
+    assert back.scheme == qt.scheme and back.params == qt.params and tuple(back.shape) == tuple(qt.shape)
+    for p, v in qt.parts.items():
+        assert torch.equal(back.parts[p], v), p
+    idx = torch.tensor([191, 0, 64, 63, 100, 0])
+    rows = kern.rows(idx)
+    assert torch.equal(rows.dequantize(), qt.dequantize()[idx])
+    assert torch.equal(kern.dequantize(torch.bfloat16), qt.dequantize(torch.bfloat16))
+    if fmt.startswith("q4") or fmt.startswith("int4"):
+        assert "q" not in kern.qt.parts  # the codes live only in the kernel's packed layout
+        assert kern.nbytes < qt.nbytes + kern.packed.nbytes
+    print(f"{fmt}: kernel {kern.name} holds {kern.nbytes} bytes for a {qt.nbytes}-byte weight")
+
+
+def test_q8_0_chunked_path_over_many_chunks(monkeypatch):
+    """Above GROUPED_MAX_T tokens the Q8_0 kernel dequantizes row chunks (here 100 rows, a 60-row tail)."""
+    from ferrylm.layers import qmatmul
+
+    monkeypatch.setattr(qmatmul, "DEQUANT_CHUNK", 100)
+    torch.manual_seed(4)
+    qt = FORMATS["q8_0"](torch.randn(960, 576) * 0.05)
+    kern = QuantKernel.for_tensor(qt)
+    x = torch.randn(9, 576)
+    want = F.linear(x.bfloat16(), qt.dequantize(torch.bfloat16)).float()  # what a held bf16 copy gave
+    assert torch.equal(kern(x), want)
+    _, worst = _check(kern(x[:2]), x[:2], qt.dequantize(torch.float32))  # the grouped path
+    assert worst <= 0
+
+
+def test_int4_dense_path_over_row_chunks(monkeypatch):
+    """From DENSE_FROM_T tokens the int4 kernel dequantizes row chunks (here 128 rows, a 64-row tail) for the
+    bf16 GEMM: within the bf16 bound of the plain path, and equal to the unchunked dense product."""
+    from ferrylm.layers import qmatmul
+
+    monkeypatch.setattr(qmatmul, "DENSE_FROM_T", 128)  # opt-in (off by default)
+    torch.manual_seed(5)
+    qt = FORMATS["q4_1"](torch.randn(960, 576) * 0.05)
+    kern = QuantKernel.for_tensor(qt)
+    x = torch.randn(130, 576)
+    whole = kern(x)
+    monkeypatch.setattr(qmatmul, "DEQUANT_CHUNK", 128)
+    chunked = kern(x)
+    _, worst = _check(chunked, x, qt.dequantize(torch.float32))
+    assert worst <= 0
+    torch.testing.assert_close(chunked, whole, rtol=2 ** -8, atol=1e-5)
 
 
 def test_reference_kernel_is_the_plain_path():
@@ -85,7 +138,7 @@ def test_packed_fused_linear_equals_dense(fmt):
         dense.load("weight", qt.dequantize(torch.float32), shard=s)
     packed.finish_load()
     dense.finish_load()
-    assert list(packed.qweight) == ["q", "k", "v"] and packed.weight.numel() == 0
+    assert packed.packed_shards == ["q", "k", "v"] and packed.weight.numel() == 0 and not packed.qweight
     assert len(packed.kernels) == (3 if fmt == "nf4" else 1)
     x = torch.randn(5, 128)
     _, worst = _check(packed(x), x, dense.weight.data)

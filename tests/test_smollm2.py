@@ -44,7 +44,7 @@ def test_quantized_default_agrees_with_fp32_path(llm, fp32_llm):
     print("quantized path: greedy tokens equal to the fp32 path's before the first difference:", agree)
     assert agree[0] == 32 and min(agree) >= 24
     kinds = {m.kernels[0].name for m in llm.engine.runner.model.modules() if getattr(m, "kernels", None)}
-    assert kinds == {"int4pack", "dense-bf16"}  # Q4_1 projections, the Q8_0 embedding as LM head
+    assert kinds == {"int4pack", "int8group"}  # Q4_1 projections, the Q8_0 embedding as LM head
 
 
 def test_greedy_chat_equals_transformers(fp32_llm):

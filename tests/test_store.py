@@ -129,7 +129,7 @@ def test_quantized_compute_matches_dequantized_dense(scheme, kernel, llama, monk
     dst = _store(llama, tmp_path, quant=scheme, group_size=32 if scheme == "int4" else 64)
     packed_llm = LLM(dst, dtype="float32", max_num_seqs=2)
     qkv = packed_llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
-    assert list(qkv.qweight) == ["q", "k", "v"] and qkv.weight.numel() == 0  # kept packed, dense released
+    assert qkv.packed_shards == ["q", "k", "v"] and qkv.weight.numel() == 0  # kept packed, dense released
     assert [k.name for k in qkv.kernels] == ([kernel] if kernel != "dequantize" else [kernel] * 3)
     packed = _logits(dst)
     monkeypatch.setattr(S.StoreSource, "get_quantized", lambda self, name: None)  # the plain path
@@ -148,7 +148,7 @@ def test_fused_linear_with_partly_quantized_shards_falls_back_to_dense(llama, tm
     assert st.get_quantized("model.layers.0.self_attn.k_proj.weight") is None
     llm = LLM(dst, dtype="float32", max_num_seqs=2)
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
-    assert not qkv.qweight and qkv.weight.shape == (64 + 2 * 32, 64)
+    assert not qkv.kernels and qkv.weight.shape == (64 + 2 * 32, 64)
     expected = torch.cat([st.get(f"model.layers.0.self_attn.{p}_proj.weight") for p in "qkv"])
     assert torch.equal(qkv.weight, expected)
 

@@ -17,13 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferrylm.layers.linear import Linear
+from ferrylm.layers.qmatmul import QuantKernel
 from ferrylm.weights.quant import QuantizedTensor
 
 REFINE_TOP = 64
 """Logits per row recomputed in fp32 after a packed LM head's bf16 kernel."""
 
 
-def refine_top(logits: torch.Tensor, hidden: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+def refine_top(logits: torch.Tensor, hidden: torch.Tensor, qt: QuantizedTensor | QuantKernel) -> torch.Tensor:
     """Recompute the `REFINE_TOP` largest logits of each row exactly from `qt`'s rows (fp32)."""
     # logits: [N, V]; hidden: [N, H]
     top = logits.topk(min(REFINE_TOP, logits.shape[-1]), dim=-1).indices  # [N, R]
@@ -34,8 +35,8 @@ def refine_top(logits: torch.Tensor, hidden: torch.Tensor, qt: QuantizedTensor) 
 
 def _logits(head: Linear, hidden: torch.Tensor) -> torch.Tensor:
     out = Linear.forward(head, hidden)
-    if head.kernels and out.dtype == torch.float32 and len(head.qweight) == 1 and next(iter(head.qweight.values())).row_wise:
-        out = refine_top(out, hidden, next(iter(head.qweight.values())))
+    if len(head.kernels) == 1 and out.dtype == torch.float32 and head.kernels[0].row_wise:
+        out = refine_top(out, hidden, head.kernels[0])
     return out
 
 
@@ -45,8 +46,8 @@ class VocabEmbedding(Linear):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [T] -> [T, H]
-        if self.qweight:
-            return self.qweight[None].rows(input_ids).dequantize(self.weight.dtype)
+        if self.kernels:
+            return self.kernels[0].rows(input_ids).dequantize(self.weight.dtype)
         return F.embedding(input_ids, self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ per shard of a fused weight, copied to where the loader places the weight): `fin
 when the pieces cover every row (the dense weight is then released) and builds the matmul kernel for it
 once (`layers/qmatmul.py`: row-wise pieces are concatenated into one kernel, so a fused projection stays
 one matmul); pieces that cover only part of a fused weight are dequantized into the dense weight at load.
+Once the kernels are built they hold the only copy of the weight (`qweight`, the load-time staging, is
+emptied; `packed_shards` names what was kept packed).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class Linear(nn.Module):
         """Bytes the weight will keep packed (noted before placement from a quantized source)."""
         self.kernels: list[QuantKernel] = []
         """Matmul kernels over `qweight` in row order (one when the pieces concatenate), built at load."""
+        self.packed_shards: list[str | None] = []
+        """The shard ids (None: the whole weight) held packed by `kernels`, in row order."""
 
     def load(self, name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """Copy a checkpoint tensor (`name` is `weight` or `bias`) into all rows or into one shard."""
@@ -70,6 +74,7 @@ class Linear(nn.Module):
             # device, so the kernel is the device's (the host's packed layouts would never see them)
             streamed = device_for(self, "weight").type == "cpu" and compute_device().type != "cpu"
             self.kernels = [QuantKernel.for_tensor(p, reference=streamed) for p in pieces]
+            self.packed_shards, self.qweight = order, {}  # the kernels hold the weight now, once
             replace(self, "weight", torch.empty(0, dtype=self.weight.dtype, device=device_for(self, "weight")))
             return
         pieces, self.qweight = self.qweight, {}
@@ -77,15 +82,16 @@ class Linear(nn.Module):
             self.load("weight", qt.dequantize(self.weight.dtype), shard)
 
     def packed_parts(self) -> list[tuple[QuantizedTensor, str]]:
-        """(tensor, part name) of every packed part the kernels read (a layer streamer re-points them)."""
+        """(tensor, part name) of every packed part the kernels read (a layer streamer re-points them). For
+        the reference kernels a streamed layer gets; a CPU kernel holds its own layout (`QuantKernel.tensor()`)."""
         return [(k.qt, name) for k in self.kernels for name in k.qt.parts]
 
     def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight as a dense [out, in] tensor (dequantized when held quantized)."""
-        if not self.qweight:
+        if not self.kernels:
             return self.weight if dtype is None else self.weight.to(dtype)
         dtype = dtype or self.weight.dtype
-        pieces = [qt.dequantize(dtype) for qt in self.qweight.values()]
+        pieces = [k.dequantize(dtype) for k in self.kernels]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)  # [out, in]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,9 @@ from ferrylm.weights.store import StoreSource, StoreWriter
 
 log = logging.getLogger(__name__)
 
-QUANT_CHOICES = ("none",) + Q.SCHEMES
+QUANT_CHOICES = ("none",) + Q.SCHEMES + ("q8_0",)
+"""`q8_0`: group-wise int8, one fp16 scale per 32 values of a row (llama.cpp's Q8_0; the CPU kernel's layout)."""
+Q8_0_GROUP = 32
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 # Names that stay in high precision whatever --quant says (fnmatch patterns on HF tensor names).
@@ -51,12 +53,15 @@ _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 @dataclass
 class ConvertOptions:
     quant: str = "none"
-    """none | int8 | nf4 | fp8 | int4. With none, a source's packed blocks (GGUF Q4_0 / Q4_1 / Q8_0) are
-    kept as they are (lossless); any other choice re-quantizes from the dequantized values."""
+    """none | int8 | nf4 | fp8 | int4 | q8_0. With none, a source's packed blocks (GGUF Q4_0 / Q4_1 / Q8_0)
+    are kept as they are (lossless, unless `dequantize`); any other choice re-quantizes from the dequantized
+    values."""
     group_size: int = 64
     """NF4 values per absmax (64 or 128); int4 values per scale (32, 64, 128 or 256)."""
     double_quant: bool = False
     """NF4: store the per-group absmaxes as int8 (QLoRA double quantization)."""
+    dequantize: bool = False
+    """With quant none: write a source's packed blocks as dense values (e.g. a bf16 store of a GGUF)."""
     keep_high_precision: tuple[str, ...] = ()
     """Extra fnmatch patterns of tensor names never quantized."""
     compress: str | None = None
@@ -207,7 +212,8 @@ def convert(src: str, dst: str, opts: ConvertOptions | None = None, progress: bo
             with _Progress(progress, sum(len(ns) for _, ns in groups)) as bar:
                 for gname, names in groups:
                     writer.begin_group(gname)
-                    packed = getattr(source, "get_quantized", None) if opts.quant == "none" else None
+                    keep = opts.quant == "none" and not opts.dequantize
+                    packed = getattr(source, "get_quantized", None) if keep else None
                     for name in names:
                         qt = packed(name) if packed else None
                         if qt is not None:  # the source's blocks as they are
@@ -250,12 +256,14 @@ def _convert_one(name: str, t: torch.Tensor, writer: StoreWriter, opts: ConvertO
     report.bytes_before += t.numel() * t.element_size()
     target = DTYPES[opts.dtype] if opts.dtype and t.is_floating_point() else t.dtype
     scheme = scheme_for(name, t, opts)
-    if scheme == "int4" and (t.dim() != 2 or t.shape[1] % opts.group_size):
-        scheme = None  # int4 is group-wise along rows: such a tensor stays in high precision
+    group = Q8_0_GROUP if scheme == "q8_0" else opts.group_size
+    if scheme in ("int4", "q8_0") and (t.dim() != 2 or t.shape[1] % group):
+        scheme = None  # int4 / q8_0 are group-wise along rows: such a tensor stays in high precision
     if scheme is None:
         value, extra = t.to(target), None
     else:
-        value = Q.quantize(t, scheme, opts.group_size, opts.double_quant)
+        value = (Q.quantize_int8(t, Q8_0_GROUP) if scheme == "q8_0"
+                 else Q.quantize(t, scheme, opts.group_size, opts.double_quant))
         value.dtype = target
         err = relative_error(t, value)
         report.errors.setdefault(scheme, []).append((name, err))
@@ -376,6 +384,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=64, choices=sorted(set(Q.GROUP_SIZES + Q.INT4_GROUP_SIZES)),
                    help="NF4 group size (64, 128); int4 group size (32 .. 256)")
     p.add_argument("--double-quant", action="store_true", help="NF4: int8 absmaxes (double quantization)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="with --quant none: write a GGUF's packed blocks as dense values (default: kept packed)")
     p.add_argument("--keep-high-precision", nargs="+", action="extend", default=[], metavar="PATTERN",
                    help="fnmatch patterns of tensor names to leave unquantized (embeddings, LM head, norms "
                         "and routers always are)")
@@ -413,7 +423,7 @@ def cmd_convert(a: argparse.Namespace) -> None:
         return
     if not a.src or not a.dst:
         raise FerryError("usage: ferry convert SRC DST [options]  |  ferry convert --verify STORE")
-    opts = ConvertOptions(quant=a.quant, group_size=a.group_size, double_quant=a.double_quant,
+    opts = ConvertOptions(quant=a.quant, group_size=a.group_size, double_quant=a.double_quant, dequantize=a.dequantize,
                           keep_high_precision=tuple(a.keep_high_precision), compress=a.compress, level=a.level,
                           dtype=a.dtype, shard_bytes=a.shard_size_mb << 20, force=a.force)
     report = convert(a.src, a.dst, opts, progress=not a.quiet)

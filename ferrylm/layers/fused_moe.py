@@ -324,15 +324,12 @@ def _weight_args(w, device: torch.device) -> dict:
     else:
         q, scale, mn = like.parts["q"], like.parts.get("scale"), like.parts.get("min")
         fmt, group = like.fmt, like.group
-    scale_like = scale if scale is not None else q
-    if table:
-        ptr = {k: w.ptrs.get(k, w.ptrs["q"]) for k in ("q", "scale", "min")}
-        pw, ps, pm = ptr["q"], ptr["scale"], ptr["min"]
-        se = 0
-        we = 0
+    scale_like = scale if scale is not None else q  # formats without a part get a harmless stand-in
+    if table:  # the tables hold each expert's address: no expert strides
+        pw, ps, pm = (w.ptrs.get(k, w.ptrs["q"]) for k in ("q", "scale", "min"))
+        we = se = 0
     else:
-        pw, ps = q, scale_like
-        pm = mn if mn is not None else scale_like
+        pw, ps, pm = q, scale_like, mn if mn is not None else scale_like
         we, se = q.stride(0), scale_like.stride(0)
     return dict(w_ptr=pw, ws_ptr=ps, wm_ptr=pm, lut_ptr=_lut(fmt, device), stride_we=we, stride_wn=q.stride(1),
                 stride_se=se, stride_sn=scale_like.stride(1) if scale is not None else 0, MAPPED=table,

@@ -255,6 +255,18 @@ def _cache_args(k_cache, v_cache, k_scale, v_scale, latent_values):
     return k_cache, v_cache, ks, vs, dv, strides, quant
 
 
+def _prepare(q, k_cache, v_cache, k_scale, v_scale, latent_values, out):
+    """What both entry points set up: q with unit last stride, the output [rows, H, DV], the page size,
+    the KV heads, the query heads per KV head and the cache arguments (`_cache_args`)."""
+    Hk, page = k_cache.shape[2], k_cache.shape[1]
+    args = _cache_args(k_cache, v_cache, k_scale, v_scale, latent_values)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = q.new_empty(*q.shape[:2], args[4])
+    return q, out, page, Hk, q.shape[1] // Hk, args
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, max_len: int, window: int | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
@@ -264,14 +276,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     block_tables: [B, nb]; seq_lens: [B] (>= 1, the new token included); max_len: a host bound on
     seq_lens (sets the split count); k_scale/v_scale: [N, page, Hk] fp32 for a quantized cache.
     -> out [B, H, DV] in q's dtype."""
+    q, out, page, Hk, G, (K, V, KS, VS, DV, st, quant) = _prepare(q, k_cache, v_cache, k_scale, v_scale,
+                                                                  latent_values, out)
     B, H, D = q.shape
-    Hk, page = k_cache.shape[2], k_cache.shape[1]
-    G = H // Hk
-    K, V, KS, VS, DV, st, quant = _cache_args(k_cache, v_cache, k_scale, v_scale, latent_values)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if out is None:
-        out = q.new_empty(B, H, DV)
     if B == 0:
         return out
     tiles = -(-G // HEAD_TILE)
@@ -322,14 +329,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Causal attention of every prefill chunk in the step, K/V (the chunk's own included) read from the
     cache. q: [T, H, D] (the whole step's tokens; rows of decode sequences are not touched);
     block_tables: [num_seqs, nb]; meta, num_tiles from `prefill_meta(.., block_q)`. -> out [T, H, DV]."""
+    q, out, page, Hk, G, (K, V, KS, VS, DV, st, quant) = _prepare(q, k_cache, v_cache, k_scale, v_scale,
+                                                                  latent_values, out)
     T, H, D = q.shape
-    Hk, page = k_cache.shape[2], k_cache.shape[1]
-    G = H // Hk
-    K, V, KS, VS, DV, st, quant = _cache_args(k_cache, v_cache, k_scale, v_scale, latent_values)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if out is None:
-        out = q.new_empty(T, H, DV)
     if num_tiles == 0:
         return out
     ht = min(HEAD_TILE, triton.next_power_of_2(G))

@@ -230,6 +230,8 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters())
         n = 0
         for name in source.keys():
+            if not name.endswith(".weight") or _EXPERT.match(name):  # never a Linear's packed weight: not read
+                continue
             qt = self._quantized_for_linear(name, get_quantized(name), params)
             if qt is None:
                 continue

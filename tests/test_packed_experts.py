@@ -113,3 +113,26 @@ def test_placement_counts_packed_linear_weights_at_their_packed_size(tmp_path_fa
     for g in group_tensors(packed):
         if g.kind in ("attention", "mlp"):
             assert g.nbytes < by[g.name] * 0.4, g.name  # int4 codes + fp16 scales of fp32 weights
+
+
+def test_a_bank_packed_on_one_side_only_is_a_clear_load_error():
+    """Experts whose gate/up arrive packed but whose down projection arrives dense: ModelLoadError, not a traceback."""
+    from ferrylm.config import ModelConfig
+    from ferrylm.errors import ModelLoadError
+    from ferrylm.models.registry import model_class
+    from ferrylm.weights.random_source import RandomSource
+
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 64, "hidden_size": 128,
+           "intermediate_size": 192, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_local_experts": 2, "num_experts_per_tok": 1, "max_position_embeddings": 64}
+    src = RandomSource(cfg, dtype=torch.float32, expert_quant="nf4")
+    dense = lambda name: name.endswith(".w2.weight") and ".experts.1." in name  # noqa: E731
+    packed_get, plain_get = src.get_quantized, src.get
+    src.get_quantized = lambda name: None if dense(name) else packed_get(name)
+    src.get = lambda name: torch.randn(128, 192) * 0.02 if dense(name) else plain_get(name)
+    mc = ModelConfig.from_hf(cfg)
+    with torch.device("meta"):
+        model = model_class(mc)(mc)
+    assert model.pack_experts(src)  # expert 0 is packed throughout, so the bank packs
+    with pytest.raises(ModelLoadError, match="stored dense in a bank whose experts are packed"):
+        model.load_weights(src)

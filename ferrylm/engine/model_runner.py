@@ -141,8 +141,9 @@ class ModelRunner:
         self.model.eval()
         from ferrylm.layers import fused_moe
 
+        # one process only: tensor-parallel ranks read their expert slices dense (parallel/ and models/base.py)
         if (self.device.type == "cuda" and config.moe_backend == "auto" and fused_moe.triton is not None
-                and self.dtype in (torch.bfloat16, torch.float16)):
+                and self.dtype in (torch.bfloat16, torch.float16) and config.parallel.world_size == 1):
             packed = self.model.pack_experts(source)  # the fused kernel reads them packed: placed at that size
             if packed:
                 log.info("experts kept packed in %d banks (read by the fused MoE kernel)", len(packed))

@@ -103,6 +103,8 @@ class Experts(nn.Module):
                 self._load_packed(expert, part, tensor)
                 return
             tensor = tensor.dequantize()
+        elif self.packing:  # its first expert arrived packed: the bank is packed, a dense piece has no place
+            raise ValueError(f"expert {expert} {part} is stored dense in a bank whose experts are packed")
         I = self.inter
         w = writable(self, "w2" if part == "down" else "w13")
         dst = {"gate": w[expert, :I], "up": w[expert, I:], "gate_up": w[expert], "down": w[expert]}[part]

@@ -144,7 +144,10 @@ class CausalLM(nn.Module):
                 progress(name)
         for mod in self.modules():
             if isinstance(mod, (Linear, Experts)):
-                mod.finish_load()
+                try:
+                    mod.finish_load()
+                except ValueError as e:  # e.g. a bank whose experts arrived partly packed, partly dense
+                    raise ModelLoadError(f"{source.path}: {e}") from None
             elif isinstance(mod, nn.Embedding) and not mod.weight.is_meta:
                 mod.weight.requires_grad_(False)
         if getattr(self, "tied", False):

@@ -353,11 +353,48 @@ def case_hybrid(rows: list, h2d: float, routing: str = "model") -> None:
     torch.cuda.empty_cache()
 
 
+def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0.0, 0.3, 0.45, 0.6, 1.0)) -> None:
+    """Hybrid decode (graphed): Mixtral 16L bf16 under 16 GiB, batch 1; the host computes a share of the
+    missed experts while the kernel reads the rest in place. Share 0 (host idle, its nodes still in the
+    graphs) is the same-run in-place baseline; the calibrated share is what `experts=auto` picks."""
+    from ferrylm import LLM
+    from ferrylm.weights.random_source import RandomSource
+
+    if routing.startswith("zipf"):
+        zipf_routing(float(routing[4:] or 1.2))
+    cfg = {**MIXTRAL, "num_hidden_layers": 16}
+    llm = LLM(RandomSource(cfg), device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=4096,
+              gpu_memory_budget="16GiB", experts="auto")
+    placed = llm.engine.runner.placed
+    auto = placed.cpu_share
+    print(f"calibration: {placed.calibration}; calibrated share {auto:.2f}", flush=True)
+    row = {"model": "mixtral-16L", "budget_gib": 16, "batch": 1, "routing": routing, "calibrated_share": auto,
+           "by_share": {}}
+    for share in (*shares, auto):
+        placed.set_cpu_share(share)
+        placed.stats.reset()
+        r, per = decode_rate(llm, 1, 24, seed=int(share * 100) + 3, stats=placed.stats)
+        s = placed.stats
+        row["by_share"][f"{share:.2f}"] = {"tok_s": r, "pcie_gib_per_token": per / 2**30, "cpu_experts": s.cpu_experts,
+                                           "cpu_busy_s": round(s.cpu_busy_s, 3), "hit_rate": s.hit_rate}
+        print(f"hybrid decode {routing} share {share:.2f}: {r:6.2f} tok/s  in place {per / 2**30:.2f} GiB/token, "
+              f"{s}", flush=True)
+    row["hybrid_tok_s"] = row["by_share"][f"{auto:.2f}"]["tok_s"]
+    row["inplace_only_tok_s"] = row["by_share"]["0.00"]["tok_s"]
+    row["cpu_only_tok_s"] = row["by_share"]["1.00"]["tok_s"]
+    rows.append(row)
+    del llm, placed
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 TALLY_SWEEP = [{"decay": 0.5, "margin": 1.0, "floor": 0.25, "per_layer": 8},
                {"decay": 0.9, "margin": 2.0, "floor": 1.0, "per_layer": 2}]
 """Promotion policies (`offload/routing_tally.py` knobs) tried at batch 1 on the same engine."""
 
 CASES = {
+    "hybrid16-decode": lambda rows, h2d: case_hybrid_decode(rows, h2d),
+    "hybrid16-decode-zipf": lambda rows, h2d: case_hybrid_decode(rows, h2d, "zipf1.2"),
     "hybrid16": lambda rows, h2d: case_hybrid(rows, h2d),
     "hybrid16-zipf": lambda rows, h2d: case_hybrid(rows, h2d, "zipf1.2"),
     "offload16": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16}, 16,

@@ -298,6 +298,10 @@ class OffloadConfig:
     mapped_experts: bool = True
     """Decode steps read missed experts in place from pinned host memory over PCIe (no copy first, no
     host sync, CUDA-graphed) and the slots follow the routing; off: every miss is copied into a slot."""
+    cpu_share: float | None = None
+    """Hybrid decode: share of each layer's experts the host computes while they are not in a slot (the
+    kernel reads the rest in place, at the same time); None: balanced from the calibration (1 with
+    `experts=cpu`, 0 with `experts=gpu`)."""
 
     def __post_init__(self) -> None:
         if self.gpu_memory_budget is not None and self.gpu_memory_budget <= 0:
@@ -311,6 +315,8 @@ class OffloadConfig:
             raise ConfigError(f"experts {self.experts!r}: choose auto, gpu or cpu")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.cpu_share is not None and not 0 <= self.cpu_share <= 1:
+            raise ConfigError(f"cpu_share must be in [0, 1], got {self.cpu_share}")
         if self.stream_buffers < 2:
             raise ConfigError(f"stream_buffers must be >= 2 (double buffering), got {self.stream_buffers}")
 

@@ -166,6 +166,11 @@ class CachedExperts(ExpertBackend):
         """Promotions in flight (expert, slot): the slot is reserved, the table still points at the host."""
         self.resident: torch.Tensor | None = None  # [E] bool row of the tally: experts the table points at a slot
         self.counts: torch.Tensor | None = None  # [E] fp32 device row of the tally: assignments this step
+        self.host_decode = None
+        """Hybrid decode (`offload/host_decode.py`): CPU-class experts the table points at the host are
+        computed by the host's cores while the kernel reads the others in place."""
+        self.cpu_class: torch.Tensor | None = None  # [E] bool, host: experts the CPU takes while not in a slot
+        self.on_cpu: torch.Tensor | None = None  # [E] bool, device: cpu_class and not in a slot, stream-ordered
 
     def map(self, resident_row: torch.Tensor, counts_row: torch.Tensor) -> None:
         """Turn on the in-place decode path (host banks registered mapped, fused kernel, CUDA)."""
@@ -191,12 +196,23 @@ class CachedExperts(ExpertBackend):
         if self.expert_bytes > self.large_expert_bytes:
             self.mapped_tokens = 1
 
+    def use_host(self, host_decode, cpu_class: torch.Tensor) -> None:
+        """Hybrid decode: experts of `cpu_class` ([E] bool) run on the host's cores while not in a slot."""
+        self.host_decode, self.cpu_class = host_decode, cpu_class.clone()
+        on_cpu = (self.cpu_class & ~self.resident).to(self.device)
+        if self.on_cpu is None:
+            self.on_cpu = on_cpu
+        else:  # in place: captured graphs read this tensor
+            self.on_cpu.copy_(on_cpu)
+
     def _point(self, e: int, s: int | None) -> None:
         """Table entry of expert e -> slot s, or its host rows (None); stream-ordered, no host sync."""
         for i, t in enumerate((self.t13, self.t2)):
             for k, ptrs in t.ptrs.items():
                 ptrs[e:e + 1].fill_(self.host_addr[i][k][e] if s is None else self.slot_addr[i][k][s])
         self.resident[e] = s is not None
+        if self.on_cpu is not None:
+            self.on_cpu[e:e + 1].fill_(bool(self.cpu_class[e]) and s is None)
 
     def promote(self, e: int, victim: int | None) -> None:
         """Copy expert e into victim's slot (an empty one for None) behind the table (mapped decode path)."""
@@ -237,7 +253,14 @@ class CachedExperts(ExpertBackend):
 
         flat = topk_ids.flatten()
         self.counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=self.counts.dtype))
-        return sum_rows(expert_rows(x, self.t13, self.t2, topk_ids, topk_weights), topk_ids.shape[1])
+        T, k = topk_ids.shape
+        if self.host_decode is None:
+            return sum_rows(expert_rows(x, self.t13, self.t2, topk_ids, topk_weights), k)
+        on = self.on_cpu[topk_ids]  # [T, k]: assignments the host computes
+        self.host_decode.send(self.layer, x, torch.where(on, topk_ids, -1), topk_weights)
+        E = self.on_cpu.numel()
+        rows = expert_rows(x, self.t13, self.t2, torch.where(on, E, topk_ids), topk_weights, skip=True)
+        return sum_rows(rows + self.host_decode.receive(T * k, x.device), k)
 
     @property
     def fused(self) -> bool:

@@ -56,7 +56,8 @@ class OffloadStats:
 class PlacedWeights:
     def __init__(self, model: nn.Module, placement: Placement, device: torch.device, policy: str = "lru",
                  profile: str | None = None, stream_buffers: int = 2, moe_backend: str = "auto",
-                 experts: str = "auto", cpu_threads: int | None = None, mapped_experts: bool = True):
+                 experts: str = "auto", cpu_threads: int | None = None, mapped_experts: bool = True,
+                 cpu_share: float | None = None):
         self.model, self.placement, self.device = model, placement, device
         self.target = device
         self.policy, self.stream_buffers, self.moe_backend = policy, stream_buffers, moe_backend
@@ -64,6 +65,9 @@ class PlacedWeights:
         self.experts = "gpu" if experts == "auto" and device.type != "cuda" else experts
         self.cpu_threads = cpu_threads
         self.mapped_experts = mapped_experts
+        self.cpu_share = cpu_share
+        self.host_decode = None
+        self.costs = None
         self.tally: RoutingTally | None = None
         self.cpu_pool = None
         self.calibration: dict | None = None
@@ -177,9 +181,47 @@ class PlacedWeights:
         packed = any(c.packed for c in self.caches.values())  # host cores would have to decode them first
         if self.caches and self.experts != "gpu" and not packed:
             self._start_hybrid()
-        if self.caches and self.mapped_experts and (self.experts != "cpu" or packed) and all(
+        if self.caches and self.mapped_experts and all(
                 c.fused and all(self.host.is_mapped(t) for t in c.host_parts()) for c in self.caches.values()):
             self.tally = RoutingTally(self.caches, self.device, self.stats)
+            if self.costs is not None:
+                self._start_host_decode()
+
+    def _start_host_decode(self) -> None:
+        """Hybrid decode: a share of each layer's experts (spread over the ids) is computed by the host while
+        not in a slot; the share balances the host's expert rate against the in-place read rate."""
+        from ferrylm.offload.host_decode import HostDecode
+        from ferrylm.offload.host_experts import HostExperts
+
+        share = self.cpu_share
+        if share is None:
+            if self.experts == "cpu":
+                share = 1.0
+            else:  # in place runs at ~0.85 of the copy engine (benchmarks/bench_mapped.py on the H200)
+                cpu_rate, inplace_rate = 1 / self.costs.cpu_s(1), 0.85 / self.costs.copy_s
+                share = cpu_rate / (cpu_rate + inplace_rate)
+        if share <= 0:
+            self.cpu_share = 0.0
+            return
+        first = next(iter(self.caches.values()))
+        H = first.host_w13.shape[2]
+        self.host_decode = HostDecode({l: HostExperts(c.host_w13, c.host_w2, c.act) for l, c in self.caches.items()},
+                                      max(c.mapped_tokens for c in self.caches.values()),
+                                      self.model.config.num_experts_per_tok, H, first.dtype, self.stats)
+        self.set_cpu_share(share)
+
+    def set_cpu_share(self, share: float) -> None:
+        """Between steps: the host takes experts e with floor((e + 1) * share) > floor(e * share) (spread over
+        the ids) while they are not in a slot. Graphs captured before keep working (tensors change in place)."""
+        if self.host_decode is None:
+            raise ValueError("hybrid decode is off (experts=gpu, no mapped caches, or a share of 0 at start)")
+        E = next(iter(self.caches.values())).host_w13.shape[0]
+        cpu_class = torch.tensor([int((e + 1) * share) > int(e * share) for e in range(E)])
+        for c in self.caches.values():
+            c.use_host(self.host_decode, cpu_class)
+        self.cpu_share = share
+        log.info("hybrid decode: the host computes %d of %d experts per layer while they are not in a slot "
+                 "(share %.2f)", int(cpu_class.sum()), E, share)
 
     @property
     def graphable(self) -> bool:
@@ -192,6 +234,8 @@ class PlacedWeights:
         return min((c.mapped_tokens for c in self.caches.values()), default=None)
 
     def after_step(self) -> None:
+        if self.host_decode is not None:
+            self.host_decode.check()
         if self.tally is not None:
             self.tally.after_step()
 
@@ -206,6 +250,7 @@ class PlacedWeights:
             self.cpu_pool = ThreadPoolExecutor(1, thread_name_prefix="ferry-cpu-experts")
         first = next(iter(self.caches.values()))
         costs, self.calibration = calibrate(first.host_w13, first.host_w2, first.act, self.device)
+        self.costs = costs
         for c in self.caches.values():
             c.cpu_mode, c.costs, c.cpu_pool = self.experts, costs, self.cpu_pool
 
@@ -234,6 +279,8 @@ class PlacedWeights:
         return total
 
     def close(self) -> None:
+        if self.host_decode is not None:
+            self.host_decode.close()
         if self.cpu_pool is not None:
             self.cpu_pool.shutdown()
         self.host.close()

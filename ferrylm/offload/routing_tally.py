@@ -72,7 +72,9 @@ class RoutingTally:
         misses = int(needed.sum()) - hits
         self.stats.expert_hits += hits
         self.stats.expert_misses += misses
-        self.stats.h2d_bytes += misses * self.caches[0].expert_bytes  # read in place over PCIe
+        on_host = sum(int((needed[i] & ~self.resident[i] & c.cpu_class).sum())
+                      for i, c in enumerate(self.caches) if c.cpu_class is not None)
+        self.stats.h2d_bytes += (misses - on_host) * self.caches[0].expert_bytes  # read in place over PCIe
         for i, c in enumerate(self.caches):
             if c.trace is not None and needed[i].any():
                 c.trace.append(needed[i].nonzero().flatten().tolist())

@@ -11,6 +11,17 @@ from ferrylm import LLM, SamplingParams
 from helpers import capture_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+
+
+@pytest.fixture(autouse=True)
+def _free_device_memory():
+    """Each engine sizes its KV cache from the memory free at its start: give back what the last test's
+    engines held (their reference cycles wait for the collector) before the next one starts."""
+    yield
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
 

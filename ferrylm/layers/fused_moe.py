@@ -350,7 +350,7 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
     BM, BN, BK = _blocks(A)
     rows, block_expert, used, inv = align(topk_ids, E + skip, BM)
     if skip:  # the skip expert's blocks come last: stop before them
-        used = torch.searchsorted(block_expert, torch.tensor([E], device=x.device)) * BM
+        used = (block_expert < E).sum().reshape(1) * BM  # block_expert ascends: its blocks before E's
         block_expert = block_expert.clamp(max=E - 1)
     m_pad = rows.numel()
     x = x.contiguous()

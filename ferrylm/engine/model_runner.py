@@ -273,6 +273,10 @@ class ModelRunner:
         oc, sc = self.config.offload, self.config.scheduler
         total = free = None
         if oc.gpu_memory_budget is None and self.device.type == "cuda":
+            import gc
+
+            gc.collect()  # an engine dropped before this one may still hold its KV pool inside a reference cycle
+            torch.cuda.empty_cache()
             total = torch.cuda.get_device_properties(self.device).total_memory
             free, _ = torch.cuda.mem_get_info(self.device)
         per_block = self._kv_bytes_per_block()

@@ -8,4 +8,12 @@ figures in docs/benchmarks.md. TODO, in order: the packed int8/fp8 expert bank m
 latency-bound: profile, split K for decode), copying predicted misses first at one token (hit rate 0.41 vs
 Belady's 0.74 on Qwen3-30B), next-layer prefetch, graphs for streamed dense layers, and the Yuan-M32 NF4,
 Qwen2-72B NF4, DeepSeek and batch-256 benchmark cases.
+
+Hybrid decode (issue 10, session 3): the host computes a share of the missed experts inside the decode graphs
+(`host_node.py`, `host_decode.py`) while the kernel reads the rest in place; correct, but no faster than
+either side alone on the H200 host (docs/benchmarks.md). Next: run `benchmarks/bench_hybrid_overlap.py` to
+see whether the sides take turns or contend; torch threads = cores - 2 (the spinning main thread and the
+driver's host-function thread need cores); if in-place reads starve beside CPU reads, let the worker copy
+the GPU's share with the copy engine on its own stream (it may call CUDA: it is not the host function)
+into slots and point the table at them before it releases the stream.
 """

@@ -1,0 +1,200 @@
+"""Resident GPU fast path (issue 11): whole-engine decode and prefill on real shapes with random weights, each
+against a roofline computed in the same run, as gpt-fast reports them.
+
+Rooflines: decode = read bandwidth (a bf16 sum over 4 GiB, measured here) / (weight bytes a step reads +
+KV bytes the batch's contexts read); prefill = bf16 matmul rate (8192^3, measured here) / FLOPs per token
+(2 x the matmul parameters + causal attention). Every prompt is fresh (a repeated prompt would hit the
+prefix cache). Decode tok/s = batch x steps / (time(prefill + steps) - time(prefill + 1)).
+
+Cases (`--cases`, in this order by default):
+  llama8b-b1, llama8b-b64      Llama-3-8B shape decode at batch 1 / 64, 512-token prompts
+  llama8b-prefill2k            one 2048-token prompt, time to its first token
+  mixtral8l-b1                 Mixtral shape, 8 layers, all resident, batch 1 (active-weight roofline)
+  llama8b-16k-b16              batch 16 at a 16k context (KV reads dominate)
+  --hf                         adds transformers' eager decode at batch 1 for the Llama and Mixtral cases
+
+    PYTHONPATH=. python benchmarks/bench_resident.py [--cases ...] [--hf] [--out FILE]
+
+Rows: {"model", "case", "ferry_tok_s", "hf_tok_s", "roofline_tok_s", "pct_roofline", "gb_s" | "tflops"}.
+Ends with one JSON line (also written to `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import time
+
+import torch
+
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 32768,
+             "tie_word_embeddings": False}
+MIXTRAL_8L = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
+              "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 8, "rms_norm_eps": 1e-5,
+              "rope_theta": 1e6, "max_position_embeddings": 32768, "tie_word_embeddings": False}
+
+
+def read_gb_s() -> float:
+    a = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda")  # 4 GiB
+    a.fill_(1)
+    a.sum()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a.sum()
+    torch.cuda.synchronize()
+    return 10 * a.numel() * 2 / (time.perf_counter() - t) / 1e9
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a @ a
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    torch.cuda.synchronize()
+    return 20 * 2 * 8192 ** 3 / (time.perf_counter() - t) / 1e12
+
+
+def shape_bytes(cfg: dict) -> dict:
+    """Bytes (bf16) a decode step reads per token of weights, and KV bytes per cached token."""
+    H, I, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    hd = H // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"]
+    attn = H * (cfg["num_attention_heads"] * hd + 2 * kv * hd) + cfg["num_attention_heads"] * hd * H
+    mlp = 3 * H * I * cfg.get("num_experts_per_tok", 1)  # active experts only
+    matmul = L * (attn + mlp) + V * H  # the lm_head; the embedding reads one row a token
+    return {"weights": 2 * matmul, "matmul_params": matmul, "kv_per_token": 2 * L * 2 * kv * hd,
+            "attn_flops_per_ctx": 4 * L * cfg["num_attention_heads"] * hd}
+
+
+def prompts(n: int, length: int, seed: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab - 10, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def timed_generate(llm, ps, n: int) -> float:
+    from ferrylm import SamplingParams
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    llm.generate(ps, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def decode_rate(llm, batch: int, prompt_len: int, steps: int, vocab: int, seed: int) -> float:
+    timed_generate(llm, prompts(batch, prompt_len, seed + 100, vocab), 3)  # warm-up: graphs, kernels
+    t1 = timed_generate(llm, prompts(batch, prompt_len, seed, vocab), 1)
+    tn = timed_generate(llm, prompts(batch, prompt_len, seed + 1, vocab), steps + 1)
+    return batch * steps / (tn - t1)
+
+
+def hf_decode(cfg: dict, steps: int = 32) -> float | None:
+    """transformers eager batch-1 decode of the same shape, in its own process (its memory goes with it)."""
+    import transformers
+
+    cls = {"llama": "LlamaConfig", "mixtral": "MixtralConfig"}[cfg["model_type"]]
+    code = f"""
+import torch, time, transformers
+cfg = transformers.{cls}(**{ {k: v for k, v in cfg.items() if k not in ('architectures', 'model_type')} !r})
+torch.set_default_dtype(torch.bfloat16)
+with torch.device('cuda'):
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+ids = torch.randint(10, 30000, (1, 32), device='cuda')
+def run(n):
+    torch.cuda.synchronize(); t = time.perf_counter()
+    m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    torch.cuda.synchronize(); return time.perf_counter() - t
+with torch.no_grad():
+    run(4)
+    print('HF', {steps} / (run({steps} + 1) - run(1)))
+"""
+    out = subprocess.run(["python", "-c", code], capture_output=True, text=True, timeout=400)
+    got = [float(x.split()[1]) for x in out.stdout.splitlines() if x.startswith("HF ")]
+    if not got:
+        print(f"transformers {transformers.__version__} baseline failed:", out.stderr[-1500:], flush=True)
+    return got[0] if got else None
+
+
+def engine(cfg: dict, max_num_seqs: int, max_model_len: int):
+    from ferrylm import LLM
+    from ferrylm.weights.random_source import RandomSource
+
+    return LLM(RandomSource(cfg), device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs,
+               max_model_len=max_model_len)
+
+
+def free(llm) -> None:
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="llama8b-b1,llama8b-b64,llama8b-prefill2k,mixtral8l-b1,llama8b-16k-b16")
+    ap.add_argument("--hf", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    cases = a.cases.split(",")
+    bw, mm = read_gb_s(), matmul_tflops()
+    print(f"read {bw:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s", flush=True)
+    rows: list[dict] = []
+
+    def decode_row(model, case, cfg, llm, batch, prompt_len, steps, hf=None):
+        b = shape_bytes(cfg)
+        ctx = prompt_len + steps / 2  # mean context over the timed steps
+        step_bytes = b["weights"] + batch * ctx * b["kv_per_token"]
+        r = decode_rate(llm, batch, prompt_len, steps, cfg["vocab_size"], seed=batch * 13 + prompt_len)
+        roof = batch * bw * 1e9 / step_bytes
+        row = {"model": model, "case": case, "ferry_tok_s": r, "hf_tok_s": hf, "roofline_tok_s": roof,
+               "pct_roofline": 100 * r / roof, "gb_s": r / batch * step_bytes / 1e9}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    llama = [c for c in cases if c.startswith("llama8b") and "16k" not in c]
+    if llama:
+        llm = engine(LLAMA3_8B, 64, 4096)
+        hf = hf_decode(LLAMA3_8B) if a.hf else None
+        for c in llama:
+            if c == "llama8b-b1":
+                decode_row("llama-3-8b", c, LLAMA3_8B, llm, 1, 512, 128, hf)
+            elif c == "llama8b-b64":
+                decode_row("llama-3-8b", c, LLAMA3_8B, llm, 64, 512, 64)
+            elif c == "llama8b-prefill2k":
+                b = shape_bytes(LLAMA3_8B)
+                T = 2048
+                timed_generate(llm, prompts(1, T, 7, LLAMA3_8B["vocab_size"]), 1)  # warm-up, its own prompt
+                dt = min(timed_generate(llm, prompts(1, T, 8 + i, LLAMA3_8B["vocab_size"]), 1) for i in range(3))
+                flops = 2 * b["matmul_params"] * T + b["attn_flops_per_ctx"] * T * T / 2
+                row = {"model": "llama-3-8b", "case": c, "ferry_tok_s": T / dt, "hf_tok_s": None,
+                       "roofline_tok_s": T * mm * 1e12 / flops, "tflops": flops / dt / 1e12}
+                row["pct_roofline"] = 100 * row["ferry_tok_s"] / row["roofline_tok_s"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        free(llm)
+    if "mixtral8l-b1" in cases:
+        llm = engine(MIXTRAL_8L, 16, 2048)
+        decode_row("mixtral-8L", "mixtral8l-b1", MIXTRAL_8L, llm, 1, 128, 128, hf_decode(MIXTRAL_8L) if a.hf else None)
+        free(llm)
+    if "llama8b-16k-b16" in cases:
+        llm = engine(LLAMA3_8B, 16, 16384 + 128)
+        decode_row("llama-3-8b", "llama8b-16k-b16", LLAMA3_8B, llm, 16, 16384, 32)
+        free(llm)
+    out = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "read_gb_s": bw,
+           "matmul_tflops": mm, "rows": rows}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -353,12 +353,17 @@ def case_hybrid(rows: list, h2d: float, routing: str = "model") -> None:
     torch.cuda.empty_cache()
 
 
-def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0.0, 0.3, 0.45, 0.6, 1.0)) -> None:
+def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0.0, 0.3, 0.45, 0.6, 1.0),
+                       gpu_side: str = "inplace") -> None:
     """Hybrid decode (graphed): Mixtral 16L bf16 under 16 GiB, batch 1; the host computes a share of the
     missed experts while the kernel reads the rest in place. Share 0 (host idle, its nodes still in the
-    graphs) is the same-run in-place baseline; the calibrated share is what `experts=auto` picks."""
+    graphs) is the same-run in-place baseline; the calibrated share is what `experts=auto` picks. With
+    gpu_side="copy" the host worker copies the GPU's misses with the copy engine instead (share 0: copy only)."""
     from ferrylm import LLM
+    from ferrylm.offload.host_decode import HostDecode
     from ferrylm.weights.random_source import RandomSource
+
+    HostDecode.gpu_side = gpu_side
 
     if routing.startswith("zipf"):
         zipf_routing(float(routing[4:] or 1.2))
@@ -369,7 +374,7 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
     auto = placed.cpu_share
     print(f"calibration: {placed.calibration}; calibrated share {auto:.2f}", flush=True)
     row = {"model": "mixtral-16L", "budget_gib": 16, "batch": 1, "routing": routing, "calibrated_share": auto,
-           "by_share": {}}
+           "gpu_side": gpu_side, "by_share": {}}
     for share in (*shares, auto):
         placed.set_cpu_share(share)
         placed.stats.reset()
@@ -395,6 +400,7 @@ TALLY_SWEEP = [{"decay": 0.5, "margin": 1.0, "floor": 0.25, "per_layer": 8},
 CASES = {
     "hybrid16-decode": lambda rows, h2d: case_hybrid_decode(rows, h2d),
     "hybrid16-decode-zipf": lambda rows, h2d: case_hybrid_decode(rows, h2d, "zipf1.2"),
+    "hybrid16-decode-copy": lambda rows, h2d: case_hybrid_decode(rows, h2d, gpu_side="copy"),
     "hybrid16": lambda rows, h2d: case_hybrid(rows, h2d),
     "hybrid16-zipf": lambda rows, h2d: case_hybrid(rows, h2d, "zipf1.2"),
     "offload16": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16}, 16,

@@ -494,23 +494,33 @@ def test_host_handoff_inside_a_cuda_graph():
     t.join(timeout=5)
 
 
-@pytest.mark.parametrize("share", [0.5, 1.0])
-def test_hybrid_decode_host_experts_equal_mapped(share, tmp_path_factory):
+@pytest.mark.parametrize("share,gpu_side", [(0.5, "inplace"), (1.0, "inplace"), (0.5, "copy")])
+def test_hybrid_decode_host_experts_equal_mapped(share, gpu_side, tmp_path_factory, monkeypatch):
     """Hybrid decode: the host computes a share of the missed experts (inside the decode graphs, through
-    host nodes) while the kernel reads the rest in place. Logits match the all-in-place run within bf16
-    rounding (the host's bf16 GEMM sums in another order); eager and graphed agree."""
+    host nodes) while the GPU reads the rest in place, or (copy) its worker copies them into scratch slots.
+    Logits match the all-in-place run within bf16 rounding (the host's bf16 GEMM sums in another order);
+    eager and graphed agree."""
     from test_models_hf import build
 
+    from ferrylm.offload.expert_cache import CachedExperts
+    from ferrylm.offload.host_decode import HostDecode
+
+    monkeypatch.setattr(HostDecode, "gpu_side", gpu_side)
+    extra = {}
+    if gpu_side == "copy":  # the copy side serves one-token decode (large experts): make these experts "large"
+        monkeypatch.setattr(CachedExperts, "large_expert_bytes", 0)
+        extra = {"max_num_seqs": 1}
     path, _ = build(tmp_path_factory, "qwen3_moe")
     g = torch.Generator().manual_seed(14)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (70, 3, 17, 9)]
     place = ("experts=cpu", "layers.0.experts.0-1=gpu")
     for eager in (True, False):
-        kw = dict(device="cuda", dtype="bfloat16", enforce_eager=eager, place=place)
+        kw = dict(device="cuda", dtype="bfloat16", enforce_eager=eager, place=place, **extra)
         ref_out, ref = sampled_rows(LLM(path, experts="gpu", **kw), prompts, 24)
         llm = LLM(path, experts="auto", cpu_share=share, **kw)
         placed = llm.engine.runner.placed
         assert placed.host_decode is not None and (llm.engine.runner.graphs is not None) == (not eager)
+        assert placed.host_decode.copies == (gpu_side == "copy")
         out, got = sampled_rows(llm, prompts, 24)
         print(f"hybrid decode share={share} eager={eager}: {placed.stats}")
         assert placed.stats.cpu_experts > 0 and placed.host_decode.error is None

@@ -202,6 +202,7 @@ class CachedExperts(ExpertBackend):
         on_cpu = (self.cpu_class & ~self.resident).to(self.device)
         if self.on_cpu is None:
             self.on_cpu = on_cpu
+            self.in_slot = self.resident.to(self.device)  # [E] bool, device: the table points at a slot
         else:  # in place: captured graphs read this tensor
             self.on_cpu.copy_(on_cpu)
 
@@ -213,6 +214,7 @@ class CachedExperts(ExpertBackend):
         self.resident[e] = s is not None
         if self.on_cpu is not None:
             self.on_cpu[e:e + 1].fill_(bool(self.cpu_class[e]) and s is None)
+            self.in_slot[e:e + 1].fill_(s is not None)
 
     def promote(self, e: int, victim: int | None) -> None:
         """Copy expert e into victim's slot (an empty one for None) behind the table (mapped decode path)."""
@@ -256,11 +258,18 @@ class CachedExperts(ExpertBackend):
         T, k = topk_ids.shape
         if self.host_decode is None:
             return sum_rows(expert_rows(x, self.t13, self.t2, topk_ids, topk_weights), k)
+        hd, E = self.host_decode, self.on_cpu.numel()
         on = self.on_cpu[topk_ids]  # [T, k]: assignments the host computes
-        self.host_decode.send(self.layer, x, torch.where(on, topk_ids, -1), topk_weights)
-        E = self.on_cpu.numel()
-        rows = expert_rows(x, self.t13, self.t2, torch.where(on, E, topk_ids), topk_weights, skip=True)
-        return sum_rows(rows + self.host_decode.receive(T * k, x.device), k)
+        if not hd.copies:
+            hd.send(self.layer, x, torch.where(on, topk_ids, -1), topk_weights)
+            rows = expert_rows(x, self.t13, self.t2, torch.where(on, E, topk_ids), topk_weights, skip=True)
+            return sum_rows(rows + hd.receive(T * k, x.device), k)
+        away = ~self.in_slot[topk_ids]  # [T, k]: the host's, or copied into scratch by its worker
+        hd.send(self.layer, x, torch.where(on, topk_ids, -1), topk_weights, torch.where(away & ~on, topk_ids, -1))
+        rows = expert_rows(x, self.t13, self.t2, torch.where(away, E, topk_ids), topk_weights, skip=True)  # slot hits
+        host = hd.receive(T * k, x.device)
+        rows = rows + expert_rows(x, hd.scratch13, hd.scratch2, hd.remap[topk_ids], topk_weights, skip=True)
+        return sum_rows(rows + host, k)
 
     @property
     def fused(self) -> bool:

@@ -10,6 +10,16 @@ writes its weighted rows (`offload/host_experts.HostExperts.rows`, zero where th
 releases the stream, which copies them back and adds them to its rows. One set of buffers serves every
 layer: layer l+1's copies are ordered after layer l's rows went back. A worker error is kept and raised
 by `check()` after the step (the stream is always released, with zero rows).
+
+`gpu_side`: how the GPU gets the misses the host does not take. "inplace": the fused kernel reads them
+over PCIe through the address table, between the hand-off and the wait. "copy": the worker (an ordinary
+thread, so it may call CUDA) copies them with the copy engine into `scratch` slots on its own stream,
+writes `remap` (expert -> scratch slot, or the skip id), then computes its own experts and releases the
+stream once the copies have landed; the stream computes the slot hits between hand-off and wait and the
+scratch experts after it. Copy-engine DMA and CPU reads share host memory better than in-place reads,
+which are latency-bound (measure: `benchmarks/bench_hybrid_overlap.py`). Scratch holds the experts of one
+layer's step (k x tokens, large experts only: decode at one token); layer l+1's copies are ordered after
+layer l's scratch kernel, since the worker only starts on l+1 when the stream has passed it.
 It knows nothing about slots, tables or routing tallies.
 """
 
@@ -25,9 +35,23 @@ from ferrylm.offload.host_node import HostHandoff
 
 
 class HostDecode:
+    gpu_side = "inplace"
+    """inplace | copy (see the module docstring); copy applies to one-token decode (large experts)."""
+
     def __init__(self, experts: dict[int, HostExperts], max_tokens: int, k: int, hidden: int,
-                 dtype: torch.dtype, stats):
+                 dtype: torch.dtype, stats, device: torch.device | None = None):
         self.experts, self.stats = experts, stats
+        self.copies = self.gpu_side == "copy" and max_tokens == 1 and device is not None
+        if self.copies:
+            first = next(iter(experts.values()))
+            E, S = first.w13.shape[0], min(k * max_tokens, first.w13.shape[0])
+            self.device = device
+            self.scratch13 = torch.empty((S, *first.w13.shape[1:]), dtype=first.w13.dtype, device=device)
+            self.scratch2 = torch.empty((S, *first.w2.shape[1:]), dtype=first.w2.dtype, device=device)
+            self.copy_ids = torch.empty(max_tokens, k, dtype=torch.long).pin_memory()
+            self.remap_pin = torch.full((E,), S, dtype=torch.long).pin_memory()
+            self.remap = torch.full((E,), S, dtype=torch.long, device=device)  # expert -> scratch slot | S (skip)
+            self.copy_stream = torch.cuda.Stream(device)
         self.hand = HostHandoff()
         self.meta = torch.zeros(2, dtype=torch.long).pin_memory()  # layer, tokens
         self.x = torch.empty(max_tokens, hidden, dtype=dtype).pin_memory()
@@ -40,8 +64,10 @@ class HostDecode:
         self.thread = threading.Thread(target=self._run, name="ferry-cpu-experts-decode", daemon=True)
         self.thread.start()
 
-    def send(self, layer: int, x: torch.Tensor, cpu_ids: torch.Tensor, weights: torch.Tensor) -> None:
-        """Enqueue the layer's hand-off: x [T, H], cpu_ids [T, k] (-1: the GPU's), weights [T, k]."""
+    def send(self, layer: int, x: torch.Tensor, cpu_ids: torch.Tensor, weights: torch.Tensor,
+             copy_ids: torch.Tensor | None = None) -> None:
+        """Enqueue the layer's hand-off: x [T, H], cpu_ids [T, k] (-1: the GPU's), weights [T, k]; with
+        `copies`, copy_ids [T, k]: the experts the worker copies into scratch (-1: none)."""
         T = x.shape[0]
         if T > self.max_tokens:
             raise ValueError(f"host decode buffers hold {self.max_tokens} tokens, step has {T}")
@@ -51,6 +77,8 @@ class HostDecode:
         self.x[:T].copy_(x, non_blocking=True)
         self.ids[:T].copy_(cpu_ids, non_blocking=True)
         self.w[:T].copy_(weights.float(), non_blocking=True)
+        if self.copies:
+            self.copy_ids[:T].copy_(copy_ids, non_blocking=True)
         self.hand.post(torch.cuda.current_stream(x.device))
 
     def receive(self, rows: int, device: torch.device) -> torch.Tensor:
@@ -58,7 +86,25 @@ class HostDecode:
         self.hand.wait(torch.cuda.current_stream(device))
         return self.out[:rows].to(device, non_blocking=True)
 
+    def _copy_in(self, layer: int, T: int) -> None:
+        """Issue the copies of the layer's scratch experts and of `remap` on the copy stream."""
+        ids = self.copy_ids[:T].flatten()
+        need = torch.unique(ids[ids >= 0]).tolist()
+        S = self.scratch13.shape[0]
+        if len(need) > S:
+            raise RuntimeError(f"layer {layer}: {len(need)} experts to copy, scratch holds {S}")
+        bank = self.experts[layer]
+        self.remap_pin.fill_(S)
+        with torch.cuda.stream(self.copy_stream):
+            for j, e in enumerate(need):
+                self.scratch13[j].copy_(bank.w13[e], non_blocking=True)
+                self.scratch2[j].copy_(bank.w2[e], non_blocking=True)
+                self.remap_pin[e] = j
+            self.remap.copy_(self.remap_pin, non_blocking=True)
+
     def _run(self) -> None:
+        if self.copies:
+            torch.cuda.set_device(self.device)
         while True:
             self.hand.take()
             if self.closed:
@@ -67,10 +113,17 @@ class HostDecode:
             t = time.perf_counter()
             try:
                 layer, T = self.meta.tolist()
+                if self.copies:  # first: the copy engine runs while the cores compute
+                    self._copy_in(layer, T)
                 self.stats.cpu_experts += self.experts[layer].rows(self.x[:T], self.ids[:T], self.w[:T], self.out)
+                if self.copies:
+                    self.copy_stream.synchronize()
             except BaseException as e:  # the stream must still be released; the step fails in check()
                 self.error = self.error or e
                 self.out.zero_()
+                if self.copies:
+                    self.copy_stream.synchronize()
+                    self.remap.fill_(self.scratch13.shape[0])
             finally:
                 self.stats.cpu_busy_s += time.perf_counter() - t
                 self.hand.done()

@@ -207,7 +207,8 @@ class PlacedWeights:
         H = first.host_w13.shape[2]
         self.host_decode = HostDecode({l: HostExperts(c.host_w13, c.host_w2, c.act) for l, c in self.caches.items()},
                                       max(c.mapped_tokens for c in self.caches.values()),
-                                      self.model.config.num_experts_per_tok, H, first.dtype, self.stats)
+                                      self.model.config.num_experts_per_tok, H, first.dtype, self.stats,
+                                      self.device)
         self.set_cpu_share(share)
 
     def set_cpu_share(self, share: float) -> None:

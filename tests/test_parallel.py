@@ -224,6 +224,25 @@ def test_moe_tp2_and_ep2_equal_one_process(family, tmp_path_factory, engines):
     compare(f"{family} EP=2 (whole experts per rank)", ref, run(ep, ps, 8))
 
 
+@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel=True),
+                                dict(pipeline_parallel_size=2)])
+def test_offload_composes_with_parallelism(kw, tmp_path_factory, engines):
+    """Each rank places its shard under its own budget and rules (experts in host memory, one expert of
+    layer 0 kept on the device): TP, EP and PP with offloaded experts equal one process. Under PP a rule
+    for another stage's layers is that stage's business; a rule matching no layer at all still fails."""
+    cfg, cls, extra = MOE["mixtral"]
+    path = build(tmp_path_factory, "mixtral-offload", cfg, cls, **extra)
+    ps = prompts([21, 4, 33])
+    ref = run(LLM(path, dtype="float32"), ps, 8)
+    rules = ("experts=cpu", "layers.0.experts.0=gpu")
+    llm = engines(path, place=rules, gpu_memory_budget="1GiB", **kw)
+    compare(f"mixtral offloaded experts {kw}", ref, run(llm, ps, 8))
+    llm.engine.close()
+    if "pipeline_parallel_size" in kw:
+        with pytest.raises(Exception, match="matches no tensor group"):
+            engines(path, place=("layers.7=cpu",), gpu_memory_budget="1GiB", **kw)
+
+
 # -- Yuan 2.0: LF filter and attention router replicated per rank, heads / MLP / experts sharded ---------------
 
 YUAN = os.path.join(os.path.dirname(__file__), "data")

@@ -7,6 +7,8 @@ Notation: T tokens in the step, B sequences, N sequences that sample this step, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from dataclasses import dataclass
 
@@ -271,6 +273,16 @@ class ModelRunner:
         """(placement, KV bytes) by `offload/memory.py`, the rule `ferry plan` predicts with; keeps the budget
         and any fixed KV size for the measured warm-up."""
         oc, sc = self.config.offload, self.config.scheduler
+        if self.pipelined:  # a rule for another stage's layers is that stage's; one matching no layer at all
+            from ferrylm.offload.placement import PlaceRule  # still fails on every stage
+
+            def elsewhere(rule) -> bool:
+                r = PlaceRule.parse(rule)
+                lo, hi = r.layers or (None, None)
+                return r.layers is not None and not any(lo <= i <= hi for i in self.layers) \
+                    and lo < self.model_config.num_hidden_layers
+
+            oc = dataclasses.replace(oc, place=tuple(r for r in oc.place if not elsewhere(r)))
         total = free = None
         if oc.gpu_memory_budget is None and self.device.type == "cuda":
             import gc

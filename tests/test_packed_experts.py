@@ -115,6 +115,37 @@ def test_placement_counts_packed_linear_weights_at_their_packed_size(tmp_path_fa
             assert g.nbytes < by[g.name] * 0.4, g.name  # int4 codes + fp16 scales of fp32 weights
 
 
+def test_gguf_packed_linear_bytes_without_decoding_equal_the_decoded_bytes():
+    """The GGUF source's `quantized_info` (no block decode) sizes each Linear exactly as decoding would."""
+    from ferrylm.config import ModelConfig
+    from ferrylm.default_model import default_model_path
+    from ferrylm.models.registry import model_class
+
+    try:
+        path = default_model_path()
+    except Exception:
+        pytest.skip("the embedded SmolLM2 GGUF is not installed")
+    src = open_source(path)
+    cfg = ModelConfig.from_hf(src.config)
+    with torch.device("meta"):
+        fast, slow = model_class(cfg)(cfg), model_class(cfg)(cfg)
+
+    class Decoding:  # the same source without quantized_info: note_packed_linears decodes every block
+        def __init__(self, s):
+            self.s = s
+
+        def keys(self):
+            return self.s.keys()
+
+        def get_quantized(self, name):
+            return self.s.get_quantized(name)
+
+    n = fast.note_packed_linears(src)
+    assert n > 0 and n == slow.note_packed_linears(Decoding(src))
+    got = {k: m.packed_nbytes for k, m in fast.named_modules() if getattr(m, "packed_nbytes", None)}
+    assert got and got == {k: m.packed_nbytes for k, m in slow.named_modules() if getattr(m, "packed_nbytes", None)}
+
+
 def test_a_bank_packed_on_one_side_only_is_a_clear_load_error():
     """Experts whose gate/up arrive packed but whose down projection arrives dense: ModelLoadError, not a traceback."""
     from ferrylm.config import ModelConfig

@@ -226,8 +226,9 @@ class CausalLM(nn.Module):
 
     def note_packed_linears(self, source) -> int:
         """Record on each Linear the bytes its weight will keep packed (`packed_nbytes`), so placement sizes
-        it at that, not at its dense shape. Returns how many checkpoint tensors stay packed."""
-        get_quantized = getattr(source, "get_quantized", None)
+        it at that, not at its dense shape. Returns how many checkpoint tensors stay packed. A source with
+        `quantized_info` (GGUF) answers shape and bytes without decoding blocks the load decodes again."""
+        get_quantized = getattr(source, "quantized_info", None) or getattr(source, "get_quantized", None)
         if get_quantized is None:
             return 0
         params = dict(self.named_parameters())

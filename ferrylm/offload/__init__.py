@@ -7,7 +7,8 @@ figures in docs/benchmarks.md. TODO, in order: the packed int8/fp8 expert bank m
 (`models/base.py` ENGINE_PACKED_FORMATS), a packed kernel that is faster than bf16 in time (it is
 latency-bound: profile, split K for decode), copying predicted misses first at one token (hit rate 0.41 vs
 Belady's 0.74 on Qwen3-30B), next-layer prefetch, graphs for streamed dense layers, and the Yuan-M32 NF4,
-Qwen2-72B NF4, DeepSeek and batch-256 benchmark cases.
+Qwen2-72B NF4, DeepSeek and batch-256 benchmark cases. (The GGUF double decode at start-up is gone:
+`GGUFSource.quantized_info`.)
 
 Hybrid decode (issue 10, session 3): the host computes a share of the missed experts inside the decode graphs
 (`host_node.py`, `host_decode.py`) while the kernel reads the rest in place; correct, but no faster than

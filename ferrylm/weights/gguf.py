@@ -612,6 +612,16 @@ class GGUFSource(WeightSource):
             out = torch.cat((out.transpose(1, 2).to(v_b.dtype), v_b), dim=1).flatten(0, 1).contiguous()
         return out
 
+    def quantized_info(self, name: str):
+        """What `get_quantized(name)` would give, without decoding its blocks: None, or its `shape` and
+        `nbytes` (the repacked tensor keeps every byte of the Q4_0 / Q4_1 / Q8_0 blocks: codes, d, m)."""
+        from types import SimpleNamespace
+
+        t = self._entry(name).info
+        if t.ggml_type not in _PACKED or len(t.dims) != 2 or self._entry(name).expert is not None:
+            return None
+        return SimpleNamespace(shape=tuple(t.shape), nbytes=t.nbytes)
+
     def get_quantized(self, name: str) -> QuantizedTensor | None:
         """The tensor still packed when it is a Q4_0 / Q4_1 / Q8_0 matrix (not one expert of a stacked
         tensor), else None: `get()` then gives it dense."""

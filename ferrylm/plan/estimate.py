@@ -1,15 +1,22 @@
 """Speed estimate: decode and prefill tokens/s and time to first token from a roofline of each step (HBM
-bytes, PCIe bytes, FLOPs) plus a per-layer launch overhead, with which resource binds.
+bytes, PCIe bytes, FLOPs) plus the serial parts (experts read in place over PCIe, host overhead, launches),
+with which resource binds.
 
-A decode step of B sequences takes max(t_hbm, t_pcie, t_compute) + t_launch + t_comm:
+A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_inplace + t_host + t_launch + t_comm:
     t_hbm     = (resident weights the step touches + KV read) / (HBM GB/s * HBM_EFF)
-    t_pcie    = host-resident bytes the step needs / pinned H2D GB/s      (copies overlap compute)
+    t_copy    = bytes the copy engine moves (streamed layers, copy-path expert misses) / pinned H2D GB/s
+                (copies overlap compute)
     t_compute = 2 * active params * B / (TFLOP/s * MFU)
+    t_inplace = expert misses the fused kernel reads in place from mapped host memory (decode steps of up to
+                `CachedExperts.mapped_tokens` tokens) / (pinned H2D GB/s * INPLACE_EFF): the kernel waits
+                for its own reads, so this time adds to the step instead of overlapping it
+    t_host    = copy-path MoE layers (larger steps, or a mapped path off): CACHED_EXPERT_S per expert touched
     t_launch  = layers * LAUNCH_S (eager) or LAUNCH_GRAPH_S (CUDA graphs)
     t_comm    = 2 all-reduces per layer under TP (ALLREDUCE_S + ring bytes over NVLink or PCIe)
+Packed experts (int4 / NF4) are read at `PACKED_TIME` of a dense expert's time, resident and in place.
 A prefill chunk of T tokens: max(2 * active params * T / (TFLOP/s * MFU), streamed bytes / H2D) + t_launch.
-The efficiencies are assumptions, not measurements: `ferry plan --check` measures; `docs/benchmarks.md`
-holds predicted vs measured. Knows nothing about files or the engine.
+The constants marked "measured" come from one H200 session (docs/benchmarks.md); the others are assumptions
+until `ferry plan --check` / `benchmarks/bench_plan.py` measure them. Knows nothing about files or the engine.
 """
 
 from __future__ import annotations
@@ -26,17 +33,34 @@ LAUNCH_GRAPH_S = 15e-6
 """Per layer inside a CUDA graph."""
 ALLREDUCE_S = 20e-6
 """Fixed cost of one tensor-parallel all-reduce (two per layer), on top of its bytes over the link."""
+INPLACE_EFF = 0.85
+"""Measured: the fused MoE kernel reading dense experts in place from mapped host memory reaches 45-47 GB/s
+against the copy engine's 54.6 (H200, `benchmarks/bench_mapped.py`, 2026-12-01)."""
+PACKED_TIME = {"nf4": (5.4, 0.92), "int4": (5.4, 0.92)}
+"""Packed expert format -> (resident, in place) time to read one expert, relative to the same expert dense in
+bf16. Measured for NF4 g64 (H200, two Mixtral experts at one token: resident 2.94 vs 0.54 ms, in place 13.7 vs
+14.9 ms): the first packed kernel is latency-bound, so 4-bit experts buy memory (more of them resident, a
+higher hit rate) but not time per expert. int4 is not measured: assumed equal to NF4."""
+CACHED_EXPERT_S = 0.4e-3
+"""Measured (fitted): host time per expert a copy-path MoE layer touches (one sync, dispatch and launches
+per expert, eager): Qwen3-30B-A3B under 8 GiB decodes 6.27 tok/s at batch 1 on that path, ~3.2 ms a layer
+beyond its copies with 8 experts touched; Mixtral (2 touched) < 0.8 ms (H200, docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)
 class StepCost:
     hbm_bytes: float
     pcie_bytes: float
+    """Bytes the copy engine moves host -> device (overlapped with compute)."""
     flops: float
     layers: int
     graphs: bool = False
     comm_s: float = 0.0
     """Tensor-parallel all-reduces of the step (not overlapped with compute)."""
+    inplace_bytes: float = 0.0
+    """Dense-equivalent bytes the fused kernel reads in place over PCIe (serial with the step's kernels)."""
+    host_s: float = 0.0
+    """Host overhead of copy-path MoE layers (serial)."""
 
 
 @dataclass(frozen=True)
@@ -54,10 +78,15 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF),
              "pcie": cost.pcie_bytes / (h2d_gbs * 1e9) if cost.pcie_bytes else 0.0,
              "compute": cost.flops / (tflops * 1e12 * MFU),
+             "inplace": cost.inplace_bytes / (h2d_gbs * 1e9 * INPLACE_EFF) if cost.inplace_bytes else 0.0,
+             "host": cost.host_s,
              "launch": cost.layers * (LAUNCH_GRAPH_S if cost.graphs else LAUNCH_S), "comm": cost.comm_s}
     roof = max(("hbm", "pcie", "compute"), key=parts.get)
-    binding = max(("launch", "comm"), key=parts.get) if max(parts["launch"], parts["comm"]) > parts[roof] else roof
-    return StepTime(parts[roof] + parts["launch"] + parts["comm"], binding, parts)
+    seconds = parts[roof] + parts["inplace"] + parts["host"] + parts["launch"] + parts["comm"]
+    by_resource = {"hbm": parts["hbm"] if roof == "hbm" else 0.0, "compute": parts["compute"] if roof == "compute" else 0.0,
+                   "pcie": (parts["pcie"] if roof == "pcie" else 0.0) + parts["inplace"],
+                   "launch": parts["launch"] + parts["host"], "comm": parts["comm"]}
+    return StepTime(seconds, max(by_resource, key=by_resource.get), parts)
 
 
 def allreduce_s(tp: int, nbytes: float, link_gbs: float) -> float:

@@ -2,14 +2,16 @@
 bytes, PCIe bytes, FLOPs) plus the serial parts (experts read in place over PCIe, host overhead, launches),
 with which resource binds.
 
-A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_inplace + t_host + t_launch + t_comm:
+A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_host + t_launch + t_comm:
     t_hbm     = (resident weights the step touches + KV read) / (HBM GB/s * HBM_EFF)
+                + experts read from HBM / (HBM GB/s * moe_hbm_eff(tokens per expert))
     t_copy    = bytes the copy engine moves (streamed layers, copy-path expert misses) / pinned H2D GB/s
                 (copies overlap compute)
     t_compute = 2 * active params * B / (TFLOP/s * MFU)
-    t_inplace = expert misses the fused kernel reads in place from mapped host memory (decode steps of up to
-                `CachedExperts.mapped_tokens` tokens) / (pinned H2D GB/s * INPLACE_EFF): the kernel waits
-                for its own reads, so this time adds to the step instead of overlapping it
+    t_mapped  = decode steps of up to `CachedExperts.mapped_tokens` tokens with experts in host memory: one
+                fused launch reads the hits from HBM and the misses in place from mapped host memory at
+                pinned H2D GB/s * INPLACE_EFF, side by side: max(hits, misses), serial with the other kernels
+                (and then not in t_hbm)
     t_host    = copy-path MoE layers (larger steps, or a mapped path off): CACHED_EXPERT_S per expert touched
     t_launch  = layers * LAUNCH_S (eager) or LAUNCH_GRAPH_S (CUDA graphs)
     t_comm    = 2 all-reduces per layer under TP (ALLREDUCE_S + ring bytes over NVLink or PCIe)
@@ -25,6 +27,16 @@ from dataclasses import dataclass
 
 HBM_EFF = 0.8
 """Share of peak HBM bandwidth a decode step's GEMVs reach."""
+MOE_HBM_EFF = 0.27
+"""Measured: share of peak HBM bandwidth the fused MoE kernel reaches reading resident experts with one token
+per expert (two bf16 Mixtral experts, 705 MB, in 0.54 ms on the H200: 1.3 of 4.8 TB/s; `bench_mapped.py`);
+the 8-layer resident Mixtral's 228 tok/s at batch 1 is that kernel's time and little else. At batch 32
+(8 tokens per expert) the same model's 3656 tok/s is 54% of peak: `moe_hbm_eff` fits the two."""
+
+
+def moe_hbm_eff(tokens_per_expert: float) -> float:
+    """0.27 at one token per expert, 0.54 at eight (both measured, H200), as t^(1/3) between; at most HBM_EFF."""
+    return min(HBM_EFF, MOE_HBM_EFF * max(tokens_per_expert, 1.0) ** (1 / 3))
 MFU = 0.5
 """Share of peak tensor FLOP/s large GEMMs reach."""
 LAUNCH_S = 150e-6
@@ -57,6 +69,12 @@ class StepCost:
     graphs: bool = False
     comm_s: float = 0.0
     """Tensor-parallel all-reduces of the step (not overlapped with compute)."""
+    expert_hbm_bytes: float = 0.0
+    """Dense-equivalent bytes of experts the fused MoE kernel reads from HBM (at `moe_hbm_eff`)."""
+    tokens_per_expert: float = 1.0
+    mapped: bool = False
+    """Misses read in place: one fused launch reads hits from HBM and misses over PCIe side by side, so the
+    experts take max(hits, in-place reads), serial with the step's other kernels."""
     inplace_bytes: float = 0.0
     """Dense-equivalent bytes the fused kernel reads in place over PCIe (serial with the step's kernels)."""
     host_s: float = 0.0
@@ -75,16 +93,19 @@ class StepTime:
 
 
 def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> StepTime:
-    parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF),
+    experts = cost.expert_hbm_bytes / (hbm_gbs * 1e9 * moe_hbm_eff(cost.tokens_per_expert))
+    inplace = cost.inplace_bytes / (h2d_gbs * 1e9 * INPLACE_EFF) if cost.inplace_bytes else 0.0
+    parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF) + (0.0 if cost.mapped else experts),
              "pcie": cost.pcie_bytes / (h2d_gbs * 1e9) if cost.pcie_bytes else 0.0,
              "compute": cost.flops / (tflops * 1e12 * MFU),
-             "inplace": cost.inplace_bytes / (h2d_gbs * 1e9 * INPLACE_EFF) if cost.inplace_bytes else 0.0,
+             "mapped_experts": max(experts, inplace) if cost.mapped else 0.0,
              "host": cost.host_s,
              "launch": cost.layers * (LAUNCH_GRAPH_S if cost.graphs else LAUNCH_S), "comm": cost.comm_s}
     roof = max(("hbm", "pcie", "compute"), key=parts.get)
-    seconds = parts[roof] + parts["inplace"] + parts["host"] + parts["launch"] + parts["comm"]
-    by_resource = {"hbm": parts["hbm"] if roof == "hbm" else 0.0, "compute": parts["compute"] if roof == "compute" else 0.0,
-                   "pcie": (parts["pcie"] if roof == "pcie" else 0.0) + parts["inplace"],
+    seconds = parts[roof] + parts["mapped_experts"] + parts["host"] + parts["launch"] + parts["comm"]
+    by_resource = {"hbm": (parts["hbm"] if roof == "hbm" else 0.0) + (experts if cost.mapped and experts >= inplace else 0.0),
+                   "compute": parts["compute"] if roof == "compute" else 0.0,
+                   "pcie": (parts["pcie"] if roof == "pcie" else 0.0) + (inplace if cost.mapped and inplace > experts else 0.0),
                    "launch": parts["launch"] + parts["host"], "comm": parts["comm"]}
     return StepTime(seconds, max(by_resource, key=by_resource.get), parts)
 

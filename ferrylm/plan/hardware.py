@@ -11,6 +11,7 @@ offloading lives on; `ferry doctor` measures the real one. Knows nothing about m
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 
@@ -166,3 +167,19 @@ def parse_host(spec: str) -> HostProfile:
         gb = float(m[1]) * {"TB": 1e3, "T": 1e3, "GB": 1, "G": 1, "TIB": 2**40 / 1e9, "GIB": 2**30 / 1e9}[unit]
         host = replace(host, memory_gb=gb)
     return host
+
+
+@functools.lru_cache(maxsize=None)
+def measured_h2d_gbs(index: int = 0) -> float:
+    """Pinned host-to-device GB/s of this machine's GPU `index`, measured once per process (`hw/bandwidth.py`)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("--measure-bandwidth needs a CUDA GPU on this machine")
+    from ferrylm.hw.bandwidth import gpu_gbs
+
+    return gpu_gbs(index)["pinned_h2d_gbs"]
+
+
+def with_measured_h2d(gpu: GpuProfile) -> GpuProfile:
+    return replace(gpu, pinned_h2d_gbs=measured_h2d_gbs(), source=f"{gpu.source}, pinned H2D measured")

@@ -65,6 +65,8 @@ class PlanOptions:
     concurrency: int | None = None
     """Sequences decoding together; None: max_num_seqs."""
     enforce_eager: bool = False
+    measure_bandwidth: bool = False
+    """Measure this machine's pinned host-to-device rate (CUDA) and plan with it instead of the profile's."""
 
 
 @dataclass
@@ -133,6 +135,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     name, cfg = catalog.resolve_model(opts.model)
     mc = ModelConfig.from_hf(cfg)
     n_gpu, gpu = hardware.parse_gpu(opts.gpu)
+    if opts.measure_bandwidth:
+        gpu = hardware.with_measured_h2d(gpu)
     if opts.tp * opts.pp > n_gpu:
         raise ConfigError(f"--tp {opts.tp} x --pp {opts.pp} needs {opts.tp * opts.pp} GPUs; --gpu {opts.gpu!r} has {n_gpu}")
     host = hardware.parse_host(opts.host)
@@ -242,7 +246,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         out = dict(hbm=0.0, copy=0.0, inplace=0.0, inplace_equiv=0.0, host=0.0, mapped=mapped and bool(cached))
         for l, m in moe.items():
             hits, misses = d * hit_of[l], d * (1 - hit_of[l])
-            out["hbm"] += hits * m["hbm_equiv"]
+            # hits are read from HBM; so are copied misses once in their slots (in-place misses are not)
+            out["hbm"] += (hits if mapped and m["host"] else d) * m["hbm_equiv"]
             if not m["host"]:
                 continue
             if mapped:
@@ -257,8 +262,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         x = experts_cost(batch)
         graphs = graph_base and (verdict == "fits" or (not dense_host and (not cached or x["mapped"])))
         cost = estimate.StepCost(
-            hbm_bytes=dense_gpu + streamed_bytes + x["hbm"] + batch * ctx * kv_per_token / ranks,
-            pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], host_s=x["host"],
+            hbm_bytes=dense_gpu + streamed_bytes + batch * ctx * kv_per_token / ranks, expert_hbm_bytes=x["hbm"],
+            tokens_per_expert=batch * k / max(_distinct_experts(E, k, batch), 1e-9) if E else 1.0,
+            pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], host_s=x["host"], mapped=x["mapped"],
             flops=2 * count.active * batch / ranks, layers=layers, graphs=graphs,
             comm_s=2 * layers * estimate.allreduce_s(opts.tp, batch * mc.hidden_size * act_b, link))
         t = estimate.step_time(cost, gpu.hbm_gbs, gpu.h2d_gbs, tflops)
@@ -271,7 +277,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     chunk = max(1, min(opts.max_num_batched_tokens, opts.prompt_len))
     xp = experts_cost(chunk, prefill=True)
     pre = estimate.step_time(estimate.StepCost(
-        hbm_bytes=dense_gpu + streamed_bytes + xp["hbm"], pcie_bytes=streamed_bytes + xp["copy"], host_s=xp["host"],
+        hbm_bytes=dense_gpu + streamed_bytes, expert_hbm_bytes=xp["hbm"],
+        tokens_per_expert=chunk * k / max(_distinct_experts(E, k, chunk), 1e-9) if E else 1.0, pcie_bytes=streamed_bytes + xp["copy"], host_s=xp["host"],
         flops=(2 * count.active * chunk + 2 * mc.num_hidden_layers * chunk * chunk * mc.num_attention_heads
                * mc.head_dim) / ranks, layers=layers,
         comm_s=2 * layers * estimate.allreduce_s(opts.tp, chunk * mc.hidden_size * act_b, link)),
@@ -286,7 +293,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                  prefill_binding=pre.binding,
                  ttft_s=math.ceil(opts.prompt_len / chunk) * pre.seconds * opts.pp + d1["step_ms"] / 1e3,
                  cuda_graphs=d1["cuda_graphs"],
-                 assumptions=dict(hbm_eff=estimate.HBM_EFF, mfu=estimate.MFU, h2d_gbs=gpu.h2d_gbs,
+                 assumptions=dict(hbm_eff=estimate.HBM_EFF, moe_hbm_eff=estimate.MOE_HBM_EFF if E else None,
+                                  mfu=estimate.MFU, h2d_gbs=gpu.h2d_gbs,
                                   launch_us_per_layer=1e6 * (estimate.LAUNCH_GRAPH_S if d1["cuda_graphs"]
                                                              else estimate.LAUNCH_S),
                                   expert_hit_rate=mean_hit if cached else None,

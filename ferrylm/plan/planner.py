@@ -16,7 +16,7 @@ from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerCon
 from ferrylm.errors import ConfigError, UnsupportedArchitectureError
 from ferrylm.offload.memory import activation_reserve, device_budget, size_memory
 from ferrylm.offload.placement import GPU, HOST, TensorGroup
-from ferrylm.plan import catalog, estimate, hardware
+from ferrylm.plan import catalog, estimate, hardware, quality
 from ferrylm.plan.memory import (DTYPE_BYTES, QUANT_SCHEMES, WeightFormat, analytical_groups, analytical_kv_bytes_per_token,
                                  kv_bytes_per_block, kv_pool, meta_model, param_count, state_bytes_per_seq,
                                  summarize, weight_groups)
@@ -93,6 +93,8 @@ class Plan:
     """Verdict, warnings and advice, most important first."""
     counted_from: str = "model"
     """model (the engine's module on meta) | config (analytical count)."""
+    quality: list[dict] = field(default_factory=list)
+    """Quantization quality notes for the chosen --quant / --expert-quant (`plan/quality.py`), with sources."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -361,6 +363,15 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     if opts.quant:
         if opts.quant == "fp8" and not gpu.fp8:
             notes.append(f"{gpu.name} has no FP8 tensor cores: fp8 weights can only be stored, not computed")
+    qual = []
+    for flag, scheme in (("--quant", opts.quant), ("--expert-quant", opts.expert_quant)):
+        if scheme:
+            qual += [dict(q, flag=flag, scheme=scheme) for q in quality.notes(name, scheme, fmt.group_size)]
+    for q in qual:
+        notes.append(f"quality of {q['flag']} {q['scheme']}: {quality.describe(q)}")
+    if any(q["kind"] == "measured" for q in qual):
+        notes.append(f"(ours: {quality.PPL_RESULTS}; {quality.MEASURED_CAVEAT}; published deltas are for calibrated "
+                     "GPTQ / AWQ, ferrylm's int4 / nf4 are round-to-nearest)")
     if ranks > 1:
         notes.append("the engine runs one GPU today: the TP/PP figures are what each rank would hold")
     if n_gpu > ranks:
@@ -369,7 +380,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         notes.append(f"{mc.architecture} has no model class in ferrylm yet: counted from config.json "
                      "(memory.analytical_groups); the engine cannot run it")
     return Plan(opts, name, mc.architecture, n_gpu, gpu.name, host.name, count.total, count.active,
-                summarize(groups), per_gpu, verdict, pl, speed, notes, counted)
+                summarize(groups), per_gpu, verdict, pl, speed, notes, counted, qual)
 
 
 def _analytical(cfg: dict) -> bool:

@@ -375,3 +375,29 @@ def test_bench_plan_smoke_on_cpu(tmp_path):
     assert {"bench", "date", "commit", "machine", "rows", "cases"} <= set(d) and d["bench"] == "plan-check"
     assert {r["case"] for r in d["rows"]} == {"dense", "moe", "moe-offload", "moe-offload-nf4"}
     assert all(r["within"] for r in d["rows"]) and {r["metric"] for r in d["rows"]} == {"weights", "kv", "kv_tokens"}
+
+
+def test_check_times_decode_after_every_prefill(tmp_path):
+    """`check._decode` (what `--check` and bench_plan time): only steps after every prompt's first token, with
+    the expert hit rate of those steps; a tiny Mixtral with its experts in host memory, on the CPU."""
+    import torch
+    import transformers
+
+    from ferrylm import LLM, SamplingParams
+    from ferrylm.plan.check import _decode
+
+    torch.manual_seed(0)
+    hf = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                    num_experts_per_tok=2, max_position_embeddings=128)
+    transformers.MixtralForCausalLM(hf).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=3, max_model_len=64, kv_cache_memory_gb=0.01,
+              place=("experts=cpu",))
+    rate, hit = _decode(llm, [[5, 6, 7, 8] * 4, [9, 10] * 8, [11] * 16], SamplingParams(max_tokens=6, ignore_eos=True,
+                                                                                       temperature=0))
+    stats = llm.engine.runner.placed.stats
+    print(f"decode {rate:.1f} tok/s, hit rate {hit}, {stats.expert_hits} hits {stats.expert_misses} misses")
+    assert rate > 0 and not llm.engine.has_unfinished_requests()
+    assert hit is not None and 0 <= hit <= 1
+    # distinct experts each decode step needs (2 layers x 5 steps, 2 to 4 of the 4 experts): no prefill counted
+    assert 2 * 5 * 2 <= stats.expert_hits + stats.expert_misses <= 2 * 5 * 4

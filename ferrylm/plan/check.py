@@ -64,17 +64,33 @@ def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:
         return got
     out_len = max(2, min(o.output_len, max_decode_tokens))
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    stats = runner.placed.stats
     for key, batch in (("decode_batch1", 1), ("decode_concurrent", plan.speed["decode_concurrent"]["batch"])):
-        stats.reset()
-        outs = llm.generate([prompt(o.prompt_len) for _ in range(batch)], params)
-        first = max(r.metrics["first_token_time"] for r in outs)
-        last = max(r.metrics["finished_time"] for r in outs)
-        got[key] = batch * (out_len - 1) / (last - first)
+        rate, hit = _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params)
+        got[key] = rate
         if runner.placed.caches:
-            got[f"hit_rate_{key}"] = stats.hit_rate  # prefill steps included: their misses are copied too
+            got[f"hit_rate_{key}"] = hit
     got["peak"] = torch.cuda.max_memory_allocated() + plan.per_gpu["cuda_context"]
     return got
+
+
+def _decode(llm, prompts: list[list[int]], params) -> tuple[float, float | None]:
+    """(decode tok/s, expert hit rate) of the steps after every prompt has its first token: prefill steps,
+    whose misses are copied, count in neither."""
+    import torch
+
+    eng, stats = llm.engine, llm.engine.runner.placed.stats
+    for p in prompts:
+        eng.add_request(p, params)
+    started: set[str] = set()
+    while len(started) < len(prompts) and eng.has_unfinished_requests():
+        started.update(o.request_id for o in eng.step())
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    stats.reset()
+    t, tokens = time.perf_counter(), 0
+    while eng.has_unfinished_requests():
+        tokens += len(eng.step())  # one token for every request that advanced
+    return tokens / (time.perf_counter() - t), stats.hit_rate
 
 
 def predicted(plan: Plan, cuda: bool) -> dict:

@@ -10,7 +10,7 @@ bandwidth model. Cases on CUDA:
 - moe: Mixtral-8x7B shape, 8 layers (~23.5 GB), resident, fused MoE graphed;
 - moe-offload: Qwen3-30B-A3B shape, 16 layers (~20 GB) under `--gpu-memory-budget 4 GiB` (128 experts of
   9.4 MB: misses read in place at decode up to 64 tokens);
-- moe-offload-nf4: Mixtral-8x7B shape, 8 layers, NF4 experts (packed, ~6.3 GB) under 4 GiB (99 MB experts:
+- moe-offload-nf4: Mixtral-8x7B shape, 8 layers, NF4 experts (packed, ~6.3 GB) under 5 GiB (99 MB experts:
   read in place only at one token, copied at 16).
 `--device cpu` (or no CUDA): a smoke run of the same script on tiny shapes (byte counts only; the offload
 cases force experts to host memory with `--place experts=cpu`). Aims: weights +-1%, peak +-5%, decode +-20%.
@@ -57,7 +57,7 @@ CASES = {
     "dense": (LLAMA3_8B, 16, None, None, 64),
     "moe": (MIXTRAL, 8, None, None, 64),
     "moe-offload": (QWEN3_30B, 16, 4, None, 32),
-    "moe-offload-nf4": (MIXTRAL, 8, 4, "nf4", 32),
+    "moe-offload-nf4": (MIXTRAL, 8, 5, "nf4", 32),
 }
 
 

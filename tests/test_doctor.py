@@ -92,12 +92,14 @@ def test_gpu_checks_judge_nvml_readings():
     good = {c.name: c.status for c in doctor.gpu_checks([_gpu(0, p2p={1: "NODE"}), _gpu(1, p2p={0: "NODE"})], True)}
     assert all(s == "ok" for s in good.values()) and good["gpu_topology"] == "ok"
     bad = doctor.gpu_checks([_gpu(0, pcie_width=8, persistence=False, ecc_uncorrected=3, temperature_c=90,
-                                  throttle=["hw thermal"], p2p={1: "SYSTEM"}), _gpu(1, numa_node=1, p2p={0: "SYSTEM"})],
+                                  throttle=["hw thermal"], p2p={1: "SYSTEM"}, sm_clock=1200, sm_clock_max=1980),
+                             _gpu(1, numa_node=1, p2p={0: "SYSTEM"})],
                             True)
     got = {c.name: c for c in bad}
     assert got["gpu0_pcie_link"].status == "warn" and got["gpu0_pcie_link"].value == "gen 5 x8"
     assert got["gpu0_persistence"].fix == "nvidia-smi -i 0 -pm 1"
     assert got["gpu0_ecc"].status == "fail" and got["gpu0_temperature"].status == "warn"
+    assert got["gpu0_temperature"].value == "90 C, SM clock 1200 of 1980 MHz"
     assert got["gpu0_throttle"].status == "warn" and got["gpu1_numa"].value == "node 1"
     assert got["gpu_topology"].status == "warn" and "0-1 across sockets" in got["gpu_topology"].value
 

@@ -401,3 +401,15 @@ def test_check_times_decode_after_every_prefill(tmp_path):
     assert hit is not None and 0 <= hit <= 1
     # distinct experts each decode step needs (2 layers x 5 steps, 2 to 4 of the 4 experts): no prefill counted
     assert 2 * 5 * 2 <= stats.expert_hits + stats.expert_misses <= 2 * 5 * 4
+
+
+def test_options_that_cost_speed_for_nothing_are_warned():
+    eager = make_plan(PlanOptions("Llama-3-8B", gpu="1xH200", host=HOST, max_model_len=4096, enforce_eager=True))
+    assert any("--enforce-eager costs decode speed" in n for n in eager.notes)
+    fp8 = make_plan(PlanOptions("Llama-3-8B", gpu="1xH200", host=HOST, max_model_len=4096, max_num_seqs=8,
+                                kv_cache_dtype="fp8"))
+    assert any("--kv-cache-dtype fp8 buys KV room" in n for n in fp8.notes)
+    tight = make_plan(PlanOptions("Llama-3-8B", gpu="1xRTX-4090", host=HOST, max_model_len=8192, max_num_seqs=64,
+                                  prompt_len=4096, output_len=4096, kv_cache_dtype="fp8"))
+    assert not any("buys KV room" in n for n in tight.notes)  # there the room is needed
+    assert not any("--enforce-eager" in n for n in make_plan(PlanOptions("Llama-3-8B", host=HOST)).notes)

@@ -189,7 +189,9 @@ def gpu_checks(gpus: list[GpuReadings], nvml_present: bool) -> list[Check]:
                              f"nvidia-smi -i {g.index} -r  # after draining; replace the GPU if they recur" if errs else ""))
         if g.temperature_c is not None:
             hot = g.temperature_c >= 85
-            out.append(Check(f"{p}_temperature", WARN if hot else OK, f"{g.temperature_c} C", "< 85 C",
+            clocks = (f", SM clock {g.sm_clock} of {g.sm_clock_max} MHz" if g.sm_clock is not None and g.sm_clock_max
+                      else "")
+            out.append(Check(f"{p}_temperature", WARN if hot else OK, f"{g.temperature_c} C{clocks}", "< 85 C",
                              "hot GPUs throttle clocks", "# check airflow and fan settings" if hot else ""))
         if g.throttle:
             out.append(Check(f"{p}_throttle", WARN, ", ".join(g.throttle), "none",

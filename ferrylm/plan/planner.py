@@ -372,8 +372,20 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     if any(q["kind"] == "measured" for q in qual):
         notes.append(f"(ours: {quality.PPL_RESULTS}; {quality.MEASURED_CAVEAT}; published deltas are for calibrated "
                      "GPTQ / AWQ, ferrylm's int4 / nf4 are round-to-nearest)")
+    if advise and verdict != "cannot" and opts.enforce_eager and graphs_family and ranks == 1:
+        graphed = make_plan(replace(opts, enforce_eager=False), advise=False)
+        if graphed.speed["decode_batch1"]["tok_s"] > 1.1 * d1["tok_s"]:
+            notes.append(f"warning: --enforce-eager costs decode speed: {d1['tok_s']:.1f} instead of "
+                         f"{graphed.speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1 with CUDA graphs")
+    if advise and quant_kv and verdict != "cannot":
+        full = make_plan(replace(opts, kv_cache_dtype="auto"), advise=False)
+        if full.verdict == verdict and full.per_gpu["kv_tokens"] >= conc * seq_tokens:
+            notes.append(f"warning: --kv-cache-dtype {opts.kv_cache_dtype} buys KV room this workload does not need "
+                         f"({opts.kv_cache_dtype} holds {kv_tokens:,} tokens, the model's dtype {full.per_gpu['kv_tokens']:,}"
+                         f" for {conc} x {seq_tokens}) and costs decode time: the fp8 KV decode kernel measured slower "
+                         "than bf16 on the H200 (docs/benchmarks.md, paged attention)")
     if ranks > 1:
-        notes.append("the engine runs one GPU today: the TP/PP figures are what each rank would hold")
+        notes.append("TP / PP: the figures are the heaviest rank's; parallel layouts run without CUDA graphs")
     if n_gpu > ranks:
         notes.append(f"{n_gpu} GPUs but TP x PP = {ranks}: the others are idle (or run replicas)")
     if counted == "config":

@@ -265,7 +265,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         graphs = graph_base and (verdict == "fits" or (not dense_host and (not cached or x["mapped"])))
         cost = estimate.StepCost(
             hbm_bytes=dense_gpu + streamed_bytes + batch * ctx * kv_per_token / ranks, expert_hbm_bytes=x["hbm"],
-            tokens_per_expert=batch * k / max(_distinct_experts(E, k, batch), 1e-9) if E else 1.0,
+            tokens_per_expert=_tokens_per_expert(E, k, batch),
             pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], host_s=x["host"], mapped=x["mapped"],
             flops=2 * count.active * batch / ranks, layers=layers, graphs=graphs,
             comm_s=2 * layers * estimate.allreduce_s(opts.tp, batch * mc.hidden_size * act_b, link))
@@ -280,7 +280,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     xp = experts_cost(chunk, prefill=True)
     pre = estimate.step_time(estimate.StepCost(
         hbm_bytes=dense_gpu + streamed_bytes, expert_hbm_bytes=xp["hbm"],
-        tokens_per_expert=chunk * k / max(_distinct_experts(E, k, chunk), 1e-9) if E else 1.0, pcie_bytes=streamed_bytes + xp["copy"], host_s=xp["host"],
+        tokens_per_expert=_tokens_per_expert(E, k, chunk), pcie_bytes=streamed_bytes + xp["copy"], host_s=xp["host"],
         flops=(2 * count.active * chunk + 2 * mc.num_hidden_layers * chunk * chunk * mc.num_attention_heads
                * mc.head_dim) / ranks, layers=layers,
         comm_s=2 * layers * estimate.allreduce_s(opts.tp, chunk * mc.hidden_size * act_b, link)),
@@ -423,6 +423,11 @@ def _moe_layers(mine: list[TensorGroup], tier: dict, dense_of: dict, scheme: str
 def _distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
     """Expected distinct experts a layer routes `batch` tokens to, under uniform top-k routing."""
     return 0.0 if num_experts == 0 else num_experts * (1 - (1 - top_k / num_experts) ** batch)
+
+
+def _tokens_per_expert(num_experts: int, top_k: int, tokens: int) -> float:
+    """Mean rows each routed expert gets in a step of `tokens` tokens (uniform routing)."""
+    return tokens * top_k / _distinct_experts(num_experts, top_k, tokens) if num_experts else 1.0
 
 
 def _advice(groups, opts, gpu, budget, reserve, min_kv) -> list[str]:

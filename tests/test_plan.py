@@ -250,7 +250,7 @@ MIXTRAL_SHAPE = dict(catalog.CATALOG["Mixtral-8x7B"], max_position_embeddings=32
 QWEN3_SHAPE = dict(catalog.CATALOG["Qwen3-30B-A3B"])
 
 
-def _shape_plan(tmp_path, cfg, layers, budget_gib, batch, hit=None, expert_quant=None):
+def _shape_plan(tmp_path, cfg, layers, budget_gib, batch, hit=None, expert_quant=None, experts="auto", **extra):
     import dataclasses
 
     path = tmp_path / f"{cfg['model_type']}-{layers}-{expert_quant}.json"
@@ -258,10 +258,10 @@ def _shape_plan(tmp_path, cfg, layers, budget_gib, batch, hit=None, expert_quant
     gpu = dataclasses.replace(hardware.GPUS["H200"], pinned_h2d_gbs=54.6)  # the copy rate measured in those runs
     hardware.GPUS["H200-measured"] = gpu
     try:
-        return make_plan(PlanOptions(str(path), gpu="1xH200-measured", host=HOST, max_model_len=4096,
-                                     max_num_seqs=batch, concurrency=batch, prompt_len=64, output_len=64,
-                                     gpu_memory_budget_gb=budget_gib and budget_gib * 2**30 / 1e9,
-                                     expert_hit_rate=hit, expert_quant=expert_quant), advise=False)
+        opts = dict(gpu="1xH200-measured", host=HOST, max_model_len=4096, max_num_seqs=batch, concurrency=batch,
+                    prompt_len=64, output_len=64, gpu_memory_budget_gb=budget_gib and budget_gib * 2**30 / 1e9,
+                    expert_hit_rate=hit, expert_quant=expert_quant, experts=experts)
+        return make_plan(PlanOptions(str(path), **{**opts, **extra}), advise=False)
     finally:
         del hardware.GPUS["H200-measured"]
 
@@ -280,7 +280,7 @@ def test_decode_model_reproduces_recorded_h200_runs(cfg, layers, budget, eq, bat
     the hit rate each run measured, the decode model lands within the issue's +-20% of every one of them
     (resident fused MoE, the mapped path at one token, the copy path at 64, packed NF4 in place);
     `benchmarks/bench_plan.py` is the check on runs it has not seen."""
-    p = _shape_plan(tmp_path, cfg, layers, budget, batch, hit, eq)
+    p = _shape_plan(tmp_path, cfg, layers, budget, batch, hit, eq, experts="gpu")  # those runs predate hybrid decode
     d = p.speed["decode_concurrent"]
     print(f"{cfg['model_type']} {layers}L budget {budget} {eq or 'bf16'} batch {batch}: predicted {d['tok_s']:.1f} "
           f"({d['experts_path']}, binds {d['binding']}) vs measured {measured} ({d['tok_s'] / measured - 1:+.0%})")
@@ -312,7 +312,7 @@ def test_offloaded_experts_follow_the_engines_paths(tmp_path):
 def test_packed_experts_buy_resident_experts_not_faster_reads(tmp_path):
     """NF4 experts: ~3.6x fewer bytes, so under the same budget a 16-layer Mixtral shape fits resident and a
     32-layer one that could not run at all offloads; each read still takes the packed kernel's measured time."""
-    dense = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1)
+    dense = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1, experts="gpu")  # packed experts have no host side
     nf4 = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1, expert_quant="nf4")
     assert sum(nf4.weights_bytes.values()) < 0.35 * sum(dense.weights_bytes.values())
     assert (dense.verdict, nf4.verdict) == ("offload", "fits")
@@ -324,7 +324,7 @@ def test_packed_experts_buy_resident_experts_not_faster_reads(tmp_path):
     assert nf4_resident.speed["decode_batch1"]["tok_s"] < resident.speed["decode_batch1"]["tok_s"] / 3  # 5.4x per read
     big, big_nf4 = (_shape_plan(tmp_path, MIXTRAL_SHAPE, 32, 16, 1, expert_quant=q) for q in (None, "nf4"))
     assert (big.verdict, big_nf4.verdict) == ("cannot", "offload")
-    int8 = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1, expert_quant="int8")
+    int8 = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1, expert_quant="int8", experts="gpu")
     assert int8.weights_bytes["experts"] == dense.weights_bytes["experts"]  # dequantized at load
     assert any("dequantized at load" in n for n in int8.notes)
     for bad, match in ((dict(quant="int3"), "--quant"), (dict(expert_quant="q2"), "--expert-quant"),
@@ -413,3 +413,31 @@ def test_options_that_cost_speed_for_nothing_are_warned():
                                   prompt_len=4096, output_len=4096, kv_cache_dtype="fp8"))
     assert not any("buys KV room" in n for n in tight.notes)  # there the room is needed
     assert not any("--enforce-eager" in n for n in make_plan(PlanOptions("Llama-3-8B", host=HOST)).notes)
+
+
+def test_hybrid_decode_shares_misses_with_the_host(tmp_path):
+    """Dense cached experts on the mapped path: by default the host computes a share of the misses beside the
+    kernel's in-place reads, balanced as the engine balances it (host rate / (host + in-place rate)); --experts
+    gpu turns it off, --cpu-share fixes it, packed experts never have it, and an unknown host rate says so."""
+    from ferrylm.plan import estimate
+
+    gpu_only = _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 1, experts="gpu")
+    hybrid = _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 1)
+    a = hybrid.speed["assumptions"]
+    host_gbs = estimate.HOST_EXPERT_EFF * estimate.HOST_READ_EFF * hardware.parse_host(HOST).bandwidth_per_node_gbs
+    assert a["host_expert_gbs"] == pytest.approx(host_gbs)
+    assert a["cpu_share"] == pytest.approx(host_gbs / (host_gbs + estimate.INPLACE_EFF * 54.6))
+    assert gpu_only.speed["assumptions"]["cpu_share"] == 0
+    speedup = hybrid.speed["decode_batch1"]["tok_s"] / gpu_only.speed["decode_batch1"]["tok_s"]
+    assert 1.2 < speedup < 1 + host_gbs / (estimate.INPLACE_EFF * 54.6) + 0.01  # at most the two rates added
+    assert any(n.startswith("hybrid decode: the host's cores compute") for n in hybrid.notes)
+    all_host = _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 1, experts="cpu")
+    assert all_host.speed["assumptions"]["cpu_share"] == 1.0
+    assert _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 1, cpu_share=0.25).speed["assumptions"]["cpu_share"] == 0.25
+    unknown = _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 1, host="local")
+    if not hardware.parse_host("local").read_rate_gbs:
+        assert unknown.speed["assumptions"]["cpu_share"] == 0 and any("read rate is unknown" in n for n in unknown.notes)
+    nf4 = _shape_plan(tmp_path, MIXTRAL_SHAPE, 32, 16, 1, expert_quant="nf4")
+    assert nf4.speed["assumptions"]["cpu_share"] == 0
+    with pytest.raises(ConfigError, match="--experts"):
+        make_plan(PlanOptions("Mixtral-8x7B", host=HOST, experts="npu"))

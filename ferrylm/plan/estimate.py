@@ -10,8 +10,10 @@ A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_
     t_compute = 2 * active params * B / (TFLOP/s * MFU)
     t_mapped  = decode steps of up to `CachedExperts.mapped_tokens` tokens with experts in host memory: one
                 fused launch reads the hits from HBM and the misses in place from mapped host memory at
-                pinned H2D GB/s * INPLACE_EFF, side by side: max(hits, misses), serial with the other kernels
-                (and then not in t_hbm)
+                pinned H2D GB/s * INPLACE_EFF, side by side, while (hybrid decode, the engine's default for
+                dense experts) the host's cores compute a share of the misses at HOST_EXPERT_EFF of the host's
+                read rate, the share balanced as the engine balances it: max(hits, GPU misses, host misses),
+                serial with the other kernels (and then not in t_hbm)
     t_host    = copy-path MoE layers (larger steps, or a mapped path off): CACHED_EXPERT_S per expert touched
     t_launch  = layers * LAUNCH_S (eager) or LAUNCH_GRAPH_S (CUDA graphs)
     t_comm    = 2 all-reduces per layer under TP (ALLREDUCE_S + ring bytes over NVLink or PCIe)
@@ -53,6 +55,12 @@ PACKED_TIME = {"nf4": (5.4, 0.92), "int4": (5.4, 0.92)}
 bf16. Measured for NF4 g64 (H200, two Mixtral experts at one token: resident 2.94 vs 0.54 ms, in place 13.7 vs
 14.9 ms): the first packed kernel is latency-bound, so 4-bit experts buy memory (more of them resident, a
 higher hit rate) but not time per expert. int4 is not measured: assumed equal to NF4."""
+HOST_EXPERT_EFF = 0.37
+"""Measured: bf16 experts at one token computed on the host's cores while host-to-device copies run reach 0.37
+of the host's memory read rate (lent H200 host, 16 threads: a Mixtral expert at 33.4 GB/s beside H2D, read
+90.7 GB/s alone; `benchmarks/bench_cpu_experts.py`). The hybrid decode path's host side runs at this."""
+HOST_READ_EFF = 0.6
+"""Assumed: share of one node's data-sheet memory bandwidth a host sustains reading (when not measured)."""
 CACHED_EXPERT_S = 0.4e-3
 """Measured (fitted): host time per expert a copy-path MoE layer touches (one sync, dispatch and launches
 per expert, eager): Qwen3-30B-A3B under 8 GiB decodes 6.27 tok/s at batch 1 on that path, ~3.2 ms a layer
@@ -72,6 +80,8 @@ class StepCost:
     expert_hbm_bytes: float = 0.0
     """Dense-equivalent bytes of experts the fused MoE kernel reads from HBM (at `moe_hbm_eff`)."""
     tokens_per_expert: float = 1.0
+    host_experts_s: float = 0.0
+    """Hybrid decode: seconds the host's cores spend on their share of the misses, beside the kernel."""
     mapped: bool = False
     """Misses read in place: one fused launch reads hits from HBM and misses over PCIe side by side, so the
     experts take max(hits, in-place reads), serial with the step's other kernels."""
@@ -85,7 +95,7 @@ class StepCost:
 class StepTime:
     seconds: float
     binding: str
-    """hbm | pcie | compute | launch | comm"""
+    """hbm | pcie | host (host RAM: experts computed on the host's cores) | compute | launch | comm"""
     parts: dict
 
     def rate(self, tokens: int) -> float:
@@ -98,7 +108,7 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF) + (0.0 if cost.mapped else experts),
              "pcie": cost.pcie_bytes / (h2d_gbs * 1e9) if cost.pcie_bytes else 0.0,
              "compute": cost.flops / (tflops * 1e12 * MFU),
-             "mapped_experts": max(experts, inplace) if cost.mapped else 0.0,
+             "mapped_experts": max(experts, inplace, cost.host_experts_s) if cost.mapped else 0.0,
              "host": cost.host_s,
              "launch": cost.layers * (LAUNCH_GRAPH_S if cost.graphs else LAUNCH_S), "comm": cost.comm_s}
     roof = max(("hbm", "pcie", "compute"), key=parts.get)
@@ -106,6 +116,7 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     by_resource = {"hbm": (parts["hbm"] if roof == "hbm" else 0.0) + (experts if cost.mapped and experts >= inplace else 0.0),
                    "compute": parts["compute"] if roof == "compute" else 0.0,
                    "pcie": (parts["pcie"] if roof == "pcie" else 0.0) + (inplace if cost.mapped and inplace > experts else 0.0),
+                   "host": cost.host_experts_s if cost.mapped and cost.host_experts_s > max(experts, inplace) else 0.0,
                    "launch": parts["launch"] + parts["host"], "comm": parts["comm"]}
     return StepTime(seconds, max(by_resource, key=by_resource.get), parts)
 

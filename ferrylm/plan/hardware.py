@@ -62,6 +62,16 @@ class HostProfile:
     avx512: bool = False
     amx: bool = False
     source: str = "data sheet"
+    read_gbs: float = 0.0
+    """Measured memory read rate of this host, GB/s (all threads; `--measure-bandwidth`); 0: not measured."""
+
+    @property
+    def read_rate_gbs(self) -> float:
+        """What the host reads at: measured, else an assumed share of one node's data-sheet bandwidth (0 when
+        neither is known, e.g. `--host local` unmeasured)."""
+        from ferrylm.plan.estimate import HOST_READ_EFF
+
+        return self.read_gbs or HOST_READ_EFF * self.bandwidth_per_node_gbs
 
     @property
     def numa_nodes(self) -> int:
@@ -183,3 +193,14 @@ def measured_h2d_gbs(index: int = 0) -> float:
 
 def with_measured_h2d(gpu: GpuProfile) -> GpuProfile:
     return replace(gpu, pinned_h2d_gbs=measured_h2d_gbs(), source=f"{gpu.source}, pinned H2D measured")
+
+
+@functools.lru_cache(maxsize=None)
+def measured_host_read_gbs() -> float:
+    from ferrylm.hw.bandwidth import host_read_gbs
+
+    return host_read_gbs()
+
+
+def with_measured_read(host: HostProfile) -> HostProfile:
+    return replace(host, read_gbs=measured_host_read_gbs(), source=f"{host.source}, read measured")

@@ -66,7 +66,13 @@ class PlanOptions:
     """Sequences decoding together; None: max_num_seqs."""
     enforce_eager: bool = False
     measure_bandwidth: bool = False
-    """Measure this machine's pinned host-to-device rate (CUDA) and plan with it instead of the profile's."""
+    """Measure this machine's pinned host-to-device rate (CUDA) and host memory read rate and plan with them
+    instead of the profiles'."""
+    experts: str = "auto"
+    """Where expert misses run, as the engine's `--experts`: auto (hybrid: the host computes a balanced share
+    beside the GPU), gpu (GPU only), cpu (every miss on the host)."""
+    cpu_share: float | None = None
+    """Hybrid decode: share of the misses the host computes (the engine's `--cpu-share`); None: balanced."""
 
 
 @dataclass
@@ -142,6 +148,12 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     if opts.tp * opts.pp > n_gpu:
         raise ConfigError(f"--tp {opts.tp} x --pp {opts.pp} needs {opts.tp * opts.pp} GPUs; --gpu {opts.gpu!r} has {n_gpu}")
     host = hardware.parse_host(opts.host)
+    if opts.measure_bandwidth:
+        host = hardware.with_measured_read(host)
+    if opts.experts not in ("auto", "gpu", "cpu"):
+        raise ConfigError(f"--experts {opts.experts!r}: choose auto, gpu or cpu")
+    if opts.cpu_share is not None and not 0 <= opts.cpu_share <= 1:
+        raise ConfigError(f"--cpu-share {opts.cpu_share}: a share between 0 and 1")
     fmt = WeightFormat(opts.dtype, opts.quant, expert_quant=opts.expert_quant)
     graphs_family = False
     fused_moe = opts.dtype in ("bfloat16", "float16")  # `FusedExperts.supports_tensors` on a CUDA device
@@ -240,12 +252,22 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     mapped_tokens = min((1 if moe[l]["nbytes"] > CachedExperts.large_expert_bytes else CachedExperts.mapped_tokens
                          for l in cached), default=None) if fused_moe else None
     graph_base = graphs_family and not opts.enforce_eager and ranks == 1 and placement is not None
+    # hybrid decode (offload/placed_weights.py `_start_host_decode`): dense cached experts, experts != gpu; the
+    # engine balances the host's expert rate against the in-place read rate unless a share is given
+    host_gbs = estimate.HOST_EXPERT_EFF * host.read_rate_gbs
+    packed_any = any(m["packed"] for m in moe.values())
+    share = 0.0
+    if cached and mapped_tokens is not None and not packed_any and opts.experts != "gpu" and host_gbs > 0:
+        inplace_gbs = estimate.INPLACE_EFF * gpu.h2d_gbs
+        share = opts.cpu_share if opts.cpu_share is not None else (
+            1.0 if opts.experts == "cpu" else host_gbs / (host_gbs + inplace_gbs))
 
     def experts_cost(batch: int, prefill: bool = False) -> dict:
         """HBM (time-equivalent) bytes of hits, copied and in-place miss bytes, host seconds of one step."""
         d = _distinct_experts(E, k, batch)
         mapped = not prefill and mapped_tokens is not None and batch <= mapped_tokens
-        out = dict(hbm=0.0, copy=0.0, inplace=0.0, inplace_equiv=0.0, host=0.0, mapped=mapped and bool(cached))
+        out = dict(hbm=0.0, copy=0.0, inplace=0.0, inplace_equiv=0.0, host=0.0, host_experts_s=0.0,
+                   mapped=mapped and bool(cached))
         for l, m in moe.items():
             hits, misses = d * hit_of[l], d * (1 - hit_of[l])
             # hits are read from HBM; so are copied misses once in their slots (in-place misses are not)
@@ -253,8 +275,10 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             if not m["host"]:
                 continue
             if mapped:
-                out["inplace"] += misses * m["nbytes"]
-                out["inplace_equiv"] += misses * m["inplace_equiv"]
+                gpu_misses = misses * (1 - share)
+                out["inplace"] += gpu_misses * m["nbytes"]
+                out["inplace_equiv"] += gpu_misses * m["inplace_equiv"]
+                out["host_experts_s"] += misses * share * m["nbytes"] / (host_gbs * 1e9) if share else 0.0
             else:
                 out["copy"] += misses * m["nbytes"]
                 out["host"] += estimate.CACHED_EXPERT_S * d
@@ -267,6 +291,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             hbm_bytes=dense_gpu + streamed_bytes + batch * ctx * kv_per_token / ranks, expert_hbm_bytes=x["hbm"],
             tokens_per_expert=_tokens_per_expert(E, k, batch),
             pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], host_s=x["host"], mapped=x["mapped"],
+            host_experts_s=x["host_experts_s"],
             flops=2 * count.active * batch / ranks, layers=layers, graphs=graphs,
             comm_s=2 * layers * estimate.allreduce_s(opts.tp, batch * mc.hidden_size * act_b, link))
         t = estimate.step_time(cost, gpu.hbm_gbs, gpu.h2d_gbs, tflops)
@@ -303,6 +328,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                                   expert_hit_rate_from=hit_note if cached else None,
                                   inplace_eff=estimate.INPLACE_EFF if cached else None,
                                   mapped_tokens=mapped_tokens if cached else None,
+                                  cpu_share=share if cached else None,
+                                  host_expert_gbs=host_gbs if share else None,
+                                  host_read_gbs=host.read_rate_gbs or None,
                                   packed_experts=packed,
                                   packed_time=estimate.PACKED_TIME.get(packed) if packed else None))
 
@@ -347,6 +375,14 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 "expert misses are copied into slots (no fused kernel for this dtype / activation: eager)")
         notes.append(f"experts: {path}; hit rate {a['expert_hit_rate']:.2f} ({hit_note}); skewed routing raises it "
                      "(the slots follow the routing), so measure it and pass --expert-hit-rate")
+        if share:
+            notes.append(f"hybrid decode: the host's cores compute {share:.0%} of the misses beside the kernel's "
+                         f"in-place reads ({host_gbs:.0f} GB/s: {estimate.HOST_EXPERT_EFF:.0%} of the host's "
+                         f"{'measured' if host.read_gbs else 'assumed'} {host.read_rate_gbs:.0f} GB/s read rate); "
+                         "the copy path's host split (larger steps) is not modelled")
+        elif mapped_tokens and not packed_any and opts.experts != "gpu" and host_gbs == 0:
+            notes.append("hybrid decode not predicted: this host's memory read rate is unknown (--host local without "
+                         "--measure-bandwidth); the engine will also compute a share of the misses on the host")
     if opts.quant:
         notes.append(f"--quant {opts.quant}: Linear weights stay packed and are dequantized per step on the GPU (no "
                      "fused quantized GEMM on CUDA yet): it saves memory, and costs HBM time (counted)")

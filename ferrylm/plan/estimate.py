@@ -14,7 +14,9 @@ A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_
                 dense experts) the host's cores compute a share of the misses at HOST_EXPERT_EFF of the host's
                 read rate, the share balanced as the engine balances it: max(hits, GPU misses, host misses),
                 serial with the other kernels (and then not in t_hbm)
-    t_host    = copy-path MoE layers (larger steps, or a mapped path off): CACHED_EXPERT_S per expert touched
+    t_host    = copy-path MoE layers (larger steps, or a mapped path off): CACHED_EXPERT_S per expert touched;
+                there the host's share of the misses (the cost model's split) runs beside the copies, one more
+                term of the max
     t_launch  = layers * LAUNCH_S (eager) or LAUNCH_GRAPH_S (CUDA graphs)
     t_comm    = 2 all-reduces per layer under TP (ALLREDUCE_S + ring bytes over NVLink or PCIe)
 Packed experts (int4 / NF4) are read at `PACKED_TIME` of a dense expert's time, resident and in place.
@@ -81,7 +83,8 @@ class StepCost:
     """Dense-equivalent bytes of experts the fused MoE kernel reads from HBM (at `moe_hbm_eff`)."""
     tokens_per_expert: float = 1.0
     host_experts_s: float = 0.0
-    """Hybrid decode: seconds the host's cores spend on their share of the misses, beside the kernel."""
+    """Hybrid: seconds the host's cores spend on their share of the misses, beside the kernel (mapped) or
+    beside the copies (copy path)."""
     mapped: bool = False
     """Misses read in place: one fused launch reads hits from HBM and misses over PCIe side by side, so the
     experts take max(hits, in-place reads), serial with the step's other kernels."""
@@ -109,14 +112,16 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
              "pcie": cost.pcie_bytes / (h2d_gbs * 1e9) if cost.pcie_bytes else 0.0,
              "compute": cost.flops / (tflops * 1e12 * MFU),
              "mapped_experts": max(experts, inplace, cost.host_experts_s) if cost.mapped else 0.0,
+             "host_experts": 0.0 if cost.mapped else cost.host_experts_s,
              "host": cost.host_s,
              "launch": cost.layers * (LAUNCH_GRAPH_S if cost.graphs else LAUNCH_S), "comm": cost.comm_s}
-    roof = max(("hbm", "pcie", "compute"), key=parts.get)
+    roof = max(("hbm", "pcie", "compute", "host_experts"), key=parts.get)  # host experts beside the copies
     seconds = parts[roof] + parts["mapped_experts"] + parts["host"] + parts["launch"] + parts["comm"]
     by_resource = {"hbm": (parts["hbm"] if roof == "hbm" else 0.0) + (experts if cost.mapped and experts >= inplace else 0.0),
                    "compute": parts["compute"] if roof == "compute" else 0.0,
                    "pcie": (parts["pcie"] if roof == "pcie" else 0.0) + (inplace if cost.mapped and inplace > experts else 0.0),
-                   "host": cost.host_experts_s if cost.mapped and cost.host_experts_s > max(experts, inplace) else 0.0,
+                   "host": (cost.host_experts_s if cost.mapped and cost.host_experts_s > max(experts, inplace) else 0.0)
+                   + (parts["host_experts"] if roof == "host_experts" else 0.0),
                    "launch": parts["launch"] + parts["host"], "comm": parts["comm"]}
     return StepTime(seconds, max(by_resource, key=by_resource.get), parts)
 

@@ -14,9 +14,7 @@ A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_
                 dense experts) the host's cores compute a share of the misses at HOST_EXPERT_EFF of the host's
                 read rate, the share balanced as the engine balances it: max(hits, GPU misses, host misses),
                 serial with the other kernels (and then not in t_hbm)
-    t_host    = copy-path MoE layers (larger steps, or a mapped path off): CACHED_EXPERT_S per expert touched;
-                there the host's share of the misses (the cost model's split) runs beside the copies, one more
-                term of the max
+    t_host    = copy-path MoE layers (larger steps, or a mapped path off): CACHED_EXPERT_S per expert touched
     t_launch  = layers * LAUNCH_S (eager) or LAUNCH_GRAPH_S (CUDA graphs)
     t_comm    = 2 all-reduces per layer under TP (ALLREDUCE_S + ring bytes over NVLink or PCIe)
 Packed experts (int4 / NF4) are read at `PACKED_TIME` of a dense expert's time, resident and in place.
@@ -83,8 +81,8 @@ class StepCost:
     """Dense-equivalent bytes of experts the fused MoE kernel reads from HBM (at `moe_hbm_eff`)."""
     tokens_per_expert: float = 1.0
     host_experts_s: float = 0.0
-    """Hybrid: seconds the host's cores spend on their share of the misses, beside the kernel (mapped) or
-    beside the copies (copy path)."""
+    """Hybrid decode: seconds the host's cores spend on their share of the misses, beside the kernel (mapped;
+    on the copy path, a term of the roofline's max)."""
     mapped: bool = False
     """Misses read in place: one fused launch reads hits from HBM and misses over PCIe side by side, so the
     experts take max(hits, in-place reads), serial with the step's other kernels."""

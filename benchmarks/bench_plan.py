@@ -79,7 +79,7 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
         json.dump(cfg, f)
     opts = PlanOptions(os.path.join(d, "config.json"), gpu=a.gpu, host=a.host, max_model_len=2048,
                        max_num_seqs=a.concurrency, prompt_len=a.prompt_len, output_len=tokens,
-                       concurrency=a.concurrency, measure_bandwidth=cuda and not a.profile_h2d,
+                       concurrency=a.concurrency, measure_bandwidth=cuda and not a.profile_h2d, experts=a.experts,
                        expert_quant=experts if cuda else None)  # the CPU engine dequantizes packed experts
     if budget_gib is not None and cuda:
         opts = replace(opts, gpu_memory_budget_gb=budget_gib * 2**30 / 1e9)
@@ -100,7 +100,10 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
                 binding={k: plan.speed[k]["binding"] for k in ("decode_batch1", "decode_concurrent")},
                 hit_rate_assumed=plan.speed["assumptions"].get("expert_hit_rate"),
                 hit_rate_measured={k: got.get(f"hit_rate_{k}") for k in ("decode_batch1", "decode_concurrent")},
-                concurrency=plan.speed["decode_concurrent"]["batch"])
+                concurrency=plan.speed["decode_concurrent"]["batch"],
+                cpu_share_planned=plan.speed["assumptions"].get("cpu_share"),
+                cpu_share_engine=llm.engine.runner.placed.cpu_share if llm.engine.runner.placed.caches else None,
+                host_read_gbs=plan.speed["assumptions"].get("host_read_gbs"))
     for key in ("decode_batch1", "decode_concurrent"):  # the bandwidth model alone: re-planned at the seen hit rate
         hit = got.get(f"hit_rate_{key}")
         if hit is not None:
@@ -125,6 +128,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--profile-h2d", action="store_true",
                     help="plan with the profile's pinned H2D rate instead of measuring this machine's")
+    ap.add_argument("--experts", default="auto", choices=("auto", "gpu", "cpu"),
+                    help="where expert misses run (the engine's --experts; auto: hybrid decode)")
     ap.add_argument("--out", default=None, help="results file (default benchmarks/results/plan-check-<date>.json)")
     a = ap.parse_args()
     rows, cases = [], {}
@@ -140,7 +145,8 @@ def main() -> None:
         rows += got
         cases[case] = info
         print(f"\n{case} ({info['verdict']}, loaded in {info['load_s']:.0f} s, H2D {info['h2d_gbs']:.1f} GB/s, "
-              f"hit rate assumed {info['hit_rate_assumed']}, measured {info['hit_rate_measured']}):", flush=True)
+              f"hit rate assumed {info['hit_rate_assumed']}, measured {info['hit_rate_measured']}; host share "
+              f"planned {info['cpu_share_planned']}, engine {info['cpu_share_engine']}):", flush=True)
         fmt = {"weights": 2**30, "kv": 2**30, "peak": 2**30}
         for r in got:
             div = fmt.get(r["metric"], 1)

@@ -31,7 +31,8 @@ def engine_for(plan: Plan, model, device: str):
                block_size=o.block_size, kv_cache_memory_gb=o.kv_cache_memory_gb, enforce_eager=o.enforce_eager,
                kv_cache_dtype=o.kv_cache_dtype,
                gpu_memory_budget=None if o.gpu_memory_budget_gb is None else int(o.gpu_memory_budget_gb * 1e9),
-               gpu_memory_utilization=o.gpu_memory_utilization, place=tuple(o.place))
+               gpu_memory_utilization=o.gpu_memory_utilization, place=tuple(o.place), experts=o.experts,
+               cpu_share=o.cpu_share)
 
 
 def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:

@@ -16,6 +16,9 @@ TODO (what is left of issue #14):
 - the hit rate: uniform routing is a floor for skewed real routing; predicting the routing tally's hit rate
   (or reading a recorded expert profile) is not built;
 - the engine re-sizes KV on CUDA after a measured warm-up; the plan predicts the planned (reserve-based) figure;
-- hybrid CPU experts (the engine's `experts` = auto | cpu, host-RAM bound) are not in the speed model;
-  multi-GPU is per-rank arithmetic only.
+- hybrid decode (host cores beside the in-place reads, the engine's default for dense cached experts) is
+  modelled as two balanced rates that add; unmeasured until bench_plan runs (its "copy" GPU side, opt-in,
+  is not modelled); the copy path's host split counts as copies (measured +6%);
+- multi-GPU speed is per-rank arithmetic with assumed all-reduce costs; the engine loop's per-step host
+  time (schedule, sample) is not modelled.
 """

@@ -35,10 +35,6 @@ per expert (two bf16 Mixtral experts, 705 MB, in 0.54 ms on the H200: 1.3 of 4.8
 the 8-layer resident Mixtral's 228 tok/s at batch 1 is that kernel's time and little else. At batch 32
 (8 tokens per expert) the same model's 3656 tok/s is 54% of peak: `moe_hbm_eff` fits the two."""
 
-
-def moe_hbm_eff(tokens_per_expert: float) -> float:
-    """0.27 at one token per expert, 0.54 at eight (both measured, H200), as t^(1/3) between; at most HBM_EFF."""
-    return min(HBM_EFF, MOE_HBM_EFF * max(tokens_per_expert, 1.0) ** (1 / 3))
 MFU = 0.5
 """Share of peak tensor FLOP/s large GEMMs reach."""
 LAUNCH_S = 150e-6
@@ -65,6 +61,11 @@ CACHED_EXPERT_S = 0.4e-3
 """Measured (fitted): host time per expert a copy-path MoE layer touches (one sync, dispatch and launches
 per expert, eager): Qwen3-30B-A3B under 8 GiB decodes 6.27 tok/s at batch 1 on that path, ~3.2 ms a layer
 beyond its copies with 8 experts touched; Mixtral (2 touched) < 0.8 ms (H200, docs/benchmarks.md)."""
+
+
+def moe_hbm_eff(tokens_per_expert: float) -> float:
+    """0.27 at one token per expert, 0.54 at eight (both measured, H200), as t^(1/3) between; at most HBM_EFF."""
+    return min(HBM_EFF, MOE_HBM_EFF * max(tokens_per_expert, 1.0) ** (1 / 3))
 
 
 @dataclass(frozen=True)

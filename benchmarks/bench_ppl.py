@@ -21,15 +21,12 @@ The last line printed is JSON (rows: format, ferry_ppl, hf_bf16_ppl, rel_diff, s
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import torch
+from results import write_results  # benchmarks/results.py
 
 from ferrylm import LLM, SamplingParams
 from ferrylm.default_model import default_model_path
@@ -126,16 +123,7 @@ def main() -> None:
     for r in rows:
         r["rel_diff"] = (r["ferry_ppl"] - r["hf_bf16_ppl"]) / r["hf_bf16_ppl"]
         print(" | ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    result = {"bench": "ppl", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-              "commit": commit, "command": " ".join(["python", *sys.argv]), "text": os.path.relpath(TEXT),
-              "tokens": len(ids), "rows": rows}
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                f"ppl-{datetime.date.today().isoformat()}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps(result))
+    write_results("ppl", rows, out=a.out, text=os.path.relpath(TEXT), tokens=len(ids))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -91,22 +92,86 @@ def test_gpu_checks_judge_nvml_readings():
     good = {c.name: c.status for c in doctor.gpu_checks([_gpu(0, p2p={1: "NODE"}), _gpu(1, p2p={0: "NODE"})], True)}
     assert all(s == "ok" for s in good.values()) and good["gpu_topology"] == "ok"
     bad = doctor.gpu_checks([_gpu(0, pcie_width=8, persistence=False, ecc_uncorrected=3, temperature_c=90,
-                                  throttle=["hw thermal"], p2p={1: "SYSTEM"}), _gpu(1, numa_node=1, p2p={0: "SYSTEM"})],
+                                  throttle=["hw thermal"], p2p={1: "SYSTEM"}, sm_clock=1200, sm_clock_max=1980),
+                             _gpu(1, numa_node=1, p2p={0: "SYSTEM"})],
                             True)
     got = {c.name: c for c in bad}
     assert got["gpu0_pcie_link"].status == "warn" and got["gpu0_pcie_link"].value == "gen 5 x8"
     assert got["gpu0_persistence"].fix == "nvidia-smi -i 0 -pm 1"
     assert got["gpu0_ecc"].status == "fail" and got["gpu0_temperature"].status == "warn"
+    assert got["gpu0_temperature"].value == "90 C, SM clock 1200 of 1980 MHz"
     assert got["gpu0_throttle"].status == "warn" and got["gpu1_numa"].value == "node 1"
     assert got["gpu_topology"].status == "warn" and "0-1 across sockets" in got["gpu_topology"].value
 
 
 def test_bandwidth_checks_judge_measurements():
-    assert [c.status for c in doctor.bandwidth_checks({"host_read_gbs": 10.0, "gpus": {}}, gpu=False)] == ["ok", "skip"]
+    got = doctor.bandwidth_checks({"host_read_gbs": 10.0, "gpus": {}, "per_node": "one NUMA node: measured once"},
+                                  gpu=False)
+    assert [c.status for c in got] == ["ok", "skip", "skip"] and got[1].value == "one NUMA node: measured once"
     m = {"host_read_gbs": 100.0, "gpus": {0: dict(pinned_h2d_gbs=11.0, pageable_h2d_gbs=6.0, pinned_d2h_gbs=12.0,
                                                   hbm_copy_gbs=3500.0, pcie_gen=5, pinned_ok_gb=10, pinned_want_gb=64)}}
     got = {c.name: c.status for c in doctor.bandwidth_checks(m, gpu=True)}
-    assert got == {"host_memory_read": "ok", "gpu0_h2d": "warn", "gpu0_hbm_copy": "ok", "gpu0_pinning": "fail"}
+    assert got == {"host_memory_read": "ok", "numa_bandwidth": "skip", "gpu0_h2d": "warn", "gpu0_hbm_copy": "ok",
+                   "gpu0_pinning": "fail"}
+
+
+def _copies(h2d):
+    return dict(pinned_h2d_gbs=h2d, pageable_h2d_gbs=h2d / 2, pinned_d2h_gbs=h2d, pageable_d2h_gbs=h2d / 3)
+
+
+def test_numa_node_checks_judge_a_two_socket_reading():
+    """Node 1 reads memory at half node 0's rate, and GPU 0 (hanging off node 1) gets its copies from node 1's
+    memory 40% slower than from node 0's: both warn, and the fix binds the server to node 0."""
+    m = {"host_read_gbs": 20.0, "gpus": {0: dict(_copies(50.0), hbm_copy_gbs=4000.0, pcie_gen=5, numa_node=1)},
+         "nodes": {0: {"cpus": 56, "host_read_gbs": 20.0, "gpus": {0: _copies(50.0)}},
+                   1: {"cpus": 56, "host_read_gbs": 10.0, "gpus": {0: _copies(30.0)}}},
+         "per_node": "measured from each of 2 NUMA nodes"}
+    got = {c.name: c for c in doctor.bandwidth_checks(m, gpu=True)}
+    assert got["node0_memory_read"].status == "ok" and got["node1_memory_read"].status == "warn"
+    assert got["node1_memory_read"].fix.startswith("numactl --cpunodebind=0 --membind=0")
+    h = got["gpu0_h2d_by_node"]
+    assert h.status == "warn" and "node 0 50.0, node 1 30.0" in h.value and "--cpunodebind=0" in h.fix
+    assert "hangs off node 1" in h.expected
+    assert "pageable 16.7" in got["gpu0_h2d"].value  # pageable D2H measured too
+    even = {**m, "nodes": {n: {**r, "host_read_gbs": 20.0, "gpus": {0: _copies(50.0)}} for n, r in m["nodes"].items()}}
+    assert all(c.status == "ok" for c in doctor.bandwidth_checks(even, gpu=True) if c.name.startswith(("node", "gpu0_h2d_")))
+
+
+def test_measure_per_node_binds_thread_and_buffers(monkeypatch):
+    """A fake two-node topology over this machine's CPUs: each node is measured on its own CPUs with torch on
+    one thread (so the buffers are first-touched there), and the affinity is restored after."""
+    import torch
+
+    from ferrylm.hw import bandwidth
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs to fake two nodes")
+    seen = []
+    real = bandwidth.host_read_gbs
+
+    def observed(size_mib=256):
+        seen.append((os.sched_getaffinity(0), torch.get_num_threads()))
+        return real(size_mib)
+
+    monkeypatch.setattr(bandwidth, "host_read_gbs", observed)
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    m = bandwidth.measure(numa_nodes={0: {"cpus": [allowed[0]]}, 1: {"cpus": [allowed[1]], "mem_total": 1}}, size_mib=16)
+    assert seen[1:] == [({allowed[0]}, 1), ({allowed[1]}, 1)]
+    assert os.sched_getaffinity(0) == before and torch.get_num_threads() == threads
+    assert set(m["nodes"]) == {0, 1} and all(r["host_read_gbs"] > 0 for r in m["nodes"].values())
+    assert m["per_node"] == "measured from each of 2 NUMA nodes"
+    print({n: round(r["host_read_gbs"], 1) for n, r in m["nodes"].items()}, "GB/s per (fake) node")
+
+
+def test_measure_once_on_one_node():
+    from ferrylm.hw import bandwidth
+
+    allowed = sorted(os.sched_getaffinity(0))
+    one = bandwidth.measure(numa_nodes={0: {"cpus": allowed}}, size_mib=16)
+    assert "nodes" not in one and one["per_node"] == "one NUMA node: measured once" and one["host_read_gbs"] > 0
+    shut_out = bandwidth.measure(numa_nodes={0: {"cpus": allowed}, 1: {"cpus": [10**6]}}, size_mib=16)
+    assert "nodes" not in shut_out and "one of 2 NUMA nodes only" in shut_out["per_node"]
 
 
 def test_doctor_on_this_machine(tmp_path, capsys):
@@ -142,3 +207,17 @@ def test_nvml_names_map_to_profiles():
     assert probe.profile_for("NVIDIA H200").name == "H200"
     assert probe.profile_for("NVIDIA GeForce RTX 4090").name == "RTX-4090"
     assert probe.profile_for("Tesla V100-SXM2-32GB") is None
+
+
+def test_doctor_measure_on_this_machine(capsys):
+    """`--measure` for real here: host memory read, and the per-node measurement (or why it ran once)."""
+    from ferrylm.cli import main
+
+    assert main(["doctor", "--measure", "--json"]) == 0
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert float(checks["host_memory_read"]["value"].split()[0]) > 0
+    nodes = len(probe.read_host().numa_nodes)
+    if nodes <= 1:
+        assert checks["numa_bandwidth"]["status"] == "skip" and "measured once" in checks["numa_bandwidth"]["value"]
+    else:
+        assert any(n.startswith("node") and n.endswith("_memory_read") for n in checks)

@@ -208,3 +208,236 @@ def test_cli_plan_check_on_cpu(tmp_path, capsys):
     for r in rows.values():
         print(r)
         assert r["within"] and r["rel_error"] == 0
+
+
+@pytest.mark.parametrize("scheme,group,inter", [("int4", 32, 192), ("nf4", 64, 192), ("nf4", 64, 96), ("int8", 64, 192)])
+def test_quantized_store_bytes_equal_the_engines_groups(scheme, group, inter, tmp_path):
+    """A real `ferry convert --quant` store of a tiny Mixtral: every tensor group's bytes as the plan counts
+    them (the converter's quantizer on meta) = as the engine sizes them for placement after noting packed
+    Linears and packing experts (`note_packed_linears`, `pack_experts`). int4 / nf4 experts pack; nf4 whose
+    groups of 64 do not tile 96-wide rows, and int8 (dequantized at load), stay dense."""
+    import torch
+    import transformers
+
+    from ferrylm.config import ModelConfig
+    from ferrylm.models.registry import model_class
+    from ferrylm.weights.convert import ConvertOptions, convert
+    from ferrylm.weights.source import open_source
+
+    torch.manual_seed(0)
+    hf = transformers.MixtralConfig(vocab_size=256, hidden_size=128, intermediate_size=inter, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                    num_experts_per_tok=2, max_position_embeddings=128)
+    transformers.MixtralForCausalLM(hf).save_pretrained(tmp_path / "hf")
+    convert(str(tmp_path / "hf"), str(tmp_path / "store"), ConvertOptions(quant=scheme, group_size=group))
+    src = open_source(str(tmp_path / "store"))
+    cfg = ModelConfig.from_hf(src.config)
+    with torch.device("meta"):
+        engine = model_class(cfg)(cfg)
+    packed = engine.pack_experts(src)
+    assert engine.note_packed_linears(src) > 0
+    want = {g.name: g.nbytes for g in group_tensors(engine)}
+    got = {g.name: g.nbytes for g in weight_groups(meta_model(cfg, "float32"), WeightFormat("float32", scheme, group))}
+    dense = {g.name: g.nbytes for g in weight_groups(meta_model(cfg, "float32"))}
+    print(f"{scheme} g{group} I={inter}: {len(packed)} banks packed; plan {sum(got.values())} B, engine "
+          f"{sum(want.values())} B, dense {sum(dense.values())} B")
+    assert got == want
+    assert (got["layers.0.experts.0"] < dense["layers.0.experts.0"]) == bool(packed) == (
+        scheme in ("int4", "nf4") and inter % group == 0)
+
+
+MIXTRAL_SHAPE = dict(catalog.CATALOG["Mixtral-8x7B"], max_position_embeddings=32768)
+QWEN3_SHAPE = dict(catalog.CATALOG["Qwen3-30B-A3B"])
+
+
+def _shape_plan(tmp_path, cfg, layers, budget_gib, batch, hit=None, expert_quant=None, experts="auto", **extra):
+    import dataclasses
+
+    path = tmp_path / f"{cfg['model_type']}-{layers}-{expert_quant}.json"
+    path.write_text(json.dumps({**cfg, "num_hidden_layers": layers}))
+    gpu = dataclasses.replace(hardware.GPUS["H200"], pinned_h2d_gbs=54.6)  # the copy rate measured in those runs
+    hardware.GPUS["H200-measured"] = gpu
+    try:
+        opts = dict(gpu="1xH200-measured", host=HOST, max_model_len=4096, max_num_seqs=batch, concurrency=batch,
+                    prompt_len=64, output_len=64, gpu_memory_budget_gb=budget_gib and budget_gib * 2**30 / 1e9,
+                    expert_hit_rate=hit, expert_quant=expert_quant, experts=experts)
+        return make_plan(PlanOptions(str(path), **{**opts, **extra}), advise=False)
+    finally:
+        del hardware.GPUS["H200-measured"]
+
+
+# (shape, layers, GiB budget, experts stored as, batch, hit rate the run measured, tok/s it measured), all from
+# docs/benchmarks.md (H200, 2026-12-01: "Offload engine" resident / mapped / packed sections)
+RECORDED = [(MIXTRAL_SHAPE, 8, None, None, 1, None, 228), (MIXTRAL_SHAPE, 8, None, None, 32, None, 3656),
+            (MIXTRAL_SHAPE, 16, 16, None, 1, 0.29, 5.51), (MIXTRAL_SHAPE, 16, 16, None, 64, 0.26, 98.6),
+            (QWEN3_SHAPE, 48, 8, None, 1, 0.41, 19.1), (QWEN3_SHAPE, 48, 8, None, 64, 0.07, 53.0),
+            (MIXTRAL_SHAPE, 32, 16, "nf4", 1, 0.60, 5.47)]
+
+
+@pytest.mark.parametrize("cfg,layers,budget,eq,batch,hit,measured", RECORDED)
+def test_decode_model_reproduces_recorded_h200_runs(cfg, layers, budget, eq, batch, hit, measured, tmp_path):
+    """Calibration, not validation: the MoE kernel rates in `estimate.py` were read off these same runs. Given
+    the hit rate each run measured, the decode model lands within the issue's +-20% of every one of them
+    (resident fused MoE, the mapped path at one token, the copy path at 64, packed NF4 in place);
+    `benchmarks/bench_plan.py` is the check on runs it has not seen."""
+    p = _shape_plan(tmp_path, cfg, layers, budget, batch, hit, eq, experts="gpu")  # those runs predate hybrid decode
+    d = p.speed["decode_concurrent"]
+    print(f"{cfg['model_type']} {layers}L budget {budget} {eq or 'bf16'} batch {batch}: predicted {d['tok_s']:.1f} "
+          f"({d['experts_path']}, binds {d['binding']}) vs measured {measured} ({d['tok_s'] / measured - 1:+.0%})")
+    assert abs(d["tok_s"] / measured - 1) < 0.2
+
+
+def test_offloaded_experts_follow_the_engines_paths(tmp_path):
+    """Decode reads misses in place up to `CachedExperts.mapped_tokens` tokens (one for experts over 64 MiB),
+    graphed when no layer is streamed; larger steps copy them, eagerly; a measured hit rate raises the figure."""
+    from ferrylm.offload.expert_cache import CachedExperts
+
+    qwen = _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 16)
+    assert qwen.verdict == "offload" and qwen.speed["assumptions"]["mapped_tokens"] == CachedExperts.mapped_tokens
+    for key in ("decode_batch1", "decode_concurrent"):
+        assert qwen.speed[key]["experts_path"] == "mapped" and qwen.speed[key]["cuda_graphs"]
+    uniform = qwen.speed["assumptions"]["expert_hit_rate"]
+    assert 0 < uniform < 0.5 and "uniform routing" in qwen.speed["assumptions"]["expert_hit_rate_from"]
+    assert any("hit rate" in n and "--expert-hit-rate" in n for n in qwen.notes)
+    skewed = _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 16, hit=0.9)
+    assert skewed.speed["decode_batch1"]["tok_s"] > 2 * qwen.speed["decode_batch1"]["tok_s"]
+    mix = _shape_plan(tmp_path, MIXTRAL_SHAPE, 8, 12, 16)
+    assert not mix.placement["streamed_layers"]
+    assert mix.speed["assumptions"]["mapped_tokens"] == 1  # 352 MB experts: in place only at one token
+    assert mix.speed["decode_batch1"]["experts_path"] == "mapped" and mix.speed["decode_batch1"]["cuda_graphs"]
+    c = mix.speed["decode_concurrent"]
+    assert c["experts_path"] == "copy" and not c["cuda_graphs"] and c["parts_ms"]["host"] > 0
+
+
+def test_packed_experts_buy_resident_experts_not_faster_reads(tmp_path):
+    """NF4 experts: ~3.6x fewer bytes, so under the same budget a 16-layer Mixtral shape fits resident and a
+    32-layer one that could not run at all offloads; each read still takes the packed kernel's measured time."""
+    dense = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1, experts="gpu")  # packed experts have no host side
+    nf4 = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1, expert_quant="nf4")
+    assert sum(nf4.weights_bytes.values()) < 0.35 * sum(dense.weights_bytes.values())
+    assert (dense.verdict, nf4.verdict) == ("offload", "fits")
+    assert nf4.speed["decode_batch1"]["tok_s"] > 3 * dense.speed["decode_batch1"]["tok_s"]
+    assert nf4.speed["assumptions"]["packed_experts"] == "nf4"
+    assert any("nf4 experts stay packed" in n for n in nf4.notes)
+    resident = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, None, 1)
+    nf4_resident = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, None, 1, expert_quant="nf4")
+    assert nf4_resident.speed["decode_batch1"]["tok_s"] < resident.speed["decode_batch1"]["tok_s"] / 3  # 5.4x per read
+    big, big_nf4 = (_shape_plan(tmp_path, MIXTRAL_SHAPE, 32, 16, 1, expert_quant=q) for q in (None, "nf4"))
+    assert (big.verdict, big_nf4.verdict) == ("cannot", "offload")
+    int8 = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1, expert_quant="int8", experts="gpu")
+    assert int8.weights_bytes["experts"] == dense.weights_bytes["experts"]  # dequantized at load
+    assert any("dequantized at load" in n for n in int8.notes)
+    for bad, match in ((dict(quant="int3"), "--quant"), (dict(expert_quant="q2"), "--expert-quant"),
+                       (dict(expert_hit_rate=1.5), "--expert-hit-rate")):
+        with pytest.raises(ConfigError, match=match):
+            make_plan(PlanOptions("Mixtral-8x7B", host=HOST, **bad))
+
+
+def test_quality_notes_name_their_sources():
+    """Where a quant is chosen the plan carries what it cost where measured: ours (equal to the results file)
+    and, for catalog models with published deltas, those with their source."""
+    from ferrylm.plan import quality
+
+    root = os.path.dirname(os.path.dirname(__file__))
+    with open(os.path.join(root, quality.PPL_RESULTS)) as f:
+        rows = {r["format"]: r["hf_bf16_ppl"] for r in json.load(f)["rows"]}
+    assert {r["format"]: r["ppl"] for r in quality.MEASURED} == {k: rows[k] for k in (r["format"] for r in quality.MEASURED)}
+    m32 = make_plan(PlanOptions("Yuan2-M32", gpu="1xA800-80G-PCIe", host=HOST, quant="int4", max_model_len=4096))
+    kinds = {(q["kind"], q["format"]) for q in m32.quality}
+    assert ("measured", "int4-g32") in kinds and ("published", "GPTQ int4 g128 (AutoGPTQ)") in kinds
+    pub = next(q for q in m32.quality if q["kind"] == "published")
+    assert pub["source"].startswith("https://github.com/IEIT-Yuan/") and pub["delta"] == pytest.approx(66.46 - 73.17)
+    assert any("HumanEval 66.46 vs 73.17" in n for n in m32.notes)
+    nf4 = make_plan(PlanOptions("Qwen2-72B", gpu="1xH200", host=HOST, quant="nf4", max_model_len=4096))
+    assert {q["format"] for q in nf4.quality} >= {"nf4-g64", "GPTQ-Int4 (Qwen2-72B-Instruct)", "AWQ (Qwen2-72B-Instruct)"}
+    assert make_plan(PlanOptions("Qwen2-72B", gpu="1xH200", host=HOST, max_model_len=4096)).quality == []
+
+
+def test_measure_bandwidth_needs_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        make_plan(PlanOptions("Llama-3-8B", host=HOST, measure_bandwidth=True))
+
+
+def test_bench_plan_smoke_on_cpu(tmp_path):
+    """The GPU benchmark's script end to end on tiny shapes (CPU: byte counts), and its results file."""
+    out = tmp_path / "plan-check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+    root = os.path.dirname(os.path.dirname(__file__))
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_plan.py"), "--device", "cpu",
+                        "--host", HOST, "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == d
+    assert {"bench", "date", "commit", "machine", "rows", "cases"} <= set(d) and d["bench"] == "plan-check"
+    assert {r["case"] for r in d["rows"]} == {"dense", "moe", "moe-offload", "moe-offload-nf4"}
+    assert all(r["within"] for r in d["rows"]) and {r["metric"] for r in d["rows"]} == {"weights", "kv", "kv_tokens"}
+
+
+def test_check_times_decode_after_every_prefill(tmp_path):
+    """`check._decode` (what `--check` and bench_plan time): only steps after every prompt's first token, with
+    the expert hit rate of those steps; a tiny Mixtral with its experts in host memory, on the CPU."""
+    import torch
+    import transformers
+
+    from ferrylm import LLM, SamplingParams
+    from ferrylm.plan.check import _decode
+
+    torch.manual_seed(0)
+    hf = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                    num_experts_per_tok=2, max_position_embeddings=128)
+    transformers.MixtralForCausalLM(hf).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=3, max_model_len=64, kv_cache_memory_gb=0.01,
+              place=("experts=cpu",))
+    rate, hit = _decode(llm, [[5, 6, 7, 8] * 4, [9, 10] * 8, [11] * 16], SamplingParams(max_tokens=6, ignore_eos=True,
+                                                                                       temperature=0))
+    stats = llm.engine.runner.placed.stats
+    print(f"decode {rate:.1f} tok/s, hit rate {hit}, {stats.expert_hits} hits {stats.expert_misses} misses")
+    assert rate > 0 and not llm.engine.has_unfinished_requests()
+    assert hit is not None and 0 <= hit <= 1
+    # distinct experts each decode step needs (2 layers x 5 steps, 2 to 4 of the 4 experts): no prefill counted
+    assert 2 * 5 * 2 <= stats.expert_hits + stats.expert_misses <= 2 * 5 * 4
+
+
+def test_options_that_cost_speed_for_nothing_are_warned():
+    eager = make_plan(PlanOptions("Llama-3-8B", gpu="1xH200", host=HOST, max_model_len=4096, enforce_eager=True))
+    assert any("--enforce-eager costs decode speed" in n for n in eager.notes)
+    fp8 = make_plan(PlanOptions("Llama-3-8B", gpu="1xH200", host=HOST, max_model_len=4096, max_num_seqs=8,
+                                kv_cache_dtype="fp8"))
+    assert any("--kv-cache-dtype fp8 buys KV room" in n for n in fp8.notes)
+    tight = make_plan(PlanOptions("Llama-3-8B", gpu="1xRTX-4090", host=HOST, max_model_len=8192, max_num_seqs=64,
+                                  prompt_len=4096, output_len=4096, kv_cache_dtype="fp8"))
+    assert not any("buys KV room" in n for n in tight.notes)  # there the room is needed
+    assert not any("--enforce-eager" in n for n in make_plan(PlanOptions("Llama-3-8B", host=HOST)).notes)
+
+
+def test_hybrid_decode_shares_misses_with_the_host(tmp_path):
+    """Dense cached experts on the mapped path: by default the host computes a share of the misses beside the
+    kernel's in-place reads, balanced as the engine balances it (host rate / (host + in-place rate)); --experts
+    gpu turns it off, --cpu-share fixes it, packed experts never have it, and an unknown host rate says so."""
+    from ferrylm.plan import estimate
+
+    gpu_only = _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 1, experts="gpu")
+    hybrid = _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 1)
+    a = hybrid.speed["assumptions"]
+    host_gbs = estimate.HOST_EXPERT_EFF * estimate.HOST_READ_EFF * hardware.parse_host(HOST).bandwidth_per_node_gbs
+    assert a["host_expert_gbs"] == pytest.approx(host_gbs)
+    assert a["cpu_share"] == pytest.approx(host_gbs / (host_gbs + estimate.INPLACE_EFF * 54.6))
+    assert gpu_only.speed["assumptions"]["cpu_share"] == 0
+    speedup = hybrid.speed["decode_batch1"]["tok_s"] / gpu_only.speed["decode_batch1"]["tok_s"]
+    assert 1.2 < speedup < 1 + host_gbs / (estimate.INPLACE_EFF * 54.6) + 0.01  # at most the two rates added
+    assert any(n.startswith("hybrid decode: the host's cores compute") for n in hybrid.notes)
+    all_host = _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 1, experts="cpu")
+    assert all_host.speed["assumptions"]["cpu_share"] == 1.0
+    assert _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 1, cpu_share=0.25).speed["assumptions"]["cpu_share"] == 0.25
+    unknown = _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 1, host="local")
+    if not hardware.parse_host("local").read_rate_gbs:
+        assert unknown.speed["assumptions"]["cpu_share"] == 0 and any("read rate is unknown" in n for n in unknown.notes)
+    nf4 = _shape_plan(tmp_path, MIXTRAL_SHAPE, 32, 16, 1, expert_quant="nf4")
+    assert nf4.speed["assumptions"]["cpu_share"] == 0
+    with pytest.raises(ConfigError, match="--experts"):
+        make_plan(PlanOptions("Mixtral-8x7B", host=HOST, experts="npu"))

@@ -172,7 +172,7 @@ class ModelRunner:
                 m.max_positions = min(m.max_positions, max_model_len)
                 m._table(self.device)
         self.placement = placement
-        self.activation_bytes = None
+        self.activation_bytes = self.weights_allocated = None
         if self.device.type == "cuda" and self._budget is not None:
             kv_bytes = self._kv_after_warmup(kv_bytes)
         self.kv_cache = self._allocate_kv(kv_bytes)
@@ -250,6 +250,7 @@ class ModelRunner:
         peak = self._warmup_peak()
         self.activation_bytes = peak * (2 if self._graphs_planned() else 1)
         used = torch.cuda.memory_allocated(self.device) - self._mem_base
+        self.weights_allocated = used  # measured: what the placed weights take (`ferry plan --check`)
         left = self._budget - used - self.activation_bytes
         if self._fixed_kv is not None:
             if left < self._fixed_kv:

@@ -25,7 +25,8 @@ def run_checks(a: argparse.Namespace) -> list:
     from ferrylm.hw import doctor, probe
 
     need = int(a.plan_host_gb * 1e9)
-    checks = doctor.host_checks(probe.read_host(), need)
+    host = probe.read_host()
+    checks = doctor.host_checks(host, need)
     paths = {"logs": probe.disk_usage(a.log_path)}
     if a.model_path:
         paths["model"] = probe.disk_usage(a.model_path)
@@ -36,10 +37,10 @@ def run_checks(a: argparse.Namespace) -> list:
     if a.measure:
         from ferrylm.hw import bandwidth
 
-        m = bandwidth.measure(a.plan_host_gb)
+        m = bandwidth.measure(a.plan_host_gb, host.numa_nodes)
         for g in gpus:
             if g.index in m["gpus"]:
-                m["gpus"][g.index]["pcie_gen"] = g.pcie_gen_max
+                m["gpus"][g.index].update(pcie_gen=g.pcie_gen_max, numa_node=g.numa_node)
         checks += doctor.bandwidth_checks(m, bool(m["gpus"]))
     return checks
 

@@ -189,7 +189,9 @@ def gpu_checks(gpus: list[GpuReadings], nvml_present: bool) -> list[Check]:
                              f"nvidia-smi -i {g.index} -r  # after draining; replace the GPU if they recur" if errs else ""))
         if g.temperature_c is not None:
             hot = g.temperature_c >= 85
-            out.append(Check(f"{p}_temperature", WARN if hot else OK, f"{g.temperature_c} C", "< 85 C",
+            clocks = (f", SM clock {g.sm_clock} of {g.sm_clock_max} MHz" if g.sm_clock is not None and g.sm_clock_max
+                      else "")
+            out.append(Check(f"{p}_temperature", WARN if hot else OK, f"{g.temperature_c} C{clocks}", "< 85 C",
                              "hot GPUs throttle clocks", "# check airflow and fan settings" if hot else ""))
         if g.throttle:
             out.append(Check(f"{p}_throttle", WARN, ", ".join(g.throttle), "none",
@@ -209,10 +211,16 @@ def gpu_checks(gpus: list[GpuReadings], nvml_present: bool) -> list[Check]:
 
 # -- measured ------------------------------------------------------------------------------------------
 
+NODE_SLOW = 0.8
+"""A NUMA node whose rate is below this share of the best node's is worth binding away from."""
+
+
 def bandwidth_checks(m: dict, gpu: bool) -> list[Check]:
     """`m`: `bandwidth.measure()` results (GB/s); thresholds are what serving assumes (plan.hardware)."""
-    out = [Check("host_memory_read", OK, f"{m['host_read_gbs']:.1f} GB/s", "",
+    threads = f" ({m['host_read_threads']} threads)" if "host_read_threads" in m else ""
+    out = [Check("host_memory_read", OK, f"{m['host_read_gbs']:.1f} GB/s{threads}", "",
                  "CPU experts and host-to-GPU copies are bounded by it")]
+    out += _node_checks(m, gpu)
     if not gpu:
         out.append(Check("h2d_bandwidth", SKIP, "no CUDA device", "", "pinned host-to-GPU copies feed offloaded weights"))
         return out
@@ -221,9 +229,10 @@ def bandwidth_checks(m: dict, gpu: bool) -> list[Check]:
     for i, r in m.get("gpus", {}).items():
         want = PCIE_EFFECTIVE_GBS.get(r.get("pcie_gen") or 4, 25.0) * 0.8
         low = r["pinned_h2d_gbs"] < want
+        pageable_d2h = f", pageable {r['pageable_d2h_gbs']:.1f}" if "pageable_d2h_gbs" in r else ""
         out.append(Check(f"gpu{i}_h2d", WARN if low else OK,
                          f"pinned {r['pinned_h2d_gbs']:.1f}, pageable {r['pageable_h2d_gbs']:.1f}, "
-                         f"D2H {r['pinned_d2h_gbs']:.1f} GB/s", f"pinned >= {want:.0f} GB/s",
+                         f"D2H pinned {r['pinned_d2h_gbs']:.1f}{pageable_d2h} GB/s", f"pinned >= {want:.0f} GB/s",
                          "offloaded weights cross this link every decode step",
                          "# check the PCIe link (lspci -vv) and run from the GPU's NUMA node" if low else ""))
         out.append(Check(f"gpu{i}_hbm_copy", OK, f"{r['hbm_copy_gbs']:.0f} GB/s", ""))
@@ -232,6 +241,38 @@ def bandwidth_checks(m: dict, gpu: bool) -> list[Check]:
             out.append(Check(f"gpu{i}_pinning", OK if ok else FAIL, f"{r['pinned_ok_gb']:.0f} GB pinned",
                              f"{r['pinned_want_gb']:.0f} GB", "the plan keeps that much host memory pinned",
                              "" if ok else "# raise memlock / cgroup limits or lower the host-resident weights"))
+    return out
+
+
+def _node_checks(m: dict, gpu: bool) -> list[Check]:
+    """Per NUMA node: memory read, and each GPU's pinned H2D from that node's memory; a node well below the
+    best is a warn whose fix binds the server to the best one (the GPU's own node, when it is the best)."""
+    nodes = m.get("nodes")
+    if not nodes:
+        return [Check("numa_bandwidth", SKIP, m.get("per_node", "not measured per node"), "",
+                      "on a multi-socket host, memory and PCIe rates depend on the node the server runs on")]
+    out = []
+    best = max(nodes, key=lambda n: nodes[n]["host_read_gbs"])
+    for n, r in sorted(nodes.items()):
+        slow = r["host_read_gbs"] < NODE_SLOW * nodes[best]["host_read_gbs"]
+        out.append(Check(f"node{n}_memory_read", WARN if slow else OK, f"{r['host_read_gbs']:.1f} GB/s (one thread on {r['cpus']} CPUs)",
+                         f">= {NODE_SLOW:.0%} of node {best}'s {nodes[best]['host_read_gbs']:.1f}",
+                         "host experts and copies read the memory of the node the server's threads run on",
+                         f"numactl --cpunodebind={best} --membind={best} ferry serve ..." if slow else ""))
+    for i, g in (m.get("gpus") or {}).items() if gpu else ():
+        rates = {n: r["gpus"][i]["pinned_h2d_gbs"] for n, r in nodes.items() if i in r.get("gpus", {})}
+        if not rates:
+            continue
+        top = max(rates, key=rates.get)
+        home = g.get("numa_node")
+        target = home if home in rates and rates[home] >= NODE_SLOW * rates[top] else top
+        slow = sorted(n for n, v in rates.items() if v < NODE_SLOW * rates[top])
+        out.append(Check(f"gpu{i}_h2d_by_node", WARN if slow else OK,
+                         ", ".join(f"node {n} {v:.1f}" for n, v in sorted(rates.items())) + " GB/s pinned",
+                         f"every node >= {NODE_SLOW:.0%} of the best" + (f" (GPU {i} hangs off node {home})"
+                                                                          if home is not None else ""),
+                         "offloaded weights cross from the memory of the node they were pinned on",
+                         f"numactl --cpunodebind={target} --membind={target} ferry serve ..." if slow else ""))
     return out
 
 

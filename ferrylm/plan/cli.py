@@ -11,7 +11,12 @@ from ferrylm.plan.planner import PlanOptions
 _HELP = {
     "gpu": 'COUNTxNAME, e.g. "4xA800-80G-PCIe", or local (NVML)',
     "host": 'SOCKETSxCPU[,MEMORY], e.g. "2xXeon-8480C,1TB", or local (/proc, /sys)',
-    "quant": "int8 | fp8 | nf4 (a ferry store converted with --quant)",
+    "quant": "int8 | fp8 | nf4 | int4 | q8_0 (a ferry store converted with --quant; int4 / nf4 experts stay packed)",
+    "expert_quant": "the experts' scheme when it differs from --quant (e.g. nf4 experts, the rest bf16)",
+    "expert_hit_rate": "share of routed experts found on the GPU (e.g. measured); default: uniform routing",
+    "measure_bandwidth": "measure this machine's pinned host-to-GPU and host memory read rates and plan with them",
+    "experts": "where expert misses run, as the engine's --experts: auto (hybrid decode), gpu, cpu",
+    "cpu_share": "hybrid decode: share of the misses the host computes (default: balanced as the engine does)",
     "gpu_memory_budget_gb": "GB the engine may allocate per GPU (weights, KV, buffers); below the model's size it offloads",
     "place": "placement rule SELECTOR=gpu|cpu, repeatable (e.g. experts=cpu)",
     "concurrency": "sequences decoding together (default --max-num-seqs)",

@@ -11,6 +11,7 @@ offloading lives on; `ferry doctor` measures the real one. Knows nothing about m
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 
@@ -61,6 +62,16 @@ class HostProfile:
     avx512: bool = False
     amx: bool = False
     source: str = "data sheet"
+    read_gbs: float = 0.0
+    """Measured memory read rate of this host, GB/s (all threads; `--measure-bandwidth`); 0: not measured."""
+
+    @property
+    def read_rate_gbs(self) -> float:
+        """What the host reads at: measured, else an assumed share of one node's data-sheet bandwidth (0 when
+        neither is known, e.g. `--host local` unmeasured)."""
+        from ferrylm.plan.estimate import HOST_READ_EFF
+
+        return self.read_gbs or HOST_READ_EFF * self.bandwidth_per_node_gbs
 
     @property
     def numa_nodes(self) -> int:
@@ -166,3 +177,30 @@ def parse_host(spec: str) -> HostProfile:
         gb = float(m[1]) * {"TB": 1e3, "T": 1e3, "GB": 1, "G": 1, "TIB": 2**40 / 1e9, "GIB": 2**30 / 1e9}[unit]
         host = replace(host, memory_gb=gb)
     return host
+
+
+@functools.lru_cache(maxsize=None)
+def measured_h2d_gbs(index: int = 0) -> float:
+    """Pinned host-to-device GB/s of this machine's GPU `index`, measured once per process (`hw/bandwidth.py`)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("--measure-bandwidth needs a CUDA GPU on this machine")
+    from ferrylm.hw.bandwidth import gpu_gbs
+
+    return gpu_gbs(index)["pinned_h2d_gbs"]
+
+
+def with_measured_h2d(gpu: GpuProfile) -> GpuProfile:
+    return replace(gpu, pinned_h2d_gbs=measured_h2d_gbs(), source=f"{gpu.source}, pinned H2D measured")
+
+
+@functools.lru_cache(maxsize=None)
+def measured_host_read_gbs() -> float:
+    from ferrylm.hw.bandwidth import host_read_gbs
+
+    return host_read_gbs()
+
+
+def with_measured_read(host: HostProfile) -> HostProfile:
+    return replace(host, read_gbs=measured_host_read_gbs(), source=f"{host.source}, read measured")

@@ -4,8 +4,8 @@ counted from the model itself so that the planner and the engine agree by constr
 `meta_model(cfg)` builds the engine's own module (`models.registry.model_class`) on the `meta` device:
 no memory, exact shapes. Its tensor groups are the engine's (`offload.placement.group_tensors`: `embed`,
 `lm_head`, per layer `attention`, `norm`, `router`, `shared_experts`, `mlp`, one group per expert);
-`weight_groups` re-counts their bytes for a `WeightFormat` (quantized Linear weights of a ferry store;
-expert banks stay dense). The KV pool and the placement are decided by `offload/memory.py`, the functions
+`weight_groups` re-counts their bytes for a `WeightFormat` (a ferry store's quantized weights, counted by
+the converter's own quantizer on meta; experts packed where the engine keeps them packed: int4, NF4). The KV pool and the placement are decided by `offload/memory.py`, the functions
 the model runner calls at start-up; KV bytes per block come from `KVCache.bytes_per_block`.
 
 Families without a model class are planned from config.json where a formula exists (`analytical_groups`:
@@ -15,6 +15,7 @@ Knows nothing about hardware or speed.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -28,34 +29,78 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+QUANT_SCHEMES = ("int8", "fp8", "nf4", "int4", "q8_0")
+"""`ferry convert --quant` choices a plan can count."""
+
+
+@functools.lru_cache(maxsize=4096)
+def stored_bytes(name: str, shape: tuple[int, ...], scheme: str, group_size: int = 64) -> int | None:
+    """Bytes `ferry convert --quant scheme` stores the tensor `name` of `shape` in, None when it stays in high
+    precision. Counted by running the converter's own choice and quantizer on a `meta` tensor: exact, no
+    arithmetic of its own."""
+    from ferrylm.weights.convert import ConvertOptions, quantize_stored, stored_scheme
+
+    opts = ConvertOptions(quant=scheme, group_size=group_size)
+    t = torch.empty(shape, device="meta")
+    chosen = stored_scheme(name, t, opts)
+    return None if chosen is None else quantize_stored(t, chosen, opts).nbytes
+
+
+@functools.lru_cache(maxsize=256)
+def packed_expert_bytes(inter: int, hidden: int, scheme: str, group_size: int = 64) -> int | None:
+    """Bytes one expert (gate [I, H], up [I, H], down [H, I]) keeps when the engine holds it packed, None
+    when it would be dense: as `CausalLM.pack_experts` decides, a bank packs only when all three pieces are
+    stored in one kernel format the engine keeps packed (`models/base.py` ENGINE_PACKED_FORMATS: int4, NF4;
+    int8 / fp8 experts are dequantized at load)."""
+    from ferrylm.layers.fused_moe import expert_format
+    from ferrylm.models.base import ENGINE_PACKED_FORMATS
+    from ferrylm.weights.convert import ConvertOptions, quantize_stored, stored_scheme
+
+    opts = ConvertOptions(quant=scheme, group_size=group_size)
+    total, fmts = 0, set()
+    for name, shape in (("e.gate_proj.weight", (inter, hidden)), ("e.up_proj.weight", (inter, hidden)),
+                        ("e.down_proj.weight", (hidden, inter))):
+        t = torch.empty(shape, device="meta")
+        chosen = stored_scheme(name, t, opts)
+        if chosen is None:
+            return None
+        qt = quantize_stored(t, chosen, opts)
+        fmts.add(expert_format(qt))
+        total += qt.nbytes
+    return total if len(fmts) == 1 and fmts <= ENGINE_PACKED_FORMATS else None
+
+
 @dataclass(frozen=True)
 class WeightFormat:
-    """How the engine holds weights: the model dtype, optionally with quantized Linear weights."""
+    """How the engine holds weights: the model dtype, optionally a store's quantized weights."""
 
     dtype: str = "bfloat16"
     quant: str | None = None
-    """int8 | fp8 | nf4 (a ferry store converted with --quant), None = dense."""
+    """A ferry store converted with `--quant` (int8 | fp8 | nf4 | int4 | q8_0): Linear weights stay packed
+    (embeddings, LM head, norms and routers stay in high precision), and so do its experts where the engine
+    keeps them packed (int4, nf4). None = dense."""
     group_size: int = 64
-    """NF4 group size."""
+    """NF4 / int4 group size (`ferry convert --group-size`)."""
+    expert_quant: str | None = None
+    """The experts' scheme when it differs from `quant` (e.g. a store whose experts alone are NF4); None:
+    `quant`'s."""
 
-    def param_bytes(self, name: str, shape: tuple[int, ...], expert_bank: bool = False) -> int:
-        """Bytes of one parameter. Quantized as `weights/convert.py` quantizes (2-D+, not embeddings, LM
-        head, norms or routers) and as the engine keeps it (Linear weights packed, expert banks dense)."""
-        numel = math.prod(shape)
-        dense = numel * DTYPE_BYTES[self.dtype]
-        if self.quant is None or expert_bank or len(shape) < 2:
-            return dense
-        from ferrylm.weights.convert import high_precision
+    @property
+    def experts_scheme(self) -> str | None:
+        return self.expert_quant or self.quant
 
-        if high_precision(name):
+    def param_bytes(self, name: str, shape: tuple[int, ...]) -> int:
+        """Bytes of one (non-expert) parameter as the engine keeps it: packed where the store quantized it."""
+        dense = math.prod(shape) * DTYPE_BYTES[self.dtype]
+        if self.quant is None or len(shape) < 2:
             return dense
-        rows = numel // shape[-1]
-        if self.quant in ("int8", "fp8"):
-            return numel + 4 * rows  # 1-byte codes + one fp32 scale per output channel
-        if self.quant == "nf4":
-            groups = -(-numel // self.group_size)
-            return groups * self.group_size // 2 + 4 * groups  # two codes a byte + one fp32 absmax per group
-        raise ValueError(f"unknown quantization {self.quant!r}")
+        n = stored_bytes(name, tuple(shape), self.quant, self.group_size)
+        return dense if n is None else n
+
+    def expert_bytes(self, inter: int, hidden: int) -> int | None:
+        """Bytes of one packed expert, None: the engine holds this bank dense."""
+        s = self.experts_scheme
+        return None if s is None else packed_expert_bytes(inter, hidden, s, self.group_size)
 
 
 def meta_model(cfg: ModelConfig | dict, dtype: str = "bfloat16") -> nn.Module:
@@ -78,11 +123,19 @@ def weight_groups(model: nn.Module, fmt: WeightFormat | None = None) -> list[Ten
     """The engine's tensor groups of `model` (built on meta), with bytes as `fmt` holds them (default: as
     built). Quantization re-counts every non-expert group from its parameters' shapes."""
     groups = group_tensors(model)
-    if fmt is None or fmt.quant is None:
+    if fmt is None or (fmt.quant is None and fmt.expert_quant is None):
         return groups
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-    return [g if g.kind == "experts" else replace(g, nbytes=sum(fmt.param_bytes(n, shapes[n]) for n in g.params))
-            for g in groups]
+    out = []
+    for g in groups:
+        if g.kind != "experts":
+            g = replace(g, nbytes=sum(fmt.param_bytes(n, shapes[n]) for n in g.params))
+        else:
+            _, two_i, hidden = shapes[g.params[0]]  # w13: [E, 2I, H]
+            packed = fmt.expert_bytes(two_i // 2, hidden)
+            g = replace(g, nbytes=packed) if packed is not None else g
+        out.append(g)
+    return out
 
 
 @dataclass(frozen=True)
@@ -133,7 +186,10 @@ def analytical_groups(cfg: dict, fmt: WeightFormat) -> tuple[list[TensorGroup], 
     def g(name, kind, layer, n, quantized=True, expert=None):
         nonlocal numel
         numel += n
-        nbytes = fmt.param_bytes("x.weight", (n // H, H)) if quantized and fmt.quant and kind != "experts" else n * b
+        if kind == "experts":
+            nbytes = fmt.expert_bytes(Im, H) or n * b
+        else:
+            nbytes = fmt.param_bytes("x.weight", (n // H, H)) if quantized and fmt.quant else n * b
         return TensorGroup(name, kind, layer, expert, (), nbytes)
 
     out = [g("embed", "embed", None, V * H, False), g("lm_head", "lm_head", None, V * H, False),

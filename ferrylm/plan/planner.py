@@ -16,8 +16,8 @@ from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerCon
 from ferrylm.errors import ConfigError, UnsupportedArchitectureError
 from ferrylm.offload.memory import activation_reserve, device_budget, size_memory
 from ferrylm.offload.placement import GPU, HOST, TensorGroup
-from ferrylm.plan import catalog, estimate, hardware
-from ferrylm.plan.memory import (DTYPE_BYTES, WeightFormat, analytical_groups, analytical_kv_bytes_per_token,
+from ferrylm.plan import catalog, estimate, hardware, quality
+from ferrylm.plan.memory import (DTYPE_BYTES, QUANT_SCHEMES, WeightFormat, analytical_groups, analytical_kv_bytes_per_token,
                                  kv_bytes_per_block, kv_pool, meta_model, param_count, state_bytes_per_seq,
                                  summarize, weight_groups)
 
@@ -37,7 +37,13 @@ class PlanOptions:
     host: str = "local"
     dtype: str = "bfloat16"
     quant: str | None = None
-    """int8 | fp8 | nf4: Linear weights of a ferry store converted with --quant."""
+    """int8 | fp8 | nf4 | int4 | q8_0: a ferry store converted with --quant (Linear weights packed; experts
+    packed where the engine keeps them packed: int4, nf4)."""
+    expert_quant: str | None = None
+    """The experts' scheme when it differs from --quant (e.g. nf4 experts, the rest bf16); None: --quant's."""
+    expert_hit_rate: float | None = None
+    """Share of routed experts found on the device, e.g. measured by a run; None: uniform routing (the resident
+    share of each layer's experts)."""
     kv_cache_dtype: str = "auto"
     """auto = the model dtype; fp8 | int8: the engine's quantized cache (`--kv-cache-dtype`)."""
     max_model_len: int | None = None
@@ -59,6 +65,14 @@ class PlanOptions:
     concurrency: int | None = None
     """Sequences decoding together; None: max_num_seqs."""
     enforce_eager: bool = False
+    measure_bandwidth: bool = False
+    """Measure this machine's pinned host-to-device rate (CUDA) and host memory read rate and plan with them
+    instead of the profiles'."""
+    experts: str = "auto"
+    """Where expert misses run, as the engine's `--experts`: auto (hybrid: the host computes a balanced share
+    beside the GPU), gpu (GPU only), cpu (every miss on the host)."""
+    cpu_share: float | None = None
+    """Hybrid decode: share of the misses the host computes (the engine's `--cpu-share`); None: balanced."""
 
 
 @dataclass
@@ -85,6 +99,8 @@ class Plan:
     """Verdict, warnings and advice, most important first."""
     counted_from: str = "model"
     """model (the engine's module on meta) | config (analytical count)."""
+    quality: list[dict] = field(default_factory=list)
+    """Quantization quality notes for the chosen --quant / --expert-quant (`plan/quality.py`), with sources."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -114,6 +130,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         raise ConfigError("--tp and --pp must be at least 1")
     if opts.dtype not in DTYPE_BYTES:
         raise ConfigError(f"--dtype {opts.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
+    for flag, q in (("--quant", opts.quant), ("--expert-quant", opts.expert_quant)):
+        if q is not None and q not in QUANT_SCHEMES:
+            raise ConfigError(f"{flag} {q!r}: choose one of {', '.join(QUANT_SCHEMES)}")
+    if opts.expert_hit_rate is not None and not 0 <= opts.expert_hit_rate <= 1:
+        raise ConfigError(f"--expert-hit-rate {opts.expert_hit_rate}: a share between 0 and 1")
     quant_kv = opts.kv_cache_dtype in ("fp8", "int8")  # 1-byte codes + a 4-byte scale per token and head
     kv_dtype = opts.dtype if opts.kv_cache_dtype == "auto" or quant_kv else opts.kv_cache_dtype
     if kv_dtype not in DTYPE_BYTES:
@@ -122,23 +143,39 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     name, cfg = catalog.resolve_model(opts.model)
     mc = ModelConfig.from_hf(cfg)
     n_gpu, gpu = hardware.parse_gpu(opts.gpu)
+    if opts.measure_bandwidth:
+        gpu = hardware.with_measured_h2d(gpu)
     if opts.tp * opts.pp > n_gpu:
         raise ConfigError(f"--tp {opts.tp} x --pp {opts.pp} needs {opts.tp * opts.pp} GPUs; --gpu {opts.gpu!r} has {n_gpu}")
     host = hardware.parse_host(opts.host)
-    fmt = WeightFormat(opts.dtype, opts.quant)
+    if opts.measure_bandwidth:
+        host = hardware.with_measured_read(host)
+    if opts.experts not in ("auto", "gpu", "cpu"):
+        raise ConfigError(f"--experts {opts.experts!r}: choose auto, gpu or cpu")
+    if opts.cpu_share is not None and not 0 <= opts.cpu_share <= 1:
+        raise ConfigError(f"--cpu-share {opts.cpu_share}: a share between 0 and 1")
+    fmt = WeightFormat(opts.dtype, opts.quant, expert_quant=opts.expert_quant)
     graphs_family = False
+    fused_moe = opts.dtype in ("bfloat16", "float16")  # `FusedExperts.supports_tensors` on a CUDA device
     try:
         model = meta_model(mc, opts.dtype)
     except UnsupportedArchitectureError:  # no model class: count from config.json
         groups, count = analytical_groups(cfg, fmt) if _analytical(cfg) else _no_count(mc)
+        dense_groups = analytical_groups(cfg, WeightFormat(opts.dtype))[0] if fmt != WeightFormat(opts.dtype) else groups
         state_per_seq, counted = 0, "config"
         kv_per_token = analytical_kv_bytes_per_token(cfg, 1 if quant_kv else DTYPE_BYTES[kv_dtype])
     else:
         groups, count, state_per_seq, counted = weight_groups(model, fmt), param_count(model), \
             state_bytes_per_seq(model), "model"
+        dense_groups = weight_groups(model)
         kv_per_token = kv_bytes_per_block(mc, opts.block_size, kv_dtype,
                                           opts.kv_cache_dtype if quant_kv else "auto") // opts.block_size
-        graphs_family = model.graph_safe()
+        from ferrylm.layers.moe import Experts
+
+        banks = [m for m in model.modules() if isinstance(m, Experts)]
+        fused_moe = fused_moe and all(b.act_name == "silu" for b in banks)
+        # on CUDA resident banks run the fused kernel (graph-safe), cached ones read misses in place
+        graphs_family = model.cuda_graphs and (not banks or fused_moe)
     max_len = opts.max_model_len or mc.max_position_embeddings
     conc = opts.concurrency or opts.max_num_seqs
     seq_tokens = min(max_len, opts.prompt_len + opts.output_len)
@@ -193,40 +230,111 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         tflops /= 8  # no fp32 tensor cores: TF32 at best
     layers = math.ceil(mc.num_hidden_layers / opts.pp)
     act_b, link = DTYPE_BYTES[opts.dtype], gpu.nvlink_gbs or gpu.h2d_gbs
-    graphs = graphs_family and not opts.enforce_eager and verdict == "fits" and ranks == 1  # none when parallel
     ctx = opts.prompt_len + opts.output_len / 2
-    on_gpu = [g for g in mine if placement and placement.tier[g.name] == GPU]
-    dense_res = sum(g.nbytes for g in on_gpu if g.kind not in ("experts", "embed"))
-    experts_res = sum(g.nbytes for g in on_gpu if g.kind == "experts")
+    dense_of = {g.name: g.nbytes for g in _stage_groups(dense_groups, mc.num_hidden_layers, opts.tp, opts.pp)}
+    tier = placement.tier if placement else {g.name: GPU for g in mine}
+
+    def hbm_cost(g: TensorGroup) -> int:
+        # a packed Linear weight is dequantized per step on CUDA (layers/qmatmul.py `Dequantize`): it reads the
+        # codes, writes the dense weight and reads it again
+        dense = dense_of[g.name]
+        return g.nbytes + 2 * dense if g.nbytes < dense and g.kind != "experts" else g.nbytes
+
+    dense_gpu = sum(hbm_cost(g) for g in mine if tier[g.name] == GPU and g.kind not in ("experts", "embed"))
+    dense_host = [g for g in mine if tier[g.name] == HOST and g.kind not in ("experts", "embed")]
+    streamed_bytes = sum(g.nbytes for g in dense_host)
+    moe = _moe_layers(mine, tier, dense_of, fmt.experts_scheme)
+    hit_of = {l: 1.0 if m["host"] == 0 else (opts.expert_hit_rate if opts.expert_hit_rate is not None
+                                              else m["resident"] / m["experts"]) for l, m in moe.items()}
+    cached = [l for l, m in moe.items() if m["host"]]
+    from ferrylm.offload.expert_cache import CachedExperts
+
+    mapped_tokens = min((1 if moe[l]["nbytes"] > CachedExperts.large_expert_bytes else CachedExperts.mapped_tokens
+                         for l in cached), default=None) if fused_moe else None
+    graph_base = graphs_family and not opts.enforce_eager and ranks == 1 and placement is not None
+    # hybrid decode (offload/placed_weights.py `_start_host_decode`): dense cached experts, experts != gpu; the
+    # engine balances the host's expert rate against the in-place read rate unless a share is given
+    host_gbs = estimate.HOST_EXPERT_EFF * host.read_rate_gbs
+    packed_any = any(m["packed"] for m in moe.values())
+    share = 0.0
+    if cached and mapped_tokens is not None and not packed_any and opts.experts != "gpu" and host_gbs > 0:
+        inplace_gbs = estimate.INPLACE_EFF * gpu.h2d_gbs
+        share = opts.cpu_share if opts.cpu_share is not None else (
+            1.0 if opts.experts == "cpu" else host_gbs / (host_gbs + inplace_gbs))
+
+    def experts_cost(batch: int, prefill: bool = False) -> dict:
+        """HBM (time-equivalent) bytes of hits, copied and in-place miss bytes, host seconds of one step."""
+        d = _distinct_experts(E, k, batch)
+        mapped = not prefill and mapped_tokens is not None and batch <= mapped_tokens
+        out = dict(hbm=0.0, copy=0.0, inplace=0.0, inplace_equiv=0.0, host=0.0, host_experts_s=0.0,
+                   mapped=mapped and bool(cached))
+        for l, m in moe.items():
+            hits, misses = d * hit_of[l], d * (1 - hit_of[l])
+            # hits are read from HBM; so are copied misses once in their slots (in-place misses are not)
+            out["hbm"] += (hits if mapped and m["host"] else d) * m["hbm_equiv"]
+            if not m["host"]:
+                continue
+            if mapped:
+                gpu_misses = misses * (1 - share)
+                out["inplace"] += gpu_misses * m["nbytes"]
+                out["inplace_equiv"] += gpu_misses * m["inplace_equiv"]
+                out["host_experts_s"] += misses * share * m["nbytes"] / (host_gbs * 1e9) if share else 0.0
+            else:  # the copy path's host split (offload/cost_model.py) is counted as copies: measured, it gained
+                # 6% over copies alone (Mixtral 16L batch 1, docs/benchmarks.md "Hybrid CPU-GPU experts")
+                out["copy"] += misses * m["nbytes"]
+                out["host"] += estimate.CACHED_EXPERT_S * d
+        return out
 
     def decode(batch: int) -> dict:
-        d = _distinct_experts(E, k, batch)
+        x = experts_cost(batch)
+        graphs = graph_base and (verdict == "fits" or (not dense_host and (not cached or x["mapped"])))
         cost = estimate.StepCost(
-            hbm_bytes=dense_res + (d / E if E else 0) * experts_res + batch * ctx * kv_per_token / ranks,
-            pcie_bytes=placement.pcie_bytes_per_token(d) if placement else 0,
+            hbm_bytes=dense_gpu + streamed_bytes + batch * ctx * kv_per_token / ranks, expert_hbm_bytes=x["hbm"],
+            tokens_per_expert=_tokens_per_expert(E, k, batch),
+            pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], host_s=x["host"], mapped=x["mapped"],
+            host_experts_s=x["host_experts_s"],
             flops=2 * count.active * batch / ranks, layers=layers, graphs=graphs,
             comm_s=2 * layers * estimate.allreduce_s(opts.tp, batch * mc.hidden_size * act_b, link))
         t = estimate.step_time(cost, gpu.hbm_gbs, gpu.h2d_gbs, tflops)
         seconds = t.seconds * opts.pp  # a token passes every stage
         return dict(batch=batch, tok_s=batch / seconds, step_ms=seconds * 1e3, binding=t.binding,
-                    pcie_bytes_per_step=cost.pcie_bytes, parts_ms={p: v * 1e3 for p, v in t.parts.items()})
+                    pcie_bytes_per_step=streamed_bytes + x["copy"] + x["inplace"], cuda_graphs=graphs,
+                    experts_path="resident" if not cached else "mapped" if x["mapped"] else "copy",
+                    parts_ms={p: v * 1e3 for p, v in t.parts.items()})
 
     chunk = max(1, min(opts.max_num_batched_tokens, opts.prompt_len))
-    streamed = sum(g.nbytes for g in mine if placement and placement.tier[g.name] == HOST and g.kind != "embed")
+    xp = experts_cost(chunk, prefill=True)
     pre = estimate.step_time(estimate.StepCost(
-        hbm_bytes=dense_res + experts_res, pcie_bytes=streamed,
+        hbm_bytes=dense_gpu + streamed_bytes, expert_hbm_bytes=xp["hbm"],
+        tokens_per_expert=_tokens_per_expert(E, k, chunk), pcie_bytes=streamed_bytes + xp["copy"], host_s=xp["host"],
+        host_experts_s=xp["host_experts_s"],
         flops=(2 * count.active * chunk + 2 * mc.num_hidden_layers * chunk * chunk * mc.num_attention_heads
                * mc.head_dim) / ranks, layers=layers,
         comm_s=2 * layers * estimate.allreduce_s(opts.tp, chunk * mc.hidden_size * act_b, link)),
         gpu.hbm_gbs, gpu.h2d_gbs, tflops)
     d1 = decode(1)
     dn = decode(max(1, min(conc, kv_tokens // max(seq_tokens, 1))))
+    hit_note = ("uniform routing: the resident share of each layer's experts" if opts.expert_hit_rate is None
+                else "given (--expert-hit-rate)")
+    mean_hit = sum(hit_of[l] for l in cached) / len(cached) if cached else 1.0
+    packed = fmt.experts_scheme if any(m["packed"] for m in moe.values()) else None
     speed = dict(decode_batch1=d1, decode_concurrent=dn, prefill_tok_s=chunk / (pre.seconds * opts.pp),
                  prefill_binding=pre.binding,
                  ttft_s=math.ceil(opts.prompt_len / chunk) * pre.seconds * opts.pp + d1["step_ms"] / 1e3,
-                 cuda_graphs=graphs,
-                 assumptions=dict(hbm_eff=estimate.HBM_EFF, mfu=estimate.MFU, h2d_gbs=gpu.h2d_gbs,
-                                  launch_us_per_layer=1e6 * (estimate.LAUNCH_GRAPH_S if graphs else estimate.LAUNCH_S)))
+                 cuda_graphs=d1["cuda_graphs"],
+                 assumptions=dict(hbm_eff=estimate.HBM_EFF, moe_hbm_eff=estimate.MOE_HBM_EFF if E else None,
+                                  mfu=estimate.MFU, h2d_gbs=gpu.h2d_gbs,
+                                  launch_us_per_layer=1e6 * (estimate.LAUNCH_GRAPH_S if d1["cuda_graphs"]
+                                                             else estimate.LAUNCH_S),
+                                  expert_hit_rate=mean_hit if cached else None,
+                                  expert_hit_rate_from=hit_note if cached else None,
+                                  inplace_eff=estimate.INPLACE_EFF if cached else None,
+                                  mapped_tokens=mapped_tokens if cached else None,
+                                  cpu_share=share if cached else None,
+                                  host_expert_gbs=host_gbs if share else None,
+                                  host_read_gbs=host.read_rate_gbs or None,
+                                  packed_experts=packed,
+                                  packed_time=estimate.PACKED_TIME.get(packed) if packed else None))
 
     # -- placement summary and advice -----------------------------------------------------------------
     pl = dict(gpu_bytes=placement.bytes_on(GPU) if placement else 0, host_bytes=host_bytes // ranks,
@@ -261,20 +369,69 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     if verdict != "cannot" and kv_tokens < conc * seq_tokens:
         notes.append(f"KV holds {kv_tokens:,} tokens: {kv_tokens // max(seq_tokens, 1)} sequences of {seq_tokens} at "
                      f"once, fewer than the concurrency {conc} (the rest wait or are preempted)")
+    if verdict == "offload" and cached:
+        a = speed["assumptions"]
+        path = (f"decode steps of up to {mapped_tokens} token(s) read expert misses in place over PCIe (mapped host "
+                f"memory, {estimate.INPLACE_EFF:.0%} of the copy rate, CUDA-graphed when no layer is streamed); larger "
+                "steps and prefill copy them into slots (eager)" if mapped_tokens else
+                "expert misses are copied into slots (no fused kernel for this dtype / activation: eager)")
+        notes.append(f"experts: {path}; hit rate {a['expert_hit_rate']:.2f} ({hit_note}); skewed routing raises it "
+                     "(the slots follow the routing), so measure it and pass --expert-hit-rate")
+        if share:
+            notes.append(f"hybrid decode: the host's cores compute {share:.0%} of the misses beside the kernel's "
+                         f"in-place reads ({host_gbs:.0f} GB/s: {estimate.HOST_EXPERT_EFF:.0%} of the host's "
+                         f"{'measured' if host.read_gbs else 'assumed'} {host.read_rate_gbs:.0f} GB/s read rate); "
+                         "unmeasured so far; the copy path's split (larger steps, prefill) is counted as copies (it "
+                         "gained 6% over copies alone when measured)")
+        elif mapped_tokens and not packed_any and opts.experts != "gpu" and host_gbs == 0:
+            notes.append("hybrid decode not predicted: this host's memory read rate is unknown (--host local without "
+                         "--measure-bandwidth); the engine will also compute a share of the misses on the host")
     if opts.quant:
-        notes.append(f"--quant {opts.quant}: weights are dequantized per step (no fused quantized kernels yet): it "
-                     "saves memory, not time; expert banks are counted dense")
+        notes.append(f"--quant {opts.quant}: Linear weights stay packed and are dequantized per step on the GPU (no "
+                     "fused quantized GEMM on CUDA yet): it saves memory, and costs HBM time (counted)")
+    if fmt.experts_scheme and E:
+        if packed:
+            res, inplace = estimate.PACKED_TIME[packed]
+            notes.append(f"{packed} experts stay packed on the GPU and in host memory ({_gb(sum(g.nbytes for g in groups if g.kind == 'experts'))}"
+                         f" instead of {_gb(sum(g.nbytes for g in dense_groups if g.kind == 'experts'))}); the packed "
+                         f"kernel reads one in {res:.1f}x a bf16 expert's time resident and {inplace:.2f}x in place "
+                         "(measured, NF4 on the H200): fewer bytes buy more resident experts, not faster reads")
+        else:
+            notes.append(f"{fmt.experts_scheme} experts are dequantized at load (the engine keeps only int4 / nf4 "
+                         "experts packed): counted dense")
+    if opts.quant:
         if opts.quant == "fp8" and not gpu.fp8:
             notes.append(f"{gpu.name} has no FP8 tensor cores: fp8 weights can only be stored, not computed")
+    qual = []
+    for flag, scheme in (("--quant", opts.quant), ("--expert-quant", opts.expert_quant)):
+        if scheme:
+            qual += [dict(q, flag=flag, scheme=scheme) for q in quality.notes(name, scheme, fmt.group_size)]
+    for q in qual:
+        notes.append(f"quality of {q['flag']} {q['scheme']}: {quality.describe(q)}")
+    if any(q["kind"] == "measured" for q in qual):
+        notes.append(f"(ours: {quality.PPL_RESULTS}; {quality.MEASURED_CAVEAT}; published deltas are for calibrated "
+                     "GPTQ / AWQ, ferrylm's int4 / nf4 are round-to-nearest)")
+    if advise and verdict != "cannot" and opts.enforce_eager and graphs_family and ranks == 1:
+        graphed = make_plan(replace(opts, enforce_eager=False), advise=False)
+        if graphed.speed["decode_batch1"]["tok_s"] > 1.1 * d1["tok_s"]:
+            notes.append(f"warning: --enforce-eager costs decode speed: {d1['tok_s']:.1f} instead of "
+                         f"{graphed.speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1 with CUDA graphs")
+    if advise and quant_kv and verdict != "cannot":
+        full = make_plan(replace(opts, kv_cache_dtype="auto"), advise=False)
+        if full.verdict == verdict and full.per_gpu["kv_tokens"] >= conc * seq_tokens:
+            notes.append(f"warning: --kv-cache-dtype {opts.kv_cache_dtype} buys KV room this workload does not need "
+                         f"({opts.kv_cache_dtype} holds {kv_tokens:,} tokens, the model's dtype {full.per_gpu['kv_tokens']:,}"
+                         f" for {conc} x {seq_tokens}) and costs decode time: the fp8 KV decode kernel measured slower "
+                         "than bf16 on the H200 (docs/benchmarks.md, paged attention)")
     if ranks > 1:
-        notes.append("the engine runs one GPU today: the TP/PP figures are what each rank would hold")
+        notes.append("TP / PP: the figures are the heaviest rank's; parallel layouts run without CUDA graphs")
     if n_gpu > ranks:
         notes.append(f"{n_gpu} GPUs but TP x PP = {ranks}: the others are idle (or run replicas)")
     if counted == "config":
         notes.append(f"{mc.architecture} has no model class in ferrylm yet: counted from config.json "
                      "(memory.analytical_groups); the engine cannot run it")
     return Plan(opts, name, mc.architecture, n_gpu, gpu.name, host.name, count.total, count.active,
-                summarize(groups), per_gpu, verdict, pl, speed, notes, counted)
+                summarize(groups), per_gpu, verdict, pl, speed, notes, counted, qual)
 
 
 def _analytical(cfg: dict) -> bool:
@@ -285,9 +442,31 @@ def _no_count(mc: ModelConfig):
     raise ConfigError(f"cannot plan {mc.architecture}: no model class and no analytical count")
 
 
+def _moe_layers(mine: list[TensorGroup], tier: dict, dense_of: dict, scheme: str | None) -> dict[int, dict]:
+    """Per MoE layer: experts, how many resident / in host memory, one expert's bytes, whether packed, and the
+    dense-equivalent bytes that time its reads resident (`hbm_equiv`) and in place (`inplace_equiv`)."""
+    out: dict[int, dict] = {}
+    for g in mine:
+        if g.kind != "experts":
+            continue
+        m = out.setdefault(g.layer, dict(experts=0, resident=0, host=0, nbytes=g.nbytes))
+        m["experts"] += 1
+        m["resident" if tier[g.name] == GPU else "host"] += 1
+        dense = dense_of[g.name]
+        m["packed"] = g.nbytes < dense
+        res, inplace = estimate.PACKED_TIME.get(scheme, (1.0, 1.0)) if m["packed"] else (1.0, 1.0)
+        m["hbm_equiv"], m["inplace_equiv"] = (dense * res, dense * inplace) if m["packed"] else (g.nbytes, g.nbytes)
+    return out
+
+
 def _distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
     """Expected distinct experts a layer routes `batch` tokens to, under uniform top-k routing."""
     return 0.0 if num_experts == 0 else num_experts * (1 - (1 - top_k / num_experts) ** batch)
+
+
+def _tokens_per_expert(num_experts: int, top_k: int, tokens: int) -> float:
+    """Mean rows each routed expert gets in a step of `tokens` tokens (uniform routing)."""
+    return tokens * top_k / _distinct_experts(num_experts, top_k, tokens) if num_experts else 1.0
 
 
 def _advice(groups, opts, gpu, budget, reserve, min_kv) -> list[str]:

@@ -109,6 +109,20 @@ def scheme_for(name: str, t: torch.Tensor, opts: ConvertOptions) -> str | None:
     return None if high_precision(name, opts.keep_high_precision) else opts.quant
 
 
+def stored_scheme(name: str, t: torch.Tensor, opts: ConvertOptions) -> str | None:
+    """The scheme `convert` stores `name` in (None: high precision). Also what `ferry plan` counts (on meta)."""
+    scheme = scheme_for(name, t, opts)
+    group = Q8_0_GROUP if scheme == "q8_0" else opts.group_size
+    if scheme in ("int4", "q8_0") and (t.dim() != 2 or t.shape[1] % group):
+        return None  # int4 / q8_0 are group-wise along rows: such a tensor stays in high precision
+    return scheme
+
+
+def quantize_stored(t: torch.Tensor, scheme: str, opts: ConvertOptions) -> Q.QuantizedTensor:
+    return Q.quantize_int8(t, Q8_0_GROUP) if scheme == "q8_0" else Q.quantize(t, scheme, opts.group_size,
+                                                                             opts.double_quant)
+
+
 def group_of(name: str) -> tuple[tuple, str]:
     """(sort key, group name): model-wide tensors, then per layer its dense part and each expert."""
     m = _LAYER.search(name)
@@ -255,15 +269,11 @@ def _convert_one(name: str, t: torch.Tensor, writer: StoreWriter, opts: ConvertO
     report.tensors += 1
     report.bytes_before += t.numel() * t.element_size()
     target = DTYPES[opts.dtype] if opts.dtype and t.is_floating_point() else t.dtype
-    scheme = scheme_for(name, t, opts)
-    group = Q8_0_GROUP if scheme == "q8_0" else opts.group_size
-    if scheme in ("int4", "q8_0") and (t.dim() != 2 or t.shape[1] % group):
-        scheme = None  # int4 / q8_0 are group-wise along rows: such a tensor stays in high precision
+    scheme = stored_scheme(name, t, opts)
     if scheme is None:
         value, extra = t.to(target), None
     else:
-        value = (Q.quantize_int8(t, Q8_0_GROUP) if scheme == "q8_0"
-                 else Q.quantize(t, scheme, opts.group_size, opts.double_quant))
+        value = quantize_stored(t, scheme, opts)
         value.dtype = target
         err = relative_error(t, value)
         report.errors.setdefault(scheme, []).append((name, err))

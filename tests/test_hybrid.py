@@ -73,6 +73,24 @@ def test_calibration_cache(tmp_path, monkeypatch, caplog):
     calibration.calibrate(w13, w2, act, torch.device("cpu"))
     assert calls == [1, 1] and "unreadable" in caplog.text
     assert json.load(open(path))["key"]["cpu"] != "another machine"  # rewritten whole
+    assert m["format"] == "float32" and m["cpu_s_beside_copy"]["1"] > 0 and m["copy_s_beside_cpu"] > 0
+    assert costs.cpu_beside_factor >= 1 and costs.expert_bytes == 4 * (64 * 32 + 32 * 32)
+
+
+def test_calibration_times_the_banks_format(tmp_path, monkeypatch):
+    """A packed bank is timed in its own format (the host experts' kernels) and cached under another key."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.weights import quant
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
+    act = torch.nn.functional.silu
+    w13 = ExpertWeights.stack([[quant.quantize_int4(torch.randn(64, 64), 32, "min")] for _ in range(2)], torch.bfloat16)
+    w2 = ExpertWeights.stack([[quant.quantize_int4(torch.randn(64, 32), 32, "min")] for _ in range(2)], torch.bfloat16)
+    costs, m = calibration.calibrate(w13, w2, act, torch.device("cpu"))
+    assert m["format"] == "int4min/32" and m["expert_bytes"] == (w13.nbytes + w2.nbytes) // 2
+    assert sorted(m["cpu_s"], key=int) == ["1", "4", "16", "64"] and costs.cpu_s(2) > 0
+    calibration.calibrate(w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16), act, torch.device("cpu"))
+    assert len(os.listdir(tmp_path)) == 2  # the dense bf16 bank of the same shape is another entry
 
 
 def test_experts_option_is_checked(mixtral):
@@ -107,3 +125,65 @@ def test_profile_round_trip(mixtral, tmp_path, caplog):
     out.write_text("{")
     LLM(mixtral, place=("experts=cpu",), expert_profile=str(out))
     assert "cannot read it" in caplog.text
+
+
+@pytest.mark.parametrize("fmt", ["int4min", "nf4", "int8"])
+def test_packed_host_experts_in_the_cache(fmt):
+    """A cache over a packed host bank (as the CUDA engine holds int4 / nf4 stores) on the CPU: copied misses
+    give exactly the resident reference (the same decoded weights); misses computed on the host in the
+    store's format (bf16 activations) stay within 2^-6 of the output's scale; the cost model's auto split on
+    balanced synthetic costs does both at once."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.layers.moe import Experts
+    from ferrylm.offload.expert_cache import CachedExperts
+    from ferrylm.offload.placed_weights import OffloadStats
+    from ferrylm.weights import quant
+
+    make = {"int4min": lambda w: quant.quantize_int4(w, 32, "min"), "nf4": lambda w: quant.quantize_nf4(w, 64),
+            "int8": quant.quantize_int8}[fmt]
+    torch.manual_seed(0)
+    E, H, I, T, k = 4, 128, 192, 6, 2
+    bank = Experts(E, H, I)
+    bank.packed = (ExpertWeights.stack([[make(torch.randn(I, H) * .05), make(torch.randn(I, H) * .05)] for _ in range(E)], torch.float32),
+                   ExpertWeights.stack([[make(torch.randn(H, I) * .05)] for _ in range(E)], torch.float32))
+    bank.w13.data, bank.w2.data = torch.empty(0), torch.empty(0)
+    x = torch.randn(T, H)
+    weights, ids = torch.softmax(torch.randn(T, E), -1).topk(k, dim=-1)
+    ref = bank.forward(x, ids, weights)  # TorchExperts: every expert decoded, fp32
+
+    def cached(mode, costs=None):
+        stats = OffloadStats()
+        cache = CachedExperts(bank, *bank.packed, 2, [0], set(), "lru", torch.device("cpu"), None, stats, 0,
+                              use_fused=False)
+        cache.cpu_mode, cache.costs = mode, costs
+        return cache.forward(bank, x, ids, weights), stats
+
+    out, stats = cached("gpu")
+    assert torch.equal(out, ref) and stats.cpu_experts == 0
+    out, stats = cached("cpu")
+    err = (out - ref).abs().max().item()
+    print(f"{fmt}: host experts vs resident max |diff| {err:.2e} (output scale {ref.abs().max():.2e})")
+    assert stats.cpu_experts == E - 1 and 0 < err <= 2 ** -6 * ref.abs().max()
+    out, stats = cached("auto", Costs(copy_s=1.0, cpu_s=lambda n: 1.0))
+    assert 0 < stats.cpu_experts < E - 1 and (out - ref).abs().max() <= 2 ** -6 * ref.abs().max()
+
+
+def test_cpu_share_balances_host_and_device():
+    """cpu_share: equal rates split half and half; a host twice as fast takes 2/3; copies running beside
+    slow the host (its measured factor) and shrink its share; the device side defaults to the measured
+    in-place rate, then to the copy rate; and the split it gives does finish both sides together."""
+    from ferrylm.offload.cost_model import cpu_share
+
+    mb = 100e6  # a 100 MB expert: 10 ms on the host at 1 token, 10 GB/s
+    c = Costs(copy_s=0.02, cpu_s=lambda n: 0.01 * n, expert_bytes=int(mb))
+    assert cpu_share(c, 10.0) == pytest.approx(0.5)
+    assert cpu_share(c, 5.0) == pytest.approx(2 / 3)
+    slow = Costs(copy_s=0.02, cpu_s=lambda n: 0.01 * n, cpu_beside_factor=2.0, expert_bytes=int(mb))
+    assert cpu_share(slow, 10.0) == pytest.approx(1 / 3)
+    assert cpu_share(Costs(0.02, lambda n: 0.01, expert_bytes=int(mb), inplace_gbs=10.0)) == pytest.approx(0.5)
+    assert cpu_share(c) == pytest.approx(2 / 3)  # no in-place rate: the copy's, 5 GB/s
+    f, total = cpu_share(slow, 7.0), 64 * mb  # 64 experts' bytes: both sides' times agree
+    assert f * total / (mb / slow.cpu_s_beside_copy(1)) == pytest.approx((1 - f) * total / 7e9)
+    assert cpu_share(c, 10.0, tokens=4) < cpu_share(c, 10.0)  # more tokens: the host reads slower per byte
+    with pytest.raises(ValueError, match="expert's bytes"):
+        cpu_share(Costs(1.0, lambda n: 1.0), 10.0)

@@ -178,8 +178,7 @@ class PlacedWeights:
                                  f"and pinned ({sum(m for m, _ in moved)} changed from the default choice); they took "
                                  f"{sum(c for _, c in moved) / len(moved):.0%} of the recorded routing")
             log.warning("%s", self.profile_note)
-        packed = any(c.packed for c in self.caches.values())  # host cores would have to decode them first
-        if self.caches and self.experts != "gpu" and not packed:
+        if self.caches and self.experts != "gpu":  # dense or packed: host experts compute the bank's format
             self._start_hybrid()
         if self.caches and self.mapped_experts and all(
                 c.fused and all(self.host.is_mapped(t) for t in c.host_parts()) for c in self.caches.values()):
@@ -250,7 +249,9 @@ class PlacedWeights:
         if self.device.type == "cuda":  # one worker (torch's intra-op threads inside) beside the GPU work
             self.cpu_pool = ThreadPoolExecutor(1, thread_name_prefix="ferry-cpu-experts")
         first = next(iter(self.caches.values()))
-        costs, self.calibration = calibrate(first.host_w13, first.host_w2, first.act, self.device)
+        mapped = all(self.host.is_mapped(t) for t in first.host_parts())
+        costs, self.calibration = calibrate(first.host_w13, first.host_w2, first.act, self.device,
+                                            first.host_experts, mapped)
         self.costs = costs
         for c in self.caches.values():
             c.cpu_mode, c.costs, c.cpu_pool = self.experts, costs, self.cpu_pool

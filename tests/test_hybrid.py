@@ -187,3 +187,33 @@ def test_cpu_share_balances_host_and_device():
     assert cpu_share(c, 10.0, tokens=4) < cpu_share(c, 10.0)  # more tokens: the host reads slower per byte
     with pytest.raises(ValueError, match="expert's bytes"):
         cpu_share(Costs(1.0, lambda n: 1.0), 10.0)
+
+
+def test_hybrid_stats_reach_metrics(mixtral):
+    """The per-step split (hits, copies, in place, CPU), the CPU busy share and the device's wait: the line
+    `--stats` prints, and the server's /metrics (a real `ferry serve`, token-id prompts: the test model has
+    no tokenizer)."""
+    import httpx
+    from serving import Server, metric
+
+    llm, _, _ = run(mixtral, place=("experts=cpu", "layers.0.experts.1=gpu"), experts="cpu")
+    st = llm.engine.runner.placed.stats
+    line = st.per_step()
+    print(line)
+    assert st.steps == 12 and 0 < st.cpu_busy_share <= 1 and st.cpu_share == 1.0 and st.copied_experts == 0
+    assert f"{st.cpu_experts / 12:.1f} on the CPU" in line and f"{st.expert_hits / 12:.1f} experts hit" in line
+    s = Server(["--model", mixtral, "--place", "experts=cpu", "--experts", "cpu"])
+    try:
+        s.wait_ready()
+        name = httpx.get(s.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        body = {"model": name, "prompt": [1, 2, 3], "max_tokens": 4}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        text = httpx.get(s.url + "/metrics", timeout=30).text
+        assert metric(text, "ferry:offload_cpu_experts_total", model_name=name) > 0
+        assert metric(text, "ferry:offload_steps_total", model_name=name) >= 4
+        assert metric(text, "ferry:offload_cpu_share", model_name=name) == 1.0
+        assert metric(text, "ferry:offload_cpu_busy_s_total", model_name=name) > 0
+        assert metric(text, "ferry:offload_copied_experts_total", model_name=name) == 0
+    finally:
+        assert s.stop() == 0

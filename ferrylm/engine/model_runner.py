@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -400,17 +401,19 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, extra_rows: list[int] = ()) -> torch.Tensor:
         """Run one step; returns logits [N, V] (fp32) for the sequences with `out.samples(i)`, in order, then
         those of `extra_rows` (indices into the step's flat token batch: prompt logprobs)."""
+        t = time.perf_counter()
         try:
             return self._execute(out, extra_rows)
         finally:
-            self.placed.after_step()  # expert slots follow the routing of mapped steps
+            self.placed.after_step(time.perf_counter() - t)  # expert slots follow the routing of mapped steps
 
     def run_shipped(self, step: StepInput) -> torch.Tensor | None:
         """`run` plus the per-step bookkeeping `execute` does: what every rank of a parallel engine runs."""
+        t = time.perf_counter()
         try:
             return self.run(step)
         finally:
-            self.placed.after_step()
+            self.placed.after_step(time.perf_counter() - t)
 
     def _execute(self, out: SchedulerOutput, extra_rows) -> torch.Tensor:
         if self.graphs is not None and not extra_rows and self.graphs.eligible(out):

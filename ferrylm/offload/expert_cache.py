@@ -310,6 +310,8 @@ class CachedExperts(ExpertBackend):
         self.stats.expert_hits += len(hits)
         self.stats.expert_misses += len(pending) + len(on_cpu)
         self.stats.cpu_experts += len(on_cpu)
+        if misses or on_cpu:
+            self.stats.cpu_share = len(on_cpu) / (len(misses) + len(on_cpu))
         self.policy.touch(needed)
         cands = [s for s in range(self.capacity) if self.owner[s] not in need and self.owner[s] not in self.pinned]
         empty = [s for s in cands if self.owner[s] is None]
@@ -438,6 +440,7 @@ class CachedExperts(ExpertBackend):
                 self._point(old, None)
                 self.free[s].record(torch.cuda.current_stream(self.device))
         self.owner[s], self.slot_of[e] = e, s
+        self.stats.copied_experts += 1
         if self.stream is None:
             _copy(self.w13, s, self.host_w13, e)
             _copy(self.w2, s, self.host_w2, e)

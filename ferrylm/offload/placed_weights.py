@@ -42,6 +42,17 @@ class OffloadStats:
     """Seconds the CPU pool spent computing experts."""
     cpu_wait_s: float = 0.0
     """Seconds the step waited for CPU expert results after its device work was enqueued."""
+    copied_experts: int = 0
+    """Misses copied into a device slot before they computed (the copy path)."""
+    mapped_experts: int = 0
+    """Misses the device read in place from mapped host memory (mapped decode steps)."""
+    cpu_share: float = 0.0
+    """Share of the last step's non-resident experts computed on the host's cores (a gauge: the split the
+    cost model chose; 0 when every miss is copied or read in place)."""
+    steps: int = 0
+    """Steps run (the denominator of the per-step figures)."""
+    step_s: float = 0.0
+    """Seconds the steps took, wall clock (the denominator of the CPU busy share)."""
 
     def reset(self) -> None:
         for f in dataclasses.fields(self):
@@ -51,6 +62,19 @@ class OffloadStats:
     def hit_rate(self) -> float | None:
         n = self.expert_hits + self.expert_misses
         return self.expert_hits / n if n else None
+
+    @property
+    def cpu_busy_share(self) -> float | None:
+        """Fraction of the steps' wall time the host spent computing experts."""
+        return self.cpu_busy_s / self.step_s if self.step_s > 0 else None
+
+    def per_step(self) -> str:
+        """One line of per-step figures for `--stats`."""
+        n = max(self.steps, 1)
+        busy = "n/a" if self.cpu_busy_share is None else f"{self.cpu_busy_share:.0%}"
+        return (f"per step: {self.expert_hits / n:.1f} experts hit on the device, {self.copied_experts / n:.1f} copied, "
+                f"{self.mapped_experts / n:.1f} read in place, {self.cpu_experts / n:.1f} on the CPU; CPU busy {busy}, "
+                f"device waited {self.cpu_wait_s / n * 1e3:.2f} ms for CPU results")
 
 
 class PlacedWeights:
@@ -233,7 +257,11 @@ class PlacedWeights:
         """The most tokens a graphed step may have (mapped caches copy larger steps), None: no limit."""
         return min((c.mapped_tokens for c in self.caches.values()), default=None)
 
-    def after_step(self) -> None:
+    def after_step(self, step_s: float | None = None) -> None:
+        """After every step (`step_s`: its wall time, for the per-step figures)."""
+        if step_s is not None:
+            self.stats.steps += 1
+            self.stats.step_s += step_s
         if self.host_decode is not None:
             self.host_decode.check()
         if self.tally is not None:

@@ -159,7 +159,8 @@ class ModelRunner:
         self.placed = PlacedWeights(self.model, placement, self.device, config.offload.expert_cache_policy,
                                     config.offload.expert_profile, config.offload.stream_buffers,
                                     config.moe_backend, config.offload.experts, config.offload.cpu_threads,
-                                    config.offload.mapped_experts, config.offload.cpu_share)
+                                    config.offload.mapped_experts, config.offload.cpu_share,
+                                    cpu_numa_node=config.offload.cpu_numa_node)
         self.model.load_weights(source, progress=progress, allocator=self.placed)
         meta = [n for n, p in self.model.named_parameters() if p.is_meta]
         if meta:  # load_weights reports missing tensors; this is a model whose loader skipped one

@@ -146,11 +146,12 @@ def inplace_read_gbs(host_w13, host_w2, device: torch.device, dtype: torch.dtype
             times.append((time.perf_counter() - t) / len(ids))
         return sorted(times)[len(times) // 2]
 
-    if beside is None:
-        s = timed()
-    else:
-        with _Beside(beside):
+    with torch.cuda.device(device):  # Triton launches on the current device: the caller may be a worker thread
+        if beside is None:
             s = timed()
+        else:
+            with _Beside(beside):
+                s = timed()
     return expert_bytes(host_w13, host_w2) / s / 1e9
 
 

@@ -81,7 +81,7 @@ class PlacedWeights:
     def __init__(self, model: nn.Module, placement: Placement, device: torch.device, policy: str = "lru",
                  profile: str | None = None, stream_buffers: int = 2, moe_backend: str = "auto",
                  experts: str = "auto", cpu_threads: int | None = None, mapped_experts: bool = True,
-                 cpu_share: float | None = None):
+                 cpu_share: float | None = None, cpu_numa_node: int | None = None):
         self.model, self.placement, self.device = model, placement, device
         self.target = device
         self.policy, self.stream_buffers, self.moe_backend = policy, stream_buffers, moe_backend
@@ -96,7 +96,11 @@ class PlacedWeights:
         self.cpu_pool = None
         self.calibration: dict | None = None
         self.stats = OffloadStats()
-        self.host = HostTier(pin=device.type == "cuda")
+        from ferrylm.hw.cpu_binding import node_cpus
+
+        # the node's CPUs run the expert worker; its memory holds the host tier (bound before pinning)
+        self.expert_cpus = node_cpus(cpu_numa_node) if cpu_numa_node is not None else None
+        self.host = HostTier(pin=device.type == "cuda", numa_node=cpu_numa_node if self.expert_cpus else None)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.name_of = {id(p): n for n, p in model.named_parameters()}
         tier_of_param: dict[str, str] = {}
@@ -268,18 +272,23 @@ class PlacedWeights:
             self.tally.after_step()
 
     def _start_hybrid(self) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
+        from ferrylm.hw.cpu_binding import worker_pool
         from ferrylm.offload.calibration import calibrate
 
-        if self.cpu_threads:
-            torch.set_num_threads(self.cpu_threads)
         if self.device.type == "cuda":  # one worker (torch's intra-op threads inside) beside the GPU work
-            self.cpu_pool = ThreadPoolExecutor(1, thread_name_prefix="ferry-cpu-experts")
+            self.cpu_pool = worker_pool(self.expert_cpus, self.cpu_threads)
+        else:  # the CPU engine computes experts on its own thread (bound by --numa-node, if at all)
+            if self.expert_cpus:
+                log.warning("--cpu-numa-node: the CPU engine computes experts on its engine thread; bind it "
+                            "with --numa-node (the host tier's memory is bound)")
+            if self.cpu_threads:
+                torch.set_num_threads(self.cpu_threads)
         first = next(iter(self.caches.values()))
         mapped = all(self.host.is_mapped(t) for t in first.host_parts())
-        costs, self.calibration = calibrate(first.host_w13, first.host_w2, first.act, self.device,
-                                            first.host_experts, mapped)
+        args = (first.host_w13, first.host_w2, first.act, self.device, first.host_experts, mapped)
+        # measured on the thread that will compute the experts (its binding, its torch threads)
+        costs, self.calibration = (self.cpu_pool.submit(calibrate, *args).result() if self.cpu_pool
+                                   else calibrate(*args))
         self.costs = costs
         for c in self.caches.values():
             c.cpu_mode, c.costs, c.cpu_pool = self.experts, costs, self.cpu_pool

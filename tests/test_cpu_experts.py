@@ -182,3 +182,14 @@ def test_row_blocks_decode_int4_rows_no_kernel_takes(zero):
     ref = x @ side.dequantize(torch.float32)[1].t()
     err = (kern(x) - ref).abs().max().item()
     assert err <= 2 ** -6 * (x.abs() @ side.dequantize(torch.float32)[1].abs().t()).max().item(), err
+
+
+def test_fp8_codes_decode_exactly():
+    """Every finite e4m3 code (subnormals, zeros of both signs) decodes by moving bits to its exact value."""
+    from ferrylm.offload.host_experts import fp8_to_bf16
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # the NaNs
+    got = fp8_to_bf16(codes.view(2, -1)).float().flatten()
+    want = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))

@@ -9,7 +9,7 @@ them ahead), over views of the bank's own bytes:
   that reads the bank's layout; the device kernels need the bank as it is);
 - int8 per channel -> `Int8PackCPU` on the bank's codes (only the scales are converted, to bf16);
 - nf4, fp8, group-wise int8, odd-sized int4 -> `RowBlocks`: rows decoded a few MB at a time into bf16
-  for the GEMM (fp8: exactly, the fp32 scale on the output).
+  for the GEMM (fp8: exactly, by moving bits, the fp32 scale on the output).
 
 `rows(x, ids, weights, out)` computes the weighted output of every assignment whose expert id is >= 0 in
 `ids` (the caller marks the assignments it keeps with -1) into `out`'s rows, in the layout of
@@ -48,6 +48,16 @@ def _nbytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+def fp8_to_bf16(q: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes (uint8) -> the same values in bf16, exactly, by moving bits: s eeee mmm lands in bf16's
+    sign, low exponent and high mantissa bits (s000 eeee mmm0 000 as int16), which reads as the value times
+    2^-120 (subnormals included), so one power-of-two multiply finishes it. ~15x faster than torch's fp8
+    cast on the CPU. The two NaN codes (never produced by quantize_fp8) read as +-480."""
+    t = q.view(torch.int8).to(torch.int16)  # sign-extended: bits 15..8 copy s
+    t.bitwise_left_shift_(4).bitwise_and_(0x87F0 - 0x10000)  # keep s (bit 15) and eeeemmm (bits 10..4)
+    return t.view(torch.bfloat16).mul_(2.0 ** 120)
+
+
 def side_kernel(side, e: int):
     """Expert e of one bank side as what `HostExpert` takes: a dense [N, K] view, a `QuantizedTensor` over
     views of the packed parts (formats with a qmatmul CPU kernel), or a `RowBlocks` kernel."""
@@ -62,9 +72,8 @@ def side_kernel(side, e: int):
         parts = {"q": q, "scale": s, **({"min": side.parts["min"][e]} if fmt == "int4min" else {})}
         return Q.QuantizedTensor("int4", (N, K), parts, {"group_size": gs, "zero": "min" if fmt == "int4min" else "sym"},
                                  torch.bfloat16)
-    if fmt in ("int8", "fp8") and gs == K:  # fp8 per channel: e4m3 -> bf16 is exact; the scale goes on the output
-        return RowBlocks((N, K), lambda a, c: q[a:a + c].view(torch.float8_e4m3fn).to(torch.bfloat16),
-                         _nbytes(q, s), out_scale=s[:, 0].float())
+    if fmt == "fp8" and gs == K:  # per channel: e4m3 -> bf16 exactly (`fp8_to_bf16`); the scale goes on the output
+        return RowBlocks((N, K), lambda a, c: fp8_to_bf16(q[a:a + c]), _nbytes(q, s), out_scale=s[:, 0].float())
     m = side.parts.get("min")
     m = m[e] if m is not None else None
 
@@ -72,8 +81,8 @@ def side_kernel(side, e: int):
         # rows [a, a + c) -> [c, K] bf16, the values `weights/quant.py`'s dequantizers give (fp32, then rounded)
         if fmt == "int8":  # group-wise: w = d * q
             w = q[a:a + c].float().view(c, -1, gs).mul_(s[a:a + c].float()[..., None])
-        elif fmt == "nf4":
-            words = torch.take(Q._lut("nf4", Q._NF4_PAIR_WORDS, q.device), q[a:a + c].long())  # [c, K/2] fp64 pairs
+        elif fmt == "nf4":  # a byte -> its two levels as one 8-byte word; index_select takes int32 indices
+            words = Q._NF4_PAIR_WORDS.index_select(0, q[a:a + c].reshape(-1).int())  # [c * K/2] fp64 pairs
             w = words.view(torch.float32).view(c, -1, gs).mul_(s[a:a + c].float()[..., None])
         elif fmt in ("int4", "int4min"):
             w = Q.unpack_nibbles(q[a:a + c]).float().view(c, -1, gs)  # [c, G, gs]

@@ -90,6 +90,9 @@ def main() -> None:
                     choices=list(FORMATS))
     ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--k", type=int, default=2, help="experts a token routes to, for the rows() call")
+    ap.add_argument("--thread-sweep", type=int, nargs="*", default=[],
+                    help="also time 1 token alone and beside copies with these torch thread counts (e.g. 15 14: "
+                         "a core left to the thread that drives the device)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.threads:
@@ -135,6 +138,20 @@ def main() -> None:
                "rows_ms": rows_s * 1e3, "rows_overhead_ms": (rows_s - a.k * m["cpu_s"]["1"]) * 1e3,
                "cpu_share": cpu_share(costs), "measure_s": took,
                "kernel": type(he.expert(0).gate_up).__name__}
+        threads = torch.get_num_threads()
+        sweep = {}
+        copy = calibration._copier(w13, w2, device)
+        x1 = torch.randn(1, H, dtype=he.dense_dtype)
+        experts = [he.expert(e) for e in range(min(E, calibration.CYCLE))]
+        one = lambda: [ex(x1) for ex in experts]  # noqa: E731
+        for n in a.thread_sweep:
+            torch.set_num_threads(n)
+            alone = calibration._timeit(one, 5) / len(experts)
+            with calibration._Beside(copy):
+                beside = calibration._timeit(one, 5) / len(experts)
+            sweep[n] = {"ms": alone * 1e3, "beside_copy_ms": beside * 1e3}
+        torch.set_num_threads(threads)
+        row["thread_sweep"] = sweep
         if fmt == "bf16":  # the baseline: plain torch expert_mlp, what calibration timed before
             xs = torch.randn(1, H, dtype=torch.bfloat16)
             ws = [(w13[e], w2[e]) for e in range(E)]

@@ -131,11 +131,11 @@ def node_cpus(numa_node: int, what: str = "--cpu-numa-node") -> list[int] | None
     return nodes[numa_node]
 
 
-def bind_thread(cpus: list[int], threads: int | None = None) -> None:
-    """Bind the calling thread to `cpus` (Linux: sched_setaffinity of thread 0 is the caller only); the
-    OpenMP threads torch starts from this thread afterwards inherit the mask. `threads`: torch's intra-op
-    thread count (None: one per CPU)."""
-    os.sched_setaffinity(0, cpus)
+def bind_thread(cpus: list[int], threads: int | None = None, tid: int = 0) -> None:
+    """Bind one thread to `cpus`: the caller (tid 0: Linux's sched_setaffinity binds that thread only), or
+    the thread of native id `tid` (before it starts torch work); the OpenMP threads torch starts from it
+    afterwards inherit the mask. `threads`: torch's intra-op thread count (None: one per CPU)."""
+    os.sched_setaffinity(tid, cpus)
     torch.set_num_threads(threads or len(cpus))
 
 

@@ -55,8 +55,10 @@ class OffloadStats:
     """Seconds the steps took, wall clock (the denominator of the CPU busy share)."""
 
     def reset(self) -> None:
+        """Counters to 0 (the gauge `cpu_share` keeps its value)."""
         for f in dataclasses.fields(self):
-            setattr(self, f.name, type(getattr(self, f.name))())
+            if f.name != "cpu_share":
+                setattr(self, f.name, type(getattr(self, f.name))())
 
     @property
     def hit_rate(self) -> float | None:
@@ -217,25 +219,28 @@ class PlacedWeights:
     def _start_host_decode(self) -> None:
         """Hybrid decode: a share of each layer's experts (spread over the ids) is computed by the host while
         not in a slot; the share balances the host's expert rate against the in-place read rate."""
+        from ferrylm.hw.cpu_binding import bind_thread
+        from ferrylm.offload.cost_model import cpu_share
         from ferrylm.offload.host_decode import HostDecode
-        from ferrylm.offload.host_experts import HostExperts
 
         share = self.cpu_share
         if share is None:
             if self.experts == "cpu":
                 share = 1.0
-            else:  # in place runs at ~0.85 of the copy engine (benchmarks/bench_mapped.py on the H200)
-                cpu_rate, inplace_rate = 1 / self.costs.cpu_s(1), 0.85 / self.costs.copy_s
-                share = cpu_rate / (cpu_rate + inplace_rate)
+            else:  # the measured in-place rate, else ~0.85 of the copy engine's (benchmarks/bench_mapped.py, H200)
+                c = self.costs
+                share = cpu_share(c, c.inplace_gbs or 0.85 * c.expert_bytes / c.copy_s / 1e9)
         if share <= 0:
             self.cpu_share = 0.0
             return
         first = next(iter(self.caches.values()))
         H = first.host_w13.shape[2]
-        self.host_decode = HostDecode({l: HostExperts(c.host_w13, c.host_w2, c.act) for l, c in self.caches.items()},
+        self.host_decode = HostDecode({l: c.host_experts for l, c in self.caches.items()},  # shared with the copy path
                                       max(c.mapped_tokens for c in self.caches.values()),
                                       self.model.config.num_experts_per_tok, H, first.dtype, self.stats,
                                       self.device)
+        if self.expert_cpus:  # the decode worker waits for its first hand-off: bound before any torch work
+            bind_thread(self.expert_cpus, self.cpu_threads, tid=self.host_decode.thread.native_id)
         self.set_cpu_share(share)
 
     def set_cpu_share(self, share: float) -> None:
@@ -247,7 +252,7 @@ class PlacedWeights:
         cpu_class = torch.tensor([int((e + 1) * share) > int(e * share) for e in range(E)])
         for c in self.caches.values():
             c.use_host(self.host_decode, cpu_class)
-        self.cpu_share = share
+        self.cpu_share = self.stats.cpu_share = share
         log.info("hybrid decode: the host computes %d of %d experts per layer while they are not in a slot "
                  "(share %.2f)", int(cpu_class.sum()), E, share)
 

@@ -96,7 +96,7 @@ def side_kernel(side, e: int):
 
 
 class HostExperts:
-    def __init__(self, w13, w2, act, dtype: torch.dtype | None = None):
+    def __init__(self, w13, w2, act):
         """w13: [E, 2I, H], w2: [E, H, I], dense tensors or `ExpertWeights` of one format; `act` the gate's
         activation. A dense bank computes in its own dtype; a packed one with bf16 activations."""
         if isinstance(w13, torch.Tensor) != isinstance(w2, torch.Tensor):

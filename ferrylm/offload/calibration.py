@@ -12,8 +12,8 @@ kernels the hybrid path runs):
   fused kernel reads the expert in place over PCIe (`inplace_read_gbs`).
 Each CPU figure cycles over a few experts, so the reads come from DRAM rather than the last-level cache.
 The result is cached in `$FERRYLM_CACHE_DIR` (default `~/.cache/ferrylm`) under a key of the machine (CPU
-model, cores, threads, GPU, torch version), the expert's shape, dtype and format; a different machine,
-shape or format measures again. A corrupt cache file is ignored with a warning.
+model, cores, threads, GPU, torch version), the expert's shape, dtype and format (and whether the in-place
+rate was measured); a different machine, shape or format measures again. A corrupt cache file is ignored with a warning.
 """
 
 from __future__ import annotations
@@ -225,7 +225,8 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
     (built here if None); `mapped`: the bank is registered mapped (the in-place rate can be measured)."""
     he = host_experts or HostExperts(host_w13, host_w2, act)
     key = {**machine_key(device), "shape": [list(host_w13.shape[1:]), list(host_w2.shape[1:])],
-           "dtype": str(he.dense_dtype), "format": he.format, "version": VERSION}
+           "dtype": str(he.dense_dtype), "format": he.format, "version": VERSION,
+           "inplace": mapped and device.type == "cuda"}  # a cache made without the in-place rate lacks it
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"calibration-{digest}.json")
     try:

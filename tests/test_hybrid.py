@@ -217,3 +217,26 @@ def test_hybrid_stats_reach_metrics(mixtral):
         assert metric(text, "ferry:offload_copied_experts_total", model_name=name) == 0
     finally:
         assert s.stop() == 0
+
+
+def test_calibration_chooses_the_thread_count(tmp_path, monkeypatch):
+    """`choose_threads`: of N, N-1 and N-2 torch threads the one fastest beside copies is kept (measured,
+    recorded, and applied again from the cache); without it the count is left alone."""
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
+    before = torch.get_num_threads()
+    w13, w2 = torch.randn(2, 64, 32), torch.randn(2, 32, 32)
+    act = torch.nn.functional.silu
+    try:
+        torch.set_num_threads(4)
+        _, m = calibration.calibrate(w13, w2, act, torch.device("cpu"), choose_threads=True)
+        by = m["cpu_s_beside_copy_by_threads"]
+        assert sorted(by, key=int) == ["2", "3", "4"] and m["threads"] == int(min(by, key=by.get))
+        assert torch.get_num_threads() == m["threads"]
+        torch.set_num_threads(4)
+        _, again = calibration.calibrate(w13, w2, act, torch.device("cpu"), choose_threads=True)
+        assert again == m and torch.get_num_threads() == m["threads"]  # from the cache
+        torch.set_num_threads(4)
+        _, plain = calibration.calibrate(w13, w2, act, torch.device("cpu"))
+        assert "threads" not in plain and torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)

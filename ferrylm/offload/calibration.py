@@ -9,7 +9,13 @@ kernels the hybrid path runs):
   the packed kernels slow down most beside them (docs/benchmarks.md);
 - `copy_s_beside_cpu`: the copy while the host computes experts;
 - on CUDA with a mapped bank (`mapped`): `inplace_gbs` (and `inplace_gbs_beside_cpu`), the rate at which the
-  fused kernel reads the expert in place over PCIe (`inplace_read_gbs`).
+  fused kernel reads the expert in place over PCIe (`inplace_read_gbs`);
+- with `choose_threads` (CUDA, no `--cpu-threads`): `threads`, the torch thread count (of N, N-1, N-2) at
+  which the expert runs fastest beside copies, and the calling thread keeps it. Why: torch's CPU kernels
+  split their work statically over an OpenMP team, so while another thread holds a core (the copy's or the
+  engine's thread spinning in a CUDA sync) one team member waits for a scheduler tick and the whole call
+  with it (measured on a loaded 2-core host: 0.16 ms on one thread, 8-16 ms on two, in steps of the 4 ms
+  tick; docs/benchmarks.md's 16 ms collapse of the packed kernels beside a copy looks the same).
 Each CPU figure cycles over a few experts, so the reads come from DRAM rather than the last-level cache.
 The result is cached in `$FERRYLM_CACHE_DIR` (default `~/.cache/ferrylm`) under a key of the machine (CPU
 model, cores, threads, GPU, torch version), the expert's shape, dtype and format (and whether the in-place
@@ -156,7 +162,7 @@ def inplace_read_gbs(host_w13, host_w2, device: torch.device, dtype: torch.dtype
 
 
 def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExperts | None = None,
-            mapped: bool = False) -> dict:
+            mapped: bool = False, choose_threads: bool = False) -> dict:
     he = host_experts or HostExperts(host_w13, host_w2, act)
     E, H = host_w13.shape[0], host_w13.shape[2]
     cycle = list(range(min(CYCLE, E)))
@@ -169,6 +175,15 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
         x = torch.randn(n, H, dtype=dtype)
         experts = [he.expert(e) for e in cycle]
         return _timeit(lambda: [ex(x) for ex in experts], reps) / len(experts)
+
+    chosen = {}
+    n = torch.get_num_threads()
+    if choose_threads and n >= 4:
+        for t in (n, n - 1, n - 2):
+            torch.set_num_threads(t)
+            with _Beside(copy):
+                chosen[str(t)] = cpu_time(1, reps=5)
+        torch.set_num_threads(int(min(chosen, key=chosen.get)))
 
     cpu = {str(n): cpu_time(n) for n in TOKENS}
     if device.type == "cuda":
@@ -187,6 +202,8 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
         copy_beside = _timeit(copy, reps=5)
     out = {"copy_s": copy_s, "expert_bytes": he.expert_bytes, "format": he.format, "cpu_s": cpu,
            "cpu_s_beside_copy": cpu_beside, "copy_s_beside_cpu": copy_beside}
+    if chosen:
+        out.update(threads=torch.get_num_threads(), cpu_s_beside_copy_by_threads=chosen)
     if device.type == "cuda" and mapped:
         try:
             out["inplace_gbs"] = inplace_read_gbs(host_w13, host_w2, device)
@@ -219,27 +236,32 @@ def costs_from(m: dict) -> Costs:
 
 
 def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostExperts | None = None,
-              mapped: bool = False) -> tuple[Costs, dict]:
+              mapped: bool = False, choose_threads: bool = False) -> tuple[Costs, dict]:
     """Costs for this machine, expert shape and format, from the cache file when it matches, else measured.
     host_w13 / host_w2: the host bank (dense tensors or `ExpertWeights`); `host_experts` its `HostExperts`
-    (built here if None); `mapped`: the bank is registered mapped (the in-place rate can be measured)."""
+    (built here if None); `mapped`: the bank is registered mapped (the in-place rate can be measured);
+    `choose_threads`: pick torch's thread count beside copies (see the module docstring) and keep it on the
+    calling thread (and for threads that start torch work after it)."""
     he = host_experts or HostExperts(host_w13, host_w2, act)
     key = {**machine_key(device), "shape": [list(host_w13.shape[1:]), list(host_w2.shape[1:])],
            "dtype": str(he.dense_dtype), "format": he.format, "version": VERSION,
-           "inplace": mapped and device.type == "cuda"}  # a cache made without the in-place rate lacks it
+           "inplace": mapped and device.type == "cuda",  # a cache made without the in-place rate lacks it
+           "choose_threads": choose_threads}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"calibration-{digest}.json")
     try:
         with open(path) as f:
             data = json.load(f)
         if data.get("key") == key:
+            if choose_threads and "threads" in data["measured"]:
+                torch.set_num_threads(int(data["measured"]["threads"]))
             return costs_from(data["measured"]), data["measured"]
         log.warning("calibration cache %s was made on another machine or shape: measuring again", path)
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("calibration cache %s is unreadable (%s): measuring again", path, e)
-    measured = measure(host_w13, host_w2, act, device, he, mapped)
+    measured = measure(host_w13, host_w2, act, device, he, mapped, choose_threads)
     try:
         os.makedirs(cache_dir(), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache_dir(), suffix=".tmp")
@@ -248,7 +270,7 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
         os.replace(tmp, path)  # temp-then-rename: never a half-written cache
     except OSError as e:
         log.warning("cannot write the calibration cache %s (%s)", path, e)
-    log.info("calibrated (%s): expert copy %.2f ms, CPU expert %s ms, %.2f ms at 1 token beside copies",
-             he.format, measured["copy_s"] * 1e3, {n: round(s * 1e3, 2) for n, s in measured["cpu_s"].items()},
+    log.info("calibrated (%s, %d threads): expert copy %.2f ms, CPU expert %s ms, %.2f ms at 1 token beside copies",
+             he.format, torch.get_num_threads(), measured["copy_s"] * 1e3, {n: round(s * 1e3, 2) for n, s in measured["cpu_s"].items()},
              measured["cpu_s_beside_copy"]["1"] * 1e3)
     return costs_from(measured), measured

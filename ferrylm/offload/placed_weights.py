@@ -240,7 +240,8 @@ class PlacedWeights:
                                       self.model.config.num_experts_per_tok, H, first.dtype, self.stats,
                                       self.device)
         if self.expert_cpus:  # the decode worker waits for its first hand-off: bound before any torch work
-            bind_thread(self.expert_cpus, self.cpu_threads, tid=self.host_decode.thread.native_id)
+            threads = self.cpu_threads or self.calibration.get("threads")
+            bind_thread(self.expert_cpus, threads, tid=self.host_decode.thread.native_id)
         self.set_cpu_share(share)
 
     def set_cpu_share(self, share: float) -> None:
@@ -290,7 +291,9 @@ class PlacedWeights:
                 torch.set_num_threads(self.cpu_threads)
         first = next(iter(self.caches.values()))
         mapped = all(self.host.is_mapped(t) for t in first.host_parts())
-        args = (first.host_w13, first.host_w2, first.act, self.device, first.host_experts, mapped)
+        # on CUDA without --cpu-threads the worker takes the thread count that runs fastest beside copies
+        choose = self.cpu_pool is not None and not self.cpu_threads
+        args = (first.host_w13, first.host_w2, first.act, self.device, first.host_experts, mapped, choose)
         # measured on the thread that will compute the experts (its binding, its torch threads)
         costs, self.calibration = (self.cpu_pool.submit(calibrate, *args).result() if self.cpu_pool
                                    else calibrate(*args))

@@ -144,7 +144,8 @@ def test_packed_host_experts_in_the_cache(fmt):
     torch.manual_seed(0)
     E, H, I, T, k = 4, 128, 192, 6, 2
     bank = Experts(E, H, I)
-    bank.packed = (ExpertWeights.stack([[make(torch.randn(I, H) * .05), make(torch.randn(I, H) * .05)] for _ in range(E)], torch.float32),
+    gate_up = [[make(torch.randn(I, H) * .05), make(torch.randn(I, H) * .05)] for _ in range(E)]
+    bank.packed = (ExpertWeights.stack(gate_up, torch.float32),
                    ExpertWeights.stack([[make(torch.randn(H, I) * .05)] for _ in range(E)], torch.float32))
     bank.w13.data, bank.w2.data = torch.empty(0), torch.empty(0)
     x = torch.randn(T, H)

@@ -1,7 +1,7 @@
 """One MoE expert's gated MLP computed on the host's cores, from the weights in the format they are held
-in on the host (dense, or int8 / int4 packed through `layers/qmatmul.py`'s CPU kernels, or any other packed
-format through `RowBlocks`), for the hybrid path's cold experts. `HostExpert` holds one expert (gate and up fused into one [2I, H] matmul, then
-down [H, I]); calling it runs a batch of T tokens. Torch's kernels release the GIL, so a worker thread can
+in on the host (dense, or int8 / int4 packed through `layers/qmatmul.py`'s CPU kernels, or any other
+packed format through `RowBlocks`), for the hybrid path's cold experts. `HostExpert` holds one expert
+(gate and up fused into one [2I, H] matmul, then down [H, I]); calling it runs a batch of T tokens. Torch's kernels release the GIL, so a worker thread can
 run experts while the main thread drives the GPU.
 
 `host_expert_reference` is the plain path every format is tested against (tests/test_cpu_experts.py):

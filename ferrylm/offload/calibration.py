@@ -271,6 +271,7 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
     except OSError as e:
         log.warning("cannot write the calibration cache %s (%s)", path, e)
     log.info("calibrated (%s, %d threads): expert copy %.2f ms, CPU expert %s ms, %.2f ms at 1 token beside copies",
-             he.format, torch.get_num_threads(), measured["copy_s"] * 1e3, {n: round(s * 1e3, 2) for n, s in measured["cpu_s"].items()},
+             he.format, torch.get_num_threads(), measured["copy_s"] * 1e3,
+             {n: round(s * 1e3, 2) for n, s in measured["cpu_s"].items()},
              measured["cpu_s_beside_copy"]["1"] * 1e3)
     return costs_from(measured), measured

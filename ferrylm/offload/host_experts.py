@@ -70,8 +70,8 @@ def side_kernel(side, e: int):
         return Q.QuantizedTensor("int8", (N, K), {"q": q, "scale": s[:, 0]}, {}, torch.bfloat16)
     if fmt in ("int4", "int4min") and N % 16 == 0:
         parts = {"q": q, "scale": s, **({"min": side.parts["min"][e]} if fmt == "int4min" else {})}
-        return Q.QuantizedTensor("int4", (N, K), parts, {"group_size": gs, "zero": "min" if fmt == "int4min" else "sym"},
-                                 torch.bfloat16)
+        zero = "min" if fmt == "int4min" else "sym"
+        return Q.QuantizedTensor("int4", (N, K), parts, {"group_size": gs, "zero": zero}, torch.bfloat16)
     if fmt == "fp8" and gs == K:  # per channel: e4m3 -> bf16 exactly (`fp8_to_bf16`); the scale goes on the output
         return RowBlocks((N, K), lambda a, c: fp8_to_bf16(q[a:a + c]), _nbytes(q, s), out_scale=s[:, 0].float())
     m = side.parts.get("min")

@@ -74,9 +74,9 @@ class OffloadStats:
         """One line of per-step figures for `--stats`."""
         n = max(self.steps, 1)
         busy = "n/a" if self.cpu_busy_share is None else f"{self.cpu_busy_share:.0%}"
-        return (f"per step: {self.expert_hits / n:.1f} experts hit on the device, {self.copied_experts / n:.1f} copied, "
-                f"{self.mapped_experts / n:.1f} read in place, {self.cpu_experts / n:.1f} on the CPU; CPU busy {busy}, "
-                f"device waited {self.cpu_wait_s / n * 1e3:.2f} ms for CPU results")
+        return (f"per step: {self.expert_hits / n:.1f} experts hit on the device, {self.copied_experts / n:.1f} "
+                f"copied, {self.mapped_experts / n:.1f} read in place, {self.cpu_experts / n:.1f} on the CPU; CPU busy "
+                f"{busy}, device waited {self.cpu_wait_s / n * 1e3:.2f} ms for CPU results")
 
 
 class PlacedWeights:
@@ -254,8 +254,22 @@ class PlacedWeights:
         for c in self.caches.values():
             c.use_host(self.host_decode, cpu_class)
         self.cpu_share = self.stats.cpu_share = share
+        self._prepare_host_experts(cpu_class.nonzero().flatten().tolist())
         log.info("hybrid decode: the host computes %d of %d experts per layer while they are not in a slot "
                  "(share %.2f)", int(cpu_class.sum()), E, share)
+
+    def _prepare_host_experts(self, experts: list[int]) -> None:
+        """Build the host kernels of `experts` in every layer on a background thread, so no decode step pays
+        a first use (int4's re-layout took 2 s for one Mixtral-sized expert on a loaded 2-core host); a step
+        that needs one first builds it itself (one build per expert: `HostExperts` locks)."""
+        import threading
+
+        banks = [c.host_experts for c in self.caches.values()]
+
+        def run():
+            for he in banks:
+                he.prepare(experts)
+        threading.Thread(target=run, name="ferry-host-experts-prepare", daemon=True).start()
 
     @property
     def graphable(self) -> bool:

@@ -193,3 +193,32 @@ def test_fp8_codes_decode_exactly():
     got = fp8_to_bf16(codes.view(2, -1)).float().flatten()
     want = codes.view(torch.float8_e4m3fn).float()
     assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+def test_host_experts_rows_on_a_worker_while_another_thread_builds():
+    """The decode worker calls `rows` while a background thread prepares kernels (int4's re-layout): each
+    expert is built once and the rows equal a single-threaded run's."""
+    from ferrylm.offload.host_experts import HostExperts
+
+    w13, w2, _, _ = _bank("int4min", 6, 128, 192)
+    x = torch.randn(3, 128).bfloat16()
+    ids = torch.tensor([[0, 5], [2, -1], [5, 3]])
+    weights = torch.rand(3, 2)
+    alone = torch.empty(6, 128, dtype=torch.bfloat16)
+    HostExperts(w13, w2, F.silu).rows(x, ids, weights, alone)
+    he = HostExperts(w13, w2, F.silu)
+    built = []
+    orig = he.expert
+
+    def prepare():
+        for e in range(6):
+            built.append(id(orig(e)))
+    outs = [torch.empty(6, 128, dtype=torch.bfloat16) for _ in range(4)]
+    threads = [threading.Thread(target=prepare)] + [
+        threading.Thread(target=he.rows, args=(x, ids, weights, o)) for o in outs]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert all(torch.equal(o, alone) for o in outs)
+    assert len(set(built)) == 6 and all(he.expert(e) is he.expert(e) for e in range(6))

@@ -295,6 +295,9 @@ class OffloadConfig:
     the CPU engine), gpu (copy every miss to the device), cpu (compute every miss on the host's cores)."""
     cpu_threads: int | None = None
     """Threads for host experts (torch intra-op threads); None keeps torch's default."""
+    cpu_numa_node: int | None = None
+    """NUMA node for host experts: the worker thread that computes them (and torch's threads inside it) runs
+    on its CPUs and the host tier's weights are allocated from its memory; None: `numa_node`'s binding, if any."""
     mapped_experts: bool = True
     """Decode steps read missed experts in place from pinned host memory over PCIe (no copy first, no
     host sync, CUDA-graphed) and the slots follow the routing; off: every miss is copied into a slot."""

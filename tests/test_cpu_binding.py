@@ -45,3 +45,65 @@ def test_bad_values_are_clear_errors():
     r = subprocess.run([sys.executable, "-m", "ferrylm.cli", "generate", "hi", "--numa-node", "999"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no such NUMA node" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "ferrylm.cli", "generate", "hi", "--cpu-numa-node", "999"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--cpu-numa-node 999: no such NUMA node" in r.stderr and "Traceback" not in r.stderr
+
+
+def _fake_nodes(tmp_path, monkeypatch, nodes: dict[int, str]):
+    from ferrylm.hw import cpu_binding
+
+    for n, cpus in nodes.items():
+        (tmp_path / f"node{n}").mkdir()
+        (tmp_path / f"node{n}" / "cpulist").write_text(cpus + "\n")
+    monkeypatch.setattr(cpu_binding, "_NODES", str(tmp_path))
+
+
+def test_expert_worker_bound_to_a_node(tmp_path, monkeypatch):
+    """`--cpu-numa-node` on a (fake) two-node topology: the expert worker thread and the torch threads it
+    starts run on the node's CPUs only, the engine's own thread keeps its binding. CPU 1 of this machine
+    plays node 1."""
+    from ferrylm.hw.cpu_binding import node_cpus, worker_pool
+
+    if not {0, 1} <= os.sched_getaffinity(0):
+        pytest.skip("needs CPUs 0 and 1")
+    _fake_nodes(tmp_path, monkeypatch, {0: "0", 1: "1"})
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        cpus = node_cpus(1)
+        assert cpus == [1]
+        pool = worker_pool(cpus)
+        got = pool.submit(lambda: (os.sched_getaffinity(0), torch.get_num_threads())).result()
+        # a torch op on the worker (intra-op threads started from it) keeps the binding
+        assert pool.submit(lambda: (torch.ones(1 << 20).sum(), os.sched_getaffinity(0))[1]).result() == {1}
+        pool.shutdown()
+        assert got == ({1}, 1)
+        assert os.sched_getaffinity(0) == before
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_one_node_is_a_noop_and_a_missing_node_an_error(tmp_path, monkeypatch, caplog):
+    from ferrylm.hw.cpu_binding import node_cpus
+
+    _fake_nodes(tmp_path, monkeypatch, {0: "0-1"})
+    with caplog.at_level(logging.WARNING):
+        assert node_cpus(0) is None
+    assert "one NUMA node" in caplog.text
+    with pytest.raises(ConfigError, match="--cpu-numa-node 3: no such NUMA node"):
+        node_cpus(3)
+
+
+def test_host_tier_binds_its_memory():
+    """The host tier's tensors are mbind-ed to the node before first touch (read back with get_mempolicy);
+    node 0 exists on every Linux machine, so the real system call runs."""
+    from ferrylm.hw.cpu_binding import memory_policy
+    from ferrylm.offload.host_tier import HostTier
+
+    if not numa_nodes():
+        pytest.skip("the kernel reports no NUMA nodes")
+    t = HostTier(pin=False, numa_node=0).empty((64, 4096), torch.float32)
+    assert memory_policy(t) == (2, 1)  # MPOL_BIND to node 0
+    assert memory_policy(HostTier(pin=False).empty((64, 4096), torch.float32)) != (2, 1)
+    t.fill_(1.0)
+    assert t.sum() == t.numel()

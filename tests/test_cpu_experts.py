@@ -5,6 +5,11 @@ Tolerance: the fast path runs bf16 activations through two matmuls and the activ
 carries a few bf16 roundings (relative step 2^-8) of sums of |terms|: we bound the error elementwise by
 2^-6 * (|mid| @ |w2|^T) + 2^-6 * |ref| + 1e-5, where mid is the reference's intermediate. The weights are
 the same quantized values on both sides, so quantization error is not in the comparison.
+
+`offload/host_experts.HostExperts` (one layer's experts over a host bank) is checked the same way on every
+bank format the engine holds (dense fp32 / bf16 / fp16, packed int8, group-wise int8, fp8, int4, int4min,
+nf4), its weighted rows scaled by the routing weight (+1e-4 absolute); an fp32 bank must give exactly the
+resident CPU path's bits.
 """
 
 import threading
@@ -80,3 +85,140 @@ def test_bad_shapes_and_formats_are_named():
         HostExpert(w13[:100], w2)
     with pytest.raises(ValueError, match="unknown host expert format"):
         HostExpert.quantize(w13, w2, "fp4")
+
+
+# -- one layer's host experts (`offload/host_experts.HostExperts`) on every bank format ----------------
+
+BANK_FORMATS = {  # name -> quantizer of one [n, K] piece (None: a dense bank of that dtype)
+    "float32": None, "bfloat16": None, "float16": None,
+    "int8": lambda w: Q.quantize_int8(w), "int8-g32": lambda w: Q.quantize_int8(w, 32),
+    "fp8": lambda w: Q.quantize_fp8(w), "int4": lambda w: Q.quantize_int4(w, 32, "sym"),
+    "int4min": lambda w: Q.quantize_int4(w, 32, "min"), "nf4": lambda w: Q.quantize_nf4(w, 64),
+}
+
+
+def _bank(fmt: str, E: int, h: int, i: int):
+    """A random bank in `fmt` -> (w13, w2 as the host holds them, their dequantized fp32 [E, ...] values)."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+
+    g = torch.Generator().manual_seed(E * h + i)
+    w13, w2 = torch.randn(E, 2 * i, h, generator=g) * 0.05, torch.randn(E, h, i, generator=g) * 0.05
+    make = BANK_FORMATS[fmt]
+    if make is None:
+        dt = getattr(torch, fmt)
+        return w13.to(dt), w2.to(dt), w13.to(dt).float(), w2.to(dt).float()
+    p13 = ExpertWeights.stack([[make(w13[e, :i]), make(w13[e, i:])] for e in range(E)], torch.bfloat16)
+    p2 = ExpertWeights.stack([[make(w2[e])] for e in range(E)], torch.bfloat16)
+    return p13, p2, p13.dequantize(torch.float32), p2.dequantize(torch.float32)
+
+
+@pytest.mark.parametrize("fmt", list(BANK_FORMATS))
+def test_host_experts_every_bank_format(fmt):
+    """`HostExperts.rows` against the plain reference (`host_expert_reference` on the dequantized fp32 expert,
+    weighted): exact for an fp32 bank (it computes `expert_mlp` in fp32); else within the bound of the
+    module docstring (bf16 / fp16 activations; the same quantized weight values on both sides, so
+    quantization error is not compared). Rows of assignments marked -1 are 0, and the experts run counted."""
+    from ferrylm.layers.moe import expert_mlp
+    from ferrylm.offload.host_experts import HostExperts, bank_format
+
+    E, h, i, k = 4, 128, 192, 2
+    w13, w2, d13, d2 = _bank(fmt, E, h, i)
+    he = HostExperts(w13, w2, F.silu)
+    assert bank_format(w13) == he.format
+    worst = 0.0
+    for T in (1, 5):
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(T, h, generator=g).to(d13.dtype if fmt == "float32" else torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])  # [T, k]
+        ids[0, 1] = -1  # the device keeps this one
+        weights = torch.rand(T, k, generator=g)
+        out = torch.full((T * k + 3, h), 7.0, dtype=x.dtype)
+        n = he.rows(x, ids, weights, out)
+        assert n == len(set(ids[ids >= 0].tolist()))
+        assert (out[1] == 0).all() and (out[T * k:] == 7).all()  # a kept row is 0; rows past T * k untouched
+        wf = weights.flatten()
+        for e in set(ids[ids >= 0].tolist()):
+            a = (ids.flatten() == e).nonzero().flatten()  # expert e's assignment rows, computed together
+            xe = x[a // k]
+            if fmt == "float32":  # the bits the resident CPU path computes (one GEMM over the expert's rows)
+                ref = (expert_mlp(xe, w13[e], w2[e], F.silu) * wf[a][:, None]).to(out.dtype)
+                assert torch.equal(out[a], ref), f"{fmt}: expert {e} differs by {(out[a] - ref).abs().max()}"
+                continue
+            ref = host_expert_reference(xe, d13[e], d2[e]) * wf[a][:, None]
+            gt, u = (xe.float() @ d13[e].t()).chunk(2, dim=-1)
+            mid = (F.silu(gt) * u).abs()
+            bound = (2 ** -6 * mid @ d2[e].abs().t()) * wf[a][:, None] + 2 ** -6 * ref.abs() + 1e-4
+            err = (out[a].float() - ref).abs()
+            assert (err <= bound).all(), f"{fmt} T={T} expert {e}: max err {err.max():.3e}"
+            worst = max(worst, err.max().item())
+    print(f"host experts {fmt} ({he.expert(0).gate_up.__class__.__name__}): max |rows - reference| {worst:.3e}")
+
+
+def test_host_experts_read_the_bank_in_place():
+    """Packed experts are computed on views of the bank's bytes: the per-channel int8 kernel holds the bank's
+    own codes, and nf4 (decoded in row blocks) holds no weight tensor of its own."""
+    from ferrylm.layers.cpu_experts import RowBlocks
+    from ferrylm.offload.host_experts import HostExperts
+
+    w13, w2, _, _ = _bank("int8", 2, 128, 192)
+    k = HostExperts(w13, w2, F.silu).expert(1).gate_up
+    assert k.qt.parts["q"].data_ptr() == w13.parts["q"][1].data_ptr()
+    w13, w2, _, _ = _bank("nf4", 2, 128, 192)
+    he = HostExperts(w13, w2, F.silu)
+    assert isinstance(he.expert(0).gate_up, RowBlocks) and he.expert(0).nbytes == he.expert_bytes
+
+
+@pytest.mark.parametrize("zero", ["sym", "min"])
+def test_row_blocks_decode_int4_rows_no_kernel_takes(zero):
+    """int4 sides whose rows are no multiple of 16 (torch's int4pack wants them) decode in row blocks."""
+    from ferrylm.layers.cpu_experts import RowBlocks
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.offload.host_experts import side_kernel
+
+    side = ExpertWeights.stack([[Q.quantize_int4(torch.randn(24, 64), 32, zero)] for _ in range(2)], torch.bfloat16)
+    kern = side_kernel(side, 1)
+    assert isinstance(kern, RowBlocks)
+    x = torch.randn(3, 64)
+    ref = x @ side.dequantize(torch.float32)[1].t()
+    err = (kern(x) - ref).abs().max().item()
+    assert err <= 2 ** -6 * (x.abs() @ side.dequantize(torch.float32)[1].abs().t()).max().item(), err
+
+
+def test_fp8_codes_decode_exactly():
+    """Every finite e4m3 code (subnormals, zeros of both signs) decodes by moving bits to its exact value."""
+    from ferrylm.offload.host_experts import fp8_to_bf16
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # the NaNs
+    got = fp8_to_bf16(codes.view(2, -1)).float().flatten()
+    want = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+def test_host_experts_rows_on_a_worker_while_another_thread_builds():
+    """The decode worker calls `rows` while a background thread prepares kernels (int4's re-layout): each
+    expert is built once and the rows equal a single-threaded run's."""
+    from ferrylm.offload.host_experts import HostExperts
+
+    w13, w2, _, _ = _bank("int4min", 6, 128, 192)
+    x = torch.randn(3, 128).bfloat16()
+    ids = torch.tensor([[0, 5], [2, -1], [5, 3]])
+    weights = torch.rand(3, 2)
+    alone = torch.empty(6, 128, dtype=torch.bfloat16)
+    HostExperts(w13, w2, F.silu).rows(x, ids, weights, alone)
+    he = HostExperts(w13, w2, F.silu)
+    built = []
+    orig = he.expert
+
+    def prepare():
+        for e in range(6):
+            built.append(id(orig(e)))
+    outs = [torch.empty(6, 128, dtype=torch.bfloat16) for _ in range(4)]
+    threads = [threading.Thread(target=prepare)] + [
+        threading.Thread(target=he.rows, args=(x, ids, weights, o)) for o in outs]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert all(torch.equal(o, alone) for o in outs)
+    assert len(set(built)) == 6 and all(he.expert(e) is he.expert(e) for e in range(6))

@@ -529,3 +529,34 @@ def test_hybrid_decode_host_experts_equal_mapped(share, gpu_side, tmp_path_facto
         print(f"hybrid decode vs in place: max |logit diff| = {worst:.3e}, {same}/{24 * len(prompts)} tokens equal")
         assert worst < 5e-2
         assert [o.outputs[0].token_ids[:4] for o in out] == [r.outputs[0].token_ids[:4] for r in ref_out]
+
+
+def test_packed_store_host_experts_copy_path_and_decode(tmp_path_factory):
+    """An int4 store's packed experts computed by the host in their own format (`offload/host_experts.py`):
+    through the copy path's rounds (mapped off, every miss on the host) and through hybrid decode (mapped,
+    half the experts on the host), close to the resident packed run (bf16 activations on the host, 4-bit
+    weights decoded the same way); calibration timed the packed format and measured the in-place rate."""
+    from test_models_hf import build
+
+    from ferrylm.weights.convert import ConvertOptions, convert
+
+    path, _ = build(tmp_path_factory, "qwen3_moe")
+    store = str(tmp_path_factory.mktemp("packed-host") / "s")
+    convert(path, store, ConvertOptions(quant="int4", group_size=32))
+    g = torch.Generator().manual_seed(15)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 3, 17)]
+    kw = dict(device="cuda", dtype="bfloat16", enforce_eager=True, place=("experts=cpu", "layers.0.experts.0=gpu"))
+    res_out, res = sampled_rows(LLM(store, **{**kw, "place": ()}), prompts, 12)
+    for opts in (dict(experts="cpu", mapped_experts=False), dict(experts="auto", cpu_share=0.5)):
+        llm = LLM(store, **kw, **opts)
+        placed = llm.engine.runner.placed
+        assert all(c.packed for c in placed.caches.values())
+        assert placed.calibration["format"].startswith("int4")
+        if opts.get("mapped_experts", True):
+            assert placed.calibration.get("inplace_gbs", 0) > 0 and placed.host_decode is not None
+        out, got = sampled_rows(llm, prompts, 12)
+        worst = max((a - b).abs().max().item() for a, b in zip(res, got))
+        print(f"packed int4 host experts {opts}: max |logit diff| vs resident = {worst:.3e}; {placed.stats}; "
+              f"calibration {placed.calibration}")
+        assert placed.stats.cpu_experts > 0 and worst < 0.1
+        assert [o.outputs[0].token_ids[:3] for o in out] == [r.outputs[0].token_ids[:3] for r in res_out]

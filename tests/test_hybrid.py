@@ -73,6 +73,24 @@ def test_calibration_cache(tmp_path, monkeypatch, caplog):
     calibration.calibrate(w13, w2, act, torch.device("cpu"))
     assert calls == [1, 1] and "unreadable" in caplog.text
     assert json.load(open(path))["key"]["cpu"] != "another machine"  # rewritten whole
+    assert m["format"] == "float32" and m["cpu_s_beside_copy"]["1"] > 0 and m["copy_s_beside_cpu"] > 0
+    assert costs.cpu_beside_factor >= 1 and costs.expert_bytes == 4 * (64 * 32 + 32 * 32)
+
+
+def test_calibration_times_the_banks_format(tmp_path, monkeypatch):
+    """A packed bank is timed in its own format (the host experts' kernels) and cached under another key."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.weights import quant
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
+    act = torch.nn.functional.silu
+    w13 = ExpertWeights.stack([[quant.quantize_int4(torch.randn(64, 64), 32, "min")] for _ in range(2)], torch.bfloat16)
+    w2 = ExpertWeights.stack([[quant.quantize_int4(torch.randn(64, 32), 32, "min")] for _ in range(2)], torch.bfloat16)
+    costs, m = calibration.calibrate(w13, w2, act, torch.device("cpu"))
+    assert m["format"] == "int4min/32" and m["expert_bytes"] == (w13.nbytes + w2.nbytes) // 2
+    assert sorted(m["cpu_s"], key=int) == ["1", "4", "16", "64"] and costs.cpu_s(2) > 0
+    calibration.calibrate(w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16), act, torch.device("cpu"))
+    assert len(os.listdir(tmp_path)) == 2  # the dense bf16 bank of the same shape is another entry
 
 
 def test_experts_option_is_checked(mixtral):
@@ -107,3 +125,119 @@ def test_profile_round_trip(mixtral, tmp_path, caplog):
     out.write_text("{")
     LLM(mixtral, place=("experts=cpu",), expert_profile=str(out))
     assert "cannot read it" in caplog.text
+
+
+@pytest.mark.parametrize("fmt", ["int4min", "nf4", "int8"])
+def test_packed_host_experts_in_the_cache(fmt):
+    """A cache over a packed host bank (as the CUDA engine holds int4 / nf4 stores) on the CPU: copied misses
+    give exactly the resident reference (the same decoded weights); misses computed on the host in the
+    store's format (bf16 activations) stay within 2^-6 of the output's scale; the cost model's auto split on
+    balanced synthetic costs does both at once."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.layers.moe import Experts
+    from ferrylm.offload.expert_cache import CachedExperts
+    from ferrylm.offload.placed_weights import OffloadStats
+    from ferrylm.weights import quant
+
+    make = {"int4min": lambda w: quant.quantize_int4(w, 32, "min"), "nf4": lambda w: quant.quantize_nf4(w, 64),
+            "int8": quant.quantize_int8}[fmt]
+    torch.manual_seed(0)
+    E, H, I, T, k = 4, 128, 192, 6, 2
+    bank = Experts(E, H, I)
+    gate_up = [[make(torch.randn(I, H) * .05), make(torch.randn(I, H) * .05)] for _ in range(E)]
+    bank.packed = (ExpertWeights.stack(gate_up, torch.float32),
+                   ExpertWeights.stack([[make(torch.randn(H, I) * .05)] for _ in range(E)], torch.float32))
+    bank.w13.data, bank.w2.data = torch.empty(0), torch.empty(0)
+    x = torch.randn(T, H)
+    weights, ids = torch.softmax(torch.randn(T, E), -1).topk(k, dim=-1)
+    ref = bank.forward(x, ids, weights)  # TorchExperts: every expert decoded, fp32
+
+    def cached(mode, costs=None):
+        stats = OffloadStats()
+        cache = CachedExperts(bank, *bank.packed, 2, [0], set(), "lru", torch.device("cpu"), None, stats, 0,
+                              use_fused=False)
+        cache.cpu_mode, cache.costs = mode, costs
+        return cache.forward(bank, x, ids, weights), stats
+
+    out, stats = cached("gpu")
+    assert torch.equal(out, ref) and stats.cpu_experts == 0
+    out, stats = cached("cpu")
+    err = (out - ref).abs().max().item()
+    print(f"{fmt}: host experts vs resident max |diff| {err:.2e} (output scale {ref.abs().max():.2e})")
+    assert stats.cpu_experts == E - 1 and 0 < err <= 2 ** -6 * ref.abs().max()
+    out, stats = cached("auto", Costs(copy_s=1.0, cpu_s=lambda n: 1.0))
+    assert 0 < stats.cpu_experts < E - 1 and (out - ref).abs().max() <= 2 ** -6 * ref.abs().max()
+
+
+def test_cpu_share_balances_host_and_device():
+    """cpu_share: equal rates split half and half; a host twice as fast takes 2/3; copies running beside
+    slow the host (its measured factor) and shrink its share; the device side defaults to the measured
+    in-place rate, then to the copy rate; and the split it gives does finish both sides together."""
+    from ferrylm.offload.cost_model import cpu_share
+
+    mb = 100e6  # a 100 MB expert: 10 ms on the host at 1 token, 10 GB/s
+    c = Costs(copy_s=0.02, cpu_s=lambda n: 0.01 * n, expert_bytes=int(mb))
+    assert cpu_share(c, 10.0) == pytest.approx(0.5)
+    assert cpu_share(c, 5.0) == pytest.approx(2 / 3)
+    slow = Costs(copy_s=0.02, cpu_s=lambda n: 0.01 * n, cpu_beside_factor=2.0, expert_bytes=int(mb))
+    assert cpu_share(slow, 10.0) == pytest.approx(1 / 3)
+    assert cpu_share(Costs(0.02, lambda n: 0.01, expert_bytes=int(mb), inplace_gbs=10.0)) == pytest.approx(0.5)
+    assert cpu_share(c) == pytest.approx(2 / 3)  # no in-place rate: the copy's, 5 GB/s
+    f, total = cpu_share(slow, 7.0), 64 * mb  # 64 experts' bytes: both sides' times agree
+    assert f * total / (mb / slow.cpu_s_beside_copy(1)) == pytest.approx((1 - f) * total / 7e9)
+    assert cpu_share(c, 10.0, tokens=4) < cpu_share(c, 10.0)  # more tokens: the host reads slower per byte
+    with pytest.raises(ValueError, match="expert's bytes"):
+        cpu_share(Costs(1.0, lambda n: 1.0), 10.0)
+
+
+def test_hybrid_stats_reach_metrics(mixtral):
+    """The per-step split (hits, copies, in place, CPU), the CPU busy share and the device's wait: the line
+    `--stats` prints, and the server's /metrics (a real `ferry serve`, token-id prompts: the test model has
+    no tokenizer)."""
+    import httpx
+    from serving import Server, metric
+
+    llm, _, _ = run(mixtral, place=("experts=cpu", "layers.0.experts.1=gpu"), experts="cpu")
+    st = llm.engine.runner.placed.stats
+    line = st.per_step()
+    print(line)
+    assert st.steps == 12 and 0 < st.cpu_busy_share <= 1 and st.cpu_share == 1.0 and st.copied_experts == 0
+    assert f"{st.cpu_experts / 12:.1f} on the CPU" in line and f"{st.expert_hits / 12:.1f} experts hit" in line
+    s = Server(["--model", mixtral, "--place", "experts=cpu", "--experts", "cpu"])
+    try:
+        s.wait_ready()
+        name = httpx.get(s.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        body = {"model": name, "prompt": [1, 2, 3], "max_tokens": 4}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        text = httpx.get(s.url + "/metrics", timeout=30).text
+        assert metric(text, "ferry:offload_cpu_experts_total", model_name=name) > 0
+        assert metric(text, "ferry:offload_steps_total", model_name=name) >= 4
+        assert metric(text, "ferry:offload_cpu_share", model_name=name) == 1.0
+        assert metric(text, "ferry:offload_cpu_busy_s_total", model_name=name) > 0
+        assert metric(text, "ferry:offload_copied_experts_total", model_name=name) == 0
+    finally:
+        assert s.stop() == 0
+
+
+def test_calibration_chooses_the_thread_count(tmp_path, monkeypatch):
+    """`choose_threads`: of N, N-1 and N-2 torch threads the one fastest beside copies is kept (measured,
+    recorded, and applied again from the cache); without it the count is left alone."""
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
+    before = torch.get_num_threads()
+    w13, w2 = torch.randn(2, 64, 32), torch.randn(2, 32, 32)
+    act = torch.nn.functional.silu
+    try:
+        torch.set_num_threads(4)
+        _, m = calibration.calibrate(w13, w2, act, torch.device("cpu"), choose_threads=True)
+        by = m["cpu_s_beside_copy_by_threads"]
+        assert sorted(by, key=int) == ["2", "3", "4"] and m["threads"] == int(min(by, key=by.get))
+        assert torch.get_num_threads() == m["threads"]
+        torch.set_num_threads(4)
+        _, again = calibration.calibrate(w13, w2, act, torch.device("cpu"), choose_threads=True)
+        assert again == m and torch.get_num_threads() == m["threads"]  # from the cache
+        torch.set_num_threads(4)
+        _, plain = calibration.calibrate(w13, w2, act, torch.device("cpu"))
+        assert "threads" not in plain and torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -158,7 +159,8 @@ class ModelRunner:
         self.placed = PlacedWeights(self.model, placement, self.device, config.offload.expert_cache_policy,
                                     config.offload.expert_profile, config.offload.stream_buffers,
                                     config.moe_backend, config.offload.experts, config.offload.cpu_threads,
-                                    config.offload.mapped_experts, config.offload.cpu_share)
+                                    config.offload.mapped_experts, config.offload.cpu_share,
+                                    cpu_numa_node=config.offload.cpu_numa_node)
         self.model.load_weights(source, progress=progress, allocator=self.placed)
         meta = [n for n, p in self.model.named_parameters() if p.is_meta]
         if meta:  # load_weights reports missing tensors; this is a model whose loader skipped one
@@ -400,17 +402,19 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, extra_rows: list[int] = ()) -> torch.Tensor:
         """Run one step; returns logits [N, V] (fp32) for the sequences with `out.samples(i)`, in order, then
         those of `extra_rows` (indices into the step's flat token batch: prompt logprobs)."""
+        t = time.perf_counter()
         try:
             return self._execute(out, extra_rows)
         finally:
-            self.placed.after_step()  # expert slots follow the routing of mapped steps
+            self.placed.after_step(time.perf_counter() - t)  # expert slots follow the routing of mapped steps
 
     def run_shipped(self, step: StepInput) -> torch.Tensor | None:
         """`run` plus the per-step bookkeeping `execute` does: what every rank of a parallel engine runs."""
+        t = time.perf_counter()
         try:
             return self.run(step)
         finally:
-            self.placed.after_step()
+            self.placed.after_step(time.perf_counter() - t)
 
     def _execute(self, out: SchedulerOutput, extra_rows) -> torch.Tensor:
         if self.graphs is not None and not extra_rows and self.graphs.eligible(out):

@@ -1,10 +1,25 @@
-"""Calibration for the hybrid cost model: measured on the machine that runs, cached per machine and shape.
+"""Calibration for the hybrid cost model: measured on the machine that runs, cached per machine, shape and format.
 
-Measures the seconds to copy one expert to the device (pinned host -> device, or a host memcpy for the
-CPU engine) and the host's seconds to run one expert on 1, 4, 16 and 64 tokens (the same `expert_mlp`
-the CPU path runs). The result is cached in `$FERRYLM_CACHE_DIR` (default `~/.cache/ferrylm`)
-under a key of the machine (CPU model, cores, threads, GPU, torch version) and the expert's shape and
-dtype; a different machine or shape measures again. A corrupt cache file is ignored with a warning.
+Measures, for one expert of the bank as it is held (dense or packed: `offload/host_experts.HostExperts`, the
+kernels the hybrid path runs):
+- `copy_s`: seconds to copy its bytes to the device (pinned host -> device; a host memcpy on the CPU engine);
+- `cpu_s`: the host's seconds to run it on 1, 4, 16 and 64 tokens;
+- `cpu_s_beside_copy`: the same at 1 token while another thread keeps copies running (host -> device, or a
+  large memcpy on the CPU engine): the copies take memory bandwidth from the cores, and on the lent GPU host
+  the packed kernels slow down most beside them (docs/benchmarks.md);
+- `copy_s_beside_cpu`: the copy while the host computes experts;
+- on CUDA with a mapped bank (`mapped`): `inplace_gbs` (and `inplace_gbs_beside_cpu`), the rate at which the
+  fused kernel reads the expert in place over PCIe (`inplace_read_gbs`);
+- with `choose_threads` (CUDA, no `--cpu-threads`): `threads`, the torch thread count (of N, N-1, N-2) at
+  which the expert runs fastest beside copies, and the calling thread keeps it. Why: torch's CPU kernels
+  split their work statically over an OpenMP team, so while another thread holds a core (the copy's or the
+  engine's thread spinning in a CUDA sync) one team member waits for a scheduler tick and the whole call
+  with it (measured on a loaded 2-core host: 0.16 ms on one thread, 8-16 ms on two, in steps of the 4 ms
+  tick; docs/benchmarks.md's 16 ms collapse of the packed kernels beside a copy looks the same).
+Each CPU figure cycles over a few experts, so the reads come from DRAM rather than the last-level cache.
+The result is cached in `$FERRYLM_CACHE_DIR` (default `~/.cache/ferrylm`) under a key of the machine (CPU
+model, cores, threads, GPU, torch version), the expert's shape, dtype and format (and whether the in-place
+rate was measured); a different machine, shape or format measures again. A corrupt cache file is ignored with a warning.
 """
 
 from __future__ import annotations
@@ -15,15 +30,20 @@ import logging
 import os
 import platform
 import tempfile
+import threading
 import time
 
 import torch
 
-from ferrylm.layers.moe import expert_mlp
 from ferrylm.offload.cost_model import Costs
+from ferrylm.offload.host_experts import HostExperts
 
 log = logging.getLogger(__name__)
 TOKENS = (1, 4, 16, 64)
+CYCLE = 4
+"""Distinct experts each CPU figure cycles over."""
+VERSION = 2
+"""Bumped when what is measured changes (older cache files are measured again)."""
 
 
 def cache_dir() -> str:
@@ -52,60 +72,196 @@ def _timeit(fn, reps: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure(host_w13: torch.Tensor, host_w2: torch.Tensor, act, device: torch.device) -> dict:
-    w13, w2 = host_w13[0], host_w2[0]
-    nbytes = w13.numel() * w13.element_size() + w2.numel() * w2.element_size()
+class _Beside:
+    """Runs `fn` over and over on another thread for the length of a `with` block (after one run)."""
+
+    def __init__(self, fn):
+        self.fn, self.stop, self.ran = fn, threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="ferry-calibration", daemon=True)
+
+    def _loop(self):
+        while not self.stop.is_set():
+            self.fn()
+            self.ran.set()
+
+    def __enter__(self):
+        self.thread.start()
+        self.ran.wait()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def _parts(side, e: int) -> list[torch.Tensor]:
+    return [t[e] for t in (side.parts.values() if not isinstance(side, torch.Tensor) else (side,))]
+
+
+def _copier(host_w13, host_w2, device: torch.device):
+    """A function copying expert 0's bytes to the device (a fresh host buffer on the CPU engine), and
+    waiting for them."""
+    src = _parts(host_w13, 0) + _parts(host_w2, 0)
     if device.type == "cuda":
-        dst13, dst2 = torch.empty_like(w13, device=device), torch.empty_like(w2, device=device)
+        dst = [torch.empty_like(t, device=device) for t in src]
+        stream = torch.cuda.Stream(device)
 
         def copy():
-            dst13.copy_(w13, non_blocking=True)
-            dst2.copy_(w2, non_blocking=True)
-            torch.cuda.synchronize(device)
+            with torch.cuda.stream(stream):
+                for d, t in zip(dst, src):
+                    d.copy_(t, non_blocking=True)
+            stream.synchronize()
     else:
-        dst13, dst2 = torch.empty_like(w13), torch.empty_like(w2)
+        dst = [torch.empty_like(t) for t in src]
 
         def copy():
-            dst13.copy_(w13)
-            dst2.copy_(w2)
+            for d, t in zip(dst, src):
+                d.copy_(t)
+    return copy
+
+
+def inplace_read_gbs(host_w13, host_w2, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                     reps: int = 5, beside=None) -> float:
+    """GB/s at which the fused kernel reads one expert in place from the mapped host bank at one token
+    (CUDA only: the bank must be registered mapped, as the host tier does), optionally while `beside()`
+    runs on another thread (host experts computing)."""
+    from ferrylm.layers.fused_moe import WeightTable, expert_rows
+    from ferrylm.offload.host_experts import expert_bytes
+
+    E, H = host_w13.shape[0], host_w13.shape[2]
+    tables = []
+    for side in (host_w13, host_w2):
+        parts = side.parts if not isinstance(side, torch.Tensor) else {"q": side}
+        ptrs = {k: torch.tensor(WeightTable.addresses(t), dtype=torch.long, device=device) for k, t in parts.items()}
+        tables.append(WeightTable(ptrs, side))
+    x = torch.randn(1, H, dtype=dtype, device=device)
+    w = torch.ones(1, 1, device=device)
+    ids = [torch.tensor([[e % E]], device=device) for e in range(CYCLE)]
+
+    def run():
+        for i in ids:
+            expert_rows(x, *tables, i, w)
+        torch.cuda.synchronize(device)
+
+    def timed():
+        run()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t) / len(ids))
+        return sorted(times)[len(times) // 2]
+
+    with torch.cuda.device(device):  # Triton launches on the current device: the caller may be a worker thread
+        if beside is None:
+            s = timed()
+        else:
+            with _Beside(beside):
+                s = timed()
+    return expert_bytes(host_w13, host_w2) / s / 1e9
+
+
+def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExperts | None = None,
+            mapped: bool = False, choose_threads: bool = False) -> dict:
+    he = host_experts or HostExperts(host_w13, host_w2, act)
+    E, H = host_w13.shape[0], host_w13.shape[2]
+    cycle = list(range(min(CYCLE, E)))
+    he.prepare(cycle)
+    dtype = he.dense_dtype
+    copy = _copier(host_w13, host_w2, device)
     copy_s = _timeit(copy)
-    cpu = {}
-    for n in TOKENS:
-        x = torch.randn(n, w13.shape[1], dtype=w13.dtype)
-        cpu[str(n)] = _timeit(lambda: expert_mlp(x, w13, w2, act))
-    return {"copy_s": copy_s, "expert_bytes": nbytes, "cpu_s": cpu}
+
+    def cpu_time(n: int, reps: int = 3) -> float:
+        x = torch.randn(n, H, dtype=dtype)
+        experts = [he.expert(e) for e in cycle]
+        return _timeit(lambda: [ex(x) for ex in experts], reps) / len(experts)
+
+    chosen = {}
+    n = torch.get_num_threads()
+    if choose_threads and n >= 4:
+        for t in (n, n - 1, n - 2):
+            torch.set_num_threads(t)
+            with _Beside(copy):
+                chosen[str(t)] = cpu_time(1, reps=5)
+        torch.set_num_threads(int(min(chosen, key=chosen.get)))
+
+    cpu = {str(n): cpu_time(n) for n in TOKENS}
+    if device.type == "cuda":
+        beside_copy = copy
+    else:  # the CPU engine has no copy engine: a memcpy of a buffer larger than the caches stands in
+        big = torch.empty(64 << 20, dtype=torch.uint8)
+        big_dst = torch.empty_like(big)
+
+        def beside_copy():
+            big_dst.copy_(big)
+    with _Beside(beside_copy):
+        cpu_beside = {"1": cpu_time(1, reps=5)}
+    x1 = torch.randn(1, H, dtype=dtype)
+    run_cpu = lambda: he.expert(0)(x1)  # noqa: E731
+    with _Beside(run_cpu):
+        copy_beside = _timeit(copy, reps=5)
+    out = {"copy_s": copy_s, "expert_bytes": he.expert_bytes, "format": he.format, "cpu_s": cpu,
+           "cpu_s_beside_copy": cpu_beside, "copy_s_beside_cpu": copy_beside}
+    if chosen:
+        out.update(threads=torch.get_num_threads(), cpu_s_beside_copy_by_threads=chosen)
+    if device.type == "cuda" and mapped:
+        try:
+            out["inplace_gbs"] = inplace_read_gbs(host_w13, host_w2, device)
+            out["inplace_gbs_beside_cpu"] = inplace_read_gbs(host_w13, host_w2, device, beside=run_cpu)
+        except Exception as e:  # a figure for the planner, never a reason not to start
+            log.warning("could not measure the in-place read rate (%s)", e)
+    return out
 
 
-def costs_from(m: dict) -> Costs:
-    pts = sorted((int(n), s) for n, s in m["cpu_s"].items())
+def _curve(points: dict):
+    pts = sorted((int(n), s) for n, s in points.items())
 
-    def cpu_s(n: int) -> float:  # piecewise linear in tokens, extrapolated from the last two points
+    def f(n: int) -> float:  # piecewise linear in tokens, extrapolated from the last two points
+        if len(pts) == 1:
+            return pts[0][1] * max(n, 1)
         for (n0, s0), (n1, s1) in zip(pts, pts[1:]):
             if n <= n1:
                 return s0 + (s1 - s0) * max(n - n0, 0) / (n1 - n0)
         (n0, s0), (n1, s1) = pts[-2], pts[-1]
         return s1 + (s1 - s0) * (n - n1) / (n1 - n0)
+    return f
 
-    return Costs(m["copy_s"], cpu_s)
+
+def costs_from(m: dict) -> Costs:
+    cpu_s = _curve(m["cpu_s"])
+    beside = m.get("cpu_s_beside_copy", {}).get("1")
+    factor = beside / cpu_s(1) if beside else 1.0  # the slowdown beside copies, applied at every token count
+    return Costs(m["copy_s"], cpu_s, cpu_beside_factor=max(factor, 1.0), expert_bytes=m.get("expert_bytes", 0),
+                 inplace_gbs=m.get("inplace_gbs_beside_cpu") or m.get("inplace_gbs"))
 
 
-def calibrate(host_w13: torch.Tensor, host_w2: torch.Tensor, act, device: torch.device) -> tuple[Costs, dict]:
-    """Costs for this machine and expert shape, from the cache file when it matches, else measured."""
+def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostExperts | None = None,
+              mapped: bool = False, choose_threads: bool = False) -> tuple[Costs, dict]:
+    """Costs for this machine, expert shape and format, from the cache file when it matches, else measured.
+    host_w13 / host_w2: the host bank (dense tensors or `ExpertWeights`); `host_experts` its `HostExperts`
+    (built here if None); `mapped`: the bank is registered mapped (the in-place rate can be measured);
+    `choose_threads`: pick torch's thread count beside copies (see the module docstring) and keep it on the
+    calling thread (and for threads that start torch work after it)."""
+    he = host_experts or HostExperts(host_w13, host_w2, act)
     key = {**machine_key(device), "shape": [list(host_w13.shape[1:]), list(host_w2.shape[1:])],
-           "dtype": str(host_w13.dtype)}
+           "dtype": str(he.dense_dtype), "format": he.format, "version": VERSION,
+           "inplace": mapped and device.type == "cuda",  # a cache made without the in-place rate lacks it
+           "choose_threads": choose_threads}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"calibration-{digest}.json")
     try:
         with open(path) as f:
             data = json.load(f)
         if data.get("key") == key:
+            if choose_threads and "threads" in data["measured"]:
+                torch.set_num_threads(int(data["measured"]["threads"]))
             return costs_from(data["measured"]), data["measured"]
         log.warning("calibration cache %s was made on another machine or shape: measuring again", path)
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("calibration cache %s is unreadable (%s): measuring again", path, e)
-    measured = measure(host_w13, host_w2, act, device)
+    measured = measure(host_w13, host_w2, act, device, he, mapped, choose_threads)
     try:
         os.makedirs(cache_dir(), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache_dir(), suffix=".tmp")
@@ -114,6 +270,8 @@ def calibrate(host_w13: torch.Tensor, host_w2: torch.Tensor, act, device: torch.
         os.replace(tmp, path)  # temp-then-rename: never a half-written cache
     except OSError as e:
         log.warning("cannot write the calibration cache %s (%s)", path, e)
-    log.info("calibrated: expert copy %.2f ms, CPU expert %s ms", measured["copy_s"] * 1e3,
-             {n: round(s * 1e3, 2) for n, s in measured["cpu_s"].items()})
+    log.info("calibrated (%s, %d threads): expert copy %.2f ms, CPU expert %s ms, %.2f ms at 1 token beside copies",
+             he.format, torch.get_num_threads(), measured["copy_s"] * 1e3,
+             {n: round(s * 1e3, 2) for n, s in measured["cpu_s"].items()},
+             measured["cpu_s_beside_copy"]["1"] * 1e3)
     return costs_from(measured), measured

@@ -5,7 +5,12 @@ The copy engine and the CPU pool are two queues that run at the same time as eac
 A miss copied costs `copy_s` on the copy queue (then GPU time, small beside it); a miss computed on the
 CPU costs `cpu_s(tokens)` on the CPU queue, plus moving its rows across twice (negligible for decode).
 Misses go, largest CPU cost first, to whichever queue would finish earlier with it (LPT scheduling of
-two machines): the layer waits for the later queue, so balancing them is what shortens the step.
+two machines): the layer waits for the later queue, so balancing them is what shortens the step. The CPU
+queue is costed beside copies (`cpu_s_beside_copy`): the two share the host's memory bandwidth.
+
+`cpu_share` is the same balance for the in-place decode path, in bytes: the fraction of a layer's
+non-resident expert bytes to compute on the host so that the host and the device's in-place reads finish
+together.
 """
 
 from __future__ import annotations
@@ -20,6 +25,16 @@ class Costs:
     """Seconds to copy one expert host -> device (its bytes / measured pinned bandwidth)."""
     cpu_s: Callable[[int], float]
     """Seconds for the host to run one expert on n tokens."""
+    cpu_beside_factor: float = 1.0
+    """How much slower a host expert runs while copies are in flight (measured at 1 token; >= 1)."""
+    expert_bytes: int = 0
+    """Bytes of one expert as the host holds it (its format's)."""
+    inplace_gbs: float | None = None
+    """GB/s at which the device reads an expert in place from host memory (CUDA, mapped banks), if measured."""
+
+    def cpu_s_beside_copy(self, n: int) -> float:
+        """Seconds for the host to run one expert on n tokens while copies run."""
+        return self.cpu_s(n) * self.cpu_beside_factor
 
 
 def split_misses(tokens: dict[int, int], costs: Costs, mode: str = "auto") -> tuple[list[int], list[int]]:
@@ -31,7 +46,7 @@ def split_misses(tokens: dict[int, int], costs: Costs, mode: str = "auto") -> tu
         return [], sorted(tokens)
     copy, cpu, t_copy, t_cpu = [], [], 0.0, 0.0
     for e in sorted(tokens, key=lambda e: (-costs.cpu_s(tokens[e]), e)):
-        c = costs.cpu_s(tokens[e])
+        c = costs.cpu_s_beside_copy(tokens[e])
         if t_cpu + c < t_copy + costs.copy_s:
             cpu.append(e)
             t_cpu += c
@@ -41,6 +56,20 @@ def split_misses(tokens: dict[int, int], costs: Costs, mode: str = "auto") -> tu
     return sorted(copy), sorted(cpu)
 
 
+def cpu_share(costs: Costs, inplace_rate_gbs: float | None = None, tokens: int = 1) -> float:
+    """The fraction of a layer's non-resident expert bytes to give the host so that both sides finish
+    together: the host reads bytes at expert_bytes / cpu_s_beside_copy(tokens) (it runs beside the device's
+    reads), the device at `inplace_rate_gbs` (default the measured `costs.inplace_gbs`, else the copy rate),
+    so the host takes r_cpu / (r_cpu + r_device). `tokens`: tokens per expert."""
+    if costs.expert_bytes <= 0:
+        raise ValueError("cpu_share needs the expert's bytes (Costs.expert_bytes)")
+    r_cpu = costs.expert_bytes / costs.cpu_s_beside_copy(tokens)
+    gbs = inplace_rate_gbs if inplace_rate_gbs is not None else costs.inplace_gbs
+    r_dev = gbs * 1e9 if gbs is not None else costs.expert_bytes / costs.copy_s
+    return r_cpu / (r_cpu + r_dev) if r_cpu + r_dev > 0 else 0.0
+
+
 def makespan(tokens: dict[int, int], costs: Costs, copy: list[int], cpu: list[int]) -> float:
     """The later of the two queues' finish times for a split (what the layer waits for)."""
-    return max(len(copy) * costs.copy_s, sum(costs.cpu_s(tokens[e]) for e in cpu))
+    cpu_s = costs.cpu_s_beside_copy if copy else costs.cpu_s
+    return max(len(copy) * costs.copy_s, sum(cpu_s(tokens[e]) for e in cpu))

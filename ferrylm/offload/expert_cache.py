@@ -141,6 +141,7 @@ class CachedExperts(ExpertBackend):
         self.use_fused, self.act_name, self.act = use_fused, bank.act_name, bank.act
         self.cpu_mode, self.costs, self.cpu_pool = "gpu", None, None
         """Hybrid: `cpu_mode` auto | cpu lets misses run on the host (`costs`, a worker `cpu_pool`)."""
+        self._host_experts = None
         C = capacity
         self.dtype = bank.w13.dtype
         self.packed = isinstance(host_w13, ExpertWeights)
@@ -277,6 +278,15 @@ class CachedExperts(ExpertBackend):
 
         return self.use_fused and FusedExperts.supports_tensors(self.w13, self.act_name, self.dtype)
 
+    @property
+    def host_experts(self):
+        """The host bank's experts computed where they lie, in its own format (`offload/host_experts.py`)."""
+        if self._host_experts is None:
+            from ferrylm.offload.host_experts import HostExperts
+
+            self._host_experts = HostExperts(self.host_w13, self.host_w2, self.act)
+        return self._host_experts
+
     def host_parts(self) -> list[torch.Tensor]:
         return [*_parts(self.host_w13).values(), *_parts(self.host_w2).values()]
 
@@ -300,6 +310,8 @@ class CachedExperts(ExpertBackend):
         self.stats.expert_hits += len(hits)
         self.stats.expert_misses += len(pending) + len(on_cpu)
         self.stats.cpu_experts += len(on_cpu)
+        if misses or on_cpu:
+            self.stats.cpu_share = len(on_cpu) / (len(misses) + len(on_cpu))
         self.policy.touch(needed)
         cands = [s for s in range(self.capacity) if self.owner[s] not in need and self.owner[s] not in self.pinned]
         empty = [s for s in cands if self.owner[s] is None]
@@ -307,31 +319,31 @@ class CachedExperts(ExpertBackend):
             [self.owner[s] for s in cands if self.owner[s] is not None])])
         return hits, pending, avail, on_cpu
 
-    def _on_host(self, fn, experts: list[int]) -> dict:
-        """Start `fn(e)` for each host expert on the CPU pool; returns futures by expert."""
+    def _on_host(self, fn):
+        """Start `fn()` (the step's host experts) on the CPU pool; returns its future."""
         import time
 
-        def timed(e):
+        def timed():
             t = time.perf_counter()
-            out = fn(e)
+            out = fn()
             self.stats.cpu_busy_s += time.perf_counter() - t
             return out
 
         if self.cpu_pool is None:  # the CPU engine: the "device" is these cores too, nothing to overlap
             from concurrent.futures import Future
 
-            done = {}
-            for e in experts:
-                done[e] = Future()
-                done[e].set_result(timed(e))
+            done = Future()
+            done.set_result(timed())
             return done
-        return {e: self.cpu_pool.submit(timed, e) for e in experts}
+        return self.cpu_pool.submit(timed)
 
-    def _join(self, futures: dict) -> dict:
+    def _join(self, future):
         import time
 
+        if future is None:
+            return None
         t = time.perf_counter()
-        done = {e: f.result() for e, f in futures.items()}
+        done = future.result()
         self.stats.cpu_wait_s += time.perf_counter() - t
         return done
 
@@ -346,16 +358,19 @@ class CachedExperts(ExpertBackend):
         counts = torch.bincount(ids_host.flatten(), minlength=E).tolist()
         hits, pending, avail, on_cpu = self._plan(counts)
         inflight: list[tuple[int, int]] = []
-        futures = {}
-        if on_cpu:
+        futures = None
+        if on_cpu:  # one job: the host experts' weighted rows in the kernel's layout, the rest 0
             x_host, w_host = x.cpu(), topk_weights.cpu()
+            mine = torch.zeros(E, dtype=torch.bool)
+            mine[on_cpu] = True
+            ids_cpu = torch.where(mine[ids_host], ids_host, -1)  # [T, k]
+            rows_host = torch.empty(T * k, x.shape[1], dtype=x.dtype)
 
-            def host_rows(e):  # -> (assignment rows t * k + j, their weighted outputs)
-                tok, j = (ids_host == e).nonzero(as_tuple=True)
-                y = expert_mlp(x_host[tok], self.host_w13[e], self.host_w2[e], self.act)
-                return tok * k + j, (y.float() * w_host[tok, j][:, None]).to(y.dtype)
+            def host_rows():
+                self.host_experts.rows(x_host, ids_cpu, w_host, rows_host)
+                return rows_host
 
-            futures = self._on_host(host_rows, on_cpu)
+            futures = self._on_host(host_rows)
 
         def issue():
             while pending and avail:
@@ -403,13 +418,10 @@ class CachedExperts(ExpertBackend):
             raise RuntimeError(f"expert cache of layer {self.layer}: no evictable slot for experts {list(pending)}")
         return sum_rows(self._add_host_rows(out, futures, T * k, x), k)
 
-    def _add_host_rows(self, out, futures, A: int, x):
-        if not futures:
+    def _add_host_rows(self, out, future, A: int, x):
+        if future is None:
             return out
-        rows = torch.zeros(A, x.shape[1], dtype=x.dtype)
-        for idx, y in self._join(futures).values():
-            rows[idx] = y
-        rows = rows.to(x.device, non_blocking=True)
+        rows = self._join(future).to(x.device, non_blocking=True)  # [A, H]
         return rows if out is None else out + rows
 
     def start_trace(self) -> None:
@@ -428,6 +440,7 @@ class CachedExperts(ExpertBackend):
                 self._point(old, None)
                 self.free[s].record(torch.cuda.current_stream(self.device))
         self.owner[s], self.slot_of[e] = e, s
+        self.stats.copied_experts += 1
         if self.stream is None:
             _copy(self.w13, s, self.host_w13, e)
             _copy(self.w2, s, self.host_w2, e)
@@ -445,7 +458,11 @@ class CachedExperts(ExpertBackend):
             if not self.ready[s].query():
                 self.stats.weight_waits += 1
             cur.wait_event(self.ready[s])
-        y = expert_mlp(x[rows], self.w13[s], self.w2[s], bank.act)
+        if self.packed:  # the plain path: slot s decoded (fused_moe's reference dequantizers)
+            w13, w2 = (side.expert(s).dequantize(x.dtype)[0] for side in (self.w13, self.w2))
+        else:
+            w13, w2 = self.w13[s], self.w2[s]
+        y = expert_mlp(x[rows], w13, w2, bank.act)
         if self.stream is not None:
             self.free[s].record(torch.cuda.current_stream(self.device))
         return y
@@ -471,11 +488,12 @@ class CachedExperts(ExpertBackend):
             acc += n
         hits, pending, avail, on_cpu = self._plan(counts)
         inflight: deque[tuple[int, int]] = deque()
-        futures = {}
-        if on_cpu:
+        future = None
+        if on_cpu:  # per expert, unweighted: `combine` weighs and adds them in expert order like every backend
             x_host, rows_host = x.cpu(), rows.cpu()
-            futures = self._on_host(lambda e: expert_mlp(x_host[rows_host[starts[e]:starts[e] + counts[e]]],
-                                                         self.host_w13[e], self.host_w2[e], self.act), on_cpu)
+            host = self.host_experts
+            future = self._on_host(lambda: {e: host.expert(e)(x_host[rows_host[starts[e]:starts[e] + counts[e]]])
+                                            for e in on_cpu})
 
         def issue():
             while pending and avail:
@@ -502,6 +520,6 @@ class CachedExperts(ExpertBackend):
                 issue()
         if pending:
             raise RuntimeError(f"expert cache of layer {self.layer}: no evictable slot for experts {list(pending)}")
-        for e, y in self._join(futures).items():
+        for e, y in (self._join(future) or {}).items():
             outputs[e] = y.to(x.device, non_blocking=True)
         return combine(x, counts, rows, w_sorted, outputs)

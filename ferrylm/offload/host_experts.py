@@ -1,43 +1,148 @@
 """One layer's host-resident experts computed on the host's cores where they lie (no weight copies): the CPU
-side of the hybrid path. `HostExperts(w13, w2, act)` wraps a host bank (the host tier's [E, 2I, H] and
-[E, H, I] tensors) and builds one `layers/cpu_experts.HostExpert` per expert on first use.
+side of the hybrid path. `HostExperts(w13, w2, act)` wraps a host bank, in any format the engine holds it:
+dense [E, 2I, H] / [E, H, I] tensors (bf16, fp16, fp32: computed in their own dtype, so an fp32 bank gives
+exactly `layers/moe.expert_mlp`'s bits) or packed `layers/fused_moe.ExpertWeights` (int8, fp8, int4,
+int4min, nf4). It builds one `layers/cpu_experts.HostExpert` per expert on first use (`prepare` builds
+them ahead), over views of the bank's own bytes:
+- int4 / int4min (rows a multiple of 16) -> `QuantizedTensor` views for qmatmul's `Int4PackCPU`, which
+  re-lays the codes out in torch's CPU layout: that is a second copy of the expert's codes (TODO: a kernel
+  that reads the bank's layout; the device kernels need the bank as it is);
+- int8 per channel -> `Int8PackCPU` on the bank's codes (only the scales are converted, to bf16);
+- nf4, fp8, group-wise int8, odd-sized int4 -> `RowBlocks`: rows decoded a few MB at a time into bf16
+  for the GEMM (fp8: exactly, by moving bits, the fp32 scale on the output).
 
 `rows(x, ids, weights, out)` computes the weighted output of every assignment whose expert id is >= 0 in
 `ids` (the caller marks the assignments it keeps with -1) into `out`'s rows, in the layout of
 `layers/fused_moe.expert_rows` (row t * k + j for token t's j-th expert) with every other row 0, so the
-device adds them to its own rows exactly. It knows nothing about caches, streams or which thread runs it.
-Shapes: T tokens, k experts a token, H hidden.
+device adds them to its own rows exactly. Its Python work grows with the assignments and the experts used,
+never with E. Safe to call from one worker thread while another thread reads `expert`.
+It knows nothing about caches, streams or which thread runs it. Shapes: T tokens, k experts a token,
+H hidden, I the expert's intermediate size, E experts.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-from ferrylm.layers.cpu_experts import HostExpert
+from ferrylm.layers.cpu_experts import HostExpert, RowBlocks
+from ferrylm.weights import quant as Q
+
+
+def bank_format(side) -> str:
+    """The format a bank side is held in: a dtype name ("bfloat16") or a packed format and group ("int4min/32")."""
+    if isinstance(side, torch.Tensor):
+        return str(side.dtype).removeprefix("torch.")
+    return f"{side.fmt}/{side.group}"
+
+
+def expert_bytes(w13, w2) -> int:
+    """Bytes one expert holds in the bank (all parts of both sides): what a copy moves."""
+    def parts(side):
+        return side.parts.values() if not isinstance(side, torch.Tensor) else (side,)
+    return sum(t[0].numel() * t.element_size() for side in (w13, w2) for t in parts(side))
+
+
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def fp8_to_bf16(q: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes (uint8) -> the same values in bf16, exactly, by moving bits: s eeee mmm lands in bf16's
+    sign, low exponent and high mantissa bits (s000 eeee mmm0 000 as int16), which reads as the value times
+    2^-120 (subnormals included), so one power-of-two multiply finishes it. ~15x faster than torch's fp8
+    cast on the CPU. The two NaN codes (never produced by quantize_fp8) read as +-480."""
+    t = q.view(torch.int8).to(torch.int16)  # sign-extended: bits 15..8 copy s
+    t.bitwise_left_shift_(4).bitwise_and_(0x87F0 - 0x10000)  # keep s (bit 15) and eeeemmm (bits 10..4)
+    return t.view(torch.bfloat16).mul_(2.0 ** 120)
+
+
+def side_kernel(side, e: int):
+    """Expert e of one bank side as what `HostExpert` takes: a dense [N, K] view, a `QuantizedTensor` over
+    views of the packed parts (formats with a qmatmul CPU kernel), or a `RowBlocks` kernel."""
+    if isinstance(side, torch.Tensor):
+        return side[e]
+    _, N, K = side.shape
+    fmt, gs = side.fmt, side.group
+    q, s = side.parts["q"][e], side.parts["scale"][e]  # q: [N, K] or [N, K/2]; s: [N, G]
+    if fmt == "int8" and gs == K:
+        return Q.QuantizedTensor("int8", (N, K), {"q": q, "scale": s[:, 0]}, {}, torch.bfloat16)
+    if fmt in ("int4", "int4min") and N % 16 == 0:
+        parts = {"q": q, "scale": s, **({"min": side.parts["min"][e]} if fmt == "int4min" else {})}
+        zero = "min" if fmt == "int4min" else "sym"
+        return Q.QuantizedTensor("int4", (N, K), parts, {"group_size": gs, "zero": zero}, torch.bfloat16)
+    if fmt == "fp8" and gs == K:  # per channel: e4m3 -> bf16 exactly (`fp8_to_bf16`); the scale goes on the output
+        return RowBlocks((N, K), lambda a, c: fp8_to_bf16(q[a:a + c]), _nbytes(q, s), out_scale=s[:, 0].float())
+    m = side.parts.get("min")
+    m = m[e] if m is not None else None
+
+    def decode(a: int, c: int) -> torch.Tensor:
+        # rows [a, a + c) -> [c, K] bf16, the values `weights/quant.py`'s dequantizers give (fp32, then rounded)
+        if fmt == "int8":  # group-wise: w = d * q
+            w = q[a:a + c].float().view(c, -1, gs).mul_(s[a:a + c].float()[..., None])
+        elif fmt == "nf4":  # a byte -> its two levels as one 8-byte word; index_select takes int32 indices
+            words = Q._NF4_PAIR_WORDS.index_select(0, q[a:a + c].reshape(-1).int())  # [c * K/2] fp64 pairs
+            w = words.view(torch.float32).view(c, -1, gs).mul_(s[a:a + c].float()[..., None])
+        elif fmt in ("int4", "int4min"):
+            w = Q.unpack_nibbles(q[a:a + c]).float().view(c, -1, gs)  # [c, G, gs]
+            d = s[a:a + c].float()[..., None]
+            w = w.sub_(8).mul_(d) if fmt == "int4" else w.mul_(d).add_(m[a:a + c].float()[..., None])
+        else:
+            raise ValueError(f"host experts cannot read the {fmt!r} expert format")
+        return w.view(c, K).to(torch.bfloat16)
+
+    return RowBlocks((N, K), decode, _nbytes(*(t[e] for t in side.parts.values())))
 
 
 class HostExperts:
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, act):
-        if not isinstance(w13, torch.Tensor):
-            raise NotImplementedError("host experts compute dense banks only (packed host banks: TODO issue 10)")
+    def __init__(self, w13, w2, act):
+        """w13: [E, 2I, H], w2: [E, H, I], dense tensors or `ExpertWeights` of one format; `act` the gate's
+        activation. A dense bank computes in its own dtype; a packed one with bf16 activations."""
+        if isinstance(w13, torch.Tensor) != isinstance(w2, torch.Tensor):
+            raise ValueError("host experts: w13 and w2 must both be dense or both packed")
         self.w13, self.w2, self.act = w13, w2, act
-        self._experts: dict[int, HostExpert] = {}
+        self.num_experts = w13.shape[0]
+        self.format = bank_format(w13)
+        """The bank's format ("bfloat16", "float32", "int4min/32", "nf4/64", ...)."""
+        self.dense_dtype = w13.dtype if isinstance(w13, torch.Tensor) else torch.bfloat16
+        self.expert_bytes = expert_bytes(w13, w2)
+        """Bytes of one expert as the bank holds it."""
+        self._experts: list[HostExpert | None] = [None] * self.num_experts
+        self._lock = threading.Lock()
 
     def expert(self, e: int) -> HostExpert:
-        if e not in self._experts:
-            self._experts[e] = HostExpert(self.w13[e], self.w2[e], self.act)
-        return self._experts[e]
+        h = self._experts[e]
+        if h is None:
+            with self._lock:  # a kernel build (int4's re-layout) happens once even if two threads ask
+                h = self._experts[e]
+                if h is None:
+                    h = self._experts[e] = HostExpert(side_kernel(self.w13, e), side_kernel(self.w2, e), self.act,
+                                                      dense_dtype=self.dense_dtype)
+        return h
+
+    def prepare(self, experts=None) -> None:
+        """Build the kernels of `experts` (default all) now, so no step pays for a first use."""
+        for e in range(self.num_experts) if experts is None else experts:
+            self.expert(int(e))
 
     def rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> int:
         """x: [T, H]; ids, weights: [T, k] (ids -1 where another side computes); out: [>= T * k, H], written
         in rows [0, T * k). Returns the number of experts run."""
         T, k = ids.shape
         out[:T * k].zero_()
-        flat = ids.flatten()  # [T * k]
-        experts = torch.unique(flat[flat >= 0]).tolist()
-        wflat = weights.flatten()
-        for e in experts:
-            a = (flat == e).nonzero().flatten()  # assignment rows of expert e, ascending
-            y = self.expert(e)(x[a // k])  # [n, H]
-            out[a] = (y.float() * wflat[a].float()[:, None]).to(out.dtype)
-        return len(experts)
+        groups: dict[int, list[int]] = {}  # expert -> its assignment rows, ascending
+        for a, e in enumerate(ids.reshape(-1).tolist()):
+            if e >= 0:
+                groups.setdefault(e, []).append(a)
+        wflat = weights.reshape(-1)  # [T * k]
+        for e, a in groups.items():
+            if len(a) == 1:  # decode: views, no index tensors
+                i = a[0]
+                y = self.expert(e)(x[i // k:i // k + 1])  # [1, H]
+                out[i:i + 1] = y.float().mul_(wflat[i].float())
+            else:
+                idx = torch.tensor(a)
+                y = self.expert(e)(x.index_select(0, idx // k))  # [n, H]
+                out.index_copy_(0, idx, y.float().mul_(wflat.index_select(0, idx).float()[:, None]).to(out.dtype))
+        return len(groups)

@@ -9,6 +9,9 @@ engine, CI) tensors are plain host memory and the copy path still runs.
 Registrations are mapped (`cudaHostRegisterMapped`): under unified addressing the host address is also a
 device address, so a kernel can read a registered tensor in place over PCIe (`is_mapped`; the expert
 cache's decode path does).
+
+With `numa_node` (`--cpu-numa-node`, where the machine has several nodes) every tensor's pages are bound
+to that node (mbind) before anything touches or pins them, so the host experts read local memory.
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ _PORTABLE, _MAPPED = 1, 2  # cudaHostRegisterPortable, cudaHostRegisterMapped
 
 
 class HostTier:
-    def __init__(self, pin: bool, piece_bytes: int = 1 << 30):
+    def __init__(self, pin: bool, piece_bytes: int = 1 << 30, numa_node: int | None = None):
         self.pin = pin and torch.cuda.is_available()
+        self.numa_node = numa_node
+        """Bind every tensor's pages to this NUMA node before they are touched or pinned (None: no binding)."""
+        self._numa_warned = False
         self.piece_bytes = piece_bytes
         self.registered: list[int] = []
         self.pinned_bytes = self.pageable_bytes = 0
@@ -39,11 +45,14 @@ class HostTier:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         if not self.pin or nbytes == 0:
             self.pageable_bytes += nbytes
-            return torch.empty(shape, dtype=dtype)
+            t = torch.empty(shape, dtype=dtype)
+            self._bind(t)
+            return t
         # whole pages of our own: a registration must not overlap another tensor's page
         span = (nbytes + 4095) // 4096 * 4096
         shape = tuple(shape)
         raw = torch.empty(span + 4096, dtype=torch.uint8)
+        self._bind(raw)  # before registration faults the pages in
         off = -raw.data_ptr() % 4096
         t = raw[off:off + nbytes].view(dtype).view(shape)
         self._held.append(raw)
@@ -73,6 +82,14 @@ class HostTier:
         if done >= nbytes:
             self._mapped.add(t.data_ptr())
         return t
+
+    def _bind(self, t: torch.Tensor) -> None:
+        from ferrylm.hw.cpu_binding import bind_memory
+
+        if self.numa_node is not None and not bind_memory(t, self.numa_node) and not self._numa_warned:
+            log.warning("could not bind host weights to NUMA node %d (mbind failed): they stay where the "
+                        "kernel puts them", self.numa_node)
+            self._numa_warned = True
 
     def is_mapped(self, t: torch.Tensor) -> bool:
         """Whether all of `t` (a tensor this tier handed out) is registered, so a kernel may read it in place."""

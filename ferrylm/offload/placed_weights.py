@@ -42,22 +42,48 @@ class OffloadStats:
     """Seconds the CPU pool spent computing experts."""
     cpu_wait_s: float = 0.0
     """Seconds the step waited for CPU expert results after its device work was enqueued."""
+    copied_experts: int = 0
+    """Misses copied into a device slot before they computed (the copy path)."""
+    mapped_experts: int = 0
+    """Misses the device read in place from mapped host memory (mapped decode steps)."""
+    cpu_share: float = 0.0
+    """Share of the last step's non-resident experts computed on the host's cores (a gauge: the split the
+    cost model chose; 0 when every miss is copied or read in place)."""
+    steps: int = 0
+    """Steps run (the denominator of the per-step figures)."""
+    step_s: float = 0.0
+    """Seconds the steps took, wall clock (the denominator of the CPU busy share)."""
 
     def reset(self) -> None:
+        """Counters to 0 (the gauge `cpu_share` keeps its value)."""
         for f in dataclasses.fields(self):
-            setattr(self, f.name, type(getattr(self, f.name))())
+            if f.name != "cpu_share":
+                setattr(self, f.name, type(getattr(self, f.name))())
 
     @property
     def hit_rate(self) -> float | None:
         n = self.expert_hits + self.expert_misses
         return self.expert_hits / n if n else None
 
+    @property
+    def cpu_busy_share(self) -> float | None:
+        """Fraction of the steps' wall time the host spent computing experts."""
+        return self.cpu_busy_s / self.step_s if self.step_s > 0 else None
+
+    def per_step(self) -> str:
+        """One line of per-step figures for `--stats`."""
+        n = max(self.steps, 1)
+        busy = "n/a" if self.cpu_busy_share is None else f"{self.cpu_busy_share:.0%}"
+        return (f"per step: {self.expert_hits / n:.1f} experts hit on the device, {self.copied_experts / n:.1f} "
+                f"copied, {self.mapped_experts / n:.1f} read in place, {self.cpu_experts / n:.1f} on the CPU; CPU busy "
+                f"{busy}, device waited {self.cpu_wait_s / n * 1e3:.2f} ms for CPU results")
+
 
 class PlacedWeights:
     def __init__(self, model: nn.Module, placement: Placement, device: torch.device, policy: str = "lru",
                  profile: str | None = None, stream_buffers: int = 2, moe_backend: str = "auto",
                  experts: str = "auto", cpu_threads: int | None = None, mapped_experts: bool = True,
-                 cpu_share: float | None = None):
+                 cpu_share: float | None = None, cpu_numa_node: int | None = None):
         self.model, self.placement, self.device = model, placement, device
         self.target = device
         self.policy, self.stream_buffers, self.moe_backend = policy, stream_buffers, moe_backend
@@ -72,7 +98,11 @@ class PlacedWeights:
         self.cpu_pool = None
         self.calibration: dict | None = None
         self.stats = OffloadStats()
-        self.host = HostTier(pin=device.type == "cuda")
+        from ferrylm.hw.cpu_binding import node_cpus
+
+        # the node's CPUs run the expert worker; its memory holds the host tier (bound before pinning)
+        self.expert_cpus = node_cpus(cpu_numa_node) if cpu_numa_node is not None else None
+        self.host = HostTier(pin=device.type == "cuda", numa_node=cpu_numa_node if self.expert_cpus else None)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.name_of = {id(p): n for n, p in model.named_parameters()}
         tier_of_param: dict[str, str] = {}
@@ -178,8 +208,7 @@ class PlacedWeights:
                                  f"and pinned ({sum(m for m, _ in moved)} changed from the default choice); they took "
                                  f"{sum(c for _, c in moved) / len(moved):.0%} of the recorded routing")
             log.warning("%s", self.profile_note)
-        packed = any(c.packed for c in self.caches.values())  # host cores would have to decode them first
-        if self.caches and self.experts != "gpu" and not packed:
+        if self.caches and self.experts != "gpu":  # dense or packed: host experts compute the bank's format
             self._start_hybrid()
         if self.caches and self.mapped_experts and all(
                 c.fused and all(self.host.is_mapped(t) for t in c.host_parts()) for c in self.caches.values()):
@@ -190,25 +219,29 @@ class PlacedWeights:
     def _start_host_decode(self) -> None:
         """Hybrid decode: a share of each layer's experts (spread over the ids) is computed by the host while
         not in a slot; the share balances the host's expert rate against the in-place read rate."""
+        from ferrylm.hw.cpu_binding import bind_thread
+        from ferrylm.offload.cost_model import cpu_share
         from ferrylm.offload.host_decode import HostDecode
-        from ferrylm.offload.host_experts import HostExperts
 
         share = self.cpu_share
         if share is None:
             if self.experts == "cpu":
                 share = 1.0
-            else:  # in place runs at ~0.85 of the copy engine (benchmarks/bench_mapped.py on the H200)
-                cpu_rate, inplace_rate = 1 / self.costs.cpu_s(1), 0.85 / self.costs.copy_s
-                share = cpu_rate / (cpu_rate + inplace_rate)
+            else:  # the measured in-place rate, else ~0.85 of the copy engine's (benchmarks/bench_mapped.py, H200)
+                c = self.costs
+                share = cpu_share(c, c.inplace_gbs or 0.85 * c.expert_bytes / c.copy_s / 1e9)
         if share <= 0:
             self.cpu_share = 0.0
             return
         first = next(iter(self.caches.values()))
         H = first.host_w13.shape[2]
-        self.host_decode = HostDecode({l: HostExperts(c.host_w13, c.host_w2, c.act) for l, c in self.caches.items()},
+        self.host_decode = HostDecode({l: c.host_experts for l, c in self.caches.items()},  # shared with the copy path
                                       max(c.mapped_tokens for c in self.caches.values()),
                                       self.model.config.num_experts_per_tok, H, first.dtype, self.stats,
                                       self.device)
+        if self.expert_cpus:  # the decode worker waits for its first hand-off: bound before any torch work
+            threads = self.cpu_threads or self.calibration.get("threads")
+            bind_thread(self.expert_cpus, threads, tid=self.host_decode.thread.native_id)
         self.set_cpu_share(share)
 
     def set_cpu_share(self, share: float) -> None:
@@ -220,9 +253,23 @@ class PlacedWeights:
         cpu_class = torch.tensor([int((e + 1) * share) > int(e * share) for e in range(E)])
         for c in self.caches.values():
             c.use_host(self.host_decode, cpu_class)
-        self.cpu_share = share
+        self.cpu_share = self.stats.cpu_share = share
+        self._prepare_host_experts(cpu_class.nonzero().flatten().tolist())
         log.info("hybrid decode: the host computes %d of %d experts per layer while they are not in a slot "
                  "(share %.2f)", int(cpu_class.sum()), E, share)
+
+    def _prepare_host_experts(self, experts: list[int]) -> None:
+        """Build the host kernels of `experts` in every layer on a background thread, so no decode step pays
+        a first use (int4's re-layout took 2 s for one Mixtral-sized expert on a loaded 2-core host); a step
+        that needs one first builds it itself (one build per expert: `HostExperts` locks)."""
+        import threading
+
+        banks = [c.host_experts for c in self.caches.values()]
+
+        def run():
+            for he in banks:
+                he.prepare(experts)
+        threading.Thread(target=run, name="ferry-host-experts-prepare", daemon=True).start()
 
     @property
     def graphable(self) -> bool:
@@ -234,23 +281,36 @@ class PlacedWeights:
         """The most tokens a graphed step may have (mapped caches copy larger steps), None: no limit."""
         return min((c.mapped_tokens for c in self.caches.values()), default=None)
 
-    def after_step(self) -> None:
+    def after_step(self, step_s: float | None = None) -> None:
+        """After every step (`step_s`: its wall time, for the per-step figures)."""
+        if step_s is not None:
+            self.stats.steps += 1
+            self.stats.step_s += step_s
         if self.host_decode is not None:
             self.host_decode.check()
         if self.tally is not None:
             self.tally.after_step()
 
     def _start_hybrid(self) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
+        from ferrylm.hw.cpu_binding import worker_pool
         from ferrylm.offload.calibration import calibrate
 
-        if self.cpu_threads:
-            torch.set_num_threads(self.cpu_threads)
         if self.device.type == "cuda":  # one worker (torch's intra-op threads inside) beside the GPU work
-            self.cpu_pool = ThreadPoolExecutor(1, thread_name_prefix="ferry-cpu-experts")
+            self.cpu_pool = worker_pool(self.expert_cpus, self.cpu_threads)
+        else:  # the CPU engine computes experts on its own thread (bound by --numa-node, if at all)
+            if self.expert_cpus:
+                log.warning("--cpu-numa-node: the CPU engine computes experts on its engine thread; bind it "
+                            "with --numa-node (the host tier's memory is bound)")
+            if self.cpu_threads:
+                torch.set_num_threads(self.cpu_threads)
         first = next(iter(self.caches.values()))
-        costs, self.calibration = calibrate(first.host_w13, first.host_w2, first.act, self.device)
+        mapped = all(self.host.is_mapped(t) for t in first.host_parts())
+        # on CUDA without --cpu-threads the worker takes the thread count that runs fastest beside copies
+        choose = self.cpu_pool is not None and not self.cpu_threads
+        args = (first.host_w13, first.host_w2, first.act, self.device, first.host_experts, mapped, choose)
+        # measured on the thread that will compute the experts (its binding, its torch threads)
+        costs, self.calibration = (self.cpu_pool.submit(calibrate, *args).result() if self.cpu_pool
+                                   else calibrate(*args))
         self.costs = costs
         for c in self.caches.values():
             c.cpu_mode, c.costs, c.cpu_pool = self.experts, costs, self.cpu_pool

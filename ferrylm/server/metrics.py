@@ -92,6 +92,10 @@ class _EngineCollector:
         "weight_waits": "Layers that waited for a weight copy still in flight.",
         "cpu_busy_s": "Seconds the host spent computing experts.",
         "cpu_wait_s": "Seconds steps waited for host expert results.",
+        "copied_experts": "Expert misses copied into a device slot.",
+        "mapped_experts": "Expert misses the device read in place from host memory.",
+        "steps": "Steps run by the offload engine.",
+        "step_s": "Seconds the offload engine's steps took (the CPU busy share is cpu_busy_s over this).",
     }
 
     def _offload(self, stats: dict | None):
@@ -103,6 +107,10 @@ class _EngineCollector:
             c = CounterMetricFamily(f"ferry:offload_{key}", doc, labels=["model_name"])
             c.add_metric(self.labels, stats[key])
             yield c
+        g = GaugeMetricFamily("ferry:offload_cpu_share", "Share of the last step's non-resident experts computed "
+                              "on the host's cores.", labels=["model_name"])
+        g.add_metric(self.labels, stats["cpu_share"])
+        yield g
 
 
 OLD_NAMES = {"kv_cache_usage_perc": "gpu_cache_usage_perc"}

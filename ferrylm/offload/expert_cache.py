@@ -234,6 +234,7 @@ class CachedExperts(ExpertBackend):
             self.ready[s].record(self.stream)
         self.landing.append((e, s))
         self.stats.h2d_bytes += self.expert_bytes
+        self.stats.copied_experts += 1
 
     def land(self, wait: bool = False) -> None:
         """Point the table at promotions whose copies have landed (all of them, waiting, with `wait`)."""

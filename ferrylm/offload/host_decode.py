@@ -30,8 +30,23 @@ import time
 
 import torch
 
+from ferrylm.layers.fused_moe import ExpertWeights
 from ferrylm.offload.host_experts import HostExperts
 from ferrylm.offload.host_node import HostHandoff
+
+
+def _empty(side, n: int, device) -> object:
+    """n uninitialised device slots shaped like a host bank side (dense, or packed `ExpertWeights`)."""
+    if isinstance(side, ExpertWeights):
+        return side.empty_like(n, device)
+    return torch.empty((n, *side.shape[1:]), dtype=side.dtype, device=device)
+
+
+def _copy_into(dst, j: int, src, e: int) -> None:
+    if isinstance(dst, ExpertWeights):
+        dst.copy_expert_(j, src, e, non_blocking=True)
+    else:
+        dst[j].copy_(src[e], non_blocking=True)
 
 
 class HostDecode:
@@ -46,8 +61,7 @@ class HostDecode:
             first = next(iter(experts.values()))
             E, S = first.w13.shape[0], min(k * max_tokens, first.w13.shape[0])
             self.device = device
-            self.scratch13 = torch.empty((S, *first.w13.shape[1:]), dtype=first.w13.dtype, device=device)
-            self.scratch2 = torch.empty((S, *first.w2.shape[1:]), dtype=first.w2.dtype, device=device)
+            self.scratch13, self.scratch2 = _empty(first.w13, S, device), _empty(first.w2, S, device)
             self.copy_ids = torch.empty(max_tokens, k, dtype=torch.long).pin_memory()
             self.remap_pin = torch.full((E,), S, dtype=torch.long).pin_memory()
             self.remap = torch.full((E,), S, dtype=torch.long, device=device)  # expert -> scratch slot | S (skip)
@@ -97,8 +111,8 @@ class HostDecode:
         self.remap_pin.fill_(S)
         with torch.cuda.stream(self.copy_stream):
             for j, e in enumerate(need):
-                self.scratch13[j].copy_(bank.w13[e], non_blocking=True)
-                self.scratch2[j].copy_(bank.w2[e], non_blocking=True)
+                _copy_into(self.scratch13, j, bank.w13, e)
+                _copy_into(self.scratch2, j, bank.w2, e)
                 self.remap_pin[e] = j
             self.remap.copy_(self.remap_pin, non_blocking=True)
 

@@ -75,6 +75,11 @@ class RoutingTally:
         on_host = sum(int((needed[i] & ~self.resident[i] & c.cpu_class).sum())
                       for i, c in enumerate(self.caches) if c.cpu_class is not None)
         self.stats.h2d_bytes += (misses - on_host) * self.caches[0].expert_bytes  # read in place over PCIe
+        hd = self.caches[0].host_decode
+        if hd is not None and hd.copies:  # the host worker copied them into scratch slots
+            self.stats.copied_experts += misses - on_host
+        else:
+            self.stats.mapped_experts += misses - on_host
         for i, c in enumerate(self.caches):
             if c.trace is not None and needed[i].any():
                 c.trace.append(needed[i].nonzero().flatten().tolist())

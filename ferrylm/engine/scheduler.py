@@ -13,6 +13,9 @@ The engine's step, in this order:
     append the sampled token to each seq with sample_mask[i]; scheduler.finish(seq, status) when done
 A sequence may never grow past `scheduler.max_seq_len` tokens (the KV pool's capacity); the engine
 finishes it with FINISHED_LENGTH there, as it does at max_model_len.
+With async scheduling (`engine/llm_engine.py`) the sampled token is counted (`seq.num_pending`) before
+its value is known, so a sequence is scheduled for its next decode one step before the engine knows
+whether it stopped; the scheduler sees no difference.
 """
 
 from __future__ import annotations
@@ -191,6 +194,7 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = status
+        seq.num_pending = 0  # tokens still on the device (async scheduling) are dropped with it
         self._release(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:

@@ -339,7 +339,7 @@ class LLMEngine:
         """The step's tokens reach the host: append them, check stops, build the outputs."""
         result = step.sampled.output(step.host.wait())
         t0 = self._tick("wait", t0)
-        now = time.monotonic()
+        now, bs = time.monotonic(), self.block_manager.block_size
         touched: dict[str, _Request] = {}
         for row, (seq, tok) in enumerate(zip(step.seqs, result.token_ids)):
             if seq.is_finished:  # stopped (one step late) or aborted while this step ran: drop its token
@@ -353,13 +353,16 @@ class LLMEngine:
                 seq.cumulative_logprob += result.logprobs[row][tok]
             self.stats["generation_tokens"] += 1
             self._check_stop(req, seq, tok, self._advance_grammar(seq, tok))
-            if not seq.is_finished:  # the block the token completes can be found by its hash now
+            known = len(seq.token_ids)
+            if known % bs == 0 and seq.num_computed_tokens >= known and not seq.is_finished:
+                # the token completes a block the next step already computed: findable by its hash now
                 self.block_manager.cache_full_blocks(seq)
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
-            outputs.append(self._output(req))
-            if req.finished:
+            out = self._output(req, now)
+            outputs.append(out)
+            if out.finished:
                 del self.requests[req.request_id]
                 self._forget(req)
         self._tick("postprocess", t0)
@@ -462,17 +465,21 @@ class LLMEngine:
                 seq.stop_reason = stop
                 return
 
-    def _output(self, req: _Request) -> RequestOutput:
+    def _output(self, req: _Request, now: float | None = None) -> RequestOutput:
+        finished = req.finished
+        lp = req.params.logprobs is not None
         outs = [CompletionOutput(
             index=i, text=req.texts[i], token_ids=s.output_token_ids,  # a fresh slice
             finish_reason=s.status.finish_reason, stop_reason=s.stop_reason,
-            logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
+            logprobs=list(s.logprobs) if lp else None,
             cumulative_logprob=s.cumulative_logprob) for i, s in enumerate(req.seqs)]
         first = req.seqs[0]
+        first_token = first.first_token_time if len(req.seqs) == 1 else \
+            min((s.first_token_time for s in req.seqs if s.first_token_time), default=None)
         return RequestOutput(
             prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=outs, finished=req.finished, num_cached_tokens=first.num_cached_tokens,
+            outputs=outs, finished=finished, num_cached_tokens=first.num_cached_tokens,
             metrics={"arrival_time": req.arrival_time, "first_scheduled_time": first.first_scheduled_time,
-                     "first_token_time": min((s.first_token_time for s in req.seqs if s.first_token_time), default=None),
-                     "finished_time": time.monotonic() if req.finished else None})
+                     "first_token_time": first_token,
+                     "finished_time": (now or time.monotonic()) if finished else None})

@@ -170,11 +170,16 @@ class Scheduler:
 
     def postprocess(self, output: SchedulerOutput) -> None:
         """After the model ran: the step's tokens now have KV; register blocks that became full."""
+        bm = self.block_manager
+        bs = bm.block_size if bm.enable_prefix_caching else 0
         for seq, n in zip(output.seqs, output.num_new_tokens):
             if seq.status != SequenceStatus.RUNNING:  # aborted while the step ran
                 continue
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = after = before + n
+            known = len(seq.token_ids)
+            if bs and min(after, known) // bs > min(before, known) // bs:  # a block filled with known tokens
+                bm.cache_full_blocks(seq)
 
     # ---- leaving the running set ----------------------------------------------------------------------
 

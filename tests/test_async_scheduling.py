@@ -244,3 +244,18 @@ def test_server_streams_match_sync_and_abort_frees_kv(model):
         log = server.log_text()
         os.unlink(server.log.name)
     assert rc == 0 and "Traceback" not in log, log
+
+
+def test_length_stops_cost_no_extra_step(model):
+    """A sequence whose pending token is its last (max_tokens) is not scheduled again: the async run samples
+    exactly the rows the synchronous one does."""
+    from helpers import capture_logits
+
+    sync, asyn = pair(model, max_num_seqs=8)
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    rows = []
+    for llm in (sync, asyn):
+        with capture_logits(llm.engine) as got:
+            outs, _ = drive(llm, PROMPTS, params)
+        rows.append(len(got))
+    assert rows[0] == rows[1] == sum(p.max_tokens for p in params), rows

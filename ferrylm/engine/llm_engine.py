@@ -12,8 +12,10 @@ resolves step N, so the host's work for both happens while the device runs step 
   - step N's sampled tokens are counted (`Sequence.num_pending`) but not known when step N+1 is
     scheduled; a decode of such a sequence reads its input id from step N's sampled-id tensor on the
     device (`PrevTokens`), never through the host;
-  - stops (EOS, stop ids and strings, max_tokens, length) are found one step late: a sequence that
-    stopped at step N has run in step N+1 too, and that extra token is dropped, never emitted;
+  - stops that depend on the token (EOS, stop ids and strings, a grammar's end) are found one step late:
+    a sequence that stopped at step N has run in step N+1 too, and that extra token is dropped, never
+    emitted; a sequence whose pending token is its last anyway (max_tokens, the length limit) is not
+    scheduled again (`Sequence.final_pending`);
   - requests whose next step needs the last token on the host first fall back to synchronous steps
     while they are in the engine: structured outputs (the grammar's mask) and repetition / presence /
     frequency penalties (they count the tokens). Unseeded random sampling shares one generator across
@@ -330,6 +332,9 @@ class LLMEngine:
         sampled = self.sampler(logits, sampling, self._allowed(sampling), True)
         for s in sampling:
             s.num_pending += 1
+            mt = s.sampling_params.max_tokens
+            if mt is not None and s.num_output_tokens >= mt or s.num_tokens >= self.max_seq_len:
+                s.final_pending = True  # it finishes on this token: no step for a token nobody will see
         inflight = _InFlight(sampling, sampled, download(sampled.tensors()),
                              PrevTokens(sampled.token_ids, {s.seq_id: i for i, s in enumerate(sampling)}))
         self._tick("sample", t0)

@@ -114,7 +114,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            if n <= 0:
+            if n <= 0 or seq.final_pending:  # its last token is on the way: nothing left to compute
                 i += 1
                 continue
             while not self.block_manager.append_slots(seq, n):

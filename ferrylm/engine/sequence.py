@@ -56,6 +56,9 @@ class Sequence:
     """Prompt followed by every generated token whose value is known."""
     num_pending: int = 0
     """Sampled tokens after `token_ids` whose values are still on the device (async scheduling)."""
+    final_pending: bool = False
+    """The pending token is the last one whatever its value (max_tokens or the length limit): the sequence
+    finishes when it arrives, so the scheduler gives it no further step."""
     num_computed_tokens: int = 0
     """Leading tokens whose KV is in the cache (prefix-cache hits included)."""
     num_cached_tokens: int = 0

@@ -6,9 +6,9 @@ Down: the sampled ids (and logprob tensors, when asked) are copied into pinned h
 event, so the host reads them when it needs them (one step later with async scheduling) instead of
 blocking on `.tolist()` while the GPU still has work queued.
 
-Pinned buffers come from torch's caching host allocator (`pin_memory()`, and a non-blocking device ->
-host `.to("cpu")`, which torch gives a pinned destination): it records the copy's stream and hands a
-block out again only once that copy has finished, so a buffer is never overwritten while in flight.
+Pinned buffers come from torch's caching host allocator (`pin_memory()`, `torch.empty(pin_memory=True)`):
+it records each non-blocking copy's stream and hands a block out again only once that copy has finished,
+so a buffer is never overwritten while in flight, and no ring of buffers needs managing here.
 On the CPU there is nothing to copy: the views are of one host tensor and a download is the tensors.
 Knows nothing about sequences, scheduling or sampling.
 """
@@ -57,7 +57,11 @@ def download(tensors: list[torch.Tensor]) -> Download:
     """Start copying device tensors to pinned host memory on the current stream; CPU tensors pass through."""
     if not tensors or tensors[0].device.type != "cuda":
         return Download(list(tensors), None)
-    host = [t.to("cpu", non_blocking=True) for t in tensors]  # pinned destinations (torch pins them)
+    host = []
+    for t in tensors:  # a pageable destination would make the copy wait for the device: pin it
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        h.copy_(t, non_blocking=True)
+        host.append(h)
     event = torch.cuda.Event()
     event.record()
     return Download(host, event)

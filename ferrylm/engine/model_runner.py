@@ -13,7 +13,6 @@ import logging
 import time
 from array import array
 from dataclasses import dataclass, field
-from itertools import chain
 
 import torch
 
@@ -90,7 +89,7 @@ class StepInput:
     seq_lens: list[int]
     """[B] context length after the step."""
     block_tables: list[list[int]]
-    """[B, max_blocks] padded with 0."""
+    """[B, max_blocks] padded with 0 (rows are lists or int64 arrays)."""
     num_decodes: int
     state_slots: list[int | None]
     """[B] per-sequence state row (models with non-KV state)."""
@@ -383,10 +382,31 @@ class ModelRunner:
         num_decodes = 0
         while num_decodes < len(out.seqs) and out.num_new_tokens[num_decodes] == 1:
             num_decodes += 1
-        width = max(len(s.block_table) for s in out.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in out.seqs]
+        rows = self._table_rows(out.seqs)
+        width = max(len(r) for r in rows)
+        zeros = array("q", bytes(8 * width))
+        tables = [r + zeros[:width - len(r)] if len(r) < width else r for r in rows]
         return StepInput(input_ids, positions, slots, qsl, starts, lens, tables, num_decodes,
                          [s.state_slot for s in out.seqs], sample_rows + list(extra_rows), gather_dst, gather_src)
+
+    _tables: dict[int, tuple[list[int], array]] = {}
+
+    def _table_rows(self, seqs) -> list[array]:
+        """Each sequence's block table as an int64 array, kept from step to step and extended by the blocks
+        it gained, so a step copies whole rows instead of converting every block id again. A table only
+        grows by appending while its sequence holds it (kv/block_manager.py); a replaced list is rebuilt."""
+        old, new, rows = self._tables, {}, []
+        for s in seqs:
+            bt = s.block_table
+            got = old.get(s.seq_id)
+            if got is None or got[0] is not bt or len(got[1]) > len(bt):
+                got = (bt, array("q", bt))
+            elif len(got[1]) < len(bt):
+                got[1].extend(bt[len(got[1]):])
+            new[s.seq_id] = got
+            rows.append(got[1])
+        self._tables = new  # sequences that left the batch are dropped
+        return rows
 
     def tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         """ids, positions [T] and the step's `ForwardContext`, on this runner's device."""
@@ -397,9 +417,12 @@ class ModelRunner:
         pending ids are filled on the device from `prev`, the previous step's sampled ids."""
         dev, nd, lens = self.device, step.num_decodes, step.seq_lens
         B, W = len(step.block_tables), len(step.block_tables[0]) if step.block_tables else 0
+        flat = array("q")
+        for row in step.block_tables:  # [B, W]: rows may be the runner's cached arrays, read now
+            flat.extend(row)
         ids, pos, slots, dlens, tables, rows, dst, src = upload(
-            [step.input_ids, step.positions, step.slots, lens[:nd], chain.from_iterable(step.block_tables),
-             step.sample_rows, step.gather_dst, step.gather_src], dev)
+            [step.input_ids, step.positions, step.slots, lens[:nd], flat, step.sample_rows, step.gather_dst,
+             step.gather_src], dev)
         if step.gather_dst:
             ids[dst] = prev[src]
         ctx = ForwardContext(
@@ -491,12 +514,14 @@ class ModelRunner:
             slots.append(s.block_table[p // bs] * bs + p % bs)
         nbb = _bucket((max(pos) + bs) // bs, g.block_buckets)  # blocks of the longest context (pos + 1 tokens)
         scratch, pad = self.kv_cache.scratch_block, Bb - B
+        fill = array("q", [scratch]) * nbb
         tables = array("q")
-        for s in out.seqs:
-            row = s.block_table[:nbb]
-            tables.extend(row)
-            tables.extend([scratch] * (nbb - len(row)))
-        tables.extend([scratch] * (nbb * pad))
+        for row in self._table_rows(out.seqs):  # [Bb, nbb], padded with the scratch block
+            tables.extend(row[:nbb])
+            if len(row) < nbb:
+                tables.extend(fill[:nbb - len(row)])
+        for _ in range(pad):
+            tables.extend(fill)
         d_ids, d_pos, d_slots, d_tables, d_dst, d_src = upload(
             [ids + [0] * pad, pos + [0] * pad, slots + [scratch * bs] * pad, tables, dst, src], self.device)
         g.ids[:Bb].copy_(d_ids)

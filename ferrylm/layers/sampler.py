@@ -85,6 +85,13 @@ def uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list as a device tensor without blocking: `torch.tensor(..., device="cuda")` copies from
+    pageable memory and waits for the whole stream (the step queued before it); a pinned copy does not."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def _pad_ids(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     """Token lists -> [B, L] long tensor padded with `pad` (ids >= pad are folded into it too)."""
     width = max((len(x) for x in lists), default=0)
@@ -123,7 +130,7 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[SamplingRow], eos_token_id
                 rows.append(i)
                 cols.append(t)
     if rows:
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        logits[to_device(rows, logits.device), to_device(cols, logits.device)] = float("-inf")
     return logits
 
 
@@ -138,7 +145,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tens
     if any(p.repetition_penalty != 1.0 for p in params):
         ids = _pad_ids([s.token_ids if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, params)], V, dev)
         seen = torch.zeros(B, V + 1, dtype=torch.bool, device=dev).scatter_(1, ids, True)[:, :V]  # [B, V]
-        rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)[:, None]  # [B, 1]
+        rep = to_device([p.repetition_penalty for p in params], dev, torch.float32)[:, None]  # [B, 1]
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits.copy_(torch.where(seen, penalised, logits))
 
@@ -147,8 +154,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tens
         ids = _pad_ids(out, V, dev)  # [B, L]
         counts = torch.zeros(B, V + 1, dtype=torch.float32, device=dev)
         counts = counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))[:, :V]  # [B, V]
-        pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev)[:, None]  # [B, 1]
-        freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev)[:, None]  # [B, 1]
+        pres = to_device([p.presence_penalty for p in params], dev, torch.float32)[:, None]  # [B, 1]
+        freq = to_device([p.frequency_penalty for p in params], dev, torch.float32)[:, None]  # [B, 1]
         logits -= freq * counts + pres * (counts > 0)
     return logits
 
@@ -164,8 +171,8 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Ten
             vals.append(b)
     if rows:
         dev = logits.device
-        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                          torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+        logits.index_put_((to_device(rows, dev), to_device(cols, dev)), to_device(vals, dev, logits.dtype),
+                          accumulate=True)
     return logits
 
 
@@ -221,12 +228,12 @@ class FilterTensors:
     @classmethod
     def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> "FilterTensors":
         V, f32 = vocab_size, torch.float32
-        temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=f32, device=device)
-        min_p = torch.tensor([p.min_p for p in params], dtype=f32, device=device)[:, None] \
+        temp = to_device([p.temperature if not p.greedy else 1.0 for p in params], device, f32)
+        min_p = to_device([p.min_p for p in params], device, f32)[:, None] \
             if any(p.min_p > 0 for p in params) else None  # [R, 1]
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=device) \
+        top_k = to_device([p.top_k if 0 < p.top_k < V else V for p in params], device) \
             if any(0 < p.top_k < V for p in params) else None
-        top_p = torch.tensor([p.top_p for p in params], dtype=f32, device=device) \
+        top_p = to_device([p.top_p for p in params], device, f32) \
             if any(p.top_p < 1.0 for p in params) else None
         return cls(temp, min_p, top_k, top_p)
 
@@ -265,13 +272,13 @@ class _BatchPlan:
         self.rand = [i for i, p in enumerate(params) if not p.greedy]
         rp = [params[i] for i in self.rand]
         self.all_rand = len(self.rand) == len(params)
-        self.rand_idx = None if self.all_rand or not self.rand else torch.tensor(self.rand, device=device)
+        self.rand_idx = None if self.all_rand or not self.rand else to_device(self.rand, device)
         self.knobs = FilterTensors.build(rp, vocab_size, device) if rp else None
         self.seeded = [j for j, p in enumerate(rp) if p.seed is not None]
         unseeded = [j for j, p in enumerate(rp) if p.seed is None]
-        self.unseeded_idx = torch.tensor(unseeded, device=device) if self.seeded and unseeded else None
+        self.unseeded_idx = to_device(unseeded, device) if self.seeded and unseeded else None
         self.lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        self.lp_idx = torch.tensor(self.lp_rows, device=device) if self.want_lp else None
+        self.lp_idx = to_device(self.lp_rows, device) if self.want_lp else None
         self.lp_n = min(max((params[i].logprobs for i in self.lp_rows), default=0), vocab_size)
 
     def below_min_tokens(self, seqs: list) -> bool:
@@ -343,7 +350,7 @@ class Sampler:
         else:
             unseeded = plan.unseeded_idx if plan is not None else None
             if plan is None and len(seeded) < len(seqs):
-                unseeded = torch.tensor([i for i, s in enumerate(seqs) if s.params.seed is None], device=device)
+                unseeded = to_device([i for i, s in enumerate(seqs) if s.params.seed is None], device)
             if unseeded is not None:
                 draw = torch.empty(unseeded.numel(), shape[1], dtype=torch.float32, device=device)
                 q[unseeded] = draw.exponential_(generator=self._shared_gen(device))

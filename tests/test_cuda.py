@@ -613,3 +613,34 @@ def test_async_scheduling_equals_sync_on_cuda(tiny_llama):
     assert a.device.type == "cuda" and a.tolist() == [1, 2, 3] and b.tolist() == [7]
     host = download([torch.arange(5, device=dev)]).wait()[0]
     assert host.is_pinned() and host.tolist() == list(range(5))
+
+
+def test_async_step_launch_never_waits_for_the_device(tiny_llama):
+    """Launching a decode step with async scheduling (schedule, inputs staged in one copy, graph replay,
+    sampling, the download of the ids) makes no synchronising CUDA call (sync debug mode raises on one);
+    only reading the ids back waits, on their event. The tokens equal a synchronous run's."""
+    import time
+
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=30, ignore_eos=True)] * 2
+    prompts = [[1 + i, 2, 3, 4 + i] for i in range(4)]
+    want = LLM(tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, async_scheduling="off").generate(
+        prompts, params)
+    e = LLM(tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, async_scheduling="on").engine
+    ids = [e.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final = {}
+    for _ in range(6):  # prefill, the decode graph captured, the sampler's plan built
+        final.update({o.request_id: o for o in e.step() if o.finished})
+    assert e._inflight is not None and e.runner.graphs.graphs
+    for _ in range(3):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = e._launch(e.scheduler.schedule(), time.perf_counter())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        prev, e._inflight = e._inflight, launched
+        final.update({o.request_id: o for o in e._resolve(prev, time.perf_counter()) if o.finished})
+    while e.has_unfinished_requests():
+        final.update({o.request_id: o for o in e.step() if o.finished})
+    e.step()
+    assert [final[i].outputs[0].token_ids for i in ids] == token_ids(want)

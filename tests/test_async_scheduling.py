@@ -259,3 +259,52 @@ def test_length_stops_cost_no_extra_step(model):
             outs, _ = drive(llm, PROMPTS, params)
         rows.append(len(got))
     assert rows[0] == rows[1] == sum(p.max_tokens for p in params), rows
+
+
+def test_graph_input_staging_on_the_cpu(model):
+    """The CUDA path's staging of a decode graph's static buffers (one upload, padded tables, pending ids
+    from the device), exercised on the CPU: `DecodeGraphs` with its replay run eagerly (no CUDA graph here)
+    gives the engine the same tokens as the eager path, sync and async, and `ModelRunner._graph_step` the
+    same logits as `DecodeGraphs.run` (the plain reference staging)."""
+    import torch
+
+    from ferrylm.engine.cuda_graph import DecodeGraphs
+    from ferrylm.layers.context import forward_context
+
+    class EagerReplay(DecodeGraphs):
+        def _graph(self, Bb, nbb):
+            ctx, ids, pos, logits = self._context(Bb, nbb), self.ids[:Bb], self.pos[:Bb], self.logits[:Bb]
+            body, embed = self.body, self.embed
+
+            class Replay:  # what capture would record: the body over the static buffers
+                def replay(self):
+                    with torch.inference_mode(), forward_context(ctx):
+                        logits.copy_(body(embed(ids), pos))
+            self.graphs[(Bb, nbb)] = (Replay(), logits)
+            return self.graphs[(Bb, nbb)]
+
+    def graphed(llm):
+        r = llm.engine.runner
+        r.graphs = EagerReplay(r.embed, lambda x, pos: r.model.compute_logits(r.run_layers(x, pos)), r.kv_cache,
+                               8, r.max_model_len, r.model_config.vocab_size, r.device,
+                               hidden_size=r.model_config.hidden_size, dtype=r.dtype)
+        return llm
+
+    kw = dict(max_num_seqs=8, block_size=4)
+    sync, asyn = pair(model, **kw)
+    want, _ = drive(sync, PROMPTS, mixed_params())
+    for llm in (graphed(LLM(model, async_scheduling="off", **kw)), graphed(LLM(model, async_scheduling="on", **kw))):
+        got, _ = drive(llm, PROMPTS, mixed_params())
+        assert llm.engine.runner.graphs.graphs, "no step took the graph path"
+        assert view(got) == view(want)
+        assert logprob_diff(got, want) < 1e-4
+
+    e = graphed(LLM(model, async_scheduling="off", **kw)).engine
+    for p in PROMPTS[:5]:
+        e.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(5):
+        e.step()
+    out = e.scheduler.schedule()
+    assert e.runner.graphs.eligible(out)
+    ref = e.runner.graphs.run(out).clone()
+    assert torch.equal(e.runner._graph_step(out, None, 0.0), ref)

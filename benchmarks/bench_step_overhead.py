@@ -58,11 +58,17 @@ def random_checkpoint(shape: str, device: str) -> str:
     if not os.path.exists(os.path.join(path, "config.json")):
         cfg = LlamaConfig(max_position_embeddings=4096, rope_theta=500000.0, **SHAPES[shape])
         torch.manual_seed(0)
-        dtype = torch.float32 if shape == "tiny" else torch.bfloat16
-        with torch.device(device if device.startswith("cuda") else "cpu"):  # an 8B init is minutes on a CPU
-            model = LlamaForCausalLM._from_config(cfg, torch_dtype=dtype)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32 if shape == "tiny" else torch.bfloat16)
+        try:
+            with torch.device(device if device.startswith("cuda") else "cpu"):  # an 8B init is minutes on a CPU
+                model = LlamaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(prev)
         model.save_pretrained(path)
         del model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()  # the workers need the memory
     return path
 
 
@@ -137,6 +143,8 @@ def measure(args, impl: str, batch: int) -> dict:
         t = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()  # a step still in flight (async) counts too
         wall = time.perf_counter() - t
         if prof:
             prof.disable()

@@ -574,7 +574,7 @@ def test_async_scheduling_equals_sync_on_cuda(tiny_llama):
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 40, 17, 70, 9, 120)]
     steps = [60, 10, 30, 50, 5, 20]
     for eager in (True, False):
-        kw = dict(device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=eager)
+        kw = dict(device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=eager, num_kv_blocks=512)
         off, on = LLM(tiny_llama, async_scheduling="off", **kw), LLM(tiny_llama, async_scheduling="on", **kw)
         assert on.engine.async_scheduling and not off.engine.async_scheduling
         assert (on.engine.runner.graphs is None) == eager
@@ -595,7 +595,8 @@ def test_async_scheduling_equals_sync_on_cuda(tiny_llama):
         assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
 
     # the staged graph inputs against the reference path, on one real decode step
-    llm = LLM(tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, async_scheduling="off")
+    llm = LLM(tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, async_scheduling="off",
+              num_kv_blocks=512)
     e = llm.engine
     for p in prompts:
         e.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
@@ -624,9 +625,9 @@ def test_async_step_launch_never_waits_for_the_device(tiny_llama):
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=30, ignore_eos=True)] * 2
     prompts = [[1 + i, 2, 3, 4 + i] for i in range(4)]
-    want = LLM(tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, async_scheduling="off").generate(
-        prompts, params)
-    e = LLM(tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, async_scheduling="on").engine
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=512)  # several engines at once
+    want = LLM(tiny_llama, async_scheduling="off", **kw).generate(prompts, params)
+    e = LLM(tiny_llama, async_scheduling="on", **kw).engine
     ids = [e.add_request(p, sp) for p, sp in zip(prompts, params)]
     final = {}
     for _ in range(6):  # prefill, the decode graph captured, the sampler's plan built

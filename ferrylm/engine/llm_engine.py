@@ -283,26 +283,27 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One scheduler step; returns an output for every request that advanced (finished ones last time).
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One scheduler step; returns an output for every request that advanced (finished ones last time),
+        or with `final_only` for those that finished (the offline API builds no others).
         With async scheduling the outputs are those of the step launched by the previous call."""
         t0 = time.perf_counter()
         overlap = self.async_scheduling and not self._num_sync_requests
         if self._inflight is not None and not overlap:  # drain first: the next step needs the tokens
             inflight, self._inflight = self._inflight, None
-            return self._resolve(inflight, t0)
+            return self._resolve(inflight, t0, final_only)
         out = self.scheduler.schedule()
         self.last_step_tokens = out.num_batched_tokens
         t0 = self._tick("schedule", t0)
         launched = self._launch(out, t0) if not out.is_empty else None
         t0 = time.perf_counter()
         inflight, self._inflight = self._inflight, None
-        outputs = self._resolve(inflight, t0) if inflight is not None else []
+        outputs = self._resolve(inflight, t0, final_only) if inflight is not None else []
         if launched is not None:
             if overlap:
                 self._inflight = launched
             else:
-                outputs = self._resolve(launched, t0)
+                outputs = self._resolve(launched, t0, final_only)
         return outputs
 
     def _tick(self, phase: str, t0: float) -> float:
@@ -340,7 +341,7 @@ class LLMEngine:
         self._tick("sample", t0)
         return inflight
 
-    def _resolve(self, step: _InFlight, t0: float) -> list[RequestOutput]:
+    def _resolve(self, step: _InFlight, t0: float, final_only: bool = False) -> list[RequestOutput]:
         """The step's tokens reach the host: append them, check stops, build the outputs."""
         result = step.sampled.output(step.host.wait())
         t0 = self._tick("wait", t0)
@@ -365,11 +366,12 @@ class LLMEngine:
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
-            out = self._output(req, now)
-            outputs.append(out)
-            if out.finished:
+            if req.finished:
+                outputs.append(self._output(req, now))
                 del self.requests[req.request_id]
                 self._forget(req)
+            elif not final_only:
+                outputs.append(self._output(req, now))
         self._tick("postprocess", t0)
         return outputs
 

@@ -11,7 +11,8 @@ wall microseconds per step, and the host seconds of each phase of `LLMEngine.ste
   postprocess appending tokens, stop checks, detokenizing, building outputs
 With a tiny model (`--shape tiny`: 2 layers, hidden 64, vocab 512) the forward is negligible on CUDA and
 the step time is the host overhead (on the CPU the eager forward is itself host work and dominates).
-`host_us` sums every phase but forward and wait. The baseline ref runs on a `git archive` of that ref; it
+`host_us` sums every phase but forward and wait (the baseline's sample+wait is counted: on CUDA its
+`.tolist()` waits for the device there, so compare the baseline's us/step on CUDA, its host_us on the CPU). The baseline ref runs on a `git archive` of that ref; it
 has no phase timers, so its phases come from wrapping scheduler.schedule, runner.describe + tensors
 (prepare), runner.execute (prepare + forward) and the sampler (sample + wait: its `.tolist()` waits for the
 device); the rest is postprocess. Every implementation runs in its own subprocess, interleaved over
@@ -166,7 +167,7 @@ def measure(args, impl: str, batch: int) -> dict:
         phases["postprocess"] = wall / args.steps * 1e6 - sum(v for k, v in phases.items() if k != "postprocess")
         row = dict(impl=impl, batch=batch, us_per_step=round(wall / args.steps * 1e6, 1),
                    tok_s=round(batch * args.steps / wall, 1),
-                   host_us=round(sum(v for k, v in phases.items() if k not in ("forward", "wait", "sample+wait")), 1),
+                   host_us=round(sum(v for k, v in phases.items() if k not in ("forward", "wait")), 1),
                    phases_us={k: round(v, 1) for k, v in phases.items()})
         if best is None or row["us_per_step"] < best["us_per_step"]:
             best = row

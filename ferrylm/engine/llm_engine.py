@@ -90,7 +90,10 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:  # a loop, not all(genexpr): read for every request every step
+            if s.status < SequenceStatus.FINISHED_STOPPED:
+                return False
+        return True
 
 
 @dataclass
@@ -161,6 +164,8 @@ class LLMEngine:
         self._inflight: _InFlight | None = None
         self._num_sync_requests = 0
         """Requests in the engine that `needs_sync`: while any is, steps run synchronously."""
+        self._num_prompt_logprobs = 0
+        """Requests in the engine that want prompt logprobs (no step looks for their rows otherwise)."""
         self.timings: dict[str, float] | None = None
         """Set to {} to accumulate host seconds per phase of `step()` (benchmarks/bench_step_overhead.py)."""
 
@@ -233,6 +238,7 @@ class LLMEngine:
             self.scheduler.add(s)
         self.requests[request_id] = req
         self._num_sync_requests += needs_sync(params)
+        self._num_prompt_logprobs += params.prompt_logprobs is not None
         self.stats["prompt_tokens"] += len(ids)
         return request_id
 
@@ -314,8 +320,10 @@ class LLMEngine:
 
     def _launch(self, out: SchedulerOutput, t0: float) -> _InFlight | None:
         """Queue the step on the device: inputs, forward, sampling, the copy of the ids to the host."""
-        sampling = [s for i, s in enumerate(out.seqs) if out.samples(i)]  # before postprocess moves counts
-        extra, where = self._prompt_logit_rows(out)
+        # out.samples(i), before postprocess moves the counts
+        sampling = [s for s, n in zip(out.seqs, out.num_new_tokens)
+                    if s.num_computed_tokens + n == len(s.token_ids) + s.num_pending]
+        extra, where = self._prompt_logit_rows(out) if self._num_prompt_logprobs else ((), ())
         prev = self._inflight.prev if self._inflight is not None else None
         logits = self.runner.execute(out, extra, prev) if prev is not None else self.runner.execute(out, extra)
         if self.timings is not None:
@@ -331,10 +339,11 @@ class LLMEngine:
             return None
         # the sampler reads a Sequence as a row; its count includes pending tokens, as a synchronous step's would
         sampled = self.sampler(logits, sampling, self._allowed(sampling), True)
+        limit = self.max_seq_len
         for s in sampling:
             s.num_pending += 1
-            mt = s.sampling_params.max_tokens
-            if mt is not None and s.num_output_tokens >= mt or s.num_tokens >= self.max_seq_len:
+            mt, n = s.sampling_params.max_tokens, len(s.token_ids) + s.num_pending  # s.num_tokens
+            if n >= limit or mt is not None and n - len(s.prompt_token_ids) >= mt:
                 s.final_pending = True  # it finishes on this token: no step for a token nobody will see
         inflight = _InFlight(sampling, sampled, download(sampled.tensors()),
                              PrevTokens(sampled.token_ids, {s.seq_id: i for i, s in enumerate(sampling)}))
@@ -367,11 +376,11 @@ class LLMEngine:
         outputs = []
         for req in touched.values():
             if req.finished:
-                outputs.append(self._output(req, now))
+                outputs.append(self._output(req, now, True))
                 del self.requests[req.request_id]
                 self._forget(req)
             elif not final_only:
-                outputs.append(self._output(req, now))
+                outputs.append(self._output(req, now, False))
         self._tick("postprocess", t0)
         return outputs
 
@@ -380,6 +389,7 @@ class LLMEngine:
         for s in req.seqs:
             self._matchers.pop(s.seq_id, None)
         self._num_sync_requests -= needs_sync(req.params)
+        self._num_prompt_logprobs -= req.params.prompt_logprobs is not None
 
     def _prompt_logit_rows(self, out) -> tuple[list[int], list[tuple[_Request, int]]]:
         """Rows of this step's token batch whose logits give prompt logprobs, and (request, prompt index) each
@@ -433,8 +443,8 @@ class LLMEngine:
         return m.is_stopped()
 
     def _check_stop(self, req: _Request, seq: Sequence, tok: int, grammar_done: bool = False) -> None:
-        p, i = req.params, req.seqs.index(seq)
-        n_out = seq.num_known_tokens - seq.num_prompt_tokens  # a later step's pending token is not counted
+        p, i = req.params, 0 if len(req.seqs) == 1 else req.seqs.index(seq)
+        n_out = len(seq.token_ids) - len(seq.prompt_token_ids)  # a later step's pending token is not counted
         status = None
         hidden_tok = False  # EOS and stop ids are not shown as text unless asked
         if tok in self.eos_token_ids and not p.ignore_eos and n_out >= p.min_tokens:
@@ -472,8 +482,8 @@ class LLMEngine:
                 seq.stop_reason = stop
                 return
 
-    def _output(self, req: _Request, now: float | None = None) -> RequestOutput:
-        finished = req.finished
+    def _output(self, req: _Request, now: float | None = None, finished: bool | None = None) -> RequestOutput:
+        finished = req.finished if finished is None else finished
         lp = req.params.logprobs is not None
         outs = [CompletionOutput(
             index=i, text=req.texts[i], token_ids=s.output_token_ids,  # a fresh slice

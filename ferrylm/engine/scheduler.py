@@ -110,14 +110,18 @@ class Scheduler:
         preempted: list[Sequence] = []
 
         # 1. Running sequences, oldest first: a decode token, or the next chunk of an unfinished prefill.
+        bm, bs = self.block_manager, self.block_manager.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            uncomputed = seq.num_uncomputed_tokens
+            n = min(uncomputed, budget)
             if n <= 0 or seq.final_pending:  # its last token is on the way: nothing left to compute
                 i += 1
                 continue
-            while not self.block_manager.append_slots(seq, n):
+            # most steps fit in the blocks the sequence holds: no call to the block manager then
+            while (seq.num_computed_tokens + n + bs - 1) // bs > len(seq.block_table) \
+                    and not bm.append_slots(seq, n):
                 victim = self.running[-1]  # never one already scheduled: those sit before index i
                 if victim is seq and i == 0:
                     raise RuntimeError(
@@ -130,7 +134,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                (prefills if seq.is_prefill else decodes).append((seq, n))
+                (prefills if uncomputed > 1 else decodes).append((seq, n))  # seq.is_prefill
                 budget -= n
                 i += 1
                 continue

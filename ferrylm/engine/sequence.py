@@ -119,7 +119,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status >= SequenceStatus.FINISHED_STOPPED
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

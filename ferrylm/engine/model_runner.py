@@ -359,25 +359,30 @@ class ModelRunner:
         qsl, starts, lens, sample_rows = [0], [], [], []
         end = 0
         for seq, n in zip(out.seqs, out.num_new_tokens):
-            start = seq.num_computed_tokens
-            table = seq.block_table
-            known = seq.token_ids[start:start + n]
-            if len(known) < n:  # only the last token can be pending: its value comes from the device
-                gather_dst.append(end + n - 1)
-                gather_src.append(pending[seq.seq_id])
-                known.append(0)
-            input_ids += known
-            if n == 1:
+            start, table, tokens = seq.num_computed_tokens, seq.block_table, seq.token_ids
+            if n == 1:  # a decode (most rows): no slices
+                if start < len(tokens):
+                    input_ids.append(tokens[start])
+                else:  # pending: its value comes from the device
+                    gather_dst.append(end)
+                    gather_src.append(pending[seq.seq_id])
+                    input_ids.append(0)
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
+                known = tokens[start:start + n]
+                if len(known) < n:  # only the last token can be pending
+                    gather_dst.append(end + n - 1)
+                    gather_src.append(pending[seq.seq_id])
+                    known.append(0)
+                input_ids += known
                 positions += range(start, start + n)
                 slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             end += n
             qsl.append(end)
             starts.append(start)
             lens.append(start + n)
-            if start + n == seq.num_tokens:  # out.samples(i): the last uncomputed token yields logits
+            if start + n == len(tokens) + seq.num_pending:  # out.samples(i): the last uncomputed token yields logits
                 sample_rows.append(end - 1)
         num_decodes = 0
         while num_decodes < len(out.seqs) and out.num_new_tokens[num_decodes] == 1:

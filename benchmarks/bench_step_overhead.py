@@ -1,7 +1,8 @@
 """Host cost of one decode step, split by phase, with async scheduling off and on, and the code at a
 baseline git ref (default `main`) measured in the same run.
 
-A random-weight Llama at batch B decodes `--steps` steps after its prompts are prefilled; the figure is
+A random-weight Llama (`weights/random_source.py`: no checkpoint on disk) at batch B decodes `--steps`
+steps after its prompts are prefilled; the figure is
 wall microseconds per step, and the host seconds of each phase of `LLMEngine.step()`:
   schedule    scheduler.schedule()
   prepare     building the step's input tensors (ModelRunner: describe + the one host -> device copy)
@@ -52,25 +53,13 @@ SHAPES = {  # random-weight stand-ins (speed does not depend on the values; igno
 PHASES = ("schedule", "prepare", "forward", "sample", "wait", "postprocess")
 
 
-def random_checkpoint(shape: str, device: str) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def model_source(shape: str, device: str):
+    """Seeded random weights of the shape (`weights/random_source.py`): no checkpoint on disk, an 8B in seconds."""
+    from ferrylm.weights.random_source import RandomSource
 
-    path = f"/tmp/ferry-bench-{shape}"
-    if not os.path.exists(os.path.join(path, "config.json")):
-        cfg = LlamaConfig(max_position_embeddings=4096, rope_theta=500000.0, **SHAPES[shape])
-        torch.manual_seed(0)
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float32 if shape == "tiny" else torch.bfloat16)
-        try:
-            with torch.device(device if device.startswith("cuda") else "cpu"):  # an 8B init is minutes on a CPU
-                model = LlamaForCausalLM(cfg)
-        finally:
-            torch.set_default_dtype(prev)
-        model.save_pretrained(path)
-        del model
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()  # the workers need the memory
-    return path
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+           "max_position_embeddings": 4096, "tie_word_embeddings": False, **SHAPES[shape]}
+    return RandomSource(cfg, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
 
 
 def _wrap(obj, name: str, phase: str, acc: dict) -> None:
@@ -104,7 +93,6 @@ class _TimedSampler:
 def measure(args, impl: str, batch: int) -> dict:
     from ferrylm import LLM, SamplingParams
 
-    path = random_checkpoint(args.shape, args.device)
     kw = dict(device=args.device, max_num_seqs=max(args.batches), seed=0,
               max_model_len=args.prompt_len + args.warmup + args.steps + 16,
               max_num_batched_tokens=max(2048, max(args.batches) * args.prompt_len // 4))
@@ -112,7 +100,7 @@ def measure(args, impl: str, batch: int) -> dict:
         kw["dtype"] = args.dtype
     if impl != "baseline":
         kw["async_scheduling"] = "on" if impl == "async" else "off"
-    llm = LLM(path, **kw)
+    llm = LLM(model_source(args.shape, args.device), **kw)
     engine = llm.engine
     V = engine.model_config.vocab_size
     sp = SamplingParams(temperature=0, max_tokens=args.warmup + args.steps + 4, ignore_eos=True)
@@ -223,7 +211,6 @@ def main() -> None:
     if args.worker:
         print(json.dumps([measure(args, args.worker, b) for b in args.batches]))
         return
-    random_checkpoint(args.shape, args.device)  # once, before the workers
     impls = [(impl, None) for impl in args.impl]
     if args.baseline_ref:
         impls.insert(0, ("baseline", baseline_source(args.baseline_ref)))

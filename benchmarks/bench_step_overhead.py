@@ -2,8 +2,8 @@
 baseline git ref (default `main`) measured in the same run.
 
 A random-weight Llama (`weights/random_source.py`: no checkpoint on disk) at batch B decodes `--steps`
-steps after its prompts are prefilled; the figure is
-wall microseconds per step, and the host seconds of each phase of `LLMEngine.step()`:
+steps after its prompts are prefilled; the figure is wall microseconds per step, and the host time of each
+phase of `LLMEngine.step()`:
   schedule    scheduler.schedule()
   prepare     building the step's input tensors (ModelRunner: describe + the one host -> device copy)
   forward     queueing the forward pass (on the CPU: running it; on CUDA: a graph replay or eager launches)
@@ -12,15 +12,16 @@ wall microseconds per step, and the host seconds of each phase of `LLMEngine.ste
   postprocess appending tokens, stop checks, detokenizing, building outputs
 With a tiny model (`--shape tiny`: 2 layers, hidden 64, vocab 512) the forward is negligible on CUDA and
 the step time is the host overhead (on the CPU the eager forward is itself host work and dominates).
-`host_us` sums every phase but forward and wait (the baseline's sample+wait is counted: on CUDA its
-`.tolist()` waits for the device there, so compare the baseline's us/step on CUDA, its host_us on the CPU). The baseline ref runs on a `git archive` of that ref; it
+`host_us` sums every phase but forward and wait. The baseline ref runs on a `git archive` of that ref; it
 has no phase timers, so its phases come from wrapping scheduler.schedule, runner.describe + tensors
-(prepare), runner.execute (prepare + forward) and the sampler (sample + wait: its `.tolist()` waits for the
-device); the rest is postprocess. Every implementation runs in its own subprocess, interleaved over
-`--rounds` rounds, and the best round counts (a shared machine's noise only ever adds time).
+(prepare), runner.execute (prepare + forward) and the sampler (sample + wait: on CUDA its `.tolist()` waits
+for the device, so read the baseline's us/step there, its host_us on the CPU); the rest is postprocess.
+Every implementation runs in its own subprocess, interleaved over `--rounds` rounds, and the best round
+counts (a shared machine's noise only ever adds time).
 
     python benchmarks/bench_step_overhead.py --device cpu --shape tiny --batches 1 64
-    python benchmarks/bench_step_overhead.py --device cuda --shape llama-1b --batches 1 64
+    python benchmarks/bench_step_overhead.py --device cuda --shape tiny --batches 1 64
+    python benchmarks/bench_step_overhead.py --device cuda --shape llama-8b --batches 1 64 --rounds 2
 Ends with one JSON line.
 """
 

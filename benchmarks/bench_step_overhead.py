@@ -179,11 +179,15 @@ def run_worker(args, impl: str, src: str | None) -> list[dict]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def baseline_source(ref: str) -> str:
-    """A `git archive` of the ferrylm package at `ref`, in a temporary directory."""
+def baseline_source(ref: str) -> str | None:
+    """A `git archive` of the ferrylm package at `ref`, in a temporary directory (None, said, without git)."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tmp = tempfile.mkdtemp(prefix="ferry-baseline-")
-    tar = subprocess.run(["git", "-C", repo, "archive", ref, "ferrylm"], check=True, capture_output=True)
+    tar = subprocess.run(["git", "-C", repo, "archive", ref, "ferrylm"], capture_output=True)
+    if tar.returncode != 0:
+        print(f"no baseline: git archive {ref} failed ({tar.stderr.decode().strip()[:200]}); pass --baseline-src",
+              file=sys.stderr)
+        return None
     tarfile.open(fileobj=io.BytesIO(tar.stdout)).extractall(tmp, filter="data")
     return tmp
 
@@ -201,6 +205,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: a shared box's fairest)")
     ap.add_argument("--impl", nargs="+", default=["sync", "async"], choices=["sync", "async"])
     ap.add_argument("--baseline-ref", default="main", help="git ref measured as the baseline ('' skips it)")
+    ap.add_argument("--baseline-src", default=None, help="a directory holding the baseline's ferrylm package "
+                    "(instead of --baseline-ref, where there is no git)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every implementation; best counts")
     ap.add_argument("--profile", type=int, default=0, help="print the top N cProfile entries per run to stderr")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -213,8 +219,9 @@ def main() -> None:
         print(json.dumps([measure(args, args.worker, b) for b in args.batches]))
         return
     impls = [(impl, None) for impl in args.impl]
-    if args.baseline_ref:
-        impls.insert(0, ("baseline", baseline_source(args.baseline_ref)))
+    src = args.baseline_src or (baseline_source(args.baseline_ref) if args.baseline_ref else None)
+    if src is not None:
+        impls.insert(0, ("baseline", src))
     best: dict = {}
     for _ in range(args.rounds):
         for impl, src in impls:

@@ -188,8 +188,9 @@ class LLMEngine:
         single = self.config.parallel.world_size == 1
         if mode == "on" and not single:  # workers build their inputs from shipped host lists
             log.warning("async scheduling is not supported with tensor / pipeline parallelism: steps run synchronously")
-        if mode == "auto":  # on the CPU the host is the device: there is nothing to overlap
-            return single and self.runner.device.type == "cuda" and not self.runner.embed_on_host
+        if mode == "auto":  # on the CPU the host is the device: there is nothing to overlap; an offloaded
+            # model's host work (copies, host experts beside the graphs) wants the host's time to itself
+            return single and self.runner.device.type == "cuda" and self.runner.placement.fully_resident
         return mode == "on" and single
 
     def _max_model_len(self) -> int:

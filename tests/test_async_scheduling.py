@@ -308,3 +308,22 @@ def test_graph_input_staging_on_the_cpu(model):
     assert e.runner.graphs.eligible(out)
     ref = e.runner.graphs.run(out).clone()
     assert torch.equal(e.runner._graph_step(out, None, 0.0), ref)
+
+
+def test_prefix_cache_registers_the_same_blocks(model):
+    """Blocks are hashed once their tokens are computed and known: with async scheduling a token is computed
+    (as the next step's input) before it is known, and a sequence that stopped has run one step more.
+    Continuations of the first wave's outputs must hit exactly the blocks the synchronous engine cached."""
+    sync, asyn = pair(model, max_num_seqs=8, block_size=4)
+    prefix = "shared system prompt: "
+    first = [prefix + p for p in PROMPTS]
+    params = [SamplingParams(temperature=0, max_tokens=9 + i, ignore_eos=i % 2 == 0) for i in range(len(first))]
+    runs = []
+    for llm in (sync, asyn):
+        a, _ = drive(llm, first, params)
+        second = [o.prompt_token_ids + o.outputs[0].token_ids for o in a]
+        b, _ = drive(llm, second, [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * len(second))
+        bm = llm.engine.block_manager
+        runs.append((view(a), view(b), bm.prefix_hits, bm.prefix_queries))
+    assert runs[1] == runs[0]
+    assert runs[0][2] > 0, "the second wave should hit the prefix cache"

@@ -22,6 +22,7 @@ FLAG_EXTRAS: dict[str, dict] = {
     "enable_chunked_prefill": dict(flag="--no-chunked-prefill"),
     "moe_backend": dict(choices=["auto", "torch"]),
     "attention_backend": dict(choices=["auto", "torch", "triton"]),
+    "async_scheduling": dict(choices=["auto", "on", "off"]),
     "kv_cache_dtype": dict(choices=["auto", "fp8", "int8"]),
     "gpu_memory_budget": dict(type=str, metavar="BYTES", help="device memory ferrylm may use, e.g. 16GiB; a model "
                               "that does not fit is placed across device and host memory"),

@@ -377,6 +377,12 @@ class EngineConfig:
     kernels, an error where they cannot run."""
     enforce_eager: bool = False
     """Never use CUDA graphs (they serve pure decode steps of dense models on CUDA)."""
+    async_scheduling: str = "auto"
+    """auto | on | off: schedule and launch step N+1 while the device runs step N, reading step N's tokens one
+    step late (a stop costs one dropped token, never shown). auto: on for one CUDA process holding the whole
+    model, off on the CPU (nothing to overlap), for offloaded models and under tensor / pipeline parallelism
+    (never supported there). Structured outputs and penalties fall back to synchronous steps while such a
+    request runs (engine/llm_engine.py)."""
     dequantize: bool = False
     """Dequantize packed weights (GGUF Q4_0/Q4_1/Q8_0 blocks, a quantized store) to dense `dtype` at load:
     the plain reference path (more memory, slower). Off: they stay packed and quantized kernels run on them."""
@@ -392,6 +398,10 @@ class EngineConfig:
             raise ConfigError(f"moe_backend {self.moe_backend!r}: choose auto or torch")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"attention_backend {self.attention_backend!r}: choose auto, torch or triton")
+        if isinstance(self.async_scheduling, bool):  # LLM(async_scheduling=True) reads as on
+            object.__setattr__(self, "async_scheduling", "on" if self.async_scheduling else "off")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ConfigError(f"async_scheduling {self.async_scheduling!r}: choose auto, on or off")
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

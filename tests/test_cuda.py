@@ -560,3 +560,88 @@ def test_packed_store_host_experts_copy_path_and_decode(tmp_path_factory):
               f"calibration {placed.calibration}")
         assert placed.stats.cpu_experts > 0 and worst < 0.1
         assert [o.outputs[0].token_ids[:3] for o in out] == [r.outputs[0].token_ids[:3] for r in res_out]
+
+
+def test_async_scheduling_equals_sync_on_cuda(tiny_llama):
+    """Async scheduling (step N+1 queued before step N's ids reach the host; its input ids read on the
+    device) against synchronous steps, eager and graphed: identical tokens, logits equal (the batches are
+    the same: a max_tokens stop schedules no extra step). Seeded sampling with stop ids (found one step
+    late) gives the same tokens too. The graph inputs staged in one copy (`ModelRunner._graph_step`) equal
+    `DecodeGraphs.run` (the plain reference), and downloads land in pinned memory."""
+    from ferrylm.engine.staging import download, upload
+
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 40, 17, 70, 9, 120)]
+    steps = [60, 10, 30, 50, 5, 20]
+    for eager in (True, False):
+        kw = dict(device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=eager, num_kv_blocks=512)
+        off, on = LLM(tiny_llama, async_scheduling="off", **kw), LLM(tiny_llama, async_scheduling="on", **kw)
+        assert on.engine.async_scheduling and not off.engine.async_scheduling
+        assert (on.engine.runner.graphs is None) == eager
+        a_out, a = sampled_rows(off, prompts, steps)
+        b_out, b = sampled_rows(on, prompts, steps)
+        assert [r.shape for r in a] == [r.shape for r in b]
+        worst = max((x - y).abs().max().item() for x, y in zip(a, b))
+        print(f"async vs sync ({'eager' if eager else 'graphs'}): max |logit diff| = {worst:.3e}")
+        assert worst < 1e-5
+        assert token_ids(a_out) == token_ids(b_out)
+        stops = [o.outputs[0].token_ids[len(o.outputs[0].token_ids) // 2] for o in a_out]
+        params = [SamplingParams(temperature=0.9, top_k=40, seed=i, max_tokens=m, stop_token_ids=[t])
+                  for i, (m, t) in enumerate(zip(steps, stops))]
+        want, got = off.generate(prompts, params), on.generate(prompts, params)
+        assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in got] == \
+            [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in want]
+        e = on.engine
+        assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
+
+    # the staged graph inputs against the reference path, on one real decode step
+    llm = LLM(tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, async_scheduling="off",
+              num_kv_blocks=512)
+    e = llm.engine
+    for p in prompts:
+        e.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        e.step()
+    out = e.scheduler.schedule()
+    assert e.runner.graphs.eligible(out)
+    ref = e.runner.graphs.run(out).clone()
+    got = e.runner._graph_step(out, None, 0.0).clone()
+    print(f"staged graph inputs vs DecodeGraphs.run: max |logit diff| = {(ref - got).abs().max().item():.3e}")
+    assert torch.equal(ref, got)
+
+    dev = torch.device("cuda")
+    a, b = upload([[1, 2, 3], [], [7]], dev)[0::2]
+    assert a.device.type == "cuda" and a.tolist() == [1, 2, 3] and b.tolist() == [7]
+    host = download([torch.arange(5, device=dev)]).wait()[0]
+    assert host.is_pinned() and host.tolist() == list(range(5))
+
+
+def test_async_step_launch_never_waits_for_the_device(tiny_llama):
+    """Launching a decode step with async scheduling (schedule, inputs staged in one copy, graph replay,
+    sampling, the download of the ids) makes no synchronising CUDA call (sync debug mode raises on one);
+    only reading the ids back waits, on their event. The tokens equal a synchronous run's."""
+    import time
+
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=30, ignore_eos=True)] * 2
+    prompts = [[1 + i, 2, 3, 4 + i] for i in range(4)]
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=512)  # several engines at once
+    want = LLM(tiny_llama, async_scheduling="off", **kw).generate(prompts, params)
+    e = LLM(tiny_llama, async_scheduling="on", **kw).engine
+    ids = [e.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final = {}
+    for _ in range(6):  # prefill, the decode graph captured, the sampler's plan built
+        final.update({o.request_id: o for o in e.step() if o.finished})
+    assert e._inflight is not None and e.runner.graphs.graphs
+    for _ in range(3):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = e._launch(e.scheduler.schedule(), time.perf_counter())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        prev, e._inflight = e._inflight, launched
+        final.update({o.request_id: o for o in e._resolve(prev, time.perf_counter()) if o.finished})
+    while e.has_unfinished_requests():
+        final.update({o.request_id: o for o in e.step() if o.finished})
+    e.step()
+    assert [final[i].outputs[0].token_ids for i in ids] == token_ids(want)

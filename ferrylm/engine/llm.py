@@ -77,7 +77,7 @@ class LLM:
             bar.start()
         try:
             while len(final) < len(ids):
-                for o in self.engine.step():
+                for o in self.engine.step(final_only=True):  # only finished outputs are kept
                     if o.finished:
                         final[o.request_id] = o
                         if bar:

@@ -3,6 +3,24 @@
 It owns requests (prompt validation, the `n` sequences of each, stop logic, outputs) and wires the
 scheduler, model runner, sampler and tokenizer together. It knows nothing about HTTP or threads: the
 offline `LLM` and the async server wrapper drive `step()`.
+
+A step is launched (schedule, inputs, forward, sample: all queued on the device) and later resolved (the
+sampled ids reach the host: append, detokenize, stop checks, outputs). Synchronously, each step is
+resolved right after its launch. With async scheduling (`EngineConfig.async_scheduling`, vLLM v1's
+async scheduling and SGLang's overlap scheduler in spirit) `step()` launches step N+1 first and then
+resolves step N, so the host's work for both happens while the device runs step N+1:
+  - step N's sampled tokens are counted (`Sequence.num_pending`) but not known when step N+1 is
+    scheduled; a decode of such a sequence reads its input id from step N's sampled-id tensor on the
+    device (`PrevTokens`), never through the host;
+  - stops that depend on the token (EOS, stop ids and strings, a grammar's end) are found one step late:
+    a sequence that stopped at step N has run in step N+1 too, and that extra token is dropped, never
+    emitted; a sequence whose pending token is its last anyway (max_tokens, the length limit) is not
+    scheduled again (`Sequence.final_pending`);
+  - requests whose next step needs the last token on the host first fall back to synchronous steps
+    while they are in the engine: structured outputs (the grammar's mask) and repetition / presence /
+    frequency penalties (they count the tokens). Unseeded random sampling shares one generator across
+    rows, so it depends on the batch's membership (one extra row per late stop) and is not reproducible
+    across the two modes; seeded and greedy rows are identical.
 """
 
 from __future__ import annotations
@@ -16,13 +34,15 @@ import torch
 
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.parallel.launch import start_runner
-from ferrylm.engine.scheduler import Scheduler
+from ferrylm.engine.model_runner import PrevTokens
+from ferrylm.engine.scheduler import Scheduler, SchedulerOutput
 from ferrylm.engine.sequence import Sequence, SequenceStatus
+from ferrylm.engine.staging import Download, download
 from ferrylm.errors import ConfigError, InvalidRequestError, ModelLoadError
 from ferrylm.hw.cpu_binding import bind_cpu
 from ferrylm.kv.block_manager import BlockManager
 from ferrylm.kv.state_pool import StateSlotPool
-from ferrylm.layers.sampler import MIN_LOGPROB, Sampler, SamplingRow
+from ferrylm.layers.sampler import MIN_LOGPROB, Sampler, SampledTokens, uses_penalties
 from ferrylm.sampling_params import SamplingParams
 from ferrylm.weights.source import open_source
 
@@ -70,7 +90,29 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:  # a loop, not all(genexpr): read for every request every step
+            if s.status < SequenceStatus.FINISHED_STOPPED:
+                return False
+        return True
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    """The rows that sampled, in row order."""
+    sampled: SampledTokens
+    """Their tokens (and logprobs) on the device."""
+    host: Download
+    """The copies of `sampled` to pinned host memory, in flight."""
+    prev: PrevTokens
+    """The ids as the next step's input."""
+
+
+def needs_sync(params: SamplingParams) -> bool:
+    """A request whose next step needs its last token on the host first (async scheduling falls back)."""
+    return params.structured is not None or uses_penalties(params)
 
 
 class LLMEngine:
@@ -117,6 +159,15 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         self.last_step_tokens = 0
         """Tokens the last step computed (prefill chunks and decodes)."""
+        self.async_scheduling = self._async_scheduling()
+        """Launch step N+1 before reading step N's tokens (module docstring)."""
+        self._inflight: _InFlight | None = None
+        self._num_sync_requests = 0
+        """Requests in the engine that `needs_sync`: while any is, steps run synchronously."""
+        self._num_prompt_logprobs = 0
+        """Requests in the engine that want prompt logprobs (no step looks for their rows otherwise)."""
+        self.timings: dict[str, float] | None = None
+        """Set to {} to accumulate host seconds per phase of `step()` (benchmarks/bench_step_overhead.py)."""
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -131,6 +182,16 @@ class LLMEngine:
                 raise
             log.warning("no tokenizer (%s): prompts must be given as token ids", e)
             return None
+
+    def _async_scheduling(self) -> bool:
+        mode = self.config.async_scheduling
+        single = self.config.parallel.world_size == 1
+        if mode == "on" and not single:  # workers build their inputs from shipped host lists
+            log.warning("async scheduling is not supported with tensor / pipeline parallelism: steps run synchronously")
+        if mode == "auto":  # on the CPU the host is the device: there is nothing to overlap; an offloaded
+            # model's host work (copies, host experts beside the graphs) wants the host's time to itself
+            return single and self.runner.device.type == "cuda" and self.runner.placement.fully_resident
+        return mode == "on" and single
 
     def _max_model_len(self) -> int:
         limit = self.config.scheduler.max_model_len
@@ -177,6 +238,8 @@ class LLMEngine:
         for s in seqs:
             self.scheduler.add(s)
         self.requests[request_id] = req
+        self._num_sync_requests += needs_sync(params)
+        self._num_prompt_logprobs += params.prompt_logprobs is not None
         self.stats["prompt_tokens"] += len(ids)
         return request_id
 
@@ -204,9 +267,8 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
-        for s in req.seqs:
-            self._matchers.pop(s.seq_id, None)
-        self.scheduler.abort(request_id)
+        self._forget(req)
+        self.scheduler.abort(request_id)  # a step in flight drops its tokens when it is resolved
 
     def tokenizer_required(self):
         if self.tokenizer is None:
@@ -228,28 +290,78 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One scheduler step; returns an output for every request that advanced (finished ones last time)."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One scheduler step; returns an output for every request that advanced (finished ones last time),
+        or with `final_only` for those that finished (the offline API builds no others).
+        With async scheduling the outputs are those of the step launched by the previous call."""
+        t0 = time.perf_counter()
+        overlap = self.async_scheduling and not self._num_sync_requests
+        if self._inflight is not None and not overlap:  # drain first: the next step needs the tokens
+            inflight, self._inflight = self._inflight, None
+            return self._resolve(inflight, t0, final_only)
         out = self.scheduler.schedule()
         self.last_step_tokens = out.num_batched_tokens
-        if out.is_empty:
-            return []
-        sampling = [s for i, s in enumerate(out.seqs) if out.samples(i)]  # before postprocess moves counts
-        extra, where = self._prompt_logit_rows(out)
-        logits = self.runner.execute(out, extra) if extra else self.runner.execute(out)
+        t0 = self._tick("schedule", t0)
+        launched = self._launch(out, t0) if not out.is_empty else None
+        t0 = time.perf_counter()
+        inflight, self._inflight = self._inflight, None
+        outputs = self._resolve(inflight, t0, final_only) if inflight is not None else []
+        if launched is not None:
+            if overlap:
+                self._inflight = launched
+            else:
+                outputs = self._resolve(launched, t0, final_only)
+        return outputs
+
+    def _tick(self, phase: str, t0: float) -> float:
+        t = time.perf_counter()
+        if self.timings is not None:
+            self.timings[phase] = self.timings.get(phase, 0.0) + t - t0
+        return t
+
+    def _launch(self, out: SchedulerOutput, t0: float) -> _InFlight | None:
+        """Queue the step on the device: inputs, forward, sampling, the copy of the ids to the host."""
+        # out.samples(i), before postprocess moves the counts
+        sampling = [s for s, n in zip(out.seqs, out.num_new_tokens)
+                    if s.num_computed_tokens + n == len(s.token_ids) + s.num_pending]
+        extra, where = self._prompt_logit_rows(out) if self._num_prompt_logprobs else ((), ())
+        prev = self._inflight.prev if self._inflight is not None else None
+        logits = self.runner.execute(out, extra, prev) if prev is not None else self.runner.execute(out, extra)
+        if self.timings is not None:
+            prep = getattr(self.runner, "prepare_s", 0.0)
+            self.timings["prepare"] = self.timings.get("prepare", 0.0) + prep
+            t0 += prep
+        t0 = self._tick("forward", t0)
         if extra:
             logits, prompt_logits = logits[:len(sampling)], logits[len(sampling):]
             self._record_prompt_logprobs(prompt_logits, where)
         self.scheduler.postprocess(out)
         if not sampling:
-            return []
-        rows = [SamplingRow(s.sampling_params, s.token_ids, s.num_prompt_tokens, s.seq_id) for s in sampling]
-        result = self.sampler(logits, rows, self._allowed(sampling))
-        now = time.monotonic()
+            return None
+        # the sampler reads a Sequence as a row; its count includes pending tokens, as a synchronous step's would
+        sampled = self.sampler(logits, sampling, self._allowed(sampling), True)
+        limit = self.max_seq_len
+        for s in sampling:
+            s.num_pending += 1
+            mt, n = s.sampling_params.max_tokens, len(s.token_ids) + s.num_pending  # s.num_tokens
+            if n >= limit or mt is not None and n - len(s.prompt_token_ids) >= mt:
+                s.final_pending = True  # it finishes on this token: no step for a token nobody will see
+        inflight = _InFlight(sampling, sampled, download(sampled.tensors()),
+                             PrevTokens(sampled.token_ids, {s.seq_id: i for i, s in enumerate(sampling)}))
+        self._tick("sample", t0)
+        return inflight
+
+    def _resolve(self, step: _InFlight, t0: float, final_only: bool = False) -> list[RequestOutput]:
+        """The step's tokens reach the host: append them, check stops, build the outputs."""
+        result = step.sampled.output(step.host.wait())
+        t0 = self._tick("wait", t0)
+        now, bs = time.monotonic(), self.block_manager.block_size
         touched: dict[str, _Request] = {}
-        for row, (seq, tok) in enumerate(zip(sampling, result.token_ids)):
+        for row, (seq, tok) in enumerate(zip(step.seqs, result.token_ids)):
+            if seq.is_finished:  # stopped (one step late) or aborted while this step ran: drop its token
+                continue
             req = self.requests[seq.request_id]
-            seq.append_token(tok)
+            seq.resolve_pending(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if result.logprobs is not None and result.logprobs[row] is not None:
@@ -257,15 +369,28 @@ class LLMEngine:
                 seq.cumulative_logprob += result.logprobs[row][tok]
             self.stats["generation_tokens"] += 1
             self._check_stop(req, seq, tok, self._advance_grammar(seq, tok))
+            known = len(seq.token_ids)
+            if known % bs == 0 and seq.num_computed_tokens >= known and not seq.is_finished:
+                # the token completes a block the next step already computed: findable by its hash now
+                self.block_manager.cache_full_blocks(seq)
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
-            outputs.append(self._output(req))
             if req.finished:
+                outputs.append(self._output(req, now, True))
                 del self.requests[req.request_id]
-                for s in req.seqs:
-                    self._matchers.pop(s.seq_id, None)
+                self._forget(req)
+            elif not final_only:
+                outputs.append(self._output(req, now, False))
+        self._tick("postprocess", t0)
         return outputs
+
+    def _forget(self, req: _Request) -> None:
+        """A request left the engine (finished or aborted)."""
+        for s in req.seqs:
+            self._matchers.pop(s.seq_id, None)
+        self._num_sync_requests -= needs_sync(req.params)
+        self._num_prompt_logprobs -= req.params.prompt_logprobs is not None
 
     def _prompt_logit_rows(self, out) -> tuple[list[int], list[tuple[_Request, int]]]:
         """Rows of this step's token batch whose logits give prompt logprobs, and (request, prompt index) each
@@ -319,8 +444,8 @@ class LLMEngine:
         return m.is_stopped()
 
     def _check_stop(self, req: _Request, seq: Sequence, tok: int, grammar_done: bool = False) -> None:
-        p, i = req.params, req.seqs.index(seq)
-        n_out = seq.num_output_tokens
+        p, i = req.params, 0 if len(req.seqs) == 1 else req.seqs.index(seq)
+        n_out = len(seq.token_ids) - len(seq.prompt_token_ids)  # a later step's pending token is not counted
         status = None
         hidden_tok = False  # EOS and stop ids are not shown as text unless asked
         if tok in self.eos_token_ids and not p.ignore_eos and n_out >= p.min_tokens:
@@ -340,7 +465,7 @@ class LLMEngine:
             status = SequenceStatus.FINISHED_STOPPED
         if status is None and (p.max_tokens is not None and n_out >= p.max_tokens):
             status = SequenceStatus.FINISHED_LENGTH
-        if status is None and seq.num_tokens >= self.max_seq_len:
+        if status is None and seq.num_known_tokens >= self.max_seq_len:
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
             if req.detoks and not isinstance(seq.stop_reason, str):
@@ -358,17 +483,21 @@ class LLMEngine:
                 seq.stop_reason = stop
                 return
 
-    def _output(self, req: _Request) -> RequestOutput:
+    def _output(self, req: _Request, now: float | None = None, finished: bool | None = None) -> RequestOutput:
+        finished = req.finished if finished is None else finished
+        lp = req.params.logprobs is not None
         outs = [CompletionOutput(
             index=i, text=req.texts[i], token_ids=s.output_token_ids,  # a fresh slice
             finish_reason=s.status.finish_reason, stop_reason=s.stop_reason,
-            logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
+            logprobs=list(s.logprobs) if lp else None,
             cumulative_logprob=s.cumulative_logprob) for i, s in enumerate(req.seqs)]
         first = req.seqs[0]
+        first_token = first.first_token_time if len(req.seqs) == 1 else \
+            min((s.first_token_time for s in req.seqs if s.first_token_time), default=None)
         return RequestOutput(
             prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=outs, finished=req.finished, num_cached_tokens=first.num_cached_tokens,
+            outputs=outs, finished=finished, num_cached_tokens=first.num_cached_tokens,
             metrics={"arrival_time": req.arrival_time, "first_scheduled_time": first.first_scheduled_time,
-                     "first_token_time": min((s.first_token_time for s in req.seqs if s.first_token_time), default=None),
-                     "finished_time": time.monotonic() if req.finished else None})
+                     "first_token_time": first_token,
+                     "finished_time": (now or time.monotonic()) if finished else None})

@@ -11,12 +11,14 @@ import dataclasses
 
 import logging
 import time
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
 
 import torch
 
 from ferrylm.config import EngineConfig, ModelConfig
 from ferrylm.engine.scheduler import SchedulerOutput
+from ferrylm.engine.staging import upload
 from ferrylm.errors import ConfigError
 from ferrylm.kv.cache import KV_DTYPES, KVCache, SequenceStatePool
 from ferrylm.layers.attention import PagedAttention, resolve_backend
@@ -87,12 +89,27 @@ class StepInput:
     seq_lens: list[int]
     """[B] context length after the step."""
     block_tables: list[list[int]]
-    """[B, max_blocks] padded with 0."""
+    """[B, max_blocks] padded with 0 (rows are lists or int64 arrays)."""
     num_decodes: int
     state_slots: list[int | None]
     """[B] per-sequence state row (models with non-KV state)."""
     sample_rows: list[int]
     """Rows of the flat token batch whose logits are returned: sampling rows, then prompt-logprob rows."""
+    gather_dst: list[int] = field(default_factory=list)
+    """Positions in `input_ids` whose token is still on the device (async scheduling; 0 stands in) ..."""
+    gather_src: list[int] = field(default_factory=list)
+    """... and the row of the previous step's sampled ids that holds each."""
+
+
+@dataclass
+class PrevTokens:
+    """The previous step's sampled ids, still on the device: the input of sequences whose last token's
+    value the host does not know yet (async scheduling)."""
+
+    token_ids: torch.Tensor
+    """[N] long on the device, one per sampled row of that step."""
+    rows: dict[int, int]
+    """seq_id -> its row in `token_ids`."""
 
 
 class ModelRunner:
@@ -329,47 +346,99 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def describe(self, out: SchedulerOutput, extra_rows: list[int] = ()) -> StepInput:
-        """The step as plain values; `extra_rows` (indices into the flat token batch) follow the sampling rows."""
+    def describe(self, out: SchedulerOutput, extra_rows: list[int] = (), pending: dict[int, int] | None = None) -> StepInput:
+        """The step as plain values; `extra_rows` (indices into the flat token batch) follow the sampling rows.
+        `pending`: seq_id -> row of the previous step's sampled ids, for sequences whose last token is
+        still on the device (`PrevTokens.rows`)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        gather_dst: list[int] = []
+        gather_src: list[int] = []
         qsl, starts, lens, sample_rows = [0], [], [], []
-        for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens)):
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            qsl.append(qsl[-1] + n)
+        end = 0
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            start, table, tokens = seq.num_computed_tokens, seq.block_table, seq.token_ids
+            if n == 1:  # a decode (most rows): no slices
+                if start < len(tokens):
+                    input_ids.append(tokens[start])
+                else:  # pending: its value comes from the device
+                    gather_dst.append(end)
+                    gather_src.append(pending[seq.seq_id])
+                    input_ids.append(0)
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                known = tokens[start:start + n]
+                if len(known) < n:  # only the last token can be pending
+                    gather_dst.append(end + n - 1)
+                    gather_src.append(pending[seq.seq_id])
+                    known.append(0)
+                input_ids += known
+                positions += range(start, start + n)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            end += n
+            qsl.append(end)
             starts.append(start)
             lens.append(start + n)
-            if out.samples(i):
-                sample_rows.append(qsl[-1] - 1)
+            if start + n == len(tokens) + seq.num_pending:  # out.samples(i): the last uncomputed token yields logits
+                sample_rows.append(end - 1)
         num_decodes = 0
         while num_decodes < len(out.seqs) and out.num_new_tokens[num_decodes] == 1:
             num_decodes += 1
-        width = max(len(s.block_table) for s in out.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in out.seqs]
+        rows = self._table_rows(out.seqs)
+        width = max(len(r) for r in rows)
+        zeros = array("q", bytes(8 * width))
+        tables = [r + zeros[:width - len(r)] if len(r) < width else r for r in rows]
         return StepInput(input_ids, positions, slots, qsl, starts, lens, tables, num_decodes,
-                         [s.state_slot for s in out.seqs], sample_rows + list(extra_rows))
+                         [s.state_slot for s in out.seqs], sample_rows + list(extra_rows), gather_dst, gather_src)
+
+    _tables: dict[int, tuple[list[int], array]] = {}
+
+    def _table_rows(self, seqs) -> list[array]:
+        """Each sequence's block table as an int64 array, kept from step to step and extended by the blocks
+        it gained, so a step copies whole rows instead of converting every block id again. A table only
+        grows by appending while its sequence holds it (kv/block_manager.py); a replaced list is rebuilt."""
+        old, new, rows = self._tables, {}, []
+        for s in seqs:
+            bt = s.block_table
+            got = old.get(s.seq_id)
+            if got is None or got[0] is not bt or len(got[1]) > len(bt):
+                got = (bt, array("q", bt))
+            elif len(got[1]) < len(bt):
+                got[1].extend(bt[len(got[1]):])
+            new[s.seq_id] = got
+            rows.append(got[1])
+        self._tables = new  # sequences that left the batch are dropped
+        return rows
 
     def tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         """ids, positions [T] and the step's `ForwardContext`, on this runner's device."""
+        return self._tensors(step)[:3]
+
+    def _tensors(self, step: StepInput, prev: torch.Tensor | None = None):
+        """(ids, positions, context, sample rows): every integer input crosses in one host -> device copy;
+        pending ids are filled on the device from `prev`, the previous step's sampled ids."""
         dev, nd, lens = self.device, step.num_decodes, step.seq_lens
+        B, W = len(step.block_tables), len(step.block_tables[0]) if step.block_tables else 0
+        flat = array("q")
+        for row in step.block_tables:  # [B, W]: rows may be the runner's cached arrays, read now
+            flat.extend(row)
+        ids, pos, slots, dlens, tables, rows, dst, src = upload(
+            [step.input_ids, step.positions, step.slots, lens[:nd], flat, step.sample_rows, step.gather_dst,
+             step.gather_src], dev)
+        if step.gather_dst:
+            ids[dst] = prev[src]
         ctx = ForwardContext(
             query_start_loc=step.query_start_loc, start_pos=step.start_pos, seq_lens=lens,
-            slot_mapping=torch.tensor(step.slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(step.block_tables, dtype=torch.long, device=dev),
+            slot_mapping=slots, block_tables=tables.view(B, W),  # [B, max_blocks]
             num_decodes=nd, kv_cache=self.kv_cache, state_slots=step.state_slots, state=self.state_pool,
-            decode_seq_lens=torch.tensor(lens[:nd], dtype=torch.long, device=dev) if nd else None,
+            decode_seq_lens=dlens if nd else None,
             decode_max_len=max(lens[:nd], default=0),
             decode_groups=decode_groups(lens[:nd], self.decode_gather_tokens),
         )
-        ids = torch.tensor(step.input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
-        return ids, pos, ctx
+        return ids, pos, ctx, rows
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         step = self.describe(out)
@@ -399,12 +468,14 @@ class ModelRunner:
         return model.final_norm(x)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, extra_rows: list[int] = ()) -> torch.Tensor:
+    def execute(self, out: SchedulerOutput, extra_rows: list[int] = (), prev: PrevTokens | None = None) -> torch.Tensor:
         """Run one step; returns logits [N, V] (fp32) for the sequences with `out.samples(i)`, in order, then
-        those of `extra_rows` (indices into the step's flat token batch: prompt logprobs)."""
+        those of `extra_rows` (indices into the step's flat token batch: prompt logprobs). `prev`: the
+        previous step's sampled ids on the device, for sequences whose last token is pending.
+        On CUDA nothing here waits for the device: the step is queued and the logits are its output."""
         t = time.perf_counter()
         try:
-            return self._execute(out, extra_rows)
+            return self._execute(out, extra_rows, prev)
         finally:
             self.placed.after_step(time.perf_counter() - t)  # expert slots follow the routing of mapped steps
 
@@ -416,27 +487,79 @@ class ModelRunner:
         finally:
             self.placed.after_step(time.perf_counter() - t)
 
-    def _execute(self, out: SchedulerOutput, extra_rows) -> torch.Tensor:
+    prepare_s = 0.0
+    """Host seconds the last `execute` spent building its inputs (benchmarks read it)."""
+
+    def _execute(self, out: SchedulerOutput, extra_rows, prev: PrevTokens | None) -> torch.Tensor:
+        t0 = time.perf_counter()
         if self.graphs is not None and not extra_rows and self.graphs.eligible(out):
-            return self.graphs.run(out)
-        return self.run(self.describe(out, extra_rows))
+            return self._graph_step(out, prev, t0)
+        step = self.describe(out, extra_rows, prev.rows if prev is not None else None)
+        return self.run(step, prev.token_ids if prev is not None else None, t0)
+
+    def _graph_step(self, out: SchedulerOutput, prev: PrevTokens | None, t0: float) -> torch.Tensor:
+        """A pure decode step on a captured graph: its static input buffers are filled from one host ->
+        device copy (`DecodeGraphs.run` is the plain reference: one pageable copy per buffer).
+        Logits [B, V] are a view of the graphs' shared buffer, valid until the next replay is queued."""
+        from ferrylm.engine.cuda_graph import _bucket
+
+        g, bs = self.graphs, self.block_size
+        B = len(out.seqs)
+        Bb = _bucket(B, g.batch_buckets)
+        ids, pos, slots, dst, src = [], [], [], [], []
+        for r, s in enumerate(out.seqs):
+            p = s.num_computed_tokens
+            if p < len(s.token_ids):
+                ids.append(s.token_ids[p])
+            else:  # pending: the previous step sampled it on the device
+                ids.append(0)
+                dst.append(r)
+                src.append(prev.rows[s.seq_id])
+            pos.append(p)
+            slots.append(s.block_table[p // bs] * bs + p % bs)
+        nbb = _bucket((max(pos) + bs) // bs, g.block_buckets)  # blocks of the longest context (pos + 1 tokens)
+        scratch, pad = self.kv_cache.scratch_block, Bb - B
+        fill = array("q", [scratch]) * nbb
+        tables = array("q")
+        for row in self._table_rows(out.seqs):  # [Bb, nbb], padded with the scratch block
+            tables.extend(row[:nbb])
+            if len(row) < nbb:
+                tables.extend(fill[:nbb - len(row)])
+        for _ in range(pad):
+            tables.extend(fill)
+        d_ids, d_pos, d_slots, d_tables, d_dst, d_src = upload(
+            [ids + [0] * pad, pos + [0] * pad, slots + [scratch * bs] * pad, tables, dst, src], self.device)
+        g.ids[:Bb].copy_(d_ids)
+        g.pos[:Bb].copy_(d_pos)
+        g.slots[:Bb].copy_(d_slots)
+        g.lens[:Bb].copy_(d_pos + 1)  # context length after the step; padded rows: 1
+        g.tables[:Bb, :nbb].copy_(d_tables.view(Bb, nbb))  # [Bb, nbb]
+        if dst:
+            g.ids[d_dst] = prev.token_ids[d_src]
+        if not g.embed_in_graph:  # the table lives on the host: look up host ids when they are all known
+            g.x[:Bb].copy_(self.embed(g.ids[:Bb] if dst else torch.tensor(ids + [0] * pad)))
+        graph, logits = g._graph(Bb, nbb)
+        self.prepare_s = time.perf_counter() - t0
+        graph.replay()
+        return logits[:B]
 
     @torch.inference_mode()
-    def run(self, step: StepInput) -> torch.Tensor:
+    def run(self, step: StepInput, prev: torch.Tensor | None = None, t0: float | None = None) -> torch.Tensor:
         """The eager (or piecewise-graph) step of a plain description: logits [N, V] (fp32) of
-        `step.sample_rows`. Tensor-parallel workers run exactly this on the step rank 0 ships."""
+        `step.sample_rows`. Tensor-parallel workers run exactly this on the step rank 0 ships.
+        `prev`: the previous step's sampled ids on the device (`step.gather_src` indexes it)."""
         if self.pipelined:
             return self._run_stage(step)
-        ids, pos, ctx = self.tensors(step)
+        ids, pos, ctx, rows = self._tensors(step, prev)
+        if t0 is not None:
+            self.prepare_s = time.perf_counter() - t0
         if self.piecewise is not None and self.piecewise.eligible(ids.numel()):
             hidden = self.piecewise.run(ids, pos, ctx)  # [T, H]
         else:
             with forward_context(ctx):
                 hidden = self.forward(ids, pos)  # [T, H]
-        sample_rows = step.sample_rows
-        if not sample_rows:
+        if not step.sample_rows:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
 
     def _run_stage(self, step: StepInput) -> torch.Tensor | None:

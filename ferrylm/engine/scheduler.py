@@ -13,6 +13,9 @@ The engine's step, in this order:
     append the sampled token to each seq with sample_mask[i]; scheduler.finish(seq, status) when done
 A sequence may never grow past `scheduler.max_seq_len` tokens (the KV pool's capacity); the engine
 finishes it with FINISHED_LENGTH there, as it does at max_model_len.
+With async scheduling (`engine/llm_engine.py`) the sampled token is counted (`seq.num_pending`) before
+its value is known, so a sequence is scheduled for its next decode one step before the engine knows
+whether it stopped; the scheduler sees no difference.
 """
 
 from __future__ import annotations
@@ -107,14 +110,18 @@ class Scheduler:
         preempted: list[Sequence] = []
 
         # 1. Running sequences, oldest first: a decode token, or the next chunk of an unfinished prefill.
+        bm, bs = self.block_manager, self.block_manager.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if n <= 0:
+            uncomputed = seq.num_uncomputed_tokens
+            n = min(uncomputed, budget)
+            if n <= 0 or seq.final_pending:  # its last token is on the way: nothing left to compute
                 i += 1
                 continue
-            while not self.block_manager.append_slots(seq, n):
+            # most steps fit in the blocks the sequence holds: no call to the block manager then
+            while (seq.num_computed_tokens + n + bs - 1) // bs > len(seq.block_table) \
+                    and not bm.append_slots(seq, n):
                 victim = self.running[-1]  # never one already scheduled: those sit before index i
                 if victim is seq and i == 0:
                     raise RuntimeError(
@@ -127,7 +134,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                (prefills if seq.is_prefill else decodes).append((seq, n))
+                (prefills if uncomputed > 1 else decodes).append((seq, n))  # seq.is_prefill
                 budget -= n
                 i += 1
                 continue
@@ -167,11 +174,16 @@ class Scheduler:
 
     def postprocess(self, output: SchedulerOutput) -> None:
         """After the model ran: the step's tokens now have KV; register blocks that became full."""
+        bm = self.block_manager
+        bs = bm.block_size if bm.enable_prefix_caching else 0
         for seq, n in zip(output.seqs, output.num_new_tokens):
             if seq.status != SequenceStatus.RUNNING:  # aborted while the step ran
                 continue
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = after = before + n
+            known = len(seq.token_ids)
+            if bs and min(after, known) // bs > min(before, known) // bs:  # a block filled with known tokens
+                bm.cache_full_blocks(seq)
 
     # ---- leaving the running set ----------------------------------------------------------------------
 
@@ -191,6 +203,7 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = status
+        seq.num_pending = 0  # tokens still on the device (async scheduling) are dropped with it
         self._release(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:

@@ -3,6 +3,11 @@
 Pure bookkeeping: token ids, how many of them have KV in the cache, the block table, the life-cycle
 status. No tensors, no tokenizer. The scheduler and block manager read and write it; the engine appends
 sampled tokens.
+
+With async scheduling a sampled token is counted before its value is known: `num_pending` tokens follow
+`token_ids` whose values are still on the device (at most one when a step is scheduled: the last one).
+`num_tokens` counts them (the scheduler's and block manager's view: KV positions); `token_ids`,
+`output_token_ids` and `num_known_tokens` do not.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import time
 from dataclasses import dataclass, field
 
 from ferrylm.sampling_params import SamplingParams
+
+
+_FINISH_REASONS = {2: "stop", 3: "length", 4: "abort"}
 
 
 class SequenceStatus(enum.IntEnum):
@@ -32,11 +40,7 @@ class SequenceStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {
-            SequenceStatus.FINISHED_STOPPED: "stop",
-            SequenceStatus.FINISHED_LENGTH: "length",
-            SequenceStatus.FINISHED_ABORTED: "abort",
-        }.get(self)
+        return _FINISH_REASONS.get(self)
 
 
 _seq_counter = itertools.count()
@@ -49,7 +53,12 @@ class Sequence:
     request_id: str = ""
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     token_ids: list[int] = field(default_factory=list)
-    """Prompt followed by every generated token."""
+    """Prompt followed by every generated token whose value is known."""
+    num_pending: int = 0
+    """Sampled tokens after `token_ids` whose values are still on the device (async scheduling)."""
+    final_pending: bool = False
+    """The pending token is the last one whatever its value (max_tokens or the length limit): the sequence
+    finishes when it arrives, so the scheduler gives it no further step."""
     num_computed_tokens: int = 0
     """Leading tokens whose KV is in the cache (prefix-cache hits included)."""
     num_cached_tokens: int = 0
@@ -77,7 +86,17 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
+    def params(self) -> SamplingParams:
+        """The sampler reads a sequence as one of its rows (`layers/sampler.py`)."""
+        return self.sampling_params
+
+    @property
     def num_tokens(self) -> int:
+        """Tokens the sequence holds, pending ones included (KV positions)."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
@@ -86,6 +105,7 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens, pending ones included (what the sampler counts: min_tokens, seeded steps)."""
         return self.num_tokens - self.num_prompt_tokens
 
     @property
@@ -99,9 +119,15 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status >= SequenceStatus.FINISHED_STOPPED
 
     def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def resolve_pending(self, token_id: int) -> None:
+        """The first pending token's value arrived from the device."""
+        assert self.num_pending > 0, f"seq {self.seq_id} has no pending token"
+        self.num_pending -= 1
         self.token_ids.append(token_id)
 
     def reset_for_recompute(self) -> None:

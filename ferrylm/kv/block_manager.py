@@ -146,11 +146,13 @@ class BlockManager:
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the hash of every block that became full of computed tokens (call after a step)."""
+        """Register the hash of every block that became full of computed tokens whose values are known (call
+        after a step, and again when pending tokens' values arrive: async scheduling computes a token's KV
+        before the host knows the token)."""
         if not self.enable_prefix_caching:
             return
         bs, table = self.block_size, seq.block_table
-        num_full = min(seq.num_computed_tokens // bs, len(table))
+        num_full = min(min(seq.num_computed_tokens, len(seq.token_ids)) // bs, len(table))
         first = num_full  # walk back to the first unhashed full block; earlier ones are all hashed
         while first > 0 and self.blocks[table[first - 1]].hash == NO_HASH:
             first -= 1

@@ -4,8 +4,14 @@ Owns vLLM's per-token sampling semantics, batched and vectorised, on whatever de
 min_tokens masking of stop ids, repetition / presence / frequency penalties, temperature, min-p, top-k,
 top-p, greedy and random sampling, per-request seeds, `logit_bias`, and an optional allowed-token bitmask
 (structured outputs: the grammar engine fills it, the sampler only applies it). Each row comes as a plain
-`SamplingRow` (params, token ids, prompt length): it knows nothing about sequences, tokenizers, grammars,
-stop strings, scheduling or when a sequence finishes.
+`SamplingRow` (params, token ids, prompt length; the engine's `Sequence` reads the same way): it knows
+nothing about sequences, tokenizers, grammars, stop strings, scheduling or when a sequence finishes.
+
+`sampler(logits, rows)` returns host lists (`SamplerOutput`); `sampler(logits, rows, allowed, True)`
+returns a `SampledTokens` whose tensors stay on the device, so the engine can copy them down behind an
+event and feed the ids to the next step without a host round trip (async scheduling). The per-row tensors
+(temperature, top-k, top-p, min-p, which rows are random) are built once per batch membership, not
+per step.
 
 Order, per row (vLLM v1's):
   1. fp32 copy of the logits; rows below min_tokens get their eos and stop token ids masked; logit_bias is
@@ -74,8 +80,16 @@ class SamplerOutput:
     None altogether when no row asked."""
 
 
-def _uses_penalties(p: SamplingParams) -> bool:
+def uses_penalties(p: SamplingParams) -> bool:
+    """Repetition, presence or frequency penalty: the row's logits depend on its tokens so far."""
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list as a device tensor without blocking: `torch.tensor(..., device="cuda")` copies from
+    pageable memory and waits for the whole stream (the step queued before it); a pinned copy does not."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _pad_ids(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -116,7 +130,7 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[SamplingRow], eos_token_id
                 rows.append(i)
                 cols.append(t)
     if rows:
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        logits[to_device(rows, logits.device), to_device(cols, logits.device)] = float("-inf")
     return logits
 
 
@@ -126,12 +140,12 @@ def apply_penalties(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tens
     B, V = logits.shape
     dev = logits.device
     params = [s.params for s in seqs]
-    use = [_uses_penalties(p) for p in params]
+    use = [uses_penalties(p) for p in params]
 
     if any(p.repetition_penalty != 1.0 for p in params):
         ids = _pad_ids([s.token_ids if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, params)], V, dev)
         seen = torch.zeros(B, V + 1, dtype=torch.bool, device=dev).scatter_(1, ids, True)[:, :V]  # [B, V]
-        rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)[:, None]  # [B, 1]
+        rep = to_device([p.repetition_penalty for p in params], dev, torch.float32)[:, None]  # [B, 1]
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits.copy_(torch.where(seen, penalised, logits))
 
@@ -140,8 +154,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tens
         ids = _pad_ids(out, V, dev)  # [B, L]
         counts = torch.zeros(B, V + 1, dtype=torch.float32, device=dev)
         counts = counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))[:, :V]  # [B, V]
-        pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev)[:, None]  # [B, 1]
-        freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev)[:, None]  # [B, 1]
+        pres = to_device([p.presence_penalty for p in params], dev, torch.float32)[:, None]  # [B, 1]
+        freq = to_device([p.frequency_penalty for p in params], dev, torch.float32)[:, None]  # [B, 1]
         logits -= freq * counts + pres * (counts > 0)
     return logits
 
@@ -157,8 +171,8 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Ten
             vals.append(b)
     if rows:
         dev = logits.device
-        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                          torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+        logits.index_put_((to_device(rows, dev), to_device(cols, dev)), to_device(vals, dev, logits.dtype),
+                          accumulate=True)
     return logits
 
 
@@ -198,29 +212,109 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(1, idx, x_sort)
 
 
-def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+@dataclass
+class FilterTensors:
+    """The per-row knobs of `filter_logits` as device tensors (None: no row uses that filter)."""
+
+    temperature: torch.Tensor
+    """[R] fp32 (1 for greedy rows)."""
+    min_p: torch.Tensor | None
+    """[R, 1] fp32."""
+    top_k: torch.Tensor | None
+    """[R] long in [1, V]."""
+    top_p: torch.Tensor | None
+    """[R] fp32 in (0, 1]."""
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> "FilterTensors":
+        V, f32 = vocab_size, torch.float32
+        temp = to_device([p.temperature if not p.greedy else 1.0 for p in params], device, f32)
+        min_p = to_device([p.min_p for p in params], device, f32)[:, None] \
+            if any(p.min_p > 0 for p in params) else None  # [R, 1]
+        top_k = to_device([p.top_k if 0 < p.top_k < V else V for p in params], device) \
+            if any(0 < p.top_k < V for p in params) else None
+        top_p = to_device([p.top_p for p in params], device, f32) \
+            if any(p.top_p < 1.0 for p in params) else None
+        return cls(temp, min_p, top_k, top_p)
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams], knobs: FilterTensors | None = None) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p for rows sampled at random; returns a new tensor.
 
-    softmax of the result is the distribution each row samples from.
+    softmax of the result is the distribution each row samples from. `knobs`: the rows' tensors, built
+    from `params` when not given.
     """
     # logits: [R, V] fp32 processed logits
-    R, V = logits.shape
-    dev = logits.device
-    temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32, device=dev)
-    x = logits / temp[:, None]  # [R, V]
-
-    if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)[:, None]  # [R, 1]
+    if knobs is None:
+        knobs = FilterTensors.build(params, logits.shape[1], logits.device)
+    x = logits / knobs.temperature[:, None]  # [R, V]
+    if knobs.min_p is not None:
         probs = x.softmax(dim=-1)
-        x.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * min_p, float("-inf"))
-
-    use_k = any(0 < p.top_k < V for p in params)
-    use_p = any(p.top_p < 1.0 for p in params)
-    if use_k or use_p:
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=dev) if use_k else None
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev) if use_p else None
-        x = apply_top_k_top_p(x, top_k, top_p)
+        x.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * knobs.min_p, float("-inf"))
+    if knobs.top_k is not None or knobs.top_p is not None:
+        x = apply_top_k_top_p(x, knobs.top_k, knobs.top_p)
     return x
+
+
+class _BatchPlan:
+    """What one batch membership (the same rows, in order, with the same params) needs from the sampler,
+    worked out once and reused until the membership changes."""
+
+    def __init__(self, seqs: list, vocab_size: int, device: torch.device):
+        params = [s.params for s in seqs]
+        self.params = params  # held so the ids in the key stay these objects'
+        self.key = tuple(map(id, params))
+        self.want_lp = any(p.logprobs is not None for p in params)
+        self.penalties = any(uses_penalties(p) for p in params)
+        self.min_rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
+        self.plain_greedy = (all(p.greedy and not p.logit_bias for p in params) and not self.want_lp
+                             and not self.penalties)
+        self.rand = [i for i, p in enumerate(params) if not p.greedy]
+        rp = [params[i] for i in self.rand]
+        self.all_rand = len(self.rand) == len(params)
+        self.rand_idx = None if self.all_rand or not self.rand else to_device(self.rand, device)
+        self.knobs = FilterTensors.build(rp, vocab_size, device) if rp else None
+        self.seeded = [j for j, p in enumerate(rp) if p.seed is not None]
+        unseeded = [j for j, p in enumerate(rp) if p.seed is None]
+        self.unseeded_idx = to_device(unseeded, device) if self.seeded and unseeded else None
+        self.lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        self.lp_idx = to_device(self.lp_rows, device) if self.want_lp else None
+        self.lp_n = min(max((params[i].logprobs for i in self.lp_rows), default=0), vocab_size)
+
+    def below_min_tokens(self, seqs: list) -> bool:
+        return any(seqs[i].num_output_tokens < seqs[i].params.min_tokens for i in self.min_rows)
+
+
+@dataclass
+class SampledTokens:
+    """One step's sample still on the device: the ids, and the logprob tensors when rows asked."""
+
+    token_ids: torch.Tensor
+    """[B] long, one per row."""
+    logprob_parts: tuple | None = None
+    """(rows, ns, chosen [Bl], top_lp [Bl, N], top_id [Bl, N]) for the Bl rows that asked (N may be 0)."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What has to reach the host: ids first."""
+        if self.logprob_parts is None:
+            return [self.token_ids]
+        return [self.token_ids, *self.logprob_parts[2:]]
+
+    def output(self, host: list[torch.Tensor] | None = None) -> SamplerOutput:
+        """Host lists, from host copies of `tensors()` (from the device tensors themselves when None)."""
+        host = host or self.tensors()
+        token_ids = host[0].tolist()
+        if self.logprob_parts is None:
+            return SamplerOutput(token_ids=token_ids, logprobs=None)
+        rows, ns = self.logprob_parts[:2]
+        chosen, top_lp, top_id = (t.tolist() for t in host[1:])
+        out: list[dict[int, float] | None] = [None] * len(token_ids)
+        for j, (i, n) in enumerate(zip(rows, ns)):
+            d = {token_ids[i]: chosen[j]}
+            for k in range(n):
+                d.setdefault(top_id[j][k], top_lp[j][k])
+            out[i] = d
+        return SamplerOutput(token_ids=token_ids, logprobs=out)
 
 
 class Sampler:
@@ -246,17 +340,20 @@ class Sampler:
             self._seeded[device] = torch.Generator(device=device)
         return self._seeded[device]
 
-    def _exponential(self, shape: tuple[int, int], seqs: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    def _exponential(self, shape: tuple[int, int], seqs: list[SamplingRow], device: torch.device,
+                     plan: _BatchPlan | None = None) -> torch.Tensor:
         """q ~ Exp(1): [R, V]; seeded rows from their own (seed, step) stream, the rest from the shared one."""
         q = torch.empty(shape, dtype=torch.float32, device=device)
-        seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
+        seeded = plan.seeded if plan is not None else [i for i, s in enumerate(seqs) if s.params.seed is not None]
         if not seeded:
             q.exponential_(generator=self._shared_gen(device))
         else:
-            unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
-            if unseeded:
-                draw = torch.empty(len(unseeded), shape[1], dtype=torch.float32, device=device)
-                q[torch.tensor(unseeded, device=device)] = draw.exponential_(generator=self._shared_gen(device))
+            unseeded = plan.unseeded_idx if plan is not None else None
+            if plan is None and len(seeded) < len(seqs):
+                unseeded = to_device([i for i, s in enumerate(seqs) if s.params.seed is None], device)
+            if unseeded is not None:
+                draw = torch.empty(unseeded.numel(), shape[1], dtype=torch.float32, device=device)
+                q[unseeded] = draw.exponential_(generator=self._shared_gen(device))
             g = self._seeded_gen(device)
             for i in seeded:
                 s = seqs[i]
@@ -275,68 +372,59 @@ class Sampler:
         apply_logit_bias(x, seqs)
         if allowed is not None:
             apply_allowed_mask(x, *allowed)
-        if any(_uses_penalties(s.params) for s in seqs):
+        if any(uses_penalties(s.params) for s in seqs):
             apply_penalties(x, seqs)
         return x
 
+    _plan: _BatchPlan | None = None
+
+    def _plan_for(self, seqs: list, vocab_size: int, device: torch.device) -> _BatchPlan:
+        key = (device, vocab_size, *(id(s.params) for s in seqs))
+        plan = self._plan
+        if plan is None or plan.key != key:
+            plan = self._plan = _BatchPlan(seqs, vocab_size, device)
+            plan.key = key
+        return plan
+
     def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow],
-                 allowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
-        """`allowed`: (rows [M] long, bitmask [M, ceil(V/32)] int32) for the rows a grammar constrains."""
+                 allowed: tuple[torch.Tensor, torch.Tensor] | None = None, defer: bool = False):
+        """`allowed`: (rows [M] long, bitmask [M, ceil(V/32)] int32) for the rows a grammar constrains.
+        Returns a `SamplerOutput` (host lists), or with `defer` the `SampledTokens` still on the device."""
+        sampled = self.sample(logits, seqs, allowed)
+        return sampled if defer else sampled.output()
+
+    def sample(self, logits: torch.Tensor, seqs: list[SamplingRow],
+               allowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampledTokens:
+        """The step's tokens (and logprobs) as device tensors; nothing here waits for the device."""
         # logits: [B, V], row i belongs to seqs[i]
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (tuple(logits.shape), len(seqs))
-        params = [s.params for s in seqs]
-        want_lp = any(p.logprobs is not None for p in params)
-        if (
-            allowed is None
-            and all(p.greedy and not p.logit_bias for p in params)
-            and not want_lp
-            and not any(_uses_penalties(p) for p in params)
-            and not any(s.num_output_tokens < s.params.min_tokens for s in seqs)
-        ):
-            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=None)
-
         dev = logits.device
+        plan = self._plan_for(seqs, logits.shape[1], dev)
+        if allowed is None and plan.plain_greedy and not plan.below_min_tokens(seqs):
+            return SampledTokens(logits.argmax(dim=-1))
+
         x = self.process(logits, seqs, allowed)  # [B, V]
         tokens = x.argmax(dim=-1)  # [B]; random rows are overwritten below
-
-        rand = [i for i, p in enumerate(params) if not p.greedy]
-        if rand:
-            if len(rand) == len(seqs):
-                xr, rseqs = x, seqs
-            else:
-                xr, rseqs = x[torch.tensor(rand, device=dev)], [seqs[i] for i in rand]  # [R, V]
-            probs = filter_logits(xr, [s.params for s in rseqs]).softmax(dim=-1)  # [R, V]
-            q = self._exponential(tuple(probs.shape), rseqs, dev)  # [R, V]
+        if plan.rand:
+            xr, rseqs = (x, seqs) if plan.all_rand else (x[plan.rand_idx], [seqs[i] for i in plan.rand])  # [R, V]
+            probs = filter_logits(xr, [s.params for s in rseqs], plan.knobs).softmax(dim=-1)  # [R, V]
+            q = self._exponential(tuple(probs.shape), rseqs, dev, plan)  # [R, V]
             sampled = probs.div_(q).argmax(dim=-1)  # [R]
-            if len(rand) == len(seqs):
+            if plan.all_rand:
                 tokens = sampled
             else:
-                tokens[torch.tensor(rand, device=dev)] = sampled
+                tokens[plan.rand_idx] = sampled
+        return SampledTokens(tokens, self._logprobs(x, tokens, plan) if plan.want_lp else None)
 
-        token_ids = tokens.tolist()
-        logprobs = self._logprobs(x, token_ids, params) if want_lp else None
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
-
-    def _logprobs(
-        self, x: torch.Tensor, token_ids: list[int], params: list[SamplingParams]
-    ) -> list[dict[int, float] | None]:
-        """{sampled: logprob, top-n...} per row that asked, from log_softmax of the processed logits."""
-        # x: [B, V] processed logits
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        idx = torch.tensor(rows, device=x.device)
-        lp = torch.log_softmax(x[idx], dim=-1)  # [Bl, V]
+    @staticmethod
+    def _logprobs(x: torch.Tensor, tokens: torch.Tensor, plan: _BatchPlan) -> tuple:
+        """{sampled: logprob, top-n...} per row that asked, from log_softmax of the processed logits, as
+        device tensors (`SampledTokens.output` makes the dicts)."""
+        # x: [B, V] processed logits; tokens: [B]
+        lp = torch.log_softmax(x[plan.lp_idx], dim=-1)  # [Bl, V]
         lp = torch.nan_to_num_(lp, nan=MIN_LOGPROB, neginf=MIN_LOGPROB).clamp_(MIN_LOGPROB, 0.0)
-        chosen = torch.tensor([token_ids[i] for i in rows], device=x.device)
-        chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1).tolist()  # [Bl]
-        n = min(max(params[i].logprobs for i in rows), x.shape[1])
-        top_lp, top_id = lp.topk(n, dim=-1) if n > 0 else (None, None)  # [Bl, N]
-        top_lp = top_lp.tolist() if n > 0 else None
-        top_id = top_id.tolist() if n > 0 else None
-
-        out: list[dict[int, float] | None] = [None] * len(params)
-        for j, i in enumerate(rows):
-            d = {token_ids[i]: chosen_lp[j]}
-            for k in range(min(params[i].logprobs, n)):
-                d.setdefault(top_id[j][k], top_lp[j][k])
-            out[i] = d
-        return out
+        chosen = lp.gather(1, tokens[plan.lp_idx][:, None]).squeeze(1)  # [Bl]
+        n = plan.lp_n
+        top_lp, top_id = lp.topk(n, dim=-1) if n > 0 else (lp[:, :0], lp[:, :0].long())  # [Bl, N]
+        ns = [min(plan.params[i].logprobs, n) for i in plan.lp_rows]
+        return plan.lp_rows, ns, chosen, top_lp, top_id

@@ -62,6 +62,6 @@ def download(tensors: list[torch.Tensor]) -> Download:
         h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         h.copy_(t, non_blocking=True)
         host.append(h)
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(blocking=True)  # its waiter sleeps: a spinning core would slow the host's work
     event.record()
     return Download(host, event)

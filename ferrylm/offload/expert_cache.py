@@ -52,6 +52,19 @@ def _copy(dst, s: int, src, e: int, non_blocking: bool = False) -> None:
         t[s].copy_(src_parts[k][e], non_blocking=non_blocking)
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor on the host, waited for by sleeping rather than spinning: CUDA spins a core while
+    it waits by default (one context, many cores), and host experts need every core."""
+    if t.device.type != "cuda":
+        return t
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(t, non_blocking=True)
+    ev = torch.cuda.Event(blocking=True)
+    ev.record()
+    ev.synchronize()
+    return h
+
+
 class EvictionPolicy:
     """Orders eviction candidates, first to go first."""
 
@@ -355,7 +368,7 @@ class CachedExperts(ExpertBackend):
 
         E, C = bank.num_experts, self.capacity
         T, k = topk_ids.shape
-        ids_host = topk_ids.cpu()  # the layer's one host sync
+        ids_host = _to_host(topk_ids)  # the layer's one host sync
         counts = torch.bincount(ids_host.flatten(), minlength=E).tolist()
         hits, pending, avail, on_cpu = self._plan(counts)
         inflight: list[tuple[int, int]] = []

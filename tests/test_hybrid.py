@@ -241,3 +241,45 @@ def test_calibration_chooses_the_thread_count(tmp_path, monkeypatch):
         assert "threads" not in plain and torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
+
+
+def test_host_decode_worker_serves_hand_offs_and_ends_with_its_engine(monkeypatch):
+    """The graphed decode path's host worker, driven through its semaphores as the CUDA host nodes would:
+    it writes the host rows `HostExperts.rows` gives, releases the stream on an error too (raised by
+    `check()`), and its thread ends once the `HostDecode` is dropped (it keeps no host bank alive)."""
+    import gc
+
+    import torch.nn.functional as F
+
+    from ferrylm.offload.host_decode import HostDecode
+    from ferrylm.offload.host_experts import HostExperts
+    from ferrylm.offload.placed_weights import OffloadStats
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no CUDA here: plain host buffers
+    g = torch.Generator().manual_seed(5)
+    E, H, I, k = 4, 32, 48, 2
+    host = HostExperts(torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g), F.silu)
+    stats = OffloadStats()
+    hd = HostDecode({3: host}, max_tokens=2, k=k, hidden=H, dtype=torch.float32, stats=stats)
+    x, ids, w = torch.randn(2, H, generator=g), torch.tensor([[0, -1], [2, 3]]), torch.rand(2, k, generator=g)
+
+    def hand_off(layer):
+        hd.meta.copy_(torch.tensor([layer, 2]))
+        hd.x[:2].copy_(x)
+        hd.ids[:2].copy_(ids)
+        hd.w[:2].copy_(w)
+        hd.hand.start.post()  # the post node
+        hd.hand.finish.wait()  # the wait node
+
+    hand_off(3)
+    expect = torch.empty(4, H)
+    host.rows(x, ids, w, expect)
+    assert torch.equal(hd.out[:4], expect) and hd.out[1].abs().max() == 0 and stats.cpu_experts == 3
+    hand_off(9)  # no such layer: the stream is released all the same, the step fails after it
+    with pytest.raises(RuntimeError, match="host expert worker failed"):
+        hd.check()
+    thread = hd.thread
+    del hd
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()

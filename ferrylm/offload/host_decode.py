@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 import torch
 
@@ -74,8 +75,11 @@ class HostDecode:
         self.out = torch.empty(max_tokens * k, hidden, dtype=dtype).pin_memory()
         self.max_tokens = max_tokens
         self.error: BaseException | None = None
-        self.closed = False
-        self.thread = threading.Thread(target=self._run, name="ferry-cpu-experts-decode", daemon=True)
+        # the thread holds only a weak reference between hand-offs: a dropped engine frees its host bank,
+        # and the finalizer wakes the thread to end
+        self.thread = threading.Thread(target=_worker, args=(weakref.ref(self), self.hand),
+                                       name="ferry-cpu-experts-decode", daemon=True)
+        self._finalizer = weakref.finalize(self, _stop, self.hand)
         self.thread.start()
 
     def send(self, layer: int, x: torch.Tensor, cpu_ids: torch.Tensor, weights: torch.Tensor,
@@ -116,39 +120,58 @@ class HostDecode:
                 self.remap_pin[e] = j
             self.remap.copy_(self.remap_pin, non_blocking=True)
 
-    def _run(self) -> None:
-        if self.copies:
-            torch.cuda.set_device(self.device)
-        while True:
-            self.hand.take()
-            if self.closed:
-                self.hand.done()
-                return
-            t = time.perf_counter()
-            try:
-                layer, T = self.meta.tolist()
-                if self.copies:  # first: the copy engine runs while the cores compute
-                    self._copy_in(layer, T)
-                self.stats.cpu_experts += self.experts[layer].rows(self.x[:T], self.ids[:T], self.w[:T], self.out)
-                if self.copies:
-                    self.copy_stream.synchronize()
-            except BaseException as e:  # the stream must still be released; the step fails in check()
-                self.error = self.error or e
-                self.out.zero_()
-                if self.copies:
-                    self.copy_stream.synchronize()
-                    self.remap.fill_(self.scratch13.shape[0])
-            finally:
-                self.stats.cpu_busy_s += time.perf_counter() - t
-                self.hand.done()
+    def _serve(self) -> None:
+        """One hand-off: the layer's host rows (and, with `copies`, its scratch copies)."""
+        t = time.perf_counter()
+        try:
+            layer, T = self.meta.tolist()
+            if self.copies:  # first: the copy engine runs while the cores compute
+                self._copy_in(layer, T)
+            self.stats.cpu_experts += self.experts[layer].rows(self.x[:T], self.ids[:T], self.w[:T], self.out)
+            if self.copies:
+                self.copy_stream.synchronize()
+        except BaseException as e:  # the stream must still be released; the step fails in check()
+            self.error = self.error or e
+            self.out.zero_()
+            if self.copies:
+                self.copy_stream.synchronize()
+                self.remap.fill_(self.scratch13.shape[0])
+        finally:
+            self.stats.cpu_busy_s += time.perf_counter() - t
 
     def check(self) -> None:
         if self.error is not None:
             e, self.error = self.error, None
             raise RuntimeError(f"host expert worker failed: {e!r}") from e
 
+    @property
+    def closed(self) -> bool:
+        return self.hand.closed
+
     def close(self) -> None:
         if not self.closed:
-            self.closed = True
-            self.hand.start.post()
+            self._finalizer()
             self.thread.join(timeout=5)
+
+
+def _stop(hand: HostHandoff) -> None:
+    hand.closed = True
+    hand.start.post()
+
+
+def _worker(ref, hand: HostHandoff) -> None:
+    first = ref()
+    if first is not None and first.copies:
+        torch.cuda.set_device(first.device)
+    del first
+    while True:
+        hand.take()
+        me = None if hand.closed else ref()
+        if me is None:  # closed, or the engine is gone
+            hand.done()
+            return
+        try:
+            me._serve()
+        finally:
+            del me
+            hand.done()

@@ -70,6 +70,8 @@ def _fn(name: str) -> int:
 class HostHandoff:
     def __init__(self):
         self.start, self.finish = Semaphore(), Semaphore()
+        self.closed = False
+        """Set (then `start` posted) to end the worker."""
         self._post, self._wait = _fn("sem_post"), _fn("sem_wait")
 
     def _launch(self, stream: torch.cuda.Stream, fn: int, sem: Semaphore) -> None:

@@ -354,6 +354,8 @@ class LLMEngine:
     def _resolve(self, step: _InFlight, t0: float, final_only: bool = False) -> list[RequestOutput]:
         """The step's tokens reach the host: append them, check stops, build the outputs."""
         result = step.sampled.output(step.host.wait())
+        if hasattr(self.runner, "check_step"):  # a host expert worker's failure: this step's tokens are wrong
+            self.runner.check_step()
         t0 = self._tick("wait", t0)
         now, bs = time.monotonic(), self.block_manager.block_size
         touched: dict[str, _Request] = {}

@@ -479,6 +479,17 @@ class ModelRunner:
         finally:
             self.placed.after_step(time.perf_counter() - t)  # expert slots follow the routing of mapped steps
 
+    def check_step(self) -> None:
+        """Once a step's results are on the host: raise what its host expert worker hit (the step's tokens
+        are then dropped, not streamed)."""
+        if self.placed.host_decode is not None:
+            self.placed.host_decode.check()
+
+    def close(self) -> None:
+        """Stop the hybrid decode worker once the queued steps are done."""
+        if self.placed.host_decode is not None:
+            self.placed.host_decode.close()
+
     def run_shipped(self, step: StepInput) -> torch.Tensor | None:
         """`run` plus the per-step bookkeeping `execute` does: what every rank of a parallel engine runs."""
         t = time.perf_counter()

@@ -16,5 +16,7 @@ either side alone on the H200 host (docs/benchmarks.md). Next: run `benchmarks/b
 see whether the sides take turns or contend; torch threads = cores - 2 (the spinning main thread and the
 driver's host-function thread need cores); if in-place reads starve beside CPU reads, let the worker copy
 the GPU's share with the copy engine on its own stream (it may call CUDA: it is not the host function)
-into slots and point the table at them before it releases the stream.
+into slots and point the table at them before it releases the stream. Also: padded graph rows are sent to
+the host worker too (a B=5 step padded to 8 computes 3 rows for nothing): mask them; one lock per expert in
+`HostExperts` kernel builds (a background build can stall the worker); stats `+=` from two threads.
 """

@@ -275,14 +275,21 @@ class CachedExperts(ExpertBackend):
             return sum_rows(expert_rows(x, self.t13, self.t2, topk_ids, topk_weights), k)
         hd, E = self.host_decode, self.on_cpu.numel()
         on = self.on_cpu[topk_ids]  # [T, k]: assignments the host computes
+        # every post is paired with its wait, whatever raises between them: an unpaired post would leave the
+        # worker's `done` one ahead and every later layer would read the previous layer's rows
         if not hd.copies:
             hd.send(self.layer, x, torch.where(on, topk_ids, -1), topk_weights)
-            rows = expert_rows(x, self.t13, self.t2, torch.where(on, E, topk_ids), topk_weights, skip=True)
-            return sum_rows(rows + hd.receive(T * k, x.device), k)
+            try:
+                rows = expert_rows(x, self.t13, self.t2, torch.where(on, E, topk_ids), topk_weights, skip=True)
+            finally:
+                host = hd.receive(T * k, x.device)
+            return sum_rows(rows + host, k)
         away = ~self.in_slot[topk_ids]  # [T, k]: the host's, or copied into scratch by its worker
         hd.send(self.layer, x, torch.where(on, topk_ids, -1), topk_weights, torch.where(away & ~on, topk_ids, -1))
-        rows = expert_rows(x, self.t13, self.t2, torch.where(away, E, topk_ids), topk_weights, skip=True)  # slot hits
-        host = hd.receive(T * k, x.device)
+        try:
+            rows = expert_rows(x, self.t13, self.t2, torch.where(away, E, topk_ids), topk_weights, skip=True)
+        finally:
+            host = hd.receive(T * k, x.device)
         rows = rows + expert_rows(x, hd.scratch13, hd.scratch2, hd.remap[topk_ids], topk_weights, skip=True)
         return sum_rows(rows + host, k)
 

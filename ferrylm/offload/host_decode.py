@@ -134,8 +134,12 @@ class HostDecode:
             self.error = self.error or e
             self.out.zero_()
             if self.copies:
-                self.copy_stream.synchronize()
-                self.remap.fill_(self.scratch13.shape[0])
+                try:  # on the copy stream, waited for: the scratch kernel after the wait reads no stale remap
+                    with torch.cuda.stream(self.copy_stream):
+                        self.remap.fill_(self.scratch13.shape[0])
+                    self.copy_stream.synchronize()
+                except BaseException:  # the device is failing; the step fails in check() all the same
+                    pass
         finally:
             self.stats.cpu_busy_s += time.perf_counter() - t
 
@@ -149,7 +153,11 @@ class HostDecode:
         return self.hand.closed
 
     def close(self) -> None:
+        """After the queued work: the worker answers one last hand-off and ends (a stream still holding
+        hand-offs would wait for good, so the device is drained first)."""
         if not self.closed:
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
             self._finalizer()
             self.thread.join(timeout=5)
 
@@ -172,6 +180,8 @@ def _worker(ref, hand: HostHandoff) -> None:
             return
         try:
             me._serve()
+        except BaseException as e:  # the worker must live on: a stream waiting on it would hang for good
+            me.error = me.error or e
         finally:
             del me
             hand.done()

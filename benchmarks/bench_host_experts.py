@@ -21,10 +21,6 @@ cpu_beside_copy_ms, copy_beside_cpu_ms, inplace_gb_s, inplace_beside_cpu_gb_s, r
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import time
 
 import torch
@@ -36,6 +32,7 @@ from ferrylm.offload import calibration
 from ferrylm.offload.cost_model import cpu_share
 from ferrylm.offload.host_experts import HostExperts
 from ferrylm.offload.host_tier import HostTier
+from results import write_results  # benchmarks/results.py (scripts run as python benchmarks/x.py)
 
 SHAPES = {"mixtral": (4096, 14336), "qwen3-30b": (2048, 768), "qwen3-235b": (4096, 1536), "tiny": (256, 512)}
 FORMATS = {  # name -> (kernel format, group, parts: name -> (dtype, columns per K or None for one column))
@@ -160,15 +157,8 @@ def main() -> None:
         print(" | ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         del he, w13, w2
         host.close()
-    result = {"bench": "host_experts", "host": platform.node(), "device": str(device), "shape": a.shape,
-              "threads": torch.get_num_threads(), "read_bw_gb_s": bw, "rows": rows}
-    out_path = a.out or os.path.join(os.path.dirname(__file__), "results",
-                                     f"host-experts-{datetime.date.today().isoformat()}.json")
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps(result))
-
+    write_results("host_experts", rows, out=a.out, device=str(device), shape=a.shape,
+                  threads=torch.get_num_threads(), read_bw_gb_s=bw)
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,7 @@ On one layer of Mixtral-shaped experts (bf16, pinned mapped host memory, 352 MB 
   - gpu + cpu and copy + cpu: both at once (the CPU in a thread, started together), each side's own
     time and rate, and the sum of the two rates against the alone rates;
   - handoff:     the cost of one post/wait pair of host nodes in a graph (16 per step for Mixtral-16L).
-GB/s are bytes of expert weights over seconds. Ends with one JSON line.
+GB/s are bytes of expert weights over seconds. Ends with one JSON line (benchmarks/results/hybrid-overlap-<date>.json).
 
     PYTHONPATH=. python benchmarks/bench_hybrid_overlap.py [--threads 16 12 8] [--gpu-experts 4 --cpu-experts 3]
 """
@@ -18,7 +18,6 @@ GB/s are bytes of expert weights over seconds. Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
 
@@ -29,6 +28,7 @@ from ferrylm.layers.fused_moe import WeightTable, expert_rows
 from ferrylm.offload.host_experts import HostExperts
 from ferrylm.offload.host_node import HostHandoff
 from ferrylm.offload.host_tier import HostTier
+from results import write_results  # benchmarks/results.py (scripts run as python benchmarks/x.py)
 
 H, I = 4096, 14336
 
@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[16, 12, 8])
     ap.add_argument("--gpu-experts", type=int, default=4)
     ap.add_argument("--cpu-experts", type=int, default=3)
+    ap.add_argument("--out", default=None)
     a = ap.parse_args()
     E = a.gpu_experts + a.cpu_experts
     tier = HostTier(pin=True)
@@ -151,7 +152,7 @@ def main() -> None:
     with_nodes, without = best(graph.replay, 20), best(plain.replay, 20)
     rows["handoff_us"] = (with_nodes - without) / 16 * 1e6
     print(f"one post/wait handoff in a graph: {rows['handoff_us']:.1f} us", flush=True)
-    print(json.dumps({"gpu": torch.cuda.get_device_name(), "per_expert_bytes": per_expert, **rows}))
+    write_results("hybrid_overlap", [rows], out=a.out, per_expert_bytes=per_expert)
 
 
 if __name__ == "__main__":

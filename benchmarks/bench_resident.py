@@ -16,7 +16,7 @@ Cases (`--cases`, in this order by default):
     PYTHONPATH=. python benchmarks/bench_resident.py [--cases ...] [--hf] [--out FILE]
 
 Rows: {"model", "case", "ferry_tok_s", "hf_tok_s", "roofline_tok_s", "pct_roofline", "gb_s" | "tflops"}.
-Ends with one JSON line (also written to `--out`).
+Ends with one JSON line, also written to `--out` (default benchmarks/results/resident-<date>.json).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import subprocess
 import time
 
 import torch
+
+from results import write_results  # benchmarks/results.py (scripts run as python benchmarks/x.py)
 
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -188,12 +190,7 @@ def main() -> None:
         llm = engine(LLAMA3_8B, 16, 16384 + 128)
         decode_row("llama-3-8b", "llama8b-16k-b16", LLAMA3_8B, llm, 16, 16384, 32)
         free(llm)
-    out = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "read_gb_s": bw,
-           "matmul_tflops": mm, "rows": rows}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-    print(json.dumps(out))
+    write_results("resident", rows, out=a.out, read_gb_s=bw, matmul_tflops=mm)
 
 
 if __name__ == "__main__":

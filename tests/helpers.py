@@ -1,5 +1,5 @@
 """Test helpers: capture the logits the engine samples from, per sequence, in step order; Yuan text-side
-directories and the vendor's encoding recipe."""
+directories and the vendor's encoding recipe; a byte-level tokenizer for random-weight checkpoints."""
 
 import contextlib
 import json
@@ -32,6 +32,17 @@ def capture_logits(engine):
         yield got
     finally:
         engine.sampler = real
+
+
+def byte_tokenizer(path: str) -> None:
+    """tokenizer.json of 256 byte-level tokens (ids 0..255), so prompts, stops and the server can be text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(os.path.join(path, "tokenizer.json"))
 
 
 def yuan_model_dir(tmp_path, tokenizer_dir: str, **config) -> str:

@@ -14,18 +14,9 @@ import pytest
 
 from ferrylm import LLM, SamplingParams
 
+from helpers import byte_tokenizer
+
 openai = pytest.importorskip("openai")
-
-
-def byte_tokenizer(path: str) -> None:
-    """tokenizer.json of 256 byte-level tokens (ids 0..255), so prompts and stops can be text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(os.path.join(path, "tokenizer.json"))
 
 
 PROMPTS = ["The quick brown fox", "hello", "a b c d e f g h i j k l m n o p", "Once upon a time, there was",

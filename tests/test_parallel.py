@@ -23,7 +23,7 @@ psutil = pytest.importorskip("psutil")
 from ferrylm import LLM, SamplingParams  # noqa: E402
 from ferrylm.errors import ConfigError, WorkerLostError  # noqa: E402
 
-from helpers import capture_logits  # noqa: E402
+from helpers import byte_tokenizer, capture_logits  # noqa: E402
 
 TOL = 1e-4
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -90,17 +90,6 @@ def engines():
     for llm in made:
         llm.engine.close()
     assert all(p.exitcode is not None for p in procs), "a worker outlived its engine"
-
-
-def byte_tokenizer(path: str) -> None:
-    """tokenizer.json of 256 byte-level tokens (ids 0..255), so the server can take and give text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(os.path.join(path, "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")

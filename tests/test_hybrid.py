@@ -30,6 +30,25 @@ def test_host_experts_equal_resident(mixtral):
     assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
 
 
+def test_host_work_on_the_worker_thread_may_write_inference_tensors(mixtral):
+    """On CUDA the host experts run on a worker thread (`hw/cpu_binding.worker_pool`) and write buffers the
+    engine thread made under inference mode; inference mode is per thread, so the worker must enter it too."""
+    from ferrylm.hw.cpu_binding import worker_pool
+    from ferrylm.offload.expert_cache import CachedExperts
+
+    llm = LLM(mixtral, dtype="float32", max_num_seqs=4, place=("experts=cpu",), experts="cpu")
+    cache = next(m.backend for m in llm.engine.runner.model.modules()
+                 if isinstance(getattr(m, "backend", None), CachedExperts))
+    cache.cpu_pool = pool = worker_pool(None)
+    try:
+        with torch.inference_mode():
+            rows = torch.ones(4, 8)  # like `_forward_fused`'s rows_host
+            done = cache._join(cache._on_host(lambda: rows.zero_()))
+        assert done is rows and not rows.any()
+    finally:
+        pool.shutdown()
+
+
 def test_cost_model_choices():
     tokens = {e: 1 for e in range(6)}
     copy_bound = Costs(copy_s=10.0, cpu_s=lambda n: 1.0 * n)  # copies are slow: the CPU takes all

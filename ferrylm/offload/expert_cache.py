@@ -344,9 +344,10 @@ class CachedExperts(ExpertBackend):
         """Start `fn()` (the step's host experts) on the CPU pool; returns its future."""
         import time
 
-        def timed():
+        def timed():  # inference mode is per thread: the step's tensors are inference tensors
             t = time.perf_counter()
-            out = fn()
+            with torch.inference_mode():
+                out = fn()
             self.stats.cpu_busy_s += time.perf_counter() - t
             return out
 

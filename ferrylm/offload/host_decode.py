@@ -179,7 +179,8 @@ def _worker(ref, hand: HostHandoff) -> None:
             hand.done()
             return
         try:
-            me._serve()
+            with torch.inference_mode():  # per thread; the hand-off buffers may be inference tensors
+                me._serve()
         except BaseException as e:  # the worker must live on: a stream waiting on it would hang for good
             me.error = me.error or e
         finally:

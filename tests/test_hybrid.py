@@ -302,3 +302,27 @@ def test_host_decode_worker_serves_hand_offs_and_ends_with_its_engine(monkeypatc
     gc.collect()
     thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+def test_host_share_splits_each_steps_misses():
+    """Hybrid decode's per-step split (`expert_cache.host_share`): of a layer's distinct misses the host takes
+    round(share * n), the preferred first; slot hits never go to the host."""
+    from ferrylm.offload.expert_cache import host_share
+
+    E = 8
+    in_slot = torch.zeros(E, dtype=torch.bool)
+    in_slot[[0, 5]] = True
+    prefer = torch.tensor([3, 6, 0, 1, 2, 4, 5, 7])  # the CPU class {3, 6} first
+
+    def split(ids, share):
+        return host_share(torch.tensor(ids), in_slot, prefer, torch.tensor(share))
+
+    assert split([[1, 2]], 0.42).tolist() == [[True, False]]  # 2 misses: one each, 1 before 2 in `prefer`
+    assert split([[3, 2]], 0.42).tolist() == [[True, False]]  # the CPU class first
+    assert split([[1]], 0.42).tolist() == [[False]]  # one miss: round(0.42) = 0, the GPU reads it
+    assert split([[1]], 0.6).tolist() == [[True]]
+    assert split([[0, 5]], 1.0).tolist() == [[False, False]]  # hits stay on the GPU whatever the share
+    assert split([[0, 1], [1, 2]], 1.0).tolist() == [[False, True], [True, True]]
+    assert not split([[1, 2], [3, 4]], 0.0).any()
+    on = split([[1, 2], [3, 4], [2, 7]], 0.5)  # 5 distinct misses: 3 to the host (3 is first, then 1, 2)
+    assert on.tolist() == [[True, True], [True, False], [True, False]]

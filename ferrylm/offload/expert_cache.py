@@ -65,6 +65,21 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def host_share(topk_ids: torch.Tensor, in_slot: torch.Tensor, prefer: torch.Tensor,
+               share: torch.Tensor) -> torch.Tensor:
+    """Hybrid decode's split of one layer's step, on the device (no host sync, graph-capturable): of the n
+    distinct experts the step routes to that are not in a slot, the host takes round(share * n), the first of
+    them in `prefer` order ([E], a permutation of the expert ids); the GPU reads the rest in place. A split
+    per step, not a fixed class of host experts: at one token a Mixtral layer has 0-2 misses, and a fixed
+    class sends both to one side as often as it splits them. -> [T, k] bool: the assignments the host computes."""
+    E = in_slot.numel()
+    used = torch.zeros(E, dtype=torch.bool, device=in_slot.device).index_fill_(0, topk_ids.flatten(), True)
+    miss = (used & ~in_slot)[prefer]  # [E] in preference order
+    rank = miss.cumsum(0)  # 1-based rank of each miss
+    pick = miss & (rank <= torch.floor(share * rank[-1] + 0.5))
+    return torch.empty_like(pick).scatter_(0, prefer, pick)[topk_ids]
+
+
 class EvictionPolicy:
     """Orders eviction candidates, first to go first."""
 
@@ -183,8 +198,8 @@ class CachedExperts(ExpertBackend):
         self.host_decode = None
         """Hybrid decode (`offload/host_decode.py`): CPU-class experts the table points at the host are
         computed by the host's cores while the kernel reads the others in place."""
-        self.cpu_class: torch.Tensor | None = None  # [E] bool, host: experts the CPU takes while not in a slot
-        self.on_cpu: torch.Tensor | None = None  # [E] bool, device: cpu_class and not in a slot, stream-ordered
+        self.cpu_class: torch.Tensor | None = None  # [E] bool, host: experts the CPU takes first while not in a slot
+        self.in_slot: torch.Tensor | None = None  # [E] bool, device: the table points at a slot, stream-ordered
 
     def map(self, resident_row: torch.Tensor, counts_row: torch.Tensor) -> None:
         """Turn on the in-place decode path (host banks registered mapped, fused kernel, CUDA)."""
@@ -210,15 +225,17 @@ class CachedExperts(ExpertBackend):
         if self.expert_bytes > self.large_expert_bytes:
             self.mapped_tokens = 1
 
-    def use_host(self, host_decode, cpu_class: torch.Tensor) -> None:
-        """Hybrid decode: experts of `cpu_class` ([E] bool) run on the host's cores while not in a slot."""
+    def use_host(self, host_decode, cpu_class: torch.Tensor, share: float) -> None:
+        """Hybrid decode: each step the host's cores take `share` of the layer's missed experts
+        (`host_share`), those of `cpu_class` ([E] bool) first."""
         self.host_decode, self.cpu_class = host_decode, cpu_class.clone()
-        on_cpu = (self.cpu_class & ~self.resident).to(self.device)
-        if self.on_cpu is None:
-            self.on_cpu = on_cpu
-            self.in_slot = self.resident.to(self.device)  # [E] bool, device: the table points at a slot
-        else:  # in place: captured graphs read this tensor
-            self.on_cpu.copy_(on_cpu)
+        prefer = torch.cat([cpu_class.nonzero().flatten(), (~cpu_class).nonzero().flatten()]).to(self.device)
+        if self.in_slot is None:
+            self.in_slot = self.resident.to(self.device)
+            self.prefer, self.share = prefer, torch.tensor(float(share), device=self.device)
+        else:  # in place: captured graphs read these tensors
+            self.prefer.copy_(prefer)
+            self.share.fill_(float(share))
 
     def _point(self, e: int, s: int | None) -> None:
         """Table entry of expert e -> slot s, or its host rows (None); stream-ordered, no host sync."""
@@ -226,8 +243,7 @@ class CachedExperts(ExpertBackend):
             for k, ptrs in t.ptrs.items():
                 ptrs[e:e + 1].fill_(self.host_addr[i][k][e] if s is None else self.slot_addr[i][k][s])
         self.resident[e] = s is not None
-        if self.on_cpu is not None:
-            self.on_cpu[e:e + 1].fill_(bool(self.cpu_class[e]) and s is None)
+        if self.in_slot is not None:
             self.in_slot[e:e + 1].fill_(s is not None)
 
     def promote(self, e: int, victim: int | None) -> None:
@@ -273,8 +289,8 @@ class CachedExperts(ExpertBackend):
         T, k = topk_ids.shape
         if self.host_decode is None:
             return sum_rows(expert_rows(x, self.t13, self.t2, topk_ids, topk_weights), k)
-        hd, E = self.host_decode, self.on_cpu.numel()
-        on = self.on_cpu[topk_ids]  # [T, k]: assignments the host computes
+        hd, E = self.host_decode, self.in_slot.numel()
+        on = host_share(topk_ids, self.in_slot, self.prefer, self.share)  # [T, k]: assignments the host computes
         # every post is paired with its wait, whatever raises between them: an unpaired post would leave the
         # worker's `done` one ahead and every later layer would read the previous layer's rows
         if not hd.copies:

@@ -245,18 +245,20 @@ class PlacedWeights:
         self.set_cpu_share(share)
 
     def set_cpu_share(self, share: float) -> None:
-        """Between steps: the host takes experts e with floor((e + 1) * share) > floor(e * share) (spread over
-        the ids) while they are not in a slot. Graphs captured before keep working (tensors change in place)."""
+        """Between steps: each step the host takes `share` of a layer's missed experts (rounded;
+        `expert_cache.host_share`), first those e with floor((e + 1) * share) > floor(e * share) (spread over
+        the ids). Graphs captured before keep working (tensors change in place)."""
         if self.host_decode is None:
             raise ValueError("hybrid decode is off (experts=gpu, no mapped caches, or a share of 0 at start)")
         E = next(iter(self.caches.values())).host_w13.shape[0]
         cpu_class = torch.tensor([int((e + 1) * share) > int(e * share) for e in range(E)])
         for c in self.caches.values():
-            c.use_host(self.host_decode, cpu_class)
+            c.use_host(self.host_decode, cpu_class, share)
         self.cpu_share = self.stats.cpu_share = share
-        self._prepare_host_experts(cpu_class.nonzero().flatten().tolist())
-        log.info("hybrid decode: the host computes %d of %d experts per layer while they are not in a slot "
-                 "(share %.2f)", int(cpu_class.sum()), E, share)
+        order = cpu_class.nonzero().flatten().tolist() + (~cpu_class).nonzero().flatten().tolist()
+        self._prepare_host_experts(order)  # any miss may fall to the host; the first-chosen are built first
+        log.info("hybrid decode: the host computes a share %.2f of each layer's missed experts per step, "
+                 "%d of %d experts first", share, int(cpu_class.sum()), E)
 
     def _prepare_host_experts(self, experts: list[int]) -> None:
         """Build the host kernels of `experts` in every layer on a background thread, so no decode step pays

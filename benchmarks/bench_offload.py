@@ -375,15 +375,22 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
     print(f"calibration: {placed.calibration}; calibrated share {auto:.2f}", flush=True)
     row = {"model": "mixtral-16L", "budget_gib": 16, "batch": 1, "routing": routing, "calibrated_share": auto,
            "gpu_side": gpu_side, "by_share": {}}
-    for share in (*shares, auto):
-        placed.set_cpu_share(share)
-        placed.stats.reset()
-        r, per = decode_rate(llm, 1, 24, seed=int(share * 100) + 3, stats=placed.stats)
-        s = placed.stats
-        row["by_share"][f"{share:.2f}"] = {"tok_s": r, "pcie_gib_per_token": per / 2**30, "cpu_experts": s.cpu_experts,
-                                           "cpu_busy_s": round(s.cpu_busy_s, 3), "hit_rate": s.hit_rate}
-        print(f"hybrid decode {routing} share {share:.2f}: {r:6.2f} tok/s  in place {per / 2**30:.2f} GiB/token, "
-              f"{s}", flush=True)
+    splits = (True, False) if gpu_side == "inplace" else (False,)
+    for split in splits:  # each miss split along its intermediate (the default), or whole experts per side
+        key = "by_share" if split == splits[0] else "by_share_whole_experts"
+        row[key] = {}
+        placed.hybrid_split = split
+        for share in (*shares, auto):
+            placed.set_cpu_share(share)
+            if llm.engine.runner.graphs is not None:
+                llm.engine.runner.graphs.reset()  # the column split is baked into captures
+            placed.stats.reset()
+            r, per = decode_rate(llm, 1, 24, seed=int(share * 100) + 3, stats=placed.stats)
+            s = placed.stats
+            row[key][f"{share:.2f}"] = {"tok_s": r, "pcie_gib_per_token": per / 2**30, "cpu_experts": s.cpu_experts,
+                                        "cpu_busy_s": round(s.cpu_busy_s, 3), "hit_rate": s.hit_rate}
+            print(f"hybrid decode {routing} split={split} share {share:.2f}: {r:6.2f} tok/s  in place "
+                  f"{per / 2**30:.2f} GiB/token, {s}", flush=True)
     row["hybrid_tok_s"] = row["by_share"][f"{auto:.2f}"]["tok_s"]
     row["inplace_only_tok_s"] = row["by_share"]["0.00"]["tok_s"]
     row["cpu_only_tok_s"] = row["by_share"]["1.00"]["tok_s"]

@@ -305,6 +305,10 @@ class OffloadConfig:
     """Hybrid decode: share of each layer's experts the host computes while they are not in a slot (the
     kernel reads the rest in place, at the same time); None: balanced from the calibration (1 with
     `experts=cpu`, 0 with `experts=gpu`)."""
+    hybrid_split: bool = True
+    """Hybrid decode over dense expert banks splits each missed expert along its intermediate: the GPU reads
+    the first (1 - cpu_share) of its columns in place while the host computes the rest, so both sides
+    work on every miss; off: whole experts go to one side or the other (per step, `cpu_share` of them)."""
 
     def __post_init__(self) -> None:
         if self.gpu_memory_budget is not None and self.gpu_memory_budget <= 0:

@@ -494,8 +494,9 @@ def test_host_handoff_inside_a_cuda_graph():
     t.join(timeout=5)
 
 
-@pytest.mark.parametrize("share,gpu_side", [(0.5, "inplace"), (1.0, "inplace"), (0.5, "copy")])
-def test_hybrid_decode_host_experts_equal_mapped(share, gpu_side, tmp_path_factory, monkeypatch):
+@pytest.mark.parametrize("share,gpu_side,split", [(0.5, "inplace", True), (0.5, "inplace", False),
+                                                   (1.0, "inplace", True), (0.5, "copy", False)])
+def test_hybrid_decode_host_experts_equal_mapped(share, gpu_side, split, tmp_path_factory, monkeypatch):
     """Hybrid decode: the host computes a share of the missed experts (inside the decode graphs, through
     host nodes) while the GPU reads the rest in place, or (copy) its worker copies them into scratch slots.
     Logits match the all-in-place run within bf16 rounding (the host's bf16 GEMM sums in another order);
@@ -517,12 +518,13 @@ def test_hybrid_decode_host_experts_equal_mapped(share, gpu_side, tmp_path_facto
     for eager in (True, False):
         kw = dict(device="cuda", dtype="bfloat16", enforce_eager=eager, place=place, **extra)
         ref_out, ref = sampled_rows(LLM(path, experts="gpu", **kw), prompts, 24)
-        llm = LLM(path, experts="auto", cpu_share=share, **kw)
+        llm = LLM(path, experts="auto", cpu_share=share, hybrid_split=split, **kw)
         placed = llm.engine.runner.placed
         assert placed.host_decode is not None and (llm.engine.runner.graphs is not None) == (not eager)
         assert placed.host_decode.copies == (gpu_side == "copy")
         out, got = sampled_rows(llm, prompts, 24)
-        print(f"hybrid decode share={share} eager={eager}: {placed.stats}")
+        assert all((c.split_cols is not None) == (split and gpu_side == "inplace") for c in placed.caches.values())
+        print(f"hybrid decode share={share} split={split} eager={eager}: {placed.stats}")
         assert placed.stats.cpu_experts > 0 and placed.host_decode.error is None
         worst = max((a - b).abs().max().item() for a, b in zip(ref, got))
         same = sum(a == b for o, r in zip(out, ref_out) for a, b in zip(o.outputs[0].token_ids, r.outputs[0].token_ids))

@@ -68,3 +68,30 @@ def test_packed_experts_equal_dequantized(fmt):
         # the same decoded values; packed tiles are twice as wide along K, so the sums run in another order
         assert worst <= 2e-2 * want.float().abs().max().item() + 1e-6
         assert rel < (2e-2 if DT == torch.bfloat16 else 1e-5)
+
+
+def test_columns_of_the_intermediate_add_up():
+    """`expert_rows(..., inter=c)` computes each expert on its first c intermediate columns (hybrid decode's
+    GPU share; the host computes the rest): the two ranges add up to the whole expert, directly and through
+    a table of per-expert addresses."""
+    torch.manual_seed(2)
+    E, H, I, k = 4, 128, 256, 2
+    w13, w2 = (torch.randn(E, 2 * I, H) * 0.05).to(DEV, DT), (torch.randn(E, H, I) * 0.05).to(DEV, DT)
+    t13 = WeightTable(torch.tensor(WeightTable.addresses(w13), device=DEV), w13)
+    t2 = WeightTable(torch.tensor(WeightTable.addresses(w2), device=DEV), w2)
+    for T in (1, 3):
+        x = torch.randn(T, H, device=DEV).to(DT)
+        ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(T)])
+        w = torch.rand(T, k, device=DEV)
+        c = 128
+        first = expert_rows(x, t13, t2, ids, w, inter=c)
+        rest = torch.zeros_like(first)
+        for a, e in enumerate(ids.flatten().tolist()):  # the host's columns, in plain torch
+            xa = x[a // k].float()
+            g, u = w13[e][c:I].float() @ xa, w13[e][I + c:].float() @ xa
+            rest[a] = (w.flatten()[a] * (w2[e][:, c:].float() @ (torch.nn.functional.silu(g) * u))).to(DT)
+        whole = expert_rows(x, w13, w2, ids, w)
+        worst = (first.float() + rest.float() - whole.float()).abs().max().item()
+        print(f"columns [0, {c}) + [{c}, {I}) vs whole, T={T}: max |diff| {worst:.2e}")
+        assert worst <= (2e-2 if DT == torch.bfloat16 else 1e-5) * whole.float().abs().max().item()
+        assert (first.float() - whole.float()).abs().max().item() > 1e-3  # the range is not the whole

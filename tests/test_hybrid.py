@@ -283,7 +283,7 @@ def test_host_decode_worker_serves_hand_offs_and_ends_with_its_engine(monkeypatc
     x, ids, w = torch.randn(2, H, generator=g), torch.tensor([[0, -1], [2, 3]]), torch.rand(2, k, generator=g)
 
     def hand_off(layer):
-        hd.meta.copy_(torch.tensor([layer, 2]))
+        hd.meta.copy_(torch.tensor([layer, 2, 0]))
         hd.x[:2].copy_(x)
         hd.ids[:2].copy_(ids)
         hd.w[:2].copy_(w)
@@ -326,3 +326,31 @@ def test_host_share_splits_each_steps_misses():
     assert not split([[1, 2], [3, 4]], 0.0).any()
     on = split([[1, 2], [3, 4], [2, 7]], 0.5)  # 5 distinct misses: 3 to the host (3 is first, then 1, 2)
     assert on.tolist() == [[True, True], [True, False], [True, False]]
+
+
+def test_host_rows_on_a_column_range_add_up_to_the_expert():
+    """Hybrid decode's split along the intermediate: the host's columns [c, I) (`HostExperts.rows(cols=c)`)
+    plus the device's [0, c) equal the whole expert's weighted rows."""
+    import torch.nn.functional as F
+
+    from ferrylm.offload.host_experts import HostExperts
+
+    g = torch.Generator().manual_seed(3)
+    E, H, I, T, k = 4, 16, 256, 3, 2
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    he = HostExperts(w13, w2, F.silu)
+    assert he.splittable
+    x = torch.randn(T, H, generator=g)
+    ids = torch.tensor([[0, 2], [2, -1], [1, 3]])
+    w = torch.rand(T, k, generator=g)
+    whole, host = torch.empty(T * k, H), torch.empty(T * k, H)
+    he.rows(x, ids, w, whole)
+    c = 128
+    he.rows(x, ids, w, host, cols=c)
+    dev = torch.zeros(T * k, H)  # the device's share, as `expert_rows(..., inter=c)` computes it
+    for a, e in enumerate(ids.flatten().tolist()):
+        if e >= 0:
+            xa = x[a // k]
+            dev[a] = w.flatten()[a] * (w2[e][:, :c] @ (F.silu(w13[e][:c] @ xa) * (w13[e][I:I + c] @ xa)))
+    torch.testing.assert_close(host + dev, whole, rtol=1e-5, atol=1e-4)
+    assert not host[3].any() and (host[0] - whole[0]).abs().max() > 1e-3  # the -1 row is 0; the split is real

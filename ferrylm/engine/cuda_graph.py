@@ -47,6 +47,11 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
+    def reset(self) -> None:
+        """Drop the captured graphs (captured again on next use): after a change baked into captures, e.g.
+        hybrid decode's column split (`offload/placed_weights.set_cpu_share`)."""
+        self.graphs.clear()
+
     def eligible(self, out: SchedulerOutput) -> bool:
         # every row must also sample: a 1-token chunk in the middle of a prompt yields no logits
         return len(out.seqs) <= self.batch_buckets[-1] and all(

@@ -177,7 +177,8 @@ class ModelRunner:
                                     config.offload.expert_profile, config.offload.stream_buffers,
                                     config.moe_backend, config.offload.experts, config.offload.cpu_threads,
                                     config.offload.mapped_experts, config.offload.cpu_share,
-                                    cpu_numa_node=config.offload.cpu_numa_node)
+                                    cpu_numa_node=config.offload.cpu_numa_node,
+                                    hybrid_split=config.offload.hybrid_split)
         self.model.load_weights(source, progress=progress, allocator=self.placed)
         meta = [n for n, p in self.model.named_parameters() if p.is_meta]
         if meta:  # load_weights reports missing tensors; this is a model whose loader skipped one

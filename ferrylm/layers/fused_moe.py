@@ -97,7 +97,7 @@ if triton is not None:
 
     @triton.jit
     def _grouped_gemm(a_ptr, w_ptr, ws_ptr, wm_ptr, lut_ptr, out_ptr, rows_ptr, block_expert_ptr, used_ptr,
-                      scale_ptr, N, K, A, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+                      scale_ptr, N, K, A, UP, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                       TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr,
                       SCALE: tl.constexpr, MAPPED: tl.constexpr, FMT: tl.constexpr, GS: tl.constexpr,
                       PER_ROW: tl.constexpr, W_T: tl.constexpr, S_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -132,8 +132,8 @@ if triton is not None:
             w = _weight_tile(w_base, s_base, m_base, lut_ptr, rows, n_ok, k0, K - k0, offs_k, stride_wn, stride_sn,
                              FMT, GS, PER_ROW, BLOCK_K, BLOCK_N)
             acc = tl.dot(a, w.to(a.dtype), acc)
-            if GATED:  # the up rows sit N rows below the gate rows of w13
-                wu = _weight_tile(w_base, s_base, m_base, lut_ptr, rows + N, n_ok, k0, K - k0, offs_k, stride_wn,
+            if GATED:  # the up rows sit UP (the intermediate size; N unless split) rows below the gate rows
+                wu = _weight_tile(w_base, s_base, m_base, lut_ptr, rows + UP, n_ok, k0, K - k0, offs_k, stride_wn,
                                   stride_sn, FMT, GS, PER_ROW, BLOCK_K, BLOCK_N)
                 acc_up = tl.dot(a, wu.to(a.dtype), acc_up)
             a_ptrs += BLOCK_K
@@ -337,15 +337,17 @@ def _weight_args(w, device: torch.device) -> dict:
 
 
 def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor, skip: bool = False) -> torch.Tensor:
+                topk_weights: torch.Tensor, skip: bool = False, inter: int | None = None) -> torch.Tensor:
     """The weighted expert output of every assignment: [A, H] in x's dtype, row t * k + j for token t's
     j-th expert. `w13`/`w2` are device banks or `WeightTable`s (the same bits either way: only the address
     arithmetic differs). With `skip`, ids equal to E (w13.shape[0]) are skipped and their rows are 0: the
     offload cache computes the experts present on the device in rounds and adds the rows (exactly: each
-    row is non-zero in one round only)."""
+    row is non-zero in one round only). With `inter`, only the first `inter` columns of each expert's
+    intermediate are computed (dense banks): hybrid decode's host computes the others and the rows add up."""
     T, k = topk_ids.shape
     E, two_i, H = w13.shape
-    I = two_i // 2
+    up = two_i // 2
+    I = up if inter is None else inter
     A = T * k
     BM, BN, BK = _blocks(A)
     rows, block_expert, used, inv = align(topk_ids, E + skip, BM)
@@ -360,11 +362,11 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
     a13, a2 = _weight_args(w13, x.device), _weight_args(w2, x.device)
     grid1 = (m_pad // BM, triton.cdiv(I, BN))
     _grouped_gemm[grid1](x, out_ptr=h, rows_ptr=rows, block_expert_ptr=block_expert, used_ptr=used, scale_ptr=scale,
-                         N=I, K=H, A=A, stride_am=x.stride(0), stride_om=h.stride(0), TOP_K=k, A_BY_TOKEN=True,
+                         N=I, K=H, A=A, UP=up, stride_am=x.stride(0), stride_om=h.stride(0), TOP_K=k, A_BY_TOKEN=True,
                          GATED=True, SCALE=False, BLOCK_M=BM, BLOCK_N=BN, **_tiles(BK, a13, H), **a13)
     grid2 = (m_pad // BM, triton.cdiv(H, BN))
     _grouped_gemm[grid2](h, out_ptr=y, rows_ptr=rows, block_expert_ptr=block_expert, used_ptr=used, scale_ptr=scale,
-                         N=H, K=I, A=A, stride_am=h.stride(0), stride_om=y.stride(0), TOP_K=k, A_BY_TOKEN=False,
+                         N=H, K=I, A=A, UP=0, stride_am=h.stride(0), stride_om=y.stride(0), TOP_K=k, A_BY_TOKEN=False,
                          GATED=False, SCALE=True, BLOCK_M=BM, BLOCK_N=BN, **_tiles(BK, a2, I), **a2)
     return y[inv]
 

@@ -200,6 +200,7 @@ class CachedExperts(ExpertBackend):
         computed by the host's cores while the kernel reads the others in place."""
         self.cpu_class: torch.Tensor | None = None  # [E] bool, host: experts the CPU takes first while not in a slot
         self.in_slot: torch.Tensor | None = None  # [E] bool, device: the table points at a slot, stream-ordered
+        self.split_cols: int | None = None  # hybrid decode split along the intermediate: the GPU's columns
 
     def map(self, resident_row: torch.Tensor, counts_row: torch.Tensor) -> None:
         """Turn on the in-place decode path (host banks registered mapped, fused kernel, CUDA)."""
@@ -225,10 +226,15 @@ class CachedExperts(ExpertBackend):
         if self.expert_bytes > self.large_expert_bytes:
             self.mapped_tokens = 1
 
-    def use_host(self, host_decode, cpu_class: torch.Tensor, share: float) -> None:
+    def use_host(self, host_decode, cpu_class: torch.Tensor, share: float, split: bool = False) -> None:
         """Hybrid decode: each step the host's cores take `share` of the layer's missed experts
-        (`host_share`), those of `cpu_class` ([E] bool) first."""
+        (`host_share`), those of `cpu_class` ([E] bool) first; with `split` (dense banks), every missed expert
+        is split along its intermediate instead: the GPU computes the first (1 - share) of its columns
+        (a multiple of 128), the host the rest. A split column count is baked into graphs captured after."""
         self.host_decode, self.cpu_class = host_decode, cpu_class.clone()
+        I = self.host_w2.shape[2]
+        self.split_cols = (min(I, max(0, round((1 - share) * I / 128) * 128))
+                           if split and self.host_experts.splittable else None)
         prefer = torch.cat([cpu_class.nonzero().flatten(), (~cpu_class).nonzero().flatten()]).to(self.device)
         if self.in_slot is None:
             self.in_slot = self.resident.to(self.device)
@@ -290,6 +296,18 @@ class CachedExperts(ExpertBackend):
         if self.host_decode is None:
             return sum_rows(expert_rows(x, self.t13, self.t2, topk_ids, topk_weights), k)
         hd, E = self.host_decode, self.in_slot.numel()
+        if self.split_cols is not None and not hd.copies:  # every miss split: the GPU's columns, then the host's
+            c = self.split_cols
+            miss = ~self.in_slot[topk_ids]  # [T, k]
+            hd.send(self.layer, x, torch.where(miss, topk_ids, -1), topk_weights, cols=c)
+            try:
+                rows = expert_rows(x, self.t13, self.t2, torch.where(miss, E, topk_ids), topk_weights, skip=True)
+                if c:
+                    rows = rows + expert_rows(x, self.t13, self.t2, torch.where(miss, topk_ids, E), topk_weights,
+                                              skip=True, inter=c)
+            finally:
+                host = hd.receive(T * k, x.device)
+            return sum_rows(rows + host, k)
         on = host_share(topk_ids, self.in_slot, self.prefer, self.share)  # [T, k]: assignments the host computes
         # every post is paired with its wait, whatever raises between them: an unpaired post would leave the
         # worker's `done` one ahead and every later layer would read the previous layer's rows

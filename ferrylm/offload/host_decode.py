@@ -61,14 +61,15 @@ class HostDecode:
         if self.copies:
             first = next(iter(experts.values()))
             E, S = first.w13.shape[0], min(k * max_tokens, first.w13.shape[0])
-            self.device = device
+            # the worker thread selects it: an index, not "cuda" (the engine thread's current device then)
+            self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
             self.scratch13, self.scratch2 = _empty(first.w13, S, device), _empty(first.w2, S, device)
             self.copy_ids = torch.empty(max_tokens, k, dtype=torch.long).pin_memory()
             self.remap_pin = torch.full((E,), S, dtype=torch.long).pin_memory()
             self.remap = torch.full((E,), S, dtype=torch.long, device=device)  # expert -> scratch slot | S (skip)
             self.copy_stream = torch.cuda.Stream(device)
         self.hand = HostHandoff()
-        self.meta = torch.zeros(2, dtype=torch.long).pin_memory()  # layer, tokens
+        self.meta = torch.zeros(3, dtype=torch.long).pin_memory()  # layer, tokens, first host column
         self.x = torch.empty(max_tokens, hidden, dtype=dtype).pin_memory()
         self.ids = torch.empty(max_tokens, k, dtype=torch.long).pin_memory()
         self.w = torch.empty(max_tokens, k, dtype=torch.float32).pin_memory()
@@ -83,14 +84,16 @@ class HostDecode:
         self.thread.start()
 
     def send(self, layer: int, x: torch.Tensor, cpu_ids: torch.Tensor, weights: torch.Tensor,
-             copy_ids: torch.Tensor | None = None) -> None:
+             copy_ids: torch.Tensor | None = None, cols: int = 0) -> None:
         """Enqueue the layer's hand-off: x [T, H], cpu_ids [T, k] (-1: the GPU's), weights [T, k]; with
-        `copies`, copy_ids [T, k]: the experts the worker copies into scratch (-1: none)."""
+        `copies`, copy_ids [T, k]: the experts the worker copies into scratch (-1: none); `cols` > 0: the
+        host computes only the intermediate columns [cols, I) of its experts (`HostExperts.rows`)."""
         T = x.shape[0]
         if T > self.max_tokens:
             raise ValueError(f"host decode buffers hold {self.max_tokens} tokens, step has {T}")
-        meta = torch.full((2,), T, dtype=torch.long, device=x.device)  # fill kernels: graph-capturable
+        meta = torch.full((3,), T, dtype=torch.long, device=x.device)  # fill kernels: graph-capturable
         meta[:1].fill_(layer)
+        meta[2:].fill_(cols)
         self.meta.copy_(meta, non_blocking=True)
         self.x[:T].copy_(x, non_blocking=True)
         self.ids[:T].copy_(cpu_ids, non_blocking=True)
@@ -124,10 +127,10 @@ class HostDecode:
         """One hand-off: the layer's host rows (and, with `copies`, its scratch copies)."""
         t = time.perf_counter()
         try:
-            layer, T = self.meta.tolist()
+            layer, T, cols = self.meta.tolist()
             if self.copies:  # first: the copy engine runs while the cores compute
                 self._copy_in(layer, T)
-            self.stats.cpu_experts += self.experts[layer].rows(self.x[:T], self.ids[:T], self.w[:T], self.out)
+            self.stats.cpu_experts += self.experts[layer].rows(self.x[:T], self.ids[:T], self.w[:T], self.out, cols)
             if self.copies:
                 self.copy_stream.synchronize()
         except BaseException as e:  # the stream must still be released; the step fails in check()

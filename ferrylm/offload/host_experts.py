@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 
 import torch
+import torch.nn.functional as F
 
 from ferrylm.layers.cpu_experts import HostExpert, RowBlocks
 from ferrylm.weights import quant as Q
@@ -126,10 +127,28 @@ class HostExperts:
         for e in range(self.num_experts) if experts is None else experts:
             self.expert(int(e))
 
-    def rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> int:
+    @property
+    def splittable(self) -> bool:
+        """Experts can be split along their intermediate (`rows(..., cols=c)`): dense banks."""
+        return isinstance(self.w13, torch.Tensor)
+
+    def _columns(self, e: int, x: torch.Tensor, c: int) -> torch.Tensor:
+        """Expert e on the intermediate columns [c, I) only: [n, H] (the device computes [0, c) and adds).
+        Views of the bank's rows; the strided w2 view costs BLAS nothing (its rows keep their stride)."""
+        I = self.w2.shape[2]
+        w13, w2 = self.w13[e], self.w2[e]  # [2I, H], [H, I]
+        xb = x.to(w13.dtype)
+        mid = self.act(F.linear(xb, w13[c:I])).mul_(F.linear(xb, w13[I + c:]))  # [n, I - c]
+        return F.linear(mid, w2[:, c:])
+
+    def rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+             cols: int = 0) -> int:
         """x: [T, H]; ids, weights: [T, k] (ids -1 where another side computes); out: [>= T * k, H], written
-        in rows [0, T * k). Returns the number of experts run."""
+        in rows [0, T * k). With `cols` > 0 (dense banks), each expert on its intermediate columns [cols, I)
+        only (`layers/fused_moe.expert_rows(..., inter=cols)` computes the rest). Returns the number of
+        experts run."""
         T, k = ids.shape
+        run = (lambda e, xs: self._columns(e, xs, cols)) if cols else (lambda e, xs: self.expert(e)(xs))
         out[:T * k].zero_()
         groups: dict[int, list[int]] = {}  # expert -> its assignment rows, ascending
         for a, e in enumerate(ids.reshape(-1).tolist()):
@@ -139,10 +158,10 @@ class HostExperts:
         for e, a in groups.items():
             if len(a) == 1:  # decode: views, no index tensors
                 i = a[0]
-                y = self.expert(e)(x[i // k:i // k + 1])  # [1, H]
+                y = run(e, x[i // k:i // k + 1])  # [1, H]
                 out[i:i + 1] = y.float().mul_(wflat[i].float())
             else:
                 idx = torch.tensor(a)
-                y = self.expert(e)(x.index_select(0, idx // k))  # [n, H]
+                y = run(e, x.index_select(0, idx // k))  # [n, H]
                 out.index_copy_(0, idx, y.float().mul_(wflat.index_select(0, idx).float()[:, None]).to(out.dtype))
         return len(groups)

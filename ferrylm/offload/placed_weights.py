@@ -83,7 +83,7 @@ class PlacedWeights:
     def __init__(self, model: nn.Module, placement: Placement, device: torch.device, policy: str = "lru",
                  profile: str | None = None, stream_buffers: int = 2, moe_backend: str = "auto",
                  experts: str = "auto", cpu_threads: int | None = None, mapped_experts: bool = True,
-                 cpu_share: float | None = None, cpu_numa_node: int | None = None):
+                 cpu_share: float | None = None, cpu_numa_node: int | None = None, hybrid_split: bool = True):
         self.model, self.placement, self.device = model, placement, device
         self.target = device
         self.policy, self.stream_buffers, self.moe_backend = policy, stream_buffers, moe_backend
@@ -91,7 +91,7 @@ class PlacedWeights:
         self.experts = "gpu" if experts == "auto" and device.type != "cuda" else experts
         self.cpu_threads = cpu_threads
         self.mapped_experts = mapped_experts
-        self.cpu_share = cpu_share
+        self.cpu_share, self.hybrid_split = cpu_share, hybrid_split
         self.host_decode = None
         self.costs = None
         self.tally: RoutingTally | None = None
@@ -247,13 +247,15 @@ class PlacedWeights:
     def set_cpu_share(self, share: float) -> None:
         """Between steps: each step the host takes `share` of a layer's missed experts (rounded;
         `expert_cache.host_share`), first those e with floor((e + 1) * share) > floor(e * share) (spread over
-        the ids). Graphs captured before keep working (tensors change in place)."""
+        the ids); with `hybrid_split` (dense banks) each miss is split along its intermediate instead. Graphs
+        captured before keep working for the per-expert split (tensors change in place); the column split
+        is baked into captures: call `DecodeGraphs.reset()` after changing it."""
         if self.host_decode is None:
             raise ValueError("hybrid decode is off (experts=gpu, no mapped caches, or a share of 0 at start)")
         E = next(iter(self.caches.values())).host_w13.shape[0]
         cpu_class = torch.tensor([int((e + 1) * share) > int(e * share) for e in range(E)])
         for c in self.caches.values():
-            c.use_host(self.host_decode, cpu_class, share)
+            c.use_host(self.host_decode, cpu_class, share, self.hybrid_split)
         self.cpu_share = self.stats.cpu_share = share
         order = cpu_class.nonzero().flatten().tolist() + (~cpu_class).nonzero().flatten().tolist()
         self._prepare_host_experts(order)  # any miss may fall to the host; the first-chosen are built first

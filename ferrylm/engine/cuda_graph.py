@@ -51,6 +51,7 @@ class DecodeGraphs:
         """Drop the captured graphs (captured again on next use): after a change baked into captures, e.g.
         hybrid decode's column split (`offload/placed_weights.set_cpu_share`)."""
         self.graphs.clear()
+        self.pool = None  # a fresh pool: capturing into one whose graphs are gone trips the allocator
 
     def eligible(self, out: SchedulerOutput) -> bool:
         # every row must also sample: a 1-token chunk in the middle of a prompt yields no logits

@@ -522,7 +522,10 @@ def test_hybrid_decode_host_experts_equal_mapped(share, gpu_side, split, tmp_pat
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (70, 3, 17, 9)]
     place = ("experts=cpu", "layers.0.experts.0-1=gpu")
     for eager in (True, False):
-        kw = dict(device="cuda", dtype="bfloat16", enforce_eager=eager, place=place, **extra)
+        # a fixed budget: on CUDA a dropped offloaded engine is not always freed at once (TODO: find the holder),
+        # and a share of free memory would leave the later engines nothing
+        kw = dict(device="cuda", dtype="bfloat16", enforce_eager=eager, place=place, gpu_memory_budget="2GiB",
+                  **extra)
         ref_out, ref = sampled_rows(LLM(path, experts="gpu", **kw), prompts, 24)
         llm = LLM(path, experts="auto", cpu_share=share, hybrid_split=split, **kw)
         placed = llm.engine.runner.placed

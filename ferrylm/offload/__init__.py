@@ -10,13 +10,12 @@ Belady's 0.74 on Qwen3-30B), next-layer prefetch, graphs for streamed dense laye
 Qwen2-72B NF4, DeepSeek and batch-256 benchmark cases. (The GGUF double decode at start-up is gone:
 `GGUFSource.quantized_info`.)
 
-Hybrid decode (issue 10, session 3): the host computes a share of the missed experts inside the decode graphs
-(`host_node.py`, `host_decode.py`) while the kernel reads the rest in place; correct, but no faster than
-either side alone on the H200 host (docs/benchmarks.md). Next: run `benchmarks/bench_hybrid_overlap.py` to
-see whether the sides take turns or contend; torch threads = cores - 2 (the spinning main thread and the
-driver's host-function thread need cores); if in-place reads starve beside CPU reads, let the worker copy
-the GPU's share with the copy engine on its own stream (it may call CUDA: it is not the host function)
-into slots and point the table at them before it releases the stream. Also: padded graph rows are sent to
-the host worker too (a B=5 step padded to 8 computes 3 rows for nothing): mask them; one lock per expert in
-`HostExperts` kernel builds (a background build can stall the worker); stats `+=` from two threads.
+Hybrid decode (issue 10): the host computes a share of each missed expert inside the decode graphs
+(`host_node.py`, `host_decode.py`): dense banks split every miss along its intermediate (the kernel reads the
+first columns in place, the host computes the rest), packed banks split whole experts per step
+(`expert_cache.host_share`). Mixtral-16L bf16 under 16 GiB, batch 1: 9.43 tok/s (in place only 5.10, llama.cpp
+8.67; docs/benchmarks.md). Next: measure the copy-engine GPU side (copy + host read 86.5 GB/s together against
+78 for in place + host), a column split for packed banks (group-aligned), the calibrated share from contended
+rates, and the host GEMM's read rate (57 GB/s of the 93 a plain read streams). A dropped offloaded CUDA engine
+is not always freed at once (seen in tests/test_cuda; the holder is not found yet).
 """

@@ -371,7 +371,8 @@ class YuanForCausalLM(CausalLM):
         return {"lf_x": ((L, H), dtype), "lf_o1": ((L, H // 2), dtype)}
 
     def map_weight(self, name: str, tensor: torch.Tensor) -> bool | set[str]:
-        if _CONV.search(name):  # Conv2d [out, in, 2, 1] -> Linear [out, 2 * in], same parameter name
+        if _CONV.search(name) and len(tensor.shape) == 4:  # Conv2d [out, in, 2, 1] -> Linear [out, 2 * in]
+            # (a 2-D tensor is in the Linear's layout already: a source of this model's own names)
             self.get_submodule(name.rsplit(".", 1)[0]).load("weight", LocalizedFilter.conv_weight(tensor))
             return True
         if m := _W1.match(name):  # M32's w1 is [gate; up] stacked already

@@ -10,7 +10,7 @@ path is the reference the graph path is tested against (`tests/test_cuda.py`).
 
 Off CUDA a "graph" is the callable a capture would record, run as it is (`_Uncaptured`): the same static
 buffers, padding and context, so the CPU suite checks everything about the graph path but the capture
-(`tests/test_graph_inputs.py`).
+(`tests/test_decode_graphs.py`).
 """
 
 from __future__ import annotations

@@ -11,11 +11,15 @@ Cases (`--cases`, in this order by default):
   llama8b-prefill2k            one 2048-token prompt, time to its first token
   mixtral8l-b1                 Mixtral shape, 8 layers, all resident, batch 1 (active-weight roofline)
   llama8b-16k-b16              batch 16 at a 16k context (KV reads dominate)
+  yuanm32-b1                   Yuan2.0-M32 shape (24 layers, 32 experts top-2, LF filter state), batch 1, graphed
+                               and eager (`enforce_eager`, the baseline: transformers has no Yuan), active-weight
+                               roofline
   --hf                         adds transformers' eager decode at batch 1 for the Llama and Mixtral cases
 
     PYTHONPATH=. python benchmarks/bench_resident.py [--cases ...] [--hf] [--out FILE]
 
-Rows: {"model", "case", "ferry_tok_s", "hf_tok_s", "roofline_tok_s", "pct_roofline", "gb_s" | "tflops"}.
+Rows: {"model", "case", "ferry_tok_s", "hf_tok_s", "roofline_tok_s", "pct_roofline", "gb_s" | "tflops"}
+(yuanm32-b1 adds "eager_tok_s", "eager_pct_roofline" and "graphed").
 Ends with one JSON line, also written to `--out` (default benchmarks/results/resident-<date>.json).
 """
 
@@ -92,7 +96,8 @@ def timed_generate(llm, ps, n: int) -> float:
 
 
 def decode_rate(llm, batch: int, prompt_len: int, steps: int, vocab: int, seed: int) -> float:
-    timed_generate(llm, prompts(batch, prompt_len, seed + 100, vocab), 3)  # warm-up: graphs, kernels
+    # warm-up as long as the timed run: every (batch, context) graph bucket it reaches is captured before
+    timed_generate(llm, prompts(batch, prompt_len, seed + 100, vocab), steps + 1)
     t1 = timed_generate(llm, prompts(batch, prompt_len, seed, vocab), 1)
     tn = timed_generate(llm, prompts(batch, prompt_len, seed + 1, vocab), steps + 1)
     return batch * steps / (tn - t1)
@@ -125,12 +130,21 @@ with torch.no_grad():
     return got[0] if got else None
 
 
-def engine(cfg: dict, max_num_seqs: int, max_model_len: int):
+def yuan_bytes(cfg: dict) -> dict:
+    """`shape_bytes` for Yuan: the active parameters (router and the top-k experts of every layer; the tied
+    lm_head reads the whole table), K/V per token, and each step's filter state read and written."""
+    from ferrylm.plan import yuan_sizes
+
+    active = yuan_sizes.param_counts(cfg).active
+    return {"weights": 2 * active + 2 * yuan_sizes.lf_state_bytes(cfg), "kv_per_token": yuan_sizes.kv_bytes_per_token(cfg)}
+
+
+def engine(cfg: dict, max_num_seqs: int, max_model_len: int, **kw):
     from ferrylm import LLM
     from ferrylm.weights.random_source import RandomSource
 
     return LLM(RandomSource(cfg), device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs,
-               max_model_len=max_model_len)
+               max_model_len=max_model_len, **kw)
 
 
 def free(llm) -> None:
@@ -150,14 +164,17 @@ def main() -> None:
     print(f"read {bw:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s", flush=True)
     rows: list[dict] = []
 
-    def decode_row(model, case, cfg, llm, batch, prompt_len, steps, hf=None):
-        b = shape_bytes(cfg)
+    def decode_row(model, case, cfg, llm, batch, prompt_len, steps, hf=None, b=None, eager=None):
+        b = b or shape_bytes(cfg)
         ctx = prompt_len + steps / 2  # mean context over the timed steps
         step_bytes = b["weights"] + batch * ctx * b["kv_per_token"]
         r = decode_rate(llm, batch, prompt_len, steps, cfg["vocab_size"], seed=batch * 13 + prompt_len)
         roof = batch * bw * 1e9 / step_bytes
         row = {"model": model, "case": case, "ferry_tok_s": r, "hf_tok_s": hf, "roofline_tok_s": roof,
                "pct_roofline": 100 * r / roof, "gb_s": r / batch * step_bytes / 1e9}
+        if eager is not None:  # the same engine without graphs, measured in this run
+            row.update(eager_tok_s=eager, eager_pct_roofline=100 * eager / roof,
+                       graphed=llm.engine.runner.graphs is not None)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -189,6 +206,18 @@ def main() -> None:
     if "llama8b-16k-b16" in cases:
         llm = engine(LLAMA3_8B, 16, 16384 + 128)
         decode_row("llama-3-8b", "llama8b-16k-b16", LLAMA3_8B, llm, 16, 16384, 32)
+        free(llm)
+    if "yuanm32-b1" in cases:
+        from ferrylm.plan.yuan_sizes import YUAN2_M32
+
+        llm = engine(YUAN2_M32, 4, 1024, enforce_eager=True)  # the baseline first: one 80 GB engine at a time
+        eager = decode_rate(llm, 1, 128, 128, YUAN2_M32["vocab_size"], seed=13 + 128)
+        print(f"yuan2-m32 eager batch-1 decode: {eager:.1f} tok/s", flush=True)
+        del llm  # gone before the next engine sizes its KV cache from the free memory
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = engine(YUAN2_M32, 4, 1024)
+        decode_row("yuan2-m32", "yuanm32-b1", YUAN2_M32, llm, 1, 128, 128, b=yuan_bytes(YUAN2_M32), eager=eager)
         free(llm)
     write_results("resident", rows, out=a.out, read_gb_s=bw, matmul_tflops=mm)
 

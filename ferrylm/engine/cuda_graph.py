@@ -3,9 +3,14 @@
 A decode step of B sequences is padded to a batch bucket (1, 2, 4, ... up to max_num_seqs) and its
 context to a block bucket (a power of two of KV blocks), and runs a graph captured for that pair on first
 use. Inputs live in static buffers that each step overwrites; padded rows read and write a scratch block
-the block manager never hands out. Prefill, mixed steps and models whose forward reads host values
-(MoE dispatch counts, Yuan's state rows) run eagerly: the eager path is the reference the graph path is
-tested against (`tests/test_cuda.py`).
+the block manager never hands out, and a model with per-sequence state (Yuan's filter) gets its rows as a
+static buffer too, padded rows on the state pool's scratch row. Prefill, mixed steps and models whose
+forward reads host values (MoE dispatch counts of a host-reading expert backend) run eagerly: the eager
+path is the reference the graph path is tested against (`tests/test_cuda.py`).
+
+Off CUDA a "graph" is the callable a capture would record, run as it is (`_Uncaptured`): the same static
+buffers, padding and context, so the CPU suite checks everything about the graph path but the capture
+(`tests/test_decode_graphs.py`).
 """
 
 from __future__ import annotations
@@ -20,14 +25,26 @@ def _bucket(n: int, buckets: list[int]) -> int:
     return next(b for b in buckets if b >= n)
 
 
+class _Uncaptured:
+    """Off CUDA: `replay()` runs the step a graph would have captured, reading the same static buffers."""
+
+    def __init__(self, step):
+        self.step = step
+
+    @torch.inference_mode()
+    def replay(self) -> None:
+        self.step()
+
+
 class DecodeGraphs:
     """`body(embed(ids), pos) -> logits` is the runner's eager step, captured as it is. An embedding table
     on the host (offloaded) is looked up before the replay into a static [B, H] buffer the graph reads."""
 
     def __init__(self, embed, body, kv_cache, max_num_seqs: int, max_model_len: int, vocab_size: int,
                  device: torch.device, embed_in_graph: bool = True, hidden_size: int = 0,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, state=None):
         self.embed, self.body, self.kv, self.device = embed, body, kv_cache, device
+        self.state = state  # kv.cache.SequenceStatePool of a model with per-sequence state, or None
         self.embed_in_graph = embed_in_graph
         self.bs = kv_cache.block_size
         self.batch_buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_num_seqs] + [max_num_seqs]
@@ -40,6 +57,7 @@ class DecodeGraphs:
         self.slots = torch.zeros(B, dtype=torch.long, device=device)
         self.lens = torch.ones(B, dtype=torch.long, device=device)
         self.tables = torch.zeros(B, nb, dtype=torch.long, device=device)
+        self.state_rows = torch.zeros(B, dtype=torch.long, device=device)
         self.x = None if embed_in_graph else torch.zeros(B, hidden_size, dtype=dtype, device=device)
         # one logits buffer for every graph: per-graph outputs would cost [bucket, V] fp32 per (batch,
         # context) pair, gigabytes with a large vocabulary and many buckets
@@ -66,6 +84,7 @@ class DecodeGraphs:
         nbb = _bucket((max(lens) + self.bs - 1) // self.bs, self.block_buckets)
         scratch = self.kv.scratch_block
         ids, pos, slots, tables = [], [], [], []
+        rows = [s.state_slot or 0 for s in out.seqs]
         for s in out.seqs:
             p = s.num_computed_tokens
             ids.append(s.token_ids[p])
@@ -79,43 +98,74 @@ class DecodeGraphs:
         slots += [scratch * self.bs] * pad
         lens += [1] * pad
         tables += [[scratch] * nbb] * pad
+        rows += [self.scratch_row] * pad
         # one host->device copy per buffer; the graph reads them in place
         self.ids[:Bb].copy_(torch.tensor(ids), non_blocking=True)
         self.pos[:Bb].copy_(torch.tensor(pos), non_blocking=True)
         self.slots[:Bb].copy_(torch.tensor(slots), non_blocking=True)
         self.lens[:Bb].copy_(torch.tensor(lens), non_blocking=True)
         self.tables[:Bb, :nbb].copy_(torch.tensor(tables), non_blocking=True)
+        self.state_rows[:Bb].copy_(torch.tensor(rows), non_blocking=True)
         if not self.embed_in_graph:
             self.x[:Bb].copy_(self.embed(torch.tensor(ids)))
         graph, logits = self._graph(Bb, nbb)
         graph.replay()
         return logits[:B]
 
+    @property
+    def scratch_row(self) -> int:
+        """The state row padded rows use (0 when the model has no state: the buffer is then never read)."""
+        return self.state.scratch_slot if self.state is not None else 0
+
     def _context(self, Bb: int, nbb: int) -> ForwardContext:
+        # host fields are placeholders every replay shares: a graphed model reads only the device tensors
         return ForwardContext(
             query_start_loc=list(range(Bb + 1)), start_pos=[0] * Bb, seq_lens=[1] * Bb,
             slot_mapping=self.slots[:Bb], block_tables=self.tables[:Bb, :nbb], num_decodes=Bb,
-            kv_cache=self.kv, decode_seq_lens=self.lens[:Bb], decode_max_len=nbb * self.bs, padded_decode=True)
+            kv_cache=self.kv, state=self.state, state_rows=self.state_rows[:Bb] if self.state is not None else None,
+            decode_seq_lens=self.lens[:Bb], decode_max_len=nbb * self.bs, padded_decode=True)
+
+    def _step(self, Bb: int, nbb: int):
+        """The callable a graph of bucket (Bb, nbb) records: static buffers in, `self.logits[:Bb]` out."""
+        ctx, logits = self._context(Bb, nbb), self.logits[:Bb]
+        ids, pos = self.ids[:Bb], self.pos[:Bb]
+
+        def step():
+            with forward_context(ctx):
+                x = self.embed(ids) if self.embed_in_graph else self.x[:Bb]
+                logits.copy_(self.body(x, pos))
+        return step, logits
+
+    def _warm_up(self, step, Bb: int) -> None:
+        """Run the step once before its capture (lazy tables, allocator, kernels), on the inputs of the step
+        about to replay. Its K/V writes are the replay's own; its filter state writes are not (the replay
+        would read this step's rows as the previous token's), so they go to the scratch row meanwhile."""
+        rows = self.state_rows[:Bb]
+        real = rows.clone()
+        rows.fill_(self.scratch_row)
+        step()
+        rows.copy_(real)
 
     @torch.inference_mode()
     def _graph(self, Bb: int, nbb: int):
         key = (Bb, nbb)
-        if key not in self.graphs:
-            ctx = self._context(Bb, nbb)
-            ids, pos = self.ids[:Bb], self.pos[:Bb]
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            step = (lambda: self.body(self.embed(ids), pos)) if self.embed_in_graph else (
-                lambda: self.body(self.x[:Bb], pos))
-            with torch.cuda.stream(stream), forward_context(ctx):  # warm-up: lazy tables, allocator, kernels
-                step()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            logits = self.logits[:Bb]
-            with torch.cuda.graph(graph, pool=self.pool), forward_context(ctx):
-                logits.copy_(step())
-            self.pool = graph.pool()
-            self.graphs[key] = (graph, logits)
+        if key in self.graphs:
+            return self.graphs[key]
+        step, logits = self._step(Bb, nbb)
+        if self.device.type != "cuda":
+            self._warm_up(step, Bb)
+            self.graphs[key] = (_Uncaptured(step), logits)
+            return self.graphs[key]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._warm_up(step, Bb)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            step()
+        self.pool = graph.pool()
+        self.graphs[key] = (graph, logits)
         return self.graphs[key]
 
 

@@ -208,16 +208,24 @@ class ModelRunner:
                      and (placement.fully_resident or self.placed.graphable)
                      and dist is None)  # TODO(parallel): graphs with collectives inside
         if graphs_ok:
-            from ferrylm.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs
+            from ferrylm.engine.cuda_graph import PiecewiseGraphs
 
-            max_batch = min(config.scheduler.max_num_seqs, self.placed.graph_tokens or config.scheduler.max_num_seqs)
-            self.graphs = DecodeGraphs(self.embed, lambda x, pos: self.model.compute_logits(self.run_layers(x, pos)),
-                                       self.kv_cache, max_batch, max_model_len, model_config.vocab_size, self.device,
-                                       embed_in_graph=not self.embed_on_host, hidden_size=model_config.hidden_size,
-                                       dtype=self.dtype)
+            self.graphs = self.decode_graphs()
             if self.model.piecewise and placement.fully_resident:
                 self.piecewise = PiecewiseGraphs(self.model, config.scheduler.max_num_batched_tokens, self.dtype,
                                                  self.device)
+
+    def decode_graphs(self):
+        """`DecodeGraphs` over this runner's eager step, cache and state pool (off CUDA: the same inputs and
+        padding, run uncaptured; the CPU tests set `runner.graphs` to this)."""
+        from ferrylm.engine.cuda_graph import DecodeGraphs
+
+        sc, cfg = self.config.scheduler, self.model_config
+        max_batch = min(sc.max_num_seqs, self.placed.graph_tokens or sc.max_num_seqs)
+        return DecodeGraphs(self.embed, lambda x, pos: self.model.compute_logits(self.run_layers(x, pos)),
+                            self.kv_cache, max_batch, self.max_model_len, cfg.vocab_size, self.device,
+                            embed_in_graph=not self.embed_on_host, hidden_size=cfg.hidden_size, dtype=self.dtype,
+                            state=self.state_pool)
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -539,9 +547,12 @@ class ModelRunner:
                 tables.extend(fill[:nbb - len(row)])
         for _ in range(pad):
             tables.extend(fill)
-        d_ids, d_pos, d_slots, d_tables, d_dst, d_src = upload(
-            [ids + [0] * pad, pos + [0] * pad, slots + [scratch * bs] * pad, tables, dst, src], self.device)
+        rows = [s.state_slot for s in out.seqs] + [g.scratch_row] * pad if g.state is not None else []
+        d_ids, d_pos, d_slots, d_tables, d_dst, d_src, d_rows = upload(
+            [ids + [0] * pad, pos + [0] * pad, slots + [scratch * bs] * pad, tables, dst, src, rows], self.device)
         g.ids[:Bb].copy_(d_ids)
+        if rows:  # the filter state rows of a stateful model; padded rows: the pool's scratch row
+            g.state_rows[:Bb].copy_(d_rows)
         g.pos[:Bb].copy_(d_pos)
         g.slots[:Bb].copy_(d_slots)
         g.lens[:Bb].copy_(d_pos + 1)  # context length after the step; padded rows: 1

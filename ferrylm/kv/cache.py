@@ -120,13 +120,21 @@ class KVCache:
 
 
 class SequenceStatePool:
-    """Named per-sequence state tensors, each [num_slots, *shape]; a sequence owns one row of each."""
+    """Named per-sequence state tensors, each [num_slots + 1, *shape]; a sequence owns one row of each.
+
+    The extra row at index `num_slots` is scratch, like the KV cache's scratch block: padded rows of a
+    CUDA-graph decode batch read and write it, and the slot pool (which knows only `num_slots`) never
+    hands it out."""
 
     def __init__(self, num_slots: int, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
                  device: torch.device | str):
         self.num_slots = num_slots
-        self.tensors = {name: torch.zeros((num_slots, *shape), dtype=dt, device=device)
+        self.tensors = {name: torch.zeros((num_slots + 1, *shape), dtype=dt, device=device)
                         for name, (shape, dt) in specs.items()}
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
 
     @property
     def nbytes(self) -> int:

@@ -1,8 +1,10 @@
 """StateSlotPool: hands out rows of a per-sequence state buffer that is not KV (e.g. Yuan's filter state).
 
-Only bookkeeping of integer slots; the tensors live with the model runner, which must clear a slot's state
-when a sequence starts computing from token 0. The scheduler takes a slot when it admits a sequence and
-gives it back on finish, abort or preemption.
+Only bookkeeping of integer slots 0 .. num_slots - 1; the tensors (`kv.cache.SequenceStatePool`, one
+scratch row past those for the padded rows of CUDA-graph decode) live with the model runner. A slot is
+handed on with its old contents: a model never reads them for a sequence that starts at token 0 (Yuan's
+`LFBatch.cont`). The scheduler takes a slot when it admits a sequence and gives it back on finish, abort
+or preemption.
 """
 
 from __future__ import annotations

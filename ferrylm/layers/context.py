@@ -34,6 +34,9 @@ class ForwardContext:
     """[B] row of each sequence in the per-sequence state pool (models with non-KV state)."""
     state: "object | None" = None
     """The per-sequence state tensors (`kv.cache.SequenceStatePool`), if the model has any."""
+    state_rows: torch.Tensor | None = None
+    """[B] long on the device: `state_slots` as a tensor, set by CUDA-graph decode (a pure decode step;
+    padded rows name the pool's scratch row), so a stateful model indexes its state without host values."""
     decode_seq_lens: torch.Tensor | None = None
     """[num_decodes] long on the device, built once per step for the batched decode path."""
     decode_max_len: int = 0

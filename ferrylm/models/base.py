@@ -45,8 +45,9 @@ class CausalLM(nn.Module):
 
     ignored_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)
     cuda_graphs: bool = False
-    """The forward reads no host values (no .tolist(), no per-sequence Python state): decode can be
-    captured. MoE families qualify only when every expert backend is graph-safe (`reads_host` False)."""
+    """The forward reads no host values (no .tolist(), no per-sequence Python state; per-sequence state
+    rows come as a device tensor, `ForwardContext.state_rows`): decode can be captured. MoE families
+    qualify only when every expert backend is graph-safe (`reads_host` False)."""
     piecewise: bool = False
     """Layers split into `layer_pre` / `layer_attention` / `layer_post` (piecewise graphs for prefill)."""
 

@@ -214,7 +214,9 @@ class DeepseekModel(nn.Module):
 class DeepseekForCausalLM(CausalLM):
     """The forward is `CausalLM`'s segment chain (embed, layers, norm); layers keep `pre`/`post`."""
 
-    cuda_graphs = False  # TODO: MLA decode reads no host values; enable once checked on a GPU
+    cuda_graphs = True
+    """MLA decode reads no host values (the absorbed matmuls, the latent cache row, routing on the device);
+    the routed experts need a graph-safe backend too (`CausalLM.graph_safe`: the fused kernel, bf16/fp16)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -14,6 +14,9 @@ The state is read only when a step continues a sequence (`start_pos > 0`); a seq
 token 0 (new, or recomputed after preemption) uses the zero padding and never reads its row, so a row
 left over from an earlier owner cannot leak. Prefill chunks carry it across steps like a decode does.
 The model never sees forks: a forked sequence owns its own row (`SequenceStatePool.copy`).
+Decode steps are CUDA-graph safe: a graphed step hands the state rows over as a device tensor
+(`ForwardContext.state_rows`), the filter state is gathered and written in place with index_select /
+index_copy_, and padded rows of a batch bucket read and write the pool's scratch row (`LFBatch`).
 
 Choices that differ from a reference and why:
 - `rope_dtype` (model option, `EngineConfig.model_overrides={"rope_dtype": ...}`). The M32 HF file builds
@@ -109,21 +112,34 @@ class YuanShape:
 
 @dataclass
 class LFBatch:
-    """Where each sequence's rows sit in the flat batch and where its filter state lives, built once a step."""
+    """Where each sequence's rows sit in the flat batch and where its filter state lives, built once a step.
 
-    first: torch.Tensor
-    """[B] long: row of each sequence's first token in this step."""
-    last: torch.Tensor
+    Two ways to build it. A step described on the host (`state_slots`, `start_pos`, `query_start_loc`)
+    uploads those lists. A pure decode step whose context carries `state_rows` (CUDA-graph decode) reads
+    nothing of the host: one row per sequence, rows from `state_rows`, "continues" from the device's
+    `decode_seq_lens` (> 1), so a captured graph stays valid as sequences join, leave and reuse slots.
+    """
+
+    first: torch.Tensor | None
+    """[B] long: row of each sequence's first token in this step (None for a device-built decode step)."""
+    last: torch.Tensor | None
     """[B] long: row of its last token (the state to keep)."""
     cont: torch.Tensor
     """[B, 1] bool: the sequence continues (start_pos > 0), so its first token reads the stored state."""
     slots: torch.Tensor | None
     """[B] long: rows in the state pool; None when the step runs without a pool (fresh prefills only)."""
     state: object | None
+    decode: bool = False
+    """One token per sequence (T == B) and every input a device tensor: `shift` is two gathers and a copy."""
 
     @classmethod
     def from_context(cls, device: torch.device) -> "LFBatch":
         ctx = get_forward_context()
+        if ctx.state_rows is not None:
+            if ctx.num_decodes != ctx.num_seqs or ctx.state is None:
+                raise RuntimeError("Yuan: state_rows is for a pure decode step over a state pool")
+            return cls(first=None, last=None, cont=(ctx.decode_seq_lens > 1)[:, None], slots=ctx.state_rows,
+                       state=ctx.state, decode=True)
         qsl = ctx.query_start_loc
         cont = [s > 0 for s in ctx.start_pos]
         has_pool = ctx.state is not None and all(s is not None for s in ctx.state_slots)
@@ -143,6 +159,11 @@ class LFBatch:
         Inside a sequence's chunk the previous row is x[t-1]; at its first row it is the stored state of
         that sequence (continuing) or 0 (the reference's zero padding at token 0).
         """
+        if self.decode:  # T == B: each row's previous token is its stored state
+            store = self.state[name].select(1, layer)  # [slots + 1, C], a view of the pool
+            stored = store.index_select(0, self.slots)  # [B, C], read before this step's rows overwrite it
+            store.index_copy_(0, self.slots, x)  # padded rows all land on the scratch row
+            return torch.where(self.cont, stored, torch.zeros_like(stored))
         prev = torch.empty_like(x)
         prev[1:] = x[:-1]
         if self.state is None:
@@ -303,6 +324,9 @@ class YuanForCausalLM(CausalLM):
     reference's tables, see the module docstring).
     """
 
+    cuda_graphs = True
+    """Decode reads no host values when the step carries `state_rows` (`LFBatch`); M32 needs a graph-safe
+    expert backend too (`CausalLM.graph_safe`)."""
     tensor_parallel = True
     """Heads, MLP, experts and vocabulary sharded; each rank runs the (small) LF filter and the attention
     router on the whole hidden state, so its filter state is its own full copy (docs/parallel.md)."""
@@ -347,7 +371,8 @@ class YuanForCausalLM(CausalLM):
         return {"lf_x": ((L, H), dtype), "lf_o1": ((L, H // 2), dtype)}
 
     def map_weight(self, name: str, tensor: torch.Tensor) -> bool | set[str]:
-        if _CONV.search(name):  # Conv2d [out, in, 2, 1] -> Linear [out, 2 * in], same parameter name
+        if _CONV.search(name) and len(tensor.shape) == 4:  # Conv2d [out, in, 2, 1] -> Linear [out, 2 * in]
+            # (a 2-D tensor is in the Linear's layout already: a source of this model's own names)
             self.get_submodule(name.rsplit(".", 1)[0]).load("weight", LocalizedFilter.conv_weight(tensor))
             return True
         if m := _W1.match(name):  # M32's w1 is [gate; up] stacked already

@@ -200,7 +200,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     capacity = gpu.memory_bytes
     budget = device_budget(oc, capacity, capacity - CUDA_CONTEXT_BYTES)
     reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype])
-    state = state_per_seq * opts.max_num_seqs  # per-sequence state (Yuan's filter) is whole on every rank
+    # per-sequence state (Yuan's filter) is whole on every rank; one more row is the graphs' scratch row
+    state = state_per_seq * (opts.max_num_seqs + 1) if state_per_seq else 0
     notes: list[str] = []
     try:
         placement, kv_budget = size_memory(mine, per_block, max_len, cc, sc, oc, budget, reserve, on_cpu=False)

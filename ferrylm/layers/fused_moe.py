@@ -350,6 +350,8 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
     I = up if inter is None else inter
     A = T * k
     BM, BN, BK = _blocks(A)
+    if not all(isinstance(w, torch.Tensor) or isinstance(getattr(w, "like", None), torch.Tensor) for w in (w13, w2)):
+        BM = min(BM, 32)  # packed tiles (twice as wide along K, decoded to fp32) at 64 rows overflow shared memory
     rows, block_expert, used, inv = align(topk_ids, E + skip, BM)
     if skip:  # the skip expert's blocks come last: stop before them
         used = (block_expert < E).sum().reshape(1) * BM  # block_expert ascends: its blocks before E's

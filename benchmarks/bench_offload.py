@@ -404,6 +404,12 @@ TALLY_SWEEP = [{"decay": 0.5, "margin": 1.0, "floor": 0.25, "per_layer": 8},
                {"decay": 0.9, "margin": 2.0, "floor": 1.0, "per_layer": 2}]
 """Promotion policies (`offload/routing_tally.py` knobs) tried at batch 1 on the same engine."""
 
+def _yuan_m32() -> dict:
+    from ferrylm.plan.yuan_sizes import YUAN2_M32
+
+    return YUAN2_M32
+
+
 CASES = {
     "hybrid16-decode": lambda rows, h2d: case_hybrid_decode(rows, h2d),
     "hybrid16-decode-zipf": lambda rows, h2d: case_hybrid_decode(rows, h2d, "zipf1.2"),
@@ -427,6 +433,12 @@ CASES = {
                                                     16, (1, 32), 2048),
     "deepseek-v2-lite": lambda rows, h2d: case_offload(rows, h2d, "deepseek-v2-lite", DEEPSEEK_V2_LITE, 8, (1, 32),
                                                        2048),
+    # the issue's Yuan2.0-M32 case: 24 layers, 32 experts top-2, attention router; experts NF4, 8 GiB
+    "yuan-m32-nf4": lambda rows, h2d: case_offload(rows, h2d, "yuan2-m32-nf4-experts", _yuan_m32(), 8, (1, 32), None,
+                                                   expert_quant="nf4"),
+    # throughput: Mixtral 16L bf16 at batch 256 under 16 GiB (every expert of every layer crosses once a step)
+    "offload16-b256": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16}, 16,
+                                                     (256,), None),
     # 3 dense + 2 MoE layers of V3 (~53 GB bf16): the expert banks that make V3 need offload
     "deepseek-v3-5L": lambda rows, h2d: case_offload(rows, h2d, "deepseek-v3-5L", {**DEEPSEEK_V3, "num_hidden_layers": 5},
                                                      16, (1, 32), None),

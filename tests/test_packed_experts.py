@@ -94,6 +94,27 @@ def test_random_source_hands_out_packed_experts():
         assert 0.01 < w13.float().std().item() < 0.04 and 0.01 < w2.float().std().item() < 0.04
 
 
+def test_random_source_packs_yuan_m32_experts():
+    """Yuan M32 checkpoints stack each expert's gate and up rows in one `w1`: the random source names them so."""
+    from ferrylm.config import ModelConfig
+    from ferrylm.models.registry import model_class
+    from ferrylm.plan.yuan_sizes import YUAN2_M32
+    from ferrylm.weights.random_source import RandomSource
+
+    cfg = dict(YUAN2_M32, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               attention_projection_size=128, vocab_size=512,
+               moe_config=dict(YUAN2_M32["moe_config"], moe_num_experts=4, ffn_hidden_size=256))
+    src = RandomSource(cfg, dtype=torch.float32, expert_quant="nf4")
+    assert any(k.endswith("experts.3.w1.weight") for k in src.keys()) and not any(".w3." in k for k in src.keys())
+    mc = ModelConfig.from_hf(cfg)
+    with torch.device("meta"):
+        model = model_class(mc)(mc)
+    assert len(model.pack_experts(src)) == 2
+    model.load_weights(src)
+    bank = next(m for m in model.modules() if type(m).__name__ == "Experts")
+    assert bank.packed[0].fmt == "nf4" and bank.packed[0].shape == (4, 512, 128)
+
+
 def test_placement_counts_packed_linear_weights_at_their_packed_size(tmp_path_factory):
     from test_models_hf import build
 

@@ -325,6 +325,8 @@ class YuanForCausalLM(CausalLM):
     """
 
     cuda_graphs = True
+    expert_w1_stacked = True
+    """M32 checkpoints hold each expert's gate and up rows stacked in one `w1` ([2I, H]) and no `w3`."""
     """Decode reads no host values when the step carries `state_rows` (`LFBatch`); M32 needs a graph-safe
     expert backend too (`CausalLM.graph_safe`)."""
     tensor_parallel = True

@@ -44,8 +44,10 @@ class RandomSource(WeightSource):
                 if type(m).__name__ == "Experts":
                     I = m.inter
                     del self.shapes[f"{n}.w13"], self.shapes[f"{n}.w2"]
-                    for e in range(m.num_experts):  # w1 gate, w3 up, w2 down
-                        for part, shape in (("w1", (I, m.hidden)), ("w3", (I, m.hidden)), ("w2", (m.hidden, I))):
+                    parts = ((("w1", (2 * I, m.hidden)),) if getattr(cls, "expert_w1_stacked", False) else
+                             (("w1", (I, m.hidden)), ("w3", (I, m.hidden))))  # gate (and up), as checkpoints name them
+                    for e in range(m.num_experts):
+                        for part, shape in (*parts, ("w2", (m.hidden, I))):
                             self.experts[f"{n}.{e}.{part}.weight"] = shape
 
     def keys(self) -> list[str]:

@@ -135,7 +135,8 @@ def test_verdicts_and_advice():
     moe = make_plan(PlanOptions("Qwen3-235B-A22B", gpu="1xH200", host=HOST, max_model_len=8192, max_num_seqs=8))
     assert moe.verdict == "offload" and "experts" in moe.placement["host_groups"]
     assert moe.placement["expert_slots"] >= 2  # the engine's cache slots for host-resident experts
-    assert moe.placement["pcie_bytes_per_decode_token"] > 0 and moe.speed["decode_batch1"]["binding"] == "pcie"
+    # hybrid decode balances the host's share of the misses against the in-place reads: either may bind
+    assert moe.placement["pcie_bytes_per_decode_token"] > 0 and moe.speed["decode_batch1"]["binding"] in ("pcie", "host")
     # the engine's default budget (at most 90% of free memory) offloads bf16 Qwen2-72B on an H200, whatever
     # --gpu-memory-utilization says; an explicit budget of 137 GiB holds it at 2048 tokens
     q72 = make_plan(PlanOptions("Qwen2-72B", gpu="1xH200", host=HOST, max_model_len=2048, max_num_seqs=4))

@@ -32,7 +32,7 @@ def engine_for(plan: Plan, model, device: str):
                kv_cache_dtype=o.kv_cache_dtype,
                gpu_memory_budget=None if o.gpu_memory_budget_gb is None else int(o.gpu_memory_budget_gb * 1e9),
                gpu_memory_utilization=o.gpu_memory_utilization, place=tuple(o.place), experts=o.experts,
-               cpu_share=o.cpu_share)
+               cpu_share=o.cpu_share, expert_profile=o.expert_profile)
 
 
 def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:

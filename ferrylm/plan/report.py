@@ -60,7 +60,8 @@ def render(plan: Plan, console: Console) -> None:
     t.add_column("binds")
     for key in ("decode_batch1", "decode_concurrent"):
         d = s[key]
-        path = "" if d.get("experts_path") in (None, "resident") else f", experts {d['experts_path']}"
+        path = "" if d.get("experts_path") in (None, "resident") else \
+            f", experts {d['experts_path']} (hit {d['expert_hit_rate']:.2f})"
         t.add_row(f"decode, batch {d['batch']}", f"{d['tok_s']:,.1f}", f"{d['step_ms']:.2f} ms",
                   d["binding"] + path + (", graphs" if d.get("cuda_graphs") else ""))
     t.add_row(f"prefill ({o.prompt_len}-token prompt)", f"{s['prefill_tok_s']:,.0f}", f"TTFT {s['ttft_s']:.3f} s",
@@ -68,9 +69,9 @@ def render(plan: Plan, console: Console) -> None:
     console.print(t)
     a = s["assumptions"]
     moe = (f", fused MoE {a['moe_hbm_eff']:.0%}+ of peak HBM" if a.get("moe_hbm_eff") else "")
-    hit = (f"; experts: hit rate {a['expert_hit_rate']:.2f} ({a['expert_hit_rate_from']}), in place at "
+    hit = (f"; experts: hit rate {a['expert_hit_rate']:.2f} at batch 1 ({a['expert_hit_rate_from']}), in place at "
            f"{a['inplace_eff']:.0%} of H2D up to {a['mapped_tokens']} token(s)" if a.get("expert_hit_rate") is not None
-           and a.get("mapped_tokens") else f"; experts: hit rate {a['expert_hit_rate']:.2f} ({a['expert_hit_rate_from']})"
+           and a.get("mapped_tokens") else f"; experts: hit rate {a['expert_hit_rate']:.2f} at batch 1 ({a['expert_hit_rate_from']})"
            if a.get("expert_hit_rate") is not None else "")
     console.print(f"[dim]assumptions: {a['hbm_eff']:.0%} of peak HBM{moe}, {a['mfu']:.0%} MFU, {a['h2d_gbs']:.0f} GB/s "
                   f"pinned H2D, {a['launch_us_per_layer']:.0f} us launch per layer{hit}; counted from the "

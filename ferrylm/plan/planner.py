@@ -99,7 +99,8 @@ class Plan:
     verdict: str
     """fits | offload | cannot"""
     placement: dict
-    """gpu_bytes, host_bytes, host_groups, streamed_layers, expert_slots, pcie_bytes_per_decode_token."""
+    """gpu_bytes, host_bytes, host_groups, streamed_layers, expert_slots, resident_experts (cached MoE layer ->
+    experts resident), pcie_bytes_per_decode_token."""
     speed: dict
     notes: list[str] = field(default_factory=list)
     """Verdict, warnings and advice, most important first."""
@@ -371,6 +372,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
               streamed_layers=placement.streamed_layers() if placement else [],
               stream_buffer_bytes=placement.stream_buffer_bytes if placement else 0,
               expert_slots=max(placement.expert_slots.values(), default=0) if placement else 0,
+              resident_experts={l: moe[l]["resident"] for l in cached},
               pcie_bytes_per_decode_token=d1["pcie_bytes_per_step"])
     if verdict == "fits":
         notes.append("offload unnecessary: every weight stays on the GPU")

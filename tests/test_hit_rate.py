@@ -182,6 +182,6 @@ def test_bad_profiles_and_routing_specs_are_clear_errors(tmp_path, capsys):
     assert main(["plan", cfg, "--host", HOST, "--expert-profile", str(tmp_path / "broken.json")]) == 2
     err = capsys.readouterr().err
     assert "not JSON" in err and "Traceback" not in err
-    assert main(["plan", cfg, "--host", HOST, "--gpu-memory-budget-gb", "4", "--routing", "zipf:1.2", "--json"]) == 0
+    assert main(["plan", cfg, "--host", HOST, "--gpu-memory-budget-gb", "4", "--max-model-len", "4096", "--routing", "zipf:1.2", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert "zipf:1.2" in d["speed"]["assumptions"]["expert_hit_rate_from"] and d["options"]["routing"] == "zipf:1.2"

@@ -14,12 +14,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig
 from ferrylm.errors import ConfigError, UnsupportedArchitectureError
-from ferrylm.offload.memory import activation_reserve, device_budget, size_memory
+from ferrylm.offload.memory import (activation_reserve, device_budget, fixed_kv_bytes, kv_after_warmup, size_memory,
+                                   warmup_activations)
 from ferrylm.offload.placement import GPU, HOST, TensorGroup
 from ferrylm.plan import catalog, estimate, hardware, hit_rate, quality
 from ferrylm.plan.memory import (DTYPE_BYTES, QUANT_SCHEMES, WeightFormat, analytical_groups, analytical_kv_bytes_per_token,
                                  kv_bytes_per_block, kv_pool, meta_model, param_count, state_bytes_per_seq,
-                                 summarize, weight_groups)
+                                 step_activation_bytes, summarize, weight_groups)
 
 CUDA_CONTEXT_BYTES = 600 * 2**20
 """CUDA context + cuBLAS workspace of one process: what `mem_get_info` shows used before the first tensor."""
@@ -94,8 +95,12 @@ class Plan:
     weights_bytes: dict
     """kind -> bytes over the whole model."""
     per_gpu: dict
-    """weights (on the device, incl. stream buffers and expert slots), weights_all (this rank's share), kv,
-    kv_tokens, kv_bytes_per_token, state, activations (reserve), cuda_context, peak, capacity, budget (bytes)."""
+    """weights (on the device, incl. stream buffers and expert slots), weights_all (this rank's share); kv and
+    kv_tokens as the CUDA engine ends with them (after its measured warm-up, predicted: step_activations, the
+    warm-up step's peak, and warmup_activations, what the pool leaves for it), kv_tokens_range (the measured
+    step between its floor and the reserve), kv_planned / kv_tokens_planned (the reserve-based start-up figure,
+    which the CPU engine keeps); kv_bytes_per_token, state, activations (the reserve), cuda_context, peak,
+    capacity, budget (bytes)."""
     verdict: str
     """fits | offload | cannot"""
     placement: dict
@@ -214,7 +219,36 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         placement, kv_budget = size_memory(mine, per_block, max_len, cc, sc, oc, budget, reserve, on_cpu=False)
     except ConfigError as e:
         placement, kv_budget, refused = None, 0, str(e)
-    kv, kv_tokens = kv_pool(kv_budget, per_block, opts.block_size)
+    kv_planned, kv_tokens_planned = kv_pool(kv_budget, per_block, opts.block_size)
+    device_weights = placement.device_bytes() if placement else 0
+    # on CUDA the engine then measures one step and re-sizes the pool (`offload/memory.py` kv_after_warmup)
+    elt = DTYPE_BYTES[opts.dtype]
+    step, floor = step_activation_bytes(mc, opts.max_num_batched_tokens, opts.max_num_seqs, max_len, elt)
+    graphs_planned = not opts.enforce_eager  # `ModelRunner._graphs_planned`: graph pools counted as one more step
+    used = device_weights + max_len * int(mc.head_dim * mc.partial_rotary_factor) * 4  # + the fp32 RoPE table
+
+    def after_warmup(step_peak: int) -> int:
+        return kv_after_warmup(budget, used, warmup_activations(step_peak, sc, mc.vocab_size, graphs_planned),
+                               fixed_kv_bytes(cc, per_block), per_block, max_len, opts.block_size)[0]
+
+    kv_range = (0, 0)
+    if placement is not None:
+        try:
+            kv_bytes = after_warmup(step)
+        except ConfigError as e:
+            placement, kv_bytes, refused = None, 0, f"{e} (the warm-up's activations as predicted)"
+        else:  # the measured step lies between the floor and the engine's upper estimate (its reserve)
+            lo = max(step, reserve)
+            try:
+                kv_range = (kv_pool(after_warmup(lo), per_block, opts.block_size)[1],
+                            kv_pool(after_warmup(floor), per_block, opts.block_size)[1])
+            except ConfigError as e:
+                kv_range = (0, kv_pool(after_warmup(floor), per_block, opts.block_size)[1])
+                notes.append(f"warning: if the warm-up measures activations near the reserve the engine refuses to "
+                             f"start: {e}")
+    else:
+        kv_bytes = 0
+    kv, kv_tokens = kv_pool(kv_bytes, per_block, opts.block_size)
     host_bytes = placement.bytes_on(HOST) * ranks if placement else 0
     if placement is None:
         verdict = "cannot"
@@ -227,8 +261,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         verdict = "fits" if placement.fully_resident else "offload"
     device_weights = placement.device_bytes() if placement else 0
     per_gpu = dict(weights=device_weights, weights_all=sum(g.nbytes for g in mine), kv=kv,
+                   kv_planned=kv_planned, kv_tokens_planned=kv_tokens_planned, kv_tokens_range=kv_range,
+                   step_activations=step, warmup_activations=warmup_activations(step, sc, mc.vocab_size, graphs_planned),
                    kv_bytes_per_token=kv_per_token, kv_tokens=kv_tokens, state=state, activations=reserve,
-                   cuda_context=CUDA_CONTEXT_BYTES, peak=device_weights + kv + state + reserve + CUDA_CONTEXT_BYTES,
+                   cuda_context=CUDA_CONTEXT_BYTES,
+                   peak=used + kv + state + step + 2 * opts.max_num_seqs * mc.vocab_size * 4 + CUDA_CONTEXT_BYTES,
                    capacity=capacity, budget=budget)
 
     # -- speed ---------------------------------------------------------------------------------------
@@ -387,7 +424,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 notes.append(f"warning: the budget / --place forces offload of a model that fits: decode "
                              f"{d1['tok_s']:.1f} instead of {free.speed['decode_batch1']['tok_s']:.1f} tok/s, for nothing")
         else:  # the engine's default budget is at most 90% of free memory; an explicit budget may go higher
-            need = per_gpu["weights_all"] + reserve + (-(-max_len // opts.block_size) + 2) * per_block
+            # the placement leaves the reserve for activations; the warm-up then takes what it measured
+            need = (per_gpu["weights_all"] + max(reserve, per_gpu["warmup_activations"]) + used - device_weights
+                    + (-(-max_len // opts.block_size) + 2) * per_block)
             gib = math.ceil(need / 2**30)
             more = (make_plan(replace(opts, gpu_memory_budget_gb=gib * 2**30 / 1e9), advise=False)
                     if gib * 2**30 <= capacity - CUDA_CONTEXT_BYTES else None)

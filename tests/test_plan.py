@@ -376,6 +376,16 @@ def test_bench_plan_smoke_on_cpu(tmp_path):
     assert {"bench", "date", "commit", "machine", "rows", "cases"} <= set(d) and d["bench"] == "plan-check"
     assert {r["case"] for r in d["rows"]} == {"dense", "moe", "moe-offload", "moe-offload-nf4"}
     assert all(r["within"] for r in d["rows"]) and {r["metric"] for r in d["rows"]} == {"weights", "kv", "kv_tokens"}
+    for case in ("moe-offload", "moe-offload-nf4"):  # the routing the runs saw, re-planned from its profile
+        assert 0 < d["cases"][case]["hit_rate_from_profile"]["decode_batch1"] <= 1
+    # each case in a process of its own under a time limit: one that runs over is killed and named, the others
+    # and the JSON line still come
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_plan.py"), "--device", "cpu",
+                        "--host", HOST, "--out", str(out), "--cases", "dense", "moe", "--case-timeout", "0.5"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 0 and [(x["case"], x["error"]) for x in d["rows"]] == [
+        ("dense", "timed out after 0 s"), ("moe", "timed out after 0 s")]
 
 
 def test_check_times_decode_after_every_prefill(tmp_path):

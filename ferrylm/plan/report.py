@@ -36,12 +36,15 @@ def render(plan: Plan, console: Console) -> None:
     m.add_column("note")
     m.add_row("weights on GPU", gib(g["weights"]), f"of {gib(g['weights_all'])} this rank holds (incl. stream "
               "buffers and expert slots)")
+    lo, hi = g["kv_tokens_range"]
     m.add_row("KV cache", gib(g["kv"]), f"{g['kv_tokens']:,} tokens x {g['kv_bytes_per_token'] / 1024:.1f} KiB "
-              f"({o.block_size}-token blocks)")
+              f"({o.block_size}-token blocks) after the engine's warm-up; {lo:,}-{hi:,} as the measured step "
+              f"varies; planned {g['kv_tokens_planned']:,}")
     if g["state"]:
         m.add_row("sequence state", gib(g["state"]), f"{o.max_num_seqs} slots")
     m.add_row("activation reserve", gib(g["activations"]), f"{o.max_num_batched_tokens}-token steps (the engine's "
-              "upper estimate)")
+              f"upper estimate); warm-up step predicted {gib(g['step_activations'])}, leaving "
+              f"{gib(g['warmup_activations'])} with the sampler{' and graph pools' if not o.enforce_eager else ''}")
     m.add_row("CUDA context", gib(g["cuda_context"]), "")
     m.add_row("[bold]peak[/]", gib(g["peak"]), f"of {gib(g['capacity'])}; engine budget {gib(g['budget'] or 0)}")
     console.print(m)

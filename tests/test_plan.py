@@ -120,6 +120,20 @@ def test_vram_guide_qwen2_72b_arithmetic():
     assert 4 * 2048 * p.per_gpu["kv_bytes_per_token"] == int(2.5 * 2**30)
     assert abs(sum(p.weights_bytes.values()) / 145.4e9 - 1) < 0.001  # FP16 weights: 145.4 GB = 135.4 GiB
     assert p.verdict == "offload"  # one 80 GB card cannot hold FP16 weights
+    # docs/plan.md's "largest batch of 2048-token sequences per 80 GB card" (KV after the CUDA warm-up)
+    guide = dict(host=HOST, dtype="float16", max_model_len=2048, prompt_len=1024, output_len=1024)
+    for kw, weights_gib, seqs, seq_range in (
+            (dict(gpu="2xA800-80G-PCIe", tp=2), 67.7, 8, (5, 9)),
+            (dict(gpu="1xA800-80G-PCIe", quant="nf4"), 41.4, 46, (44, 47)),
+            (dict(gpu="1xA800-80G-PCIe", quant="int8", gpu_memory_budget_gb=84), 70.1, 11, (9, 12))):
+        q = make_plan(PlanOptions("Qwen2-72B", **kw, **guide))
+        g = q.per_gpu
+        per_rank = g["weights"] if kw.get("tp") else sum(q.weights_bytes.values())
+        print(kw, f"{per_rank / 2**30:.1f} GiB, {g['kv'] / 2**30:.2f} GiB KV -> {g['kv_tokens'] // 2048} sequences "
+              f"{tuple(t // 2048 for t in g['kv_tokens_range'])}")
+        assert q.verdict == "fits" and round(per_rank / 2**30, 1) == weights_gib
+        assert g["kv_tokens"] // 2048 == seqs and tuple(t // 2048 for t in g["kv_tokens_range"]) == seq_range
+    assert make_plan(PlanOptions("Qwen2-72B", gpu="1xA800-80G-PCIe", quant="int8", **guide)).verdict == "offload"
     p4 = make_plan(PlanOptions("Qwen2-72B", gpu="4xA800-80G-PCIe", host=HOST, dtype="float16", tp=4,
                                max_model_len=2048, max_num_seqs=4))
     assert p4.verdict == "fits" and p4.per_gpu["kv_tokens"] // 2048 > 100  # batch per 80 GB rank at 2048 tokens

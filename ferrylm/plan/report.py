@@ -88,7 +88,7 @@ def render_check(rows: list[dict], console: Console) -> None:
     for col in ("metric", "predicted", "measured", "error", "aim"):
         t.add_column(col, justify="left" if col == "metric" else "right")
     for r in rows:
-        fmt = gib if r["metric"] in ("weights", "kv", "peak") else (lambda v: f"{v:,.1f}")
+        fmt = gib if r["metric"] in ("weights", "kv", "peak", "step_activations") else (lambda v: f"{v:,.1f}")
         colour = "green" if r["within"] else "red"
         t.add_row(r["metric"], fmt(r["predicted"]), fmt(r["measured"]), f"[{colour}]{r['rel_error']:+.1%}[/]",
                   f"+-{r['aim']:.0%}")

@@ -101,7 +101,9 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
     llm = engine_for(plan, RandomSource(cfg, dtype=getattr(torch, opts.dtype), expert_quant=experts), device)
     load_s = time.perf_counter() - t
     runner = llm.engine.runner
-    cached, moe = bool(runner.placed.caches), bool(expert_profile.banks(runner.model))
+    cached = bool(runner.placed.caches)
+    # the CPU engine caches nothing; its smoke run records the routing all the same (the code path, no figures)
+    moe = bool(expert_profile.banks(runner.model)) and (cached or not cuda)
     if moe:  # record the routing of the runs below, as `ferry profile` does (device-side, graph-safe)
         expert_profile.start(runner.model)
     got = measure(plan, llm, cuda, max_decode_tokens=tokens)

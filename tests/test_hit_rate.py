@@ -175,6 +175,8 @@ def test_bad_profiles_and_routing_specs_are_clear_errors(tmp_path, capsys):
                         ("pareto:2", "choose uniform, zipf:S")):
         with pytest.raises(ConfigError, match=match):
             _plan(tmp_path, routing=spec)
+    with pytest.raises(ConfigError, match="no experts to route"):
+        make_plan(PlanOptions("Llama-3-8B", host=HOST, routing="zipf:1"))
     with pytest.raises(ConfigError, match="not both"):
         _plan(tmp_path, expert_profile=good, routing="zipf:1")
     from ferrylm.cli import main

@@ -53,6 +53,8 @@ def routing(spec: str | None, profile: str | None, architecture: str, num_expert
     if profile is not None and spec is not None:
         raise ConfigError("give --expert-profile (the engine pins its hottest experts) or --routing, not both")
     if num_experts == 0:
+        if profile is not None or spec not in (None, "uniform"):
+            raise ConfigError(f"{'--expert-profile' if profile else '--routing'}: this model has no experts to route")
         return UNIFORM
     if profile is not None:
         return Routing(_profile_shares(profile, "--expert-profile", architecture, num_experts, top_k, moe_layers),

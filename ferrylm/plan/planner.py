@@ -293,14 +293,19 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                              sorted({g.layer for g in groups if g.kind == "experts"}))
     slots = placement.expert_slots if placement else {}
 
+    hits: dict[tuple, float] = {}
+
     def hit_of(l: int, tokens: int, mapped: bool) -> float:
         m = moe[l]
         if m["host"] == 0:
             return 1.0
         if opts.expert_hit_rate is not None:
             return opts.expert_hit_rate
-        return hit_rate.hit_rate(route.of(l), m["experts"], k, m["resident"], m["resident"] + slots.get(l, 0),
-                                 route.pinned, tokens, mapped)
+        key = (l, tokens, mapped)
+        if key not in hits:
+            hits[key] = hit_rate.hit_rate(route.of(l), m["experts"], k, m["resident"], m["resident"] + slots.get(l, 0),
+                                          route.pinned, tokens, mapped)
+        return hits[key]
 
     def distinct(l: int, tokens: int) -> float:
         return hit_rate.distinct(route.of(l), E, k, tokens)

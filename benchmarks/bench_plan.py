@@ -3,9 +3,11 @@
 Each case builds a random-weight model of a real shape in memory (`RandomSource`, no disk), plans it for
 `--gpu` (config.json written to a temp dir, so the planner reads it as a user's would) and runs the engine
 with the planned settings (`ferrylm.plan.check`): weights and KV bytes, KV tokens, peak GPU memory, prefill
-and decode tok/s at batch 1 and at the concurrency. Offloaded cases also re-plan with the expert hit rate
-each decode run measured (`--expert-hit-rate`), which separates the routing assumption (uniform) from the
-bandwidth model. Cases on CUDA:
+and decode tok/s at batch 1 and at the concurrency. Offloaded cases also record the routing of their runs (`ferry profile`'s
+counts) and re-plan with it (`--routing FILE`: the predicted hit rate beside the measured one and the uniform
+floor), and re-plan with the hit rate each decode run measured (`--expert-hit-rate`), which separates the
+routing model from the bandwidth model. The warm-up step the CUDA engine measures before sizing its KV pool is
+compared with the plan's estimate of it (`step_activations`). Cases on CUDA:
 - dense: Llama-3-8B shape, 16 layers (~9 GB bf16), resident, CUDA graphs;
 - moe: Mixtral-8x7B shape, 8 layers (~23.5 GB), resident, fused MoE graphed;
 - moe-offload: Qwen3-30B-A3B shape, 16 layers (~20 GB) under `--gpu-memory-budget 4 GiB` (128 experts of
@@ -14,10 +16,12 @@ bandwidth model. Cases on CUDA:
   read in place only at one token, copied at 16).
 `--device cpu` (or no CUDA): a smoke run of the same script on tiny shapes (byte counts only; the offload
 cases force experts to host memory with `--place experts=cpu`). Aims: weights +-1%, peak +-5%, decode +-20%.
+Each case runs in a process of its own under a time limit (`--case-timeout`, and what is left of `--time-budget`),
+so a case that fails, hangs or spoils the CUDA context costs only its own rows (an `error` row names it).
 Writes benchmarks/results/plan-check-<date>.json; the last line printed is JSON.
 
-    python benchmarks/bench_plan.py --gpu 1xH200            # on the H200: ~3-5 minutes
-    python benchmarks/bench_plan.py --device cpu            # smoke, seconds
+    PYTHONPATH=. python benchmarks/bench_plan.py --gpu 1xH200   # on the H200: ~3-5 minutes, at most --time-budget
+    PYTHONPATH=. python benchmarks/bench_plan.py --device cpu   # smoke, seconds
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import argparse
 import gc
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -70,6 +76,7 @@ def case_config(case: str, tiny: bool) -> tuple[dict, float | None, str | None, 
 
 
 def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
+    from ferrylm.offload import expert_profile
     from ferrylm.weights.random_source import RandomSource
 
     cuda = device == "cuda"
@@ -93,6 +100,12 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
         torch.cuda.reset_peak_memory_stats()
     llm = engine_for(plan, RandomSource(cfg, dtype=getattr(torch, opts.dtype), expert_quant=experts), device)
     load_s = time.perf_counter() - t
+    runner = llm.engine.runner
+    cached = bool(runner.placed.caches)
+    # the CPU engine caches nothing; its smoke run records the routing all the same (the code path, no figures)
+    moe = bool(expert_profile.banks(runner.model)) and (cached or not cuda)
+    if moe:  # record the routing of the runs below, as `ferry profile` does (device-side, graph-safe)
+        expert_profile.start(runner.model)
     got = measure(plan, llm, cuda, max_decode_tokens=tokens)
     rows = compare(predicted(plan, cuda), got)
     info = dict(verdict=plan.verdict, load_s=load_s, h2d_gbs=plan.speed["assumptions"]["h2d_gbs"],
@@ -102,20 +115,69 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
                 hit_rate_measured={k: got.get(f"hit_rate_{k}") for k in ("decode_batch1", "decode_concurrent")},
                 concurrency=plan.speed["decode_concurrent"]["batch"],
                 cpu_share_planned=plan.speed["assumptions"].get("cpu_share"),
-                cpu_share_engine=llm.engine.runner.placed.cpu_share if llm.engine.runner.placed.caches else None,
-                host_read_gbs=plan.speed["assumptions"].get("host_read_gbs"))
-    for key in ("decode_batch1", "decode_concurrent"):  # the bandwidth model alone: re-planned at the seen hit rate
-        hit = got.get(f"hit_rate_{key}")
-        if hit is not None:
+                cpu_share_engine=runner.placed.cpu_share if cached else None,
+                host_read_gbs=plan.speed["assumptions"].get("host_read_gbs"),
+                kv_tokens_range=plan.per_gpu["kv_tokens_range"], kv_tokens_planned=plan.per_gpu["kv_tokens_planned"],
+                step_activations_measured=runner.step_peak, step_activations_predicted=plan.per_gpu["step_activations"],
+                activation_reserve=plan.per_gpu["activations"])
+    if moe:  # the hit rate predicted from the routing these runs saw (this engine pinned nothing)
+        prof = os.path.join(d, "routing.json")
+        expert_profile.write(expert_profile.collect(runner.model, llm.engine.model_config.architecture), prof)
+        routed = make_plan(replace(opts, routing=prof), advise=False)
+        for key in ("decode_batch1", "decode_concurrent"):
+            hit = got.get(f"hit_rate_{key}")
+            if hit is None:
+                continue
+            for tag, p in (("uniform", plan), ("profile routing", routed)):
+                rows += compare({"hit_rate": p.speed[key]["expert_hit_rate"]}, {"hit_rate": hit}, names=["hit_rate"],
+                                suffix=f" {key} @{tag}")
+            rows += compare({key: routed.speed[key]["tok_s"]}, got, names=[key], suffix=" @profile routing")
+            # the bandwidth model alone: re-planned at the seen hit rate
             again = make_plan(replace(opts, expert_hit_rate=hit), advise=False)
             rows += compare({key: again.speed[key]["tok_s"]}, got, names=[key], suffix=" @measured hit")
+        info["hit_rate_from_profile"] = {k: routed.speed[k]["expert_hit_rate"] for k in ("decode_batch1", "decode_concurrent")}
     for r in rows:
         r["case"] = case
-    del llm
+    del llm, runner
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return rows, info
+
+
+def print_case(case: str, got: list[dict], info: dict) -> None:
+    print(f"\n{case} ({info['verdict']}, loaded in {info['load_s']:.0f} s, H2D {info['h2d_gbs']:.1f} GB/s, "
+          f"hit rate assumed {info['hit_rate_assumed']}, measured {info['hit_rate_measured']}; host share "
+          f"planned {info['cpu_share_planned']}, engine {info['cpu_share_engine']}):", flush=True)
+    fmt = {"weights": 2**30, "kv": 2**30, "peak": 2**30, "step_activations": 2**20}
+    for r in got:
+        div = fmt.get(r["metric"], 1)
+        unit = {2**30: " GiB", 2**20: " MiB"}.get(div, "")
+        print(f"  {r['metric']:44s} predicted {r['predicted'] / div:>12,.2f}{unit}  measured "
+              f"{r['measured'] / div:>12,.2f}{unit}  {r['rel_error']:+7.1%}  (aim +-{r['aim']:.0%}) "
+              f"{'ok' if r['within'] else 'MISSED'}", flush=True)
+
+
+def run_isolated(case: str, a, timeout: float) -> tuple[list[dict], dict | None]:
+    """One case in a process of its own: its rows and info, or one error row (failed, killed, timed out)."""
+    fd, out = tempfile.mkstemp(prefix=f"bench-plan-{case}-", suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, os.path.abspath(__file__), "--one-case", case, "--case-result", out, "--gpu", a.gpu,
+           "--host", a.host, "--device", a.device, "--prompt-len", str(a.prompt_len), "--concurrency",
+           str(a.concurrency), "--experts", a.experts] + (["--profile-h2d"] if a.profile_h2d else [])
+    try:
+        r = subprocess.run(cmd, timeout=timeout)
+        with open(out) as f:
+            done = json.load(f)
+    except subprocess.TimeoutExpired:
+        return [{"case": case, "error": f"timed out after {timeout:.0f} s"}], None
+    except (OSError, ValueError):
+        return [{"case": case, "error": f"the case's process exited with status {r.returncode} and no result"}], None
+    finally:
+        os.unlink(out)
+    if "error" in done:
+        return [{"case": case, "error": done["error"]}], None
+    return done["rows"], done["info"]
 
 
 def main() -> None:
@@ -130,31 +192,39 @@ def main() -> None:
                     help="plan with the profile's pinned H2D rate instead of measuring this machine's")
     ap.add_argument("--experts", default="auto", choices=("auto", "gpu", "cpu"),
                     help="where expert misses run (the engine's --experts; auto: hybrid decode)")
+    ap.add_argument("--time-budget", type=float, default=330, help="seconds for all cases; later ones are skipped")
+    ap.add_argument("--case-timeout", type=float, default=150, help="seconds one case may take")
     ap.add_argument("--out", default=None, help="results file (default benchmarks/results/plan-check-<date>.json)")
+    ap.add_argument("--one-case", default=None, help=argparse.SUPPRESS)  # internal: run one case, write its result
+    ap.add_argument("--case-result", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    rows, cases = [], {}
-    for case in a.cases:
+    if a.one_case:
         try:
-            got, info = run_case(case, a, a.device)
-        except Exception as e:  # keep what the other cases measured
+            got, info = run_case(a.one_case, a, a.device)
+            done = {"rows": got, "info": info}
+        except Exception as e:  # the parent reports it; the traceback goes to this process's stderr
             import traceback
 
             traceback.print_exc()
-            rows.append({"case": case, "error": repr(e)})
+            done = {"error": repr(e)}
+        with open(a.case_result, "w") as f:
+            json.dump(done, f, default=str)
+        return
+    rows, cases, start = [], {}, time.perf_counter()
+    for case in a.cases:
+        left = a.time_budget - (time.perf_counter() - start)
+        if left < 20:
+            rows.append({"case": case, "error": f"skipped: the time budget ({a.time_budget:.0f} s) is spent"})
             continue
+        got, info = run_isolated(case, a, min(a.case_timeout, left))
         rows += got
+        if info is None:
+            print(f"\n{case}: {got[0]['error']}", flush=True)
+            continue
         cases[case] = info
-        print(f"\n{case} ({info['verdict']}, loaded in {info['load_s']:.0f} s, H2D {info['h2d_gbs']:.1f} GB/s, "
-              f"hit rate assumed {info['hit_rate_assumed']}, measured {info['hit_rate_measured']}; host share "
-              f"planned {info['cpu_share_planned']}, engine {info['cpu_share_engine']}):", flush=True)
-        fmt = {"weights": 2**30, "kv": 2**30, "peak": 2**30}
-        for r in got:
-            div = fmt.get(r["metric"], 1)
-            unit = " GiB" if div > 1 else ""
-            print(f"  {r['metric']:32s} predicted {r['predicted'] / div:>12,.2f}{unit}  measured "
-                  f"{r['measured'] / div:>12,.2f}{unit}  {r['rel_error']:+7.1%}  (aim +-{r['aim']:.0%}) "
-                  f"{'ok' if r['within'] else 'MISSED'}", flush=True)
-    write_results("plan-check", rows, out=a.out, gpu=a.gpu, device=a.device, cases=cases)
+        print_case(case, got, info)
+    write_results("plan-check", rows, out=a.out, gpu=a.gpu, device=a.device, cases=cases,
+                  seconds=time.perf_counter() - start)
 
 
 if __name__ == "__main__":

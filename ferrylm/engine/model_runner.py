@@ -27,7 +27,8 @@ from ferrylm.layers.parallel_linear import kv_heads_per_rank
 from ferrylm.layers.rotary import RotaryEmbedding
 from ferrylm.models.registry import model_class
 from ferrylm.offload.placed_weights import PlacedWeights
-from ferrylm.offload.memory import activation_reserve, device_budget, fixed_kv_bytes, size_memory
+from ferrylm.offload.memory import (activation_reserve, device_budget, fixed_kv_bytes, kv_after_warmup, size_memory,
+                                   warmup_activations)
 from ferrylm.offload.placement import describe, group_tensors
 from ferrylm.parallel.group import SINGLE, building
 
@@ -192,7 +193,7 @@ class ModelRunner:
                 m.max_positions = min(m.max_positions, max_model_len)
                 m._table(self.device)
         self.placement = placement
-        self.activation_bytes = self.weights_allocated = None
+        self.activation_bytes = self.weights_allocated = self.step_peak = None
         if self.device.type == "cuda" and self._budget is not None:
             kv_bytes = self._kv_after_warmup(kv_bytes)
         self.kv_cache = self._allocate_kv(kv_bytes)
@@ -245,7 +246,7 @@ class ModelRunner:
     def _warmup_peak(self) -> int:
         """Device bytes one step at the token budget allocates beyond the weights, measured: a dummy
         prefill of `max_num_batched_tokens` tokens (K/V written to a scratch pool) and the logits of
-        `max_num_seqs` rows, plus the sampler's [B, V] work tensors."""
+        `max_num_seqs` rows (`warmup_activations` adds the sampler's work tensors)."""
         cfg, sc = self.model_config, self.config.scheduler
         T = min(sc.max_num_batched_tokens, self.max_model_len)
         # a real table over T tokens of scratch KV: the Triton prefill reads the chunk back from the cache
@@ -270,33 +271,25 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del kv, ctx, hidden
         self.placed.stats.reset()  # the warm-up's copies are not the workload's
-        return peak + 2 * sc.max_num_seqs * cfg.vocab_size * 4
+        return peak
 
     def _kv_after_warmup(self, planned: int) -> int:
         """The KV pool from what is left of the budget once the weights sit where they are and one step's
-        activations are measured (graph pools counted as one more step's worth)."""
-        peak = self._warmup_peak()
-        self.activation_bytes = peak * (2 if self._graphs_planned() else 1)
+        activations are measured (`offload/memory.py`, the rule `ferry plan` predicts with)."""
+        self.step_peak = self._warmup_peak()
+        self.activation_bytes = warmup_activations(self.step_peak, self.config.scheduler,
+                                                   self.model_config.vocab_size, self._graphs_planned())
         used = torch.cuda.memory_allocated(self.device) - self._mem_base
         self.weights_allocated = used  # measured: what the placed weights take (`ferry plan --check`)
-        left = self._budget - used - self.activation_bytes
-        if self._fixed_kv is not None:
-            if left < self._fixed_kv:
-                log.warning("the KV cache asked for (%.2f GiB) exceeds what the budget leaves after weights and "
-                            "measured activations (%.2f GiB)", self._fixed_kv / 2**30, left / 2**30)
-            return self._fixed_kv
-        per_block = self._kv_bytes_per_block()
-        need = (self.max_model_len + self.block_size - 1) // self.block_size + 2
-        if left < need * per_block:
-            raise ConfigError(f"GPU memory budget {self._budget / 2**30:.2f} GiB is too small: after the weights "
-                              f"({used / 2**30:.2f} GiB) and one step's measured activations "
-                              f"({self.activation_bytes / 2**30:.2f} GiB) it leaves {max(left, 0) / 2**30:.2f} GiB, "
-                              f"less than one sequence of {self.max_model_len} tokens needs in KV cache "
-                              f"({need * per_block / 2**30:.2f} GiB); lower --max-model-len or "
-                              f"--max-num-batched-tokens, or raise the budget")
-        log.info("KV cache from the measured warm-up: %.2f GiB (planned %.2f GiB; activations %.2f GiB)",
-                 left / 2**30, planned / 2**30, self.activation_bytes / 2**30)
-        return left
+        kv, left = kv_after_warmup(self._budget, used, self.activation_bytes, self._fixed_kv,
+                                   self._kv_bytes_per_block(), self.max_model_len, self.block_size)
+        if self._fixed_kv is not None and left < self._fixed_kv:
+            log.warning("the KV cache asked for (%.2f GiB) exceeds what the budget leaves after weights and "
+                        "measured activations (%.2f GiB)", self._fixed_kv / 2**30, left / 2**30)
+        elif self._fixed_kv is None:
+            log.info("KV cache from the measured warm-up: %.2f GiB (planned %.2f GiB; activations %.2f GiB)",
+                     kv / 2**30, planned / 2**30, self.activation_bytes / 2**30)
+        return kv
 
     def _place(self):
         """(placement, KV bytes) by `offload/memory.py`, the rule `ferry plan` predicts with; keeps the budget

@@ -50,20 +50,36 @@ def write(profile: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
-def read(path: str, architecture: str, num_experts: int, moe_layers: list[int]) -> dict[int, list[int]] | None:
-    """Per-layer counts, or None (with a warning) when the file is unreadable or made for another model."""
+def parse(path: str, architecture: str, num_experts: int, moe_layers: list[int]) -> dict[int, list[int]]:
+    """Per-layer counts; raises `ValueError` naming what is wrong (unreadable, not this format, recorded for
+    another model). `ferry plan --expert-profile` reports it as an error; the engine's `read` warns."""
     try:
         with open(path) as f:
             data = json.load(f)
-        if data.get("format") != FORMAT:
+    except OSError as e:
+        raise ValueError(f"cannot read it ({e.strerror or e})") from None
+    except ValueError as e:
+        raise ValueError(f"cannot read it: not JSON ({e})") from None
+    try:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} file")
         layers = {int(k): [int(c) for c in v] for k, v in data["layers"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        log.warning("expert profile %s ignored: cannot read it (%s)", path, e)
-        return None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"cannot read it ({e})") from None
     if data.get("architecture") != architecture or data.get("num_experts") != num_experts \
             or sorted(layers) != sorted(moe_layers) or any(len(v) != num_experts for v in layers.values()):
-        log.warning("expert profile %s ignored: it was recorded for another model (%s, %s experts, %d layers)",
-                    path, data.get("architecture"), data.get("num_experts"), len(layers))
-        return None
+        raise ValueError(f"it was recorded for another model ({data.get('architecture')}, {data.get('num_experts')} "
+                         f"experts, {len(layers)} MoE layers; this one: {architecture}, {num_experts} experts, "
+                         f"{len(moe_layers)} MoE layers)")
+    if any(c < 0 for v in layers.values() for c in v):
+        raise ValueError("it has negative counts")
     return layers
+
+
+def read(path: str, architecture: str, num_experts: int, moe_layers: list[int]) -> dict[int, list[int]] | None:
+    """Per-layer counts, or None (with a warning) when the file is unreadable or made for another model."""
+    try:
+        return parse(path, architecture, num_experts, moe_layers)
+    except ValueError as e:
+        log.warning("expert profile %s ignored: %s", path, e)
+        return None

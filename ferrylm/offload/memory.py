@@ -1,8 +1,9 @@
 """The engine's start-up memory decision as pure functions, so `ferry plan` calls the same code the model
 runner calls: the device budget, the activation reserve, and (placement, KV bytes) from the model's
 tensor groups. Knows configs and byte counts; never touches a device (the caller reads total/free memory).
-On CUDA the model runner then re-sizes the KV pool from a measured warm-up step (`_kv_after_warmup`); this
-module gives the planned figure.
+On CUDA the model runner then re-sizes the KV pool from a measured warm-up step: `warmup_activations` and
+`kv_after_warmup` are that rule, called by the runner with what it measured and by `ferry plan` with what it
+predicts (`plan/memory.py` `step_activation_bytes`).
 """
 
 from __future__ import annotations
@@ -73,3 +74,30 @@ def size_memory(groups: list[TensorGroup], per_block: int, max_model_len: int, c
             f"{gib(least + kv + reserve)} ({gib(least)} of weights: norms, routers, placement rules, stream "
             f"buffers and expert slots; {gib(kv)} of KV cache; {gib(reserve)} for activations)")
     return place(groups, budget - reserve - kv, oc.place, stream_buffers=oc.stream_buffers), kv
+
+
+def warmup_activations(step_peak: int, sc: SchedulerConfig, vocab_size: int, graphs: bool) -> int:
+    """Device bytes the KV pool leaves for activations after the warm-up: one step's peak at the token budget
+    (measured by the runner) plus the sampler's two [max_num_seqs, V] fp32 work tensors, twice over when CUDA
+    graphs will be captured (their private pools hold one more step's worth)."""
+    return (step_peak + 2 * sc.max_num_seqs * vocab_size * 4) * (2 if graphs else 1)
+
+
+def kv_after_warmup(budget: int, used: int, activations: int, fixed_kv: int | None, per_block: int,
+                    max_model_len: int, block_size: int) -> tuple[int, int]:
+    """(KV bytes, bytes left): what is left of the budget once the weights take `used` device bytes and one
+    step's activations `activations` (`warmup_activations`), or the fixed size the cache config asks for (the
+    caller warns when it exceeds what is left). Raises `ConfigError` when less than one full-length sequence's
+    KV is left."""
+    left = budget - used - activations
+    if fixed_kv is not None:
+        return fixed_kv, left
+    need = (max_model_len + block_size - 1) // block_size + 2
+    if left < need * per_block:
+        raise ConfigError(f"GPU memory budget {budget / 2**30:.2f} GiB is too small: after the weights "
+                          f"({used / 2**30:.2f} GiB) and one step's measured activations "
+                          f"({activations / 2**30:.2f} GiB) it leaves {max(left, 0) / 2**30:.2f} GiB, "
+                          f"less than one sequence of {max_model_len} tokens needs in KV cache "
+                          f"({need * per_block / 2**30:.2f} GiB); lower --max-model-len or "
+                          f"--max-num-batched-tokens, or raise the budget")
+    return left, left

@@ -12,7 +12,8 @@ A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_
                 fused launch reads the hits from HBM and the misses in place from mapped host memory at
                 pinned H2D GB/s * INPLACE_EFF, side by side, while (hybrid decode, the engine's default for
                 dense experts) the host's cores compute a share of the misses at HOST_EXPERT_EFF of the host's
-                read rate, the share balanced as the engine balances it: max(hits, GPU misses, host misses),
+                read rate, the share balanced as the engine balances it: max(hits, GPU misses, host misses)
+                (hits at least every expert's resident time: a miss never speeds the kernel up),
                 serial with the other kernels (and then not in t_hbm)
     t_host    = copy-path MoE layers (larger steps, or a mapped path off): CACHED_EXPERT_S per expert touched
     t_launch  = layers * LAUNCH_S (eager) or LAUNCH_GRAPH_S (CUDA graphs)
@@ -81,6 +82,10 @@ class StepCost:
     expert_hbm_bytes: float = 0.0
     """Dense-equivalent bytes of experts the fused MoE kernel reads from HBM (at `moe_hbm_eff`)."""
     tokens_per_expert: float = 1.0
+    expert_all_bytes: float = 0.0
+    """Mapped steps: dense-equivalent bytes of every expert the step uses, as if all were resident. Its HBM
+    time is the floor of the experts' time: misses read in place never make the kernel faster than all-resident
+    (without it a higher hit rate could predict a slower step, the hits' HBM share growing)."""
     host_experts_s: float = 0.0
     """Hybrid decode: seconds the host's cores spend on their share of the misses, beside the kernel (mapped;
     on the copy path, a term of the roofline's max)."""
@@ -105,7 +110,8 @@ class StepTime:
 
 
 def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> StepTime:
-    experts = cost.expert_hbm_bytes / (hbm_gbs * 1e9 * moe_hbm_eff(cost.tokens_per_expert))
+    eff = hbm_gbs * 1e9 * moe_hbm_eff(cost.tokens_per_expert)
+    experts = max(cost.expert_hbm_bytes, cost.expert_all_bytes if cost.mapped else 0.0) / eff
     inplace = cost.inplace_bytes / (h2d_gbs * 1e9 * INPLACE_EFF) if cost.inplace_bytes else 0.0
     parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF) + (0.0 if cost.mapped else experts),
              "pcie": cost.pcie_bytes / (h2d_gbs * 1e9) if cost.pcie_bytes else 0.0,

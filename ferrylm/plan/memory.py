@@ -242,3 +242,40 @@ def summarize(groups: list[TensorGroup]) -> dict[str, int]:
     for g in groups:
         out[g.kind] += g.nbytes
     return {k: v for k, v in out.items() if v}
+
+
+# -- the warm-up step the CUDA engine measures before sizing its KV pool --------------------------------------
+
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+"""Assumed: the cuBLAS workspace the warm-up's first GEMM allocates through the caching allocator."""
+
+
+def step_activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                          elt: int) -> tuple[int, int]:
+    """(estimate, floor) of the device bytes `ModelRunner._warmup_peak` measures: a prefill of the token budget
+    T and the logits of min(T, max_num_seqs) rows. The peak is the widest block's live tensors on top of the
+    residual stream and the block's normed input: attention (qkv, its rotated q / k, the output), a dense MLP
+    (gate_up [T, 2I], act(gate) and its product with up: 4I), fused MoE (per assignment its gated rows [I], its
+    output [H] and the gathered copy [H]; router logits fp32), shared experts as a dense MLP; or the logits
+    (lm_head output and its fp32 copy). The floor counts only what must coexist: the widest GEMM's input and
+    output (or the logits). Unmeasured as yet: `benchmarks/bench_plan.py` prints the measured figure beside it."""
+    T = min(max_num_batched_tokens, max_model_len)
+    S = min(T, max_num_seqs)
+    H, D, h, hk = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, max(1, cfg.num_key_value_heads)
+    qkv = (h + 2 * hk) * D
+    widths = [(qkv + (h + hk) * D + h * D, qkv)]  # (live width, widest GEMM output), per token
+    moe_layers = cfg.num_experts and cfg.moe_intermediate_size
+    dense_layers = cfg.intermediate_size and (not moe_layers or cfg.mlp_only_layers or cfg.decoder_sparse_step > 1
+                                              or cfg.raw.get("first_k_dense_replace"))
+    if dense_layers:
+        widths.append((4 * cfg.intermediate_size, 2 * cfg.intermediate_size))
+    if moe_layers:
+        k = max(cfg.num_experts_per_tok, 1)
+        widths.append((k * (cfg.moe_intermediate_size + 2 * H) + cfg.num_experts * 4 // elt,
+                       k * cfg.moe_intermediate_size))
+    if cfg.shared_expert_intermediate_size:
+        widths.append((4 * cfg.shared_expert_intermediate_size, 2 * cfg.shared_expert_intermediate_size))
+    logits = S * cfg.vocab_size * (elt + 4)
+    estimate = max(T * elt * (2 * H + max(w for w, _ in widths)), logits + T * H * elt) + CUBLAS_WORKSPACE_BYTES
+    floor = max(T * elt * (H + max(g for _, g in widths)), logits)
+    return estimate, floor

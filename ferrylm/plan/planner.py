@@ -14,12 +14,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig
 from ferrylm.errors import ConfigError, UnsupportedArchitectureError
-from ferrylm.offload.memory import activation_reserve, device_budget, size_memory
+from ferrylm.offload.memory import (activation_reserve, device_budget, fixed_kv_bytes, kv_after_warmup, size_memory,
+                                   warmup_activations)
 from ferrylm.offload.placement import GPU, HOST, TensorGroup
-from ferrylm.plan import catalog, estimate, hardware, quality
+from ferrylm.plan import catalog, estimate, hardware, hit_rate, quality
 from ferrylm.plan.memory import (DTYPE_BYTES, QUANT_SCHEMES, WeightFormat, analytical_groups, analytical_kv_bytes_per_token,
                                  kv_bytes_per_block, kv_pool, meta_model, param_count, state_bytes_per_seq,
-                                 summarize, weight_groups)
+                                 step_activation_bytes, summarize, weight_groups)
 
 CUDA_CONTEXT_BYTES = 600 * 2**20
 """CUDA context + cuBLAS workspace of one process: what `mem_get_info` shows used before the first tensor."""
@@ -42,8 +43,14 @@ class PlanOptions:
     expert_quant: str | None = None
     """The experts' scheme when it differs from --quant (e.g. nf4 experts, the rest bf16); None: --quant's."""
     expert_hit_rate: float | None = None
-    """Share of routed experts found on the device, e.g. measured by a run; None: uniform routing (the resident
-    share of each layer's experts)."""
+    """Share of routed experts found on the device, e.g. measured by a run; None: predicted from the routing
+    (`plan/hit_rate.py`: `expert_profile`, `routing`, else uniform)."""
+    expert_profile: str | None = None
+    """The engine's `--expert-profile` FILE (written by `ferry profile`): each layer's hottest experts start
+    resident and pinned, and its recorded routing predicts the hit rate."""
+    routing: str | None = None
+    """The routing that predicts the hit rate when the engine gets no profile: uniform, zipf:S (expert shares
+    falling as rank^-S) or a recorded profile FILE (nothing pinned); None: uniform."""
     kv_cache_dtype: str = "auto"
     """auto = the model dtype; fp8 | int8: the engine's quantized cache (`--kv-cache-dtype`)."""
     max_model_len: int | None = None
@@ -88,12 +95,17 @@ class Plan:
     weights_bytes: dict
     """kind -> bytes over the whole model."""
     per_gpu: dict
-    """weights (on the device, incl. stream buffers and expert slots), weights_all (this rank's share), kv,
-    kv_tokens, kv_bytes_per_token, state, activations (reserve), cuda_context, peak, capacity, budget (bytes)."""
+    """weights (on the device, incl. stream buffers and expert slots), weights_all (this rank's share); kv and
+    kv_tokens as the CUDA engine ends with them (after its measured warm-up, predicted: step_activations, the
+    warm-up step's peak, and warmup_activations, what the pool leaves for it), kv_tokens_range (the measured
+    step between its floor and the reserve), kv_planned / kv_tokens_planned (the reserve-based start-up figure,
+    which the CPU engine keeps); kv_bytes_per_token, state, activations (the reserve), cuda_context, peak,
+    capacity, budget (bytes)."""
     verdict: str
     """fits | offload | cannot"""
     placement: dict
-    """gpu_bytes, host_bytes, host_groups, streamed_layers, expert_slots, pcie_bytes_per_decode_token."""
+    """gpu_bytes, host_bytes, host_groups, streamed_layers, expert_slots, resident_experts (cached MoE layer ->
+    experts resident), pcie_bytes_per_decode_token."""
     speed: dict
     notes: list[str] = field(default_factory=list)
     """Verdict, warnings and advice, most important first."""
@@ -207,7 +219,36 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         placement, kv_budget = size_memory(mine, per_block, max_len, cc, sc, oc, budget, reserve, on_cpu=False)
     except ConfigError as e:
         placement, kv_budget, refused = None, 0, str(e)
-    kv, kv_tokens = kv_pool(kv_budget, per_block, opts.block_size)
+    kv_planned, kv_tokens_planned = kv_pool(kv_budget, per_block, opts.block_size)
+    device_weights = placement.device_bytes() if placement else 0
+    # on CUDA the engine then measures one step and re-sizes the pool (`offload/memory.py` kv_after_warmup)
+    elt = DTYPE_BYTES[opts.dtype]
+    step, floor = step_activation_bytes(mc, opts.max_num_batched_tokens, opts.max_num_seqs, max_len, elt)
+    graphs_planned = not opts.enforce_eager  # `ModelRunner._graphs_planned`: graph pools counted as one more step
+    used = device_weights + max_len * int(mc.head_dim * mc.partial_rotary_factor) * 4  # + the fp32 RoPE table
+
+    def after_warmup(step_peak: int) -> int:
+        return kv_after_warmup(budget, used, warmup_activations(step_peak, sc, mc.vocab_size, graphs_planned),
+                               fixed_kv_bytes(cc, per_block), per_block, max_len, opts.block_size)[0]
+
+    kv_range = (0, 0)
+    if placement is not None:
+        try:
+            kv_bytes = after_warmup(step)
+        except ConfigError as e:
+            placement, kv_bytes, refused = None, 0, f"{e} (the warm-up's activations as predicted)"
+        else:  # the measured step lies between the floor and the engine's upper estimate (its reserve)
+            lo = max(step, reserve)
+            try:
+                kv_range = (kv_pool(after_warmup(lo), per_block, opts.block_size)[1],
+                            kv_pool(after_warmup(floor), per_block, opts.block_size)[1])
+            except ConfigError as e:
+                kv_range = (0, kv_pool(after_warmup(floor), per_block, opts.block_size)[1])
+                notes.append(f"warning: if the warm-up measures activations near the reserve the engine refuses to "
+                             f"start: {e}")
+    else:
+        kv_bytes = 0
+    kv, kv_tokens = kv_pool(kv_bytes, per_block, opts.block_size)
     host_bytes = placement.bytes_on(HOST) * ranks if placement else 0
     if placement is None:
         verdict = "cannot"
@@ -220,8 +261,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         verdict = "fits" if placement.fully_resident else "offload"
     device_weights = placement.device_bytes() if placement else 0
     per_gpu = dict(weights=device_weights, weights_all=sum(g.nbytes for g in mine), kv=kv,
+                   kv_planned=kv_planned, kv_tokens_planned=kv_tokens_planned, kv_tokens_range=kv_range,
+                   step_activations=step, warmup_activations=warmup_activations(step, sc, mc.vocab_size, graphs_planned),
                    kv_bytes_per_token=kv_per_token, kv_tokens=kv_tokens, state=state, activations=reserve,
-                   cuda_context=CUDA_CONTEXT_BYTES, peak=device_weights + kv + state + reserve + CUDA_CONTEXT_BYTES,
+                   cuda_context=CUDA_CONTEXT_BYTES,
+                   peak=used + kv + state + step + 2 * opts.max_num_seqs * mc.vocab_size * 4 + CUDA_CONTEXT_BYTES,
                    capacity=capacity, budget=budget)
 
     # -- speed ---------------------------------------------------------------------------------------
@@ -245,8 +289,32 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     dense_host = [g for g in mine if tier[g.name] == HOST and g.kind not in ("experts", "embed")]
     streamed_bytes = sum(g.nbytes for g in dense_host)
     moe = _moe_layers(mine, tier, dense_of, fmt.experts_scheme)
-    hit_of = {l: 1.0 if m["host"] == 0 else (opts.expert_hit_rate if opts.expert_hit_rate is not None
-                                              else m["resident"] / m["experts"]) for l, m in moe.items()}
+    route = hit_rate.routing(opts.routing, opts.expert_profile, mc.architecture, E, k,
+                             sorted({g.layer for g in groups if g.kind == "experts"}))
+    slots = placement.expert_slots if placement else {}
+
+    hits: dict[tuple, float] = {}
+
+    def hit_of(l: int, tokens: int, mapped: bool) -> float:
+        m = moe[l]
+        if m["host"] == 0:
+            return 1.0
+        if opts.expert_hit_rate is not None:
+            return opts.expert_hit_rate
+        key = (l, tokens, mapped)
+        if key not in hits:
+            hits[key] = hit_rate.hit_rate(route.of(l), m["experts"], k, m["resident"], m["resident"] + slots.get(l, 0),
+                                          route.pinned, tokens, mapped)
+        return hits[key]
+
+    def distinct(l: int, tokens: int) -> float:
+        return hit_rate.distinct(route.of(l), E, k, tokens)
+
+    def tokens_per_expert(tokens: int) -> float:
+        if not moe:
+            return 1.0
+        return tokens * k / (sum(distinct(l, tokens) for l in moe) / len(moe))
+
     cached = [l for l, m in moe.items() if m["host"]]
     from ferrylm.offload.expert_cache import CachedExperts
 
@@ -265,14 +333,16 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
 
     def experts_cost(batch: int, prefill: bool = False) -> dict:
         """HBM (time-equivalent) bytes of hits, copied and in-place miss bytes, host seconds of one step."""
-        d = _distinct_experts(E, k, batch)
         mapped = not prefill and mapped_tokens is not None and batch <= mapped_tokens
-        out = dict(hbm=0.0, copy=0.0, inplace=0.0, inplace_equiv=0.0, host=0.0, host_experts_s=0.0,
-                   mapped=mapped and bool(cached))
+        out = dict(hbm=0.0, all=0.0, copy=0.0, inplace=0.0, inplace_equiv=0.0, host=0.0, host_experts_s=0.0,
+                   mapped=mapped and bool(cached),
+                   hit=sum(hit_of(l, batch, mapped) for l in cached) / len(cached) if cached else None)
         for l, m in moe.items():
-            hits, misses = d * hit_of[l], d * (1 - hit_of[l])
+            d, h = distinct(l, batch), hit_of(l, batch, mapped)
+            hits, misses = d * h, d * (1 - h)
             # hits are read from HBM; so are copied misses once in their slots (in-place misses are not)
             out["hbm"] += (hits if mapped and m["host"] else d) * m["hbm_equiv"]
+            out["all"] += d * m["hbm_equiv"]
             if not m["host"]:
                 continue
             if mapped:
@@ -291,7 +361,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         graphs = graph_base and (verdict == "fits" or (not dense_host and (not cached or x["mapped"])))
         cost = estimate.StepCost(
             hbm_bytes=dense_gpu + streamed_bytes + batch * ctx * kv_per_token / ranks, expert_hbm_bytes=x["hbm"],
-            tokens_per_expert=_tokens_per_expert(E, k, batch),
+            expert_all_bytes=x["all"],
+            tokens_per_expert=tokens_per_expert(batch),
             pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], host_s=x["host"], mapped=x["mapped"],
             host_experts_s=x["host_experts_s"],
             flops=2 * count.active * batch / ranks, layers=layers, graphs=graphs,
@@ -301,13 +372,14 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         return dict(batch=batch, tok_s=batch / seconds, step_ms=seconds * 1e3, binding=t.binding,
                     pcie_bytes_per_step=streamed_bytes + x["copy"] + x["inplace"], cuda_graphs=graphs,
                     experts_path="resident" if not cached else "mapped" if x["mapped"] else "copy",
+                    expert_hit_rate=x["hit"],
                     parts_ms={p: v * 1e3 for p, v in t.parts.items()})
 
     chunk = max(1, min(opts.max_num_batched_tokens, opts.prompt_len))
     xp = experts_cost(chunk, prefill=True)
     pre = estimate.step_time(estimate.StepCost(
         hbm_bytes=dense_gpu + streamed_bytes, expert_hbm_bytes=xp["hbm"],
-        tokens_per_expert=_tokens_per_expert(E, k, chunk), pcie_bytes=streamed_bytes + xp["copy"], host_s=xp["host"],
+        tokens_per_expert=tokens_per_expert(chunk), pcie_bytes=streamed_bytes + xp["copy"], host_s=xp["host"],
         host_experts_s=xp["host_experts_s"],
         flops=(2 * count.active * chunk + 2 * mc.num_hidden_layers * chunk * chunk * mc.num_attention_heads
                * mc.head_dim) / ranks, layers=layers,
@@ -315,9 +387,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         gpu.hbm_gbs, gpu.h2d_gbs, tflops)
     d1 = decode(1)
     dn = decode(max(1, min(conc, kv_tokens // max(seq_tokens, 1))))
-    hit_note = ("uniform routing: the resident share of each layer's experts" if opts.expert_hit_rate is None
-                else "given (--expert-hit-rate)")
-    mean_hit = sum(hit_of[l] for l in cached) / len(cached) if cached else 1.0
+    hit_note = "given (--expert-hit-rate)" if opts.expert_hit_rate is not None else route.source
+    mean_hit = d1["expert_hit_rate"] if cached else 1.0
     packed = fmt.experts_scheme if any(m["packed"] for m in moe.values()) else None
     speed = dict(decode_batch1=d1, decode_concurrent=dn, prefill_tok_s=chunk / (pre.seconds * opts.pp),
                  prefill_binding=pre.binding,
@@ -343,6 +414,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
               streamed_layers=placement.streamed_layers() if placement else [],
               stream_buffer_bytes=placement.stream_buffer_bytes if placement else 0,
               expert_slots=max(placement.expert_slots.values(), default=0) if placement else 0,
+              resident_experts={l: moe[l]["resident"] for l in cached},
               pcie_bytes_per_decode_token=d1["pcie_bytes_per_step"])
     if verdict == "fits":
         notes.append("offload unnecessary: every weight stays on the GPU")
@@ -357,7 +429,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 notes.append(f"warning: the budget / --place forces offload of a model that fits: decode "
                              f"{d1['tok_s']:.1f} instead of {free.speed['decode_batch1']['tok_s']:.1f} tok/s, for nothing")
         else:  # the engine's default budget is at most 90% of free memory; an explicit budget may go higher
-            need = per_gpu["weights_all"] + reserve + (-(-max_len // opts.block_size) + 2) * per_block
+            # the placement leaves the reserve for activations; the warm-up then takes what it measured
+            need = (per_gpu["weights_all"] + max(reserve, per_gpu["warmup_activations"]) + used - device_weights
+                    + (-(-max_len // opts.block_size) + 2) * per_block)
             gib = math.ceil(need / 2**30)
             more = (make_plan(replace(opts, gpu_memory_budget_gb=gib * 2**30 / 1e9), advise=False)
                     if gib * 2**30 <= capacity - CUDA_CONTEXT_BYTES else None)
@@ -376,8 +450,13 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 f"memory, {estimate.INPLACE_EFF:.0%} of the copy rate, CUDA-graphed when no layer is streamed); larger "
                 "steps and prefill copy them into slots (eager)" if mapped_tokens else
                 "expert misses are copied into slots (no fused kernel for this dtype / activation: eager)")
-        notes.append(f"experts: {path}; hit rate {a['expert_hit_rate']:.2f} ({hit_note}); skewed routing raises it "
-                     "(the slots follow the routing), so measure it and pass --expert-hit-rate")
+        conc_hit = dn["expert_hit_rate"]
+        advice = ("" if opts.expert_hit_rate is not None or opts.expert_profile or opts.routing else
+                  "; skewed routing raises it (the slots follow the routing): pass --expert-profile FILE (`ferry "
+                  "profile`), --routing zipf:S or a measured --expert-hit-rate")
+        how = "" if opts.expert_hit_rate is not None else f"; {hit_rate.MODEL}"
+        notes.append(f"experts: {path}; hit rate {a['expert_hit_rate']:.2f} at batch 1, {conc_hit:.2f} at batch "
+                     f"{dn['batch']} ({hit_note}{how}){advice}")
         if share:
             notes.append(f"hybrid decode: the host's cores compute {share:.0%} of the misses beside the kernel's "
                          f"in-place reads ({host_gbs:.0f} GB/s: {estimate.HOST_EXPERT_EFF:.0%} of the host's "
@@ -458,16 +537,6 @@ def _moe_layers(mine: list[TensorGroup], tier: dict, dense_of: dict, scheme: str
         res, inplace = estimate.PACKED_TIME.get(scheme, (1.0, 1.0)) if m["packed"] else (1.0, 1.0)
         m["hbm_equiv"], m["inplace_equiv"] = (dense * res, dense * inplace) if m["packed"] else (g.nbytes, g.nbytes)
     return out
-
-
-def _distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
-    """Expected distinct experts a layer routes `batch` tokens to, under uniform top-k routing."""
-    return 0.0 if num_experts == 0 else num_experts * (1 - (1 - top_k / num_experts) ** batch)
-
-
-def _tokens_per_expert(num_experts: int, top_k: int, tokens: int) -> float:
-    """Mean rows each routed expert gets in a step of `tokens` tokens (uniform routing)."""
-    return tokens * top_k / _distinct_experts(num_experts, top_k, tokens) if num_experts else 1.0
 
 
 def _advice(groups, opts, gpu, budget, reserve, min_kv) -> list[str]:

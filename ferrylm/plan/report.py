@@ -36,12 +36,15 @@ def render(plan: Plan, console: Console) -> None:
     m.add_column("note")
     m.add_row("weights on GPU", gib(g["weights"]), f"of {gib(g['weights_all'])} this rank holds (incl. stream "
               "buffers and expert slots)")
+    lo, hi = g["kv_tokens_range"]
     m.add_row("KV cache", gib(g["kv"]), f"{g['kv_tokens']:,} tokens x {g['kv_bytes_per_token'] / 1024:.1f} KiB "
-              f"({o.block_size}-token blocks)")
+              f"({o.block_size}-token blocks) after the engine's warm-up; {lo:,}-{hi:,} as the measured step "
+              f"varies; planned {g['kv_tokens_planned']:,}")
     if g["state"]:
         m.add_row("sequence state", gib(g["state"]), f"{o.max_num_seqs} slots")
     m.add_row("activation reserve", gib(g["activations"]), f"{o.max_num_batched_tokens}-token steps (the engine's "
-              "upper estimate)")
+              f"upper estimate); warm-up step predicted {gib(g['step_activations'])}, leaving "
+              f"{gib(g['warmup_activations'])} with the sampler{' and graph pools' if not o.enforce_eager else ''}")
     m.add_row("CUDA context", gib(g["cuda_context"]), "")
     m.add_row("[bold]peak[/]", gib(g["peak"]), f"of {gib(g['capacity'])}; engine budget {gib(g['budget'] or 0)}")
     console.print(m)
@@ -60,7 +63,8 @@ def render(plan: Plan, console: Console) -> None:
     t.add_column("binds")
     for key in ("decode_batch1", "decode_concurrent"):
         d = s[key]
-        path = "" if d.get("experts_path") in (None, "resident") else f", experts {d['experts_path']}"
+        path = "" if d.get("experts_path") in (None, "resident") else \
+            f", experts {d['experts_path']} (hit {d['expert_hit_rate']:.2f})"
         t.add_row(f"decode, batch {d['batch']}", f"{d['tok_s']:,.1f}", f"{d['step_ms']:.2f} ms",
                   d["binding"] + path + (", graphs" if d.get("cuda_graphs") else ""))
     t.add_row(f"prefill ({o.prompt_len}-token prompt)", f"{s['prefill_tok_s']:,.0f}", f"TTFT {s['ttft_s']:.3f} s",
@@ -68,9 +72,9 @@ def render(plan: Plan, console: Console) -> None:
     console.print(t)
     a = s["assumptions"]
     moe = (f", fused MoE {a['moe_hbm_eff']:.0%}+ of peak HBM" if a.get("moe_hbm_eff") else "")
-    hit = (f"; experts: hit rate {a['expert_hit_rate']:.2f} ({a['expert_hit_rate_from']}), in place at "
+    hit = (f"; experts: hit rate {a['expert_hit_rate']:.2f} at batch 1 ({a['expert_hit_rate_from']}), in place at "
            f"{a['inplace_eff']:.0%} of H2D up to {a['mapped_tokens']} token(s)" if a.get("expert_hit_rate") is not None
-           and a.get("mapped_tokens") else f"; experts: hit rate {a['expert_hit_rate']:.2f} ({a['expert_hit_rate_from']})"
+           and a.get("mapped_tokens") else f"; experts: hit rate {a['expert_hit_rate']:.2f} at batch 1 ({a['expert_hit_rate_from']})"
            if a.get("expert_hit_rate") is not None else "")
     console.print(f"[dim]assumptions: {a['hbm_eff']:.0%} of peak HBM{moe}, {a['mfu']:.0%} MFU, {a['h2d_gbs']:.0f} GB/s "
                   f"pinned H2D, {a['launch_us_per_layer']:.0f} us launch per layer{hit}; counted from the "
@@ -84,7 +88,7 @@ def render_check(rows: list[dict], console: Console) -> None:
     for col in ("metric", "predicted", "measured", "error", "aim"):
         t.add_column(col, justify="left" if col == "metric" else "right")
     for r in rows:
-        fmt = gib if r["metric"] in ("weights", "kv", "peak") else (lambda v: f"{v:,.1f}")
+        fmt = gib if r["metric"] in ("weights", "kv", "peak", "step_activations") else (lambda v: f"{v:,.1f}")
         colour = "green" if r["within"] else "red"
         t.add_row(r["metric"], fmt(r["predicted"]), fmt(r["measured"]), f"[{colour}]{r['rel_error']:+.1%}[/]",
                   f"+-{r['aim']:.0%}")

@@ -1,0 +1,165 @@
+"""The expert hit rate a plan predicts: from the routing (uniform, a stated skew or a recorded expert profile),
+the share of each step's experts the engine finds in a cached MoE layer's device slots.
+
+The engine gives a cached layer C = R + S device slots (R resident experts from the placement, S extra slots:
+`offload/placement.py`). Given an expert profile (`--expert-profile`, the engine's flag) the R hottest experts
+of the profile start resident and are pinned (`offload/placed_weights.py`); without one nothing is pinned. The
+other slots follow the routing:
+- mapped decode steps (misses read in place): the routing tally (`offload/routing_tally.py`) promotes the
+  hottest missing experts; its steady state is taken to be the hottest of the unpinned experts (its
+  hysteresis, which keeps uniform routing from churning, makes this an upper estimate under weak skew);
+- copy-path steps (larger batches, prefill): LRU eviction (the engine's default policy) over the unpinned
+  slots, by Che's approximation: with per-step request probabilities q_e the characteristic time T solves
+  sum_e (1 - (1 - q_e)^T) = free slots, and e is resident with probability 1 - (1 - q_e)^T.
+A step of B tokens needs expert e with probability q_e = 1 - (1 - p_e)^B, p_e the share of tokens routed to e
+(sum_e p_e = top_k; tokens independent). The hit rate is the engine's own figure (`PlacedWeights.stats`):
+needed experts found resident over needed experts. Uniform routing gives C / E on both paths.
+
+Knows nothing about bytes, hardware or speed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ferrylm.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Per MoE layer, the share of tokens routed to each expert; how the engine's slots treat them."""
+
+    shares: dict[int, tuple[float, ...]] | None
+    """layer -> p_e (sums to top_k); None: uniform."""
+    pinned: bool
+    """The engine is given this profile: each layer's R hottest experts are resident and pinned."""
+    source: str
+    """Where the routing came from, in words (printed beside the hit rate)."""
+
+    def of(self, layer: int) -> tuple[float, ...] | None:
+        return None if self.shares is None else self.shares.get(layer)
+
+
+UNIFORM = Routing(None, False, "uniform routing")
+MODEL = "slots following the routing: the tally's hottest experts on the mapped path, LRU (Che) on the copy path"
+"""How `hit_rate` fills the slots, in words (printed beside the figure)."""
+
+
+def routing(spec: str | None, profile: str | None, architecture: str, num_experts: int, top_k: int,
+            moe_layers: list[int]) -> Routing:
+    """The plan's routing: `profile` (the engine's --expert-profile: pinned) or `spec` (`--routing`: uniform,
+    zipf:S, or a recorded profile FILE the engine is not given). Raises `ConfigError` naming what is wrong."""
+    if profile is not None and spec is not None:
+        raise ConfigError("give --expert-profile (the engine pins its hottest experts) or --routing, not both")
+    if num_experts == 0:
+        if profile is not None or spec not in (None, "uniform"):
+            raise ConfigError(f"{'--expert-profile' if profile else '--routing'}: this model has no experts to route")
+        return UNIFORM
+    if profile is not None:
+        return Routing(_profile_shares(profile, "--expert-profile", architecture, num_experts, top_k, moe_layers),
+                       True, f"expert profile {profile} (recorded; its hottest experts pinned, as the engine pins them)")
+    if spec is None or spec == "uniform":
+        return UNIFORM
+    if spec.startswith("zipf:"):
+        try:
+            s = float(spec[5:])
+        except ValueError:
+            s = -1.0
+        if not 0 <= s <= 10 or math.isnan(s):
+            raise ConfigError(f"--routing {spec!r}: zipf:S wants an exponent S between 0 and 10, e.g. zipf:1.2")
+        one = tuple(_scaled([r ** -s for r in range(1, num_experts + 1)], top_k))
+        return Routing({l: one for l in moe_layers}, False, f"stated skew {spec} (--routing; the slots follow it, "
+                                                          "nothing pinned)")
+    if spec.endswith(".json") or "/" in spec:
+        return Routing(_profile_shares(spec, "--routing", architecture, num_experts, top_k, moe_layers), False,
+                       f"routing of profile {spec} (--routing; the engine not given it: nothing pinned)")
+    raise ConfigError(f"--routing {spec!r}: choose uniform, zipf:S (e.g. zipf:1.2) or a profile FILE.json "
+                      "written by `ferry profile`")
+
+
+def _profile_shares(path: str, flag: str, architecture: str, num_experts: int, top_k: int,
+                    moe_layers: list[int]) -> dict[int, tuple[float, ...]]:
+    from ferrylm.offload import expert_profile
+
+    try:
+        counts = expert_profile.parse(path, architecture, num_experts, moe_layers)
+    except ValueError as e:
+        raise ConfigError(f"{flag} {path}: {e}") from None
+    if not any(sum(v) for v in counts.values()):
+        raise ConfigError(f"{flag} {path}: it holds no routed assignments (every count is 0)")
+    # a layer with no counts says nothing about its routing: uniform there
+    return {l: tuple(_scaled(v, top_k)) if sum(v) else tuple([top_k / num_experts] * num_experts)
+            for l, v in counts.items()}
+
+
+def _scaled(weights: list[float], top_k: int) -> list[float]:
+    """Weights -> per-token shares summing to top_k, none above 1 (a token picks an expert at most once): the
+    excess of capped experts is spread over the others in proportion."""
+    p = [float(w) for w in weights]
+    capped: set[int] = set()
+    while True:
+        free = sum(p[e] for e in range(len(p)) if e not in capped)
+        room = top_k - len(capped)
+        p = [1.0 if e in capped else (p[e] * room / free if free else 0.0) for e in range(len(p))]
+        over = {e for e, v in enumerate(p) if v > 1.0 + 1e-12}
+        if not over:
+            return p
+        capped |= over
+
+
+def needed(shares: tuple[float, ...] | None, num_experts: int, top_k: int, tokens: int) -> list[float]:
+    """q_e: the probability a step of `tokens` tokens needs expert e."""
+    p = shares if shares is not None else [top_k / num_experts] * num_experts
+    return [1.0 - (1.0 - min(v, 1.0)) ** tokens for v in p]
+
+
+def distinct(shares: tuple[float, ...] | None, num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts a layer routes a step of `tokens` tokens to."""
+    return sum(needed(shares, num_experts, top_k, tokens)) if num_experts else 0.0
+
+
+def hit_rate(shares: tuple[float, ...] | None, num_experts: int, top_k: int, resident: int, capacity: int,
+             pinned: bool, tokens: int, mapped: bool) -> float:
+    """Expected share of a step's needed experts found in the layer's `capacity` device slots (`resident` of
+    them the placement's experts, pinned from the profile when `pinned`), slots following the routing by the
+    tally (`mapped`) or by LRU (the copy path)."""
+    q = needed(shares, num_experts, top_k, tokens)
+    total = sum(q)
+    if total == 0:
+        return 1.0
+    # hottest first, ties by index (as the engine picks a profile's hottest: key (-count, e))
+    order = sorted(range(num_experts), key=lambda e: (-q[e], e))
+    fixed = order[:resident] if pinned else []
+    rest = order[len(fixed):]
+    free = max(0, min(capacity, num_experts) - len(fixed))
+    hits = sum(q[e] for e in fixed)
+    if mapped:
+        hits += sum(q[e] for e in rest[:free])
+    else:
+        hits += sum(q[e] * h for e, h in zip(rest, _lru_resident([q[e] for e in rest], free)))
+    return min(1.0, hits / total)
+
+
+def _lru_resident(q: list[float], slots: int) -> list[float]:
+    """Che's approximation of LRU with `slots` slots under independent per-step requests q_e: the probability
+    each item is resident when a step starts."""
+    used = [v for v in q if v > 0]
+    if slots <= 0:
+        return [0.0] * len(q)
+    if slots >= len(used):
+        return [1.0 if v > 0 else 0.0 for v in q]
+    always = sum(v >= 1 for v in q)
+    if always >= slots:  # experts every step needs take the slots in turn
+        return [slots / always if v >= 1 else 0.0 for v in q]
+
+    def resident(T: float) -> list[float]:
+        return [1.0 if v >= 1 else -math.expm1(T * math.log1p(-v)) if v > 0 else 0.0 for v in q]
+
+    lo, hi = 0.0, 1.0
+    while sum(resident(hi)) < slots:
+        hi *= 2
+    for _ in range(60):  # bisection on the characteristic time: sum of residency = slots
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(resident(mid)) < slots else (lo, mid)
+    return resident(hi)

@@ -284,8 +284,18 @@ def _args(w, device: torch.device) -> dict:
         we, se = q.stride(0), scale_like.stride(0)
     return dict(w_ptr=pw, ws_ptr=ps, wm_ptr=pm, lut_ptr=_lut(fmt, device), stride_we=we, stride_wn=q.stride(1),
                 stride_se=se, stride_sn=scale_like.stride(1) if scale is not None else 0, MAPPED=table,
-                ALIGN=16 if aligned else 1, FMT=FORMATS[fmt], GS=group, PER_ROW=group >= like.shape[2],
+                ALIGN=16 if aligned else 1, FMT=FORMATS[fmt], GS=group,
+                PER_ROW=group >= like.shape[2] and fmt != "int4min",  # a min cannot wait for the end
                 CPW=_cpw(fmt), W_T=_tl(q.dtype), S_T=_tl(scale_like.dtype))
+
+
+def _split(cfg: DecodeConfig, S: int, K: int, cpw) -> tuple[int, int]:
+    """(splits, columns a split) for S splits asked of K: whole tiles and a multiple of 16 words a split
+    (so word offsets stay 16-byte aligned), and no empty split."""
+    cpw = _cpw(cpw) if isinstance(cpw, str) else cpw
+    unit = math.lcm(cfg.block_k, 16 * cpw)
+    k_split = -(-(-(-K // S)) // unit) * unit  # ceil(K / S) rounded up to the unit
+    return -(-K // k_split), k_split
 
 
 def _gemm(a: torch.Tensor, w, rows, block_expert, used, nblocks: int, A: int, a_div: int, split: int,
@@ -299,12 +309,9 @@ def _gemm(a: torch.Tensor, w, rows, block_expert, used, nblocks: int, A: int, a_
         half, up, N = inter, N // 2, 2 * inter
     elif inter is not None:
         K = inter
-    S = cfg.splits(split, nblocks, N, K)
     args = _args(w, a.device)
     cpw = args["CPW"]
-    unit = math.lcm(cfg.block_k, 16 * cpw)  # whole tiles and a multiple of 16 words
-    k_split = -(-(-(-K // S)) // unit) * unit  # ceil(K / S) rounded up to the unit
-    S = -(-K // k_split)  # no empty split
+    S, k_split = _split(cfg, cfg.splits(split, nblocks, N, K), K, cpw)
     p = torch.empty(S, A, N, dtype=torch.float32, device=a.device)
     grid = (nblocks, triton.cdiv(N, cfg.block_n), S)
     _decode_gemm[grid](a, p_ptr=p, rows_ptr=rows, block_expert_ptr=block_expert, used_ptr=used, N=N, HALF=half, UP=up, A=A,

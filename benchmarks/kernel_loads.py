@@ -26,7 +26,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 # Mixtral's w13 side: int8 per channel, NF4 g64, bf16
 FORMATS = {"bf16": (0, tl.bfloat16, 4096), "int8": (1, tl.int8, 4096), "nf4": (5, tl.uint8, 64)}
 DIVISIBLE = {"a_ptr", "w_ptr", "ws_ptr", "wm_ptr", "lut_ptr", "out_ptr", "p_ptr", "rows_ptr", "block_expert_ptr",
-             "used_ptr", "scale_ptr", "N", "K", "K_W", "split_w", "stride_am", "stride_wn", "stride_we", "stride_se",
+             "used_ptr", "scale_ptr", "N", "HALF", "UP", "K", "K_W", "split_w", "stride_am", "stride_wn", "stride_we", "stride_se",
              "stride_om", "stride_ps"}
 
 
@@ -45,7 +45,7 @@ def plain(fmt: str, align: int) -> dict:
     f, wt, gs = FORMATS[fmt]
     sig = dict(a_ptr="*bf16", w_ptr="*i64", ws_ptr="*i64", wm_ptr="*i64", lut_ptr="*fp32", out_ptr="*bf16",
                rows_ptr="*i64", block_expert_ptr="*i64", used_ptr="*i64", scale_ptr="*fp32", N="i32", K="i32",
-               A="i32", stride_am="i32", stride_we="i32", stride_wn="i32", stride_se="i32", stride_sn="i32",
+               A="i32", UP="i32", stride_am="i32", stride_we="i32", stride_wn="i32", stride_se="i32", stride_sn="i32",
                stride_om="i32")
     ce = dict(TOP_K=2, A_BY_TOKEN=True, GATED=True, SCALE=False, MAPPED=True, FMT=f, GS=gs, PER_ROW=gs == 4096,
               W_T=wt, S_T=tl.float32, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128 if f == 0 else 256, ALIGN=align)
@@ -55,7 +55,7 @@ def plain(fmt: str, align: int) -> dict:
 def decode(fmt: str, cfg: fmd.DecodeConfig) -> dict:
     f, wt, gs = FORMATS[fmt]
     sig = dict(a_ptr="*bf16", w_ptr="*i64", ws_ptr="*i64", wm_ptr="*i64", lut_ptr="*fp32", p_ptr="*fp32",
-               rows_ptr="*i64", block_expert_ptr="*i64", used_ptr="*i64", N="i32", K_W="i32", A="i32", a_div="i32",
+               rows_ptr="*i64", block_expert_ptr="*i64", used_ptr="*i64", N="i32", HALF="i32", UP="i32", K_W="i32", A="i32", a_div="i32",
                split_w="i32", stride_am="i32", stride_we="i32", stride_wn="i32", stride_se="i32", stride_sn="i32",
                stride_ps="i32")
     ce = dict(MAPPED=True, ALIGN=16, FMT=f, GS=gs, PER_ROW=gs == 4096, CPW=fmd._cpw("dense" if f == 0 else fmt),

@@ -10,7 +10,7 @@ this one differs where that costs requests in flight:
   one plain GEMM.
 - packed codes are read as int32 words (4 int8/fp8 codes or 8 nibbles a word) with a 16-byte alignment
   hint on every base address, so each thread issues 16-byte loads even through a table of addresses
-  (without the hint Triton reads a table's pointer a byte at a time); code j of a word is unpacked with
+  (without it Triton reads through a loaded pointer one element a load); code j of a word is unpacked with
   shifts and multiplied with the activations' columns CPW * i + j (the dot runs over K in another order,
   so nothing is interleaved in registers).
 - scales are loaded once per group (or once per row): where a tile lies inside one group the dot runs on

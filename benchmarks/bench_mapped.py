@@ -7,28 +7,52 @@ into device slots and running the resident kernel, `resident` the kernel on devi
 is the routed experts' bytes over the time; the PCIe roofline is the copy engine's rate measured here.
 
     PYTHONPATH=. python benchmarks/bench_mapped.py            # one JSON line at the end
+    PYTHONPATH=. python benchmarks/bench_mapped.py --sweep    # the decode kernel's configurations (< 4 min)
+
+`--sweep` times two routed Mixtral experts (a bank of 2, H 4096, I 14336) at 1 token (and the best
+configurations again at 8) for bf16, int8 per channel and NF4 g64, read in place from mapped host memory
+and from HBM: the plain kernel without and with the alignment hint, and the decode kernel
+(`layers/fused_moe_decode.py`) over its tile configurations (`sweep_configs`) times K splits. Each row
+says ms, GB/s of packed bytes, bf16-equivalent GB/s and the relative error against the plain kernel on
+the same weights; a configuration that fails is printed and skipped. A time budget (`--budget-s`) stops
+the sweep early rather than run long; the last line is the results JSON with the best configuration per
+(format, memory, tokens).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+import traceback
 
 import torch
 
+from ferrylm.layers import fused_moe as fm
+from ferrylm.layers import fused_moe_decode as fmd
 from ferrylm.layers.fused_moe import ExpertWeights, WeightTable, expert_rows
 from ferrylm.offload.host_tier import HostTier
+from results import write_results  # benchmarks/results.py (scripts run as python benchmarks/x.py)
 
 SHAPES = {"mixtral": (8, 4096, 14336, 2), "qwen3-30b": (128, 2048, 768, 8)}  # E, H, I, k
 
 
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"  # cpu: `--sweep --tiny` under TRITON_INTERPRET=1, a smoke run of the script
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
 def timed(fn, reps: int = 10) -> float:
     fn()
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     for _ in range(reps):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t) / reps
 
 
@@ -43,9 +67,28 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--packed-only", action="store_true", help="only the packed banks (int8, nf4)")
+    ap.add_argument("--sweep", action="store_true", help="only the decode kernel's configuration sweep")
+    ap.add_argument("--budget-s", type=float, default=165.0, help="--sweep starts no new case after this")
+    ap.add_argument("--formats", default="int8,nf4,bf16", help="--sweep formats (bf16 is the reference)")
+    ap.add_argument("--tiny", action="store_true", help="--sweep on tiny experts (a smoke run, CPU interpreter too)")
+    ap.add_argument("--sweep-one", default=None, help=argparse.SUPPRESS)  # one format, in a child process
+    ap.add_argument("--rows-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--pcie", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.sweep_one:
+        rows = sweep_one(a.sweep_one, a.pcie, a.budget_s, a.tiny, a.rows_out)
+        with open(a.rows_out, "w") as f:
+            json.dump(rows, f)
+        return
     tier = HostTier(pin=True)
-    pcie = h2d_rate(tier)
+    pcie = h2d_rate(tier) if CUDA else None
+    if a.sweep:
+        tier.close()
+        rows, best = sweep(pcie, a.formats.split(","), a.budget_s, a.tiny)
+        write_results("mapped_sweep", rows, out=a.out, h2d_gb_s=pcie, gpu=torch.cuda.get_device_name() if CUDA else None,
+                      shape_e_h_i_k=(2, 128, 128, 2) if a.tiny else (2, 4096, 14336, 2), best=best)
+        return
     rows = []
     for name, (E, H, I, k) in ({} if a.packed_only else SHAPES).items():
         w13 = tier.empty((E, 2 * I, H), torch.bfloat16)
@@ -88,25 +131,151 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         del d13, d2, w13, w2
     rows += packed(tier, pcie)
-    print(json.dumps({"bench": "mapped_experts", "h2d_gb_s": pcie, "gpu": torch.cuda.get_device_name(),
-                      "rows": rows}))
+    write_results("mapped_experts", rows, out=a.out, h2d_gb_s=pcie, gpu=torch.cuda.get_device_name())
 
 
 def random_packed(tier: HostTier, fmt: str, E: int, N: int, K: int, group: int):
-    """Random codes and scales of a packed bank, in mapped host memory (host) and on the device."""
+    """Random codes and scales of a packed bank (or, bf16, dense weights), in mapped host memory (host) and
+    on the device."""
+    if fmt == "bf16":
+        dev = (torch.randn(E, N, K, device=DEV) * 0.02).to(torch.bfloat16 if CUDA else torch.float32)
+        host = tier.empty(dev.shape, dev.dtype)
+        for e in range(E):
+            host[e].copy_(dev[e])
+        return dev, WeightTable(torch.tensor(WeightTable.addresses(host), device=DEV), host)
     kq = K // 2 if fmt == "nf4" else K
     G = K // group
-    q = torch.randint(-127 if fmt == "int8" else 0, 128 if fmt == "int8" else 256, (E, N, kq), device="cuda",
+    q = torch.randint(-127 if fmt == "int8" else 0, 128 if fmt == "int8" else 256, (E, N, kq), device=DEV,
                       dtype=torch.int8 if fmt == "int8" else torch.uint8)
-    sc = torch.rand(E, N, G, device="cuda") * 1e-3
+    sc = torch.rand(E, N, G, device=DEV) * 1e-3
     dev = ExpertWeights(fmt, (E, N, K), group, q, sc)
     host = {k: tier.empty(v.shape, v.dtype) for k, v in dev.parts.items()}
     for k, v in dev.parts.items():
         for e in range(E):
             host[k][e].copy_(v[e])
     like = ExpertWeights(fmt, (E, N, K), group, host["q"], host["scale"])
-    table = WeightTable({k: torch.tensor(WeightTable.addresses(v), device="cuda") for k, v in host.items()}, like)
+    table = WeightTable({k: torch.tensor(WeightTable.addresses(v), device=DEV) for k, v in host.items()}, like)
     return dev, table
+
+
+SPLITS = [(0, 0), (1, 1), (2, 4), (2, 8), (4, 16), (8, 16)]
+"""(split_k13, split_k2) pairs the sweep times per tile configuration (0: the auto rule); splits are runtime
+arguments, so they compile nothing."""
+
+
+def timed_adaptive(fn, seconds: float = 0.04) -> float:
+    """Mean seconds a call over enough calls to fill `seconds` (at least 3, at most 50), after a warm-up."""
+    one = timed(fn, 1)
+    return timed(fn, max(3, min(50, int(seconds / max(one, 1e-6)))))
+
+
+def sweep(pcie: float | None, formats: list[str], budget_s: float, tiny: bool) -> tuple[list, dict]:
+    """Each format's sweep in its own process (a configuration that breaks the CUDA context costs only the
+    rest of its format), the time budget shared out among the formats left; -> (rows, best per case)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    start = time.perf_counter()
+    rows: list[dict] = []
+    for i, fmt in enumerate(formats):
+        share = (budget_s - (time.perf_counter() - start)) / (len(formats) - i)
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "rows.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--sweep-one", fmt, "--budget-s", str(max(share, 1.0)),
+                   "--rows-out", out, *(["--pcie", str(pcie)] if pcie else []), *(["--tiny"] if tiny else [])]
+            try:
+                rc = subprocess.run(cmd, timeout=max(share, 1.0) + 90).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            got = json.load(open(out)) if os.path.exists(out) else []
+        if rc != 0 or not got:
+            print(f"sweep of {fmt} ended with {rc} after {len(got)} rows", flush=True)
+            got.append({"format": fmt, "error": f"the sweep process ended with {rc}"})
+        rows += got
+    best: dict = {}
+    for r in rows:
+        if not r.get("ok"):
+            continue
+        key = f"{r['format']}/{r['memory']}/T{r['tokens']}"
+        if key not in best or r["ms"] < best[key]["ms"]:
+            best[key] = {k: r[k] for k in ("kernel", "config", "ms", "packed_gb_s", "bf16_equivalent_gb_s")}
+    for key, b in best.items():
+        base = {r["kernel"]: r["ms"] for r in rows if r.get("ms") and f"{r['format']}/{r['memory']}/T{r['tokens']}" == key
+                and r["kernel"] in ("plain", "plain-unhinted")}
+        b["plain_ms"], b["plain_unhinted_ms"] = base.get("plain"), base.get("plain-unhinted")
+        print(f"best {key}: {b['kernel']} {b['ms']:.3f} ms ({b['packed_gb_s']:.1f} GB/s packed, "
+              f"{b['bf16_equivalent_gb_s']:.1f} bf16-equivalent); plain {b['plain_ms']} ms, "
+              f"unhinted {b['plain_unhinted_ms']} ms; {b['config']}", flush=True)
+    print(f"sweep took {time.perf_counter() - start:.0f} s", flush=True)
+    return rows, best
+
+
+def sweep_one(fmt: str, pcie: float | None, budget_s: float, tiny: bool, rows_out: str) -> list[dict]:
+    """One format: two routed experts (a bank of 2, Mixtral's shape unless `tiny`) at 1 token over every
+    tile configuration x `SPLITS`, then at 8 tokens the three fastest mapped ones and the default; mapped
+    host memory first, then HBM; the plain kernel (unhinted, hinted) as the baseline in the same run. The
+    rows so far are saved to `rows_out` after each case (a crash of the process loses none)."""
+    start = time.perf_counter()
+    E, H, I, k = (2, 128, 128, 2) if tiny else (2, 4096, 14336, 2)
+    tier = HostTier(pin=True)
+    rows: list[dict] = []
+    group = 64 if fmt == "nf4" else None
+    d13, t13 = random_packed(tier, fmt, E, 2 * I, H, group or H)
+    d2, t2 = random_packed(tier, fmt, E, H, I, group or I)
+    nbytes = sum(b.numel() * b.element_size() if isinstance(b, torch.Tensor) else b.nbytes for b in (d13, d2))
+    bf16_bytes = E * 3 * H * I * 2
+    skipped = 0
+    for T in (1, 8):
+        x = torch.randn(T, H, device=DEV).to(torch.bfloat16 if CUDA else torch.float32)
+        ids = torch.arange(k, device=DEV).repeat(T, 1)  # every token routes to both experts
+        w = torch.rand(T, k, device=DEV)
+        want = expert_rows(x, d13, d2, ids, w, decode=False).float()
+        cases = [("plain-unhinted", False), ("plain", False)]
+        if T == 1:
+            cases += [("decode", dataclasses.replace(c, split_k13=s13, split_k2=s2))
+                      for c in fmd.sweep_configs("dense" if fmt == "bf16" else fmt) for s13, s2 in SPLITS]
+        else:  # the three fastest mapped configurations at one token, and the default
+            ranked = sorted((r for r in rows if r["tokens"] == 1 and r["memory"] == "mapped" and r["kernel"] == "decode"
+                             and r.get("ok")), key=lambda r: r["ms"])
+            picks = [fmd.DecodeConfig(**r["config"]) for r in ranked[:3]] + [fmd.DecodeConfig()]
+            cases += [("decode", c) for c in dict.fromkeys(picks)]
+        for memory, (b13, b2) in (("mapped", (t13, t2)), ("hbm", (d13, d2))):
+            for kernel, cfg in cases:
+                if memory == "hbm" and kernel == "plain-unhinted":  # the hint is for tables only
+                    continue
+                # at 8 tokens the deadline still lets the baselines and the default run
+                if time.perf_counter() - start > budget_s and (T == 1 or kernel == "decode" and cfg != fmd.DecodeConfig()):
+                    skipped += 1
+                    continue
+                row = {"format": fmt, "memory": memory, "tokens": T, "kernel": kernel,
+                       "config": dataclasses.asdict(cfg) if cfg else None, "mb_read": nbytes / 1e6}
+                fm.ALIGN_HINTS = kernel != "plain-unhinted"
+                try:
+                    got = expert_rows(x, b13, b2, ids, w, decode=cfg)
+                    err = ((got.float() - want).norm() / want.norm()).item()
+                    t = timed_adaptive(lambda: expert_rows(x, b13, b2, ids, w, decode=cfg))
+                    row.update(ms=t * 1e3, packed_gb_s=nbytes / t / 1e9, bf16_equivalent_gb_s=bf16_bytes / t / 1e9,
+                               rel_err_vs_plain=err, ok=err < 3e-2,
+                               pcie_roofline_ms=nbytes / pcie / 1e6 if memory == "mapped" and pcie else None)
+                except Exception as e:  # a configuration that fails is reported, not fatal
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    traceback.print_exc()
+                    if "CUDA" in str(e) and "error" in str(e).lower():  # the context is gone: nothing else can run
+                        rows.append(row)
+                        return rows
+                finally:
+                    fm.ALIGN_HINTS = True
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                with open(rows_out, "w") as f:
+                    json.dump(rows, f)
+    if skipped:
+        print(f"{fmt}: {skipped} cases skipped for the time budget", flush=True)
+        rows.append({"format": fmt, "skipped_for_time": skipped})
+    tier.close()
+    return rows
 
 
 def packed(tier: HostTier, pcie: float) -> list:

@@ -56,9 +56,9 @@ def test_packed_experts_equal_dequantized(fmt):
         x = torch.randn(T, H, device=DEV).to(DT)
         ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(T)])
         w = torch.rand(T, k, device=DEV)
-        want = expert_rows(x, d13, d2, ids, w)
-        got = expert_rows(x, b13, b2, ids, w)
-        assert torch.equal(expert_rows(x, table(b13), table(b2), ids, w), got)
+        want = expert_rows(x, d13, d2, ids, w, decode=False)  # the plain kernel (decode: test_fused_moe_decode.py)
+        got = expert_rows(x, b13, b2, ids, w, decode=False)
+        assert torch.equal(expert_rows(x, table(b13), table(b2), ids, w, decode=False), got)
         worst = (got.float() - want.float()).abs().max().item()
         ref_bank = Experts(E, H, I)
         ref_bank.w13.data, ref_bank.w2.data = d13.double(), d2.double()
@@ -70,10 +70,11 @@ def test_packed_experts_equal_dequantized(fmt):
         assert rel < (2e-2 if DT == torch.bfloat16 else 1e-5)
 
 
-def test_columns_of_the_intermediate_add_up():
+@pytest.mark.parametrize("decode", [None, False], ids=["decode-kernel", "plain-kernel"])
+def test_columns_of_the_intermediate_add_up(decode):
     """`expert_rows(..., inter=c)` computes each expert on its first c intermediate columns (hybrid decode's
     GPU share; the host computes the rest): the two ranges add up to the whole expert, directly and through
-    a table of per-expert addresses."""
+    a table of per-expert addresses; on the decode kernel (T <= 16) and the plain one."""
     torch.manual_seed(2)
     E, H, I, k = 4, 128, 256, 2
     w13, w2 = (torch.randn(E, 2 * I, H) * 0.05).to(DEV, DT), (torch.randn(E, H, I) * 0.05).to(DEV, DT)
@@ -84,13 +85,13 @@ def test_columns_of_the_intermediate_add_up():
         ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(T)])
         w = torch.rand(T, k, device=DEV)
         c = 128
-        first = expert_rows(x, t13, t2, ids, w, inter=c)
+        first = expert_rows(x, t13, t2, ids, w, inter=c, decode=decode)
         rest = torch.zeros_like(first)
         for a, e in enumerate(ids.flatten().tolist()):  # the host's columns, in plain torch
             xa = x[a // k].float()
             g, u = w13[e][c:I].float() @ xa, w13[e][I + c:].float() @ xa
             rest[a] = (w.flatten()[a] * (w2[e][:, c:].float() @ (torch.nn.functional.silu(g) * u))).to(DT)
-        whole = expert_rows(x, w13, w2, ids, w)
+        whole = expert_rows(x, w13, w2, ids, w, decode=decode)
         worst = (first.float() + rest.float() - whole.float()).abs().max().item()
         print(f"columns [0, {c}) + [{c}, {I}) vs whole, T={T}: max |diff| {worst:.2e}")
         assert worst <= (2e-2 if DT == torch.bfloat16 else 1e-5) * whole.float().abs().max().item()

@@ -101,7 +101,7 @@ if triton is not None:
                       TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr,
                       SCALE: tl.constexpr, MAPPED: tl.constexpr, FMT: tl.constexpr, GS: tl.constexpr,
                       PER_ROW: tl.constexpr, W_T: tl.constexpr, S_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, ALIGN: tl.constexpr = 1):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(used_ptr):
@@ -115,9 +115,10 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
         if MAPPED:  # each part's pointer is a table of per-expert addresses: a device slot or mapped host rows
-            w_base = tl.load(w_ptr + e).to(tl.pointer_type(W_T))
-            s_base = tl.load(ws_ptr + e).to(tl.pointer_type(S_T))
-            m_base = tl.load(wm_ptr + e).to(tl.pointer_type(S_T))
+            # (ALIGN: without the hint Triton cannot vectorise loads through a loaded pointer, one element each)
+            w_base = tl.multiple_of(tl.load(w_ptr + e).to(tl.pointer_type(W_T)), ALIGN)
+            s_base = tl.multiple_of(tl.load(ws_ptr + e).to(tl.pointer_type(S_T)), ALIGN)
+            m_base = tl.multiple_of(tl.load(wm_ptr + e).to(tl.pointer_type(S_T)), ALIGN)
         else:
             w_base = w_ptr + e * stride_we
             s_base = ws_ptr + e * stride_se
@@ -296,12 +297,23 @@ class WeightTable:
 
 
 _TL = {}
+ALIGN_HINTS = True
+"""Tell the kernels a table's per-expert addresses are 16-byte aligned where the bank's layout says so
+(benchmarks/bench_mapped.py turns it off to time the unhinted baseline in the same run)."""
+
+
+def _is_aligned(t: torch.Tensor) -> bool:
+    """Every expert's rows of bank part `t` start on 16 bytes (its base and its expert stride): a table's
+    addresses (device slots, host-tier pages) are laid out like the bank it describes."""
+    return ALIGN_HINTS and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+
+
 _LUT: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
 def _tl(dtype: torch.dtype):
     if not _TL:
-        _TL.update({torch.int8: tl.int8, torch.uint8: tl.uint8, torch.bfloat16: tl.bfloat16,
+        _TL.update({torch.int8: tl.int8, torch.uint8: tl.uint8, torch.int32: tl.int32, torch.bfloat16: tl.bfloat16,
                     torch.float16: tl.float16, torch.float32: tl.float32})
     return _TL[dtype]
 
@@ -331,19 +343,34 @@ def _weight_args(w, device: torch.device) -> dict:
     else:
         pw, ps, pm = q, scale_like, mn if mn is not None else scale_like
         we, se = q.stride(0), scale_like.stride(0)
+    aligned = all(_is_aligned(t) for t in (q, scale_like, mn) if t is not None)
     return dict(w_ptr=pw, ws_ptr=ps, wm_ptr=pm, lut_ptr=_lut(fmt, device), stride_we=we, stride_wn=q.stride(1),
                 stride_se=se, stride_sn=scale_like.stride(1) if scale is not None else 0, MAPPED=table,
-                FMT=FORMATS[fmt], GS=group, W_T=_tl(q.dtype), S_T=_tl(scale_like.dtype))
+                FMT=FORMATS[fmt], GS=group, W_T=_tl(q.dtype), S_T=_tl(scale_like.dtype),
+                ALIGN=16 if table and aligned else 1)
 
 
 def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor, skip: bool = False, inter: int | None = None) -> torch.Tensor:
+                topk_weights: torch.Tensor, skip: bool = False, inter: int | None = None,
+                decode=None) -> torch.Tensor:
     """The weighted expert output of every assignment: [A, H] in x's dtype, row t * k + j for token t's
     j-th expert. `w13`/`w2` are device banks or `WeightTable`s (the same bits either way: only the address
     arithmetic differs). With `skip`, ids equal to E (w13.shape[0]) are skipped and their rows are 0: the
     offload cache computes the experts present on the device in rounds and adds the rows (exactly: each
     row is non-zero in one round only). With `inter`, only the first `inter` columns of each expert's
-    intermediate are computed (dense banks): hybrid decode's host computes the others and the rows add up."""
+    intermediate are computed (dense banks): hybrid decode's host computes the others and the rows add up.
+    `decode`: None takes the decode kernel where `fused_moe_decode.decode_config` says (T <= 16 tokens),
+    False the plain kernel (the reference), a `DecodeConfig` the decode kernel with those tiles."""
+    from ferrylm.layers import fused_moe_decode as fmd
+
+    if decode is not False:
+        cfg = fmd.decode_config(topk_ids.shape[0], w13, w2, decode if isinstance(decode, fmd.DecodeConfig) else None,
+                                inter)
+        if cfg is None and isinstance(decode, fmd.DecodeConfig):
+            raise ValueError(f"the decode kernel cannot run {decode}: "
+                             f"{fmd.readable(w13, decode) or fmd.readable(w2, decode) or 'too many tokens'}")
+        if cfg is not None:
+            return fmd.decode_rows(x, w13, w2, topk_ids, topk_weights, skip, cfg, inter)
     T, k = topk_ids.shape
     E, two_i, H = w13.shape
     up = two_i // 2

@@ -746,7 +746,7 @@ def _host_table(tier, bank):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "nf4", "int4", "fp8", "bf16"])
-def test_decode_kernel_at_mixtral_shapes(scheme):
+def test_decode_kernel_at_mixtral_shapes(scheme, monkeypatch):
     """The decode kernel (layers/fused_moe_decode.py) at Mixtral-8x7B expert shapes, 4 experts: close to the
     fp64 dequantize-then-matmul reference and to the plain kernel for 1, 2, 8 and 16 tokens; read in place from
     mapped host memory equal to resident bit for bit; replayed in a CUDA graph equal to eager; every swept
@@ -755,6 +755,7 @@ def test_decode_kernel_at_mixtral_shapes(scheme):
     from ferrylm.layers.fused_moe import expert_rows
     from ferrylm.offload.host_tier import HostTier
 
+    monkeypatch.setattr(fmd, "DECODE_MAX_TOKENS", 16)  # the rule on, whatever the shipped default
     torch.manual_seed(5)
     E, H, I, k = 4, 4096, 14336, 2
     b13, b2 = _mixtral_bank(scheme, E, H, I)

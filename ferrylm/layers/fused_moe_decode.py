@@ -106,9 +106,10 @@ def decode_config(T: int, w13, w2, cfg: DecodeConfig | None = None, inter: int |
     takes the decode kernel (with `cfg`, default `DecodeConfig()`); larger batches, and prefill, the plain
     kernel (its row blocks reuse each weight tile across up to 64 rows and cuBLAS-like tiling pays), and so
     do packed banks cut at `inter` (hybrid decode splits dense banks only)."""
-    cfg = cfg or DecodeConfig()
+    explicit, cfg = cfg is not None, cfg or DecodeConfig()  # a config asked for by name skips the token bound
     like = w13.like if isinstance(w13, WeightTable) else w13
-    if triton is None or T > DECODE_MAX_TOKENS or inter is not None and not isinstance(like, torch.Tensor):
+    if (triton is None or not explicit and T > DECODE_MAX_TOKENS
+            or inter is not None and not isinstance(like, torch.Tensor)):
         return None
     return cfg if readable(w13, cfg) is None and readable(w2, cfg) is None else None
 

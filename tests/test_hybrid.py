@@ -283,7 +283,7 @@ def test_host_decode_worker_serves_hand_offs_and_ends_with_its_engine(monkeypatc
     x, ids, w = torch.randn(2, H, generator=g), torch.tensor([[0, -1], [2, 3]]), torch.rand(2, k, generator=g)
 
     def hand_off(layer):
-        hd.meta.copy_(torch.tensor([layer, 2, 0]))
+        hd.meta.copy_(torch.tensor([layer, 2, 2, 0]))  # layer, tokens, live tokens, first host column
         hd.x[:2].copy_(x)
         hd.ids[:2].copy_(ids)
         hd.w[:2].copy_(w)
@@ -354,3 +354,129 @@ def test_host_rows_on_a_column_range_add_up_to_the_expert():
             dev[a] = w.flatten()[a] * (w2[e][:, :c] @ (F.silu(w13[e][:c] @ xa) * (w13[e][I:I + c] @ xa)))
     torch.testing.assert_close(host + dev, whole, rtol=1e-5, atol=1e-4)
     assert not host[3].any() and (host[0] - whole[0]).abs().max() > 1e-3  # the -1 row is 0; the split is real
+
+
+def _host_bank(E=4, H=32, I=48, seed=5):
+    import torch.nn.functional as F
+
+    from ferrylm.offload.host_experts import HostExperts
+
+    g = torch.Generator().manual_seed(seed)
+    return HostExperts(torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g), F.silu), g
+
+
+def test_host_decode_worker_computes_the_live_rows_only(monkeypatch):
+    """A graph step of 5 sequences padded to the bucket 8: the live count rides in the hand-off's meta (the
+    device copy `meta_of` builds), the host kernels receive the live rows' assignments only, the live rows
+    equal `HostExperts.rows` of those rows and the padded ones are 0 (stale rows of an earlier hand-off
+    included); with no count every row is computed."""
+    from ferrylm.layers.cpu_experts import HostExpert
+    from ferrylm.offload.host_decode import HostDecode
+    from ferrylm.offload.placed_weights import OffloadStats
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no CUDA here: plain host buffers
+    assert HostDecode.meta_of(3, 8, torch.tensor([5]), "cpu", cols=128).tolist() == [3, 8, 5, 128]
+    assert HostDecode.meta_of(3, 8, None, "cpu").tolist() == [3, 8, 8, 0]
+    E, H, k, T, n = 4, 32, 2, 8, 5
+    host, g = _host_bank(E, H)
+    received = []
+    call = HostExpert.__call__
+    monkeypatch.setattr(HostExpert, "__call__", lambda self, x: received.append(x.shape[0]) or call(self, x))
+    hd = HostDecode({0: host}, max_tokens=T, k=k, hidden=H, dtype=torch.float32, stats=OffloadStats())
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    ids[1, 0] = ids[3, 1] = -1  # the GPU's
+    for live, rows in ((torch.tensor([n]), n), (None, T)):
+        received.clear()
+        hd.out.fill_(float("nan"))
+        hd.meta.copy_(HostDecode.meta_of(0, T, live, "cpu"))
+        hd.x.copy_(x)
+        hd.ids.copy_(ids)
+        hd.w.copy_(w)
+        hd.hand.start.post()
+        hd.hand.finish.wait()
+        hd.check()
+        assert sum(received) == int((ids[:rows] >= 0).sum())  # live assignments only (8 of 14 with live 5)
+        expect = torch.empty(rows * k, H)
+        host.rows(x[:rows], ids[:rows], w[:rows], expect)
+        assert torch.equal(hd.out[:rows * k], expect)
+        assert torch.equal(hd.out[rows * k:T * k], torch.zeros((T - rows) * k, H))
+    hd.close()
+
+
+def test_host_expert_builds_lock_per_expert(monkeypatch):
+    """A slow kernel build of one expert (a background `prepare`) does not stall a thread that needs
+    another; two threads asking for one expert build it once."""
+    import threading
+
+    from ferrylm.offload import host_experts
+
+    host, _ = _host_bank()
+    gate, builds = threading.Event(), []
+    side_kernel = host_experts.side_kernel
+
+    def slow(side, e):
+        builds.append(e)
+        if e == 0:
+            assert gate.wait(timeout=30)
+        return side_kernel(side, e)
+
+    monkeypatch.setattr(host_experts, "side_kernel", slow)
+    slow0 = [threading.Thread(target=host.expert, args=(0,)) for _ in range(2)]
+    for t in slow0:
+        t.start()
+    other = threading.Thread(target=host.expert, args=(1,))
+    other.start()
+    other.join(timeout=10)
+    try:
+        assert not other.is_alive(), "expert 1's build waited for expert 0's"
+        assert host._experts[1] is not None and host._experts[0] is None
+    finally:
+        gate.set()
+    for t in slow0:
+        t.join(timeout=10)
+    assert host._experts[0] is not None and builds.count(0) == 2 and builds.count(1) == 2  # w13 + w2 once
+
+
+def test_offload_stats_count_from_two_threads(monkeypatch):
+    """The decode worker and the engine thread add to the same counters: none is lost, even when a thread
+    is switched out between reading a counter and writing it back (forced here: every read sleeps)."""
+    import threading
+    import time
+
+    from ferrylm.offload.host_decode import HostDecode
+    from ferrylm.offload.placed_weights import OffloadStats
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    read = object.__getattribute__
+
+    def slow_read(self, name):
+        v = read(self, name)
+        if name in ("cpu_experts", "cpu_busy_s"):
+            time.sleep(1e-4)
+        return v
+
+    stats = OffloadStats()
+    host, g = _host_bank()
+    hd = HostDecode({0: host}, max_tokens=1, k=2, hidden=32, dtype=torch.float32, stats=stats)
+    hd.x.copy_(torch.randn(1, 32, generator=g))
+    hd.ids.copy_(torch.tensor([[0, 2]]))
+    hd.w.fill_(0.5)
+    hd.meta.copy_(HostDecode.meta_of(0, 1, None, "cpu"))
+    N = 150
+    monkeypatch.setattr(OffloadStats, "__getattribute__", slow_read)
+
+    def engine_thread():
+        for _ in range(N):
+            stats.add(cpu_experts=1, cpu_busy_s=1.0)
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    for _ in range(N):  # the worker: two experts and its busy time per hand-off
+        hd.hand.start.post()
+        hd.hand.finish.wait()
+    t.join()
+    monkeypatch.undo()
+    hd.check()
+    assert stats.cpu_experts == 3 * N and N <= stats.cpu_busy_s < N + 60
+    hd.close()

@@ -550,6 +550,7 @@ class ModelRunner:
         g.slots[:Bb].copy_(d_slots)
         g.lens[:Bb].copy_(d_pos + 1)  # context length after the step; padded rows: 1
         g.tables[:Bb, :nbb].copy_(d_tables.view(Bb, nbb))  # [Bb, nbb]
+        g.live.fill_(B)  # real rows: the host expert worker computes only these
         if dst:
             g.ids[d_dst] = prev.token_ids[d_src]
         if not g.embed_in_graph:  # the table lives on the host: look up host ids when they are all known

@@ -288,6 +288,7 @@ class CachedExperts(ExpertBackend):
         self.landing = still
 
     def _forward_mapped(self, x, topk_ids, topk_weights):
+        from ferrylm.layers.context import live_rows
         from ferrylm.layers.fused_moe import expert_rows, sum_rows
 
         flat = topk_ids.flatten()
@@ -296,10 +297,11 @@ class CachedExperts(ExpertBackend):
         if self.host_decode is None:
             return sum_rows(expert_rows(x, self.t13, self.t2, topk_ids, topk_weights), k)
         hd, E = self.host_decode, self.in_slot.numel()
+        live = live_rows()  # a padded graph step: the host computes the real rows only
         if self.split_cols is not None and not hd.copies:  # every miss split: the GPU's columns, then the host's
             c = self.split_cols
             miss = ~self.in_slot[topk_ids]  # [T, k]
-            hd.send(self.layer, x, torch.where(miss, topk_ids, -1), topk_weights, cols=c)
+            hd.send(self.layer, x, torch.where(miss, topk_ids, -1), topk_weights, cols=c, live=live)
             try:
                 rows = expert_rows(x, self.t13, self.t2, torch.where(miss, E, topk_ids), topk_weights, skip=True)
                 if c:
@@ -312,14 +314,15 @@ class CachedExperts(ExpertBackend):
         # every post is paired with its wait, whatever raises between them: an unpaired post would leave the
         # worker's `done` one ahead and every later layer would read the previous layer's rows
         if not hd.copies:
-            hd.send(self.layer, x, torch.where(on, topk_ids, -1), topk_weights)
+            hd.send(self.layer, x, torch.where(on, topk_ids, -1), topk_weights, live=live)
             try:
                 rows = expert_rows(x, self.t13, self.t2, torch.where(on, E, topk_ids), topk_weights, skip=True)
             finally:
                 host = hd.receive(T * k, x.device)
             return sum_rows(rows + host, k)
         away = ~self.in_slot[topk_ids]  # [T, k]: the host's, or copied into scratch by its worker
-        hd.send(self.layer, x, torch.where(on, topk_ids, -1), topk_weights, torch.where(away & ~on, topk_ids, -1))
+        hd.send(self.layer, x, torch.where(on, topk_ids, -1), topk_weights, torch.where(away & ~on, topk_ids, -1),
+                live=live)
         try:
             rows = expert_rows(x, self.t13, self.t2, torch.where(away, E, topk_ids), topk_weights, skip=True)
         finally:
@@ -364,7 +367,7 @@ class CachedExperts(ExpertBackend):
         pending = deque(misses)
         self.stats.expert_hits += len(hits)
         self.stats.expert_misses += len(pending) + len(on_cpu)
-        self.stats.cpu_experts += len(on_cpu)
+        self.stats.add(cpu_experts=len(on_cpu))  # the host workers count too
         if misses or on_cpu:
             self.stats.cpu_share = len(on_cpu) / (len(misses) + len(on_cpu))
         self.policy.touch(needed)
@@ -382,7 +385,7 @@ class CachedExperts(ExpertBackend):
             t = time.perf_counter()
             with torch.inference_mode():
                 out = fn()
-            self.stats.cpu_busy_s += time.perf_counter() - t
+            self.stats.add(cpu_busy_s=time.perf_counter() - t)  # on the pool's thread
             return out
 
         if self.cpu_pool is None:  # the CPU engine: the "device" is these cores too, nothing to overlap
@@ -400,7 +403,7 @@ class CachedExperts(ExpertBackend):
             return None
         t = time.perf_counter()
         done = future.result()
-        self.stats.cpu_wait_s += time.perf_counter() - t
+        self.stats.add(cpu_wait_s=time.perf_counter() - t)
         return done
 
     def _forward_fused(self, bank, x, topk_ids, topk_weights):

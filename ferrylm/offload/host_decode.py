@@ -3,7 +3,9 @@ in place over PCIe, one worker thread computes the layer's other missed experts,
 the host's cores where their weights lie. Both sides read host memory at once, so the layer waits for
 the slower of the two instead of the sum.
 
-Per layer the stream copies the layer id, the token count, the hidden rows, the CPU's assignments (ids,
+Per layer the stream copies the layer id, the token count, the live row count (a CUDA graph's step is
+padded to its batch bucket: `ForwardContext.live_rows`, a device tensor written before each replay, so the
+worker computes the real rows only and zeroes the padded ones), the hidden rows, the CPU's assignments (ids,
 -1 where the GPU computes) and the routing weights into pinned buffers, then hands off to the worker
 (`offload/host_node.py`: a host node, captured into graphs), runs its own kernel, and waits; the worker
 writes its weighted rows (`offload/host_experts.HostExperts.rows`, zero where the GPU computes) and
@@ -69,12 +71,12 @@ class HostDecode:
             self.remap = torch.full((E,), S, dtype=torch.long, device=device)  # expert -> scratch slot | S (skip)
             self.copy_stream = torch.cuda.Stream(device)
         self.hand = HostHandoff()
-        self.meta = torch.zeros(3, dtype=torch.long).pin_memory()  # layer, tokens, first host column
+        self.meta = torch.zeros(4, dtype=torch.long).pin_memory()  # layer, tokens, live tokens, first host column
         self.x = torch.empty(max_tokens, hidden, dtype=dtype).pin_memory()
         self.ids = torch.empty(max_tokens, k, dtype=torch.long).pin_memory()
         self.w = torch.empty(max_tokens, k, dtype=torch.float32).pin_memory()
         self.out = torch.empty(max_tokens * k, hidden, dtype=dtype).pin_memory()
-        self.max_tokens = max_tokens
+        self.max_tokens, self.k = max_tokens, k
         self.error: BaseException | None = None
         # the thread holds only a weak reference between hand-offs: a dropped engine frees its host bank,
         # and the finalizer wakes the thread to end
@@ -83,18 +85,28 @@ class HostDecode:
         self._finalizer = weakref.finalize(self, _stop, self.hand)
         self.thread.start()
 
+    @staticmethod
+    def meta_of(layer: int, T: int, live: torch.Tensor | None, device, cols: int = 0) -> torch.Tensor:
+        """[4] long on `device`: layer, T, live rows (`live` [1], read when the stream runs; None: T), the
+        first host column. Fill kernels and a device copy: graph-capturable, so a replay hands over the
+        replayed step's count."""
+        meta = torch.full((4,), T, dtype=torch.long, device=device)
+        meta[:1].fill_(layer)
+        meta[3:].fill_(cols)
+        if live is not None:
+            meta[2:3].copy_(live)
+        return meta
+
     def send(self, layer: int, x: torch.Tensor, cpu_ids: torch.Tensor, weights: torch.Tensor,
-             copy_ids: torch.Tensor | None = None, cols: int = 0) -> None:
+             copy_ids: torch.Tensor | None = None, cols: int = 0, live: torch.Tensor | None = None) -> None:
         """Enqueue the layer's hand-off: x [T, H], cpu_ids [T, k] (-1: the GPU's), weights [T, k]; with
         `copies`, copy_ids [T, k]: the experts the worker copies into scratch (-1: none); `cols` > 0: the
-        host computes only the intermediate columns [cols, I) of its experts (`HostExperts.rows`)."""
+        host computes only the intermediate columns [cols, I) of its experts (`HostExperts.rows`); `live` [1]
+        long: the real rows of a padded step (the first ones; None: all T)."""
         T = x.shape[0]
         if T > self.max_tokens:
             raise ValueError(f"host decode buffers hold {self.max_tokens} tokens, step has {T}")
-        meta = torch.full((3,), T, dtype=torch.long, device=x.device)  # fill kernels: graph-capturable
-        meta[:1].fill_(layer)
-        meta[2:].fill_(cols)
-        self.meta.copy_(meta, non_blocking=True)
+        self.meta.copy_(self.meta_of(layer, T, live, x.device, cols), non_blocking=True)
         self.x[:T].copy_(x, non_blocking=True)
         self.ids[:T].copy_(cpu_ids, non_blocking=True)
         self.w[:T].copy_(weights.float(), non_blocking=True)
@@ -127,10 +139,12 @@ class HostDecode:
         """One hand-off: the layer's host rows (and, with `copies`, its scratch copies)."""
         t = time.perf_counter()
         try:
-            layer, T, cols = self.meta.tolist()
+            layer, T, n, cols = self.meta.tolist()
+            n = max(0, min(n, T))  # padded rows [n, T) get zeros: the device drops them
             if self.copies:  # first: the copy engine runs while the cores compute
-                self._copy_in(layer, T)
-            self.stats.cpu_experts += self.experts[layer].rows(self.x[:T], self.ids[:T], self.w[:T], self.out, cols)
+                self._copy_in(layer, n)
+            self.out[n * self.k:T * self.k].zero_()
+            self.stats.add(cpu_experts=self.experts[layer].rows(self.x[:n], self.ids[:n], self.w[:n], self.out, cols))
             if self.copies:
                 self.copy_stream.synchronize()
         except BaseException as e:  # the stream must still be released; the step fails in check()
@@ -144,7 +158,7 @@ class HostDecode:
                 except BaseException:  # the device is failing; the step fails in check() all the same
                     pass
         finally:
-            self.stats.cpu_busy_s += time.perf_counter() - t
+            self.stats.add(cpu_busy_s=time.perf_counter() - t)
 
     def check(self) -> None:
         if self.error is not None:

@@ -15,7 +15,7 @@ them ahead), over views of the bank's own bytes:
 `ids` (the caller marks the assignments it keeps with -1) into `out`'s rows, in the layout of
 `layers/fused_moe.expert_rows` (row t * k + j for token t's j-th expert) with every other row 0, so the
 device adds them to its own rows exactly. Its Python work grows with the assignments and the experts used,
-never with E. Safe to call from one worker thread while another thread reads `expert`.
+never with E. Thread-safe: each expert's kernels are built once, under that expert's own lock.
 It knows nothing about caches, streams or which thread runs it. Shapes: T tokens, k experts a token,
 H hidden, I the expert's intermediate size, E experts.
 """
@@ -110,12 +110,14 @@ class HostExperts:
         self.expert_bytes = expert_bytes(w13, w2)
         """Bytes of one expert as the bank holds it."""
         self._experts: list[HostExpert | None] = [None] * self.num_experts
-        self._lock = threading.Lock()
+        # one lock per expert: a build happens once even if two threads ask for it, and a slow build (int4's
+        # re-layout, a background `prepare`) never stalls a thread that wants another expert
+        self._locks = [threading.Lock() for _ in range(self.num_experts)]
 
     def expert(self, e: int) -> HostExpert:
-        h = self._experts[e]
+        h = self._experts[e]  # published whole (one list store) once built: readers need no lock
         if h is None:
-            with self._lock:  # a kernel build (int4's re-layout) happens once even if two threads ask
+            with self._locks[e]:
                 h = self._experts[e]
                 if h is None:
                     h = self._experts[e] = HostExpert(side_kernel(self.w13, e), side_kernel(self.w2, e), self.act,

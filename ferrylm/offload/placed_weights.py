@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class OffloadStats:
+    """What the offload engine moved and computed. The host expert workers count beside the engine thread:
+    counters more than one thread writes (`cpu_experts`, `cpu_busy_s`, `cpu_wait_s`) change through `add`
+    only, under one lock (a bare `+=` from two threads can lose updates)."""
+
     h2d_bytes: int = 0
     """Bytes copied host -> device for weights (streamed layers and expert misses)."""
     expert_hits: int = 0
@@ -54,11 +59,21 @@ class OffloadStats:
     step_s: float = 0.0
     """Seconds the steps took, wall clock (the denominator of the CPU busy share)."""
 
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()  # not a field: `asdict` and `reset` never see it
+
+    def add(self, **counts) -> None:
+        """counter += value for each `counter=value`, atomically: safe from any thread."""
+        with self._lock:
+            for name, v in counts.items():
+                setattr(self, name, getattr(self, name) + v)
+
     def reset(self) -> None:
         """Counters to 0 (the gauge `cpu_share` keeps its value)."""
-        for f in dataclasses.fields(self):
-            if f.name != "cpu_share":
-                setattr(self, f.name, type(getattr(self, f.name))())
+        with self._lock:
+            for f in dataclasses.fields(self):
+                if f.name != "cpu_share":
+                    setattr(self, f.name, type(getattr(self, f.name))())
 
     @property
     def hit_rate(self) -> float | None:

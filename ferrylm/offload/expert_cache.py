@@ -266,6 +266,7 @@ class CachedExperts(ExpertBackend):
         with torch.cuda.stream(self.stream):
             _copy(self.w13, s, self.host_w13, e, non_blocking=True)
             _copy(self.w2, s, self.host_w2, e, non_blocking=True)
+            self._arrived(s, e)
             self.ready[s].record(self.stream)
         self.landing.append((e, s))
         self.stats.h2d_bytes += self.expert_bytes
@@ -344,6 +345,14 @@ class CachedExperts(ExpertBackend):
 
             self._host_experts = HostExperts(self.host_w13, self.host_w2, self.act)
         return self._host_experts
+
+    def _arrived(self, s: int, e: int) -> None:
+        """Expert e just copied into slot s (enqueued): if the host keeps it in its own int4 layout
+        (`HostExperts.lay`), re-lay the slot's copy into the store's, on the same stream."""
+        he = self._host_experts
+        if he is not None and e in he.laid:
+            he.arrived(self.w13, s, e)
+            he.arrived(self.w2, s, e)
 
     def host_parts(self) -> list[torch.Tensor]:
         return [*_parts(self.host_w13).values(), *_parts(self.host_w2).values()]
@@ -503,11 +512,13 @@ class CachedExperts(ExpertBackend):
         if self.stream is None:
             _copy(self.w13, s, self.host_w13, e)
             _copy(self.w2, s, self.host_w2, e)
+            self._arrived(s, e)
         else:
             self.stream.wait_event(self.free[s])  # the slot's previous expert has finished computing
             with torch.cuda.stream(self.stream):
                 _copy(self.w13, s, self.host_w13, e, non_blocking=True)
                 _copy(self.w2, s, self.host_w2, e, non_blocking=True)
+                self._arrived(s, e)
                 self.ready[s].record(self.stream)
         self.stats.h2d_bytes += self.expert_bytes
 

@@ -132,6 +132,8 @@ class HostDecode:
             for j, e in enumerate(need):
                 _copy_into(self.scratch13, j, bank.w13, e)
                 _copy_into(self.scratch2, j, bank.w2, e)
+                bank.arrived(self.scratch13, j, e)  # a host-laid int4 expert: back to the store's layout
+                bank.arrived(self.scratch2, j, e)
                 self.remap_pin[e] = j
             self.remap.copy_(self.remap_pin, non_blocking=True)
 

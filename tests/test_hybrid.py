@@ -415,11 +415,11 @@ def test_host_expert_builds_lock_per_expert(monkeypatch):
     gate, builds = threading.Event(), []
     side_kernel = host_experts.side_kernel
 
-    def slow(side, e):
+    def slow(side, e, *laid):
         builds.append(e)
         if e == 0:
             assert gate.wait(timeout=30)
-        return side_kernel(side, e)
+        return side_kernel(side, e, *laid)
 
     monkeypatch.setattr(host_experts, "side_kernel", slow)
     slow0 = [threading.Thread(target=host.expert, args=(0,)) for _ in range(2)]

@@ -480,3 +480,41 @@ def test_offload_stats_count_from_two_threads(monkeypatch):
     hd.check()
     assert stats.cpu_experts == 3 * N and N <= stats.cpu_busy_s < N + 60
     hd.close()
+
+
+def test_host_decode_reads_the_device_wait_once_the_stream_passed_it(monkeypatch):
+    """`cpu_wait_s` in graphed decode: each served layer's pair of timing events around the wait is read by
+    `check()` once its after-event has completed, a later check picks up one that had not, and a layer is
+    counted once. (CUDA events do not exist here: stand-ins with their `query` / `elapsed_time`; the real
+    ones are checked in tests/test_cuda.py.)"""
+    from ferrylm.offload.host_decode import HostDecode
+    from ferrylm.offload.placed_weights import OffloadStats
+
+    class Event:
+        def __init__(self, done=True):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, other):
+            return 2.5  # ms
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    host, g = _host_bank()
+    stats = OffloadStats()
+    hd = HostDecode({0: host, 1: host}, max_tokens=1, k=2, hidden=32, dtype=torch.float32, stats=stats)
+    late = Event(done=False)
+    hd.waits = {0: (Event(), Event()), 1: (Event(), late)}
+    hd.ids.copy_(torch.tensor([[0, -1]]))
+    for layer in (0, 1):
+        hd.meta.copy_(HostDecode.meta_of(layer, 1, None, "cpu"))
+        hd.hand.start.post()
+        hd.hand.finish.wait()
+    hd.check()
+    assert stats.cpu_wait_s == pytest.approx(2.5e-3) and list(hd.served) == [1]
+    late.done = True
+    hd.check()
+    hd.check()
+    assert stats.cpu_wait_s == pytest.approx(5e-3) and not hd.served
+    hd.close()

@@ -319,7 +319,7 @@ class CachedExperts(ExpertBackend):
             try:
                 rows = expert_rows(x, self.t13, self.t2, torch.where(on, E, topk_ids), topk_weights, skip=True)
             finally:
-                host = hd.receive(T * k, x.device)
+                host = hd.receive(T * k, x.device, self.layer)
             return sum_rows(rows + host, k)
         away = ~self.in_slot[topk_ids]  # [T, k]: the host's, or copied into scratch by its worker
         hd.send(self.layer, x, torch.where(on, topk_ids, -1), topk_weights, torch.where(away & ~on, topk_ids, -1),
@@ -327,7 +327,7 @@ class CachedExperts(ExpertBackend):
         try:
             rows = expert_rows(x, self.t13, self.t2, torch.where(away, E, topk_ids), topk_weights, skip=True)
         finally:
-            host = hd.receive(T * k, x.device)
+            host = hd.receive(T * k, x.device, self.layer)
         rows = rows + expert_rows(x, hd.scratch13, hd.scratch2, hd.remap[topk_ids], topk_weights, skip=True)
         return sum_rows(rows + host, k)
 

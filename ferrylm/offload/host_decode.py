@@ -22,6 +22,11 @@ scratch experts after it. Copy-engine DMA and CPU reads share host memory better
 which are latency-bound (measure: `benchmarks/bench_hybrid_overlap.py`). Scratch holds the experts of one
 layer's step (k x tokens, large experts only: decode at one token); layer l+1's copies are ordered after
 layer l's scratch kernel, since the worker only starts on l+1 when the stream has passed it.
+
+The time the stream waits for the worker (`stats.cpu_wait_s`, graphed steps too) is measured on the device:
+a pair of timing events per layer around the wait (event record nodes inside graphs), read by `check()`
+once the worker has served that layer and the stream has passed it. Under async scheduling a pair may be
+re-recorded by the next step before it is read; the figure is then that step's.
 It knows nothing about slots, tables or routing tallies.
 """
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import deque
 
 import torch
 
@@ -60,6 +66,7 @@ class HostDecode:
                  dtype: torch.dtype, stats, device: torch.device | None = None):
         self.experts, self.stats = experts, stats
         self.copies = self.gpu_side == "copy" and max_tokens == 1 and device is not None
+        self.device = device
         if self.copies:
             first = next(iter(experts.values()))
             E, S = first.w13.shape[0], min(k * max_tokens, first.w13.shape[0])
@@ -78,6 +85,11 @@ class HostDecode:
         self.out = torch.empty(max_tokens * k, hidden, dtype=dtype).pin_memory()
         self.max_tokens, self.k = max_tokens, k
         self.error: BaseException | None = None
+        self.served: deque[int] = deque()  # layers the worker served whose wait is not read yet
+        self.waits: dict[int, tuple] = {}  # layer -> (event before the wait, event after it)
+        if device is not None and device.type == "cuda":
+            for layer in experts:
+                self.waits[layer] = tuple(torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
         # the thread holds only a weak reference between hand-offs: a dropped engine frees its host bank,
         # and the finalizer wakes the thread to end
         self.thread = threading.Thread(target=_worker, args=(weakref.ref(self), self.hand),
@@ -114,10 +126,33 @@ class HostDecode:
             self.copy_ids[:T].copy_(copy_ids, non_blocking=True)
         self.hand.post(torch.cuda.current_stream(x.device))
 
-    def receive(self, rows: int, device: torch.device) -> torch.Tensor:
-        """Enqueue the wait for the worker; -> its rows [rows, H] on the device (stream-ordered)."""
-        self.hand.wait(torch.cuda.current_stream(device))
+    def receive(self, rows: int, device: torch.device, layer: int | None = None) -> torch.Tensor:
+        """Enqueue the wait for the worker (timed, with `layer`); -> its rows [rows, H] on the device."""
+        stream = torch.cuda.current_stream(device)
+        pair = self.waits.get(layer)
+        if pair is not None:
+            pair[0].record(stream)
+        self.hand.wait(stream)
+        if pair is not None:
+            pair[1].record(stream)
         return self.out[:rows].to(device, non_blocking=True)
+
+    def _read_waits(self) -> None:
+        """Add the waits of the layers served since the last call whose after-event has completed."""
+        later = []
+        while self.served:
+            layer = self.served.popleft()
+            pair = self.waits.get(layer)
+            if pair is None:
+                continue
+            if not pair[1].query():
+                later.append(layer)
+                continue
+            try:
+                self.stats.add(cpu_wait_s=pair[0].elapsed_time(pair[1]) / 1e3)
+            except RuntimeError:  # never recorded (an eager step on another path): nothing to add
+                pass
+        self.served.extendleft(reversed(later))
 
     def _copy_in(self, layer: int, T: int) -> None:
         """Issue the copies of the layer's scratch experts and of `remap` on the copy stream."""
@@ -142,6 +177,7 @@ class HostDecode:
         t = time.perf_counter()
         try:
             layer, T, n, cols = self.meta.tolist()
+            self.served.append(layer)  # before `done`: a step that passed its wait finds its layers here
             n = max(0, min(n, T))  # padded rows [n, T) get zeros: the device drops them
             if self.copies:  # first: the copy engine runs while the cores compute
                 self._copy_in(layer, n)
@@ -163,6 +199,8 @@ class HostDecode:
             self.stats.add(cpu_busy_s=time.perf_counter() - t)
 
     def check(self) -> None:
+        """After a step: count the device's waits read so far; raise what the worker hit."""
+        self._read_waits()
         if self.error is not None:
             e, self.error = self.error, None
             raise RuntimeError(f"host expert worker failed: {e!r}") from e

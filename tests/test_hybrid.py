@@ -209,10 +209,11 @@ def test_cpu_share_balances_host_and_device():
         cpu_share(Costs(1.0, lambda n: 1.0), 10.0)
 
 
-def test_hybrid_stats_reach_metrics(mixtral):
+def test_hybrid_stats_reach_metrics(mixtral, tmp_path, monkeypatch):
     """The per-step split (hits, copies, in place, CPU), the CPU busy share and the device's wait: the line
     `--stats` prints, and the server's /metrics (a real `ferry serve`, token-id prompts: the test model has
-    no tokenizer)."""
+    no tokenizer). The server also runs `--profile-experts 2`: a warm-up that saves the model's profile
+    (its counters are zeroed after it)."""
     import httpx
     from serving import Server, metric
 
@@ -222,7 +223,11 @@ def test_hybrid_stats_reach_metrics(mixtral):
     print(line)
     assert st.steps == 12 and 0 < st.cpu_busy_share <= 1 and st.cpu_share == 1.0 and st.copied_experts == 0
     assert f"{st.cpu_experts / 12:.1f} on the CPU" in line and f"{st.expert_hits / 12:.1f} experts hit" in line
-    s = Server(["--model", mixtral, "--place", "experts=cpu", "--experts", "cpu"])
+    from ferrylm.offload import expert_profile
+
+    cache = tmp_path / "cache"
+    s = Server(["--model", mixtral, "--place", "experts=cpu", "--experts", "cpu", "--profile-experts", "2"],
+               env={"FERRYLM_CACHE_DIR": str(cache)})
     try:
         s.wait_ready()
         name = httpx.get(s.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -235,8 +240,16 @@ def test_hybrid_stats_reach_metrics(mixtral):
         assert metric(text, "ferry:offload_cpu_share", model_name=name) == 1.0
         assert metric(text, "ferry:offload_cpu_busy_s_total", model_name=name) > 0
         assert metric(text, "ferry:offload_copied_experts_total", model_name=name) == 0
+        assert 0 < metric(text, "ferry:offload_cpu_busy_share", model_name=name) <= 1
+        # 4 tokens of one request, not the warm-up's 2 x 64: the counters restarted after it
+        assert metric(text, "ferry:offload_steps_total", model_name=name) <= 5
+        assert "2 warm-up prompts" in s.log_all()
     finally:
         assert s.stop() == 0
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(cache))
+    path = expert_profile.saved(mixtral)
+    assert path is not None and path.startswith(str(cache))
+    assert all(sum(v) > 0 for v in json.load(open(path))["layers"].values())
 
 
 def test_calibration_chooses_the_thread_count(tmp_path, monkeypatch):
@@ -518,3 +531,32 @@ def test_host_decode_reads_the_device_wait_once_the_stream_passed_it(monkeypatch
     hd.check()
     assert stats.cpu_wait_s == pytest.approx(5e-3) and not hd.served
     hd.close()
+
+
+def test_profile_experts_saves_the_profile_the_next_start_pins(mixtral, tmp_path, monkeypatch, caplog):
+    """`profile_experts=N` (`--profile-experts N`): a warm-up of N prompts saves the model's profile in the
+    cache; the next start with no profile named pins each layer's hottest experts from it and says so; the
+    flag reaches the config from the command line; a negative count is refused by name."""
+    from ferrylm.cli import build_parser, engine_kwargs
+    from ferrylm.errors import ConfigError
+    from ferrylm.offload import expert_profile
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
+    place = ("experts=cpu", "layers.0-1.experts.0=gpu")
+    assert expert_profile.saved(mixtral) is None
+    LLM(mixtral, place=place, profile_experts=2)
+    path = expert_profile.saved(mixtral)
+    assert path is not None and "2 warm-up prompts" in caplog.text
+    prof = json.load(open(path))["layers"]
+    assert sorted(prof) == ["0", "1"] and all(sum(v) > 0 for v in prof.values())
+    llm = LLM(mixtral, place=place)
+    placed = llm.engine.runner.placed
+    assert path in placed.profile_note and path in caplog.text
+    for layer, cache in placed.caches.items():
+        counts = prof[str(layer)]
+        hottest = max(range(4), key=lambda e: (counts[e], -e))
+        assert cache.pinned == {hottest} and hottest in cache.slot_of
+    a = build_parser().parse_args(["serve", "--model", mixtral, "--profile-experts", "3"])
+    assert engine_kwargs(a)["profile_experts"] == 3
+    with pytest.raises(ConfigError, match="profile_experts must be >= 0"):
+        LLM(mixtral, profile_experts=-1)

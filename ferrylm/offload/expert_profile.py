@@ -87,8 +87,9 @@ def warm_up(llm, n: int, model: str | None, seed: int = 0) -> str:
     write(profile, path)
     llm.engine.runner.placed.stats.reset()
     total = sum(sum(v) for v in profile["layers"].values())
-    log.warning("expert profile: recorded %d routed assignments in %d MoE layers over %d warm-up prompts into %s; "
-                "the next start pins each layer's hottest experts on the device", total, len(profile["layers"]), n, path)
+    log.warning("expert profile: recorded %d routed assignments in %d MoE layers over %d warm-up prompt%s into %s; "
+                "the next start pins each layer's hottest experts on the device", total, len(profile["layers"]), n,
+                "s" * (n != 1), path)
     return path
 
 

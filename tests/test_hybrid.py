@@ -560,3 +560,22 @@ def test_profile_experts_saves_the_profile_the_next_start_pins(mixtral, tmp_path
     assert engine_kwargs(a)["profile_experts"] == 3
     with pytest.raises(ConfigError, match="profile_experts must be >= 0"):
         LLM(mixtral, profile_experts=-1)
+
+
+def test_profile_counts_skip_padded_graph_rows():
+    """Routing recorded for a profile counts a padded graph step's live rows only (`ForwardContext.live_rows`):
+    the padding rows' token 0 routes too and would bias the profile toward its experts."""
+    from ferrylm.layers.context import ForwardContext, forward_context
+    from ferrylm.layers.moe import Experts
+
+    bank = Experts(4, 8, 16)
+    bank.routing_counts = torch.zeros(4, dtype=torch.long)
+    ids = torch.tensor([[0, 1], [2, 3], [3, 3], [3, 3]])  # rows 2-3: padding
+    ctx = ForwardContext([0, 1, 2, 3, 4], [0] * 4, [1] * 4, torch.zeros(4, dtype=torch.long),
+                         torch.zeros(4, 1, dtype=torch.long), 4, None, padded_decode=True,
+                         live_rows=torch.tensor([2]))
+    with forward_context(ctx):
+        bank.forward(torch.randn(4, 8), ids, torch.full((4, 2), 0.5))
+    assert bank.routing_counts.tolist() == [1, 1, 1, 1]
+    bank.forward(torch.randn(4, 8), ids, torch.full((4, 2), 0.5))  # eager: every row is real
+    assert bank.routing_counts.tolist() == [2, 2, 2, 6]

@@ -107,3 +107,13 @@ def get_forward_context() -> ForwardContext:
 def live_rows() -> torch.Tensor | None:
     """The installed context's `live_rows` (None outside a padded graph step, or with no context)."""
     return None if _current is None else _current.live_rows
+
+
+def live_assignments(topk_ids: torch.Tensor) -> torch.Tensor:
+    """[T * k] ones for the assignments of real rows, zeros for a padded graph step's padding rows (whose
+    token 0 routes too): the weights to count routing with. Device-side, graph-capturable."""
+    live = live_rows()
+    flat = topk_ids.flatten()
+    if live is None:
+        return torch.ones_like(flat)
+    return (torch.arange(flat.numel(), device=flat.device) < live * topk_ids.shape[1]).to(flat.dtype)

@@ -230,6 +230,8 @@ class PlacedWeights:
             self.tally = RoutingTally(self.caches, self.device, self.stats)
             if self.costs is not None:
                 self._start_host_decode()
+        if self.caches and self.experts == "cpu" and self.host_decode is None:  # no copies, no in-place reads:
+            self._lay_host_experts(list(range(next(iter(self.caches.values())).host_w13.shape[0])))  # one int4 copy
 
     def _start_host_decode(self) -> None:
         """Hybrid decode: a share of each layer's experts (spread over the ids) is computed by the host while

@@ -39,8 +39,9 @@ PROMPTS = [
 
 
 def saved_path(model: str | None) -> str | None:
-    """Where `profile_experts` keeps `model`'s profile (by its real path); None for the embedded model."""
-    if model is None:
+    """Where `profile_experts` keeps `model`'s profile (by its real path); None for the embedded model or a
+    weight source given as an object (benchmarks' random weights)."""
+    if not isinstance(model, (str, os.PathLike)):
         return None
     from ferrylm.offload.calibration import cache_dir
 
@@ -80,7 +81,8 @@ def warm_up(llm, n: int, model: str | None, seed: int = 0) -> str:
 
     path = saved_path(model)
     if path is None:
-        raise ConfigError("profile_experts: the embedded model has no experts to profile")
+        raise ConfigError("profile_experts: the model is no path (the embedded model, or a source object): "
+                          "nowhere to save its profile")
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
     profile = record(llm, prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, seed=seed), seed)
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -38,7 +38,7 @@ PROMPTS = [
 """The built-in workload (`ferry profile` without --prompts, and `profile_experts`)."""
 
 
-def saved_path(model: str | None) -> str | None:
+def saved_path(model) -> str | None:
     """Where `profile_experts` keeps `model`'s profile (by its real path); None for the embedded model or a
     weight source given as an object (benchmarks' random weights)."""
     if not isinstance(model, (str, os.PathLike)):
@@ -50,7 +50,7 @@ def saved_path(model: str | None) -> str | None:
     return os.path.join(cache_dir(), "expert-profiles", f"{name}-{hashlib.sha1(real.encode()).hexdigest()[:10]}.json")
 
 
-def saved(model: str | None) -> str | None:
+def saved(model) -> str | None:
     """The saved profile of `model` if one exists (placement uses it when no profile is named)."""
     path = saved_path(model)
     return path if path is not None and os.path.exists(path) else None

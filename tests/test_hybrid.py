@@ -339,6 +339,13 @@ def test_host_share_splits_each_steps_misses():
     assert not split([[1, 2], [3, 4]], 0.0).any()
     on = split([[1, 2], [3, 4], [2, 7]], 0.5)  # 5 distinct misses: 3 to the host (3 is first, then 1, 2)
     assert on.tolist() == [[True, True], [True, False], [True, False]]
+    from ferrylm.layers.context import ForwardContext, forward_context
+
+    ctx = ForwardContext([0, 1, 2, 3], [0] * 3, [1] * 3, torch.zeros(3, dtype=torch.long),
+                         torch.zeros(3, 1, dtype=torch.long), 3, None, padded_decode=True, live_rows=torch.tensor([2]))
+    with forward_context(ctx):  # row 2 pads a graph step: its misses (7) are not counted in the share
+        on = split([[1, 2], [3, 4], [2, 7]], 0.5)  # 4 real misses: 2 to the host (3, then 1)
+    assert on.tolist() == [[True, False], [True, False], [False, False]]
 
 
 def test_host_rows_on_a_column_range_add_up_to_the_expert():

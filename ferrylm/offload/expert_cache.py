@@ -72,8 +72,11 @@ def host_share(topk_ids: torch.Tensor, in_slot: torch.Tensor, prefer: torch.Tens
     them in `prefer` order ([E], a permutation of the expert ids); the GPU reads the rest in place. A split
     per step, not a fixed class of host experts: at one token a Mixtral layer has 0-2 misses, and a fixed
     class sends both to one side as often as it splits them. -> [T, k] bool: the assignments the host computes."""
+    from ferrylm.layers.context import live_assignments
+
     E = in_slot.numel()
-    used = torch.zeros(E, dtype=torch.bool, device=in_slot.device).index_fill_(0, topk_ids.flatten(), True)
+    counts = torch.zeros(E, dtype=torch.long, device=in_slot.device)  # a padded graph step: its real rows only
+    used = counts.scatter_add_(0, topk_ids.flatten(), live_assignments(topk_ids).long()) > 0
     miss = (used & ~in_slot)[prefer]  # [E] in preference order
     rank = miss.cumsum(0)  # 1-based rank of each miss
     pick = miss & (rank <= torch.floor(share * rank[-1] + 0.5))

@@ -174,27 +174,11 @@ def cmd_chat(a: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": text})
 
 
-PROFILE_PROMPTS = [
-    "Explain how a ferry crosses a river with a strong current.",
-    "用三句话介绍长江。",
-    "def quicksort(xs):\n    # sort a list of integers\n",
-    "Solve for x: 3x + 7 = 22. Show each step.",
-    "Write a short letter to a friend about a trip to the mountains.",
-    "What is the derivative of x^3 * sin(x)?",
-]
-
-
 def cmd_profile(a: argparse.Namespace) -> None:
-    import random
-
     from ferrylm.errors import ConfigError
     from ferrylm.offload import expert_profile
 
     llm = load_llm(a)
-    engine = llm.engine
-    model = engine.runner.model
-    if not expert_profile.banks(model):
-        raise ConfigError("this model has no experts to profile")
     if a.prompts:
         try:
             with open(a.prompts) as f:
@@ -202,14 +186,10 @@ def cmd_profile(a: argparse.Namespace) -> None:
         except OSError as e:
             raise ConfigError(f"--prompts {a.prompts}: {e.strerror}") from None
     else:
-        prompts = PROFILE_PROMPTS
-    if engine.tokenizer is None:  # token-id prompts, seeded, when the model has no tokenizer
-        rng = random.Random(a.seed)
-        prompts = [[rng.randrange(engine.model_config.vocab_size) for _ in range(32)] for _ in prompts]
+        prompts = expert_profile.PROMPTS
+    if llm.engine.tokenizer is None:
         print("ferry profile: the model has no tokenizer: profiling on random token ids", file=sys.stderr)
-    expert_profile.start(model)
-    llm.generate(prompts * a.repeat, sampling_params(a, seed=a.seed))
-    profile = expert_profile.collect(model, engine.model_config.architecture)
+    profile = expert_profile.record(llm, prompts * a.repeat, sampling_params(a, seed=a.seed), a.seed)
     expert_profile.write(profile, a.output)
     total = sum(sum(v) for v in profile["layers"].values())
     print(f"wrote {a.output}: {len(profile['layers'])} MoE layers, {total} routed assignments over "

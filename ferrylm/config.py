@@ -287,7 +287,12 @@ class OffloadConfig:
     expert_cache_policy: str = "lru"
     """How cached expert slots are evicted: lru | lfu."""
     expert_profile: str | None = None
-    """JSON file of per-layer expert popularity; its hottest experts start resident and stay pinned."""
+    """JSON file of per-layer expert popularity; its hottest experts start resident and stay pinned. None:
+    the profile `profile_experts` saved for this model, if there is one."""
+    profile_experts: int = 0
+    """At start, after loading: run this many warm-up prompts (`ferry profile`'s mix, 64 tokens each),
+    record the experts' routing and save it as this model's profile (`$FERRYLM_CACHE_DIR/expert-profiles/`),
+    which placement uses from the next start on; 0: off."""
     stream_buffers: int = 2
     """Device buffers that streamed (non-resident) dense layers rotate through."""
     experts: str = "auto"
@@ -320,6 +325,8 @@ class OffloadConfig:
             raise ConfigError(f"expert cache policy {self.expert_cache_policy!r}: choose lru or lfu")
         if self.experts not in ("auto", "gpu", "cpu"):
             raise ConfigError(f"experts {self.experts!r}: choose auto, gpu or cpu")
+        if self.profile_experts < 0:
+            raise ConfigError(f"profile_experts must be >= 0 prompts, got {self.profile_experts}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.cpu_share is not None and not 0 <= self.cpu_share <= 1:

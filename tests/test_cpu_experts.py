@@ -222,3 +222,88 @@ def test_host_experts_rows_on_a_worker_while_another_thread_builds():
         th.join()
     assert all(torch.equal(o, alone) for o in outs)
     assert len(set(built)) == 6 and all(he.expert(e) is he.expert(e) for e in range(6))
+
+
+@pytest.mark.parametrize("zero", ["sym", "min"])
+def test_int4_cpu_layout_in_place_round_trip_and_kernel(zero, monkeypatch):
+    """The in-place re-layout gives exactly torch's own int4pack layout (the bytes `Int4PackCPU` holds),
+    back again exactly, and `Int4InPlace` over the re-laid bytes gives `Int4PackCPU`'s bits at every token
+    count, through the dequantizing branch for many tokens too."""
+    from ferrylm.layers import qmatmul
+    from ferrylm.layers.cpu_experts import Int4InPlace, int4_from_cpu_layout_, int4_layout_matches, int4_to_cpu_layout_
+
+    assert int4_layout_matches()
+    monkeypatch.setattr(qmatmul, "DEQUANT_CHUNK", 128)  # the chunked dequantizing branch on a small weight
+    g = torch.Generator().manual_seed(3)
+    for n, k in ((64, 64), (4096 + 192, 96)):  # one block; more rows than a re-layout chunk
+        qt = Q.quantize_int4(torch.randn(n, k, generator=g), 32, zero)
+        ref = qmatmul.Int4PackCPU(qt)
+        q = qt.parts["q"].clone()
+        assert torch.equal(int4_to_cpu_layout_(q), ref.packed)
+        kern = Int4InPlace(qt, q)
+        assert kern.packed.data_ptr() == q.data_ptr() and "q" not in kern.qt.parts
+        for T, dense_from in ((1, None), (5, None), (9, 8)):
+            monkeypatch.setattr(qmatmul, "DENSE_FROM_T", dense_from)
+            x = torch.randn(T, k, generator=g).bfloat16()
+            assert torch.equal(kern(x), ref(x)), (n, T)
+        assert torch.equal(int4_from_cpu_layout_(q), qt.parts["q"])
+
+
+def test_laid_int4_host_experts_hold_one_copy_and_the_same_bits():
+    """`HostExperts.lay`: the laid experts' kernels compute over the bank's own (re-laid) bytes, their rows are
+    bit-identical to the copied kernels', a copy of a laid expert re-laid on arrival is the store's bytes,
+    and `unlay` gives the bank back byte for byte."""
+    from ferrylm.offload.host_experts import HostExperts
+
+    E = 4
+    w13, w2, _, _ = _bank("int4min", E, 128, 192)
+    orig = [w13.parts["q"].clone(), w2.parts["q"].clone()]
+    x = torch.randn(3, 128).bfloat16()
+    ids, weights = torch.tensor([[0, 1], [2, -1], [1, 3]]), torch.rand(3, 2)
+    copied = torch.empty(6, 128, dtype=torch.bfloat16)
+    HostExperts(w13, w2, F.silu).rows(x, ids, weights, copied)
+    he = HostExperts(w13, w2, F.silu)
+    assert he.can_lay
+    he.expert(1)  # built (a copy) before it is laid: rebuilt over the bank
+    he.lay([1, 2])
+    assert he.laid == {1, 2} and not torch.equal(w13.parts["q"][1], orig[0][1])
+    assert torch.equal(w13.parts["q"][0], orig[0][0])  # others untouched
+    laid = torch.empty(6, 128, dtype=torch.bfloat16)
+    he.rows(x, ids, weights, laid)
+    assert torch.equal(laid, copied)
+    for e in (1, 2):
+        k13, k2 = he.expert(e).gate_up, he.expert(e).down
+        assert k13.packed.data_ptr() == w13.parts["q"][e].data_ptr() and k2.packed.data_ptr() == w2.parts["q"][e].data_ptr()
+    assert he.expert(0).gate_up.packed.data_ptr() != w13.parts["q"][0].data_ptr()  # not laid: its own copy
+    slots = w13.empty_like(2, "cpu")
+    slots.copy_expert_(1, w13, 2)
+    he.arrived(slots, 1, 2)
+    assert torch.equal(slots.parts["q"][1], orig[0][2])
+    he.unlay([1, 2])
+    assert not he.laid and torch.equal(w13.parts["q"], orig[0]) and torch.equal(w2.parts["q"], orig[1])
+
+
+def test_a_cache_copies_laid_experts_in_the_stores_layout():
+    """A cache over an int4 bank with experts laid for the host: copied misses (re-laid on arrival) give the
+    resident reference exactly, as before the lay."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.layers.moe import Experts
+    from ferrylm.offload.expert_cache import CachedExperts
+    from ferrylm.offload.placed_weights import OffloadStats
+
+    torch.manual_seed(0)
+    E, H, I, T, k = 4, 128, 192, 6, 2
+    bank = Experts(E, H, I)
+    make = BANK_FORMATS["int4min"]
+    bank.packed = (ExpertWeights.stack([[make(torch.randn(I, H) * .05), make(torch.randn(I, H) * .05)]
+                                        for _ in range(E)], torch.float32),
+                   ExpertWeights.stack([[make(torch.randn(H, I) * .05)] for _ in range(E)], torch.float32))
+    bank.w13.data, bank.w2.data = torch.empty(0), torch.empty(0)
+    x = torch.randn(T, H)
+    weights, ids = torch.softmax(torch.randn(T, E), -1).topk(k, dim=-1)
+    ref = bank.forward(x, ids, weights)
+    cache = CachedExperts(bank, *bank.packed, 2, [0], set(), "lru", torch.device("cpu"), None, OffloadStats(), 0,
+                          use_fused=False)
+    cache.host_experts.lay([1, 2, 3])
+    assert cache.host_experts.laid == {1, 2, 3}
+    assert torch.equal(cache.forward(bank, x, ids, weights), ref)

@@ -535,6 +535,8 @@ def test_hybrid_decode_host_experts_equal_mapped(share, gpu_side, split, tmp_pat
         assert all((c.split_cols is not None) == (split and gpu_side == "inplace") for c in placed.caches.values())
         print(f"hybrid decode share={share} split={split} eager={eager}: {placed.stats}")
         assert placed.stats.cpu_experts > 0 and placed.host_decode.error is None
+        if share == 1.0:  # the device waits for every host expert: measured, graphed steps too (timing events)
+            assert placed.stats.cpu_wait_s > 0, placed.stats
         worst = max((a - b).abs().max().item() for a, b in zip(ref, got))
         same = sum(a == b for o, r in zip(out, ref_out) for a, b in zip(o.outputs[0].token_ids, r.outputs[0].token_ids))
         print(f"hybrid decode vs in place: max |logit diff| = {worst:.3e}, {same}/{24 * len(prompts)} tokens equal")
@@ -542,6 +544,33 @@ def test_hybrid_decode_host_experts_equal_mapped(share, gpu_side, split, tmp_pat
         assert [o.outputs[0].token_ids[:4] for o in out] == [r.outputs[0].token_ids[:4] for r in ref_out]
         del llm, placed  # the graphed pair below sizes its KV from the memory these free
         free_engines()
+
+
+def test_hybrid_decode_graphs_hand_the_host_live_rows_only(tmp_path_factory, monkeypatch):
+    """A graphed decode step of 3 sequences runs in the bucket of 4: every hand-off carries the bucket's
+    rows and the live count (the host kernels then get the live rows only: tests/test_hybrid.py), and the
+    tokens equal the eager run's (no padding there)."""
+    from test_models_hf import build
+
+    from ferrylm.offload.host_decode import HostDecode
+
+    seen = []
+    serve = HostDecode._serve
+    monkeypatch.setattr(HostDecode, "_serve", lambda self: seen.append(self.meta.tolist()[1:]) or serve(self))
+    path, _ = build(tmp_path_factory, "qwen3_moe")
+    g = torch.Generator().manual_seed(16)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 9, 13)]
+    kw = dict(device="cuda", dtype="bfloat16", place=("experts=cpu", "layers.0.experts.0-1=gpu"), experts="auto",
+              cpu_share=1.0, max_num_seqs=4)
+    eager, _ = sampled_rows(LLM(path, enforce_eager=True, **kw), prompts, 8)
+    llm = LLM(path, **kw)
+    seen.clear()  # from here: the workload's hand-offs
+    graphed, _ = sampled_rows(llm, prompts, 8)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.placed.host_decode.error is None
+    padded = [(T, n) for T, n in seen if T == 4]
+    print(f"hand-offs (rows, live): {sorted(set(map(tuple, seen)))}")
+    assert padded and all(n == 3 for _, n in padded)
+    assert [t[:4] for t in token_ids(graphed)] == [t[:4] for t in token_ids(eager)]  # bf16: ties may flip later
 
 
 def test_packed_store_host_experts_copy_path_and_decode(tmp_path_factory):

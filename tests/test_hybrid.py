@@ -209,10 +209,11 @@ def test_cpu_share_balances_host_and_device():
         cpu_share(Costs(1.0, lambda n: 1.0), 10.0)
 
 
-def test_hybrid_stats_reach_metrics(mixtral):
+def test_hybrid_stats_reach_metrics(mixtral, tmp_path, monkeypatch):
     """The per-step split (hits, copies, in place, CPU), the CPU busy share and the device's wait: the line
     `--stats` prints, and the server's /metrics (a real `ferry serve`, token-id prompts: the test model has
-    no tokenizer)."""
+    no tokenizer). The server also runs `--profile-experts 2`: a warm-up that saves the model's profile
+    (its counters are zeroed after it)."""
     import httpx
     from serving import Server, metric
 
@@ -222,7 +223,11 @@ def test_hybrid_stats_reach_metrics(mixtral):
     print(line)
     assert st.steps == 12 and 0 < st.cpu_busy_share <= 1 and st.cpu_share == 1.0 and st.copied_experts == 0
     assert f"{st.cpu_experts / 12:.1f} on the CPU" in line and f"{st.expert_hits / 12:.1f} experts hit" in line
-    s = Server(["--model", mixtral, "--place", "experts=cpu", "--experts", "cpu"])
+    from ferrylm.offload import expert_profile
+
+    cache = tmp_path / "cache"
+    s = Server(["--model", mixtral, "--place", "experts=cpu", "--experts", "cpu", "--profile-experts", "2"],
+               env={"FERRYLM_CACHE_DIR": str(cache)})
     try:
         s.wait_ready()
         name = httpx.get(s.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -235,8 +240,16 @@ def test_hybrid_stats_reach_metrics(mixtral):
         assert metric(text, "ferry:offload_cpu_share", model_name=name) == 1.0
         assert metric(text, "ferry:offload_cpu_busy_s_total", model_name=name) > 0
         assert metric(text, "ferry:offload_copied_experts_total", model_name=name) == 0
+        assert 0 < metric(text, "ferry:offload_cpu_busy_share", model_name=name) <= 1
+        # 4 tokens of one request, not the warm-up's 2 x 64: the counters restarted after it
+        assert metric(text, "ferry:offload_steps_total", model_name=name) <= 5
+        assert "2 warm-up prompts" in s.log_all()
     finally:
         assert s.stop() == 0
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(cache))
+    path = expert_profile.saved(mixtral)
+    assert path is not None and path.startswith(str(cache))
+    assert all(sum(v) > 0 for v in json.load(open(path))["layers"].values())
 
 
 def test_calibration_chooses_the_thread_count(tmp_path, monkeypatch):
@@ -283,7 +296,7 @@ def test_host_decode_worker_serves_hand_offs_and_ends_with_its_engine(monkeypatc
     x, ids, w = torch.randn(2, H, generator=g), torch.tensor([[0, -1], [2, 3]]), torch.rand(2, k, generator=g)
 
     def hand_off(layer):
-        hd.meta.copy_(torch.tensor([layer, 2, 0]))
+        hd.meta.copy_(torch.tensor([layer, 2, 2, 0]))  # layer, tokens, live tokens, first host column
         hd.x[:2].copy_(x)
         hd.ids[:2].copy_(ids)
         hd.w[:2].copy_(w)
@@ -326,6 +339,13 @@ def test_host_share_splits_each_steps_misses():
     assert not split([[1, 2], [3, 4]], 0.0).any()
     on = split([[1, 2], [3, 4], [2, 7]], 0.5)  # 5 distinct misses: 3 to the host (3 is first, then 1, 2)
     assert on.tolist() == [[True, True], [True, False], [True, False]]
+    from ferrylm.layers.context import ForwardContext, forward_context
+
+    ctx = ForwardContext([0, 1, 2, 3], [0] * 3, [1] * 3, torch.zeros(3, dtype=torch.long),
+                         torch.zeros(3, 1, dtype=torch.long), 3, None, padded_decode=True, live_rows=torch.tensor([2]))
+    with forward_context(ctx):  # row 2 pads a graph step: its misses (7) are not counted in the share
+        on = split([[1, 2], [3, 4], [2, 7]], 0.5)  # 4 real misses: 2 to the host (3, then 1)
+    assert on.tolist() == [[True, False], [True, False], [False, False]]
 
 
 def test_host_rows_on_a_column_range_add_up_to_the_expert():
@@ -354,3 +374,215 @@ def test_host_rows_on_a_column_range_add_up_to_the_expert():
             dev[a] = w.flatten()[a] * (w2[e][:, :c] @ (F.silu(w13[e][:c] @ xa) * (w13[e][I:I + c] @ xa)))
     torch.testing.assert_close(host + dev, whole, rtol=1e-5, atol=1e-4)
     assert not host[3].any() and (host[0] - whole[0]).abs().max() > 1e-3  # the -1 row is 0; the split is real
+
+
+def _host_bank(E=4, H=32, I=48, seed=5):
+    import torch.nn.functional as F
+
+    from ferrylm.offload.host_experts import HostExperts
+
+    g = torch.Generator().manual_seed(seed)
+    return HostExperts(torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g), F.silu), g
+
+
+def test_host_decode_worker_computes_the_live_rows_only(monkeypatch):
+    """A graph step of 5 sequences padded to the bucket 8: the live count rides in the hand-off's meta (the
+    device copy `meta_of` builds), the host kernels receive the live rows' assignments only, the live rows
+    equal `HostExperts.rows` of those rows and the padded ones are 0 (stale rows of an earlier hand-off
+    included); with no count every row is computed."""
+    from ferrylm.layers.cpu_experts import HostExpert
+    from ferrylm.offload.host_decode import HostDecode
+    from ferrylm.offload.placed_weights import OffloadStats
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no CUDA here: plain host buffers
+    assert HostDecode.meta_of(3, 8, torch.tensor([5]), "cpu", cols=128).tolist() == [3, 8, 5, 128]
+    assert HostDecode.meta_of(3, 8, None, "cpu").tolist() == [3, 8, 8, 0]
+    E, H, k, T, n = 4, 32, 2, 8, 5
+    host, g = _host_bank(E, H)
+    received = []
+    call = HostExpert.__call__
+    monkeypatch.setattr(HostExpert, "__call__", lambda self, x: received.append(x.shape[0]) or call(self, x))
+    hd = HostDecode({0: host}, max_tokens=T, k=k, hidden=H, dtype=torch.float32, stats=OffloadStats())
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    ids[1, 0] = ids[3, 1] = -1  # the GPU's
+    for live, rows in ((torch.tensor([n]), n), (None, T)):
+        received.clear()
+        hd.out.fill_(float("nan"))
+        hd.meta.copy_(HostDecode.meta_of(0, T, live, "cpu"))
+        hd.x.copy_(x)
+        hd.ids.copy_(ids)
+        hd.w.copy_(w)
+        hd.hand.start.post()
+        hd.hand.finish.wait()
+        hd.check()
+        assert sum(received) == int((ids[:rows] >= 0).sum())  # live assignments only (8 of 14 with live 5)
+        expect = torch.empty(rows * k, H)
+        host.rows(x[:rows], ids[:rows], w[:rows], expect)
+        assert torch.equal(hd.out[:rows * k], expect)
+        assert torch.equal(hd.out[rows * k:T * k], torch.zeros((T - rows) * k, H))
+    hd.close()
+
+
+def test_host_expert_builds_lock_per_expert(monkeypatch):
+    """A slow kernel build of one expert (a background `prepare`) does not stall a thread that needs
+    another; two threads asking for one expert build it once."""
+    import threading
+
+    from ferrylm.offload import host_experts
+
+    host, _ = _host_bank()
+    gate, builds = threading.Event(), []
+    side_kernel = host_experts.side_kernel
+
+    def slow(side, e, *laid):
+        builds.append(e)
+        if e == 0:
+            assert gate.wait(timeout=30)
+        return side_kernel(side, e, *laid)
+
+    monkeypatch.setattr(host_experts, "side_kernel", slow)
+    slow0 = [threading.Thread(target=host.expert, args=(0,)) for _ in range(2)]
+    for t in slow0:
+        t.start()
+    other = threading.Thread(target=host.expert, args=(1,))
+    other.start()
+    other.join(timeout=10)
+    try:
+        assert not other.is_alive(), "expert 1's build waited for expert 0's"
+        assert host._experts[1] is not None and host._experts[0] is None
+    finally:
+        gate.set()
+    for t in slow0:
+        t.join(timeout=10)
+    assert host._experts[0] is not None and builds.count(0) == 2 and builds.count(1) == 2  # w13 + w2 once
+
+
+def test_offload_stats_count_from_two_threads(monkeypatch):
+    """The decode worker and the engine thread add to the same counters: none is lost, even when a thread
+    is switched out between reading a counter and writing it back (forced here: every read sleeps)."""
+    import threading
+    import time
+
+    from ferrylm.offload.host_decode import HostDecode
+    from ferrylm.offload.placed_weights import OffloadStats
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    read = object.__getattribute__
+
+    def slow_read(self, name):
+        v = read(self, name)
+        if name in ("cpu_experts", "cpu_busy_s"):
+            time.sleep(1e-4)
+        return v
+
+    stats = OffloadStats()
+    host, g = _host_bank()
+    hd = HostDecode({0: host}, max_tokens=1, k=2, hidden=32, dtype=torch.float32, stats=stats)
+    hd.x.copy_(torch.randn(1, 32, generator=g))
+    hd.ids.copy_(torch.tensor([[0, 2]]))
+    hd.w.fill_(0.5)
+    hd.meta.copy_(HostDecode.meta_of(0, 1, None, "cpu"))
+    N = 150
+    monkeypatch.setattr(OffloadStats, "__getattribute__", slow_read)
+
+    def engine_thread():
+        for _ in range(N):
+            stats.add(cpu_experts=1, cpu_busy_s=1.0)
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    for _ in range(N):  # the worker: two experts and its busy time per hand-off
+        hd.hand.start.post()
+        hd.hand.finish.wait()
+    t.join()
+    monkeypatch.undo()
+    hd.check()
+    assert stats.cpu_experts == 3 * N and N <= stats.cpu_busy_s < N + 60
+    hd.close()
+
+
+def test_host_decode_reads_the_device_wait_once_the_stream_passed_it(monkeypatch):
+    """`cpu_wait_s` in graphed decode: each served layer's pair of timing events around the wait is read by
+    `check()` once its after-event has completed, a later check picks up one that had not, and a layer is
+    counted once. (CUDA events do not exist here: stand-ins with their `query` / `elapsed_time`; the real
+    ones are checked in tests/test_cuda.py.)"""
+    from ferrylm.offload.host_decode import HostDecode
+    from ferrylm.offload.placed_weights import OffloadStats
+
+    class Event:
+        def __init__(self, done=True):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, other):
+            return 2.5  # ms
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    host, g = _host_bank()
+    stats = OffloadStats()
+    hd = HostDecode({0: host, 1: host}, max_tokens=1, k=2, hidden=32, dtype=torch.float32, stats=stats)
+    late = Event(done=False)
+    hd.waits = {0: (Event(), Event()), 1: (Event(), late)}
+    hd.ids.copy_(torch.tensor([[0, -1]]))
+    for layer in (0, 1):
+        hd.meta.copy_(HostDecode.meta_of(layer, 1, None, "cpu"))
+        hd.hand.start.post()
+        hd.hand.finish.wait()
+    hd.check()
+    assert stats.cpu_wait_s == pytest.approx(2.5e-3) and list(hd.served) == [1]
+    late.done = True
+    hd.check()
+    hd.check()
+    assert stats.cpu_wait_s == pytest.approx(5e-3) and not hd.served
+    hd.close()
+
+
+def test_profile_experts_saves_the_profile_the_next_start_pins(mixtral, tmp_path, monkeypatch, caplog):
+    """`profile_experts=N` (`--profile-experts N`): a warm-up of N prompts saves the model's profile in the
+    cache; the next start with no profile named pins each layer's hottest experts from it and says so; the
+    flag reaches the config from the command line; a negative count is refused by name."""
+    from ferrylm.cli import build_parser, engine_kwargs
+    from ferrylm.errors import ConfigError
+    from ferrylm.offload import expert_profile
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
+    place = ("experts=cpu", "layers.0-1.experts.0=gpu")
+    assert expert_profile.saved(mixtral) is None
+    LLM(mixtral, place=place, profile_experts=2)
+    path = expert_profile.saved(mixtral)
+    assert path is not None and "2 warm-up prompts" in caplog.text
+    prof = json.load(open(path))["layers"]
+    assert sorted(prof) == ["0", "1"] and all(sum(v) > 0 for v in prof.values())
+    llm = LLM(mixtral, place=place)
+    placed = llm.engine.runner.placed
+    assert path in placed.profile_note and path in caplog.text
+    for layer, cache in placed.caches.items():
+        counts = prof[str(layer)]
+        hottest = max(range(4), key=lambda e: (counts[e], -e))
+        assert cache.pinned == {hottest} and hottest in cache.slot_of
+    a = build_parser().parse_args(["serve", "--model", mixtral, "--profile-experts", "3"])
+    assert engine_kwargs(a)["profile_experts"] == 3
+    with pytest.raises(ConfigError, match="profile_experts must be >= 0"):
+        LLM(mixtral, profile_experts=-1)
+
+
+def test_profile_counts_skip_padded_graph_rows():
+    """Routing recorded for a profile counts a padded graph step's live rows only (`ForwardContext.live_rows`):
+    the padding rows' token 0 routes too and would bias the profile toward its experts."""
+    from ferrylm.layers.context import ForwardContext, forward_context
+    from ferrylm.layers.moe import Experts
+
+    bank = Experts(4, 8, 16)
+    bank.routing_counts = torch.zeros(4, dtype=torch.long)
+    ids = torch.tensor([[0, 1], [2, 3], [3, 3], [3, 3]])  # rows 2-3: padding
+    ctx = ForwardContext([0, 1, 2, 3, 4], [0] * 4, [1] * 4, torch.zeros(4, dtype=torch.long),
+                         torch.zeros(4, 1, dtype=torch.long), 4, None, padded_decode=True,
+                         live_rows=torch.tensor([2]))
+    with forward_context(ctx):
+        bank.forward(torch.randn(4, 8), ids, torch.full((4, 2), 0.5))
+    assert bank.routing_counts.tolist() == [1, 1, 1, 1]
+    bank.forward(torch.randn(4, 8), ids, torch.full((4, 2), 0.5))  # eager: every row is real
+    assert bank.routing_counts.tolist() == [2, 2, 2, 6]

@@ -56,6 +56,7 @@ class DecodeGraphs:
         self.pos = torch.zeros(B, dtype=torch.long, device=device)
         self.slots = torch.zeros(B, dtype=torch.long, device=device)
         self.lens = torch.ones(B, dtype=torch.long, device=device)
+        self.live = torch.ones(1, dtype=torch.long, device=device)  # real rows of the padded step (host experts skip the rest)
         self.tables = torch.zeros(B, nb, dtype=torch.long, device=device)
         self.state_rows = torch.zeros(B, dtype=torch.long, device=device)
         self.x = None if embed_in_graph else torch.zeros(B, hidden_size, dtype=dtype, device=device)
@@ -106,6 +107,7 @@ class DecodeGraphs:
         self.lens[:Bb].copy_(torch.tensor(lens), non_blocking=True)
         self.tables[:Bb, :nbb].copy_(torch.tensor(tables), non_blocking=True)
         self.state_rows[:Bb].copy_(torch.tensor(rows), non_blocking=True)
+        self.live.fill_(B)
         if not self.embed_in_graph:
             self.x[:Bb].copy_(self.embed(torch.tensor(ids)))
         graph, logits = self._graph(Bb, nbb)
@@ -123,7 +125,8 @@ class DecodeGraphs:
             query_start_loc=list(range(Bb + 1)), start_pos=[0] * Bb, seq_lens=[1] * Bb,
             slot_mapping=self.slots[:Bb], block_tables=self.tables[:Bb, :nbb], num_decodes=Bb,
             kv_cache=self.kv, state=self.state, state_rows=self.state_rows[:Bb] if self.state is not None else None,
-            decode_seq_lens=self.lens[:Bb], decode_max_len=nbb * self.bs, padded_decode=True)
+            decode_seq_lens=self.lens[:Bb], decode_max_len=nbb * self.bs, padded_decode=True,
+            live_rows=self.live)
 
     def _step(self, Bb: int, nbb: int):
         """The callable a graph of bucket (Bb, nbb) records: static buffers in, `self.logits[:Bb]` out."""

@@ -36,6 +36,10 @@ class LLM:
         config = engine_config(model=model, **options)
         self.engine = LLMEngine(config, progress=progress)
         self.tokenizer = self.engine.tokenizer
+        if config.offload.profile_experts:  # a warm-up that records routing for the next start's placement
+            from ferrylm.offload import expert_profile
+
+            expert_profile.warm_up(self, config.offload.profile_experts, config.model, config.seed)
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

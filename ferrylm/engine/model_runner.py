@@ -174,8 +174,11 @@ class ModelRunner:
             if isinstance(m, PagedAttention):
                 m.backend = self.attention_backend
         placement, kv_bytes = self._place()
+        from ferrylm.offload import expert_profile
+
+        profile = config.offload.expert_profile or expert_profile.saved(config.model)  # --profile-experts saved it
         self.placed = PlacedWeights(self.model, placement, self.device, config.offload.expert_cache_policy,
-                                    config.offload.expert_profile, config.offload.stream_buffers,
+                                    profile, config.offload.stream_buffers,
                                     config.moe_backend, config.offload.experts, config.offload.cpu_threads,
                                     config.offload.mapped_experts, config.offload.cpu_share,
                                     cpu_numa_node=config.offload.cpu_numa_node,
@@ -550,6 +553,7 @@ class ModelRunner:
         g.slots[:Bb].copy_(d_slots)
         g.lens[:Bb].copy_(d_pos + 1)  # context length after the step; padded rows: 1
         g.tables[:Bb, :nbb].copy_(d_tables.view(Bb, nbb))  # [Bb, nbb]
+        g.live.fill_(B)  # real rows: the host expert worker computes only these
         if dst:
             g.ids[d_dst] = prev.token_ids[d_src]
         if not g.embed_in_graph:  # the table lives on the host: look up host ids when they are all known

@@ -46,6 +46,9 @@ class ForwardContext:
     [rows, max_len] K/V gather when one long sequence shares a step with many short ones. None: one group."""
     padded_decode: bool = False
     """decode_max_len is a bucket bound, not the exact max (CUDA graphs): attention must mask by length."""
+    live_rows: torch.Tensor | None = None
+    """[1] long on the device: how many rows of a padded decode step are real sequences (CUDA graphs write
+    it before each replay, so a captured graph reads the step's count); None: every row is real."""
 
     _masks: dict = field(default_factory=dict, repr=False)
     _lens: torch.Tensor | None = field(default=None, repr=False)
@@ -99,3 +102,18 @@ def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("no ForwardContext installed: models run inside `forward_context(...)`")
     return _current
+
+
+def live_rows() -> torch.Tensor | None:
+    """The installed context's `live_rows` (None outside a padded graph step, or with no context)."""
+    return None if _current is None else _current.live_rows
+
+
+def live_assignments(topk_ids: torch.Tensor) -> torch.Tensor:
+    """[T * k] ones for the assignments of real rows, zeros for a padded graph step's padding rows (whose
+    token 0 routes too): the weights to count routing with. Device-side, graph-capturable."""
+    live = live_rows()
+    flat = topk_ids.flatten()
+    if live is None:
+        return torch.ones_like(flat)
+    return (torch.arange(flat.numel(), device=flat.device) < live * topk_ids.shape[1]).to(flat.dtype)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrylm.layers.moe import expert_mlp
-from ferrylm.layers.qmatmul import QuantKernel
+from ferrylm.layers.qmatmul import Int4PackCPU, QuantKernel
 from ferrylm.weights import quant as Q
 
 FORMATS = ("bf16", "int8", "int4")
@@ -53,6 +53,78 @@ class RowBlocks:
         if self.out_scale is not None:
             return out.float().mul_(self.out_scale).to(x.dtype)
         return out.to(x.dtype)
+
+
+INT4_BLOCK = 64
+"""Rows per block of torch's CPU int4 layout (`layers/qmatmul.Int4PackCPU`)."""
+_LAY_ROWS = 4096  # rows re-laid at a time: bounded temporaries
+
+
+def _relay_(q: torch.Tensor, to_cpu: bool) -> torch.Tensor:
+    """q [N, K/2] uint8 (N a multiple of 64), re-laid in place between the store's layout (row n: code 2c in
+    the low nibble of byte c, 2c + 1 in the high) and torch's CPU int4 layout (blocks of 64 rows as
+    [K, 32] bytes: row j of the block in the low nibble, row 32 + j in the high). Torch ops only, so it runs
+    where q lies (the host bank, or a device slot after a copy)."""
+    n, k2 = q.shape
+    for a in range(0, n, _LAY_ROWS):
+        c = min(_LAY_ROWS, n - a)
+        rows = q[a:a + c]
+        if to_cpu:
+            v = rows.view(c // INT4_BLOCK, 2, 32, k2)  # [b, half, j, c2]: row b*64 + half*32 + j
+            lo, hi = v[:, 0].transpose(1, 2), v[:, 1].transpose(1, 2)  # [b, c2, j]
+            out = torch.empty(c // INT4_BLOCK, k2, 2, 32, dtype=torch.uint8, device=q.device)  # [b, c2, even|odd, j]
+            torch.bitwise_or(lo & 0xF, hi << 4, out=out[:, :, 0])  # column 2 c2: both rows' low nibbles
+            torch.bitwise_or(lo >> 4, hi & 0xF0, out=out[:, :, 1])  # column 2 c2 + 1: both high nibbles
+        else:
+            v = rows.view(c // INT4_BLOCK, k2, 2, 32)  # [b, c2, even|odd, j]
+            ev, od = v[:, :, 0].transpose(1, 2), v[:, :, 1].transpose(1, 2)  # [b, j, c2]
+            out = torch.empty(c // INT4_BLOCK, 2, 32, k2, dtype=torch.uint8, device=q.device)  # [b, half, j, c2]
+            torch.bitwise_or(ev & 0xF, od << 4, out=out[:, 0])  # rows j: low nibbles
+            torch.bitwise_or(ev >> 4, od & 0xF0, out=out[:, 1])  # rows 32 + j: high nibbles
+        rows.copy_(out.view(c, k2))
+    return q
+
+
+def int4_to_cpu_layout_(q: torch.Tensor) -> torch.Tensor:
+    """Store layout -> torch's CPU int4 layout, in place (see `_relay_`)."""
+    return _relay_(q, True)
+
+
+def int4_from_cpu_layout_(q: torch.Tensor) -> torch.Tensor:
+    """Torch's CPU int4 layout -> the store's, in place: what a copy of a re-laid expert does on arrival."""
+    return _relay_(q, False)
+
+
+_LAYOUT_OK: bool | None = None
+
+
+def int4_layout_matches() -> bool:
+    """Whether `int4_to_cpu_layout_` gives exactly what torch's own conversion gives on this build (its layout
+    is its own and may differ by CPU capability), checked once on random codes."""
+    global _LAYOUT_OK
+    if _LAYOUT_OK is None:
+        g = torch.Generator().manual_seed(0)
+        codes = torch.randint(0, 16, (2 * INT4_BLOCK, 64), dtype=torch.int32, generator=g)  # [N, K]
+        mine = int4_to_cpu_layout_(Q.pack_nibbles(codes.to(torch.uint8)))
+        try:
+            _LAYOUT_OK = torch.equal(mine, torch._convert_weight_to_int4pack_for_cpu(codes, 2).view(mine.shape))
+        except RuntimeError:
+            _LAYOUT_OK = False
+    return _LAYOUT_OK
+
+
+class Int4InPlace(Int4PackCPU):
+    """`Int4PackCPU` over codes already in torch's CPU layout where they lie (an int4 host bank re-laid in
+    place): the same kernel and arithmetic, so the same bits, and no second copy of the codes. `qt` carries
+    the scales (and mins), `packed` [N, K/2] the re-laid codes (a view of the bank)."""
+
+    def __init__(self, qt: Q.QuantizedTensor, packed: torch.Tensor):
+        QuantKernel.__init__(self, Q.QuantizedTensor(qt.scheme, qt.shape, {p: v for p, v in qt.parts.items()
+                                                                          if p != "q"}, dict(qt.params), qt.dtype))
+        self.group_size, self.packed = qt.params["group_size"], packed
+        d = qt.parts["scale"].float()  # [N, G], as Int4PackCPU builds it
+        zero = qt.parts["min"].float() + 8 * d if qt.params["zero"] == "min" else torch.zeros_like(d)
+        self.scale_zero = torch.stack((d, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [G, N, 2]
 
 
 def _kernel(w, dense_dtype: torch.dtype):

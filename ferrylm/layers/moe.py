@@ -161,8 +161,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_ids, topk_weights: [T, k] -> [T, H]
         if self.routing_counts is not None:  # device-side, so profiling keeps graphs and adds no sync
-            flat = topk_ids.flatten()
-            self.routing_counts.scatter_add_(0, flat, torch.ones_like(flat))
+            from ferrylm.layers.context import live_assignments
+
+            self.routing_counts.scatter_add_(0, topk_ids.flatten(), live_assignments(topk_ids))  # padded rows: 0
         return self.backend.forward(self, x, topk_ids, topk_weights)
 
 

@@ -18,4 +18,8 @@ first columns in place, the host computes the rest), packed banks split whole ex
 78 for in place + host), a column split for packed banks (group-aligned), the calibrated share from contended
 rates, and the host GEMM's read rate (57 GB/s of the 93 a plain read streams). A dropped offloaded CUDA engine
 is not always freed at once (seen in tests/test_cuda; the holder is not found yet).
+Session 4 (s4-hybrid): the host worker computes a padded graph step's live rows only
+(`ForwardContext.live_rows`), kernel builds lock per expert, counters two threads write go through
+`OffloadStats.add`, int4 host experts keep one copy at share 1 (`HostExperts.lay`), the device's wait for the
+host is timed in graphs too. Not built: KTransformers' expert deferral (docs/benchmarks.md says why).
 """

@@ -72,8 +72,11 @@ def host_share(topk_ids: torch.Tensor, in_slot: torch.Tensor, prefer: torch.Tens
     them in `prefer` order ([E], a permutation of the expert ids); the GPU reads the rest in place. A split
     per step, not a fixed class of host experts: at one token a Mixtral layer has 0-2 misses, and a fixed
     class sends both to one side as often as it splits them. -> [T, k] bool: the assignments the host computes."""
+    from ferrylm.layers.context import live_assignments
+
     E = in_slot.numel()
-    used = torch.zeros(E, dtype=torch.bool, device=in_slot.device).index_fill_(0, topk_ids.flatten(), True)
+    counts = torch.zeros(E, dtype=torch.long, device=in_slot.device)  # a padded graph step: its real rows only
+    used = counts.scatter_add_(0, topk_ids.flatten(), live_assignments(topk_ids).long()) > 0
     miss = (used & ~in_slot)[prefer]  # [E] in preference order
     rank = miss.cumsum(0)  # 1-based rank of each miss
     pick = miss & (rank <= torch.floor(share * rank[-1] + 0.5))
@@ -266,6 +269,7 @@ class CachedExperts(ExpertBackend):
         with torch.cuda.stream(self.stream):
             _copy(self.w13, s, self.host_w13, e, non_blocking=True)
             _copy(self.w2, s, self.host_w2, e, non_blocking=True)
+            self._arrived(s, e)
             self.ready[s].record(self.stream)
         self.landing.append((e, s))
         self.stats.h2d_bytes += self.expert_bytes
@@ -288,6 +292,7 @@ class CachedExperts(ExpertBackend):
         self.landing = still
 
     def _forward_mapped(self, x, topk_ids, topk_weights):
+        from ferrylm.layers.context import live_rows
         from ferrylm.layers.fused_moe import expert_rows, sum_rows
 
         flat = topk_ids.flatten()
@@ -296,10 +301,11 @@ class CachedExperts(ExpertBackend):
         if self.host_decode is None:
             return sum_rows(expert_rows(x, self.t13, self.t2, topk_ids, topk_weights), k)
         hd, E = self.host_decode, self.in_slot.numel()
+        live = live_rows()  # a padded graph step: the host computes the real rows only
         if self.split_cols is not None and not hd.copies:  # every miss split: the GPU's columns, then the host's
             c = self.split_cols
             miss = ~self.in_slot[topk_ids]  # [T, k]
-            hd.send(self.layer, x, torch.where(miss, topk_ids, -1), topk_weights, cols=c)
+            hd.send(self.layer, x, torch.where(miss, topk_ids, -1), topk_weights, cols=c, live=live)
             try:
                 rows = expert_rows(x, self.t13, self.t2, torch.where(miss, E, topk_ids), topk_weights, skip=True)
                 if c:
@@ -312,18 +318,19 @@ class CachedExperts(ExpertBackend):
         # every post is paired with its wait, whatever raises between them: an unpaired post would leave the
         # worker's `done` one ahead and every later layer would read the previous layer's rows
         if not hd.copies:
-            hd.send(self.layer, x, torch.where(on, topk_ids, -1), topk_weights)
+            hd.send(self.layer, x, torch.where(on, topk_ids, -1), topk_weights, live=live)
             try:
                 rows = expert_rows(x, self.t13, self.t2, torch.where(on, E, topk_ids), topk_weights, skip=True)
             finally:
-                host = hd.receive(T * k, x.device)
+                host = hd.receive(T * k, x.device, self.layer)
             return sum_rows(rows + host, k)
         away = ~self.in_slot[topk_ids]  # [T, k]: the host's, or copied into scratch by its worker
-        hd.send(self.layer, x, torch.where(on, topk_ids, -1), topk_weights, torch.where(away & ~on, topk_ids, -1))
+        hd.send(self.layer, x, torch.where(on, topk_ids, -1), topk_weights, torch.where(away & ~on, topk_ids, -1),
+                live=live)
         try:
             rows = expert_rows(x, self.t13, self.t2, torch.where(away, E, topk_ids), topk_weights, skip=True)
         finally:
-            host = hd.receive(T * k, x.device)
+            host = hd.receive(T * k, x.device, self.layer)
         rows = rows + expert_rows(x, hd.scratch13, hd.scratch2, hd.remap[topk_ids], topk_weights, skip=True)
         return sum_rows(rows + host, k)
 
@@ -341,6 +348,14 @@ class CachedExperts(ExpertBackend):
 
             self._host_experts = HostExperts(self.host_w13, self.host_w2, self.act)
         return self._host_experts
+
+    def _arrived(self, s: int, e: int) -> None:
+        """Expert e just copied into slot s (enqueued): if the host keeps it in its own int4 layout
+        (`HostExperts.lay`), re-lay the slot's copy into the store's, on the same stream."""
+        he = self._host_experts
+        if he is not None and e in he.laid:
+            he.arrived(self.w13, s, e)
+            he.arrived(self.w2, s, e)
 
     def host_parts(self) -> list[torch.Tensor]:
         return [*_parts(self.host_w13).values(), *_parts(self.host_w2).values()]
@@ -364,7 +379,7 @@ class CachedExperts(ExpertBackend):
         pending = deque(misses)
         self.stats.expert_hits += len(hits)
         self.stats.expert_misses += len(pending) + len(on_cpu)
-        self.stats.cpu_experts += len(on_cpu)
+        self.stats.add(cpu_experts=len(on_cpu))  # the host workers count too
         if misses or on_cpu:
             self.stats.cpu_share = len(on_cpu) / (len(misses) + len(on_cpu))
         self.policy.touch(needed)
@@ -382,7 +397,7 @@ class CachedExperts(ExpertBackend):
             t = time.perf_counter()
             with torch.inference_mode():
                 out = fn()
-            self.stats.cpu_busy_s += time.perf_counter() - t
+            self.stats.add(cpu_busy_s=time.perf_counter() - t)  # on the pool's thread
             return out
 
         if self.cpu_pool is None:  # the CPU engine: the "device" is these cores too, nothing to overlap
@@ -400,7 +415,7 @@ class CachedExperts(ExpertBackend):
             return None
         t = time.perf_counter()
         done = future.result()
-        self.stats.cpu_wait_s += time.perf_counter() - t
+        self.stats.add(cpu_wait_s=time.perf_counter() - t)
         return done
 
     def _forward_fused(self, bank, x, topk_ids, topk_weights):
@@ -500,11 +515,13 @@ class CachedExperts(ExpertBackend):
         if self.stream is None:
             _copy(self.w13, s, self.host_w13, e)
             _copy(self.w2, s, self.host_w2, e)
+            self._arrived(s, e)
         else:
             self.stream.wait_event(self.free[s])  # the slot's previous expert has finished computing
             with torch.cuda.stream(self.stream):
                 _copy(self.w13, s, self.host_w13, e, non_blocking=True)
                 _copy(self.w2, s, self.host_w2, e, non_blocking=True)
+                self._arrived(s, e)
                 self.ready[s].record(self.stream)
         self.stats.h2d_bytes += self.expert_bytes
 

@@ -1,7 +1,9 @@
 """Expert popularity profiles: record how often each expert of each MoE layer is routed to over a
 workload, write it as JSON (atomically), read it back for placement (its hottest experts start resident
 and are never evicted). A profile that does not match the model (layers, experts) or cannot be read is
-ignored with a warning: a stale file must not stop a server from starting.
+ignored with a warning: a stale file must not stop a server from starting. `warm_up` is the start-up
+workload of `profile_experts` (`--profile-experts N`): it saves the model's profile where the next start
+finds it (`saved`).
 
     {"format": "ferrylm-expert-profile/1", "architecture": ..., "num_experts": E,
      "layers": {"<layer>": [count per expert], ...}}
@@ -9,9 +11,11 @@ ignored with a warning: a stale file must not stop a server from starting.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import random
 import tempfile
 
 import torch
@@ -21,6 +25,74 @@ from ferrylm.layers.moe import Experts
 
 log = logging.getLogger(__name__)
 FORMAT = "ferrylm-expert-profile/1"
+
+
+PROMPTS = [
+    "Explain how a ferry crosses a river with a strong current.",
+    "用三句话介绍长江。",
+    "def quicksort(xs):\n    # sort a list of integers\n",
+    "Solve for x: 3x + 7 = 22. Show each step.",
+    "Write a short letter to a friend about a trip to the mountains.",
+    "What is the derivative of x^3 * sin(x)?",
+]
+"""The built-in workload (`ferry profile` without --prompts, and `profile_experts`)."""
+
+
+def saved_path(model) -> str | None:
+    """Where `profile_experts` keeps `model`'s profile (by its real path); None for the embedded model or a
+    weight source given as an object (benchmarks' random weights)."""
+    if not isinstance(model, (str, os.PathLike)):
+        return None
+    from ferrylm.offload.calibration import cache_dir
+
+    real = os.path.realpath(model)
+    name = os.path.basename(real.rstrip(os.sep)) or "model"
+    return os.path.join(cache_dir(), "expert-profiles", f"{name}-{hashlib.sha1(real.encode()).hexdigest()[:10]}.json")
+
+
+def saved(model) -> str | None:
+    """The saved profile of `model` if one exists (placement uses it when no profile is named)."""
+    path = saved_path(model)
+    return path if path is not None and os.path.exists(path) else None
+
+
+def record(llm, prompts: list, params, seed: int = 0) -> dict:
+    """Run `prompts` through `llm` (`ferrylm.LLM`) counting routing; -> the profile. A model without a
+    tokenizer gets seeded random token-id prompts of 32 tokens instead."""
+    from ferrylm.errors import ConfigError
+
+    engine = llm.engine
+    model = engine.runner.model
+    if not banks(model):
+        raise ConfigError("this model has no experts to profile")
+    if engine.tokenizer is None:
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(engine.model_config.vocab_size) for _ in range(32)] for _ in prompts]
+    start(model)  # counts stay on afterwards: graphs captured meanwhile write these tensors
+    llm.generate(prompts, params)
+    return collect(model, engine.model_config.architecture)
+
+
+def warm_up(llm, n: int, model: str | None, seed: int = 0) -> str:
+    """`profile_experts`: n prompts of the built-in mix, greedy, 64 tokens each; saves the profile for the
+    next start (`saved_path`) and zeroes the offload counters (the warm-up is not the workload). -> the path."""
+    from ferrylm.errors import ConfigError
+    from ferrylm.sampling_params import SamplingParams
+
+    path = saved_path(model)
+    if path is None:
+        raise ConfigError("profile_experts: the model is no path (the embedded model, or a source object): "
+                          "nowhere to save its profile")
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    profile = record(llm, prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, seed=seed), seed)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write(profile, path)
+    llm.engine.runner.placed.stats.reset()
+    total = sum(sum(v) for v in profile["layers"].values())
+    log.warning("expert profile: recorded %d routed assignments in %d MoE layers over %d warm-up prompt%s into %s; "
+                "the next start pins each layer's hottest experts on the device", total, len(profile["layers"]), n,
+                "s" * (n != 1), path)
+    return path
 
 
 def banks(model: nn.Module) -> dict[int, Experts]:

@@ -3,7 +3,9 @@ in place over PCIe, one worker thread computes the layer's other missed experts,
 the host's cores where their weights lie. Both sides read host memory at once, so the layer waits for
 the slower of the two instead of the sum.
 
-Per layer the stream copies the layer id, the token count, the hidden rows, the CPU's assignments (ids,
+Per layer the stream copies the layer id, the token count, the live row count (a CUDA graph's step is
+padded to its batch bucket: `ForwardContext.live_rows`, a device tensor written before each replay, so the
+worker computes the real rows only and zeroes the padded ones), the hidden rows, the CPU's assignments (ids,
 -1 where the GPU computes) and the routing weights into pinned buffers, then hands off to the worker
 (`offload/host_node.py`: a host node, captured into graphs), runs its own kernel, and waits; the worker
 writes its weighted rows (`offload/host_experts.HostExperts.rows`, zero where the GPU computes) and
@@ -20,6 +22,11 @@ scratch experts after it. Copy-engine DMA and CPU reads share host memory better
 which are latency-bound (measure: `benchmarks/bench_hybrid_overlap.py`). Scratch holds the experts of one
 layer's step (k x tokens, large experts only: decode at one token); layer l+1's copies are ordered after
 layer l's scratch kernel, since the worker only starts on l+1 when the stream has passed it.
+
+The time the stream waits for the worker (`stats.cpu_wait_s`, graphed steps too) is measured on the device:
+a pair of timing events per layer around the wait (event record nodes inside graphs), read by `check()`
+once the worker has served that layer and the stream has passed it. Under async scheduling a pair may be
+re-recorded by the next step before it is read; the figure is then that step's.
 It knows nothing about slots, tables or routing tallies.
 """
 
@@ -28,6 +35,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import deque
 
 import torch
 
@@ -58,6 +66,7 @@ class HostDecode:
                  dtype: torch.dtype, stats, device: torch.device | None = None):
         self.experts, self.stats = experts, stats
         self.copies = self.gpu_side == "copy" and max_tokens == 1 and device is not None
+        self.device = device
         if self.copies:
             first = next(iter(experts.values()))
             E, S = first.w13.shape[0], min(k * max_tokens, first.w13.shape[0])
@@ -69,13 +78,18 @@ class HostDecode:
             self.remap = torch.full((E,), S, dtype=torch.long, device=device)  # expert -> scratch slot | S (skip)
             self.copy_stream = torch.cuda.Stream(device)
         self.hand = HostHandoff()
-        self.meta = torch.zeros(3, dtype=torch.long).pin_memory()  # layer, tokens, first host column
+        self.meta = torch.zeros(4, dtype=torch.long).pin_memory()  # layer, tokens, live tokens, first host column
         self.x = torch.empty(max_tokens, hidden, dtype=dtype).pin_memory()
         self.ids = torch.empty(max_tokens, k, dtype=torch.long).pin_memory()
         self.w = torch.empty(max_tokens, k, dtype=torch.float32).pin_memory()
         self.out = torch.empty(max_tokens * k, hidden, dtype=dtype).pin_memory()
-        self.max_tokens = max_tokens
+        self.max_tokens, self.k = max_tokens, k
         self.error: BaseException | None = None
+        self.served: deque[int] = deque()  # layers the worker served whose wait is not read yet
+        self.waits: dict[int, tuple] = {}  # layer -> (event before the wait, event after it)
+        if device is not None and device.type == "cuda":
+            for layer in experts:
+                self.waits[layer] = tuple(torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
         # the thread holds only a weak reference between hand-offs: a dropped engine frees its host bank,
         # and the finalizer wakes the thread to end
         self.thread = threading.Thread(target=_worker, args=(weakref.ref(self), self.hand),
@@ -83,18 +97,28 @@ class HostDecode:
         self._finalizer = weakref.finalize(self, _stop, self.hand)
         self.thread.start()
 
+    @staticmethod
+    def meta_of(layer: int, T: int, live: torch.Tensor | None, device, cols: int = 0) -> torch.Tensor:
+        """[4] long on `device`: layer, T, live rows (`live` [1], read when the stream runs; None: T), the
+        first host column. Fill kernels and a device copy: graph-capturable, so a replay hands over the
+        replayed step's count."""
+        meta = torch.full((4,), T, dtype=torch.long, device=device)
+        meta[:1].fill_(layer)
+        meta[3:].fill_(cols)
+        if live is not None:
+            meta[2:3].copy_(live)
+        return meta
+
     def send(self, layer: int, x: torch.Tensor, cpu_ids: torch.Tensor, weights: torch.Tensor,
-             copy_ids: torch.Tensor | None = None, cols: int = 0) -> None:
+             copy_ids: torch.Tensor | None = None, cols: int = 0, live: torch.Tensor | None = None) -> None:
         """Enqueue the layer's hand-off: x [T, H], cpu_ids [T, k] (-1: the GPU's), weights [T, k]; with
         `copies`, copy_ids [T, k]: the experts the worker copies into scratch (-1: none); `cols` > 0: the
-        host computes only the intermediate columns [cols, I) of its experts (`HostExperts.rows`)."""
+        host computes only the intermediate columns [cols, I) of its experts (`HostExperts.rows`); `live` [1]
+        long: the real rows of a padded step (the first ones; None: all T)."""
         T = x.shape[0]
         if T > self.max_tokens:
             raise ValueError(f"host decode buffers hold {self.max_tokens} tokens, step has {T}")
-        meta = torch.full((3,), T, dtype=torch.long, device=x.device)  # fill kernels: graph-capturable
-        meta[:1].fill_(layer)
-        meta[2:].fill_(cols)
-        self.meta.copy_(meta, non_blocking=True)
+        self.meta.copy_(self.meta_of(layer, T, live, x.device, cols), non_blocking=True)
         self.x[:T].copy_(x, non_blocking=True)
         self.ids[:T].copy_(cpu_ids, non_blocking=True)
         self.w[:T].copy_(weights.float(), non_blocking=True)
@@ -102,10 +126,33 @@ class HostDecode:
             self.copy_ids[:T].copy_(copy_ids, non_blocking=True)
         self.hand.post(torch.cuda.current_stream(x.device))
 
-    def receive(self, rows: int, device: torch.device) -> torch.Tensor:
-        """Enqueue the wait for the worker; -> its rows [rows, H] on the device (stream-ordered)."""
-        self.hand.wait(torch.cuda.current_stream(device))
+    def receive(self, rows: int, device: torch.device, layer: int | None = None) -> torch.Tensor:
+        """Enqueue the wait for the worker (timed, with `layer`); -> its rows [rows, H] on the device."""
+        stream = torch.cuda.current_stream(device)
+        pair = self.waits.get(layer)
+        if pair is not None:
+            pair[0].record(stream)
+        self.hand.wait(stream)
+        if pair is not None:
+            pair[1].record(stream)
         return self.out[:rows].to(device, non_blocking=True)
+
+    def _read_waits(self) -> None:
+        """Add the waits of the layers served since the last call whose after-event has completed."""
+        later = []
+        while self.served:
+            layer = self.served.popleft()
+            pair = self.waits.get(layer)
+            if pair is None:
+                continue
+            if not pair[1].query():
+                later.append(layer)
+                continue
+            try:
+                self.stats.add(cpu_wait_s=pair[0].elapsed_time(pair[1]) / 1e3)
+            except RuntimeError:  # never recorded (an eager step on another path): nothing to add
+                pass
+        self.served.extendleft(reversed(later))
 
     def _copy_in(self, layer: int, T: int) -> None:
         """Issue the copies of the layer's scratch experts and of `remap` on the copy stream."""
@@ -120,6 +167,8 @@ class HostDecode:
             for j, e in enumerate(need):
                 _copy_into(self.scratch13, j, bank.w13, e)
                 _copy_into(self.scratch2, j, bank.w2, e)
+                bank.arrived(self.scratch13, j, e)  # a host-laid int4 expert: back to the store's layout
+                bank.arrived(self.scratch2, j, e)
                 self.remap_pin[e] = j
             self.remap.copy_(self.remap_pin, non_blocking=True)
 
@@ -127,10 +176,13 @@ class HostDecode:
         """One hand-off: the layer's host rows (and, with `copies`, its scratch copies)."""
         t = time.perf_counter()
         try:
-            layer, T, cols = self.meta.tolist()
+            layer, T, n, cols = self.meta.tolist()
+            self.served.append(layer)  # before `done`: a step that passed its wait finds its layers here
+            n = max(0, min(n, T))  # padded rows [n, T) get zeros: the device drops them
             if self.copies:  # first: the copy engine runs while the cores compute
-                self._copy_in(layer, T)
-            self.stats.cpu_experts += self.experts[layer].rows(self.x[:T], self.ids[:T], self.w[:T], self.out, cols)
+                self._copy_in(layer, n)
+            self.out[n * self.k:T * self.k].zero_()
+            self.stats.add(cpu_experts=self.experts[layer].rows(self.x[:n], self.ids[:n], self.w[:n], self.out, cols))
             if self.copies:
                 self.copy_stream.synchronize()
         except BaseException as e:  # the stream must still be released; the step fails in check()
@@ -144,9 +196,11 @@ class HostDecode:
                 except BaseException:  # the device is failing; the step fails in check() all the same
                     pass
         finally:
-            self.stats.cpu_busy_s += time.perf_counter() - t
+            self.stats.add(cpu_busy_s=time.perf_counter() - t)
 
     def check(self) -> None:
+        """After a step: count the device's waits read so far; raise what the worker hit."""
+        self._read_waits()
         if self.error is not None:
             e, self.error = self.error, None
             raise RuntimeError(f"host expert worker failed: {e!r}") from e

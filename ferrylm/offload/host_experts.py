@@ -5,8 +5,13 @@ exactly `layers/moe.expert_mlp`'s bits) or packed `layers/fused_moe.ExpertWeight
 int4min, nf4). It builds one `layers/cpu_experts.HostExpert` per expert on first use (`prepare` builds
 them ahead), over views of the bank's own bytes:
 - int4 / int4min (rows a multiple of 16) -> `QuantizedTensor` views for qmatmul's `Int4PackCPU`, which
-  re-lays the codes out in torch's CPU layout: that is a second copy of the expert's codes (TODO: a kernel
-  that reads the bank's layout; the device kernels need the bank as it is);
+  re-lays the codes out in torch's CPU layout: a second copy of the expert's codes. `lay(experts)` avoids
+  it: those experts' codes are re-laid in place in the bank itself (rows a multiple of 64) and computed by
+  `layers/cpu_experts.Int4InPlace` (the same kernel, the same bits, one copy). The bank's bytes of a laid
+  expert are then not the store's layout: whoever copies one to the device calls `arrived` on the copy
+  (re-laid back there, in stream order), and the device must not read a laid expert in place (hybrid
+  decode lays only the experts the host computes while they are not in a slot). No torch kernel reads the
+  store's layout at the int4 kernel's speed (re-laying per call costs ~10x the matmul), hence the swap;
 - int8 per channel -> `Int8PackCPU` on the bank's codes (only the scales are converted, to bf16);
 - nf4, fp8, group-wise int8, odd-sized int4 -> `RowBlocks`: rows decoded a few MB at a time into bf16
   for the GEMM (fp8: exactly, by moving bits, the fp32 scale on the output).
@@ -15,7 +20,7 @@ them ahead), over views of the bank's own bytes:
 `ids` (the caller marks the assignments it keeps with -1) into `out`'s rows, in the layout of
 `layers/fused_moe.expert_rows` (row t * k + j for token t's j-th expert) with every other row 0, so the
 device adds them to its own rows exactly. Its Python work grows with the assignments and the experts used,
-never with E. Safe to call from one worker thread while another thread reads `expert`.
+never with E. Thread-safe: each expert's kernels are built once, under that expert's own lock.
 It knows nothing about caches, streams or which thread runs it. Shapes: T tokens, k experts a token,
 H hidden, I the expert's intermediate size, E experts.
 """
@@ -27,7 +32,9 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from ferrylm.layers.cpu_experts import HostExpert, RowBlocks
+from ferrylm.layers.cpu_experts import (INT4_BLOCK, HostExpert, Int4InPlace, RowBlocks, int4_from_cpu_layout_,
+                                        int4_layout_matches, int4_to_cpu_layout_)
+from ferrylm.layers.fused_moe import ExpertWeights
 from ferrylm.weights import quant as Q
 
 
@@ -59,9 +66,10 @@ def fp8_to_bf16(q: torch.Tensor) -> torch.Tensor:
     return t.view(torch.bfloat16).mul_(2.0 ** 120)
 
 
-def side_kernel(side, e: int):
+def side_kernel(side, e: int, laid: bool = False):
     """Expert e of one bank side as what `HostExpert` takes: a dense [N, K] view, a `QuantizedTensor` over
-    views of the packed parts (formats with a qmatmul CPU kernel), or a `RowBlocks` kernel."""
+    views of the packed parts (formats with a qmatmul CPU kernel), or a `RowBlocks` kernel; `laid`: int4
+    codes already in torch's CPU layout in the bank (an `Int4InPlace` kernel over them)."""
     if isinstance(side, torch.Tensor):
         return side[e]
     _, N, K = side.shape
@@ -72,7 +80,8 @@ def side_kernel(side, e: int):
     if fmt in ("int4", "int4min") and N % 16 == 0:
         parts = {"q": q, "scale": s, **({"min": side.parts["min"][e]} if fmt == "int4min" else {})}
         zero = "min" if fmt == "int4min" else "sym"
-        return Q.QuantizedTensor("int4", (N, K), parts, {"group_size": gs, "zero": zero}, torch.bfloat16)
+        qt = Q.QuantizedTensor("int4", (N, K), parts, {"group_size": gs, "zero": zero}, torch.bfloat16)
+        return Int4InPlace(qt, q) if laid else qt
     if fmt == "fp8" and gs == K:  # per channel: e4m3 -> bf16 exactly (`fp8_to_bf16`); the scale goes on the output
         return RowBlocks((N, K), lambda a, c: fp8_to_bf16(q[a:a + c]), _nbytes(q, s), out_scale=s[:, 0].float())
     m = side.parts.get("min")
@@ -110,16 +119,59 @@ class HostExperts:
         self.expert_bytes = expert_bytes(w13, w2)
         """Bytes of one expert as the bank holds it."""
         self._experts: list[HostExpert | None] = [None] * self.num_experts
-        self._lock = threading.Lock()
+        # one lock per expert: a build happens once even if two threads ask for it, and a slow build (int4's
+        # re-layout, a background `prepare`) never stalls a thread that wants another expert
+        self._locks = [threading.Lock() for _ in range(self.num_experts)]
+        self.laid: set[int] = set()
+        """Experts whose int4 codes lie in the bank in torch's CPU layout (`lay`)."""
+
+    @property
+    def can_lay(self) -> bool:
+        """An int4 bank whose sides' rows are whole blocks of torch's CPU layout, on a build that lays them
+        out as `layers/cpu_experts` does."""
+        sides = (self.w13, self.w2)
+        return (all(isinstance(s, ExpertWeights) and s.fmt in ("int4", "int4min") and s.shape[1] % INT4_BLOCK == 0
+                    for s in sides) and int4_layout_matches())
+
+    def lay(self, experts) -> None:
+        """Re-lay `experts`' codes in place into torch's CPU layout (no-op where `can_lay` is false or already
+        laid). The caller makes sure nothing reads those bytes meanwhile (no copy in flight, no kernel
+        reading them in place); their kernels are built again over the bank."""
+        if not self.can_lay:
+            return
+        for e in experts:
+            with self._locks[e]:
+                if e not in self.laid:
+                    for side in (self.w13, self.w2):
+                        int4_to_cpu_layout_(side.parts["q"][e])
+                    self.laid.add(e)
+                    self._experts[e] = None
+
+    def unlay(self, experts) -> None:
+        """Back to the store's layout (the inverse of `lay`, under the same care)."""
+        for e in experts:
+            with self._locks[e]:
+                if e in self.laid:
+                    for side in (self.w13, self.w2):
+                        int4_from_cpu_layout_(side.parts["q"][e])
+                    self.laid.discard(e)
+                    self._experts[e] = None
+
+    def arrived(self, dst, s: int, e: int) -> None:
+        """Slot s of `dst` (a bank side's copy target, any device) just received expert e: if e is laid,
+        re-lay the copy back into the store's layout there (enqueue it on the stream that copied)."""
+        if e in self.laid:
+            int4_from_cpu_layout_(dst.parts["q"][s])
 
     def expert(self, e: int) -> HostExpert:
-        h = self._experts[e]
+        h = self._experts[e]  # published whole (one list store) once built: readers need no lock
         if h is None:
-            with self._lock:  # a kernel build (int4's re-layout) happens once even if two threads ask
+            with self._locks[e]:
                 h = self._experts[e]
                 if h is None:
-                    h = self._experts[e] = HostExpert(side_kernel(self.w13, e), side_kernel(self.w2, e), self.act,
-                                                      dense_dtype=self.dense_dtype)
+                    laid = e in self.laid
+                    h = self._experts[e] = HostExpert(side_kernel(self.w13, e, laid), side_kernel(self.w2, e, laid),
+                                                      self.act, dense_dtype=self.dense_dtype)
         return h
 
     def prepare(self, experts=None) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class OffloadStats:
+    """What the offload engine moved and computed. The host expert workers count beside the engine thread:
+    counters more than one thread writes (`cpu_experts`, `cpu_busy_s`, `cpu_wait_s`) change through `add`
+    only, under one lock (a bare `+=` from two threads can lose updates)."""
+
     h2d_bytes: int = 0
     """Bytes copied host -> device for weights (streamed layers and expert misses)."""
     expert_hits: int = 0
@@ -54,11 +59,21 @@ class OffloadStats:
     step_s: float = 0.0
     """Seconds the steps took, wall clock (the denominator of the CPU busy share)."""
 
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()  # not a field: `asdict` and `reset` never see it
+
+    def add(self, **counts) -> None:
+        """counter += value for each `counter=value`, atomically: safe from any thread."""
+        with self._lock:
+            for name, v in counts.items():
+                setattr(self, name, getattr(self, name) + v)
+
     def reset(self) -> None:
         """Counters to 0 (the gauge `cpu_share` keeps its value)."""
-        for f in dataclasses.fields(self):
-            if f.name != "cpu_share":
-                setattr(self, f.name, type(getattr(self, f.name))())
+        with self._lock:
+            for f in dataclasses.fields(self):
+                if f.name != "cpu_share":
+                    setattr(self, f.name, type(getattr(self, f.name))())
 
     @property
     def hit_rate(self) -> float | None:
@@ -215,6 +230,8 @@ class PlacedWeights:
             self.tally = RoutingTally(self.caches, self.device, self.stats)
             if self.costs is not None:
                 self._start_host_decode()
+        if self.caches and self.experts == "cpu" and self.host_decode is None:  # no copies, no in-place reads:
+            self._lay_host_experts(list(range(next(iter(self.caches.values())).host_w13.shape[0])))  # one int4 copy
 
     def _start_host_decode(self) -> None:
         """Hybrid decode: a share of each layer's experts (spread over the ids) is computed by the host while
@@ -258,14 +275,33 @@ class PlacedWeights:
             c.use_host(self.host_decode, cpu_class, share, self.hybrid_split)
         self.cpu_share = self.stats.cpu_share = share
         order = cpu_class.nonzero().flatten().tolist() + (~cpu_class).nonzero().flatten().tolist()
+        # int4: one copy of the codes, in the host kernel's layout, only where the device never reads a miss
+        # in place (share 1: `host_share` sends every miss to the host)
+        self._lay_host_experts(order if share >= 1 else [])
         self._prepare_host_experts(order)  # any miss may fall to the host; the first-chosen are built first
         log.info("hybrid decode: the host computes a share %.2f of each layer's missed experts per step, "
                  "%d of %d experts first", share, int(cpu_class.sum()), E)
 
+    def _lay_host_experts(self, experts: list[int]) -> None:
+        """Int4 banks: `experts` keep one copy of their codes, in the host kernel's layout (`HostExperts.lay`;
+        copies to the device re-lay on arrival; the caller makes sure the device never reads them in place);
+        the others go back to the store's layout. The device is drained first: no copy or kernel reads the
+        bytes while they move. (With 0 < share < 1 any miss may be read in place: int4 host experts then keep
+        a re-laid copy each, TODO: a split that never sends a laid expert to the in-place kernel.)"""
+        banks = [c.host_experts for c in self.caches.values()]
+        if not any(he.can_lay for he in banks):
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for he in banks:
+            he.unlay(sorted(he.laid - set(experts)))
+            he.lay(experts)
+
     def _prepare_host_experts(self, experts: list[int]) -> None:
         """Build the host kernels of `experts` in every layer on a background thread, so no decode step pays
-        a first use (int4's re-layout took 2 s for one Mixtral-sized expert on a loaded 2-core host); a step
-        that needs one first builds it itself (one build per expert: `HostExperts` locks)."""
+        a first use (a copied int4 re-layout took 2 s for one Mixtral-sized expert on a loaded 2-core host;
+        laid experts only convert their scales); a step that needs one first builds it itself (one build per
+        expert: `HostExperts` locks each)."""
         import threading
 
         banks = [c.host_experts for c in self.caches.values()]

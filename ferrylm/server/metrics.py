@@ -111,6 +111,10 @@ class _EngineCollector:
                               "on the host's cores.", labels=["model_name"])
         g.add_metric(self.labels, stats["cpu_share"])
         yield g
+        g = GaugeMetricFamily("ferry:offload_cpu_busy_share", "Share of the offload steps' wall time the host "
+                              "spent computing experts (cpu_busy_s over step_s).", labels=["model_name"])
+        g.add_metric(self.labels, stats["cpu_busy_s"] / stats["step_s"] if stats["step_s"] > 0 else 0.0)
+        yield g
 
 
 OLD_NAMES = {"kv_cache_usage_perc": "gpu_cache_usage_perc"}

@@ -150,7 +150,7 @@ class HostDecode:
                 continue
             try:
                 self.stats.add(cpu_wait_s=pair[0].elapsed_time(pair[1]) / 1e3)
-            except RuntimeError:  # never recorded (an eager step on another path): nothing to add
+            except (RuntimeError, ValueError):  # never recorded (torch raises ValueError): nothing to add
                 pass
         self.served.extendleft(reversed(later))
 

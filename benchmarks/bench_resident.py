@@ -216,6 +216,9 @@ def main() -> None:
         del llm  # gone before the next engine sizes its KV cache from the free memory
         gc.collect()
         torch.cuda.empty_cache()
+        from ferrylm.models.yuan import YuanForCausalLM
+
+        YuanForCausalLM.cuda_graphs = True  # shipped off until tests/test_cuda.py -k graph passes on a GPU
         llm = engine(YUAN2_M32, 4, 1024)
         decode_row("yuan2-m32", "yuanm32-b1", YUAN2_M32, llm, 1, 128, 128, b=yuan_bytes(YUAN2_M32), eager=eager)
         free(llm)

@@ -712,7 +712,17 @@ def _graph_vs_eager(path, tag, dtype, tol, overrides=None, vocab=250):
     return graphed
 
 
-def test_yuan_dense_graph_decode_equals_eager():
+@pytest.fixture
+def graphs_on(monkeypatch):
+    """Yuan and DeepSeek ship with decode graphs off until these tests pass on a GPU: turn them on."""
+    from ferrylm.models.deepseek import DeepseekForCausalLM
+    from ferrylm.models.yuan import YuanForCausalLM
+
+    monkeypatch.setattr(YuanForCausalLM, "cuda_graphs", True)
+    monkeypatch.setattr(DeepseekForCausalLM, "cuda_graphs", True)
+
+
+def test_yuan_dense_graph_decode_equals_eager(graphs_on):
     """Yuan2 dense (tiny, fp32): the filter state rows reach the graph as a device buffer, padded rows on
     the pool's scratch row. Then a graphed step launches without a synchronising CUDA call."""
     path = os.path.join(DATA, "yuan2-tiny")
@@ -731,13 +741,13 @@ def test_yuan_dense_graph_decode_equals_eager():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_yuan_m32_graph_decode_equals_eager():
+def test_yuan_m32_graph_decode_equals_eager(graphs_on):
     """Yuan2.0-M32 (tiny, bf16: the fused expert kernel, which graphs need; the attention router on the
     device)."""
     _graph_vs_eager(os.path.join(DATA, "yuan2-m32-tiny"), "yuan2 m32", "bfloat16", 2e-2, vocab=380)
 
 
-def test_deepseek_graph_decode_equals_eager(tmp_path_factory):
+def test_deepseek_graph_decode_equals_eager(tmp_path_factory, graphs_on):
     """DeepSeek-V3 (tiny, bf16: MLA with the latent cache row, sigmoid group routing, fused experts)."""
     from test_models import DEEPSEEK, build
 

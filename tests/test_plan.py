@@ -428,6 +428,26 @@ def test_check_times_decode_after_every_prefill(tmp_path):
     assert 2 * 5 * 2 <= stats.expert_hits + stats.expert_misses <= 2 * 5 * 4
 
 
+def test_check_times_prefill_after_a_full_length_warm_up(tiny_llama):
+    """`check.measure` times the second of two fresh prompts of the workload's full length: the first pays for
+    first-use costs of those shapes (Triton JIT, the prompt bucket's piecewise graph), and fresh ids keep the
+    prefix cache from hitting. A 16-token warm-up (the first GPU run's) left both inside the timing."""
+    from ferrylm import LLM
+    from ferrylm.plan.check import engine_for, measure
+
+    plan = make_plan(PlanOptions(os.path.join(tiny_llama, "config.json"), host=HOST, dtype="float32",
+                                 kv_cache_memory_gb=0.01, max_num_seqs=2, max_model_len=128, prompt_len=40,
+                                 output_len=4))
+    llm = engine_for(plan, tiny_llama, "cpu")
+    assert isinstance(llm, LLM)
+    seen, generate = [], llm.generate
+    llm.generate = lambda prompts, params: seen.append([list(p) for p in prompts]) or generate(prompts, params)
+    got = measure(plan, llm, cuda=False)
+    assert got["prefill"] > 0
+    assert [[len(p) for p in call] for call in seen] == [[40], [40]]
+    assert seen[0][0] != seen[1][0]  # a different prompt: the timed one shares no prefix blocks with the first
+
+
 def test_options_that_cost_speed_for_nothing_are_warned():
     eager = make_plan(PlanOptions("Llama-3-8B", gpu="1xH200", host=HOST, max_model_len=4096, enforce_eager=True))
     assert any("--enforce-eager costs decode speed" in n for n in eager.notes)

@@ -107,10 +107,15 @@ def replay(path: str, a) -> list[dict]:
     for case, info in old["cases"].items():
         if case not in CASES:
             continue
+        opts = case_options(case, a, cuda=True)[2]
         with mock.patch.object(hardware, "measured_h2d_gbs", lambda index=0: info["h2d_gbs"]), \
                 mock.patch.object(hardware, "measured_host_read_gbs", lambda: info["host_read_gbs"]):
-            plan = make_plan(case_options(case, a, cuda=True)[2])
-        now = predicted(plan, cuda=True)
+            plan = make_plan(opts)
+            now = predicted(plan, cuda=True)
+            for key, hit in (info.get("hit_rate_measured") or {}).items():
+                if hit is not None:  # the bandwidth model alone, at the hit rate the run saw
+                    now[f"{key} @measured hit"] = make_plan(replace(opts, expert_hit_rate=hit),
+                                                            advise=False).speed[key]["tok_s"]
         for r in old["rows"]:
             if r.get("case") == case and r.get("metric") in now:
                 rows.append(dict(case=case, metric=r["metric"], measured=r["measured"], predicted_then=r["predicted"],
@@ -240,8 +245,7 @@ def main() -> None:
                     help="re-plan the cases of an earlier GPU run's results JSON with today's plan (no engine run)")
     a = ap.parse_args()
     if a.replay:
-        rows = replay(a.replay, a)
-        print(json.dumps({"bench": "plan-replay", "of": a.replay, "rows": rows}))
+        write_results("plan-replay", replay(a.replay, a), out=a.out, of=os.path.relpath(a.replay))
         return
     if a.one_case:
         try:

@@ -353,11 +353,16 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 gpu_misses = misses * (1 - share)
                 out["inplace"] += gpu_misses * m["nbytes"]
                 out["inplace_equiv"] += gpu_misses * m["inplace_equiv"]
-                out["host_experts_s"] += misses * share * m["nbytes"] / (host_gbs * 1e9) if share else 0.0
+                # the host runs its share of every miss (split along the intermediate: one call each) or, at
+                # share 1, every miss whole
+                out["host_experts_s"] += (misses * share * m["nbytes"] / (host_gbs * 1e9)
+                                          + misses * estimate.HOST_EXPERT_CALL_S) if share else 0.0
             else:  # the copy path's host split (offload/cost_model.py) is counted as copies: measured, it gained
                 # 6% over copies alone (Mixtral 16L batch 1, docs/benchmarks.md "Hybrid CPU-GPU experts")
                 out["copy"] += misses * m["nbytes"]
-                out["host"] += estimate.CACHED_EXPERT_S * d
+                # prefill copies its misses in rounds, one fused launch a round: no per-expert host cost
+                # (measured: <= 0.05 ms an expert, `estimate.CACHED_EXPERT_S`)
+                out["host"] += 0.0 if prefill else estimate.CACHED_EXPERT_S * d
         return out
 
     def decode(batch: int) -> dict:
@@ -466,8 +471,14 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             notes.append(f"hybrid decode: the host's cores compute {share:.0%} of the misses beside the kernel's "
                          f"in-place reads ({host_gbs:.0f} GB/s: {estimate.HOST_EXPERT_EFF:.0%} of the host's "
                          f"{'measured' if host.read_gbs else 'assumed'} {host.read_rate_gbs:.0f} GB/s read rate); "
-                         "unmeasured so far; the copy path's split (larger steps, prefill) is counted as copies (it "
-                         "gained 6% over copies alone when measured)")
+                         f"each host expert costs {estimate.HOST_EXPERT_CALL_S * 1e3:.1f} ms beyond its bytes; the copy "
+                         "path's split (larger steps, prefill) is counted as copies (it gained 6% over copies alone "
+                         "when measured)")
+            alone = make_plan(replace(opts, experts="gpu"), advise=False) if advise and opts.experts == "auto" else None
+            if alone is not None and alone.speed["decode_batch1"]["tok_s"] > 1.05 * d1["tok_s"]:
+                notes.append(f"warning: hybrid decode costs speed here (small experts: the host's per-expert cost "
+                             f"outweighs their bytes): --experts gpu decodes {alone.speed['decode_batch1']['tok_s']:.1f} "
+                             f"instead of {d1['tok_s']:.1f} tok/s at batch 1")
         elif mapped_tokens and not packed_any and opts.experts != "gpu" and host_gbs == 0:
             notes.append("hybrid decode not predicted: this host's memory read rate is unknown (--host local without "
                          "--measure-bandwidth); the engine will also compute a share of the misses on the host")

@@ -20,8 +20,10 @@ Each case runs in a process of its own under a time limit (`--case-timeout`, and
 so a case that fails, hangs or spoils the CUDA context costs only its own rows (an `error` row names it).
 Writes benchmarks/results/plan-check-<date>.json; the last line printed is JSON.
 
-    PYTHONPATH=. python benchmarks/bench_plan.py --gpu 1xH200   # on the H200: ~3-5 minutes, at most --time-budget
+    PYTHONPATH=. python benchmarks/bench_plan.py --gpu 1xH200   # on the H200: ~4-7 minutes, at most --time-budget
     PYTHONPATH=. python benchmarks/bench_plan.py --device cpu   # smoke, seconds
+    PYTHONPATH=. python benchmarks/bench_plan.py --replay benchmarks/results/plan-check-2026-12-01.json
+        # no GPU: today's plan for an earlier GPU run's cases (its measured H2D / host read rates), beside its figures
 """
 
 from __future__ import annotations

@@ -405,6 +405,26 @@ def test_bench_plan_smoke_on_cpu(tmp_path):
         ("dense", "timed out after 0 s"), ("moe", "timed out after 0 s")]
 
 
+def test_bench_plan_replays_a_gpu_run_on_the_cpu(tmp_path):
+    """`bench_plan.py --replay`: today's plan for the cases of the committed first H200 run, with that run's
+    measured H2D and host read rates, beside its measurements (docs/benchmarks.md's "predicted now" column)."""
+    root = os.path.dirname(os.path.dirname(__file__))
+    out = tmp_path / "replay.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_plan.py"), "--replay",
+                        os.path.join(root, "benchmarks", "results", "plan-check-2026-12-01.json"), "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {(x["case"], x["metric"]): x for x in json.loads(out.read_text())["rows"]}
+    assert {c for c, _ in rows} == {"dense", "moe", "moe-offload"}  # the NF4 case failed in that run: no rows
+    assert ("moe-offload", "decode_batch1 @measured hit") in rows
+    for x in rows.values():
+        assert x["predicted_now"] > 0 and x["rel_error_now"] == pytest.approx((x["predicted_now"] - x["measured"])
+                                                                              / x["measured"])
+    # memory is the engine's own rule: resident weights within the issue's 1%, as measured
+    assert abs(rows[("dense", "weights")]["rel_error_now"]) < 0.01 and abs(rows[("moe", "weights")]["rel_error_now"]) < 0.01
+
+
 def test_check_times_decode_after_every_prefill(tmp_path):
     """`check._decode` (what `--check` and bench_plan time): only steps after every prompt's first token, with
     the expert hit rate of those steps; a tiny Mixtral with its experts in host memory, on the CPU."""

@@ -20,8 +20,10 @@ Each case runs in a process of its own under a time limit (`--case-timeout`, and
 so a case that fails, hangs or spoils the CUDA context costs only its own rows (an `error` row names it).
 Writes benchmarks/results/plan-check-<date>.json; the last line printed is JSON.
 
-    PYTHONPATH=. python benchmarks/bench_plan.py --gpu 1xH200   # on the H200: ~3-5 minutes, at most --time-budget
+    PYTHONPATH=. python benchmarks/bench_plan.py --gpu 1xH200   # on the H200: ~4-7 minutes, at most --time-budget
     PYTHONPATH=. python benchmarks/bench_plan.py --device cpu   # smoke, seconds
+    PYTHONPATH=. python benchmarks/bench_plan.py --replay benchmarks/results/plan-check-2026-12-01.json
+        # no GPU: today's plan for an earlier GPU run's cases (its measured H2D / host read rates), beside its figures
 """
 
 from __future__ import annotations
@@ -75,11 +77,8 @@ def case_config(case: str, tiny: bool) -> tuple[dict, float | None, str | None, 
     return cfg, budget_gib, experts, tokens
 
 
-def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
-    from ferrylm.offload import expert_profile
-    from ferrylm.weights.random_source import RandomSource
-
-    cuda = device == "cuda"
+def case_options(case: str, a, cuda: bool) -> tuple[dict, str, PlanOptions]:
+    """(config, its temp dir, the plan's options) of one case, as the engine will be run with them."""
     cfg, budget_gib, experts, tokens = case_config(case, tiny=not cuda)
     d = tempfile.mkdtemp(prefix=f"ferry-plan-{case}-")
     with open(os.path.join(d, "config.json"), "w") as f:
@@ -94,6 +93,53 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
         opts = replace(opts, place=("experts=cpu",))
     if not cuda:
         opts = replace(opts, dtype="float32", kv_cache_memory_gb=0.01, prompt_len=32, output_len=4)
+    return cfg, d, opts
+
+
+def replay(path: str, a) -> list[dict]:
+    """The current plan for the CUDA cases of an earlier GPU run, on this machine (no GPU needed): planned with
+    the pinned H2D and host read rates that run measured, its measured figures beside the new predictions."""
+    from unittest import mock
+
+    from ferrylm.plan import hardware
+
+    with open(path) as f:
+        old = json.load(f)
+    rows = []
+    for case, info in old["cases"].items():
+        if case not in CASES:
+            continue
+        opts = case_options(case, a, cuda=True)[2]
+        with mock.patch.object(hardware, "measured_h2d_gbs", lambda index=0: info["h2d_gbs"]), \
+                mock.patch.object(hardware, "measured_host_read_gbs", lambda: info["host_read_gbs"]):
+            plan = make_plan(opts)
+            now = predicted(plan, cuda=True)
+            for key, hit in (info.get("hit_rate_measured") or {}).items():
+                if hit is not None:  # the bandwidth model alone, at the hit rate the run saw
+                    now[f"{key} @measured hit"] = make_plan(replace(opts, expert_hit_rate=hit),
+                                                            advise=False).speed[key]["tok_s"]
+        for r in old["rows"]:
+            if r.get("case") == case and r.get("metric") in now:
+                rows.append(dict(case=case, metric=r["metric"], measured=r["measured"], predicted_then=r["predicted"],
+                                 predicted_now=now[r["metric"]],
+                                 rel_error_now=(now[r["metric"]] - r["measured"]) / r["measured"]))
+        for key in ("decode_batch1", "decode_concurrent"):
+            s = plan.speed[key]
+            print(f"{case} {key}: {s['tok_s']:.1f} tok/s, binding {s['binding']}, hit {s['expert_hit_rate']}, "
+                  f"parts ms { {p: round(v, 3) for p, v in s['parts_ms'].items() if v} }", flush=True)
+    for r in rows:
+        print(f"  {r['case']:12s} {r['metric']:18s} measured {r['measured']:>14,.1f}  then {r['predicted_then']:>14,.1f}"
+              f"  now {r['predicted_now']:>14,.1f}  {r['rel_error_now']:+7.1%}", flush=True)
+    return rows
+
+
+def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
+    from ferrylm.offload import expert_profile
+    from ferrylm.weights.random_source import RandomSource
+
+    cuda = device == "cuda"
+    cfg, d, opts = case_options(case, a, cuda)
+    experts, tokens = CASES[case][3], CASES[case][4]  # the engine's expert format (the CPU one dequantizes)
     plan = make_plan(opts)
     t = time.perf_counter()
     if cuda:
@@ -197,7 +243,12 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results file (default benchmarks/results/plan-check-<date>.json)")
     ap.add_argument("--one-case", default=None, help=argparse.SUPPRESS)  # internal: run one case, write its result
     ap.add_argument("--case-result", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--replay", default=None, metavar="RESULTS",
+                    help="re-plan the cases of an earlier GPU run's results JSON with today's plan (no engine run)")
     a = ap.parse_args()
+    if a.replay:
+        write_results("plan-replay", replay(a.replay, a), out=a.out, of=os.path.relpath(a.replay))
+        return
     if a.one_case:
         try:
             got, info = run_case(a.one_case, a, a.device)

@@ -27,8 +27,8 @@ from ferrylm.layers.parallel_linear import kv_heads_per_rank
 from ferrylm.layers.rotary import RotaryEmbedding
 from ferrylm.models.registry import model_class
 from ferrylm.offload.placed_weights import PlacedWeights
-from ferrylm.offload.memory import (activation_reserve, device_budget, fixed_kv_bytes, kv_after_warmup, size_memory,
-                                   warmup_activations)
+from ferrylm.offload.memory import (activation_reserve, device_budget, fixed_kv_bytes, graph_tokens, kv_after_warmup,
+                                   size_memory, warmup_activations)
 from ferrylm.offload.placement import describe, group_tensors
 from ferrylm.parallel.group import SINGLE, building
 
@@ -238,13 +238,16 @@ class ModelRunner:
         return KVCache.bytes_per_block(len(self.layers), self.block_size, self.kv_heads,
                                        cfg.head_dim, self.dtype, cfg.v_cache_dim, self.kv_dtype)
 
-    def _activation_reserve(self) -> int:
+    def _activation_reserve(self, resident: bool) -> int:
         """The planned activation reserve (`offload/memory.py`); on CUDA the warm-up measures the real one."""
         elt = torch.empty(0, dtype=self.dtype).element_size()
-        return activation_reserve(self.model_config, self.config.scheduler, elt)
+        return activation_reserve(self.model_config, self.config.scheduler, elt, self._graph_tokens(resident))
 
-    def _graphs_planned(self) -> bool:
-        return self.device.type == "cuda" and not self.config.enforce_eager
+    def _graph_tokens(self, resident: bool) -> int:
+        """Tokens of the largest graph-captured step (`offload/memory.py` graph_tokens): piecewise prefill graphs
+        only for fully resident models."""
+        graphs = self.device.type == "cuda" and not self.config.enforce_eager
+        return graph_tokens(self.config.scheduler, graphs, resident and self.model.piecewise)
 
     def _warmup_peak(self) -> int:
         """Device bytes one step at the token budget allocates beyond the weights, measured: a dummy
@@ -280,8 +283,8 @@ class ModelRunner:
         """The KV pool from what is left of the budget once the weights sit where they are and one step's
         activations are measured (`offload/memory.py`, the rule `ferry plan` predicts with)."""
         self.step_peak = self._warmup_peak()
-        self.activation_bytes = warmup_activations(self.step_peak, self.config.scheduler,
-                                                   self.model_config.vocab_size, self._graphs_planned())
+        self.activation_bytes = warmup_activations(self.step_peak, self.config.scheduler, self.model_config.vocab_size,
+                                                   self._graph_tokens(self.placement.fully_resident))
         used = torch.cuda.memory_allocated(self.device) - self._mem_base
         self.weights_allocated = used  # measured: what the placed weights take (`ferry plan --check`)
         kv, left = kv_after_warmup(self._budget, used, self.activation_bytes, self._fixed_kv,
@@ -319,9 +322,10 @@ class ModelRunner:
         per_block = self._kv_bytes_per_block()
         self._budget = device_budget(oc, total, free)
         self._fixed_kv = fixed_kv_bytes(self.config.cache, per_block)
-        reserve = self._activation_reserve() if self.device.type == "cuda" else 0
+        cuda = self.device.type == "cuda"
         return size_memory(group_tensors(self.model), per_block, self.max_model_len, self.config.cache, sc, oc,
-                           self._budget, reserve, on_cpu=self.device.type == "cpu")
+                           self._budget, self._activation_reserve(False) if cuda else 0, on_cpu=not cuda,
+                           resident_reserve=self._activation_reserve(True) if cuda else 0)
 
     def _allocate_kv(self, nbytes: int) -> KVCache:
         cfg = self.model_config

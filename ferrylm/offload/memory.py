@@ -23,13 +23,27 @@ def device_budget(oc: OffloadConfig, total: int | None, free: int | None) -> int
     return int(min((oc.gpu_memory_utilization or 0.9) * total, 0.9 * free))
 
 
-def activation_reserve(cfg: ModelConfig, sc: SchedulerConfig, elt: int) -> int:
-    """Device bytes kept free for activations, logits and library workspaces (an upper estimate of one
-    step at the token budget; the KV pool is sized after the weights within the rest)."""
+def step_bound(cfg: ModelConfig, sc: SchedulerConfig, elt: int) -> int:
+    """An upper estimate of what the warm-up measures (`ModelRunner._warmup_peak`): one step's activations at
+    the token budget, the logits of `max_num_seqs` rows and library workspaces."""
     T = sc.max_num_batched_tokens
     inner = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(cfg.num_experts_per_tok, 1))
     width = 6 * cfg.hidden_size + 3 * inner + 3 * cfg.num_attention_heads * cfg.head_dim
-    return T * width * elt + 3 * sc.max_num_seqs * cfg.vocab_size * 4 + (256 << 20)
+    return T * width * elt + sc.max_num_seqs * cfg.vocab_size * 4 + (256 << 20)
+
+
+def graph_tokens(sc: SchedulerConfig, graphs: bool, piecewise: bool) -> int:
+    """Tokens of the largest step CUDA graphs capture: the token budget with piecewise prefill graphs (fully
+    resident models), `max_num_seqs` with decode graphs only (offloaded ones), 0 eager."""
+    return 0 if not graphs else sc.max_num_batched_tokens if piecewise else sc.max_num_seqs
+
+
+def activation_reserve(cfg: ModelConfig, sc: SchedulerConfig, elt: int, graph_tokens: int = 0) -> int:
+    """Device bytes the placement keeps free for activations: `warmup_activations` of `step_bound`, the rule
+    the CUDA engine re-sizes its KV pool with after measuring the step. One rule for both, so a setup the
+    placement accepts at the minimum KV is one the warm-up keeps (unless the measured step exceeds the
+    bound): a reserve of one step against a warm-up that counted graph pools as a second step refused it."""
+    return warmup_activations(step_bound(cfg, sc, elt), sc, cfg.vocab_size, graph_tokens)
 
 
 def fixed_kv_bytes(cc: CacheConfig, per_block: int) -> int | None:
@@ -44,8 +58,9 @@ def fixed_kv_bytes(cc: CacheConfig, per_block: int) -> int | None:
 
 def size_memory(groups: list[TensorGroup], per_block: int, max_model_len: int, cc: CacheConfig,
                 sc: SchedulerConfig, oc: OffloadConfig, budget: int | None, reserve: int,
-                on_cpu: bool) -> tuple[Placement, int]:
-    """(placement, KV bytes): the whole model resident when it fits, else placed under the budget."""
+                on_cpu: bool, resident_reserve: int | None = None) -> tuple[Placement, int]:
+    """(placement, KV bytes): the whole model resident when it fits (keeping `resident_reserve` free,
+    default `reserve`: a resident model's graphs may hold more), else placed under the budget keeping `reserve`."""
     blocks_per_seq = (max_model_len + cc.block_size - 1) // cc.block_size
     fixed_kv = fixed_kv_bytes(cc, per_block)
     if budget is None:  # CPU engine without a budget: everything "resident" in host memory
@@ -56,31 +71,37 @@ def size_memory(groups: list[TensorGroup], per_block: int, max_model_len: int, c
     kv = fixed_kv if fixed_kv is not None else min_kv
     weights = sum(g.nbytes for g in groups)
     forced_host = any(r.split("=")[-1].strip().lower() == "cpu" for r in oc.place)
-    if weights + reserve + kv <= budget and not forced_host:
+    whole = reserve if resident_reserve is None else resident_reserve
+    if weights + whole + kv <= budget and not forced_host:
         placement = place(groups, None, oc.place, stream_buffers=oc.stream_buffers)
         if fixed_kv is None:  # resident: the KV pool takes the rest, as much as every sequence can use
-            kv = max(kv, min(budget - weights - reserve, sc.max_num_seqs * blocks_per_seq * per_block
+            kv = max(kv, min(budget - weights - whole, sc.max_num_seqs * blocks_per_seq * per_block
                              if on_cpu else budget))
         return placement, kv
     if fixed_kv is None:  # offloaded: weights are worth more than idle KV; a sixth of the budget
         kv = max(min_kv, min(budget // 6, sc.max_num_seqs * blocks_per_seq * per_block))
+    room = budget - reserve - kv
+    if weights <= room and not forced_host:  # all would fit, but then resident (prefill graphs): keep its reserve
+        room = budget - whole - kv
     least = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers)
-    if budget - reserve - kv < least:
+    if room < least:
         def gib(n):
             return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
         raise ConfigError(
             f"GPU memory budget {gib(budget)} is too small for this model: it needs at least "
-            f"{gib(least + kv + reserve)} ({gib(least)} of weights: norms, routers, placement rules, stream "
-            f"buffers and expert slots; {gib(kv)} of KV cache; {gib(reserve)} for activations)")
-    return place(groups, budget - reserve - kv, oc.place, stream_buffers=oc.stream_buffers), kv
+            f"{gib(least + budget - room)} ({gib(least)} of weights: norms, routers, placement rules, stream "
+            f"buffers and expert slots; {gib(kv)} of KV cache; {gib(budget - room - kv)} for activations)")
+    return place(groups, room, oc.place, stream_buffers=oc.stream_buffers), kv
 
 
-def warmup_activations(step_peak: int, sc: SchedulerConfig, vocab_size: int, graphs: bool) -> int:
+def warmup_activations(step_peak: int, sc: SchedulerConfig, vocab_size: int, graph_tokens: int) -> int:
     """Device bytes the KV pool leaves for activations after the warm-up: one step's peak at the token budget
-    (measured by the runner) plus the sampler's two [max_num_seqs, V] fp32 work tensors, twice over when CUDA
-    graphs will be captured (their private pools hold one more step's worth)."""
-    return (step_peak + 2 * sc.max_num_seqs * vocab_size * 4) * (2 if graphs else 1)
+    (measured by the runner) plus the sampler's two [max_num_seqs, V] fp32 work tensors, and again the share of
+    that a captured step of `graph_tokens` tokens holds in the graphs' private pools (`graph_tokens`: a whole
+    step with piecewise prefill graphs, `max_num_seqs` rows of it with decode graphs only)."""
+    one = step_peak + 2 * sc.max_num_seqs * vocab_size * 4
+    return one + one * min(graph_tokens, sc.max_num_batched_tokens) // sc.max_num_batched_tokens
 
 
 def kv_after_warmup(budget: int, used: int, activations: int, fixed_kv: int | None, per_block: int,

@@ -61,21 +61,37 @@ def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:
             runner.placement.device_bytes()
     else:
         got["weights"] = sum({id(p): p.numel() * p.element_size() for p in runner.model.parameters()}.values())
-    llm.generate([prompt(16)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    # Prefill: a first prompt of the full length pays for what a first run of these shapes costs once (Triton JIT
+    # of the prefill tiles and of long-context attention, the piecewise graph of the prompt's token bucket); a
+    # second fresh prompt is timed. Fresh random ids every time: the prefix cache never hits.
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate([prompt(o.prompt_len)], one)
+    _sync(cuda)
     t = time.perf_counter()
-    llm.generate([prompt(o.prompt_len)], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    llm.generate([prompt(o.prompt_len)], one)
+    _sync(cuda)
     got["prefill"] = o.prompt_len / (time.perf_counter() - t)
     if not cuda:
         return got
     out_len = max(2, min(o.output_len, max_decode_tokens))
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     for key, batch in (("decode_batch1", 1), ("decode_concurrent", plan.speed["decode_concurrent"]["batch"])):
+        # decode graphs are captured on a (batch, context) bucket's first use: an untimed run of the same batch,
+        # prompt and output lengths captures the buckets the timed run replays (and lets expert slots settle)
+        _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params)
         rate, hit = _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params)
         got[key] = rate
         if runner.placed.caches:
             got[f"hit_rate_{key}"] = hit
     got["peak"] = torch.cuda.max_memory_allocated() + plan.per_gpu["cuda_context"]
     return got
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def _decode(llm, prompts: list[list[int]], params) -> tuple[float, float | None]:

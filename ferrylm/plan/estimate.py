@@ -28,20 +28,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-HBM_EFF = 0.8
-"""Share of peak HBM bandwidth a decode step's GEMVs reach."""
-MOE_HBM_EFF = 0.27
-"""Measured: share of peak HBM bandwidth the fused MoE kernel reaches reading resident experts with one token
-per expert (two bf16 Mixtral experts, 705 MB, in 0.54 ms on the H200: 1.3 of 4.8 TB/s; `bench_mapped.py`);
-the 8-layer resident Mixtral's 228 tok/s at batch 1 is that kernel's time and little else. At batch 32
-(8 tokens per expert) the same model's 3656 tok/s is 54% of peak: `moe_hbm_eff` fits the two."""
+HBM_EFF = 0.7
+"""Share of peak (data-sheet) HBM bandwidth a decode step's GEMVs reach: 0.8 of the read rate a copy kernel
+measures, which on the H200 is 4.2 of its 4.8 TB/s (`bench_attention.py`'s read roofline, 4196 GB/s). Was 0.8 of
+the data sheet; the first `bench_plan` run (docs/benchmarks.md "`ferry plan` predicted vs measured") measured
+the 16-layer Llama-3-8B shape at 290 tok/s at batch 1 against 427 predicted, a lower bound (a graph capture in
+the timing) that 0.8 of the data sheet cannot meet with any per-layer cost."""
+MOE_HBM_EFF = 0.44
+"""Share of peak HBM bandwidth the fused MoE kernel reaches reading resident experts at one token per expert:
+the 8-layer resident Mixtral decodes >= 321 tok/s at batch 1 (first `bench_plan` run, a lower bound: a graph
+capture in the timing): 3.11 ms a token, of which the attention, LM head and launches take 0.44 ms, leaves
+5.64 GB of experts in <= 2.67 ms, 2.1 of 4.8 TB/s. The same run at batch 16 (4 tokens per expert: every expert
+read, 22.5 GB a step) decoded >= 2142 tok/s, 0.65 of peak, where `moe_hbm_eff` says 0.70 (t^(1/3), capped at
+HBM_EFF). Was 0.27, from the fused kernel alone before today's kernel changes (`bench_mapped.py`: two experts in
+0.54 ms) and the engine's 228 tok/s then."""
 
 MFU = 0.5
 """Share of peak tensor FLOP/s large GEMMs reach."""
 LAUNCH_S = 150e-6
 """Per layer, eager PyTorch: ~10 kernels plus Python."""
-LAUNCH_GRAPH_S = 15e-6
-"""Per layer inside a CUDA graph."""
+LAUNCH_GRAPH_S = 30e-6
+"""Per layer inside a CUDA graph, beyond the bytes: paged attention at short context (11.9 us at batch 1, 1k
+tokens, `bench_attention.py` on the H200) and ~8 small kernels (norms, RoPE, activation, residuals) at ~2 us
+each, bound by their latency, not their bytes. Was 15 us (launches only)."""
 ALLREDUCE_S = 20e-6
 """Fixed cost of one tensor-parallel all-reduce (two per layer), on top of its bytes over the link."""
 INPLACE_EFF = 0.85
@@ -52,20 +61,35 @@ PACKED_TIME = {"nf4": (5.4, 0.92), "int4": (5.4, 0.92)}
 bf16. Measured for NF4 g64 (H200, two Mixtral experts at one token: resident 2.94 vs 0.54 ms, in place 13.7 vs
 14.9 ms): the first packed kernel is latency-bound, so 4-bit experts buy memory (more of them resident, a
 higher hit rate) but not time per expert. int4 is not measured: assumed equal to NF4."""
-HOST_EXPERT_EFF = 0.37
-"""Measured: bf16 experts at one token computed on the host's cores while host-to-device copies run reach 0.37
-of the host's memory read rate (lent H200 host, 16 threads: a Mixtral expert at 33.4 GB/s beside H2D, read
-90.7 GB/s alone; `benchmarks/bench_cpu_experts.py`). The hybrid decode path's host side runs at this."""
+HOST_EXPERT_EFF = 0.27
+"""Measured: bf16 experts computed on the host's cores while the GPU reads other experts in place reach 0.27 of
+the host's read rate as `hw/bandwidth.host_read_gbs` measures it (the rate the planner multiplies this by):
+33.5 GB/s on the lent H200 host, 16 threads, Mixtral experts (`bench_hybrid_overlap.py`, session 4: the GPU
+keeps 45.4 GB/s beside it), against 124 GB/s that function measured on the same host (first `bench_plan` run).
+Was 0.37: 33.4 GB/s over another tool's read figure (90.7 GB/s, `bench_cpu_experts.py`), which the planner's own
+124 GB/s then turned into 46 GB/s."""
+HOST_EXPERT_CALL_S = 0.3e-3
+"""Host time per expert the hybrid path's worker runs in a decode step, beyond its bytes: a Python loop of ~8
+torch ops per expert (`HostExperts.rows`), each a fork/join of the thread team beside the GPU's reads.
+Measured (fitted): the 16-layer Qwen3-30B-A3B shape under 4 GiB decodes 27.1 tok/s at batch 16 (first
+`bench_plan` run): 590 ms a step, of which ~1100 host expert calls (69 misses a layer, each split with the GPU)
+take 370 ms beyond 7.4 GB at 33.5 GB/s: 0.33 ms a call (cf. CACHED_EXPERT_S, the copy path's ~0.4 ms an
+expert). Small experts (9.4 MB, 0.28 ms of bytes) are bound by it; Mixtral's (352 MB, 10 ms) are not."""
 HOST_READ_EFF = 0.6
 """Assumed: share of one node's data-sheet memory bandwidth a host sustains reading (when not measured)."""
 CACHED_EXPERT_S = 0.4e-3
 """Measured (fitted): host time per expert a copy-path MoE layer touches (one sync, dispatch and launches
 per expert, eager): Qwen3-30B-A3B under 8 GiB decodes 6.27 tok/s at batch 1 on that path, ~3.2 ms a layer
-beyond its copies with 8 experts touched; Mixtral (2 touched) < 0.8 ms (H200, docs/benchmarks.md)."""
+beyond its copies with 8 experts touched; Mixtral (2 touched) < 0.8 ms (H200, docs/benchmarks.md). Decode
+only: a prefill step copies its misses in rounds through the fused kernel, and the first `bench_plan` run
+bounds its host cost at <= 0.05 ms an expert (the 16-layer Qwen3-30B-A3B shape under 4 GiB prefilled >= 1118
+tok/s, 0.46 s for 512 tokens, of which its 19 GB of copies take 0.35 s at 55 GB/s, over 2048 experts touched);
+the planner counts none there (it predicted 450 tok/s with 0.4 ms each)."""
 
 
 def moe_hbm_eff(tokens_per_expert: float) -> float:
-    """0.27 at one token per expert, 0.54 at eight (both measured, H200), as t^(1/3) between; at most HBM_EFF."""
+    """MOE_HBM_EFF at one token per expert, growing as t^(1/3) (0.65-0.70 at four: measured, H200); at most
+    HBM_EFF."""
     return min(HBM_EFF, MOE_HBM_EFF * max(tokens_per_expert, 1.0) ** (1 / 3))
 
 

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig
 from ferrylm.errors import ConfigError, UnsupportedArchitectureError
-from ferrylm.offload.memory import (activation_reserve, device_budget, fixed_kv_bytes, kv_after_warmup, size_memory,
-                                   warmup_activations)
+from ferrylm.offload.memory import (activation_reserve, device_budget, fixed_kv_bytes, graph_tokens, kv_after_warmup,
+                                   size_memory, step_bound, warmup_activations)
 from ferrylm.offload.placement import GPU, HOST, TensorGroup
 from ferrylm.plan import catalog, estimate, hardware, hit_rate, quality
 from ferrylm.plan.memory import (DTYPE_BYTES, QUANT_SCHEMES, WeightFormat, analytical_groups, analytical_kv_bytes_per_token,
@@ -167,7 +167,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     if opts.cpu_share is not None and not 0 <= opts.cpu_share <= 1:
         raise ConfigError(f"--cpu-share {opts.cpu_share}: a share between 0 and 1")
     fmt = WeightFormat(opts.dtype, opts.quant, expert_quant=opts.expert_quant)
-    graphs_family = False
+    graphs_family = piecewise = False
     fused_moe = opts.dtype in ("bfloat16", "float16")  # `FusedExperts.supports_tensors` on a CUDA device
     try:
         model = meta_model(mc, opts.dtype)
@@ -188,6 +188,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         fused_moe = fused_moe and all(b.act_name == "silu" for b in banks)
         # on CUDA resident banks run the fused kernel (graph-safe), cached ones read misses in place
         graphs_family = model.cuda_graphs and (not banks or fused_moe)
+        piecewise = model.piecewise
     max_len = opts.max_model_len or mc.max_position_embeddings
     conc = opts.concurrency or opts.max_num_seqs
     seq_tokens = min(max_len, opts.prompt_len + opts.output_len)
@@ -211,12 +212,15 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                        gpu_memory_utilization=opts.gpu_memory_utilization, place=tuple(opts.place))
     capacity = gpu.memory_bytes
     budget = device_budget(oc, capacity, capacity - CUDA_CONTEXT_BYTES)
-    reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype])
+    graphs_planned = not opts.enforce_eager  # `ModelRunner._graph_tokens`: what graph pools hold beside the step
+    reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype], graph_tokens(sc, graphs_planned, False))
+    resident_reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype], graph_tokens(sc, graphs_planned, piecewise))
     # per-sequence state (Yuan's filter) is whole on every rank; one more row is the graphs' scratch row
     state = state_per_seq * (opts.max_num_seqs + 1) if state_per_seq else 0
     notes: list[str] = []
     try:
-        placement, kv_budget = size_memory(mine, per_block, max_len, cc, sc, oc, budget, reserve, on_cpu=False)
+        placement, kv_budget = size_memory(mine, per_block, max_len, cc, sc, oc, budget, reserve, on_cpu=False,
+                                           resident_reserve=resident_reserve)
     except ConfigError as e:
         placement, kv_budget, refused = None, 0, str(e)
     kv_planned, kv_tokens_planned = kv_pool(kv_budget, per_block, opts.block_size)
@@ -224,11 +228,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     # on CUDA the engine then measures one step and re-sizes the pool (`offload/memory.py` kv_after_warmup)
     elt = DTYPE_BYTES[opts.dtype]
     step, floor = step_activation_bytes(mc, opts.max_num_batched_tokens, opts.max_num_seqs, max_len, elt)
-    graphs_planned = not opts.enforce_eager  # `ModelRunner._graphs_planned`: graph pools counted as one more step
+    pool_tokens = graph_tokens(sc, graphs_planned, piecewise and placement is not None and placement.fully_resident)
     used = device_weights + max_len * int(mc.head_dim * mc.partial_rotary_factor) * 4  # + the fp32 RoPE table
 
     def after_warmup(step_peak: int) -> int:
-        return kv_after_warmup(budget, used, warmup_activations(step_peak, sc, mc.vocab_size, graphs_planned),
+        return kv_after_warmup(budget, used, warmup_activations(step_peak, sc, mc.vocab_size, pool_tokens),
                                fixed_kv_bytes(cc, per_block), per_block, max_len, opts.block_size)[0]
 
     kv_range = (0, 0)
@@ -237,8 +241,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             kv_bytes = after_warmup(step)
         except ConfigError as e:
             placement, kv_bytes, refused = None, 0, f"{e} (the warm-up's activations as predicted)"
-        else:  # the measured step lies between the floor and the engine's upper estimate (its reserve)
-            lo = max(step, reserve)
+        else:  # the measured step lies between the floor and the engine's upper estimate (its reserve's step)
+            lo = max(step, step_bound(mc, sc, elt))
             try:
                 kv_range = (kv_pool(after_warmup(lo), per_block, opts.block_size)[1],
                             kv_pool(after_warmup(floor), per_block, opts.block_size)[1])
@@ -262,7 +266,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     device_weights = placement.device_bytes() if placement else 0
     per_gpu = dict(weights=device_weights, weights_all=sum(g.nbytes for g in mine), kv=kv,
                    kv_planned=kv_planned, kv_tokens_planned=kv_tokens_planned, kv_tokens_range=kv_range,
-                   step_activations=step, warmup_activations=warmup_activations(step, sc, mc.vocab_size, graphs_planned),
+                   step_activations=step, warmup_activations=warmup_activations(step, sc, mc.vocab_size, pool_tokens),
                    kv_bytes_per_token=kv_per_token, kv_tokens=kv_tokens, state=state, activations=reserve,
                    cuda_context=CUDA_CONTEXT_BYTES,
                    peak=used + kv + state + step + 2 * opts.max_num_seqs * mc.vocab_size * 4 + CUDA_CONTEXT_BYTES,
@@ -349,11 +353,16 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 gpu_misses = misses * (1 - share)
                 out["inplace"] += gpu_misses * m["nbytes"]
                 out["inplace_equiv"] += gpu_misses * m["inplace_equiv"]
-                out["host_experts_s"] += misses * share * m["nbytes"] / (host_gbs * 1e9) if share else 0.0
+                # the host runs its share of every miss (split along the intermediate: one call each) or, at
+                # share 1, every miss whole
+                out["host_experts_s"] += (misses * share * m["nbytes"] / (host_gbs * 1e9)
+                                          + misses * estimate.HOST_EXPERT_CALL_S) if share else 0.0
             else:  # the copy path's host split (offload/cost_model.py) is counted as copies: measured, it gained
                 # 6% over copies alone (Mixtral 16L batch 1, docs/benchmarks.md "Hybrid CPU-GPU experts")
                 out["copy"] += misses * m["nbytes"]
-                out["host"] += estimate.CACHED_EXPERT_S * d
+                # prefill copies its misses in rounds, one fused launch a round: no per-expert host cost
+                # (measured: <= 0.05 ms an expert, `estimate.CACHED_EXPERT_S`)
+                out["host"] += 0.0 if prefill else estimate.CACHED_EXPERT_S * d
         return out
 
     def decode(batch: int) -> dict:
@@ -430,7 +439,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                              f"{d1['tok_s']:.1f} instead of {free.speed['decode_batch1']['tok_s']:.1f} tok/s, for nothing")
         else:  # the engine's default budget is at most 90% of free memory; an explicit budget may go higher
             # the placement leaves the reserve for activations; the warm-up then takes what it measured
-            need = (per_gpu["weights_all"] + max(reserve, per_gpu["warmup_activations"]) + used - device_weights
+            need = (per_gpu["weights_all"] + max(resident_reserve, warmup_activations(
+                step, sc, mc.vocab_size, graph_tokens(sc, graphs_planned, piecewise))) + used - device_weights
                     + (-(-max_len // opts.block_size) + 2) * per_block)
             gib = math.ceil(need / 2**30)
             more = (make_plan(replace(opts, gpu_memory_budget_gb=gib * 2**30 / 1e9), advise=False)
@@ -461,8 +471,14 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             notes.append(f"hybrid decode: the host's cores compute {share:.0%} of the misses beside the kernel's "
                          f"in-place reads ({host_gbs:.0f} GB/s: {estimate.HOST_EXPERT_EFF:.0%} of the host's "
                          f"{'measured' if host.read_gbs else 'assumed'} {host.read_rate_gbs:.0f} GB/s read rate); "
-                         "unmeasured so far; the copy path's split (larger steps, prefill) is counted as copies (it "
-                         "gained 6% over copies alone when measured)")
+                         f"each host expert costs {estimate.HOST_EXPERT_CALL_S * 1e3:.1f} ms beyond its bytes; the copy "
+                         "path's split (larger steps, prefill) is counted as copies (it gained 6% over copies alone "
+                         "when measured)")
+            alone = make_plan(replace(opts, experts="gpu"), advise=False) if advise and opts.experts == "auto" else None
+            if alone is not None and alone.speed["decode_batch1"]["tok_s"] > 1.05 * d1["tok_s"]:
+                notes.append(f"warning: hybrid decode costs speed here (small experts: the host's per-expert cost "
+                             f"outweighs their bytes): --experts gpu decodes {alone.speed['decode_batch1']['tok_s']:.1f} "
+                             f"instead of {d1['tok_s']:.1f} tok/s at batch 1")
         elif mapped_tokens and not packed_any and opts.experts != "gpu" and host_gbs == 0:
             notes.append("hybrid decode not predicted: this host's memory read rate is unknown (--host local without "
                          "--measure-bandwidth); the engine will also compute a share of the misses on the host")

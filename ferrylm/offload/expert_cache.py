@@ -24,6 +24,7 @@ never evicted. `belady_hits` replays a trace with the optimal offline policy (th
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 import torch
@@ -116,8 +117,8 @@ POLICIES = {"lru": LRU, "lfu": LFU}
 
 def _replay(trace: list[list[int]], capacity: int, initial, victim, on_step=None) -> tuple[int, int]:
     """(hits, accesses) of a cache run on a trace of per-step needed experts (one layer), by the cache's
-    rules: a step's misses fill empty slots first, then replace `victim(t, candidates)`, where candidates
-    hold no expert that step needs. `on_step(need)` runs as each step begins."""
+    rules: a step's misses fill empty slots first, then replace `victim(t, candidates, e)`, where candidates
+    hold no expert that step needs (None: e is not cached). `on_step(need)` runs as each step begins."""
     cached, hits, total = list(initial)[:capacity], 0, 0
     for t, need in enumerate(trace):
         if on_step:
@@ -131,23 +132,37 @@ def _replay(trace: list[list[int]], capacity: int, initial, victim, on_step=None
                 cached.append(e)
                 continue
             cand = [c for c in cached if c not in need]
-            if cand:
-                cached[cached.index(victim(t, cand))] = e
+            v = victim(t, cand, e) if cand else None
+            if v is not None:
+                cached[cached.index(v)] = e
     return hits, total
 
 
 def simulate(trace: list[list[int]], capacity: int, policy: str, initial: list[int] = ()) -> tuple[int, int]:
     """(hits, accesses) of an eviction policy on a trace (all experts a step needs are touched together)."""
     pol = POLICIES[policy]()
-    return _replay(trace, capacity, initial, lambda t, cand: pol.victims(cand)[0], on_step=pol.touch)
+    return _replay(trace, capacity, initial, lambda t, cand, e: pol.victims(cand)[0], on_step=pol.touch)
 
 
-def belady_hits(trace: list[list[int]], capacity: int, initial: list[int] = ()) -> tuple[int, int]:
-    """(hits, accesses) of Belady's optimal policy: evict the cached expert needed furthest in the future."""
+def belady_hits(trace: list[list[int]], capacity: int, initial: list[int] = (), bypass: bool = False) -> tuple[int, int]:
+    """(hits, accesses) of Belady's optimal policy: evict the cached expert needed furthest in the future.
+    Every miss is cached (the copy path); with `bypass` a miss needed later than every candidate is read
+    without being cached (the mapped path can read a miss in place and keep its slots)."""
+    uses: dict[int, list[int]] = {}
+    for t, need in enumerate(trace):
+        for e in need:
+            uses.setdefault(e, []).append(t)
+
     def next_use(t, c):
-        return next((u for u in range(t + 1, len(trace)) if c in trace[u]), len(trace) + 1)
+        u = uses.get(c, [])
+        i = bisect.bisect_right(u, t)
+        return u[i] if i < len(u) else len(trace) + 1
 
-    return _replay(trace, capacity, initial, lambda t, cand: max(cand, key=lambda c: next_use(t, c)))
+    def victim(t, cand, e):
+        v = max(cand, key=lambda c: next_use(t, c))
+        return None if bypass and next_use(t, e) >= next_use(t, v) else v
+
+    return _replay(trace, capacity, initial, victim)
 
 
 class CachedExperts(ExpertBackend):

@@ -280,8 +280,8 @@ def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, 
               flush=True)
     tally = runner.placed.tally
     for knobs in TALLY_SWEEP if tally is not None and 1 in batches else ():  # promotion policies, batch 1
-        for key, v in knobs.items():
-            setattr(tally, key, v)
+        tally.set_policy(knobs["policy"])
+        tally.land_now = knobs["land_now"]
         for c in runner.placed.caches.values():
             c.start_trace()
         r, per_step = decode_rate(llm, 1, 24, seed=3000, stats=stats)
@@ -400,9 +400,10 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
     torch.cuda.empty_cache()
 
 
-TALLY_SWEEP = [{"decay": 0.5, "margin": 1.0, "floor": 0.25, "per_layer": 8},
-               {"decay": 0.9, "margin": 2.0, "floor": 1.0, "per_layer": 2}]
-"""Promotion policies (`offload/routing_tally.py` knobs) tried at batch 1 on the same engine."""
+TALLY_SWEEP = [{"policy": "frequent", "land_now": False}, {"policy": "frequent", "land_now": True},
+               {"policy": "dueling", "land_now": True}]
+"""Slot policies (`offload/routing_tally.py`; frequent without land_now: the tally before
+bench_cache_policy) tried at batch 1 on the same engine, after the default's rows."""
 
 def _yuan_m32() -> dict:
     from ferrylm.plan.yuan_sizes import YUAN2_M32

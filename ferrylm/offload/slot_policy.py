@@ -37,7 +37,7 @@ class PromotionPolicy:
         busy[i]: experts of row i in flight (neither resident nor evictable); empty[i]: its free slots.
         Per row: its hottest missing experts against its coldest evictable residents, pair by pair while the
         candidate wins; an empty slot takes any expert used at all."""
-        inf, n = float("inf"), self.per_layer
+        inf, n = float("inf"), min(self.per_layer, self.score.shape[1])
         best, cand = self.score.masked_fill(resident, -inf).topk(n, dim=1)  # [L, n], hottest first
         worst, victim = self.score.masked_fill(~resident | pinned, inf).topk(n, dim=1, largest=False)
         out = []
@@ -192,4 +192,7 @@ def replay_mapped(traces: list[list[list[int]]], experts: int, capacity: list[in
             else:
                 landing.append((i, e, s + land_lag))
                 busy[i].add(e)
+        flying = torch.bincount(torch.tensor([i for i, _, _ in landing], dtype=torch.long), minlength=L)
+        if (resident.sum(1) + flying > torch.tensor(capacity)).any() or (pin & ~resident).any():
+            raise RuntimeError(f"slot books broken at step {s}")  # a policy that leaks or evicts a pinned one
     return out

@@ -22,7 +22,8 @@ decided, 0 when the next step waits for its copy):
 - frequent / recent / dueling (lag 1, land 0): counts read when the step's tokens reach the host,
   promotions landed stream-ordered; fixed knobs or `DuelingPolicy` (the engine's default now).
 - dueling, synchronous engine (lag 0): the same without async scheduling.
-- profile: the hottest experts of the whole trace pinned, no promotions (an optimistic `--expert-profile`).
+- profile: the hottest experts of the whole trace pinned, no promotions (an optimistic `--expert-profile`);
+  with all but two slots pinned and dueling on the rest (what the engine does with a profile).
 - predictor: the next layer's router on this layer's input picks experts, copied before the layer runs
   (needs a host sync per layer); LRU victims; misses read in place.
 Ends with one JSON line (benchmarks/results.py).
@@ -173,6 +174,10 @@ def case(name: str, traces, E: int, k: int, capacity: int, predicted=None) -> li
     hot = [c.topk(capacity).indices.tolist() for c in counts]
     r = replay_mapped(traces, E, [capacity] * L, hot, pinned=[set(h) for h in hot], lag=1, land_lag=0)
     row("profile (hottest pinned)", r.hits, r.crossings)
+    if capacity > 2:  # the engine's profile pins the residents; the placement's extra slots (2) still follow
+        pin = [set(h[:capacity - 2]) for h in hot]
+        r = replay_mapped(traces, E, [capacity] * L, hot, pinned=pin, lag=1, land_lag=0, dueling=True)
+        row("profile (C-2 pinned) + dueling", r.hits, r.crossings)
     if predicted is not None:
         h, n, moved = predictor_replay(traces, predicted, capacity, k)
         row("predictor (next-layer router)", h, moved, sync_per_layer=True)

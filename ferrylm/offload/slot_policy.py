@@ -67,45 +67,40 @@ RECENT = dict(decay=0.5, margin=1.0, floor=0.0, per_layer=8)
 
 class DuelingPolicy:
     """Several `PromotionPolicy` knob sets, each replayed in shadow on the counts as they arrive (its own
-    residents, its promotions landing `delay` observations later, as the real ones do); each layer row
-    follows the one whose shadow moved the fewest experts over PCIe lately (in-place misses + promotions,
-    an average over ~1/(1 - `memory`) steps). Neither knob set wins everywhere: frequency with hysteresis
-    is best on skewed routing and harmless on uniform, recency on routing that repeats, where hysteresis
-    costs a miss per step of lag (set dueling, as in adaptive CPU cache insertion policies)."""
+    residents and promotions; a step's counts are checked against the shadow as it stood `delay` decisions
+    earlier, as the real step ran); each layer row follows the one whose shadow moved the fewest experts
+    over PCIe lately (in-place misses + promotions, an average over ~1/(1 - `memory`) steps). Neither knob
+    set wins everywhere: frequency with hysteresis is best on skewed routing and harmless on uniform,
+    recency on routing that repeats, where hysteresis costs a miss per step of lag (set dueling, as in
+    adaptive CPU cache insertion policies)."""
 
     memory = 0.95
 
     def __init__(self, layers: int, experts: int, resident: torch.Tensor, pinned: torch.Tensor, empty: list[int],
                  candidates: tuple[dict, ...] = (FREQUENT, RECENT), delay: int = 2):
         self.policies = [PromotionPolicy(layers, experts, **c) for c in candidates]
-        self.resident = [resident.clone() for _ in candidates]  # [L, E] each: the shadows' residents
+        self.resident = [resident.clone() for _ in candidates]  # [L, E] each: the shadows' residents now
+        self.past = [[resident.clone()] * delay for _ in candidates]  # the same, as the last `delay` decisions left them
         self.empty = [list(empty) for _ in candidates]
-        self.pending: list[list[list[tuple[int, int, int | None]]]] = [[] for _ in candidates]
-        self.pinned, self.delay = pinned.clone(), delay
+        self.pinned = pinned.clone()
         self.cost = torch.zeros(len(candidates), layers)  # [P, L] decayed experts moved per step
         self.leader = torch.zeros(layers, dtype=torch.long)  # [L] the knob set each row follows
 
     def observe(self, counts: torch.Tensor) -> None:
         needed = counts > 0  # [L, E]
+        L = needed.shape[0]
         for k, pol in enumerate(self.policies):
-            res, q = self.resident[k], self.pending[k]
-            if len(q) >= self.delay:
-                for i, e, v in q.pop(0):
-                    res[i, e] = True
-            moved = (needed & ~res).sum(1).float()  # [L] in-place reads of this shadow
+            res = self.resident[k]
+            moved = (needed & ~self.past[k].pop(0)).sum(1).float()  # [L] in-place reads of this shadow
             pol.observe(counts)
-            busy = [set() for _ in range(res.shape[0])]
-            for batch in q:
-                for i, e, _ in batch:
-                    busy[i].add(e)
-            chosen = pol.choose(res, self.pinned, busy, self.empty[k])
-            for i, e, v in chosen:
+            for i, e, v in pol.choose(res, self.pinned, [set() for _ in range(L)], self.empty[k]):
                 moved[i] += 1
+                res[i, e] = True
                 if v is None:
                     self.empty[k][i] -= 1
                 else:
                     res[i, v] = False
-            q.append(chosen)
+            self.past[k].append(res.clone())
             self.cost[k].mul_(self.memory).add_(moved)
         self.leader = self.cost.argmin(0)
 

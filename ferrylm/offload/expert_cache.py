@@ -14,9 +14,9 @@ Decode steps on CUDA (`mapped`, up to `mapped_tokens` tokens) take another road:
 each expert through a table of addresses (`layers.fused_moe.WeightTable`) that points at a device slot or
 at the expert's pinned, mapped host rows, so a miss is read in place over PCIe inside the kernel. Nothing
 is read back to the host, and decode steps are CUDA-graphed. The slots then follow the routing
-(`offload/routing_tally.py`): after each step the hottest experts missing from a layer are copied in on
-the copy stream, behind the table (an evicted expert is pointed back at the host before its slot is
-overwritten; a promoted one at its slot once its copy has landed).
+(`offload/routing_tally.py`, decided by `offload/slot_policy.py`): after a step the experts the policy
+promotes are copied in on the copy stream, behind the table (an evicted expert is pointed back at the host
+before its slot is overwritten; a promoted one at its slot once its copy has landed, stream-ordered).
 
 Eviction policies behind one interface (`EvictionPolicy`): LRU and LFU; experts pinned from a profile are
 never evicted. `belady_hits` replays a trace with the optimal offline policy (the oracle hit rate).

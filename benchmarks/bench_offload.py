@@ -62,8 +62,9 @@ DEEPSEEK_V3 = {  # 671B parameters (61 layers), 256 experts top-8 in 8 groups + 
 
 def zipf_routing(skew: float, seed: int = 0):
     """Replace the routers' choice with draws from a Zipf(skew) popularity (a fixed random ranking of the
-    experts per MoE block), weights 1/k: the offload cache sees a skewed, repeatable workload."""
-    from ferrylm.models import mixtral
+    experts per MoE block), weights 1/k: the offload cache sees a skewed, repeatable workload. Mixtral and
+    Qwen-MoE blocks (a shared expert, where there is one, still adds)."""
+    from ferrylm.models import mixtral, qwen_moe
 
     g = torch.Generator().manual_seed(seed)
     perms: dict[int, torch.Tensor] = {}
@@ -74,9 +75,13 @@ def zipf_routing(skew: float, seed: int = 0):
             perms[id(self)] = torch.randperm(E, generator=g).to(x.device)
         probs = (1.0 / torch.arange(1, E + 1, device=x.device, dtype=torch.float32) ** skew).expand(x.shape[0], E)
         ids = perms[id(self)][torch.multinomial(probs, k)]
-        return self.experts(x, ids, torch.full(ids.shape, 1.0 / k, device=x.device))
+        out = self.experts(x, ids, torch.full(ids.shape, 1.0 / k, device=x.device))
+        if getattr(self, "has_shared", False):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
     mixtral.SparseMoeBlock.forward = forward
+    qwen_moe.QwenMoeBlock.forward = forward
 
 
 def oracle(runner) -> tuple[float | None, float | None]:
@@ -280,8 +285,8 @@ def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, 
               flush=True)
     tally = runner.placed.tally
     for knobs in TALLY_SWEEP if tally is not None and 1 in batches else ():  # promotion policies, batch 1
-        for key, v in knobs.items():
-            setattr(tally, key, v)
+        tally.set_policy(knobs["policy"])
+        tally.land_now = knobs["land_now"]
         for c in runner.placed.caches.values():
             c.start_trace()
         r, per_step = decode_rate(llm, 1, 24, seed=3000, stats=stats)
@@ -400,9 +405,10 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
     torch.cuda.empty_cache()
 
 
-TALLY_SWEEP = [{"decay": 0.5, "margin": 1.0, "floor": 0.25, "per_layer": 8},
-               {"decay": 0.9, "margin": 2.0, "floor": 1.0, "per_layer": 2}]
-"""Promotion policies (`offload/routing_tally.py` knobs) tried at batch 1 on the same engine."""
+TALLY_SWEEP = [{"policy": "frequent", "land_now": False}, {"policy": "frequent", "land_now": True},
+               {"policy": "dueling", "land_now": True}]
+"""Slot policies (`offload/routing_tally.py`; frequent without land_now: the tally before
+bench_cache_policy) tried at batch 1 on the same engine, after the default's rows."""
 
 def _yuan_m32() -> dict:
     from ferrylm.plan.yuan_sizes import YUAN2_M32
@@ -423,6 +429,8 @@ CASES = {
     "zipf16": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16}, 16,
                                              (1, 64), None, routing="zipf1.2"),
     "qwen3-30b": lambda rows, h2d: case_offload(rows, h2d, "qwen3-30b-a3b", QWEN3_30B, 8, (1, 64), None),
+    "qwen3-30b-zipf": lambda rows, h2d: case_offload(rows, h2d, "qwen3-30b-a3b", QWEN3_30B, 8, (1,), None,
+                                                     routing="zipf1.2"),
     # experts NF4 (g64, packed in host memory and read packed), the rest bf16: the issue's 32-layer NF4 case
     "mixtral-32L-nf4": lambda rows, h2d: case_offload(rows, h2d, "mixtral-32L-nf4-experts",
                                                       {**MIXTRAL, "num_hidden_layers": 32}, 16, (1, 16),

@@ -315,6 +315,25 @@ def test_mapped_experts_equal_resident_fused_and_graphed(tmp_path_factory):
         print(f"mapped vs resident (eager={eager}): max |logit diff| = {worst:.3e}")
         # eager: the same kernel, bit for bit; graphed: the resident run also graphs its prefill (piecewise)
         assert worst == 0.0 if eager else worst < 1e-2
+        slot_books(placed)
+        if eager:  # the plain slot policy, promotions pointed at once seen landed (copies overlap): same bits
+            placed.tally.set_policy("frequent")
+            placed.tally.land_now = False
+            out, got = sampled_rows(llm, prompts, 24)
+            assert max((a - b).abs().max().item() for a, b in zip(ref, got)) == 0.0
+            slot_books(placed)
+
+
+def slot_books(placed):
+    """Every cache's slots, table and tally rows agree; pinned experts stay; the device counted hits."""
+    torch.cuda.synchronize()
+    assert 0 < placed.stats.expert_hits + placed.stats.expert_misses
+    for i, c in enumerate(placed.tally.caches):
+        c.land(wait=True)
+        assert {e for e in c.owner if e is not None} == set(c.slot_of) and len(c.slot_of) <= c.capacity
+        assert all(c.owner[s] == e for e, s in c.slot_of.items()) and c.pinned <= set(c.slot_of)
+        assert set(placed.tally.resident[i].nonzero().flatten().tolist()) == set(c.slot_of)
+        assert torch.equal(c.in_slot.cpu(), placed.tally.resident[i])
 
 
 @pytest.mark.parametrize("scheme,group", [("int4", 32)])  # int8: see models/base.py ENGINE_PACKED_FORMATS

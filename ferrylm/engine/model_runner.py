@@ -490,9 +490,10 @@ class ModelRunner:
 
     def check_step(self) -> None:
         """Once a step's results are on the host: raise what its host expert worker hit (the step's tokens
-        are then dropped, not streamed)."""
+        are then dropped, not streamed); the expert slots read the step's routing counts."""
         if self.placed.host_decode is not None:
             self.placed.host_decode.check()
+        self.placed.after_results()
 
     def close(self) -> None:
         """Stop the hybrid decode worker once the queued steps are done."""

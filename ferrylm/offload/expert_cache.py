@@ -14,9 +14,9 @@ Decode steps on CUDA (`mapped`, up to `mapped_tokens` tokens) take another road:
 each expert through a table of addresses (`layers.fused_moe.WeightTable`) that points at a device slot or
 at the expert's pinned, mapped host rows, so a miss is read in place over PCIe inside the kernel. Nothing
 is read back to the host, and decode steps are CUDA-graphed. The slots then follow the routing
-(`offload/routing_tally.py`): after each step the hottest experts missing from a layer are copied in on
-the copy stream, behind the table (an evicted expert is pointed back at the host before its slot is
-overwritten; a promoted one at its slot once its copy has landed).
+(`offload/routing_tally.py`, decided by `offload/slot_policy.py`): after a step the experts the policy
+promotes are copied in on the copy stream, behind the table (an evicted expert is pointed back at the host
+before its slot is overwritten; a promoted one at its slot once its copy has landed, stream-ordered).
 
 Eviction policies behind one interface (`EvictionPolicy`): LRU and LFU; experts pinned from a profile are
 never evicted. `belady_hits` replays a trace with the optimal offline policy (the oracle hit rate).
@@ -24,6 +24,7 @@ never evicted. `belady_hits` replays a trace with the optimal offline policy (th
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 import torch
@@ -116,8 +117,8 @@ POLICIES = {"lru": LRU, "lfu": LFU}
 
 def _replay(trace: list[list[int]], capacity: int, initial, victim, on_step=None) -> tuple[int, int]:
     """(hits, accesses) of a cache run on a trace of per-step needed experts (one layer), by the cache's
-    rules: a step's misses fill empty slots first, then replace `victim(t, candidates)`, where candidates
-    hold no expert that step needs. `on_step(need)` runs as each step begins."""
+    rules: a step's misses fill empty slots first, then replace `victim(t, candidates, e)`, where candidates
+    hold no expert that step needs (None: e is not cached). `on_step(need)` runs as each step begins."""
     cached, hits, total = list(initial)[:capacity], 0, 0
     for t, need in enumerate(trace):
         if on_step:
@@ -131,23 +132,37 @@ def _replay(trace: list[list[int]], capacity: int, initial, victim, on_step=None
                 cached.append(e)
                 continue
             cand = [c for c in cached if c not in need]
-            if cand:
-                cached[cached.index(victim(t, cand))] = e
+            v = victim(t, cand, e) if cand else None
+            if v is not None:
+                cached[cached.index(v)] = e
     return hits, total
 
 
 def simulate(trace: list[list[int]], capacity: int, policy: str, initial: list[int] = ()) -> tuple[int, int]:
     """(hits, accesses) of an eviction policy on a trace (all experts a step needs are touched together)."""
     pol = POLICIES[policy]()
-    return _replay(trace, capacity, initial, lambda t, cand: pol.victims(cand)[0], on_step=pol.touch)
+    return _replay(trace, capacity, initial, lambda t, cand, e: pol.victims(cand)[0], on_step=pol.touch)
 
 
-def belady_hits(trace: list[list[int]], capacity: int, initial: list[int] = ()) -> tuple[int, int]:
-    """(hits, accesses) of Belady's optimal policy: evict the cached expert needed furthest in the future."""
+def belady_hits(trace: list[list[int]], capacity: int, initial: list[int] = (), bypass: bool = False) -> tuple[int, int]:
+    """(hits, accesses) of Belady's optimal policy: evict the cached expert needed furthest in the future.
+    Every miss is cached (the copy path); with `bypass` a miss needed later than every candidate is read
+    without being cached (the mapped path can read a miss in place and keep its slots)."""
+    uses: dict[int, list[int]] = {}
+    for t, need in enumerate(trace):
+        for e in need:
+            uses.setdefault(e, []).append(t)
+
     def next_use(t, c):
-        return next((u for u in range(t + 1, len(trace)) if c in trace[u]), len(trace) + 1)
+        u = uses.get(c, [])
+        i = bisect.bisect_right(u, t)
+        return u[i] if i < len(u) else len(trace) + 1
 
-    return _replay(trace, capacity, initial, lambda t, cand: max(cand, key=lambda c: next_use(t, c)))
+    def victim(t, cand, e):
+        v = max(cand, key=lambda c: next_use(t, c))
+        return None if bypass and next_use(t, e) >= next_use(t, v) else v
+
+    return _replay(trace, capacity, initial, victim)
 
 
 class CachedExperts(ExpertBackend):
@@ -198,15 +213,19 @@ class CachedExperts(ExpertBackend):
         """Promotions in flight (expert, slot): the slot is reserved, the table still points at the host."""
         self.resident: torch.Tensor | None = None  # [E] bool row of the tally: experts the table points at a slot
         self.counts: torch.Tensor | None = None  # [E] fp32 device row of the tally: assignments this step
+        self.hits: torch.Tensor | None = None  # [E] fp32 device row of the tally: assignments that hit a slot
         self.host_decode = None
         """Hybrid decode (`offload/host_decode.py`): CPU-class experts the table points at the host are
         computed by the host's cores while the kernel reads the others in place."""
         self.cpu_class: torch.Tensor | None = None  # [E] bool, host: experts the CPU takes first while not in a slot
         self.in_slot: torch.Tensor | None = None  # [E] bool, device: the table points at a slot, stream-ordered
         self.split_cols: int | None = None  # hybrid decode split along the intermediate: the GPU's columns
+        self.prefer: torch.Tensor | None = None  # [E] long, device: hybrid decode's host preference order
+        self.share: torch.Tensor | None = None  # [] fp32, device: hybrid decode's host share
 
-    def map(self, resident_row: torch.Tensor, counts_row: torch.Tensor) -> None:
-        """Turn on the in-place decode path (host banks registered mapped, fused kernel, CUDA)."""
+    def map(self, resident_row: torch.Tensor, counts_row: torch.Tensor, hits_row: torch.Tensor) -> None:
+        """Turn on the in-place decode path (host banks registered mapped, fused kernel, CUDA); the rows are
+        the tally's: residents (host), assignments and assignments that hit a slot (device)."""
         from ferrylm.layers.fused_moe import WeightTable
 
         def addresses(side):  # part -> per-expert (or per-slot) addresses
@@ -222,9 +241,10 @@ class CachedExperts(ExpertBackend):
                     for k, host in self.host_addr[i].items()}
             tables.append(WeightTable(ptrs, side))
         self.t13, self.t2 = tables
-        self.resident, self.counts = resident_row, counts_row
+        self.resident, self.counts, self.hits = resident_row, counts_row, hits_row
         for e in self.slot_of:
             self.resident[e] = True
+        self.in_slot = self.resident.to(self.device)  # [E] bool, device: the table points at a slot
         self.mapped, self.reads_host = True, False
         if self.expert_bytes > self.large_expert_bytes:
             self.mapped_tokens = 1
@@ -239,8 +259,7 @@ class CachedExperts(ExpertBackend):
         self.split_cols = (min(I, max(0, round((1 - share) * I / 128) * 128))
                            if split and self.host_experts.splittable else None)
         prefer = torch.cat([cpu_class.nonzero().flatten(), (~cpu_class).nonzero().flatten()]).to(self.device)
-        if self.in_slot is None:
-            self.in_slot = self.resident.to(self.device)
+        if self.prefer is None:
             self.prefer, self.share = prefer, torch.tensor(float(share), device=self.device)
         else:  # in place: captured graphs read these tensors
             self.prefer.copy_(prefer)
@@ -255,8 +274,9 @@ class CachedExperts(ExpertBackend):
         if self.in_slot is not None:
             self.in_slot[e:e + 1].fill_(s is not None)
 
-    def promote(self, e: int, victim: int | None) -> None:
-        """Copy expert e into victim's slot (an empty one for None) behind the table (mapped decode path)."""
+    def promote(self, e: int, victim: int | None, land: bool = False) -> None:
+        """Copy expert e into victim's slot (an empty one for None) behind the table (mapped decode path);
+        with `land` the current stream waits for the copy and the table points at the slot at once."""
         cur = torch.cuda.current_stream(self.device)
         if victim is None:
             s = self.owner.index(None)
@@ -271,7 +291,12 @@ class CachedExperts(ExpertBackend):
             _copy(self.w2, s, self.host_w2, e, non_blocking=True)
             self._arrived(s, e)
             self.ready[s].record(self.stream)
-        self.landing.append((e, s))
+        if land:  # stream-ordered: the next kernel reads e from its slot, never in place as well
+            cur.wait_event(self.ready[s])
+            self.slot_of[e] = s
+            self._point(e, s)
+        else:
+            self.landing.append((e, s))
         self.stats.h2d_bytes += self.expert_bytes
         self.stats.copied_experts += 1
 
@@ -297,6 +322,7 @@ class CachedExperts(ExpertBackend):
 
         flat = topk_ids.flatten()
         self.counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=self.counts.dtype))
+        self.hits.scatter_add_(0, flat, self.in_slot[flat].to(self.hits.dtype))  # hit as the kernel reads
         T, k = topk_ids.shape
         if self.host_decode is None:
             return sum_rows(expert_rows(x, self.t13, self.t2, topk_ids, topk_weights), k)

@@ -331,6 +331,12 @@ class PlacedWeights:
         if self.tally is not None:
             self.tally.after_step()
 
+    def after_results(self) -> None:
+        """Once a step's results are on the host: its routing counts have landed too (the slots follow them
+        a step sooner than from `after_step` under async scheduling)."""
+        if self.tally is not None:
+            self.tally.after_results()
+
     def _start_hybrid(self) -> None:
         from ferrylm.hw.cpu_binding import worker_pool
         from ferrylm.offload.calibration import calibrate

@@ -2,61 +2,72 @@
 
 Mapped decode steps (`offload/expert_cache.py`) read misses in place and never stop to look at the
 routing, so the slots cannot follow misses as they happen. Instead every mapped step adds its assignments
-to one [L, E] device counter; after the step it is copied into a ring of pinned host buffers and zeroed,
-and each landed copy is read a step or two late (no sync: one that has not landed waits for the next
-step; a full ring skips a step's counts). A decayed score per expert
-decides promotions: a layer copies its hottest missing expert into the slot of its coldest resident one
-(never a pinned one) when the candidate's score beats `margin` x the victim's + `floor`, at most one copy
-in flight per layer. The hysteresis keeps uniform routing from churning the slots (each promotion costs
-one expert's bytes over PCIe) while skewed routing pulls its hot experts in within a few steps.
+(and those that found their expert in a slot) to one [2, L, E] device counter; after the step it is copied
+into a ring of pinned host buffers and zeroed, and each landed copy is read late, without a sync: when
+the step's sampled tokens have reached the host (`after_results`: one step late under async scheduling,
+at once without it), else at the next step's launch (a full ring skips a step's counts). The decision is
+`offload/slot_policy.py`'s (by default `DuelingPolicy`: frequency with hysteresis or recency, per layer,
+whichever moved fewer bytes in shadow); a promotion copies an expert into the slot of a resident one
+(never a pinned one), and with `land_now` the next step waits for that copy, stream-ordered, and reads the
+expert from its slot instead of reading it in place too. `land_now=False` points the table at a slot
+only once the host sees its copy landed (the copy then overlaps the next step, which reads the expert in
+place meanwhile).
 
-Hit and miss counts come from the same read: an assignment's expert was resident or not when the tally
-was read, which can differ from the moment it was computed by the one step of lag.
+Hit and miss counts are the device's: an assignment hit when its expert's table entry pointed at a slot
+as the kernel ran.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ferrylm.offload.slot_policy import DuelingPolicy, PromotionPolicy
+
 
 class RoutingTally:
-    decay = 0.9
-    margin = 2.0
-    floor = 1.0
     depth = 4
-    per_layer = 2
-    """Promotions a layer may have in flight."""
+    land_now = True
+    """Promotions land stream-ordered: the next step waits for their copies (see the module docstring)."""
 
-    def __init__(self, caches: dict, device: torch.device, stats):
+    policy_name = "dueling"
+    """`DuelingPolicy`, or "frequent": `PromotionPolicy`'s frequency with hysteresis alone (the plain one)."""
+
+    def __init__(self, caches: dict, device: torch.device, stats, policy: str | None = None):
         self.layers = sorted(caches)
         self.caches = [caches[l] for l in self.layers]
         L, E = len(self.layers), self.caches[0].host_w13.shape[0]
         self.stats, self.device = stats, device
-        self.counts = torch.zeros(L, E, dtype=torch.float32, device=device)
-        self.ring = torch.zeros(self.depth, L, E, dtype=torch.float32).pin_memory()
+        self.counts = torch.zeros(2, L, E, dtype=torch.float32, device=device)  # assignments, hits
+        self.ring = torch.zeros(self.depth, 2, L, E, dtype=torch.float32).pin_memory()
         self.pending: list[tuple[int, torch.cuda.Event]] = []  # (ring row, its copy's event), oldest first
         self.next_row = 0
-        self.score = torch.zeros(L, E)
         self.resident = torch.zeros(L, E, dtype=torch.bool)
         self.pinned = torch.zeros(L, E, dtype=torch.bool)
         for i, c in enumerate(self.caches):
-            c.map(self.resident[i], self.counts[i])
+            c.map(self.resident[i], self.counts[0, i], self.counts[1, i])
             for e in c.pinned:
                 self.pinned[i, e] = True
+        self.set_policy(policy or self.policy_name)
+
+    def set_policy(self, name: str) -> None:
+        """A fresh decision policy by name (between steps; benchmarks switch it on one engine)."""
+        L, E = self.resident.shape
+        if name == "dueling":
+            self.policy = DuelingPolicy(L, E, self.resident, self.pinned, self._empty())
+        elif name == "frequent":
+            self.policy = PromotionPolicy(L, E)
+        else:
+            raise ValueError(f"unknown slot policy {name!r} (dueling | frequent)")
+
+    def _empty(self) -> list[int]:
+        return [c.owner.count(None) for c in self.caches]
 
     def after_step(self) -> None:
+        """Right after a step is queued: land what has landed, read what has arrived, queue this step's counts."""
         for c in self.caches:
             if c.landing:
                 c.land()
-        read = False
-        while self.pending and self.pending[0][1].query():
-            row, _ = self.pending.pop(0)
-            counts = self.ring[row].clone()
-            self._account(counts)
-            self.score.mul_(self.decay).add_(counts)
-            read = True
-        if read:
-            self._promote()
+        self.after_results()
         if len(self.pending) < self.depth:
             row = self.next_row
             self.next_row = (row + 1) % self.depth
@@ -66,13 +77,25 @@ class RoutingTally:
             ev.record(torch.cuda.current_stream(self.device))
             self.pending.append((row, ev))
 
-    def _account(self, counts: torch.Tensor) -> None:
-        needed = counts > 0  # [L, E]
-        hits = int((needed & self.resident).sum())
-        misses = int(needed.sum()) - hits
-        self.stats.expert_hits += hits
+    def after_results(self) -> None:
+        """Read the counts that have arrived (in step order) and promote on them."""
+        read = False
+        while self.pending and self.pending[0][1].query():
+            row, _ = self.pending.pop(0)
+            counts, hits = self.ring[row].clone()
+            self._account(counts, hits)
+            self.policy.observe(counts)
+            read = True
+        if read:
+            self._promote()
+
+    def _account(self, counts: torch.Tensor, hits: torch.Tensor) -> None:
+        needed, hit = counts > 0, hits > 0  # [L, E]: experts a step used; those it found in a slot
+        n_hit = int(hit.sum())
+        misses = int(needed.sum()) - n_hit
+        self.stats.expert_hits += n_hit
         self.stats.expert_misses += misses
-        on_host = sum(int((needed[i] & ~self.resident[i] & c.cpu_class).sum())
+        on_host = sum(int((needed[i] & ~hit[i] & c.cpu_class).sum())
                       for i, c in enumerate(self.caches) if c.cpu_class is not None)
         self.stats.h2d_bytes += (misses - on_host) * self.caches[0].expert_bytes  # read in place over PCIe
         hd = self.caches[0].host_decode
@@ -83,28 +106,9 @@ class RoutingTally:
         for i, c in enumerate(self.caches):
             if c.trace is not None and needed[i].any():
                 c.trace.append(needed[i].nonzero().flatten().tolist())
-                c.trace_hits += int((needed[i] & self.resident[i]).sum())
+                c.trace_hits += int(hit[i].sum())
 
     def _promote(self) -> None:
-        """Per layer: its hottest missing experts against its coldest evictable residents, pair by pair
-        while the candidate wins; an empty slot takes any expert used at all. At most `per_layer` copies
-        in flight per layer."""
-        inf = float("inf")
-        n = self.per_layer
-        best, cand = self.score.masked_fill(self.resident, -inf).topk(n, dim=1)  # [L, n], hottest first
-        worst, victim = self.score.masked_fill(~self.resident | self.pinned, inf).topk(n, dim=1, largest=False)
-        for i in (best[:, 0] > 0).nonzero().flatten().tolist():
-            c = self.caches[i]
-            busy = {e for e, _ in c.landing}
-            j = 0
-            for r in range(n):
-                e, b = int(cand[i, r]), float(best[i, r])
-                if len(c.landing) >= n or b <= 0 or e in busy:
-                    break
-                if None in c.owner:
-                    c.promote(e, None)
-                elif j < n and b > self.margin * float(worst[i, j]) + self.floor:  # inf when none is evictable
-                    c.promote(e, int(victim[i, j]))
-                    j += 1
-                else:
-                    break
+        busy = [{e for e, _ in c.landing} for c in self.caches]
+        for i, e, victim in self.policy.choose(self.resident, self.pinned, busy, self._empty()):
+            self.caches[i].promote(e, victim, land=self.land_now)

@@ -586,3 +586,23 @@ def test_profile_counts_skip_padded_graph_rows():
     assert bank.routing_counts.tolist() == [1, 1, 1, 1]
     bank.forward(torch.randn(4, 8), ids, torch.full((4, 2), 0.5))  # eager: every row is real
     assert bank.routing_counts.tolist() == [2, 2, 2, 6]
+
+
+def test_tally_skips_padding_rows_of_a_graph_step():
+    """The mapped path's tally (`expert_cache.tally_step`) under a padded graph step: the padding rows route
+    (token 0's ids) but count neither as uses nor as hits."""
+    from ferrylm.layers.context import ForwardContext, forward_context, live_assignments
+    from ferrylm.offload.expert_cache import tally_step
+
+    E = 4
+    in_slot = torch.tensor([True, False, False, True])
+    ids = torch.tensor([[0, 1], [2, 3], [0, 1], [0, 1]])  # 2 real rows, 2 padding rows
+    counts, hits = torch.zeros(E), torch.zeros(E)
+    ctx = ForwardContext(query_start_loc=[0, 1, 2, 3, 4], start_pos=[0] * 4, seq_lens=[1] * 4,
+                         slot_mapping=torch.zeros(4, dtype=torch.long), block_tables=torch.zeros(4, 1, dtype=torch.int32),
+                         num_decodes=4, kv_cache=None, live_rows=torch.tensor([2]))
+    with forward_context(ctx):
+        tally_step(counts, hits, in_slot, ids, live_assignments(ids))
+    assert counts.tolist() == [1, 1, 1, 1] and hits.tolist() == [1, 0, 0, 1]
+    tally_step(counts, hits, in_slot, ids, live_assignments(ids))  # no context: every row counts
+    assert counts.tolist() == [4, 4, 2, 2] and hits.tolist() == [4, 0, 0, 2]

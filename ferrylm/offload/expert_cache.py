@@ -66,6 +66,16 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def tally_step(counts: torch.Tensor, hits: torch.Tensor, in_slot: torch.Tensor, topk_ids: torch.Tensor,
+               real: torch.Tensor) -> None:
+    """A mapped step's routing into the tally's device rows: `counts` [E] += assignments per expert, `hits` [E]
+    += those whose expert the kernel reads from a slot; `real` [T * k] weighs out a padded graph step's padding
+    rows (they route too). No host sync, graph-capturable."""
+    flat = topk_ids.flatten()
+    counts.scatter_add_(0, flat, real.to(counts.dtype))
+    hits.scatter_add_(0, flat, (in_slot[flat] & (real > 0)).to(hits.dtype))
+
+
 def host_share(topk_ids: torch.Tensor, in_slot: torch.Tensor, prefer: torch.Tensor,
                share: torch.Tensor) -> torch.Tensor:
     """Hybrid decode's split of one layer's step, on the device (no host sync, graph-capturable): of the n
@@ -317,12 +327,10 @@ class CachedExperts(ExpertBackend):
         self.landing = still
 
     def _forward_mapped(self, x, topk_ids, topk_weights):
-        from ferrylm.layers.context import live_rows
+        from ferrylm.layers.context import live_assignments, live_rows
         from ferrylm.layers.fused_moe import expert_rows, sum_rows
 
-        flat = topk_ids.flatten()
-        self.counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=self.counts.dtype))
-        self.hits.scatter_add_(0, flat, self.in_slot[flat].to(self.hits.dtype))  # hit as the kernel reads
+        tally_step(self.counts, self.hits, self.in_slot, topk_ids, live_assignments(topk_ids))
         T, k = topk_ids.shape
         if self.host_decode is None:
             return sum_rows(expert_rows(x, self.t13, self.t2, topk_ids, topk_weights), k)

@@ -5,6 +5,8 @@ the engine's own LRU replay, and bad profile files or specs are clear errors."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import random
 
 import pytest
@@ -187,3 +189,19 @@ def test_bad_profiles_and_routing_specs_are_clear_errors(tmp_path, capsys):
     assert main(["plan", cfg, "--host", HOST, "--gpu-memory-budget-gb", "4", "--max-model-len", "4096", "--routing", "zipf:1.2", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert "zipf:1.2" in d["speed"]["assumptions"]["expert_hit_rate_from"] and d["options"]["routing"] == "zipf:1.2"
+
+
+def test_a_saved_profile_is_used_as_the_engine_uses_it(tmp_path, monkeypatch):
+    """With no profile named, the engine pins from the profile `--profile-experts` saved for that model
+    (`offload/expert_profile.saved`): the plan predicts with the same one."""
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "cache"))
+    base = _plan(tmp_path)
+    model = _config(tmp_path, QWEN3)
+    path = expert_profile.saved_path(model)
+    os.makedirs(os.path.dirname(path))
+    shutil.copy(_profile(tmp_path, QWEN3, _zipf_counts(1.2)), path)
+    got = _plan(tmp_path)
+    assert expert_profile.saved(model) == path and path in got.speed["assumptions"]["expert_hit_rate_from"]
+    assert got.speed["decode_batch1"]["expert_hit_rate"] > base.speed["decode_batch1"]["expert_hit_rate"] + 0.3
+    stated = _plan(tmp_path, routing="uniform")  # a stated routing wins over the saved profile
+    assert stated.speed["decode_batch1"]["expert_hit_rate"] == pytest.approx(base.speed["decode_batch1"]["expert_hit_rate"])

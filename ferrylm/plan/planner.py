@@ -293,7 +293,12 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     dense_host = [g for g in mine if tier[g.name] == HOST and g.kind not in ("experts", "embed")]
     streamed_bytes = sum(g.nbytes for g in dense_host)
     moe = _moe_layers(mine, tier, dense_of, fmt.experts_scheme)
-    route = hit_rate.routing(opts.routing, opts.expert_profile, mc.architecture, E, k,
+    profile = opts.expert_profile
+    if profile is None and opts.routing is None and E:  # the engine's own choice: a `--profile-experts` profile
+        from ferrylm.offload.expert_profile import saved
+
+        profile = saved(opts.model)
+    route = hit_rate.routing(opts.routing, profile, mc.architecture, E, k,
                              sorted({g.layer for g in groups if g.kind == "experts"}))
     slots = placement.expert_slots if placement else {}
 

@@ -51,8 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser, **defaults) -> None:
     """Every engine knob as a flag; `defaults` overrides a field's default for this subcommand."""
     for f, doc in _engine_fields():
         extra = dict(FLAG_EXTRAS.get(f.name, {}))
-        flag = extra.pop("flag", "--" + f.name.replace("_", "-"))
         default = defaults.get(f.name, f.default)
+        on = str(f.type) == "bool" and default is True  # a knob on by default is turned off by its flag
+        flag = extra.pop("flag", ("--no-" if on else "--") + f.name.replace("_", "-"))
         kw = dict(dest=f.name, default=default, help=extra.pop("help", doc.split(". ")[0].strip() or None))
         ann = str(f.type)
         if ann == "bool":

@@ -128,3 +128,16 @@ def test_invalid_engine_options(tiny_llama, kw, match):
 
     with pytest.raises(ConfigError, match=match):
         LLM(tiny_llama, **kw)
+
+
+def test_every_knob_on_by_default_has_a_flag_that_turns_it_off():
+    """Engine flags come from the config's fields (`cli.add_engine_args`): a bool that defaults to True is
+    spelled `--no-<name>` (a store_true flag for it could never change anything)."""
+    from ferrylm.cli import _engine_fields, build_parser, engine_kwargs
+
+    on = [f.name for f, _ in _engine_fields() if str(f.type) == "bool" and f.default is True]
+    assert {"mapped_experts", "hybrid_split", "enable_prefix_caching"} <= set(on)
+    flags = ["--no-" + n.replace("_", "-").removeprefix("enable-") for n in on]
+    base = engine_kwargs(build_parser().parse_args(["generate", "hi"]))
+    off = engine_kwargs(build_parser().parse_args(["generate", "hi", *flags]))
+    assert all(base[n] is True for n in on) and all(off[n] is False for n in on)

@@ -32,7 +32,8 @@ from ferrylm.offload import calibration
 from ferrylm.offload.cost_model import cpu_share
 from ferrylm.offload.host_experts import HostExperts
 from ferrylm.offload.host_tier import HostTier
-from results import write_results  # benchmarks/results.py (scripts run as python benchmarks/x.py)
+from bench_cpu_experts import read_bandwidth  # benchmarks/ (scripts run as python benchmarks/x.py)
+from results import write_results  # benchmarks/results.py
 
 SHAPES = {"mixtral": (4096, 14336), "qwen3-30b": (2048, 768), "qwen3-235b": (4096, 1536), "tiny": (256, 512)}
 FORMATS = {  # name -> (kernel format, group, parts: name -> (dtype, columns per K or None for one column))
@@ -66,17 +67,6 @@ def side(host: HostTier, fmt: str, E: int, N: int, K: int):
             t.uniform_(1e-3, 1.1e-2, generator=g)
         out[name] = t
     return ExpertWeights(kfmt, (E, N, K), group or K, out["q"], out.get("scale"), out.get("min"))
-
-
-def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
-    x = torch.ones(int(gib * 2**30) // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.nbytes / best / 1e9
 
 
 def main() -> None:

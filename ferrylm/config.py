@@ -307,9 +307,9 @@ class OffloadConfig:
     """Decode steps read missed experts in place from pinned host memory over PCIe (no copy first, no
     host sync, CUDA-graphed) and the slots follow the routing; off: every miss is copied into a slot."""
     cpu_share: float | None = None
-    """Hybrid decode: share of each layer's experts the host computes while they are not in a slot (the
-    kernel reads the rest in place, at the same time); None: balanced from the calibration (1 with
-    `experts=cpu`, 0 with `experts=gpu`)."""
+    """Hybrid decode: the host's share of each step's missed experts (with `hybrid_split`, of each missed
+    expert's intermediate columns; else of the misses, whole); the kernel reads the rest in place at the same
+    time. None: balanced from the calibration (1 with `experts=cpu`, 0 with `experts=gpu`)."""
     hybrid_split: bool = True
     """Hybrid decode over dense expert banks splits each missed expert along its intermediate: the GPU reads
     the first (1 - cpu_share) of its columns in place while the host computes the rest, so both sides

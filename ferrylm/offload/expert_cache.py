@@ -346,7 +346,7 @@ class CachedExperts(ExpertBackend):
                     rows = rows + expert_rows(x, self.t13, self.t2, torch.where(miss, topk_ids, E), topk_weights,
                                               skip=True, inter=c)
             finally:
-                host = hd.receive(T * k, x.device)
+                host = hd.receive(T * k, x.device, self.layer)
             return sum_rows(rows + host, k)
         on = host_share(topk_ids, self.in_slot, self.prefer, self.share)  # [T, k]: assignments the host computes
         # every post is paired with its wait, whatever raises between them: an unpaired post would leave the

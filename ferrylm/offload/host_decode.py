@@ -126,8 +126,8 @@ class HostDecode:
             self.copy_ids[:T].copy_(copy_ids, non_blocking=True)
         self.hand.post(torch.cuda.current_stream(x.device))
 
-    def receive(self, rows: int, device: torch.device, layer: int | None = None) -> torch.Tensor:
-        """Enqueue the wait for the worker (timed, with `layer`); -> its rows [rows, H] on the device."""
+    def receive(self, rows: int, device: torch.device, layer: int) -> torch.Tensor:
+        """Enqueue the wait for the worker on `layer` (timed); -> its rows [rows, H] on the device."""
         stream = torch.cuda.current_stream(device)
         pair = self.waits.get(layer)
         if pair is not None:

@@ -454,8 +454,8 @@ def test_hybrid_decode_split_on_a_packed_bank(fmt):
     stand-in for the host worker (`HostDecode`'s hand-off needs CUDA streams; its rows are
     `HostExperts.rows`, the same call the worker makes): every miss split along its intermediate (the kernel
     reads columns [0, c) through the address table, the host computes [c, I)) equals the mapped-only step
-    and the resident reference within the host's bf16 rounding (2^-7 of the output's scale; 2^-6 on CUDA), and so does the
-    per-step split of whole experts; the split is real (c = 128 of 256, the host ran with cols=c)."""
+    and the resident reference within the host's bf16 rounding (2^-7 of the output's scale; 2^-6 on CUDA),
+    and so does the per-step split of whole experts; the split is real (c = 128 of 256, the host ran with cols=c)."""
     triton = pytest.importorskip("triton")  # noqa: F841
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs CUDA or TRITON_INTERPRET=1 (the fused kernel)")

@@ -273,8 +273,8 @@ class HostExperts:
              cols: int = 0) -> int:
         """x: [T, H]; ids, weights: [T, k] (ids -1 where another side computes); out: [>= T * k, H], written
         in rows [0, T * k). With `cols` > 0 (any bank format; a multiple of `split_unit`), each expert on its
-        intermediate columns [cols, I) only (`layers/fused_moe.expert_rows(..., inter=cols)` computes the rest). Returns the number of
-        experts run."""
+        intermediate columns [cols, I) only (`layers/fused_moe.expert_rows(..., inter=cols)` computes the rest;
+        cols >= I: nothing). Returns the number of experts run."""
         T, k = ids.shape
         run = (lambda e, xs: self._columns(e, xs, cols)) if cols else (lambda e, xs: self.expert(e)(xs))
         out[:T * k].zero_()

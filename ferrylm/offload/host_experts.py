@@ -159,7 +159,7 @@ class HostExperts:
         # one lock per expert: a build happens once even if two threads ask for it, and a slow build (int4's
         # re-layout, a background `prepare`) never stalls a thread that wants another expert
         self._locks = [threading.Lock() for _ in range(self.num_experts)]
-        self._split: dict[tuple[int, int], tuple] = {}  # (expert, c) -> its column kernels (`_column_expert`)
+        self._split: dict[int, tuple] = {}  # expert -> (c, its column kernels): `_column_expert`
         self.laid: set[int] = set()
         """Experts whose int4 codes lie in the bank in torch's CPU layout (`lay`)."""
 
@@ -253,21 +253,21 @@ class HostExperts:
         of w13 and w2's K columns [c, I), each the kernel `side_kernel` picks for that window (int8 per channel:
         qmatmul's kernel on the row windows, the column window exactly in bf16 with the scale on the output;
         int4: `Int4PackCPU`, which keeps its own copy of the window's codes; nf4, fp8, group-wise int8:
-        `RowBlocks` decoding only the window). Built once per (expert, c), under the expert's lock."""
-        key = (e, c)
-        got = self._split.get(key)
-        if got is None:
+        `RowBlocks` decoding only the window). Built once per (expert, c), under the expert's lock; a new c
+        replaces the expert's kernels for the old one (int4's hold a copy of the window's codes)."""
+        got = self._split.get(e)
+        if got is None or got[0] != c:
             with self._locks[e]:
-                got = self._split.get(key)
-                if got is None:
+                got = self._split.get(e)
+                if got is None or got[0] != c:
                     if e in self.laid:  # the device reads a split expert's columns [0, c) in place
                         raise ValueError(f"expert {e} is laid out for the host kernel: it cannot be split")
                     I = self.w2.shape[2]
                     if c % self.split_unit or not 0 < c < I:
                         raise ValueError(f"split column {c} of {I}: a multiple of {self.split_unit} in (0, I)")
                     gate, up = (_matmul(side_kernel(_window(self.w13, e, r, r + I - c, 0), 0)) for r in (c, I + c))
-                    got = self._split[key] = (gate, up, _matmul(_column_window_kernel(self.w2, e, c)))
-        return got
+                    got = self._split[e] = (c, (gate, up, _matmul(_column_window_kernel(self.w2, e, c))))
+        return got[1]
 
     def rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
              cols: int = 0) -> int:

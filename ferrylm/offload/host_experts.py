@@ -22,8 +22,8 @@ them ahead), over views of the bank's own bytes:
 device adds them to its own rows exactly. `rows(..., cols=c)` computes only the intermediate columns [c, I)
 (hybrid decode's column split; the device computes [0, c)): dense banks through views, packed ones through
 kernels over windows of their parts (gate rows [c, I), up rows [I + c, 2I), w2's K columns [c, I); c a
-multiple of `split_unit`, so the window starts on a group). Its Python work grows with the assignments and the experts used,
-never with E. Thread-safe: each expert's kernels are built once, under that expert's own lock.
+multiple of `split_unit`, so the window starts on a group). Its Python work grows with the assignments and
+the experts used, never with E. Thread-safe: each expert's kernels are built once, under that expert's own lock.
 It knows nothing about caches, streams or which thread runs it. Shapes: T tokens, k experts a token,
 H hidden, I the expert's intermediate size, E experts.
 """

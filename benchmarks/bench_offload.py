@@ -10,6 +10,8 @@ Cases:
   and a 2k-token prefill, against the PCIe floor (bytes the engine moved per step / measured pinned H2D).
 - deepseek-v2-lite (27 layers, ~31 GB) under 8 GiB, deepseek-v3-5L (V3 shape, 3 dense + 2 MoE layers, ~53 GB)
   under 16 GiB: MLA models through the same offload path (`case_offload`), batch 1 / 32.
+- hybrid32-nf4: Mixtral 32 layers, NF4 experts, 16 GiB, batch 1 / 16 on one engine: hybrid (calibrated share,
+  each miss split along its intermediate) vs copy-only (share 0, `cpu_mode=gpu`) vs cpu-only (share 1).
 Prompts are fresh random ids (no prefix-cache hits). Prints a table and ends with one JSON line.
 """
 
@@ -405,6 +407,62 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
     torch.cuda.empty_cache()
 
 
+def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: str = "nf4", budget_gib: int = 16,
+                       batches=(1, 16)) -> None:
+    """The issue's packed hybrid case: Mixtral-8x7B shape, `layers` layers, experts `expert_quant` (packed in
+    pinned host memory, read packed), under `budget_gib`; one engine (`experts=auto`), per batch three
+    settings switched on it: hybrid (the calibrated share, every miss split along its intermediate: the GPU
+    reads columns [0, c) in place, the host computes [c, I); steps above `mapped_tokens` take the copy path
+    with the cost model's split of whole experts), copy-only (share 0: in place / copied, host idle; copy
+    path `cpu_mode=gpu`) and cpu-only (share 1, `cpu_mode=cpu`). Graphs re-captured per setting."""
+    from ferrylm import LLM
+    from ferrylm.weights.random_source import RandomSource
+
+    cfg = {**MIXTRAL, "num_hidden_layers": layers}
+    name = f"mixtral-{layers}L-{expert_quant}-experts"
+    t = time.perf_counter()
+    llm = LLM(RandomSource(cfg, expert_quant=expert_quant), device="cuda", dtype="bfloat16",
+              max_num_seqs=max(batches), max_model_len=4096, gpu_memory_budget=f"{budget_gib}GiB", experts="auto")
+    runner = llm.engine.runner
+    placed = runner.placed
+    auto = placed.cpu_share
+    first = next(iter(placed.caches.values()))
+    I = first.host_w2.shape[2]
+    print(f"{name} loaded in {time.perf_counter() - t:.1f} s; calibration {placed.calibration}; calibrated share "
+          f"{auto:.2f}; decode steps of <= {first.mapped_tokens} tokens read in place", flush=True)
+    if placed.host_decode is None:
+        rows.append({"model": name, "error": f"no hybrid decode (calibrated share {auto})"})
+        return
+    settings = {"auto": ("hybrid_tok_s", auto, True), "gpu": ("copy_only_tok_s", 0.0, False),
+                "cpu": ("cpu_only_tok_s", 1.0, True)}
+    for batch in batches:
+        row = {"model": name, "budget_gib": budget_gib, "batch": batch, "calibrated_share": auto, "inter": I,
+               "mapped_tokens": first.mapped_tokens}
+        for mode, (key, share, split) in settings.items():
+            placed.hybrid_split = split
+            placed.set_cpu_share(share)
+            for c in placed.caches.values():
+                c.cpu_mode = mode
+            if runner.graphs is not None:
+                runner.graphs.reset()  # the column split is baked into captures
+            placed.stats.reset()
+            # short prompts: with cpu_mode=cpu the prefill's misses run on the host too (compute-bound there)
+            r, per = decode_rate(llm, batch, 12 if batch == 1 else 4, seed=batch * 11 + len(mode), prompt_len=8,
+                                 stats=placed.stats)
+            st = placed.stats
+            row[key] = r
+            row[f"{mode}_split"] = {"share": share, "split_cols": first.split_cols, "h2d_gib_per_step": per / 2**30,
+                                    "cpu_experts": st.cpu_experts, "cpu_busy_s": round(st.cpu_busy_s, 3),
+                                    "cpu_wait_s": round(st.cpu_wait_s, 3), "hit_rate": st.hit_rate}
+            print(f"{name} batch {batch:2d} {mode:4s} (share {share:.2f}, split cols {first.split_cols} of {I}): "
+                  f"{r:7.2f} tok/s  {row[f'{mode}_split']}", flush=True)
+        row["split"] = row["auto_split"]["split_cols"]
+        rows.append(row)
+    del llm, runner, placed, first
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 TALLY_SWEEP = [{"policy": "frequent", "land_now": False}, {"policy": "frequent", "land_now": True},
                {"policy": "dueling", "land_now": True}]
 """Slot policies (`offload/routing_tally.py`; frequent without land_now: the tally before
@@ -421,6 +479,8 @@ CASES = {
     "hybrid16-decode-zipf": lambda rows, h2d: case_hybrid_decode(rows, h2d, "zipf1.2"),
     "hybrid16-decode-copy": lambda rows, h2d: case_hybrid_decode(rows, h2d, gpu_side="copy"),
     "hybrid16": lambda rows, h2d: case_hybrid(rows, h2d),
+    # the issue's packed hybrid case: Mixtral 32 layers, NF4 experts, 16 GiB, batch 1 and 16 (split vs each side)
+    "hybrid32-nf4": lambda rows, h2d: case_hybrid_packed(rows, h2d),
     "hybrid16-zipf": lambda rows, h2d: case_hybrid(rows, h2d, "zipf1.2"),
     "offload16": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16}, 16,
                                                 (1, 64), 2048, accelerate=True),

@@ -311,7 +311,7 @@ class OffloadConfig:
     expert's intermediate columns; else of the misses, whole); the kernel reads the rest in place at the same
     time. None: balanced from the calibration (1 with `experts=cpu`, 0 with `experts=gpu`)."""
     hybrid_split: bool = True
-    """Hybrid decode over dense expert banks splits each missed expert along its intermediate: the GPU reads
+    """Hybrid decode (dense or packed expert banks) splits each missed expert along its intermediate: the GPU reads
     the first (1 - cpu_share) of its columns in place while the host computes the rest, so both sides
     work on every miss; off: whole experts go to one side or the other (per step, `cpu_share` of them)."""
 

@@ -96,3 +96,43 @@ def test_columns_of_the_intermediate_add_up(decode):
         print(f"columns [0, {c}) + [{c}, {I}) vs whole, T={T}: max |diff| {worst:.2e}")
         assert worst <= (2e-2 if DT == torch.bfloat16 else 1e-5) * whole.float().abs().max().item()
         assert (first.float() - whole.float()).abs().max().item() > 1e-3  # the range is not the whole
+
+
+@pytest.mark.parametrize("kernel", ["decode-kernel", "plain-kernel"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_packed_columns_of_the_intermediate_add_up(fmt, kernel):
+    """Packed banks cut at `inter=c` (hybrid decode's GPU share on int8 / fp8 / int4 / nf4 experts): the GPU's
+    columns [0, c) equal the plain torch expert on the dequantized weights restricted to them, and with the
+    host's columns [c, I) (plain torch too) add up to the whole packed expert; read through a table of
+    per-expert addresses, as the mapped cache reads them, on the decode kernel (explicit config) and the plain
+    one. c = 128 and 64: multiples of every format's group along K (I) here."""
+    from ferrylm.layers.fused_moe_decode import DecodeConfig
+
+    decode = DecodeConfig() if kernel == "decode-kernel" else False
+    torch.manual_seed(3)
+    E, H, I, k = 4, 128, 256, 2
+    b13, b2 = bank(fmt, torch.randn(E, 2 * I, H) * 0.05, torch.randn(E, H, I) * 0.05)
+    d13, d2 = b13.dequantize(torch.float32), b2.dequantize(torch.float32)  # [E, 2I, H], [E, H, I]
+    for T, c in ((1, 128), (3, 64)):  # c = 64: GEMM 2's last K tile partly masked on both kernels
+        x = torch.randn(T, H, device=DEV).to(DT)
+        ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(T)])
+        w = torch.rand(T, k, device=DEV)
+        first = expert_rows(x, table(b13), table(b2), ids, w, inter=c, decode=decode)  # [A, H]
+        whole = expert_rows(x, table(b13), table(b2), ids, w, decode=decode)
+        want_first, rest = torch.zeros(T * k, H), torch.zeros(T * k, H)
+        for a, e in enumerate(ids.flatten().tolist()):  # plain torch, fp32, per column range
+            xa = x[a // k].float()
+            for lo, hi, out in ((0, c, want_first), (c, I, rest)):
+                g, u = d13[e][lo:hi].float() @ xa, d13[e][I + lo:I + hi].float() @ xa
+                out[a] = w.flatten()[a].float() * (d2[e][:, lo:hi].float() @ (torch.nn.functional.silu(g) * u))
+        scale = whole.float().abs().max().item()
+        tol = (2e-2 if DT == torch.bfloat16 else 1e-5) * scale
+        d_first = (first.float().cpu() - want_first).abs().max().item()
+        d_sum = (first.float().cpu() + rest - whole.float().cpu()).abs().max().item()
+        print(f"{fmt} {kernel} T={T}: columns [0, {c}) vs torch {d_first:.2e}, [0, {c}) + [{c}, {I}) vs whole "
+              f"{d_sum:.2e} (scale {scale:.2e})")
+        assert d_first <= tol and d_sum <= tol
+        assert (first.float() - whole.float()).abs().max().item() > 1e-2 * scale  # the range is not the whole
+    if b2.fmt in ("int4", "int4min", "nf4"):  # two codes a byte: a column split between them is refused
+        with pytest.raises(ValueError, match="even"):
+            expert_rows(x, b13, b2, ids, w, inter=c - 1, decode=decode)

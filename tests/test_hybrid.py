@@ -376,6 +376,151 @@ def test_host_rows_on_a_column_range_add_up_to_the_expert():
     assert not host[3].any() and (host[0] - whole[0]).abs().max() > 1e-3  # the -1 row is 0; the split is real
 
 
+PACKED = {"int8": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_int8(t),
+          "int8-g32": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_int8(t, 32),
+          "fp8": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_fp8(t),
+          "int4-g32": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_int4(t, 32, "sym"),
+          "int4min-g64": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_int4(t, 64, "min"),
+          "nf4-g64": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_nf4(t, 64)}
+
+
+def _packed_bank(fmt: str, E: int, H: int, I: int, seed: int = 4):
+    """A random packed bank (w13 [E, 2I, H], w2 [E, H, I] as `ExpertWeights`) and its fp32 dequantized twin."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+
+    g = torch.Generator().manual_seed(seed)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * .05, torch.randn(E, H, I, generator=g) * .05
+    q = PACKED[fmt]
+    b13 = ExpertWeights.stack([[q(w13[e, :I]), q(w13[e, I:])] for e in range(E)], torch.float32)
+    b2 = ExpertWeights.stack([[q(w2[e])] for e in range(E)], torch.float32)
+    return b13, b2, b13.dequantize(torch.float32), b2.dequantize(torch.float32)
+
+
+@pytest.mark.parametrize("fmt", list(PACKED))
+def test_packed_host_rows_on_a_column_range(fmt):
+    """The column split on packed host banks (`HostExperts.rows(cols=c)`, kernels over windows of the packed
+    parts): the host's columns [c, I) equal the plain reference (the dequantized weights in fp32 through
+    torch) restricted to them, and with the device's columns [0, c) (the same reference: what
+    `expert_rows(..., inter=c)` computes, tests/test_fused_moe_formats.py) add up to the whole expert. The
+    host computes with bf16 activations (as every packed host expert does), so within 2^-7 of the output's
+    scale, not exactly; its whole expert (cols=0) is held to the same bound. Columns off a group of w2 are
+    refused."""
+    import torch.nn.functional as F
+
+    from ferrylm.offload.host_experts import HostExperts
+
+    E, H, I, T, k = 4, 64, 384, 3, 2
+    b13, b2, d13, d2 = _packed_bank(fmt, E, H, I)
+    he = HostExperts(b13, b2, F.silu)
+    assert he.splittable and he.split_unit == 128
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.tensor([[0, 2], [2, -1], [1, 3]])
+    w = torch.rand(T, k, generator=g)
+
+    def ref(lo, hi):  # [T * k, H]: every assignment on the intermediate columns [lo, hi), fp32 torch
+        out = torch.zeros(T * k, H)
+        for a, e in enumerate(ids.flatten().tolist()):
+            if e >= 0:
+                xa = x[a // k]
+                mid = F.silu(d13[e][lo:hi] @ xa) * (d13[e][I + lo:I + hi] @ xa)
+                out[a] = w.flatten()[a] * (d2[e][:, lo:hi] @ mid)
+        return out
+
+    whole = ref(0, I)
+    scale = whole.abs().max().item()
+    full = torch.empty(T * k, H)
+    he.rows(x, ids, w, full)
+    for c in (128, 256):
+        host = torch.full((T * k, H), float("nan"))
+        assert he.rows(x, ids, w, host, cols=c) == 4
+        d_host = (host - ref(c, I)).abs().max().item()
+        d_sum = (host + ref(0, c) - whole).abs().max().item()
+        print(f"{fmt} c={c}: host [c, I) vs reference {d_host:.2e}, + device [0, c) vs whole {d_sum:.2e}, "
+              f"whole host expert vs reference {(full - whole).abs().max():.2e} (scale {scale:.2e})")
+        assert d_host <= 2 ** -7 * scale and d_sum <= 2 ** -7 * scale
+        assert not host[3].any() and (host - whole).abs().max() > 0.05 * scale  # the -1 row is 0; the split is real
+    assert (full - whole).abs().max() <= 2 ** -7 * scale
+    host = torch.full((T * k, H), float("nan"))
+    assert he.rows(x, ids, w, host, cols=I) == 0 and not host.any()  # c = I: the device computes everything
+    with pytest.raises(ValueError, match="multiple of 128"):
+        he.rows(x, ids, w, host, cols=64)
+
+
+@pytest.mark.parametrize("fmt", ["nf4-g64", "int4-g32", "int8"])
+def test_hybrid_decode_split_on_a_packed_bank(fmt):
+    """The mapped cache's hybrid decode step (`CachedExperts._forward_mapped`) over a packed host bank, with
+    the real kernels (Triton's interpreter on the CPU, fp32; CUDA where there is one) and a synchronous
+    stand-in for the host worker (`HostDecode`'s hand-off needs CUDA streams; its rows are
+    `HostExperts.rows`, the same call the worker makes): every miss split along its intermediate (the kernel
+    reads columns [0, c) through the address table, the host computes [c, I)) equals the mapped-only step
+    and the resident reference within the host's bf16 rounding (2^-7 of the output's scale; 2^-6 on CUDA),
+    and so does the per-step split of whole experts; the split is real (c = 128 of 256, the host ran with cols=c)."""
+    triton = pytest.importorskip("triton")  # noqa: F841
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1 (the fused kernel)")
+    from ferrylm.layers.moe import Experts
+    from ferrylm.offload.expert_cache import CachedExperts
+    from ferrylm.offload.placed_weights import OffloadStats
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    E, H, I, T, k = 4, 64, 256, 3, 2
+    b13, b2, d13, d2 = _packed_bank(fmt, E, H, I)
+    if dev.type == "cuda":
+        b13, b2 = (_pinned(b) for b in (b13, b2))
+    bank = Experts(E, H, I)
+    bank.w13.data, bank.w2.data = d13, d2  # the resident reference: the dequantized weights, fp32 torch
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(T, H, generator=g)
+    w = torch.rand(T, k, generator=g)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]])  # expert 0 in a slot: a hit; 1, 2, 3 missed
+    ref = bank.forward(x, ids, w)
+    scale = ref.abs().max().item()
+
+    class Host:  # HostDecode's send/receive, computed at once on this thread
+        copies = False
+
+        def __init__(self, he):
+            self.he, self.cols = he, []
+
+        def send(self, layer, x, cpu_ids, weights, copy_ids=None, cols=0, live=None):
+            self.out = torch.zeros(x.shape[0] * k, H, dtype=x.dtype)
+            self.ran = self.he.rows(x.cpu(), cpu_ids.cpu(), weights.cpu(), self.out, cols)
+            self.cols.append((cols, self.ran))
+
+        def receive(self, rows, device, layer):
+            return self.out[:rows].to(device)
+
+    cache = CachedExperts(bank, b13, b2, 2, [0], set(), "lru", dev, None, OffloadStats(), 0)
+    cache.map(torch.zeros(E, dtype=torch.bool), torch.zeros(E, device=dev), torch.zeros(E, device=dev))
+    xd, idd, wd = x.to(dev, dt), ids.to(dev), w.to(dev)
+    mapped = cache.forward(bank, xd, idd, wd).float().cpu()
+    host = Host(cache.host_experts)
+    cpu_class = torch.tensor([False, True, False, True])
+    got = {}
+    for split in (True, False):
+        cache.use_host(host, cpu_class, 0.5, split)
+        assert cache.split_cols == (128 if split else None)
+        got[split] = cache.forward(bank, xd, idd, wd).float().cpu()
+    assert host.cols == [(128, 3), (0, 2)]  # split: the 3 misses, each on [128, 256); whole: 2 of 3 misses
+    tol = (2 ** -7 if dt == torch.float32 else 2 ** -6) * scale  # CUDA: the kernel's bf16 rows round too
+    for name, out in (("split", got[True]), ("whole experts", got[False])):
+        print(f"{fmt} hybrid decode ({name}) vs mapped only {(out - mapped).abs().max():.2e}, vs resident "
+              f"{(out - ref).abs().max():.2e} (scale {scale:.2e}); mapped only vs resident "
+              f"{(mapped - ref).abs().max():.2e}")
+        assert (out - mapped).abs().max() <= tol and (out - ref).abs().max() <= tol
+    assert (mapped - ref).abs().max() <= (2e-2 if dt == torch.bfloat16 else 1e-5) * scale
+
+
+def _pinned(b):
+    """A packed host bank side in pinned memory (what the CUDA kernel reads in place)."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+
+    p = {n: t.pin_memory() for n, t in b.parts.items()}
+    return ExpertWeights(b.fmt, b.shape, b.group, p["q"], p.get("scale"), p.get("min"))
+
+
 def _host_bank(E=4, H=32, I=48, seed=5):
     import torch.nn.functional as F
 

@@ -358,17 +358,23 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
     arithmetic differs). With `skip`, ids equal to E (w13.shape[0]) are skipped and their rows are 0: the
     offload cache computes the experts present on the device in rounds and adds the rows (exactly: each
     row is non-zero in one round only). With `inter`, only the first `inter` columns of each expert's
-    intermediate are computed (dense banks): hybrid decode's host computes the others and the rows add up.
+    intermediate are computed (any format: w13's first `inter` gate and up rows, w2's first `inter` columns
+    of K, whose scales are those of their groups, so a packed bank needs no re-grouping; 4-bit codes: `inter`
+    even): hybrid decode's host computes the others and the rows add up.
     `decode`: None takes the decode kernel where `fused_moe_decode.decode_config` says (T <= 16 tokens),
     False the plain kernel (the reference), a `DecodeConfig` the decode kernel with those tiles."""
     from ferrylm.layers import fused_moe_decode as fmd
 
+    like2 = w2.like if isinstance(w2, WeightTable) else w2
+    if inter is not None and not (0 < inter <= w2.shape[2] and (isinstance(like2, torch.Tensor) or inter % 2 == 0
+                                                                or like2.fmt in ("int8", "fp8"))):
+        raise ValueError(f"expert_rows: inter={inter} of {w2.shape[2]} columns (positive; even for two codes a byte)")
     if decode is not False:
         cfg = fmd.decode_config(topk_ids.shape[0], w13, w2, decode if isinstance(decode, fmd.DecodeConfig) else None,
                                 inter)
         if cfg is None and isinstance(decode, fmd.DecodeConfig):
             raise ValueError(f"the decode kernel cannot run {decode}: "
-                             f"{fmd.readable(w13, decode) or fmd.readable(w2, decode) or 'too many tokens'}")
+                             f"{fmd.readable(w13, decode) or fmd.readable(w2, decode) or 'inter not whole words'}")
         if cfg is not None:
             return fmd.decode_rows(x, w13, w2, topk_ids, topk_weights, skip, cfg, inter)
     T, k = topk_ids.shape

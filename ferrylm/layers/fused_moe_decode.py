@@ -104,13 +104,15 @@ def readable(w, cfg: DecodeConfig) -> str | None:
 def decode_config(T: int, w13, w2, cfg: DecodeConfig | None = None, inter: int | None = None) -> DecodeConfig | None:
     """The rule: a batch of T <= DECODE_MAX_TOKENS tokens whose banks both sides can read in 32-bit words
     takes the decode kernel (with `cfg`, default `DecodeConfig()`); larger batches, and prefill, the plain
-    kernel (its row blocks reuse each weight tile across up to 64 rows and cuBLAS-like tiling pays), and so
-    do packed banks cut at `inter` (hybrid decode splits dense banks only)."""
+    kernel (its row blocks reuse each weight tile across up to 64 rows and cuBLAS-like tiling pays). A bank cut
+    at `inter` (hybrid decode's GPU columns) is read by either, dense or packed: `inter` a multiple of the
+    format's codes a word (hybrid decode's c is a multiple of `offload/host_experts.HostExperts.split_unit`)."""
     explicit, cfg = cfg is not None, cfg or DecodeConfig()  # a config asked for by name skips the token bound
-    like = w13.like if isinstance(w13, WeightTable) else w13
-    if (triton is None or not explicit and T > DECODE_MAX_TOKENS
-            or inter is not None and not isinstance(like, torch.Tensor)):
+    if triton is None or not explicit and T > DECODE_MAX_TOKENS:
         return None
+    like = w2.like if isinstance(w2, WeightTable) else w2
+    if inter is not None and not isinstance(like, torch.Tensor) and inter % _cpw(like.fmt):
+        return None  # GEMM 2 reads whole 32-bit words of K
     return cfg if readable(w13, cfg) is None and readable(w2, cfg) is None else None
 
 

@@ -11,13 +11,14 @@ Qwen2-72B NF4, DeepSeek and batch-256 benchmark cases. (The GGUF double decode a
 `GGUFSource.quantized_info`.)
 
 Hybrid decode (issue 10): the host computes a share of each missed expert inside the decode graphs
-(`host_node.py`, `host_decode.py`): dense banks split every miss along its intermediate (the kernel reads the
-first columns in place, the host computes the rest), packed banks split whole experts per step
-(`expert_cache.host_share`). Mixtral-16L bf16 under 16 GiB, batch 1: 9.43 tok/s (in place only 5.10, llama.cpp
-8.67; docs/benchmarks.md). Next: measure the copy-engine GPU side (copy + host read 86.5 GB/s together against
-78 for in place + host), a column split for packed banks (group-aligned), the calibrated share from contended
-rates, and the host GEMM's read rate (57 GB/s of the 93 a plain read streams). A dropped offloaded CUDA engine
-is not always freed at once (seen in tests/test_cuda; the holder is not found yet).
+(`host_node.py`, `host_decode.py`): every miss is split along its intermediate (the kernel reads the first
+columns in place, the host computes the rest; dense and packed banks, c a multiple of lcm(128, w2's group)),
+or with `hybrid_split` off whole experts per step (`expert_cache.host_share`). Mixtral-16L bf16 under 16 GiB,
+batch 1: 9.43 tok/s (in place only 5.10, llama.cpp 8.67; docs/benchmarks.md). Next: measure the copy-engine
+GPU side (copy + host read 86.5 GB/s together against 78 for in place + host), the packed column split on the
+H200 (`bench_offload.py --cases hybrid32-nf4`), the calibrated share from contended rates, and the host GEMM's
+read rate (57 GB/s of the 93 a plain read streams). A dropped offloaded CUDA engine is not always freed at once
+(seen in tests/test_cuda; the holder is not found yet).
 Session 4 (s4-hybrid): the host worker computes a padded graph step's live rows only
 (`ForwardContext.live_rows`), kernel builds lock per expert, counters two threads write go through
 `OffloadStats.add`, int4 host experts keep one copy at share 1 (`HostExperts.lay`), the device's wait for the

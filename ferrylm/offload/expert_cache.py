@@ -261,13 +261,16 @@ class CachedExperts(ExpertBackend):
 
     def use_host(self, host_decode, cpu_class: torch.Tensor, share: float, split: bool = False) -> None:
         """Hybrid decode: each step the host's cores take `share` of the layer's missed experts
-        (`host_share`), those of `cpu_class` ([E] bool) first; with `split` (dense banks), every missed expert
-        is split along its intermediate instead: the GPU computes the first (1 - share) of its columns
-        (a multiple of 128), the host the rest. A split column count is baked into graphs captured after."""
+        (`host_share`), those of `cpu_class` ([E] bool) first; with `split` (every bank format, dense or
+        packed), every missed expert is split along its intermediate instead: the GPU computes the first
+        c = (1 - share) * I of its columns, the host the rest, c rounded to the nearest multiple of
+        `HostExperts.split_unit` (lcm of 128 and w2's group along I: 128 for dense, per-channel int8/fp8 and
+        groups of 32, 64 or 128; 256 for groups of 256) and clamped to [0, I]. A split column count is baked
+        into graphs captured after."""
         self.host_decode, self.cpu_class = host_decode, cpu_class.clone()
-        I = self.host_w2.shape[2]
-        self.split_cols = (min(I, max(0, round((1 - share) * I / 128) * 128))
-                           if split and self.host_experts.splittable else None)
+        he = self.host_experts
+        I, unit = self.host_w2.shape[2], he.split_unit
+        self.split_cols = min(I, max(0, round((1 - share) * I / unit) * unit)) if split and he.splittable else None
         prefer = torch.cat([cpu_class.nonzero().flatten(), (~cpu_class).nonzero().flatten()]).to(self.device)
         if self.prefer is None:
             self.prefer, self.share = prefer, torch.tensor(float(share), device=self.device)

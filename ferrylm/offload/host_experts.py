@@ -19,14 +19,18 @@ them ahead), over views of the bank's own bytes:
 `rows(x, ids, weights, out)` computes the weighted output of every assignment whose expert id is >= 0 in
 `ids` (the caller marks the assignments it keeps with -1) into `out`'s rows, in the layout of
 `layers/fused_moe.expert_rows` (row t * k + j for token t's j-th expert) with every other row 0, so the
-device adds them to its own rows exactly. Its Python work grows with the assignments and the experts used,
-never with E. Thread-safe: each expert's kernels are built once, under that expert's own lock.
+device adds them to its own rows exactly. `rows(..., cols=c)` computes only the intermediate columns [c, I)
+(hybrid decode's column split; the device computes [0, c)): dense banks through views, packed ones through
+kernels over windows of their parts (gate rows [c, I), up rows [I + c, 2I), w2's K columns [c, I); c a
+multiple of `split_unit`, so the window starts on a group). Its Python work grows with the assignments and
+the experts used, never with E. Thread-safe: each expert's kernels are built once, under that expert's own lock.
 It knows nothing about caches, streams or which thread runs it. Shapes: T tokens, k experts a token,
 H hidden, I the expert's intermediate size, E experts.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -35,6 +39,7 @@ import torch.nn.functional as F
 from ferrylm.layers.cpu_experts import (INT4_BLOCK, HostExpert, Int4InPlace, RowBlocks, int4_from_cpu_layout_,
                                         int4_layout_matches, int4_to_cpu_layout_)
 from ferrylm.layers.fused_moe import ExpertWeights
+from ferrylm.layers.qmatmul import QuantKernel
 from ferrylm.weights import quant as Q
 
 
@@ -105,6 +110,41 @@ def side_kernel(side, e: int, laid: bool = False):
     return RowBlocks((N, K), decode, _nbytes(*(t[e] for t in side.parts.values())))
 
 
+PACKED_HOST_FORMATS = ("int8", "fp8", "int4", "int4min", "nf4")
+"""The packed formats `side_kernel` computes (all of `layers/fused_moe.FORMATS` but dense)."""
+
+
+def _matmul(w):
+    """What `side_kernel` gives -> a callable x [T, K] -> [T, N] (a packed `QuantizedTensor` gets qmatmul's
+    CPU kernel for it)."""
+    return QuantKernel.for_tensor(w) if isinstance(w, Q.QuantizedTensor) else w
+
+
+def _window(side, e: int, r0: int, r1: int, k0: int) -> ExpertWeights:
+    """Rows [r0, r1) and K columns [k0, K) of packed expert e, as a bank of one over views of its parts
+    (k0 a multiple of the group along K; a per-channel side stays per channel)."""
+    _, N, K = side.shape
+    grouped = side.group < K
+    per_byte = 2 if side.fmt in ("int4", "int4min", "nf4") else 1
+    if grouped and k0 % side.group or k0 % per_byte:
+        raise ValueError(f"column {k0} splits a group of {side.group} ({side.fmt})")
+    s0 = k0 // side.group if grouped else 0
+    p = {name: t[e:e + 1, r0:r1, (k0 // per_byte if name == "q" else s0):] for name, t in side.parts.items()}
+    return ExpertWeights(side.fmt, (1, r1 - r0, K - k0), side.group if grouped else K - k0, p["q"], p["scale"],
+                         p.get("min"))
+
+
+def _column_window_kernel(w2, e: int, c: int):
+    """w2's K columns [c, I) of expert e, all rows: a strided window of each row. Per-channel int8 and fp8
+    decode exactly to bf16 with the fp32 scale on the output (qmatmul's int8 kernel wants contiguous rows)."""
+    win = _window(w2, e, 0, w2.shape[1], c)
+    if w2.fmt == "int8" and win.group == win.shape[2]:
+        q, s = win.parts["q"][0], win.parts["scale"][0]  # [H, I - c] int8 (strided), [H, 1]
+        return RowBlocks(tuple(win.shape[1:]), lambda a, n: q[a:a + n].to(torch.bfloat16), _nbytes(q, s),
+                         out_scale=s[:, 0].float())
+    return side_kernel(win, 0)
+
+
 class HostExperts:
     def __init__(self, w13, w2, act):
         """w13: [E, 2I, H], w2: [E, H, I], dense tensors or `ExpertWeights` of one format; `act` the gate's
@@ -122,6 +162,7 @@ class HostExperts:
         # one lock per expert: a build happens once even if two threads ask for it, and a slow build (int4's
         # re-layout, a background `prepare`) never stalls a thread that wants another expert
         self._locks = [threading.Lock() for _ in range(self.num_experts)]
+        self._split: dict[int, tuple] = {}  # expert -> (c, its column kernels): `_column_expert`
         self.laid: set[int] = set()
         """Experts whose int4 codes lie in the bank in torch's CPU layout (`lay`)."""
 
@@ -174,34 +215,74 @@ class HostExperts:
                                                       self.act, dense_dtype=self.dense_dtype)
         return h
 
-    def prepare(self, experts=None) -> None:
-        """Build the kernels of `experts` (default all) now, so no step pays for a first use."""
+    def prepare(self, experts=None, cols: int = 0) -> None:
+        """Build the kernels of `experts` (default all) now, so no step pays for a first use; with `cols` > 0
+        (a packed bank split there) their column kernels instead (`rows(..., cols)` uses only those)."""
+        split = cols and not isinstance(self.w13, torch.Tensor) and cols < self.w2.shape[2]
         for e in range(self.num_experts) if experts is None else experts:
-            self.expert(int(e))
+            if split:
+                self._column_expert(int(e), cols)
+            else:
+                self.expert(int(e))
 
     @property
     def splittable(self) -> bool:
-        """Experts can be split along their intermediate (`rows(..., cols=c)`): dense banks."""
-        return isinstance(self.w13, torch.Tensor)
+        """Experts can be split along their intermediate (`rows(..., cols=c)`): every bank format."""
+        return isinstance(self.w13, torch.Tensor) or self.w13.fmt in PACKED_HOST_FORMATS
+
+    @property
+    def split_unit(self) -> int:
+        """What a split column c is a multiple of: 128 (the device kernels' K tiles) and w2's group along I
+        (the host's columns [c, I) then start on a group: scales and codes are sliced, never re-grouped)."""
+        g = 1 if isinstance(self.w2, torch.Tensor) or self.w2.group >= self.w2.shape[2] else self.w2.group
+        return math.lcm(128, g)
 
     def _columns(self, e: int, x: torch.Tensor, c: int) -> torch.Tensor:
         """Expert e on the intermediate columns [c, I) only: [n, H] (the device computes [0, c) and adds).
-        Views of the bank's rows; the strided w2 view costs BLAS nothing (its rows keep their stride)."""
+        Views of the bank's rows; the strided w2 view costs BLAS nothing (its rows keep their stride).
+        Packed banks: kernels over windows of the packed parts (`_column_expert`), bf16 activations."""
+        if not isinstance(self.w13, torch.Tensor):
+            gate, up, down = self._column_expert(e, c)
+            xb = x.to(torch.bfloat16)
+            return down(self.act(gate(xb)).mul_(up(xb)))
         I = self.w2.shape[2]
         w13, w2 = self.w13[e], self.w2[e]  # [2I, H], [H, I]
         xb = x.to(w13.dtype)
         mid = self.act(F.linear(xb, w13[c:I])).mul_(F.linear(xb, w13[I + c:]))  # [n, I - c]
         return F.linear(mid, w2[:, c:])
 
+    def _column_expert(self, e: int, c: int):
+        """(gate, up, down) matmuls of packed expert e on columns [c, I): gate rows [c, I), up rows [I + c, 2I)
+        of w13 and w2's K columns [c, I), each the kernel `side_kernel` picks for that window (int8 per channel:
+        qmatmul's kernel on the row windows, the column window exactly in bf16 with the scale on the output;
+        int4: `Int4PackCPU`, which keeps its own copy of the window's codes; nf4, fp8, group-wise int8:
+        `RowBlocks` decoding only the window). Built once per (expert, c), under the expert's lock; a new c
+        replaces the expert's kernels for the old one (int4's hold a copy of the window's codes)."""
+        got = self._split.get(e)
+        if got is None or got[0] != c:
+            with self._locks[e]:
+                got = self._split.get(e)
+                if got is None or got[0] != c:
+                    if e in self.laid:  # the device reads a split expert's columns [0, c) in place
+                        raise ValueError(f"expert {e} is laid out for the host kernel: it cannot be split")
+                    I = self.w2.shape[2]
+                    if c % self.split_unit or not 0 < c < I:
+                        raise ValueError(f"split column {c} of {I}: a multiple of {self.split_unit} in (0, I)")
+                    gate, up = (_matmul(side_kernel(_window(self.w13, e, r, r + I - c, 0), 0)) for r in (c, I + c))
+                    got = self._split[e] = (c, (gate, up, _matmul(_column_window_kernel(self.w2, e, c))))
+        return got[1]
+
     def rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
              cols: int = 0) -> int:
         """x: [T, H]; ids, weights: [T, k] (ids -1 where another side computes); out: [>= T * k, H], written
-        in rows [0, T * k). With `cols` > 0 (dense banks), each expert on its intermediate columns [cols, I)
-        only (`layers/fused_moe.expert_rows(..., inter=cols)` computes the rest). Returns the number of
-        experts run."""
+        in rows [0, T * k). With `cols` > 0 (any bank format; a multiple of `split_unit`), each expert on its
+        intermediate columns [cols, I) only (`layers/fused_moe.expert_rows(..., inter=cols)` computes the rest;
+        cols >= I: nothing). Returns the number of experts run."""
         T, k = ids.shape
         run = (lambda e, xs: self._columns(e, xs, cols)) if cols else (lambda e, xs: self.expert(e)(xs))
         out[:T * k].zero_()
+        if cols >= self.w2.shape[2]:  # the device computes every column
+            return 0
         groups: dict[int, list[int]] = {}  # expert -> its assignment rows, ascending
         for a, e in enumerate(ids.reshape(-1).tolist()):
             if e >= 0:

@@ -264,7 +264,7 @@ class PlacedWeights:
     def set_cpu_share(self, share: float) -> None:
         """Between steps: each step the host takes `share` of a layer's missed experts (rounded;
         `expert_cache.host_share`), first those e with floor((e + 1) * share) > floor(e * share) (spread over
-        the ids); with `hybrid_split` (dense banks) each miss is split along its intermediate instead. Graphs
+        the ids); with `hybrid_split` (any bank format) each miss is split along its intermediate instead. Graphs
         captured before keep working for the per-expert split (tensors change in place); the column split
         is baked into captures: call `DecodeGraphs.reset()` after changing it."""
         if self.host_decode is None:
@@ -304,11 +304,13 @@ class PlacedWeights:
         expert: `HostExperts` locks each)."""
         import threading
 
-        banks = [c.host_experts for c in self.caches.values()]
+        # a split packed bank: the column kernels its decode steps use (the whole experts, for the copy path's
+        # host misses, are built on first use)
+        banks = [(c.host_experts, c.split_cols or 0) for c in self.caches.values()]
 
         def run():
-            for he in banks:
-                he.prepare(experts)
+            for he, cols in banks:
+                he.prepare(experts, cols)
         threading.Thread(target=run, name="ferry-host-experts-prepare", daemon=True).start()
 
     @property

@@ -408,10 +408,16 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
 
 def _tiles(bk: int, args: dict, K: int) -> dict:
     """BLOCK_K and warps per format: packed tiles span twice the columns (as many bytes in flight per step
-    as a dense tile: reads in place over PCIe are latency-bound) on twice the warps (their fp32 decode)."""
+    as a dense tile: reads in place over PCIe are latency-bound) on twice the warps (their fp32 decode),
+    where the doubled tile fits an H100/H200 SM's 227 KiB of shared memory: per-row int8 and int4 (sym).
+    The others gather a 4-byte table value, scale or min per element, pipelined over 3 stages: doubled, a
+    gated tile needs 264-392 KiB (nf4 the most) and fails at launch; at the dense width 132-196 KiB
+    (tests/test_fused_moe_shared_memory.py compiles every format for sm_90 and checks)."""
     if args["FMT"] == 0:
         return dict(BLOCK_K=bk, PER_ROW=True)
-    return dict(BLOCK_K=min(2 * bk, 256), PER_ROW=args["GS"] >= K, num_warps=8)
+    per_row = args["GS"] >= K
+    double = args["FMT"] == FORMATS["int4"] or (args["FMT"] == FORMATS["int8"] and per_row)
+    return dict(BLOCK_K=min(2 * bk, 256) if double else bk, PER_ROW=per_row, num_warps=8)
 
 
 def sum_rows(rows: torch.Tensor, k: int) -> torch.Tensor:

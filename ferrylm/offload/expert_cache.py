@@ -462,6 +462,8 @@ class CachedExperts(ExpertBackend):
 
         E, C = bank.num_experts, self.capacity
         T, k = topk_ids.shape
+        if self.landing:  # promotions still flying own their slots but are not in slot_of yet: the plan below
+            self.land(wait=True)  # would hand those slots to this step's misses (stream-ordered, no host wait)
         ids_host = _to_host(topk_ids)  # the layer's one host sync
         counts = torch.bincount(ids_host.flatten(), minlength=E).tolist()
         hits, pending, avail, on_cpu = self._plan(counts)

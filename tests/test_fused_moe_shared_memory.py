@@ -1,0 +1,48 @@
+"""The fused MoE kernel's tiles fit an H100/H200 SM's shared memory in every expert format, at the tiles
+`expert_rows` launches: each is compiled for sm_90 with Triton's own ptxas (no GPU needed) and its
+shared-memory need read from the compiled metadata. nf4 at a doubled BLOCK_K needed 392 KiB and failed at
+launch with `OutOfResources` on the H200 (session 5); fp8, int4min and group-wise int8 needed 264-288 KiB.
+
+Needs Triton (not in CI's CPU install); skipped without it."""
+
+import pytest
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from ferrylm.layers import fused_moe as fm  # noqa: E402
+
+SM90_SHARED = 232448  # bytes an H100/H200 block may use (the limit the H200 reported)
+FORMATS = {"int8": (tl.int8, 4096), "int8-g32": (tl.int8, 32), "fp8": (tl.uint8, 4096), "int4": (tl.uint8, 32),
+           "int4min": (tl.uint8, 64), "nf4": (tl.uint8, 64)}
+POINTERS = ("a_ptr", "out_ptr", "rows_ptr", "block_expert_ptr", "used_ptr", "scale_ptr", "lut_ptr")
+
+
+def shared_bytes(fmt: str, A: int, K: int = 4096) -> int:
+    """The gated (w13) launch of `expert_rows` for A assignments through a `WeightTable`, compiled for sm_90."""
+    wt, gs = FORMATS[fmt]
+    bm, bn, bk = fm._blocks(A)
+    tiles = fm._tiles(bk, {"FMT": fm.FORMATS[fmt.split("-")[0]], "GS": gs}, K)
+    sig = dict(a_ptr="*bf16", w_ptr="*i64", ws_ptr="*i64", wm_ptr="*i64", lut_ptr="*fp32", out_ptr="*bf16",
+               rows_ptr="*i64", block_expert_ptr="*i64", used_ptr="*i64", scale_ptr="*fp32", N="i32", K="i32",
+               A="i32", UP="i32", stride_am="i32", stride_we="i32", stride_wn="i32", stride_se="i32", stride_sn="i32",
+               stride_om="i32")
+    ce = dict(TOP_K=2, A_BY_TOKEN=True, GATED=True, SCALE=False, MAPPED=True, FMT=fm.FORMATS[fmt.split("-")[0]],
+              GS=gs, PER_ROW=tiles["PER_ROW"], W_T=wt, S_T=tl.float32, BLOCK_M=min(bm, 32), BLOCK_N=bn,
+              BLOCK_K=tiles["BLOCK_K"], ALIGN=16)
+    names = list(sig)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in names if k in POINTERS or k in ("N", "K")}
+    src = ASTSource(fn=fm._grouped_gemm, signature={**sig, **{k: "constexpr" for k in ce}}, constexprs=ce,
+                    attrs=attrs)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=tiles.get("num_warps", 4)))
+    return ck.metadata.shared
+
+
+@pytest.mark.parametrize("fmt,A", [(f, 600) for f in FORMATS] + [(f, 2) for f in FORMATS])
+def test_packed_tiles_fit_sm90_shared_memory(fmt, A):
+    need = shared_bytes(fmt, A)
+    print(f"{fmt} at {A} assignments: {need} bytes of shared memory")
+    assert need <= SM90_SHARED

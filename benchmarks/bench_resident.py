@@ -147,8 +147,9 @@ def engine(cfg: dict, max_num_seqs: int, max_model_len: int, **kw):
                max_model_len=max_model_len, **kw)
 
 
-def free(llm) -> None:
-    del llm
+def release() -> None:
+    """After the caller's `del llm`: collect the dropped engine's cycles and give its memory back, so the next
+    engine (which sizes its KV cache from the free memory) and the transformers subprocess find it free."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -180,8 +181,8 @@ def main() -> None:
 
     llama = [c for c in cases if c.startswith("llama8b") and "16k" not in c]
     if llama:
+        hf = hf_decode(LLAMA3_8B) if a.hf else None  # first: the engine below takes most of the memory
         llm = engine(LLAMA3_8B, 64, 4096)
-        hf = hf_decode(LLAMA3_8B) if a.hf else None
         for c in llama:
             if c == "llama8b-b1":
                 decode_row("llama-3-8b", c, LLAMA3_8B, llm, 1, 512, 128, hf)
@@ -198,15 +199,19 @@ def main() -> None:
                 row["pct_roofline"] = 100 * row["ferry_tok_s"] / row["roofline_tok_s"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        free(llm)
+        del llm
+        release()
     if "mixtral8l-b1" in cases:
+        hf = hf_decode(MIXTRAL_8L) if a.hf else None
         llm = engine(MIXTRAL_8L, 16, 2048)
-        decode_row("mixtral-8L", "mixtral8l-b1", MIXTRAL_8L, llm, 1, 128, 128, hf_decode(MIXTRAL_8L) if a.hf else None)
-        free(llm)
+        decode_row("mixtral-8L", "mixtral8l-b1", MIXTRAL_8L, llm, 1, 128, 128, hf)
+        del llm
+        release()
     if "llama8b-16k-b16" in cases:
         llm = engine(LLAMA3_8B, 16, 16384 + 128)
         decode_row("llama-3-8b", "llama8b-16k-b16", LLAMA3_8B, llm, 16, 16384, 32)
-        free(llm)
+        del llm
+        release()
     if "yuanm32-b1" in cases:
         from ferrylm.plan.yuan_sizes import YUAN2_M32
 
@@ -214,14 +219,14 @@ def main() -> None:
         eager = decode_rate(llm, 1, 128, 128, YUAN2_M32["vocab_size"], seed=13 + 128)
         print(f"yuan2-m32 eager batch-1 decode: {eager:.1f} tok/s", flush=True)
         del llm  # gone before the next engine sizes its KV cache from the free memory
-        gc.collect()
-        torch.cuda.empty_cache()
+        release()
         from ferrylm.models.yuan import YuanForCausalLM
 
         YuanForCausalLM.cuda_graphs = True  # shipped off until tests/test_cuda.py -k graph passes on a GPU
         llm = engine(YUAN2_M32, 4, 1024)
         decode_row("yuan2-m32", "yuanm32-b1", YUAN2_M32, llm, 1, 128, 128, b=yuan_bytes(YUAN2_M32), eager=eager)
-        free(llm)
+        del llm
+        release()
     write_results("resident", rows, out=a.out, read_gb_s=bw, matmul_tflops=mm)
 
 

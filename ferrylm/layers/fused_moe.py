@@ -96,6 +96,22 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _expert_bases(w_ptr, ws_ptr, wm_ptr, e, stride_we, stride_se, MAPPED: tl.constexpr, ALIGN: tl.constexpr,
+                      W_T: tl.constexpr, S_T: tl.constexpr):
+        # expert e's codes, scales and mins (both kernels): a bank's rows, or with MAPPED each part's pointer
+        # is a table of per-expert addresses (a device slot or mapped host rows; ALIGN: without the hint Triton
+        # cannot vectorise loads through a loaded pointer, one element each)
+        if MAPPED:
+            w_base = tl.multiple_of(tl.load(w_ptr + e).to(tl.pointer_type(W_T)), ALIGN)
+            s_base = tl.multiple_of(tl.load(ws_ptr + e).to(tl.pointer_type(S_T)), ALIGN)
+            m_base = tl.multiple_of(tl.load(wm_ptr + e).to(tl.pointer_type(S_T)), ALIGN)
+        else:
+            w_base = w_ptr + e * stride_we
+            s_base = ws_ptr + e * stride_se
+            m_base = wm_ptr + e * stride_se
+        return w_base, s_base, m_base
+
+    @triton.jit
     def _grouped_gemm(a_ptr, w_ptr, ws_ptr, wm_ptr, lut_ptr, out_ptr, rows_ptr, block_expert_ptr, used_ptr,
                       scale_ptr, N, K, A, UP, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                       TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr,
@@ -114,15 +130,7 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-        if MAPPED:  # each part's pointer is a table of per-expert addresses: a device slot or mapped host rows
-            # (ALIGN: without the hint Triton cannot vectorise loads through a loaded pointer, one element each)
-            w_base = tl.multiple_of(tl.load(w_ptr + e).to(tl.pointer_type(W_T)), ALIGN)
-            s_base = tl.multiple_of(tl.load(ws_ptr + e).to(tl.pointer_type(S_T)), ALIGN)
-            m_base = tl.multiple_of(tl.load(wm_ptr + e).to(tl.pointer_type(S_T)), ALIGN)
-        else:
-            w_base = w_ptr + e * stride_we
-            s_base = ws_ptr + e * stride_se
-            m_base = wm_ptr + e * stride_se
+        w_base, s_base, m_base = _expert_bases(w_ptr, ws_ptr, wm_ptr, e, stride_we, stride_se, MAPPED, ALIGN, W_T, S_T)
         rows = offs_n.to(tl.int64)
         n_ok = offs_n < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -117,6 +117,8 @@ def decode_config(T: int, w13, w2, cfg: DecodeConfig | None = None, inter: int |
 
 
 if triton is not None:
+    from ferrylm.layers.fused_moe import _expert_bases  # the per-expert addresses, shared with the plain kernel
+
 
     @triton.jit
     def _nf4_select(c):
@@ -182,14 +184,7 @@ if triton is not None:
         valid = assign < A
         a_rows = (assign // a_div).to(tl.int64)  # GEMM 1 reads x by token (a_div = k), GEMM 2 h by assignment
         e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        if MAPPED:  # each part's pointer is a table of per-expert addresses (device slots or mapped host rows)
-            w_base = tl.multiple_of(tl.load(w_ptr + e).to(tl.pointer_type(W_T)), ALIGN)
-            s_base = tl.multiple_of(tl.load(ws_ptr + e).to(tl.pointer_type(S_T)), ALIGN)
-            m_base = tl.multiple_of(tl.load(wm_ptr + e).to(tl.pointer_type(S_T)), ALIGN)
-        else:
-            w_base = w_ptr + e * stride_we
-            s_base = ws_ptr + e * stride_se
-            m_base = wm_ptr + e * stride_se
+        w_base, s_base, m_base = _expert_bases(w_ptr, ws_ptr, wm_ptr, e, stride_we, stride_se, MAPPED, ALIGN, W_T, S_T)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         rows = tl.where(offs_n < HALF, offs_n, offs_n + (UP - HALF)).to(tl.int64)

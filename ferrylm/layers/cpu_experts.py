@@ -12,6 +12,8 @@ Shapes: T tokens, H hidden, I the expert's intermediate size.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -22,6 +24,101 @@ from ferrylm.layers.qmatmul import Int4PackCPU, QuantKernel
 from ferrylm.weights import quant as Q
 
 FORMATS = ("bf16", "int8", "int4")
+DENSE_GEMMS = ("plain", "split")
+dense_gemm = "plain"
+"""How `HostExpert` multiplies dense bf16 / fp16 weights (read at each call): "plain", one oneDNN GEMM on
+torch's intra-op threads (the reference); "split", `SplitRows` (the weight's rows in one chunk per thread,
+each chunk a single-threaded GEMM on its own worker thread). Which is faster depends on the machine
+(benchmarks/bench_host_gemv.py): the hybrid calibration measures both and sets it (offload/calibration.py).
+fp32 weights always take the plain path (an fp32 bank computes `expert_mlp`'s bits)."""
+SPLIT_MIN_BYTES = 1 << 20
+"""Fewest weight bytes a `SplitRows` chunk takes (fewer chunks than threads below it; one: the plain GEMM):
+a hand-off to a worker costs ~10-50 us, what ~1 MB of weights takes to stream at tens of GB/s."""
+SPLIT_ALIGN = 64
+"""Chunk boundaries fall on multiples of this many rows (cache lines; torch's CPU int4 blocks)."""
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def split_pool(n: int) -> ThreadPoolExecutor:
+    """The shared pool of `n` worker threads, each running torch single-threaded, started on first use by
+    the calling thread (so they inherit its CPU binding: the expert worker's, `hw/cpu_binding.bind_thread`)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(n)
+        if pool is None:
+            pool = ThreadPoolExecutor(n, thread_name_prefix="ferry-gemv", initializer=torch.set_num_threads,
+                                      initargs=(1,))
+            barrier = threading.Barrier(n, timeout=60)
+            for f in [pool.submit(barrier.wait) for _ in range(n)]:  # all n threads started (and set to 1) now
+                f.result()
+            # torch.set_num_threads(1) on the workers also set the count threads started later begin with:
+            # give that back (this thread's own count is unchanged)
+            torch.set_num_threads(torch.get_num_threads())
+            _POOLS[n] = pool
+    return pool
+
+
+def split_bounds(n: int, row_bytes: int, threads: int, align: int = SPLIT_ALIGN) -> list[tuple[int, int]]:
+    """[(first row, rows)] of at most `threads` balanced chunks of n rows, each >= `SPLIT_MIN_BYTES` (at
+    least one chunk), boundaries on multiples of `align` rows."""
+    parts = max(1, min(threads, n * row_bytes // SPLIT_MIN_BYTES, n // align))
+    edges = [round(n * j / parts / align) * align for j in range(parts)] + [n]
+    return [(a, b - a) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+class SplitRows:
+    """x @ W.T with W's rows split into chunks, `kernels[j]` computing chunk j's columns of the output on a
+    worker of `split_pool(len(kernels))` (single-threaded each: the chunks stream disjoint, contiguous runs
+    of the weight, one per core). The kernels hold views of the weight: no copy. Thread-safe."""
+
+    name = "split-rows"
+
+    def __init__(self, kernels: list[Callable[[torch.Tensor], torch.Tensor]], nbytes: int):
+        self.kernels, self.nbytes = kernels, nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] -> [T, N]: chunk j's [T, c_j] concatenated
+        if len(self.kernels) == 1:
+            return self.kernels[0](x)
+        pool = split_pool(len(self.kernels))
+        futures = [pool.submit(k, x) for k in self.kernels]
+        return torch.cat([f.result() for f in futures], dim=1)
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) by the path `dense_gemm` names, for a dense weight (a view: e.g. a bank's column range)
+    no `DenseGemm` holds; its chunks are views made per call (a few us each)."""
+    if dense_gemm == "split" and w.dtype != torch.float32:
+        return DenseGemm(w).split(torch.get_num_threads())(x)
+    return F.linear(x, w)
+
+
+class DenseGemm:
+    """x @ w.T for a dense [N, K] weight, by the path `dense_gemm` names at call time: F.linear, or (bf16 /
+    fp16 weights) `SplitRows` over views of w's rows, chunked for the calling thread's torch thread count."""
+
+    name = "dense"
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w
+        self.nbytes = w.numel() * w.element_size()
+        self._splits: dict[int, SplitRows] = {}
+
+    def split(self, threads: int) -> SplitRows:
+        s = self._splits.get(threads)
+        if s is None:
+            w = self.w
+            s = self._splits[threads] = SplitRows(
+                [lambda x, v=w[a:a + c]: F.linear(x, v) for a, c in split_bounds(w.shape[0], w.shape[1] *
+                                                                                w.element_size(), threads)],
+                self.nbytes)
+        return s
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if dense_gemm == "split" and self.w.dtype != torch.float32:
+            return self.split(torch.get_num_threads())(x)
+        return F.linear(x, self.w)
 
 
 ROW_BLOCK_BYTES = 4 << 20
@@ -134,8 +231,7 @@ def _kernel(w, dense_dtype: torch.dtype):
         return QuantKernel.for_tensor(w)
     if not isinstance(w, torch.Tensor):
         return w
-    w = w.to(dense_dtype).contiguous()
-    return lambda x: F.linear(x, w)
+    return DenseGemm(w.to(dense_dtype).contiguous())
 
 
 class HostExpert:

@@ -79,3 +79,13 @@ def yuan_like_tokenizer_dir(tmp_path_factory) -> str:
         "add_bos_token": True, "add_eos_token": True, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
         "tokenizer_class": "LlamaTokenizer"}))
     return str(d)
+
+
+@pytest.fixture(autouse=True)
+def _host_dense_gemm():
+    """The hybrid calibration sets `layers/cpu_experts.dense_gemm` process-wide: no test leaks its choice."""
+    from ferrylm.layers import cpu_experts
+
+    before = cpu_experts.dense_gemm
+    yield
+    cpu_experts.dense_gemm = before

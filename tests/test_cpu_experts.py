@@ -307,3 +307,123 @@ def test_a_cache_copies_laid_experts_in_the_stores_layout():
     cache.host_experts.lay([1, 2, 3])
     assert cache.host_experts.laid == {1, 2, 3}
     assert torch.equal(cache.forward(bank, x, ids, weights), ref)
+
+
+# -- the split dense GEMM (`layers/cpu_experts.SplitRows`, dense_gemm = "split") against the plain one ----
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_dense_gemm_matches_plain(dtype, monkeypatch):
+    """`dense_gemm = "split"` (the rows in chunks, each a single-threaded F.linear on a pool worker) against
+    the plain path (one F.linear) on the same weights, T = 1..33, 4 chunks (3 threads for the odd split).
+    Tolerance: every output element is the same full-length dot product on both paths, so they differ at
+    most by the kernels' accumulation order inside a chunk: |split - plain| <= 2^-7 * (|mid| @ |w2|^T) +
+    2^-8 * |plain| + 1e-5 elementwise (about one rounding of the output and of the intermediate), where mid
+    is the plain path's intermediate. The max difference and whether the bits agree are printed."""
+    from ferrylm.layers import cpu_experts as C
+
+    monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 1024)  # chunks of a test-sized weight
+    before = torch.get_num_threads()
+    h, i = 256, 384
+    w13, w2 = (w.to(dtype) for w in _weights(h, i, 7))
+    expert = HostExpert(w13, w2, dense_dtype=dtype)
+    worst, same = 0.0, True
+    try:
+        for threads in (4, 3):
+            torch.set_num_threads(threads)
+            split = expert.gate_up.split(threads)
+            assert len(split.kernels) == threads
+            for t in (1, 2, 4, 8, 16, 33):
+                x = torch.randn(t, h).to(dtype)
+                monkeypatch.setattr(C, "dense_gemm", "plain")
+                plain = expert(x)
+                monkeypatch.setattr(C, "dense_gemm", "split")
+                got = expert(x)
+                assert got.shape == plain.shape and got.dtype == plain.dtype
+                g, u = F.linear(x, w13).float().chunk(2, dim=-1)
+                mid = (F.silu(g) * u).abs()
+                bound = 2 ** -7 * mid @ w2.float().abs().t() + 2 ** -8 * plain.float().abs() + 1e-5
+                err = (got.float() - plain.float()).abs()
+                assert (err <= bound).all(), f"T={t}: max err {err.max():.3e}"
+                worst, same = max(worst, err.max().item()), same and torch.equal(got, plain)
+    finally:
+        torch.set_num_threads(before)
+    print(f"split vs plain ({dtype}): max |split - plain| {worst:.3e}, bit-identical: {same}")
+
+
+def test_split_chunks_are_views_that_cover_the_rows(monkeypatch):
+    """The split holds views of the weight's own rows (no copy), contiguous, aligned, covering [0, N) once;
+    small weights take fewer chunks (one: the plain GEMM), and an fp32 weight never splits."""
+    from ferrylm.layers import cpu_experts as C
+
+    w = torch.randn(1000, 64).bfloat16()
+    monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 128 * 64 * 2)
+    kern = C.DenseGemm(w)
+    chunks = kern.split(16).kernels
+    assert len(chunks) == 1000 * 64 * 2 // C.SPLIT_MIN_BYTES == 7
+    rows = 0
+    for k in chunks:
+        assert k.w.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+        assert k.w.data_ptr() == w[rows].data_ptr() and (rows % C.SPLIT_ALIGN == 0)
+        rows += k.w.shape[0]
+    assert rows == 1000
+    assert len(C.split_bounds(1000, 64 * 2, 16, align=64)) == 7
+    assert C.split_bounds(100, 2, 16) == [(0, 100)]  # too small to split
+    monkeypatch.setattr(C, "dense_gemm", "split")
+    fp32 = C.DenseGemm(torch.randn(1000, 64))
+    x = torch.randn(2, 64)
+    assert torch.equal(fp32(x), F.linear(x, fp32.w)) and not fp32._splits
+
+
+def test_split_pool_keeps_torch_threads_and_serves_threads_at_once(monkeypatch):
+    """The pool's workers run torch single-threaded, but threads started afterwards still get the caller's
+    count; two threads splitting at once get what each gets alone."""
+    from ferrylm.layers import cpu_experts as C
+
+    monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 1024)
+    monkeypatch.setattr(C, "dense_gemm", "split")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        # after an op too: torch sets a thread's count lazily on its first op
+        inside = C.split_pool(3).submit(lambda: F.linear(torch.randn(2, 8), torch.randn(4, 8)) is not None and
+                                        torch.get_num_threads()).result()
+        seen = []
+        th = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        th.start()
+        th.join()
+        assert inside == 1 and seen == [3] and torch.get_num_threads() == 3
+        experts = [HostExpert(*(w.bfloat16() for w in _weights(256, 128, s))) for s in (1, 2)]
+        x = torch.randn(4, 256)
+        alone = [e(x) for e in experts]
+        got = [None, None]
+
+        def run(j):
+            got[j] = experts[j](x)
+        threads = [threading.Thread(target=run, args=(j,)) for j in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(torch.equal(a, b) for a, b in zip(alone, got))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_column_split_takes_the_dense_gemm_path(monkeypatch):
+    """`HostExperts.rows(..., cols=c)` (a dense bank's intermediate columns [c, I)) gives the same rows
+    through the split GEMM as through the plain one (bound as in the split test above, summed over k)."""
+    from ferrylm.layers import cpu_experts as C
+    from ferrylm.offload.host_experts import HostExperts
+
+    monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 1024)
+    w13, w2, _, _ = _bank("bfloat16", 4, 128, 192)
+    he = HostExperts(w13, w2, F.silu)
+    x = torch.randn(3, 128).bfloat16()
+    ids, weights = torch.tensor([[0, 1], [2, -1], [1, 3]]), torch.rand(3, 2)
+    outs = {}
+    for g in ("plain", "split"):
+        monkeypatch.setattr(C, "dense_gemm", g)
+        outs[g] = torch.empty(6, 128, dtype=torch.bfloat16)
+        assert he.rows(x, ids, weights, outs[g], cols=64) == 4
+    err = (outs["split"].float() - outs["plain"].float()).abs()
+    assert err.max() <= 2 ** -7 * outs["plain"].float().abs().max() + 1e-4, err.max()

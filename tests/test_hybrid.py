@@ -112,6 +112,37 @@ def test_calibration_times_the_banks_format(tmp_path, monkeypatch):
     assert len(os.listdir(tmp_path)) == 2  # the dense bf16 bank of the same shape is another entry
 
 
+def test_calibration_chooses_the_dense_gemm(tmp_path, monkeypatch):
+    """A dense bf16 bank: both `layers/cpu_experts.DENSE_GEMMS` are timed at 1 token beside copies, the faster
+    one is set process-wide before the recorded figures are taken (they time the path then used) and set
+    again from the cache; an fp32 bank (exact `expert_mlp` bits) and a packed one choose nothing."""
+    from ferrylm.layers import cpu_experts
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_experts, "SPLIT_MIN_BYTES", 4096)  # the split takes chunks of a test-sized bank
+    act = torch.nn.functional.silu
+    w13, w2 = torch.randn(2, 256, 128).bfloat16(), torch.randn(2, 128, 128).bfloat16()
+    used = []
+    orig = cpu_experts.DenseGemm.__call__
+
+    def spy(self, x):
+        used.append(cpu_experts.dense_gemm)
+        return orig(self, x)
+    monkeypatch.setattr(cpu_experts.DenseGemm, "__call__", spy)
+    _, m = calibration.calibrate(w13, w2, act, torch.device("cpu"))
+    by = m["cpu_s_beside_copy_by_gemm"]
+    assert sorted(by) == sorted(cpu_experts.DENSE_GEMMS) and m["dense_gemm"] == min(by, key=by.get)
+    assert cpu_experts.dense_gemm == m["dense_gemm"]
+    assert set(used[-10:]) == {m["dense_gemm"]}  # the figures after the choice: the chosen path
+    other = next(g for g in cpu_experts.DENSE_GEMMS if g != m["dense_gemm"])
+    monkeypatch.setattr(cpu_experts, "dense_gemm", other)
+    _, again = calibration.calibrate(w13, w2, act, torch.device("cpu"))
+    assert again == m and cpu_experts.dense_gemm == m["dense_gemm"]  # from the cache
+    monkeypatch.setattr(cpu_experts, "dense_gemm", "plain")
+    _, exact = calibration.calibrate(w13.float(), w2.float(), act, torch.device("cpu"))
+    assert "dense_gemm" not in exact and cpu_experts.dense_gemm == "plain"
+
+
 def test_experts_option_is_checked(mixtral):
     from ferrylm.errors import ConfigError
 

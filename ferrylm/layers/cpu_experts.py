@@ -4,9 +4,17 @@ packed format through `RowBlocks`), for the hybrid path's cold experts. `HostExp
 (gate and up fused into one [2I, H] matmul, then down [H, I]); calling it runs a batch of T tokens. Torch's kernels release the GIL, so a worker thread can
 run experts while the main thread drives the GPU.
 
+Dense weights go through `DenseGemm`, by the path `dense_gemm` names: "plain" (`F.linear`: oneDNN's GEMM on
+torch's intra-op threads, the reference) or "split" (`SplitRows`: the rows in one contiguous chunk per
+thread, each chunk a single-threaded `F.linear` on a worker of a shared pool of Python threads,
+`split_pool`). Both read the weight where it lies, in its own layout (no copy); every output element is one
+full-length dot product either way. At 1..16 tokens the GEMM is bound by memory reads, and which path
+streams them faster depends on the machine (benchmarks/bench_host_gemv.py), so the hybrid calibration
+measures both and sets `dense_gemm` (offload/calibration.py).
+
 `host_expert_reference` is the plain path every format is tested against (tests/test_cpu_experts.py):
 the same dequantized weights in fp32 through `layers/moe.expert_mlp`.
-It knows nothing about routing, caches, placement or which thread calls it.
+It knows nothing about routing, caches or placement; any thread may call it (the split pool is shared).
 Shapes: T tokens, H hidden, I the expert's intermediate size.
 """
 
@@ -41,14 +49,20 @@ _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
 
+def _single_threaded() -> None:
+    # torch sets a thread's count from the process-wide one on its first op (lazily): take that first, or
+    # the first op on the worker would set it back to the caller's count
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
 def split_pool(n: int) -> ThreadPoolExecutor:
     """The shared pool of `n` worker threads, each running torch single-threaded, started on first use by
     the calling thread (so they inherit its CPU binding: the expert worker's, `hw/cpu_binding.bind_thread`)."""
     with _POOLS_LOCK:
         pool = _POOLS.get(n)
         if pool is None:
-            pool = ThreadPoolExecutor(n, thread_name_prefix="ferry-gemv", initializer=torch.set_num_threads,
-                                      initargs=(1,))
+            pool = ThreadPoolExecutor(n, thread_name_prefix="ferry-gemv", initializer=_single_threaded)
             barrier = threading.Barrier(n, timeout=60)
             for f in [pool.submit(barrier.wait) for _ in range(n)]:  # all n threads started (and set to 1) now
                 f.result()
@@ -94,6 +108,16 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+class Linear:
+    """x -> F.linear(x, w): one `SplitRows` chunk of a dense weight (`w` a view of its rows)."""
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w)
+
+
 class DenseGemm:
     """x @ w.T for a dense [N, K] weight, by the path `dense_gemm` names at call time: F.linear, or (bf16 /
     fp16 weights) `SplitRows` over views of w's rows, chunked for the calling thread's torch thread count."""
@@ -102,16 +126,17 @@ class DenseGemm:
 
     def __init__(self, w: torch.Tensor):
         self.w = w
+        self.shape = tuple(w.shape)
         self.nbytes = w.numel() * w.element_size()
         self._splits: dict[int, SplitRows] = {}
 
     def split(self, threads: int) -> SplitRows:
+        """The `SplitRows` over `threads` chunks (fewer for a small weight: `split_bounds`), built once."""
         s = self._splits.get(threads)
         if s is None:
-            w = self.w
+            n, k = self.shape
             s = self._splits[threads] = SplitRows(
-                [lambda x, v=w[a:a + c]: F.linear(x, v) for a, c in split_bounds(w.shape[0], w.shape[1] *
-                                                                                w.element_size(), threads)],
+                [Linear(self.w[a:a + c]) for a, c in split_bounds(n, k * self.w.element_size(), threads)],
                 self.nbytes)
         return s
 

@@ -16,6 +16,12 @@ kernels the hybrid path runs):
   engine's thread spinning in a CUDA sync) one team member waits for a scheduler tick and the whole call
   with it (measured on a loaded 2-core host: 0.16 ms on one thread, 8-16 ms on two, in steps of the 4 ms
   tick; docs/benchmarks.md's 16 ms collapse of the packed kernels beside a copy looks the same).
+- a dense bf16 / fp16 bank: `dense_gemm`, the way `layers/cpu_experts` multiplies its weights (of
+  `DENSE_GEMMS`: oneDNN's GEMM on torch's threads, or its rows split over single-threaded workers), the one
+  fastest at 1 token beside copies (`cpu_s_beside_copy_by_gemm`): which wins depends on the machine
+  (benchmarks/bench_host_gemv.py). It is set in `layers/cpu_experts` (process-wide: every layer's host
+  experts) before the figures above are taken, so they time the path the hybrid decode then runs, and set
+  again from the cache.
 Each CPU figure cycles over a few experts, so the reads come from DRAM rather than the last-level cache.
 The result is cached in `$FERRYLM_CACHE_DIR` (default `~/.cache/ferrylm`) under a key of the machine (CPU
 model, cores, threads, GPU, torch version), the expert's shape, dtype and format (and whether the in-place
@@ -35,6 +41,7 @@ import time
 
 import torch
 
+from ferrylm.layers import cpu_experts
 from ferrylm.offload.cost_model import Costs
 from ferrylm.offload.host_experts import HostExperts
 
@@ -42,7 +49,7 @@ log = logging.getLogger(__name__)
 TOKENS = (1, 4, 16, 64)
 CYCLE = 4
 """Distinct experts each CPU figure cycles over."""
-VERSION = 2
+VERSION = 3
 """Bumped when what is measured changes (older cache files are measured again)."""
 
 
@@ -185,7 +192,6 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
                 chosen[str(t)] = cpu_time(1, reps=5)
         torch.set_num_threads(int(min(chosen, key=chosen.get)))
 
-    cpu = {str(n): cpu_time(n) for n in TOKENS}
     if device.type == "cuda":
         beside_copy = copy
     else:  # the CPU engine has no copy engine: a memcpy of a buffer larger than the caches stands in
@@ -194,6 +200,14 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
 
         def beside_copy():
             big_dst.copy_(big)
+    by_gemm = {}
+    if isinstance(host_w13, torch.Tensor) and dtype in (torch.bfloat16, torch.float16):
+        for g in cpu_experts.DENSE_GEMMS:  # after the thread count: the split's chunks follow it
+            cpu_experts.dense_gemm = g
+            with _Beside(beside_copy):
+                by_gemm[g] = cpu_time(1, reps=5)
+        cpu_experts.dense_gemm = min(by_gemm, key=by_gemm.get)
+    cpu = {str(n): cpu_time(n) for n in TOKENS}
     with _Beside(beside_copy):
         cpu_beside = {"1": cpu_time(1, reps=5)}
     x1 = torch.randn(1, H, dtype=dtype)
@@ -204,6 +218,8 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
            "cpu_s_beside_copy": cpu_beside, "copy_s_beside_cpu": copy_beside}
     if chosen:
         out.update(threads=torch.get_num_threads(), cpu_s_beside_copy_by_threads=chosen)
+    if by_gemm:
+        out.update(dense_gemm=cpu_experts.dense_gemm, cpu_s_beside_copy_by_gemm=by_gemm)
     if device.type == "cuda" and mapped:
         try:
             out["inplace_gbs"] = inplace_read_gbs(host_w13, host_w2, device)
@@ -255,6 +271,8 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
         if data.get("key") == key:
             if choose_threads and "threads" in data["measured"]:
                 torch.set_num_threads(int(data["measured"]["threads"]))
+            if data["measured"].get("dense_gemm") in cpu_experts.DENSE_GEMMS:
+                cpu_experts.dense_gemm = data["measured"]["dense_gemm"]
             return costs_from(data["measured"]), data["measured"]
         log.warning("calibration cache %s was made on another machine or shape: measuring again", path)
     except FileNotFoundError:
@@ -270,8 +288,9 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
         os.replace(tmp, path)  # temp-then-rename: never a half-written cache
     except OSError as e:
         log.warning("cannot write the calibration cache %s (%s)", path, e)
-    log.info("calibrated (%s, %d threads): expert copy %.2f ms, CPU expert %s ms, %.2f ms at 1 token beside copies",
-             he.format, torch.get_num_threads(), measured["copy_s"] * 1e3,
+    log.info("calibrated (%s, %d threads, %s GEMM): expert copy %.2f ms, CPU expert %s ms, %.2f ms at 1 token "
+             "beside copies", he.format, torch.get_num_threads(), measured.get("dense_gemm", "packed"),
+             measured["copy_s"] * 1e3,
              {n: round(s * 1e3, 2) for n, s in measured["cpu_s"].items()},
              measured["cpu_s_beside_copy"]["1"] * 1e3)
     return costs_from(measured), measured

@@ -7,7 +7,8 @@ holds them: landing it means re-laying the bank at load, never a second copy):
 
 - bf16 `plain`: `F.linear` on the [N, K] weight (oneDNN's brgemm matmul: it repacks weight blocks per call),
   the reference path; `split`: `layers/cpu_experts.SplitRows`, the weight's rows in one chunk per thread,
-  each a single-threaded `F.linear` on its own Python worker thread (`dense_gemm = "split"`);
+  each a single-threaded `F.linear` on its own Python worker thread (`dense_gemm = "split"`); `split-x2`,
+  `split-x4`: 2 / 4 chunks a thread, taken by the threads as they come free;
   `mkl`: `F.linear` with oneDNN off (`torch.backends.mkldnn.flags(enabled=False)`: MKL's bf16 GEMM, a
   process-wide flag); `split-mkl`: both; `w@xT`: `W @ x.T` (oneDNN with the roles swapped, as `torch.mv`);
   `bmm`: one `torch.bmm` over the rows viewed as [threads, N/threads, K]; `fp32-rows`: rows converted to
@@ -43,8 +44,8 @@ from bench_cpu_experts import read_bandwidth  # benchmarks/ (scripts run as pyth
 from results import write_results  # benchmarks/results.py
 
 SHAPES = {"mixtral": (4096, 14336), "qwen3-30b": (2048, 768), "yuan-m32": (2048, 8192)}  # (H, expert I)
-BF16 = ["plain", "split", "mkl", "split-mkl", "w@xT", "bmm", "fp32-rows", "pretransposed", "onednn-packed",
-        "split-packed"]
+BF16 = ["plain", "split", "split-x2", "split-x4", "mkl", "split-mkl", "w@xT", "bmm", "fp32-rows", "pretransposed",
+        "onednn-packed", "split-packed"]
 INT8 = ["int8pack", "int8pack-split"]
 INT4 = ["int4pack", "int4pack-split"]
 COPY = {"pretransposed", "onednn-packed", "split-packed"}
@@ -71,8 +72,8 @@ def dense_kernel(variant: str, w: torch.Tensor) -> Kernel:
     threads = torch.get_num_threads()
     if variant in ("plain", "mkl"):
         fn = lambda x: F.linear(x, w)  # noqa: E731
-    elif variant in ("split", "split-mkl"):
-        fn = C.DenseGemm(w).split(threads)
+    elif variant in ("split", "split-x2", "split-x4", "split-mkl"):
+        fn = C.DenseGemm(w).split(threads, C.chunks_per_thread(variant.removesuffix("-mkl")))
     elif variant == "w@xT":
         fn = lambda x: (w @ x.t()).t()  # noqa: E731
     elif variant == "bmm":

@@ -311,32 +311,35 @@ def test_a_cache_copies_laid_experts_in_the_stores_layout():
 
 # -- the split dense GEMM (`layers/cpu_experts.SplitRows`, dense_gemm = "split") against the plain one ----
 
+@pytest.mark.parametrize("gemm", ["split", "split-x4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_split_dense_gemm_matches_plain(dtype, monkeypatch):
-    """`dense_gemm = "split"` (the rows in chunks, each a single-threaded F.linear on a pool worker) against
-    the plain path (one F.linear) on the same weights, T = 1..33, 4 chunks (3 threads for the odd split).
-    Tolerance: every output element is the same full-length dot product on both paths, so they differ at
-    most by the kernels' accumulation order inside a chunk: |split - plain| <= 2^-7 * (|mid| @ |w2|^T) +
-    2^-8 * |plain| + 1e-5 elementwise (about one rounding of the output and of the intermediate), where mid
-    is the plain path's intermediate. The max difference and whether the bits agree are printed."""
+def test_split_dense_gemm_matches_plain(dtype, gemm, monkeypatch):
+    """`dense_gemm = "split"` / "split-x4" (the rows in 1 / 4 chunks a thread, each a single-threaded
+    F.linear on a pool worker) against the plain path (one F.linear) on the same weights, T = 1..33, on 4
+    and 3 threads. Tolerance: every output element is the same full-length dot product on both paths, so
+    they differ at most by the kernels' accumulation order inside a chunk: |split - plain| <= 2^-7 *
+    (|mid| @ |w2|^T) + 2^-8 * |plain| + 1e-5 elementwise (about one rounding of the output and of the
+    intermediate), where mid is the plain path's intermediate. The max difference and whether the bits
+    agree are printed."""
     from ferrylm.layers import cpu_experts as C
 
     monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 1024)  # chunks of a test-sized weight
     before = torch.get_num_threads()
-    h, i = 256, 384
+    h, i = 256, 1024
     w13, w2 = (w.to(dtype) for w in _weights(h, i, 7))
     expert = HostExpert(w13, w2, dense_dtype=dtype)
+    per = C.chunks_per_thread(gemm)
     worst, same = 0.0, True
     try:
         for threads in (4, 3):
             torch.set_num_threads(threads)
-            split = expert.gate_up.split(threads)
-            assert len(split.kernels) == threads
+            split = expert.gate_up.split(threads, per)
+            assert len(split.kernels) == threads * per and split.workers == threads
             for t in (1, 2, 4, 8, 16, 33):
                 x = torch.randn(t, h).to(dtype)
                 monkeypatch.setattr(C, "dense_gemm", "plain")
                 plain = expert(x)
-                monkeypatch.setattr(C, "dense_gemm", "split")
+                monkeypatch.setattr(C, "dense_gemm", gemm)
                 got = expert(x)
                 assert got.shape == plain.shape and got.dtype == plain.dtype
                 g, u = F.linear(x, w13).float().chunk(2, dim=-1)
@@ -347,7 +350,7 @@ def test_split_dense_gemm_matches_plain(dtype, monkeypatch):
                 worst, same = max(worst, err.max().item()), same and torch.equal(got, plain)
     finally:
         torch.set_num_threads(before)
-    print(f"split vs plain ({dtype}): max |split - plain| {worst:.3e}, bit-identical: {same}")
+    print(f"{gemm} vs plain ({dtype}): max |split - plain| {worst:.3e}, bit-identical: {same}")
 
 
 def test_split_chunks_are_views_that_cover_the_rows(monkeypatch):
@@ -421,9 +424,9 @@ def test_column_split_takes_the_dense_gemm_path(monkeypatch):
     x = torch.randn(3, 128).bfloat16()
     ids, weights = torch.tensor([[0, 1], [2, -1], [1, 3]]), torch.rand(3, 2)
     outs = {}
-    for g in ("plain", "split"):
+    for g in ("plain", "split-x4"):
         monkeypatch.setattr(C, "dense_gemm", g)
         outs[g] = torch.empty(6, 128, dtype=torch.bfloat16)
         assert he.rows(x, ids, weights, outs[g], cols=64) == 4
-    err = (outs["split"].float() - outs["plain"].float()).abs()
+    err = (outs["split-x4"].float() - outs["plain"].float()).abs()
     assert err.max() <= 2 ** -7 * outs["plain"].float().abs().max() + 1e-4, err.max()

@@ -7,7 +7,7 @@ run experts while the main thread drives the GPU.
 Dense weights go through `DenseGemm`, by the path `dense_gemm` names: "plain" (`F.linear`: oneDNN's GEMM on
 torch's intra-op threads, the reference) or "split" (`SplitRows`: the rows in one contiguous chunk per
 thread, each chunk a single-threaded `F.linear` on a worker of a shared pool of Python threads,
-`split_pool`). Both read the weight where it lies, in its own layout (no copy); every output element is one
+`split_pool`; "split-x4": four chunks a thread). Both read the weight where it lies, in its own layout (no copy); every output element is one
 full-length dot product either way. At 1..16 tokens the GEMM is bound by memory reads, and which path
 streams them faster depends on the machine (benchmarks/bench_host_gemv.py), so the hybrid calibration
 measures both and sets `dense_gemm` (offload/calibration.py).
@@ -32,13 +32,15 @@ from ferrylm.layers.qmatmul import Int4PackCPU, QuantKernel
 from ferrylm.weights import quant as Q
 
 FORMATS = ("bf16", "int8", "int4")
-DENSE_GEMMS = ("plain", "split")
+DENSE_GEMMS = ("plain", "split", "split-x4")
 dense_gemm = "plain"
 """How `HostExpert` multiplies dense bf16 / fp16 weights (read at each call): "plain", one oneDNN GEMM on
 torch's intra-op threads (the reference); "split", `SplitRows` (the weight's rows in one chunk per thread,
-each chunk a single-threaded GEMM on its own worker thread). Which is faster depends on the machine
-(benchmarks/bench_host_gemv.py): the hybrid calibration measures both and sets it (offload/calibration.py).
-fp32 weights always take the plain path (an fp32 bank computes `expert_mlp`'s bits)."""
+each chunk a single-threaded GEMM on a worker thread of its own); "split-x4", four chunks per thread, taken
+by the workers as they come free (a core another thread holds delays a quarter of a share, not a whole one).
+Which is fastest depends on the machine (benchmarks/bench_host_gemv.py): the hybrid calibration measures
+them and sets it (offload/calibration.py). fp32 weights always take the plain path (an fp32 bank computes
+`expert_mlp`'s bits)."""
 SPLIT_MIN_BYTES = 1 << 20
 """Fewest weight bytes a `SplitRows` chunk takes (fewer chunks than threads below it; one: the plain GEMM):
 a hand-off to a worker costs ~10-50 us, what ~1 MB of weights takes to stream at tens of GB/s."""
@@ -73,29 +75,37 @@ def split_pool(n: int) -> ThreadPoolExecutor:
     return pool
 
 
-def split_bounds(n: int, row_bytes: int, threads: int, align: int = SPLIT_ALIGN) -> list[tuple[int, int]]:
-    """[(first row, rows)] of at most `threads` balanced chunks of n rows, each >= `SPLIT_MIN_BYTES` (at
+def chunks_per_thread(gemm: str) -> int:
+    """"split" -> 1, "split-x4" -> 4."""
+    return int(gemm.partition("-x")[2] or 1)
+
+
+def split_bounds(n: int, row_bytes: int, parts: int, align: int = SPLIT_ALIGN) -> list[tuple[int, int]]:
+    """[(first row, rows)] of at most `parts` balanced chunks of n rows, each >= `SPLIT_MIN_BYTES` (at
     least one chunk), boundaries on multiples of `align` rows."""
-    parts = max(1, min(threads, n * row_bytes // SPLIT_MIN_BYTES, n // align))
+    parts = max(1, min(parts, n * row_bytes // SPLIT_MIN_BYTES, n // align))
     edges = [round(n * j / parts / align) * align for j in range(parts)] + [n]
     return [(a, b - a) for a, b in zip(edges, edges[1:]) if b > a]
 
 
 class SplitRows:
     """x @ W.T with W's rows split into chunks, `kernels[j]` computing chunk j's columns of the output on a
-    worker of `split_pool(len(kernels))` (single-threaded each: the chunks stream disjoint, contiguous runs
-    of the weight, one per core). The kernels hold views of the weight: no copy. Thread-safe."""
+    worker of `split_pool(workers)` (default one per chunk; single-threaded each: the chunks stream
+    disjoint, contiguous runs of the weight, one per core). The kernels hold views of the weight: no copy.
+    Thread-safe."""
 
     name = "split-rows"
 
-    def __init__(self, kernels: list[Callable[[torch.Tensor], torch.Tensor]], nbytes: int):
+    def __init__(self, kernels: list[Callable[[torch.Tensor], torch.Tensor]], nbytes: int,
+                 workers: int | None = None):
         self.kernels, self.nbytes = kernels, nbytes
+        self.workers = min(workers or len(kernels), len(kernels))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] -> [T, N]: chunk j's [T, c_j] concatenated
         if len(self.kernels) == 1:
             return self.kernels[0](x)
-        pool = split_pool(len(self.kernels))
+        pool = split_pool(self.workers)
         futures = [pool.submit(k, x) for k in self.kernels]
         return torch.cat([f.result() for f in futures], dim=1)
 
@@ -103,8 +113,8 @@ class SplitRows:
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear(x, w) by the path `dense_gemm` names, for a dense weight (a view: e.g. a bank's column range)
     no `DenseGemm` holds; its chunks are views made per call (a few us each)."""
-    if dense_gemm == "split" and w.dtype != torch.float32:
-        return DenseGemm(w).split(torch.get_num_threads())(x)
+    if dense_gemm != "plain" and w.dtype != torch.float32:
+        return DenseGemm(w).split(torch.get_num_threads(), chunks_per_thread(dense_gemm))(x)
     return F.linear(x, w)
 
 
@@ -128,21 +138,22 @@ class DenseGemm:
         self.w = w
         self.shape = tuple(w.shape)
         self.nbytes = w.numel() * w.element_size()
-        self._splits: dict[int, SplitRows] = {}
+        self._splits: dict[tuple[int, int], SplitRows] = {}
 
-    def split(self, threads: int) -> SplitRows:
-        """The `SplitRows` over `threads` chunks (fewer for a small weight: `split_bounds`), built once."""
-        s = self._splits.get(threads)
+    def split(self, threads: int, per_thread: int = 1) -> SplitRows:
+        """The `SplitRows` over `threads * per_thread` chunks (fewer for a small weight: `split_bounds`) on
+        `threads` workers, built once."""
+        s = self._splits.get((threads, per_thread))
         if s is None:
             n, k = self.shape
-            s = self._splits[threads] = SplitRows(
-                [Linear(self.w[a:a + c]) for a, c in split_bounds(n, k * self.w.element_size(), threads)],
-                self.nbytes)
+            bounds = split_bounds(n, k * self.w.element_size(), threads * per_thread)
+            s = self._splits[threads, per_thread] = SplitRows([Linear(self.w[a:a + c]) for a, c in bounds],
+                                                              self.nbytes, workers=threads)
         return s
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if dense_gemm == "split" and self.w.dtype != torch.float32:
-            return self.split(torch.get_num_threads())(x)
+        if dense_gemm != "plain" and self.w.dtype != torch.float32:
+            return self.split(torch.get_num_threads(), chunks_per_thread(dense_gemm))(x)
         return F.linear(x, self.w)
 
 

@@ -9,8 +9,9 @@ holds them: landing it means re-laying the bank at load, never a second copy):
   the reference path; `split`: `layers/cpu_experts.SplitRows`, the weight's rows in one chunk per thread,
   each a single-threaded `F.linear` on its own Python worker thread (`dense_gemm = "split"`); `split-x2`,
   `split-x4`: 2 / 4 chunks a thread, taken by the threads as they come free;
-  `mkl`: `F.linear` with oneDNN off (`torch.backends.mkldnn.flags(enabled=False)`: MKL's bf16 GEMM, a
-  process-wide flag); `split-mkl`: both; `w@xT`: `W @ x.T` (oneDNN with the roles swapped, as `torch.mv`);
+  `native`: `F.linear` with oneDNN off (`layers/cpu_experts.onednn_off`, a process-wide flag: torch's own
+  kernels, a vectorised GEMV at 1 token, per-element dot products above); `split-native`: both;
+  `w@xT`: `W @ x.T` (oneDNN with the roles swapped, as `torch.mv`);
   `bmm`: one `torch.bmm` over the rows viewed as [threads, N/threads, K]; `fp32-rows`: rows converted to
   fp32 a few MB at a time and an fp32 GEMM (fp32 accumulation, as `RowBlocks` does for decoded formats);
   `pretransposed` (copy): x @ W.T held as [K, N]; `onednn-packed` (copy): oneDNN's own blocked layout
@@ -44,7 +45,7 @@ from bench_cpu_experts import read_bandwidth  # benchmarks/ (scripts run as pyth
 from results import write_results  # benchmarks/results.py
 
 SHAPES = {"mixtral": (4096, 14336), "qwen3-30b": (2048, 768), "yuan-m32": (2048, 8192)}  # (H, expert I)
-BF16 = ["plain", "split", "split-x2", "split-x4", "mkl", "split-mkl", "w@xT", "bmm", "fp32-rows", "pretransposed",
+BF16 = ["plain", "split", "split-x2", "split-x4", "native", "split-native", "w@xT", "bmm", "fp32-rows", "pretransposed",
         "onednn-packed", "split-packed"]
 INT8 = ["int8pack", "int8pack-split"]
 INT4 = ["int4pack", "int4pack-split"]
@@ -61,19 +62,15 @@ class Kernel:
         return self.fn(x)
 
 
-def _mkl_off():
-    return torch.backends.mkldnn.flags(enabled=False)
-
-
 def dense_kernel(variant: str, w: torch.Tensor) -> Kernel:
     """w: [N, K] bf16 -> the variant's matmul (holding w, or the re-laid copy that would replace it)."""
     n, k = w.shape
     nb = w.numel() * w.element_size()
     threads = torch.get_num_threads()
-    if variant in ("plain", "mkl"):
+    if variant in ("plain", "native"):
         fn = lambda x: F.linear(x, w)  # noqa: E731
-    elif variant in ("split", "split-x2", "split-x4", "split-mkl"):
-        fn = C.DenseGemm(w).split(threads, C.chunks_per_thread(variant.removesuffix("-mkl")))
+    elif variant in ("split", "split-x2", "split-x4", "split-native"):
+        fn = C.DenseGemm(w).split(threads, C.chunks_per_thread(variant.removesuffix("-native")))
     elif variant == "w@xT":
         fn = lambda x: (w @ x.t()).t()  # noqa: E731
     elif variant == "bmm":
@@ -166,12 +163,16 @@ def fmt_of(variant: str) -> str:
     return "int8" if variant in INT8 else "int4" if variant in INT4 else "bf16"
 
 
+FIGURE_S = 0.6
+"""Seconds one figure may take past its first passes: a slow variant runs fewer passes (at least 2)."""
+
+
 def time_expert(experts, x, reps: int) -> float:
-    """Seconds per expert call: the median of `reps` passes over the experts, after one warm pass."""
+    """Seconds per expert call: the median of up to `reps` passes over the experts, after one warm pass."""
     for e in experts:
         e(x)
     times = []
-    for _ in range(reps):
+    while len(times) < reps and (len(times) < 2 or sum(times) * len(experts) < FIGURE_S):
         t = time.perf_counter()
         for e in experts:
             e(x)
@@ -213,7 +214,7 @@ def main() -> None:
             nbytes = experts[0].nbytes
             for t in a.tokens:
                 x = torch.randn(t, H).bfloat16()
-                mode = _mkl_off() if variant.endswith("mkl") else contextlib.nullcontext()
+                mode = C.onednn_off() if variant.endswith("native") else contextlib.nullcontext()
                 with mode:
                     sec = time_expert(experts, x, reps)
                 gb_s = nbytes / sec / 1e9

@@ -86,6 +86,6 @@ def _host_dense_gemm():
     """The hybrid calibration sets `layers/cpu_experts.dense_gemm` process-wide: no test leaks its choice."""
     from ferrylm.layers import cpu_experts
 
-    before = cpu_experts.dense_gemm
+    before = cpu_experts.dense_gemm, cpu_experts.dense_gemm_max_t
     yield
-    cpu_experts.dense_gemm = before
+    cpu_experts.dense_gemm, cpu_experts.dense_gemm_max_t = before

@@ -7,7 +7,8 @@ run experts while the main thread drives the GPU.
 Dense weights go through `DenseGemm`, by the path `dense_gemm` names: "plain" (`F.linear`: oneDNN's GEMM on
 torch's intra-op threads, the reference) or "split" (`SplitRows`: the rows in one contiguous chunk per
 thread, each chunk a single-threaded `F.linear` on a worker of a shared pool of Python threads,
-`split_pool`; "split-x4": four chunks a thread). Both read the weight where it lies, in its own layout (no copy); every output element is one
+`split_pool`; "split-x4": four chunks a thread), or at 1 token "native" (torch's own GEMV, oneDNN off).
+All read the weight where it lies, in its own layout (no copy); every output element is one
 full-length dot product either way. At 1..16 tokens the GEMM is bound by memory reads, and which path
 streams them faster depends on the machine (benchmarks/bench_host_gemv.py), so the hybrid calibration
 measures both and sets `dense_gemm` (offload/calibration.py).
@@ -20,6 +21,7 @@ Shapes: T tokens, H hidden, I the expert's intermediate size.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -32,15 +34,20 @@ from ferrylm.layers.qmatmul import Int4PackCPU, QuantKernel
 from ferrylm.weights import quant as Q
 
 FORMATS = ("bf16", "int8", "int4")
-DENSE_GEMMS = ("plain", "split", "split-x4")
+DENSE_GEMMS = ("plain", "split", "split-x4", "native")
 dense_gemm = "plain"
-"""How `HostExpert` multiplies dense bf16 / fp16 weights (read at each call): "plain", one oneDNN GEMM on
-torch's intra-op threads (the reference); "split", `SplitRows` (the weight's rows in one chunk per thread,
-each chunk a single-threaded GEMM on a worker thread of its own); "split-x4", four chunks per thread, taken
-by the workers as they come free (a core another thread holds delays a quarter of a share, not a whole one).
-Which is fastest depends on the machine (benchmarks/bench_host_gemv.py): the hybrid calibration measures
-them and sets it (offload/calibration.py). fp32 weights always take the plain path (an fp32 bank computes
-`expert_mlp`'s bits)."""
+"""How `HostExpert` multiplies dense bf16 / fp16 weights at up to `dense_gemm_max_t` tokens (read at each
+call; more tokens take the plain path): "plain", one oneDNN GEMM on torch's intra-op threads (the
+reference); "split", `SplitRows` (the weight's rows in one chunk per thread, each chunk a single-threaded
+oneDNN GEMM on a worker thread of its own: the same bits as plain where oneDNN does not split K);
+"split-x4", four chunks per thread, taken by the workers as they come free (a core another thread holds
+delays a quarter of a share, not a whole one); "native", at 1 token only, torch's own GEMV with oneDNN off
+(`onednn_off`: a process-wide flag; another kernel than oneDNN's, so an expert's bits may then depend on
+how many tokens it ran with). Which is fastest depends on the machine (benchmarks/bench_host_gemv.py): the
+hybrid calibration measures them and sets this (offload/calibration.py). fp32 weights always take the
+plain path (an fp32 bank computes `expert_mlp`'s bits)."""
+dense_gemm_max_t = 16
+"""Most tokens a call takes `dense_gemm` at (set by the calibration with it)."""
 SPLIT_MIN_BYTES = 1 << 20
 """Fewest weight bytes a `SplitRows` chunk takes (fewer chunks than threads below it; one: the plain GEMM):
 a hand-off to a worker costs ~10-50 us, what ~1 MB of weights takes to stream at tens of GB/s."""
@@ -89,10 +96,11 @@ def split_bounds(n: int, row_bytes: int, parts: int, align: int = SPLIT_ALIGN) -
 
 
 class SplitRows:
-    """x @ W.T with W's rows split into chunks, `kernels[j]` computing chunk j's columns of the output on a
-    worker of `split_pool(workers)` (default one per chunk; single-threaded each: the chunks stream
-    disjoint, contiguous runs of the weight, one per core). The kernels hold views of the weight: no copy.
-    Thread-safe."""
+    """x @ W.T with W's rows split into chunks, `kernels[j]` computing chunk j's columns of the output on the
+    `workers` threads of `split_pool(workers)` (default one per chunk; single-threaded each: the chunks
+    stream disjoint, contiguous runs of the weight, one per core), each worker taking the next chunk as it
+    comes free (one hand-off a worker per call, whatever the chunk count). The kernels hold views of the
+    weight: no copy. Thread-safe."""
 
     name = "split-rows"
 
@@ -105,17 +113,26 @@ class SplitRows:
         # x: [T, K] -> [T, N]: chunk j's [T, c_j] concatenated
         if len(self.kernels) == 1:
             return self.kernels[0](x)
+        out: list[torch.Tensor | None] = [None] * len(self.kernels)
+        chunks, lock = iter(range(len(self.kernels))), threading.Lock()
+
+        def take() -> None:  # one hand-off a worker; each takes the next chunk as it comes free
+            while True:
+                with lock:
+                    j = next(chunks, None)
+                if j is None:
+                    return
+                out[j] = self.kernels[j](x)
         pool = split_pool(self.workers)
-        futures = [pool.submit(k, x) for k in self.kernels]
-        return torch.cat([f.result() for f in futures], dim=1)
+        for f in [pool.submit(take) for _ in range(self.workers)]:
+            f.result()
+        return torch.cat(out, dim=1)
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear(x, w) by the path `dense_gemm` names, for a dense weight (a view: e.g. a bank's column range)
     no `DenseGemm` holds; its chunks are views made per call (a few us each)."""
-    if dense_gemm != "plain" and w.dtype != torch.float32:
-        return DenseGemm(w).split(torch.get_num_threads(), chunks_per_thread(dense_gemm))(x)
-    return F.linear(x, w)
+    return DenseGemm(w)(x)
 
 
 class Linear:
@@ -152,9 +169,44 @@ class DenseGemm:
         return s
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if dense_gemm != "plain" and self.w.dtype != torch.float32:
-            return self.split(torch.get_num_threads(), chunks_per_thread(dense_gemm))(x)
-        return F.linear(x, self.w)
+        g = dense_gemm
+        if g == "plain" or self.w.dtype == torch.float32 or x.shape[0] > dense_gemm_max_t:
+            return F.linear(x, self.w)
+        if g == "native":
+            if x.shape[0] == 1:
+                with onednn_off():
+                    return F.linear(x, self.w)
+            return F.linear(x, self.w)
+        threads = torch.get_num_threads()
+        if threads == 1:  # (the pool's own workers)
+            return F.linear(x, self.w)
+        return self.split(threads, chunks_per_thread(g))(x)
+
+
+_ONEDNN = threading.Lock()
+_onednn_off_calls = 0
+_onednn_was = True
+
+
+@contextlib.contextmanager
+def onednn_off():
+    """torch's matmuls without oneDNN (its own kernels: at 1 token a vectorised GEMV with fp32 sums) while
+    any thread is inside; the process-wide flag (`torch.backends.mkldnn.enabled`) is given back as it was
+    once the last one leaves. Other threads' matmuls meanwhile take torch's kernels too: the engine runs
+    no CPU matmul beside its host expert worker."""
+    global _onednn_off_calls, _onednn_was
+    with _ONEDNN:
+        if _onednn_off_calls == 0:
+            _onednn_was = torch.backends.mkldnn.enabled
+            torch.backends.mkldnn.enabled = False
+        _onednn_off_calls += 1
+    try:
+        yield
+    finally:
+        with _ONEDNN:
+            _onednn_off_calls -= 1
+            if _onednn_off_calls == 0:
+                torch.backends.mkldnn.enabled = _onednn_was
 
 
 ROW_BLOCK_BYTES = 4 << 20

@@ -17,9 +17,11 @@ kernels the hybrid path runs):
   with it (measured on a loaded 2-core host: 0.16 ms on one thread, 8-16 ms on two, in steps of the 4 ms
   tick; docs/benchmarks.md's 16 ms collapse of the packed kernels beside a copy looks the same).
 - a dense bf16 / fp16 bank: `dense_gemm`, the way `layers/cpu_experts` multiplies its weights (of
-  `DENSE_GEMMS`: oneDNN's GEMM on torch's threads, or its rows split over single-threaded workers), the one
-  fastest at 1 token beside copies (`cpu_s_beside_copy_by_gemm`): which wins depends on the machine
-  (benchmarks/bench_host_gemv.py). It is set in `layers/cpu_experts` (process-wide: every layer's host
+  `DENSE_GEMMS`: oneDNN's GEMM on torch's threads, its rows split over single-threaded workers, torch's own
+  GEMV at 1 token), the one fastest at 1 token beside copies (`cpu_s_beside_copy_by_gemm`), and
+  `dense_gemm_max_t`, the most tokens (of 2..16, alone: `cpu_s_by_gemm`) at which a split one still beats
+  the plain GEMM (more take the plain one): which wins depends on the machine
+  (benchmarks/bench_host_gemv.py). Both are set in `layers/cpu_experts` (process-wide: every layer's host
   experts) before the figures above are taken, so they time the path the hybrid decode then runs, and set
   again from the cache.
 Each CPU figure cycles over a few experts, so the reads come from DRAM rather than the last-level cache.
@@ -47,6 +49,8 @@ from ferrylm.offload.host_experts import HostExperts
 
 log = logging.getLogger(__name__)
 TOKENS = (1, 4, 16, 64)
+GEMM_TOKENS = (1, 2, 4, 8, 16)
+"""Token counts at which a split dense GEMM is checked against the plain one (`dense_gemm_max_t`)."""
 CYCLE = 4
 """Distinct experts each CPU figure cycles over."""
 VERSION = 3
@@ -200,13 +204,24 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
 
         def beside_copy():
             big_dst.copy_(big)
-    by_gemm = {}
+    by_gemm, by_tokens = {}, {}
     if isinstance(host_w13, torch.Tensor) and dtype in (torch.bfloat16, torch.float16):
+        cpu_experts.dense_gemm_max_t = max(GEMM_TOKENS)
         for g in cpu_experts.DENSE_GEMMS:  # after the thread count: the split's chunks follow it
             cpu_experts.dense_gemm = g
             with _Beside(beside_copy):
                 by_gemm[g] = cpu_time(1, reps=5)
-        cpu_experts.dense_gemm = min(by_gemm, key=by_gemm.get)
+        best = min(by_gemm, key=by_gemm.get)
+        max_t = 1
+        if best.startswith("split"):  # up to the most tokens at which it still beats the plain GEMM
+            for n in GEMM_TOKENS[1:]:
+                for g in ("plain", best):
+                    cpu_experts.dense_gemm = g
+                    by_tokens.setdefault(g, {})[str(n)] = cpu_time(n)
+                if by_tokens[best][str(n)] >= by_tokens["plain"][str(n)]:
+                    break
+                max_t = n
+        cpu_experts.dense_gemm, cpu_experts.dense_gemm_max_t = best, max_t
     cpu = {str(n): cpu_time(n) for n in TOKENS}
     with _Beside(beside_copy):
         cpu_beside = {"1": cpu_time(1, reps=5)}
@@ -219,7 +234,8 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
     if chosen:
         out.update(threads=torch.get_num_threads(), cpu_s_beside_copy_by_threads=chosen)
     if by_gemm:
-        out.update(dense_gemm=cpu_experts.dense_gemm, cpu_s_beside_copy_by_gemm=by_gemm)
+        out.update(dense_gemm=cpu_experts.dense_gemm, dense_gemm_max_t=cpu_experts.dense_gemm_max_t,
+                   cpu_s_beside_copy_by_gemm=by_gemm, cpu_s_by_gemm=by_tokens)
     if device.type == "cuda" and mapped:
         try:
             out["inplace_gbs"] = inplace_read_gbs(host_w13, host_w2, device)
@@ -273,6 +289,7 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
                 torch.set_num_threads(int(data["measured"]["threads"]))
             if data["measured"].get("dense_gemm") in cpu_experts.DENSE_GEMMS:
                 cpu_experts.dense_gemm = data["measured"]["dense_gemm"]
+                cpu_experts.dense_gemm_max_t = int(data["measured"]["dense_gemm_max_t"])
             return costs_from(data["measured"]), data["measured"]
         log.warning("calibration cache %s was made on another machine or shape: measuring again", path)
     except FileNotFoundError:

@@ -17,12 +17,18 @@ holds them: landing it means re-laying the bank at load, never a second copy):
   `pretransposed` (copy): x @ W.T held as [K, N]; `onednn-packed` (copy): oneDNN's own blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`: no per-call repack), an opaque
   tensor that torch cannot place over a bank's bytes; `split-packed` (copy): that layout per `split` chunk;
-- int8 per channel: `int8pack` (`_weight_int8pack_mm`, `layers/qmatmul.Int8PackCPU`) and `int8pack-split`;
+- int8 per channel: `int8pack` (`_weight_int8pack_mm`, `layers/qmatmul.Int8PackCPU`), `int8pack-split` and
+  `int8pack-split-x4` (its rows split as bf16's `split` / `split-x4`: not in the library yet);
 - int4 group 32 with a min: `int4pack` (`_weight_int4pack_mm_for_cpu` over codes re-laid in place,
-  `layers/cpu_experts.Int4InPlace`) and `int4pack-split`.
+  `layers/cpu_experts.Int4InPlace`), `int4pack-split` and `int4pack-split-x4`.
+
+`--beside h2d` (CUDA) / `memcpy` times everything beside a running copy (a pinned host -> GPU copy, as the
+hybrid decode's GPU side runs; or one thread's memcpy), the ratios then against the plain read beside it:
+statically partitioned kernels (torch's OpenMP team) lose most there, when one core is taken
+(offload/calibration.py's docstring).
 
     python benchmarks/bench_host_gemv.py [--threads 16] [--shapes mixtral qwen3-30b yuan-m32]
-        [--tokens 1 2 4 8 16] [--variants plain split ...] [--experts 3] [--small] [--out FILE]
+        [--tokens 1 2 4 8 16] [--variants plain split ...] [--experts 3] [--small] [--beside h2d] [--out FILE]
 
 `--small`: shapes scaled down 4x in each dimension and fewer repetitions (a quick check on a small host).
 Random weights (the values do not change the speed). The last line printed is JSON (rows: shape, format,
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import threading
 import time
 
 import torch
@@ -41,15 +48,43 @@ import torch.nn.functional as F
 
 from ferrylm.layers import cpu_experts as C
 from ferrylm.weights import quant as Q
-from bench_cpu_experts import read_bandwidth  # benchmarks/ (scripts run as python benchmarks/x.py)
+from bench_cpu_experts import H2DCopy, read_bandwidth  # benchmarks/ (scripts run as python benchmarks/x.py)
 from results import write_results  # benchmarks/results.py
 
 SHAPES = {"mixtral": (4096, 14336), "qwen3-30b": (2048, 768), "yuan-m32": (2048, 8192)}  # (H, expert I)
 BF16 = ["plain", "split", "split-x2", "split-x4", "native", "split-native", "w@xT", "bmm", "fp32-rows", "pretransposed",
         "onednn-packed", "split-packed"]
-INT8 = ["int8pack", "int8pack-split"]
-INT4 = ["int4pack", "int4pack-split"]
+INT8 = ["int8pack", "int8pack-split", "int8pack-split-x4"]
+INT4 = ["int4pack", "int4pack-split", "int4pack-split-x4"]
 COPY = {"pretransposed", "onednn-packed", "split-packed"}
+
+
+class MemcpyLoop:
+    """A background thread copying a 256 MiB host buffer over and over on one torch thread (a stand-in for the
+    copy engine's reads off the GPU host)."""
+
+    def __init__(self, mib: int = 256):
+        self.src = torch.empty(mib << 20, dtype=torch.uint8)
+        self.dst = torch.empty_like(self.src)
+        self.stop, self.copied = threading.Event(), 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        torch.get_num_threads()  # torch's lazy per-thread init first, then one thread
+        torch.set_num_threads(1)
+        while not self.stop.is_set():
+            self.dst.copy_(self.src)
+            self.copied += self.src.nbytes
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.gb_s = self.copied / (time.perf_counter() - self.t0) / 1e9
 
 
 class Kernel:
@@ -115,7 +150,8 @@ def int8_kernel(variant: str, q: torch.Tensor, s: torch.Tensor) -> Kernel:
     if variant == "int8pack":
         fn = Int8PackCPU(qt(0, n))
     else:
-        fn = C.SplitRows([Int8PackCPU(qt(a, c)) for a, c in C.split_bounds(n, k, torch.get_num_threads())], 0)
+        threads, per = torch.get_num_threads(), C.chunks_per_thread(variant.removeprefix("int8pack-"))
+        fn = C.SplitRows([Int8PackCPU(qt(a, c)) for a, c in C.split_bounds(n, k, threads * per)], 0, threads)
     return Kernel(fn, (n, k), q.nbytes + s.nbytes)
 
 
@@ -130,8 +166,9 @@ def int4_kernel(variant: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
     if variant == "int4pack":
         fn = kern(0, n)
     else:
-        fn = C.SplitRows([kern(a, c) for a, c in C.split_bounds(n, k // 2, torch.get_num_threads(),
-                                                                 C.INT4_BLOCK)], 0)
+        threads, per = torch.get_num_threads(), C.chunks_per_thread(variant.removeprefix("int4pack-"))
+        fn = C.SplitRows([kern(a, c) for a, c in C.split_bounds(n, k // 2, threads * per, C.INT4_BLOCK)], 0,
+                         threads)
     return Kernel(fn, (n, k), q.nbytes + d.nbytes + m.nbytes)
 
 
@@ -189,15 +226,22 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=3, help="distinct experts cycled (defeats the caches)")
     ap.add_argument("--reps", type=int, default=None, help="passes over the experts per figure (default 5, 3 small)")
     ap.add_argument("--small", action="store_true", help="shapes / 4 in each dimension, fewer repetitions")
+    ap.add_argument("--beside", choices=["none", "h2d", "memcpy"], default="none",
+                    help="time everything beside a running copy: pinned host -> GPU (CUDA), or a one-thread memcpy")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import os
     torch.set_num_threads(a.threads or os.cpu_count())
     torch.set_grad_enabled(False)
     reps = a.reps or (3 if a.small else 5)
-    bw = read_bandwidth(0.25 if a.small else 1.0)
+    bw = bw_alone = read_bandwidth(0.25 if a.small else 1.0)
     threads = torch.get_num_threads()
     print(f"plain read: {bw:.1f} GB/s with {threads} threads", flush=True)
+    beside = contextlib.ExitStack()
+    if a.beside != "none":
+        copier = beside.enter_context(H2DCopy() if a.beside == "h2d" else MemcpyLoop())
+        bw = read_bandwidth(0.25 if a.small else 1.0)
+        print(f"plain read beside the {a.beside} copy: {bw:.1f} GB/s (the ratios below are to this)", flush=True)
     flags = set()
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
@@ -220,7 +264,7 @@ def main() -> None:
                 gb_s = nbytes / sec / 1e9
                 row = {"shape": shape, "H": H, "I": I, "format": fmt_of(variant), "variant": variant,
                        "copy": variant in COPY, "tokens": t, "ms": sec * 1e3, "gb_s": gb_s, "of_read_bw": gb_s / bw,
-                       "expert_bytes": nbytes}
+                       "expert_bytes": nbytes, "beside": a.beside}
                 rows.append(row)
                 print(f"{shape:10s} {row['format']:5s} {variant:14s} T={t:<3d} {sec * 1e3:8.3f} ms "
                       f"{gb_s:7.1f} GB/s  {gb_s / bw:5.2f} of read", flush=True)
@@ -232,7 +276,10 @@ def main() -> None:
         if not r["copy"] and (key not in best or r["gb_s"] > best[key]["gb_s"]):
             best[key] = {"variant": r["variant"], "gb_s": round(r["gb_s"], 1), "of_read_bw": round(r["of_read_bw"], 2)}
     print("fastest in the bank's layout:", best, flush=True)
-    write_results("host_gemv", rows, out=a.out, threads=threads, read_bw_gb_s=bw, small=a.small,
+    beside.close()
+    copy_gb_s = getattr(copier, "gb_s", None) if a.beside != "none" else None
+    write_results("host_gemv", rows, out=a.out, threads=threads, read_bw_gb_s=bw, read_bw_alone_gb_s=bw_alone,
+                  beside=a.beside, beside_copy_gb_s=copy_gb_s, small=a.small,
                   cpu_capability=torch.backends.cpu.get_cpu_capability(),
                   cpu_flags=sorted(f for f in flags if f.startswith(("avx512", "amx"))), best=best,
                   took_s=time.perf_counter() - t0)

@@ -83,9 +83,12 @@ def yuan_like_tokenizer_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(autouse=True)
 def _host_dense_gemm():
-    """The hybrid calibration sets `layers/cpu_experts.dense_gemm` process-wide: no test leaks its choice."""
+    """The hybrid calibration sets `layers/cpu_experts.dense_gemm` / `packed_gemm` process-wide: no test leaks
+    its choice."""
     from ferrylm.layers import cpu_experts
 
-    before = cpu_experts.dense_gemm, cpu_experts.dense_gemm_max_t
+    names = ("dense_gemm", "dense_gemm_max_t", "packed_gemm", "packed_gemm_max_t")
+    before = [getattr(cpu_experts, n) for n in names]
     yield
-    cpu_experts.dense_gemm, cpu_experts.dense_gemm_max_t = before
+    for n, v in zip(names, before):
+        setattr(cpu_experts, n, v)

@@ -495,3 +495,41 @@ def test_native_gemv_at_one_token_and_the_flag_it_borrows(monkeypatch):
         assert not torch.backends.mkldnn.enabled  # given back as it was
     finally:
         torch.backends.mkldnn.enabled = True
+
+
+def test_int8_split_matches_plain(monkeypatch):
+    """Per-channel int8 experts (`Int8Split`, the codes where they lie) split into row chunks by `packed_gemm`
+    give the plain `_weight_int8pack_mm`'s output within the split test's bound (each output is one row's sum
+    on both paths; the bits are printed), hold views of the same codes, and keep `Int8PackCPU`'s interface."""
+    from ferrylm.layers import cpu_experts as C
+    from ferrylm.layers.qmatmul import Int8PackCPU
+
+    monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 1024)
+    h, i = 256, 1024
+    w13, w2 = _weights(h, i, 11)
+    expert = HostExpert.quantize(w13, w2, "int8")
+    assert isinstance(expert.gate_up, C.Int8Split) and isinstance(expert.gate_up, Int8PackCPU)
+    d13, d2 = expert.gate_up.dequantize(torch.float32), expert.down.dequantize(torch.float32)
+    before = torch.get_num_threads()
+    worst, same = 0.0, True
+    try:
+        torch.set_num_threads(3)
+        for gemm in ("split", "split-x4"):
+            split = expert.gate_up.split(3, C.chunks_per_thread(gemm))
+            q = expert.gate_up.qt.parts["q"]
+            assert all(k.qt.parts["q"].untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+                       for k in split.kernels)
+            for t in (1, 4, 16):
+                x = torch.randn(t, h).bfloat16()
+                monkeypatch.setattr(C, "packed_gemm", "plain")
+                plain = expert(x)
+                monkeypatch.setattr(C, "packed_gemm", gemm)
+                got = expert(x)
+                g, u = (x.float() @ d13.t()).chunk(2, dim=-1)
+                bound = 2 ** -7 * (F.silu(g) * u).abs() @ d2.abs().t() + 2 ** -8 * plain.float().abs() + 1e-5
+                err = (got.float() - plain.float()).abs()
+                assert (err <= bound).all(), f"{gemm} T={t}: {err.max():.3e}"
+                worst, same = max(worst, err.max().item()), same and torch.equal(got, plain)
+    finally:
+        torch.set_num_threads(before)
+    print(f"int8 split vs plain: max diff {worst:.3e}, bit-identical: {same}")

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrylm.layers.moe import expert_mlp
-from ferrylm.layers.qmatmul import Int4PackCPU, QuantKernel
+from ferrylm.layers.qmatmul import Int4PackCPU, Int8PackCPU, QuantKernel
 from ferrylm.weights import quant as Q
 
 FORMATS = ("bf16", "int8", "int4")
@@ -48,6 +48,13 @@ hybrid calibration measures them and sets this (offload/calibration.py). fp32 we
 plain path (an fp32 bank computes `expert_mlp`'s bits)."""
 dense_gemm_max_t = 16
 """Most tokens a call takes `dense_gemm` at (set by the calibration with it)."""
+PACKED_GEMMS = ("plain", "split", "split-x4")
+packed_gemm = "plain"
+"""The same choice for per-channel int8 experts (`Int8Split`): torch's `_weight_int8pack_mm` on its
+OpenMP team, or its rows split over the pool as `dense_gemm`'s "split" / "split-x4" (the same bits: each
+output is one row's sum either way). Set by the calibration for an int8 bank."""
+packed_gemm_max_t = 16
+"""Most tokens a call takes `packed_gemm` at."""
 SPLIT_MIN_BYTES = 1 << 20
 """Fewest weight bytes a `SplitRows` chunk takes (fewer chunks than threads below it; one: the plain GEMM):
 a hand-off to a worker costs ~10-50 us, what ~1 MB of weights takes to stream at tens of GB/s."""
@@ -312,10 +319,39 @@ class Int4InPlace(Int4PackCPU):
         self.scale_zero = torch.stack((d, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [G, N, 2]
 
 
+class Int8Split(Int8PackCPU):
+    """`Int8PackCPU` (per-channel int8, the codes where they lie) that also runs split into row chunks as
+    `DenseGemm` does, by `packed_gemm`: each chunk an `Int8PackCPU` over views of the codes' rows (with its
+    own bf16 scales: 2 bytes a row in all, next to K bytes of codes)."""
+
+    def __init__(self, qt: Q.QuantizedTensor):
+        super().__init__(qt)
+        self._splits: dict[tuple[int, int], SplitRows] = {}
+
+    def split(self, threads: int, per_thread: int = 1) -> SplitRows:
+        s = self._splits.get((threads, per_thread))
+        if s is None:
+            (n, k), q, sc = self.shape, self.qt.parts["q"], self.qt.parts["scale"]
+            rows = [Int8PackCPU(Q.QuantizedTensor("int8", (c, k), {"q": q[a:a + c], "scale": sc[a:a + c]}, {},
+                                                  self.qt.dtype)) for a, c in split_bounds(n, k, threads * per_thread)]
+            s = self._splits[threads, per_thread] = SplitRows(rows, self.nbytes, workers=threads)
+        return s
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        g, threads = packed_gemm, torch.get_num_threads()
+        if g == "plain" or x.shape[0] > packed_gemm_max_t or threads == 1:
+            return super().__call__(x)
+        return self.split(threads, chunks_per_thread(g))(x)
+
+
 def _kernel(w, dense_dtype: torch.dtype):
-    """A matmul x -> x @ w.T: a packed kernel for a QuantizedTensor, the kernel itself for one already built
-    (`RowBlocks`), the GEMM of `dense_dtype` for a dense tensor (no copy when it is already of that dtype)."""
+    """A matmul x -> x @ w.T: a packed kernel for a QuantizedTensor (`Int8Split` for per-channel int8), the
+    kernel itself for one already built (`RowBlocks`), the GEMM of `dense_dtype` for a dense tensor (no copy
+    when it is already of that dtype)."""
     if isinstance(w, Q.QuantizedTensor):
+        if (w.scheme == "int8" and "group_size" not in w.params and w.device.type == "cpu"
+                and len(w.shape) == 2):
+            return Int8Split(w)
         return QuantKernel.for_tensor(w)
     if not isinstance(w, torch.Tensor):
         return w

@@ -18,9 +18,10 @@ holds them: landing it means re-laying the bank at load, never a second copy):
   (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`: no per-call repack), an opaque
   tensor that torch cannot place over a bank's bytes; `split-packed` (copy): that layout per `split` chunk;
 - int8 per channel: `int8pack` (`_weight_int8pack_mm`, `layers/qmatmul.Int8PackCPU`), `int8pack-split` and
-  `int8pack-split-x4` (its rows split as bf16's `split` / `split-x4`: not in the library yet);
+  `int8pack-split-x4` (its rows split as bf16's `split` / `split-x4`: `layers/cpu_experts.Int8Split`);
 - int4 group 32 with a min: `int4pack` (`_weight_int4pack_mm_for_cpu` over codes re-laid in place,
-  `layers/cpu_experts.Int4InPlace`), `int4pack-split` and `int4pack-split-x4`.
+  `layers/cpu_experts.Int4InPlace`), `int4pack-split` and `int4pack-split-x4` (not in the library: each
+  chunk needs its own contiguous scales, a re-laid copy of the expert's scale_zero).
 
 `--beside h2d` (CUDA) / `memcpy` times everything beside a running copy (a pinned host -> GPU copy, as the
 hybrid decode's GPU side runs; or one thread's memcpy), the ratios then against the plain read beside it:

@@ -15,7 +15,9 @@ mapped on CUDA), so building them costs no quantization.
         [--experts 4] [--k 2] [--out FILE]
 
 The last line printed is JSON (per format: expert_bytes, copy_ms, cpu_ms {tokens}, cpu_gb_s (1 token),
-cpu_beside_copy_ms, copy_beside_cpu_ms, inplace_gb_s, inplace_beside_cpu_gb_s, rows_ms, cpu_share).
+cpu_beside_copy_ms, copy_beside_cpu_ms, inplace_gb_s, inplace_beside_cpu_gb_s, rows_ms, cpu_share, and for
+a dense or per-channel int8 bank the GEMM the calibration chose: host_gemm, host_gemm_max_t,
+cpu_beside_copy_ms_by_gemm).
 """
 
 from __future__ import annotations
@@ -124,7 +126,10 @@ def main() -> None:
                "inplace_gb_s": m.get("inplace_gbs"), "inplace_beside_cpu_gb_s": m.get("inplace_gbs_beside_cpu"),
                "rows_ms": rows_s * 1e3, "rows_overhead_ms": (rows_s - a.k * m["cpu_s"]["1"]) * 1e3,
                "cpu_share": cpu_share(costs), "measure_s": took,
-               "kernel": type(he.expert(0).gate_up).__name__}
+               "kernel": type(he.expert(0).gate_up).__name__,
+               "host_gemm": m.get("dense_gemm", m.get("packed_gemm")),
+               "host_gemm_max_t": m.get("dense_gemm_max_t", m.get("packed_gemm_max_t")),
+               "cpu_beside_copy_ms_by_gemm": {g: s * 1e3 for g, s in m.get("cpu_s_beside_copy_by_gemm", {}).items()}}
         threads = torch.get_num_threads()
         sweep = {}
         copy = calibration._copier(w13, w2, device)

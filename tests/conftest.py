@@ -79,3 +79,16 @@ def yuan_like_tokenizer_dir(tmp_path_factory) -> str:
         "add_bos_token": True, "add_eos_token": True, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
         "tokenizer_class": "LlamaTokenizer"}))
     return str(d)
+
+
+@pytest.fixture(autouse=True)
+def _host_dense_gemm():
+    """The hybrid calibration sets `layers/cpu_experts.dense_gemm` / `packed_gemm` process-wide: no test leaks
+    its choice."""
+    from ferrylm.layers import cpu_experts
+
+    names = ("dense_gemm", "dense_gemm_max_t", "packed_gemm", "packed_gemm_max_t")
+    before = [getattr(cpu_experts, n) for n in names]
+    yield
+    for n, v in zip(names, before):
+        setattr(cpu_experts, n, v)

@@ -307,3 +307,229 @@ def test_a_cache_copies_laid_experts_in_the_stores_layout():
     cache.host_experts.lay([1, 2, 3])
     assert cache.host_experts.laid == {1, 2, 3}
     assert torch.equal(cache.forward(bank, x, ids, weights), ref)
+
+
+# -- the split dense GEMM (`layers/cpu_experts.SplitRows`, dense_gemm = "split") against the plain one ----
+
+@pytest.mark.parametrize("gemm", ["split", "split-x4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_dense_gemm_matches_plain(dtype, gemm, monkeypatch):
+    """`dense_gemm = "split"` / "split-x4" (the rows in 1 / 4 chunks a thread, each a single-threaded
+    F.linear on a pool worker) against the plain path (one F.linear) on the same weights, T = 1..33, on 4
+    and 3 threads. Tolerance: every output element is the same full-length dot product on both paths, so
+    they differ at most by the kernels' accumulation order inside a chunk: |split - plain| <= 2^-7 *
+    (|mid| @ |w2|^T) + 2^-8 * |plain| + 1e-5 elementwise (about one rounding of the output and of the
+    intermediate), where mid is the plain path's intermediate. The max difference and whether the bits
+    agree are printed."""
+    from ferrylm.layers import cpu_experts as C
+
+    monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 1024)  # chunks of a test-sized weight
+    before = torch.get_num_threads()
+    h, i = 256, 1024
+    w13, w2 = (w.to(dtype) for w in _weights(h, i, 7))
+    expert = HostExpert(w13, w2, dense_dtype=dtype)
+    per = C.chunks_per_thread(gemm)
+    worst, same = 0.0, True
+    try:
+        for threads in (4, 3):
+            torch.set_num_threads(threads)
+            split = expert.gate_up.split(threads, per)
+            assert len(split.kernels) == threads * per and split.workers == threads
+            for t in (1, 2, 4, 8, 16, 33):
+                x = torch.randn(t, h).to(dtype)
+                monkeypatch.setattr(C, "dense_gemm", "plain")
+                plain = expert(x)
+                monkeypatch.setattr(C, "dense_gemm", gemm)
+                got = expert(x)
+                assert got.shape == plain.shape and got.dtype == plain.dtype
+                g, u = F.linear(x, w13).float().chunk(2, dim=-1)
+                mid = (F.silu(g) * u).abs()
+                bound = 2 ** -7 * mid @ w2.float().abs().t() + 2 ** -8 * plain.float().abs() + 1e-5
+                err = (got.float() - plain.float()).abs()
+                assert (err <= bound).all(), f"T={t}: max err {err.max():.3e}"
+                worst, same = max(worst, err.max().item()), same and torch.equal(got, plain)
+    finally:
+        torch.set_num_threads(before)
+    print(f"{gemm} vs plain ({dtype}): max |split - plain| {worst:.3e}, bit-identical: {same}")
+
+
+def test_split_chunks_are_views_that_cover_the_rows(monkeypatch):
+    """The split holds views of the weight's own rows (no copy), contiguous, aligned, covering [0, N) once;
+    small weights take fewer chunks (one: the plain GEMM), and an fp32 weight never splits."""
+    from ferrylm.layers import cpu_experts as C
+
+    w = torch.randn(1000, 64).bfloat16()
+    monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 128 * 64 * 2)
+    kern = C.DenseGemm(w)
+    chunks = kern.split(16).kernels
+    assert len(chunks) == 1000 * 64 * 2 // C.SPLIT_MIN_BYTES == 7
+    rows = 0
+    for k in chunks:
+        assert k.w.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+        assert k.w.data_ptr() == w[rows].data_ptr() and (rows % C.SPLIT_ALIGN == 0)
+        rows += k.w.shape[0]
+    assert rows == 1000
+    assert len(C.split_bounds(1000, 64 * 2, 16, align=64)) == 7
+    assert C.split_bounds(100, 2, 16) == [(0, 100)]  # too small to split
+    monkeypatch.setattr(C, "dense_gemm", "split")
+    fp32 = C.DenseGemm(torch.randn(1000, 64))
+    x = torch.randn(2, 64)
+    assert torch.equal(fp32(x), F.linear(x, fp32.w)) and not fp32._splits
+
+
+def test_split_pool_keeps_torch_threads_and_serves_threads_at_once(monkeypatch):
+    """The pool's workers run torch single-threaded, but threads started afterwards still get the caller's
+    count; two threads splitting at once get what each gets alone."""
+    from ferrylm.layers import cpu_experts as C
+
+    monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 1024)
+    monkeypatch.setattr(C, "dense_gemm", "split")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        # after an op too: torch sets a thread's count lazily on its first op
+        inside = C.split_pool(3).submit(lambda: F.linear(torch.randn(2, 8), torch.randn(4, 8)) is not None and
+                                        torch.get_num_threads()).result()
+        seen = []
+        th = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        th.start()
+        th.join()
+        assert inside == 1 and seen == [3] and torch.get_num_threads() == 3
+        experts = [HostExpert(*(w.bfloat16() for w in _weights(256, 128, s))) for s in (1, 2)]
+        x = torch.randn(4, 256)
+        alone = [e(x) for e in experts]
+        got = [None, None]
+
+        def run(j):
+            got[j] = experts[j](x)
+        threads = [threading.Thread(target=run, args=(j,)) for j in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(torch.equal(a, b) for a, b in zip(alone, got))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_column_split_takes_the_dense_gemm_path(monkeypatch):
+    """`HostExperts.rows(..., cols=c)` (a dense bank's intermediate columns [c, I)) gives the same rows
+    through the split GEMM as through the plain one (bound as in the split test above, summed over k)."""
+    from ferrylm.layers import cpu_experts as C
+    from ferrylm.offload.host_experts import HostExperts
+
+    monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 1024)
+    w13, w2, _, _ = _bank("bfloat16", 4, 128, 192)
+    he = HostExperts(w13, w2, F.silu)
+    x = torch.randn(3, 128).bfloat16()
+    ids, weights = torch.tensor([[0, 1], [2, -1], [1, 3]]), torch.rand(3, 2)
+    outs = {}
+    for g in ("plain", "split-x4"):
+        monkeypatch.setattr(C, "dense_gemm", g)
+        outs[g] = torch.empty(6, 128, dtype=torch.bfloat16)
+        assert he.rows(x, ids, weights, outs[g], cols=64) == 4
+    err = (outs["split-x4"].float() - outs["plain"].float()).abs()
+    assert err.max() <= 2 ** -7 * outs["plain"].float().abs().max() + 1e-4, err.max()
+
+
+def test_native_gemv_at_one_token_and_the_flag_it_borrows(monkeypatch):
+    """`dense_gemm = "native"`: 1 token through torch's own GEMV (oneDNN off), within the split test's bound
+    of the plain path (another kernel: the bits may differ); more tokens take the plain path
+    exactly; and `dense_gemm_max_t` sends larger calls of a split path to the plain one. `onednn_off` gives
+    the process-wide flag back as it was, once the last thread inside leaves."""
+    from ferrylm.layers import cpu_experts as C
+
+    h, i = 256, 512
+    w13, w2 = (w.bfloat16() for w in _weights(h, i, 9))
+    expert = HostExpert(w13, w2)
+    for t in (1, 3):
+        x = torch.randn(t, h).bfloat16()
+        monkeypatch.setattr(C, "dense_gemm", "plain")
+        plain = expert(x)
+        monkeypatch.setattr(C, "dense_gemm", "native")
+        got = expert(x)
+        if t > 1:
+            assert torch.equal(got, plain)
+            continue
+        g, u = F.linear(x, w13).float().chunk(2, dim=-1)
+        bound = 2 ** -7 * (F.silu(g) * u).abs() @ w2.float().abs().t() + 2 ** -8 * plain.float().abs() + 1e-5
+        err = (got.float() - plain.float()).abs()
+        assert (err <= bound).all(), err.max()
+        print(f"native vs plain at 1 token: max diff {err.max():.3e}")
+    assert torch.backends.mkldnn.enabled
+
+    calls = []
+    orig = C.SplitRows.__call__
+    monkeypatch.setattr(C.SplitRows, "__call__", lambda self, x: calls.append(x.shape[0]) or orig(self, x))
+    monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 1024)
+    monkeypatch.setattr(C, "dense_gemm", "split")
+    monkeypatch.setattr(C, "dense_gemm_max_t", 2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for t in (1, 2, 4):
+            expert(torch.randn(t, h).bfloat16())
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [1, 1, 2, 2]  # gate_up and down at 1 and 2 tokens; 4 tokens went the plain way
+
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with C.onednn_off():
+            inside.set()
+            leave.wait(10)
+    th = threading.Thread(target=hold)
+    th.start()
+    inside.wait(10)
+    with C.onednn_off():
+        assert not torch.backends.mkldnn.enabled
+    assert not torch.backends.mkldnn.enabled  # the other thread is still inside
+    leave.set()
+    th.join()
+    assert torch.backends.mkldnn.enabled
+    try:
+        torch.backends.mkldnn.enabled = False
+        with C.onednn_off():
+            pass
+        assert not torch.backends.mkldnn.enabled  # given back as it was
+    finally:
+        torch.backends.mkldnn.enabled = True
+
+
+def test_int8_split_matches_plain(monkeypatch):
+    """Per-channel int8 experts (`Int8Split`, the codes where they lie) split into row chunks by `packed_gemm`
+    give the plain `_weight_int8pack_mm`'s output within the split test's bound (each output is one row's sum
+    on both paths; the bits are printed), hold views of the same codes, and keep `Int8PackCPU`'s interface."""
+    from ferrylm.layers import cpu_experts as C
+    from ferrylm.layers.qmatmul import Int8PackCPU
+
+    monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 1024)
+    h, i = 256, 1024
+    w13, w2 = _weights(h, i, 11)
+    expert = HostExpert.quantize(w13, w2, "int8")
+    assert isinstance(expert.gate_up, C.Int8Split) and isinstance(expert.gate_up, Int8PackCPU)
+    d13, d2 = expert.gate_up.dequantize(torch.float32), expert.down.dequantize(torch.float32)
+    before = torch.get_num_threads()
+    worst, same = 0.0, True
+    try:
+        torch.set_num_threads(3)
+        for gemm in ("split", "split-x4"):
+            split = expert.gate_up.split(3, C.chunks_per_thread(gemm))
+            q = expert.gate_up.qt.parts["q"]
+            assert all(k.qt.parts["q"].untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+                       for k in split.kernels)
+            for t in (1, 4, 16):
+                x = torch.randn(t, h).bfloat16()
+                monkeypatch.setattr(C, "packed_gemm", "plain")
+                plain = expert(x)
+                monkeypatch.setattr(C, "packed_gemm", gemm)
+                got = expert(x)
+                g, u = (x.float() @ d13.t()).chunk(2, dim=-1)
+                bound = 2 ** -7 * (F.silu(g) * u).abs() @ d2.abs().t() + 2 ** -8 * plain.float().abs() + 1e-5
+                err = (got.float() - plain.float()).abs()
+                assert (err <= bound).all(), f"{gemm} T={t}: {err.max():.3e}"
+                worst, same = max(worst, err.max().item()), same and torch.equal(got, plain)
+    finally:
+        torch.set_num_threads(before)
+    print(f"int8 split vs plain: max diff {worst:.3e}, bit-identical: {same}")

@@ -568,6 +568,35 @@ def test_hybrid_decode_host_experts_equal_mapped(share, gpu_side, split, tmp_pat
         free_engines()
 
 
+@pytest.mark.parametrize("gemm", ["split-x4", "native"])
+def test_hybrid_decode_with_each_dense_gemm(gemm, tmp_path_factory, monkeypatch):
+    """Graphed hybrid decode with the host's dense bf16 GEMM forced to `gemm` (the calibration's only choice;
+    tiny chunks so the split pool runs from the decode worker): the calibration records it, the host
+    computes every miss without error, and the logits match the all-on-GPU run within bf16 rounding."""
+    from ferrylm.layers import cpu_experts
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path_factory.mktemp("calibration")))
+    monkeypatch.setattr(cpu_experts, "DENSE_GEMMS", (gemm,))
+    monkeypatch.setattr(cpu_experts, "SPLIT_MIN_BYTES", 4096)
+    path = _wide_mixtral(tmp_path_factory)  # gate_up [1024, 64]: 16 chunks of 64 rows
+    g = torch.Generator().manual_seed(17)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 17, 9)]
+    kw = dict(device="cuda", dtype="bfloat16", place=("experts=cpu", "layers.0.experts.0-1=gpu"),
+              gpu_memory_budget="2GiB")
+    ref_out, ref = sampled_rows(LLM(path, experts="gpu", **kw), prompts, 16)
+    llm = LLM(path, experts="auto", cpu_share=1.0, **kw)
+    placed = llm.engine.runner.placed
+    assert placed.calibration["dense_gemm"] == gemm == cpu_experts.dense_gemm
+    out, got = sampled_rows(llm, prompts, 16)
+    assert placed.stats.cpu_experts > 0 and placed.host_decode.error is None
+    if gemm.startswith("split"):
+        assert cpu_experts._POOLS  # the split pool ran
+    worst = max((a - b).abs().max().item() for a, b in zip(ref, got))
+    print(f"hybrid decode, dense GEMM {gemm}: max |logit diff| vs GPU = {worst:.3e}; {placed.stats}")
+    assert worst < 5e-2
+    assert [o.outputs[0].token_ids[:4] for o in out] == [r.outputs[0].token_ids[:4] for r in ref_out]
+
+
 def test_hybrid_decode_graphs_hand_the_host_live_rows_only(tmp_path_factory, monkeypatch):
     """A graphed decode step of 3 sequences runs in the bucket of 4: every hand-off carries the bucket's
     rows and the live count (the host kernels then get the live rows only: tests/test_hybrid.py), and the

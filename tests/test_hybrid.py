@@ -112,6 +112,67 @@ def test_calibration_times_the_banks_format(tmp_path, monkeypatch):
     assert len(os.listdir(tmp_path)) == 2  # the dense bf16 bank of the same shape is another entry
 
 
+def test_calibration_chooses_the_dense_gemm(tmp_path, monkeypatch):
+    """A dense bf16 bank: every `layers/cpu_experts.DENSE_GEMMS` is timed at 1 token beside copies, the fastest
+    is set process-wide (with the most tokens it takes: a split one while it beats the plain GEMM, native 1)
+    before the recorded figures are taken (they time the path then used) and set again from the cache; an
+    fp32 bank (exact `expert_mlp` bits) chooses nothing."""
+    from ferrylm.layers import cpu_experts
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_experts, "SPLIT_MIN_BYTES", 4096)  # the split takes chunks of a test-sized bank
+    act = torch.nn.functional.silu
+    w13, w2 = torch.randn(2, 256, 128).bfloat16(), torch.randn(2, 128, 128).bfloat16()
+    used = []
+    orig = cpu_experts.DenseGemm.__call__
+
+    def spy(self, x):
+        used.append(cpu_experts.dense_gemm)
+        return orig(self, x)
+    monkeypatch.setattr(cpu_experts.DenseGemm, "__call__", spy)
+    _, m = calibration.calibrate(w13, w2, act, torch.device("cpu"))
+    by = m["cpu_s_beside_copy_by_gemm"]
+    assert sorted(by) == sorted(cpu_experts.DENSE_GEMMS) and m["dense_gemm"] == min(by, key=by.get)
+    assert cpu_experts.dense_gemm == m["dense_gemm"] and cpu_experts.dense_gemm_max_t == m["dense_gemm_max_t"]
+    if m["dense_gemm"].startswith("split"):  # checked against plain at 2.. tokens until it stops winning
+        t = m["cpu_s_by_gemm"]
+        assert all(t[m["dense_gemm"]][str(n)] < t["plain"][str(n)] for n in (2, 4, 8, 16)
+                   if n <= m["dense_gemm_max_t"])
+    else:
+        assert m["dense_gemm_max_t"] == 1 and not m["cpu_s_by_gemm"]
+    assert set(used[-10:]) == {m["dense_gemm"]}  # the figures after the choice: the chosen path
+    other = next(g for g in cpu_experts.DENSE_GEMMS if g != m["dense_gemm"])
+    monkeypatch.setattr(cpu_experts, "dense_gemm", other)
+    monkeypatch.setattr(cpu_experts, "dense_gemm_max_t", 99)
+    _, again = calibration.calibrate(w13, w2, act, torch.device("cpu"))
+    assert again == m and cpu_experts.dense_gemm == m["dense_gemm"]  # from the cache
+    assert cpu_experts.dense_gemm_max_t == m["dense_gemm_max_t"]
+    monkeypatch.setattr(cpu_experts, "dense_gemm", "plain")
+    _, exact = calibration.calibrate(w13.float(), w2.float(), act, torch.device("cpu"))
+    assert "dense_gemm" not in exact and cpu_experts.dense_gemm == "plain"
+
+
+def test_calibration_chooses_the_int8_gemm(tmp_path, monkeypatch):
+    """A per-channel int8 bank: the plain and split `_weight_int8pack_mm` are timed the same way
+    (`layers/cpu_experts.packed_gemm`), the fastest set and recorded, and set again from the cache."""
+    from ferrylm.layers import cpu_experts
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.weights import quant
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_experts, "SPLIT_MIN_BYTES", 2048)
+    act = torch.nn.functional.silu
+    w13 = ExpertWeights.stack([[quant.quantize_int8(torch.randn(256, 128))] for _ in range(2)], torch.bfloat16)
+    w2 = ExpertWeights.stack([[quant.quantize_int8(torch.randn(128, 128))] for _ in range(2)], torch.bfloat16)
+    _, m = calibration.calibrate(w13, w2, act, torch.device("cpu"))
+    by = m["cpu_s_beside_copy_by_gemm"]
+    assert sorted(by) == sorted(cpu_experts.PACKED_GEMMS) and m["packed_gemm"] == min(by, key=by.get)
+    assert cpu_experts.packed_gemm == m["packed_gemm"] and "dense_gemm" not in m
+    monkeypatch.setattr(cpu_experts, "packed_gemm", "plain" if m["packed_gemm"] != "plain" else "split")
+    _, again = calibration.calibrate(w13, w2, act, torch.device("cpu"))
+    assert again == m and cpu_experts.packed_gemm == m["packed_gemm"]
+
+
 def test_experts_option_is_checked(mixtral):
     from ferrylm.errors import ConfigError
 

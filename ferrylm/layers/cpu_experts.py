@@ -4,24 +4,216 @@ packed format through `RowBlocks`), for the hybrid path's cold experts. `HostExp
 (gate and up fused into one [2I, H] matmul, then down [H, I]); calling it runs a batch of T tokens. Torch's kernels release the GIL, so a worker thread can
 run experts while the main thread drives the GPU.
 
+Dense weights go through `DenseGemm`, by the path `dense_gemm` names: "plain" (`F.linear`: oneDNN's GEMM on
+torch's intra-op threads, the reference) or "split" (`SplitRows`: the rows in one contiguous chunk per
+thread, each chunk a single-threaded `F.linear` on a worker of a shared pool of Python threads,
+`split_pool`; "split-x4": four chunks a thread), or at 1 token "native" (torch's own GEMV, oneDNN off).
+All read the weight where it lies, in its own layout (no copy); every output element is one
+full-length dot product either way. At 1..16 tokens the GEMM is bound by memory reads, and which path
+streams them faster depends on the machine (benchmarks/bench_host_gemv.py), so the hybrid calibration
+measures both and sets `dense_gemm` (offload/calibration.py).
+
 `host_expert_reference` is the plain path every format is tested against (tests/test_cpu_experts.py):
 the same dequantized weights in fp32 through `layers/moe.expert_mlp`.
-It knows nothing about routing, caches, placement or which thread calls it.
+It knows nothing about routing, caches or placement; any thread may call it (the split pool is shared).
 Shapes: T tokens, H hidden, I the expert's intermediate size.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ferrylm.layers.moe import expert_mlp
-from ferrylm.layers.qmatmul import Int4PackCPU, QuantKernel
+from ferrylm.layers.qmatmul import Int4PackCPU, Int8PackCPU, QuantKernel
 from ferrylm.weights import quant as Q
 
 FORMATS = ("bf16", "int8", "int4")
+DENSE_GEMMS = ("plain", "split", "split-x4", "native")
+dense_gemm = "plain"
+"""How `HostExpert` multiplies dense bf16 / fp16 weights at up to `dense_gemm_max_t` tokens (read at each
+call; more tokens take the plain path): "plain", one oneDNN GEMM on torch's intra-op threads (the
+reference); "split", `SplitRows` (the weight's rows in one chunk per thread, each chunk a single-threaded
+oneDNN GEMM on a worker thread of its own: the same bits as plain where oneDNN does not split K);
+"split-x4", four chunks per thread, taken by the workers as they come free (a core another thread holds
+delays a quarter of a share, not a whole one); "native", at 1 token only, torch's own GEMV with oneDNN off
+(`onednn_off`: a process-wide flag; another kernel than oneDNN's, so an expert's bits may then depend on
+how many tokens it ran with). Which is fastest depends on the machine (benchmarks/bench_host_gemv.py): the
+hybrid calibration measures them and sets this (offload/calibration.py). fp32 weights always take the
+plain path (an fp32 bank computes `expert_mlp`'s bits)."""
+dense_gemm_max_t = 16
+"""Most tokens a call takes `dense_gemm` at (set by the calibration with it)."""
+PACKED_GEMMS = ("plain", "split", "split-x4")
+packed_gemm = "plain"
+"""The same choice for per-channel int8 experts (`Int8Split`): torch's `_weight_int8pack_mm` on its
+OpenMP team, or its rows split over the pool as `dense_gemm`'s "split" / "split-x4" (the same bits: each
+output is one row's sum either way). Set by the calibration for an int8 bank."""
+packed_gemm_max_t = 16
+"""Most tokens a call takes `packed_gemm` at."""
+SPLIT_MIN_BYTES = 1 << 20
+"""Fewest weight bytes a `SplitRows` chunk takes (fewer chunks than threads below it; one: the plain GEMM):
+a hand-off to a worker costs ~10-50 us, what ~1 MB of weights takes to stream at tens of GB/s."""
+SPLIT_ALIGN = 64
+"""Chunk boundaries fall on multiples of this many rows (cache lines; torch's CPU int4 blocks)."""
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _single_threaded() -> None:
+    # torch sets a thread's count from the process-wide one on its first op (lazily): take that first, or
+    # the first op on the worker would set it back to the caller's count
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
+def split_pool(n: int) -> ThreadPoolExecutor:
+    """The shared pool of `n` worker threads, each running torch single-threaded, started on first use by
+    the calling thread (so they inherit its CPU binding: the expert worker's, `hw/cpu_binding.bind_thread`)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(n)
+        if pool is None:
+            pool = ThreadPoolExecutor(n, thread_name_prefix="ferry-gemv", initializer=_single_threaded)
+            barrier = threading.Barrier(n, timeout=60)
+            for f in [pool.submit(barrier.wait) for _ in range(n)]:  # all n threads started (and set to 1) now
+                f.result()
+            # torch.set_num_threads(1) on the workers also set the count threads started later begin with:
+            # give that back (this thread's own count is unchanged)
+            torch.set_num_threads(torch.get_num_threads())
+            _POOLS[n] = pool
+    return pool
+
+
+def chunks_per_thread(gemm: str) -> int:
+    """"split" -> 1, "split-x4" -> 4."""
+    return int(gemm.partition("-x")[2] or 1)
+
+
+def split_bounds(n: int, row_bytes: int, parts: int, align: int = SPLIT_ALIGN) -> list[tuple[int, int]]:
+    """[(first row, rows)] of at most `parts` balanced chunks of n rows, each >= `SPLIT_MIN_BYTES` (at
+    least one chunk), boundaries on multiples of `align` rows."""
+    parts = max(1, min(parts, n * row_bytes // SPLIT_MIN_BYTES, n // align))
+    edges = [round(n * j / parts / align) * align for j in range(parts)] + [n]
+    return [(a, b - a) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+class SplitRows:
+    """x @ W.T with W's rows split into chunks, `kernels[j]` computing chunk j's columns of the output on the
+    `workers` threads of `split_pool(workers)` (default one per chunk; single-threaded each: the chunks
+    stream disjoint, contiguous runs of the weight, one per core), each worker taking the next chunk as it
+    comes free (one hand-off a worker per call, whatever the chunk count). The kernels hold views of the
+    weight: no copy. Thread-safe."""
+
+    name = "split-rows"
+
+    def __init__(self, kernels: list[Callable[[torch.Tensor], torch.Tensor]], nbytes: int,
+                 workers: int | None = None):
+        self.kernels, self.nbytes = kernels, nbytes
+        self.workers = min(workers or len(kernels), len(kernels))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] -> [T, N]: chunk j's [T, c_j] concatenated
+        if len(self.kernels) == 1:
+            return self.kernels[0](x)
+        out: list[torch.Tensor | None] = [None] * len(self.kernels)
+        chunks, lock = iter(range(len(self.kernels))), threading.Lock()
+
+        def take() -> None:  # one hand-off a worker; each takes the next chunk as it comes free
+            while True:
+                with lock:
+                    j = next(chunks, None)
+                if j is None:
+                    return
+                out[j] = self.kernels[j](x)
+        pool = split_pool(self.workers)
+        for f in [pool.submit(take) for _ in range(self.workers)]:
+            f.result()
+        return torch.cat(out, dim=1)
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) by the path `dense_gemm` names, for a dense weight (a view: e.g. a bank's column range)
+    no `DenseGemm` holds; its chunks are views made per call (a few us each)."""
+    return DenseGemm(w)(x)
+
+
+class Linear:
+    """x -> F.linear(x, w): one `SplitRows` chunk of a dense weight (`w` a view of its rows)."""
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w)
+
+
+class DenseGemm:
+    """x @ w.T for a dense [N, K] weight, by the path `dense_gemm` names at call time: F.linear, or (bf16 /
+    fp16 weights) `SplitRows` over views of w's rows, chunked for the calling thread's torch thread count."""
+
+    name = "dense"
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w
+        self.shape = tuple(w.shape)
+        self.nbytes = w.numel() * w.element_size()
+        self._splits: dict[tuple[int, int], SplitRows] = {}
+
+    def split(self, threads: int, per_thread: int = 1) -> SplitRows:
+        """The `SplitRows` over `threads * per_thread` chunks (fewer for a small weight: `split_bounds`) on
+        `threads` workers, built once."""
+        s = self._splits.get((threads, per_thread))
+        if s is None:
+            n, k = self.shape
+            bounds = split_bounds(n, k * self.w.element_size(), threads * per_thread)
+            s = self._splits[threads, per_thread] = SplitRows([Linear(self.w[a:a + c]) for a, c in bounds],
+                                                              self.nbytes, workers=threads)
+        return s
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        g = dense_gemm
+        if g == "plain" or self.w.dtype == torch.float32 or x.shape[0] > dense_gemm_max_t:
+            return F.linear(x, self.w)
+        if g == "native":
+            if x.shape[0] == 1:
+                with onednn_off():
+                    return F.linear(x, self.w)
+            return F.linear(x, self.w)
+        threads = torch.get_num_threads()
+        if threads == 1:  # (the pool's own workers)
+            return F.linear(x, self.w)
+        return self.split(threads, chunks_per_thread(g))(x)
+
+
+_ONEDNN = threading.Lock()
+_onednn_off_calls = 0
+_onednn_was = True
+
+
+@contextlib.contextmanager
+def onednn_off():
+    """torch's matmuls without oneDNN (its own kernels: at 1 token a vectorised GEMV with fp32 sums) while
+    any thread is inside; the process-wide flag (`torch.backends.mkldnn.enabled`) is given back as it was
+    once the last one leaves. Other threads' matmuls meanwhile take torch's kernels too: the engine runs
+    no CPU matmul beside its host expert worker."""
+    global _onednn_off_calls, _onednn_was
+    with _ONEDNN:
+        if _onednn_off_calls == 0:
+            _onednn_was = torch.backends.mkldnn.enabled
+            torch.backends.mkldnn.enabled = False
+        _onednn_off_calls += 1
+    try:
+        yield
+    finally:
+        with _ONEDNN:
+            _onednn_off_calls -= 1
+            if _onednn_off_calls == 0:
+                torch.backends.mkldnn.enabled = _onednn_was
 
 
 ROW_BLOCK_BYTES = 4 << 20
@@ -127,15 +319,43 @@ class Int4InPlace(Int4PackCPU):
         self.scale_zero = torch.stack((d, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [G, N, 2]
 
 
+class Int8Split(Int8PackCPU):
+    """`Int8PackCPU` (per-channel int8, the codes where they lie) that also runs split into row chunks as
+    `DenseGemm` does, by `packed_gemm`: each chunk an `Int8PackCPU` over views of the codes' rows (with its
+    own bf16 scales: 2 bytes a row in all, next to K bytes of codes)."""
+
+    def __init__(self, qt: Q.QuantizedTensor):
+        super().__init__(qt)
+        self._splits: dict[tuple[int, int], SplitRows] = {}
+
+    def split(self, threads: int, per_thread: int = 1) -> SplitRows:
+        s = self._splits.get((threads, per_thread))
+        if s is None:
+            (n, k), q, sc = self.shape, self.qt.parts["q"], self.qt.parts["scale"]
+            rows = [Int8PackCPU(Q.QuantizedTensor("int8", (c, k), {"q": q[a:a + c], "scale": sc[a:a + c]}, {},
+                                                  self.qt.dtype)) for a, c in split_bounds(n, k, threads * per_thread)]
+            s = self._splits[threads, per_thread] = SplitRows(rows, self.nbytes, workers=threads)
+        return s
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        g, threads = packed_gemm, torch.get_num_threads()
+        if g == "plain" or x.shape[0] > packed_gemm_max_t or threads == 1:
+            return super().__call__(x)
+        return self.split(threads, chunks_per_thread(g))(x)
+
+
 def _kernel(w, dense_dtype: torch.dtype):
-    """A matmul x -> x @ w.T: a packed kernel for a QuantizedTensor, the kernel itself for one already built
-    (`RowBlocks`), the GEMM of `dense_dtype` for a dense tensor (no copy when it is already of that dtype)."""
+    """A matmul x -> x @ w.T: a packed kernel for a QuantizedTensor (`Int8Split` for per-channel int8), the
+    kernel itself for one already built (`RowBlocks`), the GEMM of `dense_dtype` for a dense tensor (no copy
+    when it is already of that dtype)."""
     if isinstance(w, Q.QuantizedTensor):
+        if (w.scheme == "int8" and "group_size" not in w.params and w.device.type == "cpu"
+                and len(w.shape) == 2):
+            return Int8Split(w)
         return QuantKernel.for_tensor(w)
     if not isinstance(w, torch.Tensor):
         return w
-    w = w.to(dense_dtype).contiguous()
-    return lambda x: F.linear(x, w)
+    return DenseGemm(w.to(dense_dtype).contiguous())
 
 
 class HostExpert:

@@ -16,6 +16,14 @@ kernels the hybrid path runs):
   engine's thread spinning in a CUDA sync) one team member waits for a scheduler tick and the whole call
   with it (measured on a loaded 2-core host: 0.16 ms on one thread, 8-16 ms on two, in steps of the 4 ms
   tick; docs/benchmarks.md's 16 ms collapse of the packed kernels beside a copy looks the same).
+- a dense bf16 / fp16 bank: `dense_gemm`, the way `layers/cpu_experts` multiplies its weights (of
+  `DENSE_GEMMS`: oneDNN's GEMM on torch's threads, its rows split over single-threaded workers, torch's own
+  GEMV at 1 token), the one fastest at 1 token beside copies (`cpu_s_beside_copy_by_gemm`), and
+  `dense_gemm_max_t`, the most tokens (of 2..16, alone: `cpu_s_by_gemm`) at which a split one still beats
+  the plain GEMM (more take the plain one): which wins depends on the machine
+  (benchmarks/bench_host_gemv.py). Both are set in `layers/cpu_experts` (process-wide: every layer's host
+  experts) before the figures above are taken, so they time the path the hybrid decode then runs, and set
+  again from the cache. A per-channel int8 bank chooses `packed_gemm` (plain or split) the same way.
 Each CPU figure cycles over a few experts, so the reads come from DRAM rather than the last-level cache.
 The result is cached in `$FERRYLM_CACHE_DIR` (default `~/.cache/ferrylm`) under a key of the machine (CPU
 model, cores, threads, GPU, torch version), the expert's shape, dtype and format (and whether the in-place
@@ -35,14 +43,17 @@ import time
 
 import torch
 
+from ferrylm.layers import cpu_experts
 from ferrylm.offload.cost_model import Costs
 from ferrylm.offload.host_experts import HostExperts
 
 log = logging.getLogger(__name__)
 TOKENS = (1, 4, 16, 64)
+GEMM_TOKENS = (1, 2, 4, 8, 16)
+"""Token counts at which a split dense GEMM is checked against the plain one (`dense_gemm_max_t`)."""
 CYCLE = 4
 """Distinct experts each CPU figure cycles over."""
-VERSION = 2
+VERSION = 3
 """Bumped when what is measured changes (older cache files are measured again)."""
 
 
@@ -185,7 +196,6 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
                 chosen[str(t)] = cpu_time(1, reps=5)
         torch.set_num_threads(int(min(chosen, key=chosen.get)))
 
-    cpu = {str(n): cpu_time(n) for n in TOKENS}
     if device.type == "cuda":
         beside_copy = copy
     else:  # the CPU engine has no copy engine: a memcpy of a buffer larger than the caches stands in
@@ -194,6 +204,32 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
 
         def beside_copy():
             big_dst.copy_(big)
+    knob = None  # the host GEMM choice this bank has: (layers/cpu_experts' setting, its choices)
+    if isinstance(host_w13, torch.Tensor) and dtype in (torch.bfloat16, torch.float16):
+        knob = ("dense_gemm", cpu_experts.DENSE_GEMMS)
+    elif isinstance(he.expert(cycle[0]).gate_up, cpu_experts.Int8Split):
+        knob = ("packed_gemm", cpu_experts.PACKED_GEMMS)
+    by_gemm, by_tokens = {}, {}
+    if knob:
+        name, choices = knob
+        setattr(cpu_experts, f"{name}_max_t", max(GEMM_TOKENS))
+        for g in choices:  # after the thread count: the split's chunks follow it
+            setattr(cpu_experts, name, g)
+            with _Beside(beside_copy):
+                by_gemm[g] = cpu_time(1, reps=5)
+        best = min(by_gemm, key=by_gemm.get)
+        max_t = 1
+        if best.startswith("split"):  # up to the most tokens at which it still beats the plain GEMM
+            for n in GEMM_TOKENS[1:]:
+                for g in ("plain", best):
+                    setattr(cpu_experts, name, g)
+                    by_tokens.setdefault(g, {})[str(n)] = cpu_time(n)
+                if by_tokens[best][str(n)] >= by_tokens["plain"][str(n)]:
+                    break
+                max_t = n
+        setattr(cpu_experts, name, best)
+        setattr(cpu_experts, f"{name}_max_t", max_t)
+    cpu = {str(n): cpu_time(n) for n in TOKENS}
     with _Beside(beside_copy):
         cpu_beside = {"1": cpu_time(1, reps=5)}
     x1 = torch.randn(1, H, dtype=dtype)
@@ -204,6 +240,10 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
            "cpu_s_beside_copy": cpu_beside, "copy_s_beside_cpu": copy_beside}
     if chosen:
         out.update(threads=torch.get_num_threads(), cpu_s_beside_copy_by_threads=chosen)
+    if knob:
+        name = knob[0]
+        out.update({name: getattr(cpu_experts, name), f"{name}_max_t": getattr(cpu_experts, f"{name}_max_t"),
+                    "cpu_s_beside_copy_by_gemm": by_gemm, "cpu_s_by_gemm": by_tokens})
     if device.type == "cuda" and mapped:
         try:
             out["inplace_gbs"] = inplace_read_gbs(host_w13, host_w2, device)
@@ -255,6 +295,10 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
         if data.get("key") == key:
             if choose_threads and "threads" in data["measured"]:
                 torch.set_num_threads(int(data["measured"]["threads"]))
+            for name, choices in (("dense_gemm", cpu_experts.DENSE_GEMMS), ("packed_gemm", cpu_experts.PACKED_GEMMS)):
+                if data["measured"].get(name) in choices:
+                    setattr(cpu_experts, name, data["measured"][name])
+                    setattr(cpu_experts, f"{name}_max_t", int(data["measured"][f"{name}_max_t"]))
             return costs_from(data["measured"]), data["measured"]
         log.warning("calibration cache %s was made on another machine or shape: measuring again", path)
     except FileNotFoundError:
@@ -270,8 +314,10 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
         os.replace(tmp, path)  # temp-then-rename: never a half-written cache
     except OSError as e:
         log.warning("cannot write the calibration cache %s (%s)", path, e)
-    log.info("calibrated (%s, %d threads): expert copy %.2f ms, CPU expert %s ms, %.2f ms at 1 token beside copies",
-             he.format, torch.get_num_threads(), measured["copy_s"] * 1e3,
+    log.info("calibrated (%s, %d threads, %s GEMM): expert copy %.2f ms, CPU expert %s ms, %.2f ms at 1 token "
+             "beside copies", he.format, torch.get_num_threads(),
+             measured.get("dense_gemm", measured.get("packed_gemm", "plain")),
+             measured["copy_s"] * 1e3,
              {n: round(s * 1e3, 2) for n, s in measured["cpu_s"].items()},
              measured["cpu_s_beside_copy"]["1"] * 1e3)
     return costs_from(measured), measured

@@ -34,10 +34,9 @@ import math
 import threading
 
 import torch
-import torch.nn.functional as F
 
-from ferrylm.layers.cpu_experts import (INT4_BLOCK, HostExpert, Int4InPlace, RowBlocks, int4_from_cpu_layout_,
-                                        int4_layout_matches, int4_to_cpu_layout_)
+from ferrylm.layers.cpu_experts import (INT4_BLOCK, HostExpert, Int4InPlace, RowBlocks, dense_linear,
+                                        int4_from_cpu_layout_, int4_layout_matches, int4_to_cpu_layout_)
 from ferrylm.layers.fused_moe import ExpertWeights
 from ferrylm.layers.qmatmul import QuantKernel
 from ferrylm.weights import quant as Q
@@ -239,7 +238,8 @@ class HostExperts:
 
     def _columns(self, e: int, x: torch.Tensor, c: int) -> torch.Tensor:
         """Expert e on the intermediate columns [c, I) only: [n, H] (the device computes [0, c) and adds).
-        Views of the bank's rows; the strided w2 view costs BLAS nothing (its rows keep their stride).
+        Views of the bank's rows; the strided w2 view costs BLAS nothing (its rows keep their stride); each
+        GEMM by the path `layers/cpu_experts.dense_gemm` names (`dense_linear`), as whole experts are.
         Packed banks: kernels over windows of the packed parts (`_column_expert`), bf16 activations."""
         if not isinstance(self.w13, torch.Tensor):
             gate, up, down = self._column_expert(e, c)
@@ -248,8 +248,8 @@ class HostExperts:
         I = self.w2.shape[2]
         w13, w2 = self.w13[e], self.w2[e]  # [2I, H], [H, I]
         xb = x.to(w13.dtype)
-        mid = self.act(F.linear(xb, w13[c:I])).mul_(F.linear(xb, w13[I + c:]))  # [n, I - c]
-        return F.linear(mid, w2[:, c:])
+        mid = self.act(dense_linear(xb, w13[c:I])).mul_(dense_linear(xb, w13[I + c:]))  # [n, I - c]
+        return dense_linear(mid, w2[:, c:])
 
     def _column_expert(self, e: int, c: int):
         """(gate, up, down) matmuls of packed expert e on columns [c, I): gate rows [c, I), up rows [I + c, 2I)

@@ -132,11 +132,12 @@ class DecodeGraphs:
         """The callable a graph of bucket (Bb, nbb) records: static buffers in, `self.logits[:Bb]` out."""
         ctx, logits = self._context(Bb, nbb), self.logits[:Bb]
         ids, pos = self.ids[:Bb], self.pos[:Bb]
+        embed, body, x_in = self.embed, self.body, None if self.embed_in_graph else self.x[:Bb]
 
-        def step():
+        def step():  # no reference to self: off CUDA `graphs` keeps it, and a cycle would hold the KV pool
             with forward_context(ctx):
-                x = self.embed(ids) if self.embed_in_graph else self.x[:Bb]
-                logits.copy_(self.body(x, pos))
+                x = embed(ids) if x_in is None else x_in
+                logits.copy_(body(x, pos))
         return step, logits
 
     def _warm_up(self, step, Bb: int) -> None:

@@ -11,6 +11,7 @@ import dataclasses
 
 import logging
 import time
+import weakref
 from array import array
 from dataclasses import dataclass, field
 
@@ -57,6 +58,12 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda asked for, but torch sees no CUDA GPU on this machine")
     return device
+
+
+def _weakly(method):
+    """A bound method called through a weak reference to its object (the object must outlive the calls)."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
 
 
 def decode_groups(lens: list[int], budget: int) -> list[tuple[int, int, int]]:
@@ -226,10 +233,16 @@ class ModelRunner:
 
         sc, cfg = self.config.scheduler, self.model_config
         max_batch = min(sc.max_num_seqs, self.placed.graph_tokens or sc.max_num_seqs)
-        return DecodeGraphs(self.embed, lambda x, pos: self.model.compute_logits(self.run_layers(x, pos)),
+        # the graphs hold the runner weakly: a runner <-> graphs cycle would keep a dropped engine's device
+        # memory (graph pools, KV, weights) until the collector ran
+        return DecodeGraphs(_weakly(self.embed), _weakly(self._logits_of),
                             self.kv_cache, max_batch, self.max_model_len, cfg.vocab_size, self.device,
                             embed_in_graph=not self.embed_on_host, hidden_size=cfg.hidden_size, dtype=self.dtype,
                             state=self.state_pool)
+
+    def _logits_of(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Embeddings [B, H] -> logits [B, V]: the decode graphs' body."""
+        return self.model.compute_logits(self.run_layers(x, pos))
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -495,10 +508,27 @@ class ModelRunner:
             self.placed.host_decode.check()
         self.placed.after_results()
 
+    closed = False
+
     def close(self) -> None:
-        """Stop the hybrid decode worker once the queued steps are done."""
-        if self.placed.host_decode is not None:
-            self.placed.host_decode.close()
+        """Release what this engine holds now rather than when the collector finds it (idempotent; no step
+        runs afterwards): the queued steps are drained, the hybrid decode worker, the host expert pool and
+        the host-kernel build thread end, the host tier is unregistered (`PlacedWeights.close`), and the
+        graphs (their pools), the KV and state pools and the model are dropped; on CUDA the allocator's
+        cached blocks go back to the device, so the next engine in the process sees them free."""
+        if self.closed:
+            return
+        self.closed = True
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        self.graphs = self.piecewise = None
+        self.placed.close()
+        self.kv_cache = self.state_pool = None
+        self.model = None
+        self._tables = {}
+        if cuda:
+            torch.cuda.empty_cache()
 
     def run_shipped(self, step: StepInput) -> torch.Tensor | None:
         """`run` plus the per-step bookkeeping `execute` does: what every rank of a parallel engine runs."""

@@ -95,13 +95,21 @@ def size_memory(groups: list[TensorGroup], per_block: int, max_model_len: int, c
     return place(groups, room, oc.place, stream_buffers=oc.stream_buffers), kv
 
 
+GRAPH_STREAM_WORKSPACE_BYTES = 32 << 20
+"""cuBLAS's workspace for the one side stream CUDA graphs warm up and capture on (`engine/cuda_graph.py`
+side_stream): torch allocates one per (thread, stream) that runs a GEMM, 32 MiB on Hopper and later (the
+default `CUBLAS_WORKSPACE_CONFIG`), at the first capture, after the warm-up, and keeps it."""
+
+
 def warmup_activations(step_peak: int, sc: SchedulerConfig, vocab_size: int, graph_tokens: int) -> int:
     """Device bytes the KV pool leaves for activations after the warm-up: one step's peak at the token budget
     (measured by the runner) plus the sampler's two [max_num_seqs, V] fp32 work tensors, and again the share of
     that a captured step of `graph_tokens` tokens holds in the graphs' private pools (`graph_tokens`: a whole
-    step with piecewise prefill graphs, `max_num_seqs` rows of it with decode graphs only)."""
+    step with piecewise prefill graphs, `max_num_seqs` rows of it with decode graphs only) plus the graphs'
+    stream workspace (`GRAPH_STREAM_WORKSPACE_BYTES`)."""
     one = step_peak + 2 * sc.max_num_seqs * vocab_size * 4
-    return one + one * min(graph_tokens, sc.max_num_batched_tokens) // sc.max_num_batched_tokens
+    graphs = one * min(graph_tokens, sc.max_num_batched_tokens) // sc.max_num_batched_tokens
+    return one + graphs + (GRAPH_STREAM_WORKSPACE_BYTES if graph_tokens else 0)
 
 
 def kv_after_warmup(budget: int, used: int, activations: int, fixed_kv: int | None, per_block: int,

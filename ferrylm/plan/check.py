@@ -64,13 +64,15 @@ def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:
     # Prefill: a first prompt of the full length pays for what a first run of these shapes costs once (Triton JIT
     # of the prefill tiles and of long-context attention, the piecewise graph of the prompt's token bucket); a
     # second fresh prompt is timed. Fresh random ids every time: the prefix cache never hits.
+    phases = _Phases(cuda)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate([prompt(o.prompt_len)], one)
-    _sync(cuda)
+    phases.end("prefill first")
     t = time.perf_counter()
     llm.generate([prompt(o.prompt_len)], one)
     _sync(cuda)
     got["prefill"] = o.prompt_len / (time.perf_counter() - t)
+    phases.end("prefill timed")
     if not cuda:
         return got
     out_len = max(2, min(o.output_len, max_decode_tokens))
@@ -78,13 +80,43 @@ def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:
     for key, batch in (("decode_batch1", 1), ("decode_concurrent", plan.speed["decode_concurrent"]["batch"])):
         # decode graphs are captured on a (batch, context) bucket's first use: an untimed run of the same batch,
         # prompt and output lengths captures the buckets the timed run replays (and lets expert slots settle)
-        _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params)
-        rate, hit = _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params)
+        _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params, phases, f"{key} first")
+        rate, hit = _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params, phases, f"{key} timed")
         got[key] = rate
         if runner.placed.caches:
             got[f"hit_rate_{key}"] = hit
-    got["peak"] = torch.cuda.max_memory_allocated() + plan.per_gpu["cuda_context"]
+    got["peak"] = phases.peak + plan.per_gpu["cuda_context"]
+    got["peak_phases"] = phases.over_base
+    got["peak_reserved"] = torch.cuda.max_memory_reserved()
     return got
+
+
+class _Phases:
+    """The whole run's peak device allocation (`torch.cuda.max_memory_allocated` since the caller's reset: the
+    engine's build and warm-up included) and, per phase of the check, its peak above what the engine held when
+    the check began (weights, KV pool, static buffers): which step a peak over the budget comes from."""
+
+    def __init__(self, cuda: bool):
+        import torch
+
+        self.cuda, self.over_base, self.peak = cuda, {}, 0
+        if cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated()
+            self.base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+    def end(self, name: str) -> None:
+        """The phase since the last `end` is over: record its peak and start the next."""
+        if not self.cuda:
+            return
+        import torch
+
+        torch.cuda.synchronize()
+        top = torch.cuda.max_memory_allocated()
+        self.peak = max(self.peak, top)
+        self.over_base[name] = top - self.base
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _sync(cuda: bool) -> None:
@@ -94,9 +126,11 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def _decode(llm, prompts: list[list[int]], params) -> tuple[float, float | None]:
+def _decode(llm, prompts: list[list[int]], params, phases: _Phases | None = None,
+            name: str = "decode") -> tuple[float, float | None]:
     """(decode tok/s, expert hit rate) of the steps after every prompt has its first token: prefill steps,
-    whose misses are copied, count in neither."""
+    whose misses are copied, count in neither. `phases` records the prefill steps' and the decode steps' peaks
+    as "`name` prefill" and "`name` decode"."""
     import torch
 
     eng, stats = llm.engine, llm.engine.runner.placed.stats
@@ -107,11 +141,16 @@ def _decode(llm, prompts: list[list[int]], params) -> tuple[float, float | None]
         started.update(o.request_id for o in eng.step())
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    if phases is not None:
+        phases.end(f"{name} prefill")
     stats.reset()
     t, tokens = time.perf_counter(), 0
     while eng.has_unfinished_requests():
         tokens += len(eng.step())  # one token for every request that advanced
-    return tokens / (time.perf_counter() - t), stats.hit_rate
+    rate = tokens / (time.perf_counter() - t)
+    if phases is not None:
+        phases.end(f"{name} decode")
+    return rate, stats.hit_rate
 
 
 def predicted(plan: Plan, cuda: bool) -> dict:

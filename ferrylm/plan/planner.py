@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig
 from ferrylm.errors import ConfigError, UnsupportedArchitectureError
-from ferrylm.offload.memory import (activation_reserve, device_budget, fixed_kv_bytes, graph_tokens, kv_after_warmup,
-                                   size_memory, step_bound, warmup_activations)
+from ferrylm.offload.memory import (GRAPH_STREAM_WORKSPACE_BYTES, activation_reserve, device_budget, fixed_kv_bytes,
+                                   graph_tokens, kv_after_warmup, size_memory, step_bound, warmup_activations)
 from ferrylm.offload.placement import GPU, HOST, TensorGroup
 from ferrylm.plan import catalog, estimate, hardware, hit_rate, quality
 from ferrylm.plan.memory import (DTYPE_BYTES, QUANT_SCHEMES, WeightFormat, analytical_groups, analytical_kv_bytes_per_token,
@@ -269,7 +269,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                    step_activations=step, warmup_activations=warmup_activations(step, sc, mc.vocab_size, pool_tokens),
                    kv_bytes_per_token=kv_per_token, kv_tokens=kv_tokens, state=state, activations=reserve,
                    cuda_context=CUDA_CONTEXT_BYTES,
-                   peak=used + kv + state + step + 2 * opts.max_num_seqs * mc.vocab_size * 4 + CUDA_CONTEXT_BYTES,
+                   peak=used + kv + state + step + 2 * opts.max_num_seqs * mc.vocab_size * 4 + CUDA_CONTEXT_BYTES
+                   + (GRAPH_STREAM_WORKSPACE_BYTES if pool_tokens else 0),  # graphs: their stream's cuBLAS workspace
                    capacity=capacity, budget=budget)
 
     # -- speed ---------------------------------------------------------------------------------------

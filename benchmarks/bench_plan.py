@@ -167,6 +167,7 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
                 activation_reserve=plan.per_gpu["activations"], budget=plan.per_gpu["budget"],
                 # per phase of the check: its peak allocation above the engine at rest (weights, KV, buffers)
                 peak_phases=got.get("peak_phases"), peak_reserved=got.get("peak_reserved"),
+                step_peaks=got.get("step_peaks"),  # the untimed runs' steps with the highest peaks, one per shape
                 held_after=torch.cuda.memory_allocated() if cuda else None)
     if moe:  # the hit rate predicted from the routing these runs saw (this engine pinned nothing)
         prof = os.path.join(d, "routing.json")
@@ -199,6 +200,10 @@ def print_case(case: str, got: list[dict], info: dict) -> None:
               f"{info['held_after'] / 2**30:.2f} GiB after it; budget {(info['budget'] or 0) / 2**30:.2f} GiB, peak reserved "
               f"{info['peak_reserved'] / 2**30:.2f} GiB): " + ", ".join(
                   f"{k} {v / 2**20:,.0f} MiB" for k, v in info["peak_phases"].items()), flush=True)
+        for r in (info.get("step_peaks") or [])[:4]:
+            print(f"    step {r['kind']} ({r['tokens']} tokens, {r['seqs']} seqs, {r['decodes']} decodes): peak "
+                  f"{r['peak_over_base'] / 2**20:,.0f} MiB above, holds {r['held_over_base'] / 2**20:,.0f} MiB after",
+                  flush=True)
     fmt = {"weights": 2**30, "kv": 2**30, "peak": 2**30, "step_activations": 2**20}
     for r in got:
         div = fmt.get(r["metric"], 1)

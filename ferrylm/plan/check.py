@@ -65,8 +65,10 @@ def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:
     # of the prefill tiles and of long-context attention, the piecewise graph of the prompt's token bucket); a
     # second fresh prompt is timed. Fresh random ids every time: the prefix cache never hits.
     phases = _Phases(cuda)
+    steps = _StepPeaks(runner, cuda, phases)  # per step, in the untimed runs only (it waits for every step)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    llm.generate([prompt(o.prompt_len)], one)
+    with steps:
+        llm.generate([prompt(o.prompt_len)], one)
     phases.end("prefill first")
     t = time.perf_counter()
     llm.generate([prompt(o.prompt_len)], one)
@@ -80,7 +82,8 @@ def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:
     for key, batch in (("decode_batch1", 1), ("decode_concurrent", plan.speed["decode_concurrent"]["batch"])):
         # decode graphs are captured on a (batch, context) bucket's first use: an untimed run of the same batch,
         # prompt and output lengths captures the buckets the timed run replays (and lets expert slots settle)
-        _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params, phases, f"{key} first")
+        with steps:
+            _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params, phases, f"{key} first")
         rate, hit = _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params, phases, f"{key} timed")
         got[key] = rate
         if runner.placed.caches:
@@ -88,7 +91,56 @@ def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:
     got["peak"] = phases.peak + plan.per_gpu["cuda_context"]
     got["peak_phases"] = phases.over_base
     got["peak_reserved"] = torch.cuda.max_memory_reserved()
+    got["step_peaks"] = steps.top()
     return got
+
+
+class _StepPeaks:
+    """While entered, each engine step's peak device allocation above what the engine held when the check
+    began, and what it holds after the step (growth that stays), by the step's shape. It synchronises every
+    step, so it wraps untimed runs only. `top()`: the steps with the highest peaks, one per shape."""
+
+    def __init__(self, runner, cuda: bool, phases: "_Phases"):
+        self.runner, self.cuda, self.phases = runner, cuda, phases
+        self.seen: dict[tuple, dict] = {}
+        self._orig = None
+
+    def __enter__(self):
+        if not self.cuda:
+            return self
+        import torch
+
+        orig = self._orig = self.runner.execute
+
+        def execute(out, *args, **kwargs):
+            torch.cuda.synchronize()
+            self.phases.peak = max(self.phases.peak, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+            logits = orig(out, *args, **kwargs)
+            torch.cuda.synchronize()
+            top = torch.cuda.max_memory_allocated()
+            self.phases.peak = max(self.phases.peak, top)
+            n = list(out.num_new_tokens)
+            decodes = sum(1 for t in n if t == 1)
+            kind = ("decode" if decodes == len(n) else "prefill" if decodes == 0 else "mixed",
+                    sum(n), len(n), decodes)
+            row = dict(kind=kind[0], tokens=kind[1], seqs=kind[2], decodes=kind[3],
+                       peak_over_base=top - self.phases.base,
+                       held_over_base=torch.cuda.memory_allocated() - self.phases.base)
+            if kind not in self.seen or row["peak_over_base"] > self.seen[kind]["peak_over_base"]:
+                self.seen[kind] = row
+            return logits
+
+        self.runner.execute = execute
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._orig is not None:
+            del self.runner.execute  # the bound method again
+            self._orig = None
+
+    def top(self, n: int = 8) -> list[dict]:
+        return sorted(self.seen.values(), key=lambda r: -r["peak_over_base"])[:n]
 
 
 class _Phases:

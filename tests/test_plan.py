@@ -521,7 +521,7 @@ def test_plan_states_the_kv_the_cuda_engine_ends_with():
     called by the runner with what it measured): the plan calls the same function with its predicted step, and
     states the range the measured step can move it over (floor to reserve), the planned figure beside it."""
     from ferrylm.config import SchedulerConfig
-    from ferrylm.offload.memory import GRAPH_STREAM_WORKSPACE_BYTES, kv_after_warmup, warmup_activations
+    from ferrylm.offload.memory import cublas_workspace_bytes, kv_after_warmup, warmup_activations
 
     p = make_plan(PlanOptions("Llama-3-8B", gpu="1xH200", host=HOST, max_model_len=4096, max_num_seqs=16))
     g = p.per_gpu
@@ -531,10 +531,11 @@ def test_plan_states_the_kv_the_cuda_engine_ends_with():
           f"{g['activations'] / 2**20:.0f} MiB")
     assert lo <= g["kv_tokens"] <= hi and lo < hi
     assert g["warmup_activations"] == warmup_activations(g["step_activations"], SchedulerConfig(max_num_seqs=16),
-                                                         128256, graph_tokens=2048)  # piecewise graphs: a step
+                                                         128256, graph_tokens=2048,  # piecewise graphs: a step
+                                                         workspace=cublas_workspace_bytes(9))  # H200: 32 MiB
     per_block = g["kv_bytes_per_token"] * 16
     used = g["peak"] - g["kv"] - g["state"] - g["step_activations"] - 2 * 16 * 128256 * 4 - g["cuda_context"] \
-        - GRAPH_STREAM_WORKSPACE_BYTES  # graphed: their side stream's cuBLAS workspace
+        - g["graph_workspace"]  # graphed: their side stream's cuBLAS workspace
     assert used >= g["weights"]  # the weights and the RoPE table
     kv, left = kv_after_warmup(g["budget"], used, g["warmup_activations"], None, per_block, 4096, 16)
     assert (kv // per_block) * 16 == g["kv_tokens"] and kv == left
@@ -543,7 +544,8 @@ def test_plan_states_the_kv_the_cuda_engine_ends_with():
     eager = make_plan(PlanOptions("Llama-3-8B", gpu="1xH200", host=HOST, max_model_len=4096, max_num_seqs=16,
                                   enforce_eager=True))
     # eager: no graph pools to leave room for, nor their stream's workspace
-    assert eager.per_gpu["warmup_activations"] * 2 + GRAPH_STREAM_WORKSPACE_BYTES == g["warmup_activations"]
+    assert g["graph_workspace"] == 32 << 20 and eager.per_gpu["graph_workspace"] == 0
+    assert eager.per_gpu["warmup_activations"] * 2 + g["graph_workspace"] == g["warmup_activations"]
     assert eager.per_gpu["kv_tokens"] > g["kv_tokens"]
     fixed = make_plan(PlanOptions("Llama-3-8B", gpu="1xH200", host=HOST, max_model_len=4096, kv_cache_memory_gb=8))
     assert fixed.per_gpu["kv"] == fixed.per_gpu["kv_planned"] and fixed.per_gpu["kv_tokens_range"][0] == \

@@ -28,8 +28,8 @@ from ferrylm.layers.parallel_linear import kv_heads_per_rank
 from ferrylm.layers.rotary import RotaryEmbedding
 from ferrylm.models.registry import model_class
 from ferrylm.offload.placed_weights import PlacedWeights
-from ferrylm.offload.memory import (activation_reserve, device_budget, fixed_kv_bytes, graph_tokens, kv_after_warmup,
-                                   size_memory, warmup_activations)
+from ferrylm.offload.memory import (activation_reserve, cublas_workspace_bytes, device_budget, fixed_kv_bytes,
+                                   graph_tokens, kv_after_warmup, size_memory, warmup_activations)
 from ferrylm.offload.placement import describe, group_tensors
 from ferrylm.parallel.group import SINGLE, building
 
@@ -254,7 +254,13 @@ class ModelRunner:
     def _activation_reserve(self, resident: bool) -> int:
         """The planned activation reserve (`offload/memory.py`); on CUDA the warm-up measures the real one."""
         elt = torch.empty(0, dtype=self.dtype).element_size()
-        return activation_reserve(self.model_config, self.config.scheduler, elt, self._graph_tokens(resident))
+        return activation_reserve(self.model_config, self.config.scheduler, elt, self._graph_tokens(resident),
+                                  self._workspace())
+
+    def _workspace(self) -> int:
+        """cuBLAS's workspace for the graphs' side stream on this device (`offload/memory.py`)."""
+        major = torch.cuda.get_device_capability(self.device)[0] if self.device.type == "cuda" else 9
+        return cublas_workspace_bytes(major)
 
     def _graph_tokens(self, resident: bool) -> int:
         """Tokens of the largest graph-captured step (`offload/memory.py` graph_tokens): piecewise prefill graphs
@@ -297,7 +303,7 @@ class ModelRunner:
         activations are measured (`offload/memory.py`, the rule `ferry plan` predicts with)."""
         self.step_peak = self._warmup_peak()
         self.activation_bytes = warmup_activations(self.step_peak, self.config.scheduler, self.model_config.vocab_size,
-                                                   self._graph_tokens(self.placement.fully_resident))
+                                                   self._graph_tokens(self.placement.fully_resident), self._workspace())
         used = torch.cuda.memory_allocated(self.device) - self._mem_base
         self.weights_allocated = used  # measured: what the placed weights take (`ferry plan --check`)
         kv, left = kv_after_warmup(self._budget, used, self.activation_bytes, self._fixed_kv,

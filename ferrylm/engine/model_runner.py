@@ -203,7 +203,7 @@ class ModelRunner:
                 m.max_positions = min(m.max_positions, max_model_len)
                 m._table(self.device)
         self.placement = placement
-        self.activation_bytes = self.weights_allocated = self.step_peak = None
+        self.activation_bytes = self.weights_allocated = self.step_peak = self.load_peak = None
         if self.device.type == "cuda" and self._budget is not None:
             kv_bytes = self._kv_after_warmup(kv_bytes)
         self.kv_cache = self._allocate_kv(kv_bytes)
@@ -285,6 +285,8 @@ class ModelRunner:
         ids = torch.randint(0, cfg.vocab_size, (T,), device=self.device)
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
+        # the reset below forgets the build's peak (placement, loading, calibration): kept for `ferry plan --check`
+        self.load_peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode(), forward_context(ctx):
             x_in = None if not self.pipelined or self.dist.first_stage else \

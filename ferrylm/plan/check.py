@@ -64,7 +64,7 @@ def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:
     # Prefill: a first prompt of the full length pays for what a first run of these shapes costs once (Triton JIT
     # of the prefill tiles and of long-context attention, the piecewise graph of the prompt's token bucket); a
     # second fresh prompt is timed. Fresh random ids every time: the prefix cache never hits.
-    phases = _Phases(cuda)
+    phases = _Phases(cuda, getattr(runner, "load_peak", None))
     steps = _StepPeaks(runner, cuda, phases)  # per step, in the untimed runs only (it waits for every step)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     with steps:
@@ -148,13 +148,14 @@ class _Phases:
     engine's build and warm-up included) and, per phase of the check, its peak above what the engine held when
     the check began (weights, KV pool, static buffers): which step a peak over the budget comes from."""
 
-    def __init__(self, cuda: bool):
+    def __init__(self, cuda: bool, load_peak: int | None = None):
+        """`load_peak`: the build's peak before the runner's warm-up reset the counter (`ModelRunner.load_peak`)."""
         import torch
 
         self.cuda, self.over_base, self.peak = cuda, {}, 0
         if cuda:
             torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated()
+            self.peak = max(torch.cuda.max_memory_allocated(), load_peak or 0)
             self.base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
 

@@ -639,3 +639,49 @@ def test_placement_leaves_what_the_warm_up_takes():
     assert old[0] and new == ([], 0)
     # decode graphs (offloaded) hold a decode step, not a second prefill step: nearly one step's reserve
     assert now(False) < 1.01 * one_step < now(True)
+
+
+def test_check_names_the_phase_and_step_of_the_peak(tiny_llama, monkeypatch):
+    """`check.measure` on CUDA reports the whole run's peak (the build's included: `ModelRunner.load_peak`), the
+    peak of each phase above the engine at the check's start, and per step shape of the untimed runs the
+    highest peak and what stays allocated after it. Driven here on the CPU engine with the device's counters
+    faked: each step "allocates" 1000 bytes a token and frees them; one decode step leaks 10 bytes."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ferrylm.plan import check
+
+    plan = make_plan(PlanOptions(os.path.join(tiny_llama, "config.json"), host=HOST, dtype="float32",
+                                 kv_cache_memory_gb=0.01, max_num_seqs=2, max_model_len=128, prompt_len=40,
+                                 output_len=4))
+    llm = check.engine_for(plan, tiny_llama, "cpu")
+    runner = llm.engine.runner
+    runner.load_peak = 7_000_000  # as if the build had peaked there
+    mem = SimpleNamespace(now=1_000_000, peak=1_000_000, leaked=False)
+    real = runner.execute
+
+    def execute(out, *args, **kwargs):
+        mem.peak = max(mem.peak, mem.now + 1000 * out.num_batched_tokens)
+        if not mem.leaked and all(n == 1 for n in out.num_new_tokens):
+            mem.now, mem.leaked = mem.now + 10, True
+        return real(out, *args, **kwargs)
+
+    runner.execute = execute
+    cuda = SimpleNamespace(synchronize=lambda *a: None, memory_allocated=lambda *a: mem.now,
+                           max_memory_allocated=lambda *a: mem.peak, max_memory_reserved=lambda *a: 2 * mem.peak,
+                           reset_peak_memory_stats=lambda *a: setattr(mem, "peak", mem.now),
+                           is_available=lambda: False)
+    monkeypatch.setattr(torch, "cuda", cuda)
+    monkeypatch.setitem(plan.speed, "decode_concurrent", {**plan.speed["decode_concurrent"], "batch": 2})
+    got = check.measure(plan, llm, cuda=True, max_decode_tokens=4)
+    assert got["peak"] == 7_000_000 + plan.per_gpu["cuda_context"]  # the build's peak is the run's
+    phases = got["peak_phases"]
+    assert phases["prefill first"] == phases["prefill timed"] == 1000 * 40
+    assert phases["decode_concurrent first prefill"] == 1000 * 80 + 10  # two prompts a step, over the leak
+    assert phases["decode_batch1 first decode"] == 1000 + 10  # the leak stays above the base
+    steps = got["step_peaks"]
+    assert steps[0]["kind"] == "prefill" and steps[0]["tokens"] == 80 and steps[0]["peak_over_base"] == 80_010
+    decode = [r for r in steps if r["kind"] == "decode"]
+    assert decode and all(r["held_over_base"] == 10 for r in decode)
+    assert runner.execute is execute  # the wrapper is gone after each untimed run

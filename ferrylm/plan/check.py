@@ -111,6 +111,7 @@ class _StepPeaks:
         import torch
 
         orig = self._orig = self.runner.execute
+        self._own = "execute" in vars(self.runner)  # already wrapped by someone: put theirs back after
 
         def execute(out, *args, **kwargs):
             torch.cuda.synchronize()
@@ -136,7 +137,10 @@ class _StepPeaks:
 
     def __exit__(self, *exc) -> None:
         if self._orig is not None:
-            del self.runner.execute  # the bound method again
+            if self._own:
+                self.runner.execute = self._orig
+            else:
+                del self.runner.execute  # the bound method again
             self._orig = None
 
     def top(self, n: int = 8) -> list[dict]:

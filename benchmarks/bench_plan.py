@@ -197,8 +197,8 @@ def print_case(case: str, got: list[dict], info: dict) -> None:
           f"planned {info['cpu_share_planned']}, engine {info['cpu_share_engine']}):", flush=True)
     if info.get("peak_phases"):  # which phase of the check allocated the most above the engine at rest
         print("  peak per phase above the engine when the check began (it holds "
-              f"{info['held_after'] / 2**30:.2f} GiB after it; budget {(info['budget'] or 0) / 2**30:.2f} GiB, peak reserved "
-              f"{info['peak_reserved'] / 2**30:.2f} GiB): " + ", ".join(
+              f"{info['held_after'] / 2**30:.2f} GiB after it; budget {(info['budget'] or 0) / 2**30:.2f} GiB, "
+              f"peak reserved {info['peak_reserved'] / 2**30:.2f} GiB): " + ", ".join(
                   f"{k} {v / 2**20:,.0f} MiB" for k, v in info["peak_phases"].items()), flush=True)
         for r in (info.get("step_peaks") or [])[:4]:
             print(f"    step {r['kind']} ({r['tokens']} tokens, {r['seqs']} seqs, {r['decodes']} decodes): peak "

@@ -269,7 +269,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     device_weights = placement.device_bytes() if placement else 0
     per_gpu = dict(weights=device_weights, weights_all=sum(g.nbytes for g in mine), kv=kv,
                    kv_planned=kv_planned, kv_tokens_planned=kv_tokens_planned, kv_tokens_range=kv_range,
-                   step_activations=step, warmup_activations=warmup_activations(step, sc, mc.vocab_size, pool_tokens, ws),
+                   step_activations=step,
+                   warmup_activations=warmup_activations(step, sc, mc.vocab_size, pool_tokens, ws),
                    kv_bytes_per_token=kv_per_token, kv_tokens=kv_tokens, state=state, activations=reserve,
                    cuda_context=CUDA_CONTEXT_BYTES,
                    peak=used + kv + state + step + 2 * opts.max_num_seqs * mc.vocab_size * 4 + CUDA_CONTEXT_BYTES

@@ -645,7 +645,8 @@ def test_check_names_the_phase_and_step_of_the_peak(tiny_llama, monkeypatch):
     """`check.measure` on CUDA reports the whole run's peak (the build's included: `ModelRunner.load_peak`), the
     peak of each phase above the engine at the check's start, and per step shape of the untimed runs the
     highest peak and what stays allocated after it. Driven here on the CPU engine with the device's counters
-    faked: each step "allocates" 1000 bytes a token and frees them; one decode step leaks 10 bytes."""
+    faked: each step "allocates" 1000 bytes a token and frees them; the first decode step 5000 more (as a graph
+    capture would), and it leaks 10 bytes."""
     from types import SimpleNamespace
 
     import torch
@@ -662,8 +663,9 @@ def test_check_names_the_phase_and_step_of_the_peak(tiny_llama, monkeypatch):
     real = runner.execute
 
     def execute(out, *args, **kwargs):
-        mem.peak = max(mem.peak, mem.now + 1000 * out.num_batched_tokens)
-        if not mem.leaked and all(n == 1 for n in out.num_new_tokens):
+        first_decode = not mem.leaked and all(n == 1 for n in out.num_new_tokens)
+        mem.peak = max(mem.peak, mem.now + 1000 * out.num_batched_tokens + 5000 * first_decode)
+        if first_decode:
             mem.now, mem.leaked = mem.now + 10, True
         return real(out, *args, **kwargs)
 
@@ -679,9 +681,11 @@ def test_check_names_the_phase_and_step_of_the_peak(tiny_llama, monkeypatch):
     phases = got["peak_phases"]
     assert phases["prefill first"] == phases["prefill timed"] == 1000 * 40
     assert phases["decode_concurrent first prefill"] == 1000 * 80 + 10  # two prompts a step, over the leak
-    assert phases["decode_batch1 first decode"] == 1000 + 10  # the leak stays above the base
+    # its first decode step (not its last) is the phase's peak; the leak stays above the base
+    assert phases["decode_batch1 first decode"] == 1000 + 5000 and phases["decode_batch1 timed decode"] == 1010
     steps = got["step_peaks"]
     assert steps[0]["kind"] == "prefill" and steps[0]["tokens"] == 80 and steps[0]["peak_over_base"] == 80_010
     decode = [r for r in steps if r["kind"] == "decode"]
     assert decode and all(r["held_over_base"] == 10 for r in decode)
+    assert max(r["peak_over_base"] for r in decode) == 6000  # the first one, before its leak
     assert runner.execute is execute  # the wrapper is gone after each untimed run

@@ -115,12 +115,12 @@ class _StepPeaks:
 
         def execute(out, *args, **kwargs):
             torch.cuda.synchronize()
-            self.phases.peak = max(self.phases.peak, torch.cuda.max_memory_allocated())
+            self.phases.note(torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
             logits = orig(out, *args, **kwargs)
             torch.cuda.synchronize()
             top = torch.cuda.max_memory_allocated()
-            self.phases.peak = max(self.phases.peak, top)
+            self.phases.note(top)
             n = list(out.num_new_tokens)
             decodes = sum(1 for t in n if t == 1)
             kind = ("decode" if decodes == len(n) else "prefill" if decodes == 0 else "mixed",
@@ -157,6 +157,7 @@ class _Phases:
         import torch
 
         self.cuda, self.over_base, self.peak = cuda, {}, 0
+        self._top = 0  # this phase's peak from before a reset someone else made (`note`)
         if cuda:
             torch.cuda.synchronize()
             self.peak = max(torch.cuda.max_memory_allocated(), load_peak or 0)
@@ -170,10 +171,16 @@ class _Phases:
         import torch
 
         torch.cuda.synchronize()
-        top = torch.cuda.max_memory_allocated()
+        top = max(torch.cuda.max_memory_allocated(), self._top)
         self.peak = max(self.peak, top)
         self.over_base[name] = top - self.base
+        self._top = 0
         torch.cuda.reset_peak_memory_stats()
+
+    def note(self, top: int) -> None:
+        """A peak read before someone resets the counter inside this phase (`_StepPeaks`, per step)."""
+        self._top = max(self._top, top)
+        self.peak = max(self.peak, top)
 
 
 def _sync(cuda: bool) -> None:

@@ -186,6 +186,7 @@ def case_resident(rows: list, hbm: float) -> None:
                          "ferry_tok_s": r, "roofline_tok_s_batch1": roof})
             print(f"resident mixtral-8L {backend:5s} batch {batch:3d}: {r:8.1f} tok/s (batch-1 roofline {roof:.0f})",
                   flush=True)
+        llm.close()  # its memory and threads, before the next engine
         del llm
         gc.collect()
         torch.cuda.empty_cache()
@@ -323,6 +324,7 @@ def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, 
                      "ferry_tok_s": r, "pcie_floor_tok_s": floor, "h2d_bytes_per_step": per,
                      "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30})
         print(f"{name} prefill {prefill}: {r:8.1f} tok/s; PCIe floor {floor and round(floor, 1)} tok/s", flush=True)
+    llm.close()  # its memory and threads, before the next engine
     del llm, runner
     gc.collect()
     torch.cuda.empty_cache()
@@ -355,6 +357,7 @@ def case_hybrid(rows: list, h2d: float, routing: str = "model") -> None:
                                     "cpu_busy_s": round(stats.cpu_busy_s, 3), "cpu_wait_s": round(stats.cpu_wait_s, 3)}
             print(f"hybrid {routing} batch {batch:2d} {mode:4s}: {r:7.2f} tok/s  {row[f'{mode}_split']}", flush=True)
         rows.append(row)
+    llm.close()  # its memory and threads, before the next engine
     del llm, runner
     gc.collect()
     torch.cuda.empty_cache()
@@ -402,6 +405,7 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
     row["inplace_only_tok_s"] = row["by_share"]["0.00"]["tok_s"]
     row["cpu_only_tok_s"] = row["by_share"]["1.00"]["tok_s"]
     rows.append(row)
+    llm.close()  # its memory and threads, before the next engine
     del llm, placed
     gc.collect()
     torch.cuda.empty_cache()

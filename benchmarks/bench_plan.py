@@ -29,7 +29,6 @@ Writes benchmarks/results/plan-check-<date>.json; the last line printed is JSON.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import subprocess
@@ -165,7 +164,11 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
                 host_read_gbs=plan.speed["assumptions"].get("host_read_gbs"),
                 kv_tokens_range=plan.per_gpu["kv_tokens_range"], kv_tokens_planned=plan.per_gpu["kv_tokens_planned"],
                 step_activations_measured=runner.step_peak, step_activations_predicted=plan.per_gpu["step_activations"],
-                activation_reserve=plan.per_gpu["activations"])
+                activation_reserve=plan.per_gpu["activations"], budget=plan.per_gpu["budget"],
+                # per phase of the check: its peak allocation above the engine at rest (weights, KV, buffers)
+                peak_phases=got.get("peak_phases"), peak_reserved=got.get("peak_reserved"),
+                step_peaks=got.get("step_peaks"),  # the untimed runs' steps with the highest peaks, one per shape
+                held_after=torch.cuda.memory_allocated() if cuda else None)
     if moe:  # the hit rate predicted from the routing these runs saw (this engine pinned nothing)
         prof = os.path.join(d, "routing.json")
         expert_profile.write(expert_profile.collect(runner.model, llm.engine.model_config.architecture), prof)
@@ -184,10 +187,7 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
         info["hit_rate_from_profile"] = {k: routed.speed[k]["expert_hit_rate"] for k in ("decode_batch1", "decode_concurrent")}
     for r in rows:
         r["case"] = case
-    del llm, runner
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    llm.close()  # its device memory, host registrations and threads, now
     return rows, info
 
 
@@ -195,6 +195,15 @@ def print_case(case: str, got: list[dict], info: dict) -> None:
     print(f"\n{case} ({info['verdict']}, loaded in {info['load_s']:.0f} s, H2D {info['h2d_gbs']:.1f} GB/s, "
           f"hit rate assumed {info['hit_rate_assumed']}, measured {info['hit_rate_measured']}; host share "
           f"planned {info['cpu_share_planned']}, engine {info['cpu_share_engine']}):", flush=True)
+    if info.get("peak_phases"):  # which phase of the check allocated the most above the engine at rest
+        print("  peak per phase above the engine when the check began (it holds "
+              f"{info['held_after'] / 2**30:.2f} GiB after it; budget {(info['budget'] or 0) / 2**30:.2f} GiB, "
+              f"peak reserved {info['peak_reserved'] / 2**30:.2f} GiB): " + ", ".join(
+                  f"{k} {v / 2**20:,.0f} MiB" for k, v in info["peak_phases"].items()), flush=True)
+        for r in (info.get("step_peaks") or [])[:4]:
+            print(f"    step {r['kind']} ({r['tokens']} tokens, {r['seqs']} seqs, {r['decodes']} decodes): peak "
+                  f"{r['peak_over_base'] / 2**20:,.0f} MiB above, holds {r['held_over_base'] / 2**20:,.0f} MiB after",
+                  flush=True)
     fmt = {"weights": 2**30, "kv": 2**30, "peak": 2**30, "step_activations": 2**20}
     for r in got:
         div = fmt.get(r["metric"], 1)

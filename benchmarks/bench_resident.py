@@ -199,17 +199,20 @@ def main() -> None:
                 row["pct_roofline"] = 100 * row["ferry_tok_s"] / row["roofline_tok_s"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+        llm.close()  # its memory and threads, now
         del llm
         release()
     if "mixtral8l-b1" in cases:
         hf = hf_decode(MIXTRAL_8L) if a.hf else None
         llm = engine(MIXTRAL_8L, 16, 2048)
         decode_row("mixtral-8L", "mixtral8l-b1", MIXTRAL_8L, llm, 1, 128, 128, hf)
+        llm.close()  # its memory and threads, now
         del llm
         release()
     if "llama8b-16k-b16" in cases:
         llm = engine(LLAMA3_8B, 16, 16384 + 128)
         decode_row("llama-3-8b", "llama8b-16k-b16", LLAMA3_8B, llm, 16, 16384, 32)
+        llm.close()  # its memory and threads, now
         del llm
         release()
     if "yuanm32-b1" in cases:
@@ -218,6 +221,7 @@ def main() -> None:
         llm = engine(YUAN2_M32, 4, 1024, enforce_eager=True)  # the baseline first: one 80 GB engine at a time
         eager = decode_rate(llm, 1, 128, 128, YUAN2_M32["vocab_size"], seed=13 + 128)
         print(f"yuan2-m32 eager batch-1 decode: {eager:.1f} tok/s", flush=True)
+        llm.close()  # its memory and threads, now
         del llm  # gone before the next engine sizes its KV cache from the free memory
         release()
         from ferrylm.models.yuan import YuanForCausalLM
@@ -225,6 +229,7 @@ def main() -> None:
         YuanForCausalLM.cuda_graphs = True  # shipped off until tests/test_cuda.py -k graph passes on a GPU
         llm = engine(YUAN2_M32, 4, 1024)
         decode_row("yuan2-m32", "yuanm32-b1", YUAN2_M32, llm, 1, 128, 128, b=yuan_bytes(YUAN2_M32), eager=eager)
+        llm.close()  # its memory and threads, now
         del llm
         release()
     write_results("resident", rows, out=a.out, read_gb_s=bw, matmul_tflops=mm)

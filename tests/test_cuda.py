@@ -544,8 +544,9 @@ def test_hybrid_decode_host_experts_equal_mapped(share, gpu_side, split, tmp_pat
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (70, 3, 17, 9)]
     place = ("experts=cpu", "layers.0.experts.0-1=gpu")
     for eager in (True, False):
-        # a fixed budget: on CUDA a dropped offloaded engine is not always freed at once (TODO: find the holder),
-        # and a share of free memory would leave the later engines nothing
+        # a fixed budget: a share of free memory would leave the later engines less. (A dropped engine used to
+        # stay allocated here: pytest keeps the test's log records, and the "no tokenizer" warning's exception
+        # held the engine's frames; it logs the message now: test_dropped_offloaded_engine_frees_its_memory_at_once)
         kw = dict(device="cuda", dtype="bfloat16", enforce_eager=eager, place=place, gpu_memory_budget="2GiB",
                   **extra)
         ref_out, ref = sampled_rows(LLM(path, experts="gpu", **kw), prompts, 24)
@@ -943,3 +944,110 @@ def test_decode_kernel_at_mixtral_shapes(scheme, monkeypatch):
         g.replay()
         assert torch.equal(out, expert_rows(x, b13, b2, ids, w))
     tier.close()
+
+
+QWEN3_MOE_4L = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+                "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_attention_heads": 32,
+                "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960,
+                "tie_word_embeddings": False, "num_hidden_layers": 4}
+"""Qwen3-30B-A3B's shape with 4 layers (~6 GB bf16): bench_plan's moe-offload case, smaller."""
+
+
+def test_offloaded_moe_peak_stays_within_the_budget():
+    """Issue #8 part 7, the budget covers everything ferrylm allocates: a Qwen3-30B-A3B-shaped MoE offloaded under
+    a tight budget (mapped experts, hybrid decode, decode graphs; the embeddings on the host) through prefills
+    of a full-length prompt (one step at the token budget, then chunked), a batch of 16 prompts (mixed
+    prefill + decode steps), graphed decode at 16 and at 1: the device's peak allocation from the engine's
+    start, its build included (`ModelRunner.load_peak`), stays within the budget. The message names each
+    phase's peak above the engine at rest. Then `close()` gives the memory back at once."""
+    from ferrylm.weights.random_source import RandomSource
+
+    budget = 2 * 2**30
+    free_engines()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    llm = LLM(RandomSource(QWEN3_MOE_4L), device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=2048,
+              gpu_memory_budget=budget)
+    runner = llm.engine.runner
+    assert not runner.placement.fully_resident and runner.graphs is not None
+    print(f"hybrid decode: {runner.placed.host_decode is not None} (share {runner.placed.cpu_share})")
+    build = max(runner.load_peak, torch.cuda.max_memory_allocated()) - base
+    torch.cuda.synchronize()
+    rest = torch.cuda.memory_allocated() - base
+    g = torch.Generator().manual_seed(3)
+    vocab = QWEN3_MOE_4L["vocab_size"]
+
+    def prompt(n):
+        return torch.randint(100, vocab, (n,), generator=g).tolist()
+
+    phases = {}
+
+    def phase(name, prompts, tokens):
+        torch.cuda.reset_peak_memory_stats()
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+        torch.cuda.synchronize()
+        phases[name] = torch.cuda.max_memory_allocated() - base
+
+    phase("prefill 2040", [prompt(2040)], 1)  # a step at the token budget (2048) as the warm-up's
+    phase("prefill 2040 again", [prompt(2040)], 2)
+    phase("16 x 512, decode 16", [prompt(512) for _ in range(16)], 24)  # mixed steps, then graphed decode
+    phase("16 x 512 again", [prompt(512) for _ in range(16)], 24)
+    phase("1 x 512, decode 1", [prompt(512)], 24)
+    worst = max(build, *phases.values())
+    msg = (f"budget {budget / 2**30:.2f} GiB; build peak {build / 2**30:.3f} GiB, at rest {rest / 2**30:.3f} GiB "
+           f"(weights {runner.weights_allocated / 2**30:.3f} + KV {runner.kv_cache.nbytes / 2**30:.3f}; warm-up step "
+           f"{runner.step_peak / 2**20:.0f} MiB, activations kept {runner.activation_bytes / 2**20:.0f} MiB); "
+           + ", ".join(f"{k} {(v - rest) / 2**20:+.0f} MiB over rest" for k, v in phases.items()))
+    print(msg)
+    assert worst <= budget, msg
+    llm.close()
+    torch.cuda.synchronize()
+    left = torch.cuda.memory_allocated() - base
+    print(f"after close(): {left / 2**20:.1f} MiB still allocated (cuBLAS workspaces of streams used)")
+    assert left <= 128 * 2**20  # cuBLAS keeps a 32 MiB workspace per stream that ran a GEMM, for the process
+
+
+def test_dropped_offloaded_engine_frees_its_memory_at_once(tmp_path_factory):
+    """An offloaded hybrid engine with decode graphs, dropped (`del`, the collector off: no reference cycle
+    may hold it), gives its device memory back at once, and its worker threads end; likewise after
+    `close()` while still referenced. So a second engine sizes its KV from memory that is really free."""
+    import gc
+    import threading
+
+    from test_models_hf import build
+
+    path, _ = build(tmp_path_factory, "qwen3_moe")
+    kw = dict(device="cuda", dtype="bfloat16", place=("experts=cpu", "layers.0.experts.0-1=gpu"), experts="auto",
+              cpu_share=0.5, max_num_seqs=4, kv_cache_memory_gb=0.5)  # a pool large enough to see go
+    prompts = [[5, 6, 7] * 30, [9, 10] * 7, [11] * 3]
+    free_engines()
+    threads = set(threading.enumerate())
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    for how in ("del", "close"):
+        llm = LLM(path, **kw)
+        assert llm.engine.runner.graphs is not None and llm.engine.runner.placed.host_decode is not None
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        held = torch.cuda.memory_allocated() - base
+        gc.collect()
+        gc.disable()
+        try:
+            if how == "del":
+                del llm
+            else:
+                llm.close()
+            torch.cuda.synchronize()
+            left = torch.cuda.memory_allocated() - base
+        finally:
+            gc.enable()
+        print(f"{how}: the engine held {held / 2**20:.1f} MiB; {left / 2**20:.1f} MiB left allocated")
+        assert held >= 2**29 and left <= 160 * 2**20, (how, held, left)  # cuBLAS workspaces (32 MiB a stream
+        # that ran a GEMM: the default one, each engine's graph side stream) stay for the process
+        for t in set(threading.enumerate()) - threads:
+            if t.name.startswith("ferry"):
+                t.join(timeout=10)
+        assert not [t.name for t in set(threading.enumerate()) - threads if t.name.startswith("ferry")]
+        if how == "close":
+            del llm

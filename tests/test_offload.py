@@ -267,3 +267,70 @@ def test_server_reports_offload_traffic():
         print(f"served with every layer streamed: {moved / tokens / 2**20:.1f} MiB host->device per generated token")
     finally:
         assert s.stop() == 0
+
+
+def _offloaded_with_threads(path):
+    """An offloaded engine with everything a CUDA one holds that the CPU engine can: decode graphs (off CUDA
+    the callables a capture records), a hybrid decode worker thread, a host expert pool thread, host-kernel
+    build threads. -> (llm, weak references to its big objects and tensors, its threads)."""
+    import weakref
+
+    from ferrylm.hw.cpu_binding import worker_pool
+    from ferrylm.offload.host_decode import HostDecode
+
+    llm = LLM(path, dtype="float32", max_num_seqs=4, num_kv_blocks=64, place=("experts=cpu", "layers.1=cpu"))
+    runner = llm.engine.runner
+    placed = runner.placed
+    runner.graphs = runner.decode_graphs()
+    cache = next(iter(placed.caches.values()))
+    c = runner.model_config
+    from unittest import mock
+
+    with mock.patch.object(torch.Tensor, "pin_memory", lambda self: self):  # no CUDA here: plain host buffers
+        placed.host_decode = HostDecode({l: x.host_experts for l, x in placed.caches.items()}, max_tokens=4,
+                                        k=c.num_experts_per_tok, hidden=c.hidden_size, dtype=torch.float32,
+                                        stats=placed.stats)
+    placed.cpu_pool = worker_pool(None)
+    placed.cpu_pool.submit(lambda: None).result()  # its thread is running
+    placed._prepare_host_experts(list(range(cache.host_w13.shape[0])))
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 6 for o in out)
+    assert runner.graphs.graphs, "a decode step ran through the graph path"
+    refs = {"model": weakref.ref(runner.model), "runner": weakref.ref(runner), "placed": weakref.ref(placed),
+            "kv pool": weakref.ref(runner.kv_cache.k),
+            "expert slots": weakref.ref(cache.w13), "host bank": weakref.ref(cache.host_w13),
+            "graphs": weakref.ref(runner.graphs), "stream buffer": weakref.ref(placed.streamer.buffers[0])}
+    threads = [placed.host_decode.thread, *placed.cpu_pool._threads, *placed._prepare_threads]
+    return llm, refs, threads
+
+
+def test_dropped_engine_is_freed_at_once(ckpts):
+    """Dropping an offloaded engine frees its tensors by reference counting alone (the collector off: no
+    reference cycle holds them; the runner <-> decode graphs one used to) and its threads end."""
+    import gc
+
+    llm, refs, threads = _offloaded_with_threads(ckpts["qwen3_moe"])
+    gc.collect()
+    gc.disable()
+    try:
+        del llm
+        alive = [name for name, r in refs.items() if r() is not None]
+    finally:
+        gc.enable()
+    assert not alive, f"still held after the engine was dropped: {alive}"
+    for t in threads:
+        t.join(timeout=10)
+    assert not [t.name for t in threads if t.is_alive()]
+
+
+def test_llm_close_releases_while_held(ckpts):
+    """`LLM.close()` (and `with LLM(...)`) gives everything back while the LLM object is still referenced:
+    tensors, caches and the model dropped, threads ended; a second close is a no-op."""
+    llm, refs, threads = _offloaded_with_threads(ckpts["qwen3_moe"])
+    with llm:
+        pass
+    assert all(not t.is_alive() for t in threads), [t.name for t in threads if t.is_alive()]
+    assert llm.engine.runner.closed and llm.engine.runner.placed.stats.steps > 0  # stats stay readable
+    alive = [name for name, r in refs.items() if r() is not None and name not in ("runner", "placed")]
+    assert not alive, f"still held after close(): {alive}"
+    llm.close()

@@ -521,7 +521,7 @@ def test_plan_states_the_kv_the_cuda_engine_ends_with():
     called by the runner with what it measured): the plan calls the same function with its predicted step, and
     states the range the measured step can move it over (floor to reserve), the planned figure beside it."""
     from ferrylm.config import SchedulerConfig
-    from ferrylm.offload.memory import kv_after_warmup, warmup_activations
+    from ferrylm.offload.memory import cublas_workspace_bytes, kv_after_warmup, warmup_activations
 
     p = make_plan(PlanOptions("Llama-3-8B", gpu="1xH200", host=HOST, max_model_len=4096, max_num_seqs=16))
     g = p.per_gpu
@@ -531,9 +531,11 @@ def test_plan_states_the_kv_the_cuda_engine_ends_with():
           f"{g['activations'] / 2**20:.0f} MiB")
     assert lo <= g["kv_tokens"] <= hi and lo < hi
     assert g["warmup_activations"] == warmup_activations(g["step_activations"], SchedulerConfig(max_num_seqs=16),
-                                                         128256, graph_tokens=2048)  # piecewise graphs: a step
+                                                         128256, graph_tokens=2048,  # piecewise graphs: a step
+                                                         workspace=cublas_workspace_bytes(9))  # H200: 32 MiB
     per_block = g["kv_bytes_per_token"] * 16
-    used = g["peak"] - g["kv"] - g["state"] - g["step_activations"] - 2 * 16 * 128256 * 4 - g["cuda_context"]
+    used = g["peak"] - g["kv"] - g["state"] - g["step_activations"] - 2 * 16 * 128256 * 4 - g["cuda_context"] \
+        - g["graph_workspace"]  # graphed: their side stream's cuBLAS workspace
     assert used >= g["weights"]  # the weights and the RoPE table
     kv, left = kv_after_warmup(g["budget"], used, g["warmup_activations"], None, per_block, 4096, 16)
     assert (kv // per_block) * 16 == g["kv_tokens"] and kv == left
@@ -541,7 +543,9 @@ def test_plan_states_the_kv_the_cuda_engine_ends_with():
     assert abs(g["kv"] - g["kv_planned"]) < 2**30
     eager = make_plan(PlanOptions("Llama-3-8B", gpu="1xH200", host=HOST, max_model_len=4096, max_num_seqs=16,
                                   enforce_eager=True))
-    assert eager.per_gpu["warmup_activations"] * 2 == g["warmup_activations"]  # no graph pools to leave room for
+    # eager: no graph pools to leave room for, nor their stream's workspace
+    assert g["graph_workspace"] == 32 << 20 and eager.per_gpu["graph_workspace"] == 0
+    assert eager.per_gpu["warmup_activations"] * 2 + g["graph_workspace"] == g["warmup_activations"]
     assert eager.per_gpu["kv_tokens"] > g["kv_tokens"]
     fixed = make_plan(PlanOptions("Llama-3-8B", gpu="1xH200", host=HOST, max_model_len=4096, kv_cache_memory_gb=8))
     assert fixed.per_gpu["kv"] == fixed.per_gpu["kv_planned"] and fixed.per_gpu["kv_tokens_range"][0] == \
@@ -635,3 +639,53 @@ def test_placement_leaves_what_the_warm_up_takes():
     assert old[0] and new == ([], 0)
     # decode graphs (offloaded) hold a decode step, not a second prefill step: nearly one step's reserve
     assert now(False) < 1.01 * one_step < now(True)
+
+
+def test_check_names_the_phase_and_step_of_the_peak(tiny_llama, monkeypatch):
+    """`check.measure` on CUDA reports the whole run's peak (the build's included: `ModelRunner.load_peak`), the
+    peak of each phase above the engine at the check's start, and per step shape of the untimed runs the
+    highest peak and what stays allocated after it. Driven here on the CPU engine with the device's counters
+    faked: each step "allocates" 1000 bytes a token and frees them; the first decode step 5000 more (as a graph
+    capture would), and it leaks 10 bytes."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ferrylm.plan import check
+
+    plan = make_plan(PlanOptions(os.path.join(tiny_llama, "config.json"), host=HOST, dtype="float32",
+                                 kv_cache_memory_gb=0.01, max_num_seqs=2, max_model_len=128, prompt_len=40,
+                                 output_len=4))
+    llm = check.engine_for(plan, tiny_llama, "cpu")
+    runner = llm.engine.runner
+    runner.load_peak = 7_000_000  # as if the build had peaked there
+    mem = SimpleNamespace(now=1_000_000, peak=1_000_000, leaked=False)
+    real = runner.execute
+
+    def execute(out, *args, **kwargs):
+        first_decode = not mem.leaked and all(n == 1 for n in out.num_new_tokens)
+        mem.peak = max(mem.peak, mem.now + 1000 * out.num_batched_tokens + 5000 * first_decode)
+        if first_decode:
+            mem.now, mem.leaked = mem.now + 10, True
+        return real(out, *args, **kwargs)
+
+    runner.execute = execute
+    cuda = SimpleNamespace(synchronize=lambda *a: None, memory_allocated=lambda *a: mem.now,
+                           max_memory_allocated=lambda *a: mem.peak, max_memory_reserved=lambda *a: 2 * mem.peak,
+                           reset_peak_memory_stats=lambda *a: setattr(mem, "peak", mem.now),
+                           is_available=lambda: False)
+    monkeypatch.setattr(torch, "cuda", cuda)
+    monkeypatch.setitem(plan.speed, "decode_concurrent", {**plan.speed["decode_concurrent"], "batch": 2})
+    got = check.measure(plan, llm, cuda=True, max_decode_tokens=4)
+    assert got["peak"] == 7_000_000 + plan.per_gpu["cuda_context"]  # the build's peak is the run's
+    phases = got["peak_phases"]
+    assert phases["prefill first"] == phases["prefill timed"] == 1000 * 40
+    assert phases["decode_concurrent first prefill"] == 1000 * 80 + 10  # two prompts a step, over the leak
+    # its first decode step (not its last) is the phase's peak; the leak stays above the base
+    assert phases["decode_batch1 first decode"] == 1000 + 5000 and phases["decode_batch1 timed decode"] == 1010
+    steps = got["step_peaks"]
+    assert steps[0]["kind"] == "prefill" and steps[0]["tokens"] == 80 and steps[0]["peak_over_base"] == 80_010
+    decode = [r for r in steps if r["kind"] == "decode"]
+    assert decode and all(r["held_over_base"] == 10 for r in decode)
+    assert max(r["peak_over_base"] for r in decode) == 6000  # the first one, before its leak
+    assert runner.execute is execute  # the wrapper is gone after each untimed run

@@ -21,6 +21,14 @@ from ferrylm.engine.scheduler import SchedulerOutput
 from ferrylm.layers.context import ForwardContext, forward_context
 
 
+def side_stream(stream, device: torch.device):
+    """`stream`, or a new one the first time: one side stream for every warm-up and capture of a graph set.
+    cuBLAS keeps a workspace (32 MiB on Hopper and later) for each (thread, stream) that ran a GEMM, allocated
+    through torch's allocator and never freed: a fresh pooled stream per capture (torch hands out 32 in turn)
+    left up to 32 of them, a gigabyte, all allocated after the warm-up that sizes the KV pool measured it."""
+    return stream if stream is not None else torch.cuda.Stream(device)
+
+
 def _bucket(n: int, buckets: list[int]) -> int:
     return next(b for b in buckets if b >= n)
 
@@ -65,6 +73,7 @@ class DecodeGraphs:
         self.logits = torch.zeros(B, vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.side = None  # the one stream every capture warms up and captures on (`side_stream`)
 
     def reset(self) -> None:
         """Drop the captured graphs (captured again on next use): after a change baked into captures, e.g.
@@ -132,11 +141,12 @@ class DecodeGraphs:
         """The callable a graph of bucket (Bb, nbb) records: static buffers in, `self.logits[:Bb]` out."""
         ctx, logits = self._context(Bb, nbb), self.logits[:Bb]
         ids, pos = self.ids[:Bb], self.pos[:Bb]
+        embed, body, x_in = self.embed, self.body, None if self.embed_in_graph else self.x[:Bb]
 
-        def step():
+        def step():  # no reference to self: off CUDA `graphs` keeps it, and a cycle would hold the KV pool
             with forward_context(ctx):
-                x = self.embed(ids) if self.embed_in_graph else self.x[:Bb]
-                logits.copy_(self.body(x, pos))
+                x = embed(ids) if x_in is None else x_in
+                logits.copy_(body(x, pos))
         return step, logits
 
     def _warm_up(self, step, Bb: int) -> None:
@@ -159,13 +169,13 @@ class DecodeGraphs:
             self._warm_up(step, Bb)
             self.graphs[key] = (_Uncaptured(step), logits)
             return self.graphs[key]
-        stream = torch.cuda.Stream(self.device)
+        stream = self.side = side_stream(self.side, self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._warm_up(step, Bb)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             step()
         self.pool = graph.pool()
         self.graphs[key] = (graph, logits)
@@ -189,6 +199,7 @@ class PiecewiseGraphs:
         self.attn_out = torch.zeros(top, model.attn_width, dtype=dtype, device=device)
         self.graphs: dict[int, list[tuple[torch.cuda.CUDAGraph, tuple]]] = {}
         self.pool = None
+        self.side = None  # the one stream every capture warms up and captures on (`side_stream`)
 
     def eligible(self, num_tokens: int) -> bool:
         return num_tokens <= self.buckets[-1]
@@ -226,13 +237,13 @@ class PiecewiseGraphs:
             return (x, *model.layer_pre(i, pos, x)) if i < L else (model.final_norm(x),)
 
         for i in range(L + 1):
-            stream = torch.cuda.Stream(self.device)
+            stream = self.side = side_stream(self.side, self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up: allocator and library handles, outside the capture
                 piece(i)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 outs = piece(i)
             self.pool = graph.pool()
             segs.append((graph, outs))

@@ -41,6 +41,22 @@ class LLM:
 
             expert_profile.warm_up(self, config.offload.profile_experts, config.model, config.seed)
 
+    def close(self) -> None:
+        """Give back the engine's device memory, host registrations and threads now (`LLMEngine.close`), not
+        when the collector gets to it: call it (or use `with LLM(...) as llm:`) before building another engine
+        in the same process. Dropping the last reference to the engine frees the same memory by reference counting
+        (no cycle holds it) but leaves the threads to end on their own; no finalizer closes it, since
+        `LLM(...).engine` outlives its LLM (the server). Idempotent; the LLM is unusable after."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):

@@ -180,7 +180,9 @@ class LLMEngine:
         except ModelLoadError as e:
             if self.config.tokenizer:
                 raise
-            log.warning("no tokenizer (%s): prompts must be given as token ids", e)
+            # the message, not the exception: a handler that keeps records (pytest's) would keep its traceback's
+            # frames, and this engine with them
+            log.warning("no tokenizer (%s): prompts must be given as token ids", str(e))
             return None
 
     def _async_scheduling(self) -> bool:
@@ -284,7 +286,10 @@ class LLMEngine:
             self.runner.check_health()
 
     def close(self) -> None:
-        """Stop worker processes, if any (a one-process engine holds nothing to release)."""
+        """Release the engine now (idempotent; no step runs afterwards): worker processes of a parallel engine
+        stop, and the runner gives back its device memory, host registrations and threads
+        (`ModelRunner.close`); a step still in flight is dropped."""
+        self._inflight = None
         if hasattr(self.runner, "close"):
             self.runner.close()
 

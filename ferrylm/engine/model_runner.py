@@ -11,6 +11,7 @@ import dataclasses
 
 import logging
 import time
+import weakref
 from array import array
 from dataclasses import dataclass, field
 
@@ -27,8 +28,8 @@ from ferrylm.layers.parallel_linear import kv_heads_per_rank
 from ferrylm.layers.rotary import RotaryEmbedding
 from ferrylm.models.registry import model_class
 from ferrylm.offload.placed_weights import PlacedWeights
-from ferrylm.offload.memory import (activation_reserve, device_budget, fixed_kv_bytes, graph_tokens, kv_after_warmup,
-                                   size_memory, warmup_activations)
+from ferrylm.offload.memory import (activation_reserve, cublas_workspace_bytes, device_budget, fixed_kv_bytes,
+                                   graph_tokens, kv_after_warmup, size_memory, warmup_activations)
 from ferrylm.offload.placement import describe, group_tensors
 from ferrylm.parallel.group import SINGLE, building
 
@@ -57,6 +58,12 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda asked for, but torch sees no CUDA GPU on this machine")
     return device
+
+
+def _weakly(method):
+    """A bound method called through a weak reference to its object (the object must outlive the calls)."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
 
 
 def decode_groups(lens: list[int], budget: int) -> list[tuple[int, int, int]]:
@@ -196,7 +203,7 @@ class ModelRunner:
                 m.max_positions = min(m.max_positions, max_model_len)
                 m._table(self.device)
         self.placement = placement
-        self.activation_bytes = self.weights_allocated = self.step_peak = None
+        self.activation_bytes = self.weights_allocated = self.step_peak = self.load_peak = None
         if self.device.type == "cuda" and self._budget is not None:
             kv_bytes = self._kv_after_warmup(kv_bytes)
         self.kv_cache = self._allocate_kv(kv_bytes)
@@ -226,10 +233,16 @@ class ModelRunner:
 
         sc, cfg = self.config.scheduler, self.model_config
         max_batch = min(sc.max_num_seqs, self.placed.graph_tokens or sc.max_num_seqs)
-        return DecodeGraphs(self.embed, lambda x, pos: self.model.compute_logits(self.run_layers(x, pos)),
+        # the graphs hold the runner weakly: a runner <-> graphs cycle would keep a dropped engine's device
+        # memory (graph pools, KV, weights) until the collector ran
+        return DecodeGraphs(_weakly(self.embed), _weakly(self._logits_of),
                             self.kv_cache, max_batch, self.max_model_len, cfg.vocab_size, self.device,
                             embed_in_graph=not self.embed_on_host, hidden_size=cfg.hidden_size, dtype=self.dtype,
                             state=self.state_pool)
+
+    def _logits_of(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Embeddings [B, H] -> logits [B, V]: the decode graphs' body."""
+        return self.model.compute_logits(self.run_layers(x, pos))
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -241,7 +254,13 @@ class ModelRunner:
     def _activation_reserve(self, resident: bool) -> int:
         """The planned activation reserve (`offload/memory.py`); on CUDA the warm-up measures the real one."""
         elt = torch.empty(0, dtype=self.dtype).element_size()
-        return activation_reserve(self.model_config, self.config.scheduler, elt, self._graph_tokens(resident))
+        return activation_reserve(self.model_config, self.config.scheduler, elt, self._graph_tokens(resident),
+                                  self._workspace())
+
+    def _workspace(self) -> int:
+        """cuBLAS's workspace for the graphs' side stream on this device (`offload/memory.py`)."""
+        major = torch.cuda.get_device_capability(self.device)[0] if self.device.type == "cuda" else 9
+        return cublas_workspace_bytes(major)
 
     def _graph_tokens(self, resident: bool) -> int:
         """Tokens of the largest graph-captured step (`offload/memory.py` graph_tokens): piecewise prefill graphs
@@ -266,6 +285,8 @@ class ModelRunner:
         ids = torch.randint(0, cfg.vocab_size, (T,), device=self.device)
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
+        # the reset below forgets the build's peak (placement, loading, calibration): kept for `ferry plan --check`
+        self.load_peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode(), forward_context(ctx):
             x_in = None if not self.pipelined or self.dist.first_stage else \
@@ -284,7 +305,7 @@ class ModelRunner:
         activations are measured (`offload/memory.py`, the rule `ferry plan` predicts with)."""
         self.step_peak = self._warmup_peak()
         self.activation_bytes = warmup_activations(self.step_peak, self.config.scheduler, self.model_config.vocab_size,
-                                                   self._graph_tokens(self.placement.fully_resident))
+                                                   self._graph_tokens(self.placement.fully_resident), self._workspace())
         used = torch.cuda.memory_allocated(self.device) - self._mem_base
         self.weights_allocated = used  # measured: what the placed weights take (`ferry plan --check`)
         kv, left = kv_after_warmup(self._budget, used, self.activation_bytes, self._fixed_kv,
@@ -495,10 +516,27 @@ class ModelRunner:
             self.placed.host_decode.check()
         self.placed.after_results()
 
+    closed = False
+
     def close(self) -> None:
-        """Stop the hybrid decode worker once the queued steps are done."""
-        if self.placed.host_decode is not None:
-            self.placed.host_decode.close()
+        """Release what this engine holds now rather than when the collector finds it (idempotent; no step
+        runs afterwards): the queued steps are drained, the hybrid decode worker, the host expert pool and
+        the host-kernel build thread end, the host tier is unregistered (`PlacedWeights.close`), and the
+        graphs (their pools), the KV and state pools and the model are dropped; on CUDA the allocator's
+        cached blocks go back to the device, so the next engine in the process sees them free."""
+        if self.closed:
+            return
+        self.closed = True
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        self.graphs = self.piecewise = None
+        self.placed.close()
+        self.kv_cache = self.state_pool = None
+        self.model = None
+        self._tables = {}
+        if cuda:
+            torch.cuda.empty_cache()
 
     def run_shipped(self, step: StepInput) -> torch.Tensor | None:
         """`run` plus the per-step bookkeeping `execute` does: what every rank of a parallel engine runs."""

@@ -14,6 +14,7 @@ cached with, exactly as transformers' KV cache does. This module knows nothing a
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -120,7 +121,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-_TABLES: dict[tuple, torch.Tensor] = {}
+_TABLES: "weakref.WeakValueDictionary[tuple, torch.Tensor]" = weakref.WeakValueDictionary()
+"""The cos/sin tables by (rotation, length, device): shared by every layer (and engine) that asks for the same
+one, held by the modules that use it (`RotaryEmbedding._held`), so a dropped engine's tables go with it."""
 
 
 class RotaryEmbedding(nn.Module):
@@ -147,6 +150,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("long_inv_freq", long_inv, persistent=False)
         self._key = (type(self).__name__, rot_dim, table_dtype, self.attention_factor, tuple(self.inv_freq.tolist()))
+        self._held: dict[tuple, torch.Tensor] = {}
+        """The tables this module uses (`_TABLES` only shares them)."""
 
     @property
     def length_dependent(self) -> bool:
@@ -158,11 +163,17 @@ class RotaryEmbedding(nn.Module):
         all layers. Built in full so no step has to read its max position (a GPU sync per layer); the
         model runner builds it before sizing the KV cache."""
         inv = self.inv_freq if inv_freq is None else inv_freq
-        key = (*self._key, tuple(inv.tolist()), self.max_positions, str(device))
-        if key not in _TABLES:  # (Yuan's _build override takes only the device)
-            dev = torch.device(device)
-            _TABLES[key] = self._build(dev) if inv_freq is None else self._build(dev, inv)
-        return _TABLES[key]
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" are one table (steps pass q.device)
+            dev = torch.device("cuda", torch.cuda.current_device())
+        key = (*self._key, tuple(inv.tolist()), self.max_positions, str(dev))
+        table = self._held.get(key)
+        if table is None:
+            table = _TABLES.get(key)
+            if table is None:  # (Yuan's _build override takes only the device)
+                table = _TABLES[key] = self._build(dev) if inv_freq is None else self._build(dev, inv)
+            self._held[key] = table
+        return table
 
     def _build(self, device: torch.device, inv_freq: torch.Tensor | None = None) -> torch.Tensor:
         inv = (self.inv_freq if inv_freq is None else inv_freq).to(device).float()

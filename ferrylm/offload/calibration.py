@@ -249,7 +249,7 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
             out["inplace_gbs"] = inplace_read_gbs(host_w13, host_w2, device)
             out["inplace_gbs_beside_cpu"] = inplace_read_gbs(host_w13, host_w2, device, beside=run_cpu)
         except Exception as e:  # a figure for the planner, never a reason not to start
-            log.warning("could not measure the in-place read rate (%s)", e)
+            log.warning("could not measure the in-place read rate (%s)", str(e))  # no traceback kept
     return out
 
 
@@ -304,7 +304,7 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("calibration cache %s is unreadable (%s): measuring again", path, e)
+        log.warning("calibration cache %s is unreadable (%s): measuring again", path, str(e))
     measured = measure(host_w13, host_w2, act, device, he, mapped, choose_threads)
     try:
         os.makedirs(cache_dir(), exist_ok=True)
@@ -313,7 +313,7 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
             json.dump({"key": key, "measured": measured}, f, indent=1)
         os.replace(tmp, path)  # temp-then-rename: never a half-written cache
     except OSError as e:
-        log.warning("cannot write the calibration cache %s (%s)", path, e)
+        log.warning("cannot write the calibration cache %s (%s)", path, str(e))
     log.info("calibrated (%s, %d threads, %s GEMM): expert copy %.2f ms, CPU expert %s ms, %.2f ms at 1 token "
              "beside copies", he.format, torch.get_num_threads(),
              measured.get("dense_gemm", measured.get("packed_gemm", "plain")),

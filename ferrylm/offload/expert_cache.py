@@ -29,6 +29,7 @@ from collections import deque
 
 import torch
 
+from ferrylm.engine.staging import download
 from ferrylm.layers.fused_moe import ExpertWeights
 from ferrylm.layers.moe import ExpertBackend, combine, dispatch, expert_mlp
 from ferrylm.offload.cost_model import split_misses
@@ -54,16 +55,9 @@ def _copy(dst, s: int, src, e: int, non_blocking: bool = False) -> None:
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A device tensor on the host, waited for by sleeping rather than spinning: CUDA spins a core while
-    it waits by default (one context, many cores), and host experts need every core."""
-    if t.device.type != "cuda":
-        return t
-    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    h.copy_(t, non_blocking=True)
-    ev = torch.cuda.Event(blocking=True)
-    ev.record()
-    ev.synchronize()
-    return h
+    """A device tensor on the host (`engine/staging.download`: pinned, behind a blocking event, so the wait
+    sleeps rather than spins: CUDA spins a core while it waits by default, and host experts need every core)."""
+    return download([t]).wait()[0]
 
 
 def tally_step(counts: torch.Tensor, hits: torch.Tensor, in_slot: torch.Tensor, topk_ids: torch.Tensor,

@@ -38,12 +38,13 @@ def graph_tokens(sc: SchedulerConfig, graphs: bool, piecewise: bool) -> int:
     return 0 if not graphs else sc.max_num_batched_tokens if piecewise else sc.max_num_seqs
 
 
-def activation_reserve(cfg: ModelConfig, sc: SchedulerConfig, elt: int, graph_tokens: int = 0) -> int:
+def activation_reserve(cfg: ModelConfig, sc: SchedulerConfig, elt: int, graph_tokens: int = 0,
+                       workspace: int = 0) -> int:
     """Device bytes the placement keeps free for activations: `warmup_activations` of `step_bound`, the rule
     the CUDA engine re-sizes its KV pool with after measuring the step. One rule for both, so a setup the
     placement accepts at the minimum KV is one the warm-up keeps (unless the measured step exceeds the
     bound): a reserve of one step against a warm-up that counted graph pools as a second step refused it."""
-    return warmup_activations(step_bound(cfg, sc, elt), sc, cfg.vocab_size, graph_tokens)
+    return warmup_activations(step_bound(cfg, sc, elt), sc, cfg.vocab_size, graph_tokens, workspace)
 
 
 def fixed_kv_bytes(cc: CacheConfig, per_block: int) -> int | None:
@@ -95,13 +96,24 @@ def size_memory(groups: list[TensorGroup], per_block: int, max_model_len: int, c
     return place(groups, room, oc.place, stream_buffers=oc.stream_buffers), kv
 
 
-def warmup_activations(step_peak: int, sc: SchedulerConfig, vocab_size: int, graph_tokens: int) -> int:
+def cublas_workspace_bytes(major: int) -> int:
+    """cuBLAS's workspace for one (thread, stream) that runs a GEMM, on a GPU of compute capability `major`.x:
+    torch's default `CUBLAS_WORKSPACE_CONFIG`, 32 MiB on Hopper and later, :4096:2:16:8 before. Allocated through
+    torch's allocator on the stream's first GEMM and kept: the CUDA graphs' side stream (`engine/cuda_graph.py`
+    side_stream) gets its own at the first capture, after the warm-up that sizes the KV pool."""
+    return 4096 * 8 * 1024 if major >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def warmup_activations(step_peak: int, sc: SchedulerConfig, vocab_size: int, graph_tokens: int,
+                       workspace: int = 0) -> int:
     """Device bytes the KV pool leaves for activations after the warm-up: one step's peak at the token budget
     (measured by the runner) plus the sampler's two [max_num_seqs, V] fp32 work tensors, and again the share of
     that a captured step of `graph_tokens` tokens holds in the graphs' private pools (`graph_tokens`: a whole
-    step with piecewise prefill graphs, `max_num_seqs` rows of it with decode graphs only)."""
+    step with piecewise prefill graphs, `max_num_seqs` rows of it with decode graphs only) plus, with graphs,
+    `workspace`: their side stream's cuBLAS workspace (`cublas_workspace_bytes`)."""
     one = step_peak + 2 * sc.max_num_seqs * vocab_size * 4
-    return one + one * min(graph_tokens, sc.max_num_batched_tokens) // sc.max_num_batched_tokens
+    graphs = one * min(graph_tokens, sc.max_num_batched_tokens) // sc.max_num_batched_tokens
+    return one + graphs + (workspace if graph_tokens else 0)
 
 
 def kv_after_warmup(budget: int, used: int, activations: int, fixed_kv: int | None, per_block: int,

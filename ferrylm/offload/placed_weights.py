@@ -137,6 +137,8 @@ class PlacedWeights:
         self.profile_note = None
         self.streamer: LayerStreamer | None = None
         self.caches: dict[int, CachedExperts] = {}
+        self._closing = threading.Event()  # set by `close()`: the host-kernel build thread stops
+        self._prepare_threads: list[threading.Thread] = []
 
     # -- the allocator the loader writes through (layers.params.Allocator) ---------------------------
 
@@ -302,16 +304,20 @@ class PlacedWeights:
         a first use (a copied int4 re-layout took 2 s for one Mixtral-sized expert on a loaded 2-core host;
         laid experts only convert their scales); a step that needs one first builds it itself (one build per
         expert: `HostExperts` locks each)."""
-        import threading
-
         # a split packed bank: the column kernels its decode steps use (the whole experts, for the copy path's
         # host misses, are built on first use)
         banks = [(c.host_experts, c.split_cols or 0) for c in self.caches.values()]
+        stop = self._closing
 
-        def run():
+        def run():  # one expert at a time, so `close()` ends it between two
             for he, cols in banks:
-                he.prepare(experts, cols)
-        threading.Thread(target=run, name="ferry-host-experts-prepare", daemon=True).start()
+                for e in experts:
+                    if stop.is_set():
+                        return
+                    he.prepare([e], cols)
+        t = threading.Thread(target=run, name="ferry-host-experts-prepare", daemon=True)
+        t.start()
+        self._prepare_threads = [*(p for p in self._prepare_threads if p.is_alive()), t]
 
     @property
     def graphable(self) -> bool:
@@ -388,8 +394,22 @@ class PlacedWeights:
         return total
 
     def close(self) -> None:
+        """Release what the placement holds (idempotent; no step may run after it): the hybrid decode worker
+        and the host-kernel build thread end, the host expert pool shuts down, the host tier's memory is
+        unregistered, and the references to the model, its expert caches and stream buffers are dropped, so the
+        device memory they hold goes back to the allocator once the caller drops its own. `stats` stay readable."""
+        self._closing.set()
         if self.host_decode is not None:
             self.host_decode.close()
         if self.cpu_pool is not None:
             self.cpu_pool.shutdown()
+        for t in self._prepare_threads:
+            t.join()  # each at most one expert's kernel build away
+        if self.device.type == "cuda":  # no copy may still read the host tier when it is unregistered
+            torch.cuda.synchronize(self.device)
         self.host.close()
+        self.host_decode = self.cpu_pool = self.tally = self.streamer = None
+        self._prepare_threads = []
+        self.caches = {}
+        self.model = None
+        self.copy_stream = None

@@ -146,3 +146,5 @@ class ParallelExecutor:
                 log.debug("stop message: %s", e)
         self._stop_workers(kill=self.failed is not None)
         self.dist.close(abort=self.failed is not None)
+        if self.failed is None and hasattr(self.runner, "close"):  # rank 0's own shard (a failed group: left as it is)
+            self.runner.close()

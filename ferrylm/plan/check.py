@@ -64,13 +64,17 @@ def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:
     # Prefill: a first prompt of the full length pays for what a first run of these shapes costs once (Triton JIT
     # of the prefill tiles and of long-context attention, the piecewise graph of the prompt's token bucket); a
     # second fresh prompt is timed. Fresh random ids every time: the prefix cache never hits.
+    phases = _Phases(cuda, getattr(runner, "load_peak", None))
+    steps = _StepPeaks(runner, cuda, phases)  # per step, in the untimed runs only (it waits for every step)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    llm.generate([prompt(o.prompt_len)], one)
-    _sync(cuda)
+    with steps:
+        llm.generate([prompt(o.prompt_len)], one)
+    phases.end("prefill first")
     t = time.perf_counter()
     llm.generate([prompt(o.prompt_len)], one)
     _sync(cuda)
     got["prefill"] = o.prompt_len / (time.perf_counter() - t)
+    phases.end("prefill timed")
     if not cuda:
         return got
     out_len = max(2, min(o.output_len, max_decode_tokens))
@@ -78,13 +82,105 @@ def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:
     for key, batch in (("decode_batch1", 1), ("decode_concurrent", plan.speed["decode_concurrent"]["batch"])):
         # decode graphs are captured on a (batch, context) bucket's first use: an untimed run of the same batch,
         # prompt and output lengths captures the buckets the timed run replays (and lets expert slots settle)
-        _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params)
-        rate, hit = _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params)
+        with steps:
+            _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params, phases, f"{key} first")
+        rate, hit = _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params, phases, f"{key} timed")
         got[key] = rate
         if runner.placed.caches:
             got[f"hit_rate_{key}"] = hit
-    got["peak"] = torch.cuda.max_memory_allocated() + plan.per_gpu["cuda_context"]
+    got["peak"] = phases.peak + plan.per_gpu["cuda_context"]
+    got["peak_phases"] = phases.over_base
+    got["peak_reserved"] = torch.cuda.max_memory_reserved()
+    got["step_peaks"] = steps.top()
     return got
+
+
+class _StepPeaks:
+    """While entered, each engine step's peak device allocation above what the engine held when the check
+    began, and what it holds after the step (growth that stays), by the step's shape. It synchronises every
+    step, so it wraps untimed runs only. `top()`: the steps with the highest peaks, one per shape."""
+
+    def __init__(self, runner, cuda: bool, phases: "_Phases"):
+        self.runner, self.cuda, self.phases = runner, cuda, phases
+        self.seen: dict[tuple, dict] = {}
+        self._orig = None
+
+    def __enter__(self):
+        if not self.cuda:
+            return self
+        import torch
+
+        orig = self._orig = self.runner.execute
+        self._own = "execute" in vars(self.runner)  # already wrapped by someone: put theirs back after
+
+        def execute(out, *args, **kwargs):
+            torch.cuda.synchronize()
+            self.phases.note(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+            logits = orig(out, *args, **kwargs)
+            torch.cuda.synchronize()
+            top = torch.cuda.max_memory_allocated()
+            self.phases.note(top)
+            n = list(out.num_new_tokens)
+            decodes = sum(1 for t in n if t == 1)
+            kind = ("decode" if decodes == len(n) else "prefill" if decodes == 0 else "mixed",
+                    sum(n), len(n), decodes)
+            row = dict(kind=kind[0], tokens=kind[1], seqs=kind[2], decodes=kind[3],
+                       peak_over_base=top - self.phases.base,
+                       held_over_base=torch.cuda.memory_allocated() - self.phases.base)
+            if kind not in self.seen or row["peak_over_base"] > self.seen[kind]["peak_over_base"]:
+                self.seen[kind] = row
+            return logits
+
+        self.runner.execute = execute
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._orig is not None:
+            if self._own:
+                self.runner.execute = self._orig
+            else:
+                del self.runner.execute  # the bound method again
+            self._orig = None
+
+    def top(self, n: int = 8) -> list[dict]:
+        return sorted(self.seen.values(), key=lambda r: -r["peak_over_base"])[:n]
+
+
+class _Phases:
+    """The whole run's peak device allocation (`torch.cuda.max_memory_allocated` since the caller's reset: the
+    engine's build and warm-up included) and, per phase of the check, its peak above what the engine held when
+    the check began (weights, KV pool, static buffers): which step a peak over the budget comes from."""
+
+    def __init__(self, cuda: bool, load_peak: int | None = None):
+        """`load_peak`: the build's peak before the runner's warm-up reset the counter (`ModelRunner.load_peak`)."""
+        import torch
+
+        self.cuda, self.over_base, self.peak = cuda, {}, 0
+        self._top = 0  # this phase's peak from before a reset someone else made (`note`)
+        if cuda:
+            torch.cuda.synchronize()
+            self.peak = max(torch.cuda.max_memory_allocated(), load_peak or 0)
+            self.base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+    def end(self, name: str) -> None:
+        """The phase since the last `end` is over: record its peak and start the next."""
+        if not self.cuda:
+            return
+        import torch
+
+        torch.cuda.synchronize()
+        top = max(torch.cuda.max_memory_allocated(), self._top)
+        self.peak = max(self.peak, top)
+        self.over_base[name] = top - self.base
+        self._top = 0
+        torch.cuda.reset_peak_memory_stats()
+
+    def note(self, top: int) -> None:
+        """A peak read before someone resets the counter inside this phase (`_StepPeaks`, per step)."""
+        self._top = max(self._top, top)
+        self.peak = max(self.peak, top)
 
 
 def _sync(cuda: bool) -> None:
@@ -94,9 +190,11 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def _decode(llm, prompts: list[list[int]], params) -> tuple[float, float | None]:
+def _decode(llm, prompts: list[list[int]], params, phases: _Phases | None = None,
+            name: str = "decode") -> tuple[float, float | None]:
     """(decode tok/s, expert hit rate) of the steps after every prompt has its first token: prefill steps,
-    whose misses are copied, count in neither."""
+    whose misses are copied, count in neither. `phases` records the prefill steps' and the decode steps' peaks
+    as "`name` prefill" and "`name` decode"."""
     import torch
 
     eng, stats = llm.engine, llm.engine.runner.placed.stats
@@ -107,11 +205,16 @@ def _decode(llm, prompts: list[list[int]], params) -> tuple[float, float | None]
         started.update(o.request_id for o in eng.step())
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    if phases is not None:
+        phases.end(f"{name} prefill")
     stats.reset()
     t, tokens = time.perf_counter(), 0
     while eng.has_unfinished_requests():
         tokens += len(eng.step())  # one token for every request that advanced
-    return tokens / (time.perf_counter() - t), stats.hit_rate
+    rate = tokens / (time.perf_counter() - t)
+    if phases is not None:
+        phases.end(f"{name} decode")
+    return rate, stats.hit_rate
 
 
 def predicted(plan: Plan, cuda: bool) -> dict:

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig
 from ferrylm.errors import ConfigError, UnsupportedArchitectureError
-from ferrylm.offload.memory import (activation_reserve, device_budget, fixed_kv_bytes, graph_tokens, kv_after_warmup,
-                                   size_memory, step_bound, warmup_activations)
+from ferrylm.offload.memory import (activation_reserve, cublas_workspace_bytes, device_budget, fixed_kv_bytes,
+                                   graph_tokens, kv_after_warmup, size_memory, step_bound, warmup_activations)
 from ferrylm.offload.placement import GPU, HOST, TensorGroup
 from ferrylm.plan import catalog, estimate, hardware, hit_rate, quality
 from ferrylm.plan.memory import (DTYPE_BYTES, QUANT_SCHEMES, WeightFormat, analytical_groups, analytical_kv_bytes_per_token,
@@ -213,8 +213,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     capacity = gpu.memory_bytes
     budget = device_budget(oc, capacity, capacity - CUDA_CONTEXT_BYTES)
     graphs_planned = not opts.enforce_eager  # `ModelRunner._graph_tokens`: what graph pools hold beside the step
-    reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype], graph_tokens(sc, graphs_planned, False))
-    resident_reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype], graph_tokens(sc, graphs_planned, piecewise))
+    # the graphs' side stream's cuBLAS workspace: 32 MiB from Hopper on (the profiles with fp8), 8 MiB before
+    ws = cublas_workspace_bytes(9 if gpu.fp8 else 8)
+    reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype], graph_tokens(sc, graphs_planned, False), ws)
+    resident_reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype], graph_tokens(sc, graphs_planned, piecewise),
+                                          ws)
     # per-sequence state (Yuan's filter) is whole on every rank; one more row is the graphs' scratch row
     state = state_per_seq * (opts.max_num_seqs + 1) if state_per_seq else 0
     notes: list[str] = []
@@ -232,7 +235,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     used = device_weights + max_len * int(mc.head_dim * mc.partial_rotary_factor) * 4  # + the fp32 RoPE table
 
     def after_warmup(step_peak: int) -> int:
-        return kv_after_warmup(budget, used, warmup_activations(step_peak, sc, mc.vocab_size, pool_tokens),
+        return kv_after_warmup(budget, used, warmup_activations(step_peak, sc, mc.vocab_size, pool_tokens, ws),
                                fixed_kv_bytes(cc, per_block), per_block, max_len, opts.block_size)[0]
 
     kv_range = (0, 0)
@@ -266,10 +269,12 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     device_weights = placement.device_bytes() if placement else 0
     per_gpu = dict(weights=device_weights, weights_all=sum(g.nbytes for g in mine), kv=kv,
                    kv_planned=kv_planned, kv_tokens_planned=kv_tokens_planned, kv_tokens_range=kv_range,
-                   step_activations=step, warmup_activations=warmup_activations(step, sc, mc.vocab_size, pool_tokens),
+                   step_activations=step,
+                   warmup_activations=warmup_activations(step, sc, mc.vocab_size, pool_tokens, ws),
                    kv_bytes_per_token=kv_per_token, kv_tokens=kv_tokens, state=state, activations=reserve,
                    cuda_context=CUDA_CONTEXT_BYTES,
-                   peak=used + kv + state + step + 2 * opts.max_num_seqs * mc.vocab_size * 4 + CUDA_CONTEXT_BYTES,
+                   peak=used + kv + state + step + 2 * opts.max_num_seqs * mc.vocab_size * 4 + CUDA_CONTEXT_BYTES
+                   + (ws if pool_tokens else 0), graph_workspace=ws if pool_tokens else 0,
                    capacity=capacity, budget=budget)
 
     # -- speed ---------------------------------------------------------------------------------------
@@ -445,7 +450,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         else:  # the engine's default budget is at most 90% of free memory; an explicit budget may go higher
             # the placement leaves the reserve for activations; the warm-up then takes what it measured
             need = (per_gpu["weights_all"] + max(resident_reserve, warmup_activations(
-                step, sc, mc.vocab_size, graph_tokens(sc, graphs_planned, piecewise))) + used - device_weights
+                step, sc, mc.vocab_size, graph_tokens(sc, graphs_planned, piecewise), ws)) + used - device_weights
                     + (-(-max_len // opts.block_size) + 2) * per_block)
             gib = math.ceil(need / 2**30)
             more = (make_plan(replace(opts, gpu_memory_budget_gb=gib * 2**30 / 1e9), advise=False)

@@ -114,7 +114,7 @@ def test_calibration_times_the_banks_format(tmp_path, monkeypatch):
 
 def test_calibration_chooses_the_dense_gemm(tmp_path, monkeypatch):
     """A dense bf16 bank: every `layers/cpu_experts.DENSE_GEMMS` is timed at 1 token beside copies, the fastest
-    is set process-wide (with the most tokens it takes: a split one while it beats the plain GEMM, native 1)
+    is set process-wide (with the most tokens it takes: a split one while it beats the plain GEMM)
     before the recorded figures are taken (they time the path then used) and set again from the cache; an
     fp32 bank (exact `expert_mlp` bits) chooses nothing."""
     from ferrylm.layers import cpu_experts

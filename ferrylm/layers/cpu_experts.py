@@ -7,7 +7,10 @@ run experts while the main thread drives the GPU.
 Dense weights go through `DenseGemm`, by the path `dense_gemm` names: "plain" (`F.linear`: oneDNN's GEMM on
 torch's intra-op threads, the reference) or "split" (`SplitRows`: the rows in one contiguous chunk per
 thread, each chunk a single-threaded `F.linear` on a worker of a shared pool of Python threads,
-`split_pool`; "split-x4": four chunks a thread), or at 1 token "native" (torch's own GEMV, oneDNN off).
+`split_pool`; "split-x4": four chunks a thread). (Torch's own GEMV with oneDNN switched off, fastest at 1
+token on the 2-core box, was tried and removed: graphed hybrid decode on the H200 host drifted 1.8 in logits
+with it, tests/test_cuda.py `test_hybrid_decode_with_each_dense_gemm`; a process-wide flag flipped beside
+other threads' matmuls.)
 All read the weight where it lies, in its own layout (no copy); every output element is one
 full-length dot product either way. At 1..16 tokens the GEMM is bound by memory reads, and which path
 streams them faster depends on the machine (benchmarks/bench_host_gemv.py), so the hybrid calibration
@@ -21,7 +24,6 @@ Shapes: T tokens, H hidden, I the expert's intermediate size.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -34,16 +36,14 @@ from ferrylm.layers.qmatmul import Int4PackCPU, Int8PackCPU, QuantKernel
 from ferrylm.weights import quant as Q
 
 FORMATS = ("bf16", "int8", "int4")
-DENSE_GEMMS = ("plain", "split", "split-x4", "native")
+DENSE_GEMMS = ("plain", "split", "split-x4")
 dense_gemm = "plain"
 """How `HostExpert` multiplies dense bf16 / fp16 weights at up to `dense_gemm_max_t` tokens (read at each
 call; more tokens take the plain path): "plain", one oneDNN GEMM on torch's intra-op threads (the
 reference); "split", `SplitRows` (the weight's rows in one chunk per thread, each chunk a single-threaded
 oneDNN GEMM on a worker thread of its own: the same bits as plain where oneDNN does not split K);
 "split-x4", four chunks per thread, taken by the workers as they come free (a core another thread holds
-delays a quarter of a share, not a whole one); "native", at 1 token only, torch's own GEMV with oneDNN off
-(`onednn_off`: a process-wide flag; another kernel than oneDNN's, so an expert's bits may then depend on
-how many tokens it ran with). Which is fastest depends on the machine (benchmarks/bench_host_gemv.py): the
+delays a quarter of a share, not a whole one). Which is fastest depends on the machine (benchmarks/bench_host_gemv.py): the
 hybrid calibration measures them and sets this (offload/calibration.py). fp32 weights always take the
 plain path (an fp32 bank computes `expert_mlp`'s bits)."""
 dense_gemm_max_t = 16
@@ -179,41 +179,10 @@ class DenseGemm:
         g = dense_gemm
         if g == "plain" or self.w.dtype == torch.float32 or x.shape[0] > dense_gemm_max_t:
             return F.linear(x, self.w)
-        if g == "native":
-            if x.shape[0] == 1:
-                with onednn_off():
-                    return F.linear(x, self.w)
-            return F.linear(x, self.w)
         threads = torch.get_num_threads()
         if threads == 1:  # (the pool's own workers)
             return F.linear(x, self.w)
         return self.split(threads, chunks_per_thread(g))(x)
-
-
-_ONEDNN = threading.Lock()
-_onednn_off_calls = 0
-_onednn_was = True
-
-
-@contextlib.contextmanager
-def onednn_off():
-    """torch's matmuls without oneDNN (its own kernels: at 1 token a vectorised GEMV with fp32 sums) while
-    any thread is inside; the process-wide flag (`torch.backends.mkldnn.enabled`) is given back as it was
-    once the last one leaves. Other threads' matmuls meanwhile take torch's kernels too: the engine runs
-    no CPU matmul beside its host expert worker."""
-    global _onednn_off_calls, _onednn_was
-    with _ONEDNN:
-        if _onednn_off_calls == 0:
-            _onednn_was = torch.backends.mkldnn.enabled
-            torch.backends.mkldnn.enabled = False
-        _onednn_off_calls += 1
-    try:
-        yield
-    finally:
-        with _ONEDNN:
-            _onednn_off_calls -= 1
-            if _onednn_off_calls == 0:
-                torch.backends.mkldnn.enabled = _onednn_was
 
 
 ROW_BLOCK_BYTES = 4 << 20

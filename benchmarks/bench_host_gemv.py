@@ -9,7 +9,8 @@ holds them: landing it means re-laying the bank at load, never a second copy):
   the reference path; `split`: `layers/cpu_experts.SplitRows`, the weight's rows in one chunk per thread,
   each a single-threaded `F.linear` on its own Python worker thread (`dense_gemm = "split"`); `split-x2`,
   `split-x4`: 2 / 4 chunks a thread, taken by the threads as they come free;
-  `native`: `F.linear` with oneDNN off (`layers/cpu_experts.onednn_off`, a process-wide flag: torch's own
+  `native`: `F.linear` with oneDNN off (`onednn_off` here, a process-wide flag; not in the library: wrong beside
+  other threads' matmuls in the engine, see docs/benchmarks.md; torch's own
   kernels, a vectorised GEMV at 1 token, per-element dot products above); `split-native`: both;
   `w@xT`: `W @ x.T` (oneDNN with the roles swapped, as `torch.mv`);
   `bmm`: one `torch.bmm` over the rows viewed as [threads, N/threads, K]; `fp32-rows`: rows converted to
@@ -51,6 +52,17 @@ from ferrylm.layers import cpu_experts as C
 from ferrylm.weights import quant as Q
 from bench_cpu_experts import H2DCopy, read_bandwidth  # benchmarks/ (scripts run as python benchmarks/x.py)
 from results import write_results  # benchmarks/results.py
+
+
+@contextlib.contextmanager
+def onednn_off():
+    """torch's own CPU matmul kernels while inside (the process-wide oneDNN flag, given back after)."""
+    was = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = was
 
 SHAPES = {"mixtral": (4096, 14336), "qwen3-30b": (2048, 768), "yuan-m32": (2048, 8192)}  # (H, expert I)
 BF16 = ["plain", "split", "split-x2", "split-x4", "native", "split-native", "w@xT", "bmm", "fp32-rows", "pretransposed",
@@ -259,7 +271,7 @@ def main() -> None:
             nbytes = experts[0].nbytes
             for t in a.tokens:
                 x = torch.randn(t, H).bfloat16()
-                mode = C.onednn_off() if variant.endswith("native") else contextlib.nullcontext()
+                mode = onednn_off() if variant.endswith("native") else contextlib.nullcontext()
                 with mode:
                     sec = time_expert(experts, x, reps)
                 gb_s = nbytes / sec / 1e9

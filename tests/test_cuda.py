@@ -47,6 +47,20 @@ def token_ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def worst_while_equal(ref_out, ref, out, got) -> tuple[float, int]:
+    """Max |logit diff| over the rows both runs computed from the same context: per sequence, the rows up to
+    and including the first step whose sampled tokens differ (bf16 rounding may flip a near-tie; after it the
+    contexts differ and so do the logits, by any amount). Also returns how many sequences diverged."""
+    worst, diverged = 0.0, 0
+    for r_o, r, o, g in zip(ref_out, ref, out, got):
+        a, b = r_o.outputs[0].token_ids, o.outputs[0].token_ids
+        n = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        diverged += n is not None
+        m = len(r) if n is None else n + 1
+        worst = max(worst, (r[:m] - g[:m]).abs().max().item())
+    return worst, diverged
+
+
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "mixtral", "qwen2_moe"])
 def test_family_on_cuda_matches_transformers(family, tmp_path_factory):
     from test_models_hf import build
@@ -592,8 +606,9 @@ def test_hybrid_decode_with_each_dense_gemm(gemm, tmp_path_factory, monkeypatch)
     assert placed.stats.cpu_experts > 0 and placed.host_decode.error is None
     if gemm.startswith("split"):
         assert cpu_experts._POOLS  # the split pool ran
-    worst = max((a - b).abs().max().item() for a, b in zip(ref, got))
-    print(f"hybrid decode, dense GEMM {gemm}: max |logit diff| vs GPU = {worst:.3e}; {placed.stats}")
+    worst, diverged = worst_while_equal(ref_out, ref, out, got)
+    print(f"hybrid decode, dense GEMM {gemm}: max |logit diff| vs GPU = {worst:.3e} (same contexts; "
+          f"{diverged} sequences flipped a token); {placed.stats}")
     assert worst < 5e-2
     assert [o.outputs[0].token_ids[:4] for o in out] == [r.outputs[0].token_ids[:4] for r in ref_out]
 
@@ -700,10 +715,10 @@ def test_packed_hybrid_decode_split_equals_mapped(quant, group, tmp_path_factory
     assert llm.engine.runner.graphs is not None and placed.host_decode is not None
     assert all(c.packed and c.mapped and c.split_cols == 256 for c in placed.caches.values())
     out, got = sampled_rows(llm, prompts, 16)
-    worst = max((a - b).abs().max().item() for a, b in zip(ref, got))
+    worst, diverged = worst_while_equal(ref_out, ref, out, got)  # H200: nf4 flipped a late token (1.34 after it)
     same = sum(a == b for o, r in zip(out, ref_out) for a, b in zip(o.outputs[0].token_ids, r.outputs[0].token_ids))
-    print(f"packed {quant} hybrid decode, split {256}/512 vs mapped only: max |logit diff| {worst:.3e}, "
-          f"{same}/{16 * len(prompts)} tokens equal; {placed.stats}")
+    print(f"packed {quant} hybrid decode, split {256}/512 vs mapped only: max |logit diff| {worst:.3e} over the "
+          f"same contexts, {same}/{16 * len(prompts)} tokens equal ({diverged} sequences diverged); {placed.stats}")
     assert placed.stats.cpu_experts > 0 and placed.host_decode.error is None
     assert worst < 0.1
     assert [o.outputs[0].token_ids[:4] for o in out] == [r.outputs[0].token_ids[:4] for r in ref_out]

@@ -8,9 +8,9 @@ Dense weights go through `DenseGemm`, by the path `dense_gemm` names: "plain" (`
 torch's intra-op threads, the reference) or "split" (`SplitRows`: the rows in one contiguous chunk per
 thread, each chunk a single-threaded `F.linear` on a worker of a shared pool of Python threads,
 `split_pool`; "split-x4": four chunks a thread). (Torch's own GEMV with oneDNN switched off, fastest at 1
-token on the 2-core box, was tried and removed: graphed hybrid decode on the H200 host drifted 1.8 in logits
-with it, tests/test_cuda.py `test_hybrid_decode_with_each_dense_gemm`; a process-wide flag flipped beside
-other threads' matmuls.)
+token on the 2-core box, was tried and removed: it flips a process-wide flag beside other threads' matmuls,
+and graphed hybrid decode on the H200 host ended 1.8 off in logits with it, tests/test_cuda.py
+`test_hybrid_decode_with_each_dense_gemm`.)
 All read the weight where it lies, in its own layout (no copy); every output element is one
 full-length dot product either way. At 1..16 tokens the GEMM is bound by memory reads, and which path
 streams them faster depends on the machine (benchmarks/bench_host_gemv.py), so the hybrid calibration

@@ -15,6 +15,7 @@ Cases (`--cases`, in this order by default):
                                and eager (`enforce_eager`, the baseline: transformers has no Yuan), active-weight
                                roofline
   --hf                         adds transformers' eager decode at batch 1 for the Llama and Mixtral cases
+  --plain-ops                  the small per-layer ops as torch's kernel chains (`layers/fused_ops.py` off)
 
     PYTHONPATH=. python benchmarks/bench_resident.py [--cases ...] [--hf] [--out FILE]
 
@@ -159,7 +160,13 @@ def main() -> None:
     ap.add_argument("--cases", default="llama8b-b1,llama8b-b64,llama8b-prefill2k,mixtral8l-b1,llama8b-16k-b16")
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plain-ops", action="store_true",
+                    help="norms, RoPE and silu * up as torch's chains of kernels (layers/fused_ops.py off): the baseline")
     a = ap.parse_args()
+    if a.plain_ops:
+        from ferrylm.layers import fused_ops
+
+        fused_ops.ENABLED = False
     cases = a.cases.split(",")
     bw, mm = read_gb_s(), matmul_tflops()
     print(f"read {bw:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s", flush=True)
@@ -232,7 +239,7 @@ def main() -> None:
         llm.close()  # its memory and threads, now
         del llm
         release()
-    write_results("resident", rows, out=a.out, read_gb_s=bw, matmul_tflops=mm)
+    write_results("resident", rows, out=a.out, read_gb_s=bw, matmul_tflops=mm, fused_ops=not a.plain_ops)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ kernels: matmuls (cuBLAS / cutlass GEMV and GEMM), attention (the Triton paged k
 The matmul group's achieved GB/s is its weight bytes over its kernel time: the number that says whether the
 GEMVs or the kernels between them lose the time.
 
-    PYTHONPATH=. python benchmarks/profile_resident.py [--layers 32] [--batch 1] [--steps 16]
+    PYTHONPATH=. python benchmarks/profile_resident.py [--layers 32] [--batch 1] [--steps 16] [--plain-ops]
 The last line is JSON (also written to --out when given).
 """
 
@@ -50,13 +50,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plain-ops", action="store_true", help="layers/fused_ops.py off (torch's kernel chains)")
     a = ap.parse_args()
+    if a.plain_ops:
+        from ferrylm.layers import fused_ops
+
+        fused_ops.ENABLED = False
     from ferrylm import LLM, SamplingParams
     from ferrylm.weights.random_source import RandomSource
 
     cfg = {**LLAMA3_8B, "num_hidden_layers": a.layers}
     bw = read_gb_s()
-    out: dict = {"layers": a.layers, "batch": a.batch, "read_gb_s": bw}
+    out: dict = {"layers": a.layers, "batch": a.batch, "read_gb_s": bw, "fused_ops": not a.plain_ops}
     b = shape_bytes(cfg)
     out["roofline_ms"] = b["weights"] / bw / 1e6
     for eager in (False, True):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ferrylm.errors import ConfigError
+from ferrylm.layers import fused_ops
 
 SUPPORTED = ("linear", "llama3", "yarn", "dynamic", "longrope", "su")
 
@@ -207,6 +208,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [T]; q: [T, Hq, D]; k: [T, Hk, D]
+        if not self.length_dependent and fused_ops.rope_usable(q, k, self.rot_dim):  # one launch, torch's bits
+            return fused_ops.rope(positions, q, k, self._table(q.device), self.rot_dim)
         cs = self.cos_sin(positions, q.device)
         cos, sin = cs[:, 0, None, :].to(q.dtype), cs[:, 1, None, :].to(q.dtype)  # [T, 1, rot]
         r = self.rot_dim

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ferrylm.config import ModelConfig
+from ferrylm.layers import fused_ops
 from ferrylm.layers.activation import get_act
 from ferrylm.layers.attention import PagedAttention
 from ferrylm.layers.embedding import ParallelLMHead, ParallelVocabEmbedding, TiedLMHead
@@ -62,9 +63,13 @@ class GatedMLP(nn.Module):
         self.inter = self.gate_up_proj.shards["gate"][1]  # this tensor-parallel rank's share
         self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
         self.act = get_act(act)
+        self.silu = act in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
+        gu = self.gate_up_proj(x)  # [T, 2I]: gate, up
+        if self.silu and gu.dim() == 2 and fused_ops.usable(gu):
+            return self.down_proj(fused_ops.silu_mul(gu))  # one launch, as torch rounds
+        gate, up = gu.split(self.inter, dim=-1)  # [T, I] each
         return self.down_proj(self.act(gate) * up)
 
 

@@ -1,0 +1,141 @@
+"""One Triton launch each for the small per-layer ops that torch runs as chains of elementwise kernels: RMSNorm
+(8 kernels in `layers/norm.py`'s plain form), RoPE on q and k together (~13 in `layers/rotary.py`'s) and the
+gated MLP's silu(gate) * up (2). At one decode token every one of those kernels is bound by its launch latency
+inside a CUDA graph (~2 us each), not its bytes: ~25 of them a layer were ~50 us of a Llama-3-8B layer's ~200.
+
+Each kernel rounds where torch rounds, so the results are torch's bits or within an ulp of them:
+- `rms_norm`: fp32 sum of squares (another summation order than torch's mean: the one difference), rsqrt,
+  the normalised row rounded to x's dtype, then times the weight rounded to their promoted dtype.
+- `rope`: cos / sin rounded to q's dtype, each product rounded, then the sum: torch's bits exactly.
+- `silu_mul`: silu in fp32 rounded to the dtype, times up, rounded.
+The plain torch forms stay the reference and the CPU path; `usable(x)` says when these run (a CUDA tensor,
+Triton importable, `ENABLED`). Tested against the plain forms under Triton's interpreter (fp32) and on CUDA
+(tests/test_fused_ops.py, tests/test_cuda.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs (CI): the plain torch forms are the only ones
+    triton = None
+
+ENABLED = True
+"""Off: every caller takes its plain torch form (the reference)."""
+
+
+def usable(x: torch.Tensor) -> bool:
+    return ENABLED and triton is not None and x.is_cuda
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm(x_ptr, w_ptr, out_ptr, N, stride_x, stride_o, eps, BLOCK: tl.constexpr, X_T: tl.constexpr,
+                  O_T: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        ok = offs < N
+        x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+        y = (x * rstd).to(X_T).to(tl.float32)  # torch: (x * rsqrt(...)).to(dtype)
+        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + offs, (w * y).to(O_T), mask=ok)
+
+    @triton.jit
+    def _rope(q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr, pos_ptr, HQ, HK, stride_qt, stride_qh, stride_kt, stride_kh,
+              D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, T_: tl.constexpr):
+        # one token a program: its q heads then its k heads; out[j] = x[j] cos[j] + rotate_half(x)[j] sin[j]
+        # for j < 2 HALF, x[j] past it; cs: [P, 2, 2 HALF] fp32
+        t = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        j = tl.arange(0, HALF)
+        cs = cs_ptr + pos * 4 * HALF
+        c_lo = tl.load(cs + j).to(T_).to(tl.float32)
+        c_hi = tl.load(cs + HALF + j).to(T_).to(tl.float32)
+        s_lo = tl.load(cs + 2 * HALF + j).to(T_).to(tl.float32)
+        s_hi = tl.load(cs + 3 * HALF + j).to(T_).to(tl.float32)
+        h = tl.arange(0, BLOCK_H)
+        for side in tl.static_range(2):
+            if side == 0:
+                src, dst, nh, st, sh = q_ptr, qo_ptr, HQ, stride_qt, stride_qh
+            else:
+                src, dst, nh, st, sh = k_ptr, ko_ptr, HK, stride_kt, stride_kh
+            ok = (h < nh)[:, None]
+            base = src + t * st + h[:, None] * sh
+            out = dst + (t * nh + h[:, None]) * D
+            lo = tl.load(base + j[None, :], mask=ok, other=0.0).to(tl.float32)
+            hi = tl.load(base + HALF + j[None, :], mask=ok, other=0.0).to(tl.float32)
+            # torch: x * cos + rotate_half(x) * sin, each product rounded to the dtype, then their sum
+            o_lo = (lo * c_lo).to(T_).to(tl.float32) + (-hi * s_lo).to(T_).to(tl.float32)
+            o_hi = (hi * c_hi).to(T_).to(tl.float32) + (lo * s_hi).to(T_).to(tl.float32)
+            tl.store(out + j[None, :], o_lo.to(T_), mask=ok)
+            tl.store(out + HALF + j[None, :], o_hi.to(T_), mask=ok)
+            if D > 2 * HALF:  # partial rotary: the rest passes through
+                p = tl.arange(0, D - 2 * HALF)
+                rest = tl.load(base + 2 * HALF + p[None, :], mask=ok, other=0.0)
+                tl.store(out + 2 * HALF + p[None, :], rest, mask=ok)
+
+    @triton.jit
+    def _silu_mul(x_ptr, out_ptr, N, stride_x, stride_o, BLOCK: tl.constexpr, T_: tl.constexpr):
+        # x: [T, 2N] gate then up -> out [T, N] = silu(gate) * up, rounded as torch rounds each op
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < N
+        g = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * stride_x + N + offs, mask=ok, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(T_).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + offs, (s * u).to(T_), mask=ok)
+
+
+def _tl(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`layers/norm.RMSNorm`'s forward in one launch: x [..., N] with unit stride along N."""
+    shape, N = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, N)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    if x2.shape[0]:
+        _rms_norm[(x2.shape[0],)](x2, weight, out, N, x2.stride(0), out.stride(0), float(eps),
+                                  BLOCK=triton.next_power_of_2(N), X_T=_tl(x.dtype), O_T=_tl(out_dtype),
+                                  num_warps=4 if N <= 4096 else 8)
+    return out.view(shape)
+
+
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, rot: int):
+    """`layers/rotary.RotaryEmbedding`'s forward for a table of every position ([P, 2, rot] fp32): q [T, Hq, D]
+    and k [T, Hk, D] (unit stride along D; any token / head strides) -> new contiguous q, k."""
+    T, HQ, D = q.shape
+    HK = k.shape[1]
+    qo, ko = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if T:
+        _rope[(T,)](q, k, qo, ko, table, positions, HQ, HK, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                    D=D, HALF=rot // 2, BLOCK_H=triton.next_power_of_2(max(HQ, HK)), T_=_tl(q.dtype))
+    return qo, ko
+
+
+def rope_usable(q: torch.Tensor, k: torch.Tensor, rot: int) -> bool:
+    """The kernel's shapes: power-of-two half rotation and pass-through width, unit stride along D."""
+    pw2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    rest = q.shape[-1] - rot
+    return (usable(q) and q.dim() == 3 and k.dim() == 3 and q.dtype == k.dtype and pw2(rot // 2) and rot % 2 == 0
+            and (rest == 0 or pw2(rest)) and q.stride(-1) == 1 and k.stride(-1) == 1)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2N] (gate, up) -> silu(gate) * up [T, N], one launch."""
+    T, N2 = x.shape
+    N = N2 // 2
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T:
+        BLOCK = min(1024, triton.next_power_of_2(N))
+        _silu_mul[(T, triton.cdiv(N, BLOCK))](x, out, N, x.stride(0), out.stride(0), BLOCK=BLOCK, T_=_tl(x.dtype))
+    return out

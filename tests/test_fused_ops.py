@@ -1,0 +1,82 @@
+"""`layers/fused_ops.py`'s one-launch RMSNorm, RoPE and silu * up against the plain torch forms they replace on
+CUDA (`layers/norm.py`, `layers/rotary.py`, `models/llama.GatedMLP`): RoPE bit for bit, the others within
+their last bit (another summation order; Triton's exp). Runs on CUDA (bf16 and fp32), or on the CPU under
+Triton's interpreter (`TRITON_INTERPRET=1` before Python starts; fp32 only); skipped otherwise (CI)."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+CUDA = torch.cuda.is_available()
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from ferrylm.layers import fused_ops  # noqa: E402
+from ferrylm.layers.norm import RMSNorm  # noqa: E402
+from ferrylm.layers.rotary import RotaryEmbedding  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
+
+
+def plain(fn):
+    """Run `fn` with the fused forms off (the reference)."""
+    was = fused_ops.ENABLED
+    fused_ops.ENABLED = False
+    try:
+        return fn()
+    finally:
+        fused_ops.ENABLED = was
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,weight_fp32", [(64, False), (4096, False), (200, True)])
+def test_rms_norm_equals_the_plain_form(dtype, n, weight_fp32):
+    g = torch.Generator().manual_seed(n)
+    norm = RMSNorm(n, 1e-5).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(n, generator=g).to(DEV))
+    norm.to(torch.float32 if weight_fp32 else dtype)
+    x = (torch.randn(7, n, generator=g) * 3).to(DEV, dtype)
+    ref = plain(lambda: norm(x))
+    got = fused_ops.rms_norm(x, norm.weight, norm.eps)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    err = (got.float() - ref.float()).abs().max().item()
+    ulp = 2 ** -7 if ref.dtype == torch.bfloat16 else 2 ** -22
+    print(f"rms_norm {dtype} n={n}: max diff {err:.3e}")
+    assert err <= 2 * ulp * ref.float().abs().max().item()
+    x3 = x.view(7, 1, n).expand(7, 2, n)[:, 1]  # a strided view: copied, same result
+    assert torch.equal(fused_ops.rms_norm(x3, norm.weight, norm.eps), got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,rot", [(64, 64), (128, 64)])
+def test_rope_equals_the_plain_form_bit_for_bit(dtype, d, rot):
+    g = torch.Generator().manual_seed(d + rot)
+    T, hq, hk = 5, 6, 2
+    rope = RotaryEmbedding(d, rot, 512, 10000.0).to(DEV)
+    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g).to(DEV, dtype)
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)  # strided views, as the model splits them
+    q, k = q.view(T, hq, d), k.view(T, hk, d)
+    pos = torch.tensor([0, 3, 17, 300, 511], device=DEV)
+    assert fused_ops.rope_usable(q, k, rot) or not CUDA
+    ref_q, ref_k = plain(lambda: rope(pos, q, k))
+    got_q, got_k = fused_ops.rope(pos, q, k, rope._table(q.device), rot)
+    print(f"rope {dtype} d={d} rot={rot}: max diff q {(got_q.float() - ref_q.float()).abs().max():.3e}")
+    assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_equals_the_plain_form(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, 2 * 3000, generator=g) * 4).to(DEV, dtype)
+    gate, up = x.split(3000, dim=-1)
+    ref = F.silu(gate) * up
+    got = fused_ops.silu_mul(x)
+    err = (got.float() - ref.float()).abs()
+    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -21
+    print(f"silu_mul {dtype}: max diff {err.max():.3e}")
+    assert (err <= ulp * ref.float().abs() + 1e-6).all()

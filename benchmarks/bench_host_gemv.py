@@ -72,9 +72,9 @@ INT4 = ["int4pack", "int4pack-split", "int4pack-split-x4"]
 COPY = {"pretransposed", "onednn-packed", "split-packed"}
 
 
-class MemcpyLoop:
+class MemcpyLoop(H2DCopy):
     """A background thread copying a 256 MiB host buffer over and over on one torch thread (a stand-in for the
-    copy engine's reads off the GPU host)."""
+    copy engine's reads off the GPU host); started and stopped as `H2DCopy`."""
 
     def __init__(self, mib: int = 256):
         self.src = torch.empty(mib << 20, dtype=torch.uint8)
@@ -88,16 +88,6 @@ class MemcpyLoop:
         while not self.stop.is_set():
             self.dst.copy_(self.src)
             self.copied += self.src.nbytes
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-        self.gb_s = self.copied / (time.perf_counter() - self.t0) / 1e9
 
 
 class Kernel:

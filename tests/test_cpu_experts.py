@@ -65,7 +65,11 @@ def test_packed_experts_hold_fewer_bytes():
 def test_runs_on_worker_threads():
     """Two threads computing experts at once give what each gives alone (no shared scratch state)."""
     experts = [HostExpert.quantize(*_weights(256, 128, s), "int4") for s in (1, 2)]
-    x = torch.randn(4, 256)
+    assert same_on_two_threads(experts, torch.randn(4, 256))
+
+
+def same_on_two_threads(experts, x) -> bool:
+    """Each of two experts run on its own thread at once gives what it gives alone."""
     alone = [e(x) for e in experts]
     got = [None, None]
 
@@ -76,7 +80,7 @@ def test_runs_on_worker_threads():
         th.start()
     for th in threads:
         th.join()
-    assert all(torch.equal(a, b) for a, b in zip(alone, got))
+    return all(torch.equal(a, b) for a, b in zip(alone, got))
 
 
 def test_bad_shapes_and_formats_are_named():
@@ -396,18 +400,7 @@ def test_split_pool_keeps_torch_threads_and_serves_threads_at_once(monkeypatch):
         th.join()
         assert inside == 1 and seen == [3] and torch.get_num_threads() == 3
         experts = [HostExpert(*(w.bfloat16() for w in _weights(256, 128, s))) for s in (1, 2)]
-        x = torch.randn(4, 256)
-        alone = [e(x) for e in experts]
-        got = [None, None]
-
-        def run(j):
-            got[j] = experts[j](x)
-        threads = [threading.Thread(target=run, args=(j,)) for j in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert all(torch.equal(a, b) for a, b in zip(alone, got))
+        assert same_on_two_threads(experts, torch.randn(4, 256))
     finally:
         torch.set_num_threads(before)
 

@@ -80,3 +80,21 @@ def test_silu_mul_equals_the_plain_form(dtype):
     ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -21
     print(f"silu_mul {dtype}: max diff {err.max():.3e}")
     assert (err <= ulp * ref.float().abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_the_residual_add(dtype):
+    """`RMSNorm.add_forward`: (x + r, norm(x + r)) in one launch equals the two steps: the sum bit for bit,
+    the norm within the plain norm's bound."""
+    g = torch.Generator().manual_seed(11)
+    n = 512
+    norm = RMSNorm(n, 1e-6).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(n, generator=g).to(DEV))
+    norm.to(dtype)
+    x, r = ((torch.randn(3, n, generator=g) * 2).to(DEV, dtype) for _ in range(2))
+    ref_s, ref_h = plain(lambda: norm.add_forward(x, r))
+    s, h = fused_ops.rms_norm(x, norm.weight, norm.eps, r)
+    assert torch.equal(s, ref_s)
+    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -22
+    assert (h.float() - ref_h.float()).abs().max().item() <= 2 * ulp * ref_h.float().abs().max().item()

@@ -5,7 +5,8 @@ inside a CUDA graph (~2 us each), not its bytes: ~25 of them a layer were ~50 us
 
 Each kernel rounds where torch rounds, so the results are torch's bits or within an ulp of them:
 - `rms_norm`: fp32 sum of squares (another summation order than torch's mean: the one difference), rsqrt,
-  the normalised row rounded to x's dtype, then times the weight rounded to their promoted dtype.
+  the normalised row rounded to x's dtype, then times the weight rounded to their promoted dtype; optionally
+  the residual add before it (x + r rounded to the dtype, stored: the layer's residual stream).
 - `rope`: cos / sin rounded to q's dtype, each product rounded, then the sum: torch's bits exactly.
 - `silu_mul`: silu in fp32 rounded to the dtype, times up, rounded.
 The plain torch forms stay the reference and the CPU path; `usable(x)` says when these run (a CUDA tensor,
@@ -34,12 +35,17 @@ def usable(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm(x_ptr, w_ptr, out_ptr, N, stride_x, stride_o, eps, BLOCK: tl.constexpr, X_T: tl.constexpr,
-                  O_T: tl.constexpr):
+    def _rms_norm(x_ptr, r_ptr, sum_ptr, w_ptr, out_ptr, N, stride_x, stride_r, stride_o, eps, BLOCK: tl.constexpr,
+                  X_T: tl.constexpr, O_T: tl.constexpr, ADD: tl.constexpr):
+        # with ADD: x + r first, rounded to the dtype and stored (the residual stream), then its norm
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         ok = offs < N
         x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+        if ADD:
+            x = (x + tl.load(r_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)).to(X_T)
+            tl.store(sum_ptr + row * stride_o + offs, x, mask=ok)
+            x = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
         y = (x * rstd).to(X_T).to(tl.float32)  # torch: (x * rsqrt(...)).to(dtype)
         w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -95,19 +101,27 @@ def _tl(dtype: torch.dtype):
     return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`layers/norm.RMSNorm`'s forward in one launch: x [..., N] with unit stride along N."""
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """`layers/norm.RMSNorm`'s forward in one launch: x [..., N] with unit stride along N. With `residual`
+    (x's shape and dtype): (x + residual, its norm), as `s = x + residual; norm(s)` computes them."""
     shape, N = x.shape, x.shape[-1]
-    x2 = x.reshape(-1, N)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else x2
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    total = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     if x2.shape[0]:
-        _rms_norm[(x2.shape[0],)](x2, weight, out, N, x2.stride(0), out.stride(0), float(eps),
-                                  BLOCK=triton.next_power_of_2(N), X_T=_tl(x.dtype), O_T=_tl(out_dtype),
-                                  num_warps=4 if N <= 4096 else 8)
-    return out.view(shape)
+        _rms_norm[(x2.shape[0],)](x2, r2, total, weight, out, N, x2.stride(0), r2.stride(0), out.stride(0),
+                                  float(eps), BLOCK=triton.next_power_of_2(N), X_T=_tl(x.dtype), O_T=_tl(out_dtype),
+                                  ADD=residual is not None, num_warps=4 if N <= 4096 else 8)
+    if residual is None:
+        return out.view(shape)
+    return total.view(shape), out.view(shape)
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, rot: int):

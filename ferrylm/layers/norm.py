@@ -20,3 +20,11 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, its norm): one launch on CUDA (`fused_ops.rms_norm` with the residual), the same bits
+        as the two steps."""
+        if fused_ops.usable(x) and x.shape == residual.shape and x.dtype == residual.dtype:
+            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
+        s = x + residual
+        return s, self(s)

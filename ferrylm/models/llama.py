@@ -98,8 +98,8 @@ class DecoderLayer(nn.Module):
 
     def post(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         # x: residual stream [T, H]; attn_out: [T, Hq * D]
-        x = x + self.self_attn.o_proj(attn_out)
-        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn.o_proj(attn_out))  # x + o, its norm
+        return x + getattr(self, self.mlp_name)(h)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.post(x, self.self_attn.attn(*self.pre(positions, x)))

@@ -325,7 +325,7 @@ class YuanForCausalLM(CausalLM):
     """
 
     cuda_graphs = False  # graph-safe (tests/test_decode_graphs.py on the CPU); True once tests/test_cuda.py -k graph
-    # has passed on a GPU (session 4's run timed out before the Yuan graph tests finished)
+    # has passed on a GPU (session 5: test_yuan_dense_graph_decode_equals_eager failed there, output lost)
     expert_w1_stacked = True
     """M32 checkpoints hold each expert's gate and up rows stacked in one `w1` ([2I, H]) and no `w3`."""
     """Decode reads no host values when the step carries `state_rows` (`LFBatch`); M32 needs a graph-safe

@@ -136,3 +136,16 @@ def test_packed_columns_of_the_intermediate_add_up(fmt, kernel):
     if b2.fmt in ("int4", "int4min", "nf4"):  # two codes a byte: a column split between them is refused
         with pytest.raises(ValueError, match="even"):
             expert_rows(x, b13, b2, ids, w, inter=c - 1, decode=decode)
+
+
+@pytest.mark.parametrize("T,k,E,bm", [(1, 2, 8, 16), (16, 2, 9, 16), (1, 8, 129, 16), (8, 8, 129, 32), (64, 2, 8, 64)])
+def test_align_kernel_equals_the_plain_align(T, k, E, bm):
+    """`align`'s one-launch kernel (decode sizes) gives the plain torch ops' outputs exactly: the padded rows,
+    each block's expert, the rows in use and each assignment's row (ties in a stable order)."""
+    from ferrylm.layers.fused_moe import align
+
+    g = torch.Generator().manual_seed(T * E + k)
+    ids = torch.randint(0, E, (T, k), generator=g).to(DEV)
+    ids[0, 0] = E - 1  # the last expert (the skip id when E counts it) in use
+    plain, kernel = align(ids, E, bm, kernel=False), align(ids, E, bm, kernel=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, kernel))

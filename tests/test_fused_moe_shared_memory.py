@@ -50,3 +50,16 @@ def test_packed_tiles_fit_sm90_shared_memory(fmt, A):
     need = shared_bytes(fmt, A)
     print(f"{fmt} at {A} assignments: {need} bytes of shared memory")
     assert need <= SM90_SHARED
+
+
+def test_align_kernel_compiles_for_sm90_at_its_largest_tiles():
+    """`_align_small` at the largest tiles `align` sends it (`ALIGN_KERNEL_ELEMENTS`), within shared memory."""
+    from ferrylm.layers.fused_moe import ALIGN_KERNEL_ELEMENTS
+
+    sig = dict(ids_ptr="*i64", rows_ptr="*i64", block_expert_ptr="*i64", used_ptr="*i64", inv_ptr="*i64", A="i32",
+               E="i32", M_PAD="i32", NB="i32")
+    for ba, be in ((64, ALIGN_KERNEL_ELEMENTS // 64), (128, ALIGN_KERNEL_ELEMENTS // 128)):
+        ce = dict(BM=16, BA=ba, BE=be, BR=64)
+        src = ASTSource(fn=fm._align_small, signature={**sig, **{k: "constexpr" for k in ce}}, constexprs=ce)
+        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+        assert ck.metadata.shared <= SM90_SHARED

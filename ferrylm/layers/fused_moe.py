@@ -22,12 +22,24 @@ except ImportError:  # CPU-only installs: the backend is never chosen there
     triton = None
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+ALIGN_KERNEL_ELEMENTS = 16384
+"""`align` takes its one-launch kernel (`_align_small`) on CUDA while its [experts, assignments] and
+[assignments, assignments] comparison tiles stay this small (decode steps); larger steps the torch ops."""
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, kernel: bool | None = None):
     """-> (sorted assignment index per padded row [M_pad] (A = padding), expert of each row block
-    [M_pad / BM], padded rows in use [1], padded row of each assignment [A]). Device ops only."""
+    [M_pad / BM], padded rows in use [1], padded row of each assignment [A]). Device ops only: ~20 small
+    torch kernels (the plain form, the reference), or at decode sizes on CUDA one Triton launch with the same
+    outputs (`kernel`: None chooses, True / False force one)."""
     flat = topk_ids.flatten()  # [A]
     A, E = flat.numel(), num_experts
     dev = flat.device
+    if kernel is None:
+        kernel = (triton is not None and dev.type == "cuda" and A > 0
+                  and max(_p2(E) * _p2(A), _p2(A) ** 2) <= ALIGN_KERNEL_ELEMENTS)
+    if kernel:
+        return _align_kernel(flat, E, block_m)
     counts = torch.zeros(E, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
     ends = torch.cumsum(padded, 0)
@@ -35,7 +47,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     sorted_e = flat[order]
     first = torch.cumsum(counts, 0) - counts  # first sorted index of each expert
     pos = (ends - padded)[sorted_e] + torch.arange(A, device=dev) - first[sorted_e]  # padded row of sorted i
-    m_pad = (A + E * (block_m - 1) + block_m - 1) // block_m * block_m
+    m_pad = _m_pad(A, E, block_m)
     rows = torch.full((m_pad,), A, dtype=torch.long, device=dev)
     rows[pos] = order
     inv = torch.empty(A, dtype=torch.long, device=dev)
@@ -43,6 +55,27 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     starts = torch.arange(0, m_pad, block_m, device=dev)
     block_expert = torch.searchsorted(ends, starts, right=True).clamp_(max=E - 1)
     return rows, block_expert, ends[-1:], inv
+
+
+def _p2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _m_pad(A: int, E: int, block_m: int) -> int:
+    return (A + E * (block_m - 1) + block_m - 1) // block_m * block_m
+
+
+def _align_kernel(flat: torch.Tensor, E: int, block_m: int):
+    A = flat.numel()
+    m_pad = _m_pad(A, E, block_m)
+    nb = m_pad // block_m
+    rows = torch.empty(m_pad, dtype=torch.long, device=flat.device)
+    block_expert = torch.empty(nb, dtype=torch.long, device=flat.device)
+    used = torch.empty(1, dtype=torch.long, device=flat.device)
+    inv = torch.empty(A, dtype=torch.long, device=flat.device)
+    _align_small[(1,)](flat, rows, block_expert, used, inv, A, E, m_pad, nb, BM=block_m, BA=_p2(A), BE=_p2(E),
+                       BR=64, num_warps=8 if max(_p2(A) * _p2(E), _p2(A) ** 2) > 4096 else 4)
+    return rows, block_expert, used, inv
 
 
 FORMATS = {"dense": 0, "int8": 1, "fp8": 2, "int4": 3, "int4min": 4, "nf4": 5}
@@ -53,6 +86,36 @@ dequantizers compute and rounded to the activations' dtype: the dot sees the deq
 (in tiles twice as wide along K, so its sums run in another order than the dense kernel's)."""
 
 if triton is not None:
+
+    @triton.jit
+    def _align_small(ids_ptr, rows_ptr, block_expert_ptr, used_ptr, inv_ptr, A, E, M_PAD, NB, BM: tl.constexpr,
+                     BA: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr):
+        # `align` in one program, by comparison tiles instead of a sort: an assignment's padded row is its
+        # expert's first padded row plus the number of earlier assignments to the same expert (a stable order)
+        a = tl.arange(0, BA)
+        a_ok = a < A
+        ids = tl.load(ids_ptr + a, mask=a_ok, other=-1).to(tl.int32)
+        e = tl.arange(0, BE)
+        e_ok = e < E
+        counts = tl.sum((ids[None, :] == e[:, None]).to(tl.int32), axis=1)  # [BE]
+        padded = (counts + BM - 1) // BM * BM
+        ends = tl.cumsum(padded, axis=0)
+        first = ends - padded  # each expert's first padded row
+        same = (ids[None, :] == ids[:, None]) & (a[None, :] < a[:, None]) & a_ok[None, :]  # [a, earlier a']
+        rank = tl.sum(same.to(tl.int32), axis=1)
+        pos = tl.sum(tl.where(e[None, :] == ids[:, None], first[None, :], 0), axis=1) + rank  # [BA]
+        tl.store(inv_ptr + a, pos.to(tl.int64), mask=a_ok)
+        for r0 in range(0, M_PAD, BR):  # each padded row: the assignment placed there, else A
+            r = r0 + tl.arange(0, BR)
+            hit = (pos[None, :] == r[:, None]) & a_ok[None, :]  # [BR, BA]
+            got = tl.sum(tl.where(hit, a[None, :], 0), axis=1)
+            row = tl.where(tl.sum(hit.to(tl.int32), axis=1) > 0, got, A)
+            tl.store(rows_ptr + r, row.to(tl.int64), mask=r < M_PAD)
+        for b0 in range(0, NB, BR):  # a block's expert: how many experts' padded rows end at or before it
+            b = b0 + tl.arange(0, BR)
+            n = tl.sum(((ends[None, :] <= (b * BM)[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + b, tl.minimum(n, E - 1).to(tl.int64), mask=b < NB)
+        tl.store(used_ptr, tl.sum(tl.where(e_ok, padded, 0), axis=0).to(tl.int64))
 
     @triton.jit
     def _weight_tile(w_base, s_base, m_base, lut_ptr, rows, n_ok, k0, kleft, offs_k, stride_wn, stride_sn,

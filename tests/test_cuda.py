@@ -353,13 +353,19 @@ def slot_books(placed):
         assert torch.equal(c.in_slot.cpu(), placed.tally.resident[i])
 
 
-@pytest.mark.parametrize("scheme,group", [("int4", 32)])  # int8: see models/base.py ENGINE_PACKED_FORMATS
-def test_packed_experts_resident_and_offloaded(scheme, group, tmp_path_factory):
+@pytest.mark.parametrize("scheme,group", [("int4", 32), ("int8", 64)])
+def test_packed_experts_resident_and_offloaded(scheme, group, tmp_path_factory, monkeypatch):
     """A quantized store's experts stay packed on CUDA (the fused kernel decodes tiles): close to the
-    dequantized torch reference; offloaded (read in place / copied packed) equal to resident bit for bit."""
+    dequantized torch reference over the same contexts; offloaded (read in place / copied packed) equal to
+    resident bit for bit. int8: the engine dequantizes those banks (models/base.py ENGINE_PACKED_FORMATS) since
+    a session-2 run of this test was 2.1 off, comparing every row (a flipped near-tie shows the same): kept
+    packed here to decide."""
     from test_models_hf import build
 
+    from ferrylm.models import base
     from ferrylm.weights.convert import ConvertOptions, convert
+
+    monkeypatch.setattr(base, "ENGINE_PACKED_FORMATS", base.ENGINE_PACKED_FORMATS | {scheme})
 
     path, _ = build(tmp_path_factory, "qwen3_moe")
     store = str(tmp_path_factory.mktemp(f"packed-{scheme}") / "s")
@@ -367,13 +373,15 @@ def test_packed_experts_resident_and_offloaded(scheme, group, tmp_path_factory):
     g = torch.Generator().manual_seed(13)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (70, 3, 17)]
     kw = dict(device="cuda", dtype="bfloat16", enforce_eager=True)
-    _, ref = sampled_rows(LLM(store, moe_backend="torch", **kw), prompts, 12)
+    ref_out, ref = sampled_rows(LLM(store, moe_backend="torch", **kw), prompts, 12)
     resident = LLM(store, **kw)
     banks = [m for m in resident.engine.runner.model.modules() if hasattr(m, "packed")]
     assert banks and all(b.packed is not None for b in banks)
     res_out, res = sampled_rows(resident, prompts, 12)
-    worst = max((a - b).abs().max().item() for a, b in zip(ref, res))
-    print(f"packed {scheme} experts (fused kernel) vs dequantized torch reference: max |logit diff| = {worst:.3e}")
+    worst, diverged = worst_while_equal(ref_out, ref, res_out, res)
+    every = max((a - b).abs().max().item() for a, b in zip(ref, res))
+    print(f"packed {scheme} experts (fused kernel) vs dequantized torch reference: max |logit diff| = {worst:.3e} "
+          f"over the same contexts ({diverged} sequences flipped a token; {every:.3e} over every row)")
     assert worst < 0.1
     off = LLM(store, place=("experts=cpu", "layers.0.experts.0=gpu"), experts="gpu", **kw)
     placed = off.engine.runner.placed

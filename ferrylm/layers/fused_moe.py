@@ -483,7 +483,7 @@ def _tiles(bk: int, args: dict, K: int) -> dict:
     where the doubled tile fits an H100/H200 SM's 227 KiB of shared memory: per-row int8 and int4 (sym).
     The others gather a 4-byte table value, scale or min per element, pipelined over 3 stages: doubled, a
     gated tile needs 264-392 KiB (nf4 the most) and fails at launch; at the dense width 132-196 KiB
-    (tests/test_fused_moe_shared_memory.py compiles every format for sm_90 and checks)."""
+    (tests/test_sm90_compile.py compiles every format for sm_90 and checks)."""
     if args["FMT"] == 0:
         return dict(BLOCK_K=bk, PER_ROW=True)
     per_row = args["GS"] >= K

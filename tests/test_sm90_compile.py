@@ -1,4 +1,6 @@
-"""The fused MoE kernel's tiles fit an H100/H200 SM's shared memory in every expert format, at the tiles
+"""Kernels compiled for sm_90 without a GPU (Triton's own ptxas): they compile in every dtype the engine runs
+(`layers/fused_ops.py`, whose interpreter tests run fp32 only), and the fused MoE kernel's tiles fit an
+H100/H200 SM's shared memory in every expert format, at the tiles
 `expert_rows` launches: each is compiled for sm_90 with Triton's own ptxas (no GPU needed) and its
 shared-memory need read from the compiled metadata. nf4 at a doubled BLOCK_K needed 392 KiB and failed at
 launch with `OutOfResources` on the H200 (session 5); fp8, int4min and group-wise int8 needed 264-288 KiB.
@@ -63,3 +65,28 @@ def test_align_kernel_compiles_for_sm90_at_its_largest_tiles():
         src = ASTSource(fn=fm._align_small, signature={**sig, **{k: "constexpr" for k in ce}}, constexprs=ce)
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
         assert ck.metadata.shared <= SM90_SHARED
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+def test_fused_ops_compile_for_sm90(dt):
+    """`layers/fused_ops.py`'s kernels compile for sm_90 in every activation dtype (the interpreter runs fp32
+    only): RMSNorm with and without the residual add, RoPE with and without a pass-through part, silu * up."""
+    from ferrylm.layers import fused_ops as fo
+
+    T_ = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dt]
+    p = f"*{dt}"
+
+    def compile_(fn, sig, ce, warps=4):
+        src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in ce}}, constexprs=ce)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+
+    norm = dict(x_ptr=p, r_ptr=p, sum_ptr=p, w_ptr=p, out_ptr=p, N="i32", stride_x="i32", stride_r="i32",
+                stride_o="i32", eps="fp32")
+    for add in (False, True):
+        compile_(fo._rms_norm, norm, dict(BLOCK=4096, X_T=T_, O_T=T_, ADD=add))
+    rope = dict(q_ptr=p, k_ptr=p, qo_ptr=p, ko_ptr=p, cs_ptr="*fp32", pos_ptr="*i64", HQ="i32", HK="i32",
+                stride_qt="i32", stride_qh="i32", stride_kt="i32", stride_kh="i32")
+    for d, half in ((128, 64), (128, 32)):
+        compile_(fo._rope, rope, dict(D=d, HALF=half, BLOCK_H=32, T_=T_))
+    compile_(fo._silu_mul, dict(x_ptr=p, out_ptr=p, N="i32", stride_x="i32", stride_o="i32"),
+             dict(BLOCK=1024, T_=T_))

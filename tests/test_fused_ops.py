@@ -98,3 +98,17 @@ def test_rms_norm_with_the_residual_add(dtype):
     assert torch.equal(s, ref_s)
     ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -22
     assert (h.float() - ref_h.float()).abs().max().item() <= 2 * ulp * ref_h.float().abs().max().item()
+
+
+@pytest.mark.parametrize("E,k,normalize", [(8, 2, True), (128, 8, True), (60, 4, False), (32, 2, True)])
+def test_route_equals_the_plain_router(E, k, normalize):
+    """`fused_ops.route` picks `layers/moe.route`'s experts in its order, weights within fp32 rounding."""
+    from ferrylm.layers.moe import route
+
+    g = torch.Generator().manual_seed(E + k)
+    logits = (torch.randn(9, E, generator=g) * 3).to(DEV)
+    ref_w, ref_ids = plain(lambda: route(logits, k, normalize))
+    w, ids = fused_ops.route(logits, k, normalize)
+    assert torch.equal(ids, ref_ids)
+    print(f"route E={E} k={k}: max weight diff {(w - ref_w).abs().max():.3e}")
+    assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-7)

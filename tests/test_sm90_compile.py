@@ -70,7 +70,8 @@ def test_align_kernel_compiles_for_sm90_at_its_largest_tiles():
 @pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
 def test_fused_ops_compile_for_sm90(dt):
     """`layers/fused_ops.py`'s kernels compile for sm_90 in every activation dtype (the interpreter runs fp32
-    only): RMSNorm with and without the residual add, RoPE with and without a pass-through part, silu * up."""
+    only): RMSNorm with and without the residual add, RoPE with and without a pass-through part, silu * up, the
+    router's softmax top-k."""
     from ferrylm.layers import fused_ops as fo
 
     T_ = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dt]
@@ -90,3 +91,6 @@ def test_fused_ops_compile_for_sm90(dt):
         compile_(fo._rope, rope, dict(D=d, HALF=half, BLOCK_H=32, T_=T_))
     compile_(fo._silu_mul, dict(x_ptr=p, out_ptr=p, N="i32", stride_x="i32", stride_o="i32"),
              dict(BLOCK=1024, T_=T_))
+    for k, be in ((2, 8), (8, 128)):
+        compile_(fo._route, dict(logits_ptr=p, w_ptr="*fp32", ids_ptr="*i64", E="i32", stride_l="i32"),
+                 dict(K=k, BK=k, BE=be, NORM=True))

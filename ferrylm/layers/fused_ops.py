@@ -1,6 +1,6 @@
 """One Triton launch each for the small per-layer ops that torch runs as chains of elementwise kernels: RMSNorm
-(8 kernels in `layers/norm.py`'s plain form), RoPE on q and k together (~13 in `layers/rotary.py`'s) and the
-gated MLP's silu(gate) * up (2). At one decode token every one of those kernels is bound by its launch latency
+(8 kernels in `layers/norm.py`'s plain form), RoPE on q and k together (~13 in `layers/rotary.py`'s), the
+gated MLP's silu(gate) * up (2) and the MoE router's softmax top-k (~6). At one decode token every one of those kernels is bound by its launch latency
 inside a CUDA graph (~2 us each), not its bytes: ~25 of them a layer were ~50 us of a Llama-3-8B layer's ~200.
 
 Each kernel rounds where torch rounds, so the results are torch's bits or within an ulp of them:
@@ -9,6 +9,8 @@ Each kernel rounds where torch rounds, so the results are torch's bits or within
   the residual add before it (x + r rounded to the dtype, stored: the layer's residual stream).
 - `rope`: cos / sin rounded to q's dtype, each product rounded, then the sum: torch's bits exactly.
 - `silu_mul`: silu in fp32 rounded to the dtype, times up, rounded.
+- `route`: the MoE router's fp32 softmax, top-k and renormalisation (~6 kernels in `layers/moe.route`); the
+  same experts in the same order (equal probabilities: the lower expert first), weights within fp32 rounding.
 The plain torch forms stay the reference and the CPU path; `usable(x)` says when these run (a CUDA tensor,
 Triton importable, `ENABLED`). Tested against the plain forms under Triton's interpreter (fp32) and on CUDA
 (tests/test_fused_ops.py, tests/test_cuda.py).
@@ -95,6 +97,52 @@ if triton is not None:
         u = tl.load(x_ptr + row * stride_x + N + offs, mask=ok, other=0.0).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(T_).to(tl.float32)
         tl.store(out_ptr + row * stride_o + offs, (s * u).to(T_), mask=ok)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _route(logits_ptr, w_ptr, ids_ptr, E, stride_l, K: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
+               NORM: tl.constexpr):
+        # one token a program: fp32 softmax over its E router logits, the K largest (the first of equals), their
+        # weights renormalised to sum to 1 with NORM
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BE)
+        ok = e < E
+        x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=-float("inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = tl.where(ok, p, 0.0)
+        p = p / tl.sum(p, axis=0)
+        j = tl.arange(0, BK)
+        vals = tl.zeros((BK,), dtype=tl.float32)
+        ids = tl.zeros((BK,), dtype=tl.int64)
+        for r in tl.static_range(K):
+            v = tl.max(p, axis=0)
+            i = tl.min(tl.where(p == v, e, BE), axis=0)  # the first expert at the maximum
+            vals = tl.where(j == r, v, vals)
+            ids = tl.where(j == r, i.to(tl.int64), ids)
+            p = tl.where(e == i, -1.0, p)
+        if NORM:
+            vals = vals / tl.sum(vals, axis=0)
+        tl.store(w_ptr + t * K + j, vals, mask=j < K)
+        tl.store(ids_ptr + t * K + j, ids, mask=j < K)
+
+
+def route_usable(router_logits: torch.Tensor, top_k: int) -> bool:
+    return (usable(router_logits) and router_logits.dim() == 2 and router_logits.stride(-1) == 1
+            and router_logits.shape[-1] <= 1024 and top_k <= 16)
+
+
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layers/moe.route` in one launch: router_logits [T, E] -> fp32 weights [T, k] and int64 ids [T, k], the
+    k largest softmax probabilities in descending order (equal ones: the lower expert first)."""
+    T, E = router_logits.shape
+    w = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
+    if T:
+        _route[(T,)](router_logits, w, ids, E, router_logits.stride(0), K=top_k, BK=triton.next_power_of_2(top_k),
+                     BE=triton.next_power_of_2(E), NORM=normalize)
+    return w, ids
 
 
 def _tl(dtype: torch.dtype):

@@ -17,12 +17,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ferrylm.layers import fused_ops
 from ferrylm.layers.activation import get_act
 from ferrylm.layers.params import writable
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # router_logits: [T, E] -> weights, ids: [T, k] (fp32 softmax like the references)
+    # router_logits: [T, E] -> weights, ids: [T, k] (fp32 softmax like the references); on CUDA one launch
+    if fused_ops.route_usable(router_logits, top_k):
+        return fused_ops.route(router_logits, top_k, normalize)
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:

@@ -112,3 +112,20 @@ def test_route_equals_the_plain_router(E, k, normalize):
     assert torch.equal(ids, ref_ids)
     print(f"route E={E} k={k}: max weight diff {(w - ref_w).abs().max():.3e}")
     assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_sum_rows_equals_the_plain_sum(dtype, k):
+    """`fused_ops.sum_rows` (one launch) against `layers/fused_moe.sum_rows`' torch ops: within fp32 rounding
+    of the sum before the one rounding to the dtype (k = 1, 2: the same bits)."""
+    from ferrylm.layers.fused_moe import sum_rows
+
+    g = torch.Generator().manual_seed(k)
+    rows = torch.randn(5 * k, 3000, generator=g).to(DEV, dtype)
+    ref = plain(lambda: sum_rows(rows, k))
+    got = fused_ops.sum_rows(rows, k)
+    if k <= 2:
+        assert torch.equal(got, ref)
+    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -21
+    assert ((got.float() - ref.float()).abs() <= ulp * ref.float().abs() + 1e-5).all()

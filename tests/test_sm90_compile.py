@@ -91,6 +91,8 @@ def test_fused_ops_compile_for_sm90(dt):
         compile_(fo._rope, rope, dict(D=d, HALF=half, BLOCK_H=32, T_=T_))
     compile_(fo._silu_mul, dict(x_ptr=p, out_ptr=p, N="i32", stride_x="i32", stride_o="i32"),
              dict(BLOCK=1024, T_=T_))
+    compile_(fo._sum_rows, dict(rows_ptr=p, out_ptr=p, H="i32", stride_r="i32", stride_o="i32"),
+             dict(K=8, BLOCK=1024, T_=T_))
     for k, be in ((2, 8), (8, 128)):
         compile_(fo._route, dict(logits_ptr=p, w_ptr="*fp32", ids_ptr="*i64", E="i32", stride_l="i32"),
                  dict(K=k, BK=k, BE=be, NORM=True))

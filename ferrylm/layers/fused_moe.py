@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ferrylm.layers import fused_ops
 from ferrylm.layers.moe import ExpertBackend
 
 try:
@@ -492,7 +493,9 @@ def _tiles(bk: int, args: dict, K: int) -> dict:
 
 
 def sum_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
-    # rows: [T * k, H] -> [T, H], the k experts of a token added in fp32
+    # rows: [T * k, H] -> [T, H], the k experts of a token added in fp32 (on CUDA one launch: fused_ops.sum_rows)
+    if fused_ops.usable(rows) and rows.dim() == 2 and rows.stride(-1) == 1 and k <= 16:
+        return fused_ops.sum_rows(rows, k)
     return rows.view(-1, k, rows.shape[-1]).float().sum(1).to(rows.dtype)
 
 

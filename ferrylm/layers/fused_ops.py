@@ -9,6 +9,7 @@ Each kernel rounds where torch rounds, so the results are torch's bits or within
   the residual add before it (x + r rounded to the dtype, stored: the layer's residual stream).
 - `rope`: cos / sin rounded to q's dtype, each product rounded, then the sum: torch's bits exactly.
 - `silu_mul`: silu in fp32 rounded to the dtype, times up, rounded.
+- `sum_rows`: a token's k expert rows added in fp32 (in order) and rounded once.
 - `route`: the MoE router's fp32 softmax, top-k and renormalisation (~6 kernels in `layers/moe.route`); the
   same experts in the same order (equal probabilities: the lower expert first), weights within fp32 rounding.
 The plain torch forms stay the reference and the CPU path; `usable(x)` says when these run (a CUDA tensor,
@@ -126,6 +127,29 @@ if triton is not None:
             vals = vals / tl.sum(vals, axis=0)
         tl.store(w_ptr + t * K + j, vals, mask=j < K)
         tl.store(ids_ptr + t * K + j, ids, mask=j < K)
+
+
+    @triton.jit
+    def _sum_rows(rows_ptr, out_ptr, H, stride_r, stride_o, K: tl.constexpr, BLOCK: tl.constexpr, T_: tl.constexpr):
+        # out[t] = sum_j rows[t * K + j] in fp32, j in order, rounded once
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < H
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(K):
+            acc += tl.load(rows_ptr + (t * K + j) * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * stride_o + offs, acc.to(T_), mask=ok)
+
+
+def sum_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """`layers/fused_moe.sum_rows` in one launch: rows [T * k, H] -> [T, H], each token's k rows added in fp32."""
+    A, H = rows.shape
+    out = torch.empty(A // k, H, dtype=rows.dtype, device=rows.device)
+    if A:
+        BLOCK = min(1024, triton.next_power_of_2(H))
+        _sum_rows[(A // k, triton.cdiv(H, BLOCK))](rows, out, H, rows.stride(0), out.stride(0), K=k, BLOCK=BLOCK,
+                                                   T_=_tl(rows.dtype))
+    return out
 
 
 def route_usable(router_logits: torch.Tensor, top_k: int) -> bool:

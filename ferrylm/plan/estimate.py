@@ -50,7 +50,9 @@ LAUNCH_S = 150e-6
 LAUNCH_GRAPH_S = 30e-6
 """Per layer inside a CUDA graph, beyond the bytes: paged attention at short context (11.9 us at batch 1, 1k
 tokens, `bench_attention.py` on the H200) and ~8 small kernels (norms, RoPE, activation, residuals) at ~2 us
-each, bound by their latency, not their bytes. Was 15 us (launches only)."""
+each, bound by their latency, not their bytes. Was 15 us (launches only). Session 5's measurement (149 tok/s,
+Llama-3-8B batch 1, 32 layers) left ~94 us a layer above the bytes with torch's chains of kernels (~40 a layer);
+`layers/fused_ops.py` cut them to ~13: re-fit once `bench_resident.py` measures the fused engine."""
 ALLREDUCE_S = 20e-6
 """Fixed cost of one tensor-parallel all-reduce (two per layer), on top of its bytes over the link."""
 INPLACE_EFF = 0.85

@@ -16,14 +16,9 @@ def tiny_llama(tmp_path_factory) -> str:
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                    tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.1)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
-    return str(path)
+    from helpers import save_random
+
+    return save_random(transformers.LlamaForCausalLM(cfg), tmp_path_factory.mktemp("tiny-llama"), 0.1)
 
 
 # -- Yuan 2.0 tokenizer files -----------------------------------------------------------------------------

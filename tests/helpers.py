@@ -1,5 +1,6 @@
 """Test helpers: capture the logits the engine samples from, per sequence, in step order; Yuan text-side
-directories and the vendor's encoding recipe; a byte-level tokenizer for random-weight checkpoints."""
+directories and the vendor's encoding recipe; a byte-level tokenizer for random-weight checkpoints; a
+transformers model saved with random normal weights."""
 
 import contextlib
 import json
@@ -62,3 +63,16 @@ def vendor_encode(sp, specials: dict[str, int], text: str) -> list[int]:
     for part in re.split("(" + "|".join(map(re.escape, specials)) + ")", text):
         ids += [specials[part]] if part in specials else sp.encode(part) if part else []
     return ids
+
+
+def save_random(model, path, std: float) -> str:
+    """Every matrix of a transformers `model` drawn from N(0, std) (torch's global generator), then
+    `save_pretrained` to `path` (real tensor names); returns the path as a string."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, std)
+    model.save_pretrained(path)
+    return str(path)

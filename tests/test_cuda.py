@@ -690,14 +690,9 @@ def _wide_mixtral(tmp_path_factory, inter: int = 512) -> str:
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(**{**COMMON, "intermediate_size": inter, "num_local_experts": 8,
                                         "num_experts_per_tok": 2})
-    model = transformers.MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.05)
-    path = tmp_path_factory.mktemp("mixtral-wide")
-    model.save_pretrained(path)
-    return str(path)
+    from helpers import save_random
+
+    return save_random(transformers.MixtralForCausalLM(cfg).eval(), tmp_path_factory.mktemp("mixtral-wide"), 0.05)
 
 
 @pytest.mark.parametrize("quant,group", [("nf4", 64), ("int4", 32)])

@@ -16,6 +16,7 @@ Cases (`--cases`, in this order by default):
                                roofline
   --hf                         adds transformers' eager decode at batch 1 for the Llama and Mixtral cases
   --plain-ops                  the small per-layer ops as torch's kernel chains (`layers/fused_ops.py` off)
+  --vs-plain-ops               then the same cases with --plain-ops (a subprocess): the fused ops' gain, same run
 
     PYTHONPATH=. python benchmarks/bench_resident.py [--cases ...] [--hf] [--out FILE]
 
@@ -161,7 +162,9 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plain-ops", action="store_true",
-                    help="norms, RoPE and silu * up as torch's chains of kernels (layers/fused_ops.py off): the baseline")
+                    help="norms, RoPE, silu * up, the router as torch's chains of kernels (layers/fused_ops.py off)")
+    ap.add_argument("--vs-plain-ops", action="store_true",
+                    help="then the same cases with --plain-ops in a subprocess: rows gain plain_ops_tok_s, fused_vs_plain")
     a = ap.parse_args()
     if a.plain_ops:
         from ferrylm.layers import fused_ops
@@ -239,6 +242,23 @@ def main() -> None:
         llm.close()  # its memory and threads, now
         del llm
         release()
+    if a.vs_plain_ops:  # the same cases with the fused ops off, in a process of its own (after this one's engines)
+        import os
+        import sys
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            tmp = os.path.join(d, "plain.json")
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--cases", a.cases, "--plain-ops", "--out", tmp],
+                           check=True)
+            with open(tmp) as f:
+                plain = {r["case"]: r for r in json.load(f)["rows"]}
+        for r in rows:
+            p = plain.get(r["case"])
+            if p:
+                r.update(plain_ops_tok_s=p["ferry_tok_s"], fused_vs_plain=r["ferry_tok_s"] / p["ferry_tok_s"])
+                print(f"{r['case']}: fused ops {r['ferry_tok_s']:.1f} tok/s vs plain {p['ferry_tok_s']:.1f} "
+                      f"({r['fused_vs_plain']:.2f}x)", flush=True)
     write_results("resident", rows, out=a.out, read_gb_s=bw, matmul_tflops=mm, fused_ops=not a.plain_ops)
 
 

@@ -1,7 +1,8 @@
-"""One Triton launch each for the small per-layer ops that torch runs as chains of elementwise kernels: RMSNorm
-(8 kernels in `layers/norm.py`'s plain form), RoPE on q and k together (~13 in `layers/rotary.py`'s), the
-gated MLP's silu(gate) * up (2) and the MoE router's softmax top-k (~6). At one decode token every one of those kernels is bound by its launch latency
-inside a CUDA graph (~2 us each), not its bytes: ~25 of them a layer were ~50 us of a Llama-3-8B layer's ~200.
+"""One Triton launch each for the small per-layer ops that torch runs as chains of kernels: RMSNorm (8 kernels
+in `layers/norm.py`'s plain form), RoPE on q and k together (~13 in `layers/rotary.py`'s), the gated MLP's
+silu(gate) * up (2), a token's sum of its expert rows (3) and the MoE router's softmax top-k (~6). At one decode
+token each of those kernels is bound by its latency inside a CUDA graph (~2 us), not its bytes: the H200 measured
+a graphed Llama-3-8B layer ~90 us above its weight reads with ~40 kernels a layer (docs/benchmarks.md).
 
 Each kernel rounds where torch rounds, so the results are torch's bits or within an ulp of them:
 - `rms_norm`: fp32 sum of squares (another summation order than torch's mean: the one difference), rsqrt,
@@ -14,7 +15,7 @@ Each kernel rounds where torch rounds, so the results are torch's bits or within
   same experts in the same order (equal probabilities: the lower expert first), weights within fp32 rounding.
 The plain torch forms stay the reference and the CPU path; `usable(x)` says when these run (a CUDA tensor,
 Triton importable, `ENABLED`). Tested against the plain forms under Triton's interpreter (fp32) and on CUDA
-(tests/test_fused_ops.py, tests/test_cuda.py).
+(tests/test_fused_ops.py), compiled for sm_90 in every dtype (tests/test_sm90_compile.py).
 """
 
 from __future__ import annotations

@@ -129,3 +129,24 @@ def test_sum_rows_equals_the_plain_sum(dtype, k):
         assert torch.equal(got, ref)
     ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -21
     assert ((got.float() - ref.float()).abs() <= ulp * ref.float().abs() + 1e-5).all()
+
+
+@pytest.mark.parametrize("dv", [64, 0])
+def test_kv_write_kernel_equals_index_copy(dv):
+    """`kv/cache.write_kv` (one launch for a step's K and V rows) writes what `index_copy_` writes, from strided
+    views as the model's qkv split gives them; MLA's empty V (dv 0) writes K only."""
+    from ferrylm.kv import cache as C
+
+    g = torch.Generator().manual_seed(dv)
+    N, bs, hk, dk, T = 6, 4, 2, 64, 5
+    qkv = torch.randn(T, (2 * hk) * dk + hk * dv, generator=g).to(DEV)
+    k = qkv[:, :hk * dk].view(T, hk, dk)
+    v = qkv[:, 2 * hk * dk:].view(T, hk, dv)
+    slots = torch.tensor([3, 0, 17, 9, 22], device=DEV)
+    ref_k, ref_v = torch.zeros(N, bs, hk, dk, device=DEV), torch.zeros(N, bs, hk, dv, device=DEV)
+    ref_k.view(-1, hk, dk).index_copy_(0, slots, k)
+    if dv:
+        ref_v.view(-1, hk, dv).index_copy_(0, slots, v)
+    got_k, got_v = torch.zeros_like(ref_k), torch.zeros_like(ref_v)
+    C.write_kv(got_k, got_v, slots, k, v)
+    assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)

@@ -93,6 +93,11 @@ def test_fused_ops_compile_for_sm90(dt):
              dict(BLOCK=1024, T_=T_))
     compile_(fo._sum_rows, dict(rows_ptr=p, out_ptr=p, H="i32", stride_r="i32", stride_o="i32"),
              dict(K=8, BLOCK=1024, T_=T_))
+    from ferrylm.kv import cache as kv
+
+    for dv in (128, 0):
+        compile_(kv._write_kv, dict(k_ptr=p, v_ptr=p, kc_ptr=p, vc_ptr=p, slots_ptr="*i64", HK="i32", stride_kt="i32",
+                                    stride_kh="i32", stride_vt="i32", stride_vh="i32"), dict(DK=128, DV=dv, BH=8))
     for k, be in ((2, 8), (8, 128)):
         compile_(fo._route, dict(logits_ptr=p, w_ptr="*fp32", ids_ptr="*i64", E="i32", stride_l="i32"),
                  dict(K=k, BK=k, BE=be, NORM=True))

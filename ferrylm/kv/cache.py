@@ -9,6 +9,16 @@ from __future__ import annotations
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs (CI): index_copy_ writes
+    triton = None
+
+WRITE_KERNEL = True
+"""On CUDA, a step's K and V rows go to their slots in one Triton launch (`_write_kv`) where the shapes allow,
+instead of one `index_copy_` each (the same bytes: a copy); off, the `index_copy_` path (the reference)."""
+
 
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 """Quantized cache element types (`CacheConfig.kv_cache_dtype`), each with a per-(token, head) scale."""
@@ -103,6 +113,9 @@ class KVCache:
     def write(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [T]; k, v: [T, Hk, D]
         ks, vs = self.scales(i)
+        if ks is None and _kernel_writes(self.k[i], self.v[i], k, v):
+            write_kv(self.k[i], self.v[i], slots, k, v)
+            return
         self._write(self.k[i], ks, slots, k)
         if v.shape[-1]:  # MLA passes no values: they live in the K row
             self._write(self.v[i], vs, slots, v)
@@ -117,6 +130,46 @@ class KVCache:
         cache.view(torch.uint8).view(-1, *x.shape[1:]).index_copy_(0, slots, codes.view(torch.uint8))
         scale.view(-1, x.shape[1]).index_copy_(0, slots, s)
 
+
+
+def _pw2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _kernel_writes(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """`write_kv` applies: CUDA, Triton, the cache's dtype, power-of-two head widths, unit stride along them."""
+    return (WRITE_KERNEL and triton is not None and k.is_cuda and k.dtype == k_cache.dtype == v_cache.dtype
+            and v.dtype == k.dtype and _pw2(k.shape[-1]) and (v.shape[-1] == 0 or _pw2(v.shape[-1]))
+            and k.stride(-1) == 1 and (v.shape[-1] == 0 or v.stride(-1) == 1)
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k.shape[0] > 0)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, HK, stride_kt, stride_kh, stride_vt, stride_vh,
+                  DK: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr):
+        # one token a program: its Hk heads of K (and V) into cache row `slots[t]` ([slots, Hk, D] rows)
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        h = tl.arange(0, BH)[:, None]
+        ok = h < HK
+        dk = tl.arange(0, DK)[None, :]
+        tl.store(kc_ptr + (slot * HK + h) * DK + dk, tl.load(k_ptr + t * stride_kt + h * stride_kh + dk, mask=ok),
+                 mask=ok)
+        if DV > 0:
+            dv = tl.arange(0, DV)[None, :]
+            tl.store(vc_ptr + (slot * HK + h) * DV + dv,
+                     tl.load(v_ptr + t * stride_vt + h * stride_vh + dv, mask=ok), mask=ok)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """k_cache / v_cache: a layer's [N, bs, Hk, D] blocks; slots [T]; k, v [T, Hk, D]: rows t to slots[t], one
+    launch (what `index_copy_` on each does)."""
+    T, HK, DK = k.shape
+    _write_kv[(T,)](k, v, k_cache, v_cache, slots, HK, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                    DK=DK, DV=v.shape[-1], BH=triton.next_power_of_2(HK))
 
 
 class SequenceStatePool:

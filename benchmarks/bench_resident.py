@@ -167,9 +167,10 @@ def main() -> None:
                     help="then the same cases with --plain-ops in a subprocess: rows gain plain_ops_tok_s, fused_vs_plain")
     a = ap.parse_args()
     if a.plain_ops:
+        from ferrylm.kv import cache
         from ferrylm.layers import fused_ops
 
-        fused_ops.ENABLED = False
+        fused_ops.ENABLED = cache.WRITE_KERNEL = False  # every one-launch form (the align kernel follows ENABLED)
     cases = a.cases.split(",")
     bw, mm = read_gb_s(), matmul_tflops()
     print(f"read {bw:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s", flush=True)

@@ -53,9 +53,10 @@ def main() -> None:
     ap.add_argument("--plain-ops", action="store_true", help="layers/fused_ops.py off (torch's kernel chains)")
     a = ap.parse_args()
     if a.plain_ops:
+        from ferrylm.kv import cache
         from ferrylm.layers import fused_ops
 
-        fused_ops.ENABLED = False
+        fused_ops.ENABLED = cache.WRITE_KERNEL = False  # every one-launch form (the align kernel follows ENABLED)
     from ferrylm import LLM, SamplingParams
     from ferrylm.weights.random_source import RandomSource
 

@@ -37,7 +37,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, kernel: bool |
     A, E = flat.numel(), num_experts
     dev = flat.device
     if kernel is None:
-        kernel = (triton is not None and dev.type == "cuda" and A > 0
+        kernel = (fused_ops.ENABLED and triton is not None and dev.type == "cuda" and A > 0
                   and max(_p2(E) * _p2(A), _p2(A) ** 2) <= ALIGN_KERNEL_ELEMENTS)
     if kernel:
         return _align_kernel(flat, E, block_m)

@@ -29,7 +29,7 @@ except ImportError:  # CPU-only installs (CI): the plain torch forms are the onl
     triton = None
 
 ENABLED = True
-"""Off: every caller takes its plain torch form (the reference)."""
+"""Off: every caller takes its plain torch form (the reference); `layers/fused_moe.align`'s kernel follows it."""
 
 
 def usable(x: torch.Tensor) -> bool:

@@ -15,7 +15,8 @@ Cases (`--cases`, in this order by default):
                                and eager (`enforce_eager`, the baseline: transformers has no Yuan), active-weight
                                roofline
   --hf                         adds transformers' eager decode at batch 1 for the Llama and Mixtral cases
-  --plain-ops                  the small per-layer ops as torch's kernel chains (`layers/fused_ops.py` off)
+  --plain-ops                  the small per-layer ops as torch's kernel chains (`layers/fused_ops.py`, the KV write
+                               and align kernels off)
   --vs-plain-ops               then the same cases with --plain-ops (a subprocess): the fused ops' gain, same run
 
     PYTHONPATH=. python benchmarks/bench_resident.py [--cases ...] [--hf] [--out FILE]
@@ -162,7 +163,7 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plain-ops", action="store_true",
-                    help="norms, RoPE, silu * up, the router as torch's chains of kernels (layers/fused_ops.py off)")
+                    help="the small ops as torch's chains of kernels (layers/fused_ops.py, the KV write and align kernels off)")
     ap.add_argument("--vs-plain-ops", action="store_true",
                     help="then the same cases with --plain-ops in a subprocess: rows gain plain_ops_tok_s, fused_vs_plain")
     a = ap.parse_args()

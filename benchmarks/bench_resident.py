@@ -163,9 +163,9 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plain-ops", action="store_true",
-                    help="the small ops as torch's chains of kernels (layers/fused_ops.py, the KV write and align kernels off)")
+                    help="the small ops as torch's kernel chains (layers/fused_ops.py, the KV write and align kernels off)")
     ap.add_argument("--vs-plain-ops", action="store_true",
-                    help="then the same cases with --plain-ops in a subprocess: rows gain plain_ops_tok_s, fused_vs_plain")
+                    help="then the cases again with --plain-ops in a subprocess: rows gain plain_ops_tok_s, fused_vs_plain")
     a = ap.parse_args()
     if a.plain_ops:
         from ferrylm.kv import cache

@@ -1069,3 +1069,31 @@ def test_dropped_offloaded_engine_frees_its_memory_at_once(tmp_path_factory):
         assert not [t.name for t in set(threading.enumerate()) - threads if t.name.startswith("ferry")]
         if how == "close":
             del llm
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3_moe"])
+def test_one_launch_ops_equal_the_plain_engine(family, tmp_path_factory, monkeypatch):
+    """The engine with its one-launch forms (`layers/fused_ops.py`, `kv/cache.write_kv`, the align kernel)
+    against the same engine with all of them off, graphed, bf16: logits over the same contexts within bf16
+    rounding, the first tokens equal."""
+    from test_models_hf import build
+
+    from ferrylm.kv import cache
+    from ferrylm.layers import fused_ops
+
+    path, _ = build(tmp_path_factory, family)
+    g = torch.Generator().manual_seed(23)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (30, 3, 11)]
+    kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=4)
+    monkeypatch.setattr(fused_ops, "ENABLED", False)
+    monkeypatch.setattr(cache, "WRITE_KERNEL", False)
+    ref_out, ref = sampled_rows(LLM(path, **kw), prompts, 16)
+    free_engines()
+    monkeypatch.setattr(fused_ops, "ENABLED", True)
+    monkeypatch.setattr(cache, "WRITE_KERNEL", True)
+    out, got = sampled_rows(LLM(path, **kw), prompts, 16)
+    worst, diverged = worst_while_equal(ref_out, ref, out, got)
+    print(f"{family}: one-launch ops vs plain engine: max |logit diff| {worst:.3e} over the same contexts "
+          f"({diverged} sequences flipped a token)")
+    assert worst < 5e-2
+    assert [o.outputs[0].token_ids[:4] for o in out] == [r.outputs[0].token_ids[:4] for r in ref_out]

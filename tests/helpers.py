@@ -76,3 +76,17 @@ def save_random(model, path, std: float) -> str:
                 p.normal_(0, std)
     model.save_pretrained(path)
     return str(path)
+
+
+def triton_device() -> bool:
+    """Skip the calling test module (or test) unless Triton's kernels can run here: on CUDA, or on the CPU
+    under Triton's interpreter (`TRITON_INTERPRET=1` set before Python starts; fp32 only). Returns whether
+    CUDA is the device."""
+    import pytest
+    import torch
+
+    pytest.importorskip("triton")
+    cuda = torch.cuda.is_available()
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+    return cuda

@@ -5,15 +5,12 @@ reference; read directly and through a `WeightTable` of per-expert addresses.
 Runs on CUDA, or on the CPU under Triton's interpreter (`TRITON_INTERPRET=1` set before Python starts, in
 fp32: the interpreter has no bf16); skipped otherwise (CI has no Triton)."""
 
-import os
-
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-CUDA = torch.cuda.is_available()
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+from helpers import triton_device  # noqa: E402
+
+CUDA = triton_device()
 
 from ferrylm.layers.fused_moe import ExpertWeights, WeightTable, expert_rows, sum_rows  # noqa: E402
 from ferrylm.layers.moe import Experts, TorchExperts  # noqa: E402

@@ -1,18 +1,16 @@
-"""`layers/fused_ops.py`'s one-launch RMSNorm, RoPE and silu * up against the plain torch forms they replace on
-CUDA (`layers/norm.py`, `layers/rotary.py`, `models/llama.GatedMLP`): RoPE bit for bit, the others within
-their last bit (another summation order; Triton's exp). Runs on CUDA (bf16 and fp32), or on the CPU under
+"""The one-launch forms against the plain torch ones they replace on CUDA: `layers/fused_ops.py`'s RMSNorm (and
+with the residual add), RoPE, silu * up, router and expert row sum (`layers/norm.py`, `layers/rotary.py`,
+`models/llama.GatedMLP`, `layers/moe.route`, `layers/fused_moe.sum_rows`) and `kv/cache.write_kv`: RoPE, the
+KV write and short sums bit for bit, the others within their last bit (summation order; Triton's exp). Runs on CUDA (bf16 and fp32), or on the CPU under
 Triton's interpreter (`TRITON_INTERPRET=1` before Python starts; fp32 only); skipped otherwise (CI)."""
-
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-triton = pytest.importorskip("triton")
-CUDA = torch.cuda.is_available()
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+from helpers import triton_device  # noqa: E402
+
+CUDA = triton_device()
 
 from ferrylm.layers import fused_ops  # noqa: E402
 from ferrylm.layers.norm import RMSNorm  # noqa: E402

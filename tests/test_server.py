@@ -403,7 +403,9 @@ def test_huge_prompt_does_not_block_the_event_loop(server, http):
     result = {}  # the client's own GIL-holding work would show up as server latency
 
     def big():
+        t0 = time.perf_counter()
         result["r"] = http.post("/v1/completions", content=data, timeout=600)
+        result["s"] = time.perf_counter() - t0
 
     t = threading.Thread(target=big)
     lat = []
@@ -420,8 +422,11 @@ def test_huge_prompt_does_not_block_the_event_loop(server, http):
     assert err["code"] == "context_length_exceeded"
     assert len(lat) > 20, lat  # it really ran while the prompt was tokenized
     print(f"/health while a {mb} MB prompt was read and tokenized: {len(lat)} calls, "
-          f"max {max(lat) * 1e3:.0f} ms, 2nd {sorted(lat)[-2] * 1e3:.0f} ms")
-    assert sorted(lat)[-2] < 0.1, sorted(lat)[-5:]  # one slow answer allowed (a loaded CI machine)
+          f"max {max(lat) * 1e3:.0f} ms, 2nd {sorted(lat)[-2] * 1e3:.0f} ms; the request took {result['s']:.2f} s")
+    # A blocked loop answers /health only after the whole read-and-tokenize, seconds here. Answers within a
+    # quarter of that (and half a second) show it was free; one slow answer allowed, and a loaded 2-core CI
+    # machine has shown 200 ms stalls from GIL contention with the tokenizer thread, so no tighter bound.
+    assert sorted(lat)[-2] < min(0.5, result["s"] / 4), (sorted(lat)[-5:], result["s"])
 
 
 def _raw(server, data: bytes) -> tuple[float, bytes]:

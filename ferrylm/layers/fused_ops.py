@@ -14,7 +14,7 @@ Each kernel rounds where torch rounds, so the results are torch's bits or within
 - `route`: the MoE router's fp32 softmax, top-k and renormalisation (~6 kernels in `layers/moe.route`); the
   same experts in the same order (equal probabilities: the lower expert first), weights within fp32 rounding.
 The plain torch forms stay the reference and the CPU path; `usable(x)` says when these run (a CUDA tensor,
-Triton importable, `ENABLED`). Tested against the plain forms under Triton's interpreter (fp32) and on CUDA
+Triton importable, `ENABLED`). Tested against the plain forms under Triton's interpreter (fp32, fp16) and on CUDA
 (tests/test_fused_ops.py), compiled for sm_90 in every dtype (tests/test_sm90_compile.py).
 """
 

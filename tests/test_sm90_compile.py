@@ -421,3 +421,25 @@ def test_fused_moe_decode_fits_sm90(fmt):
     for cfg in fmd.sweep_configs(fmt):
         got += _moe_launches(E, H, I, k, torch.bfloat16, fmt, True, (1, 4), decode=cfg)
     check(got)
+
+
+def test_every_launched_kernel_is_compiled_here():
+    """A kernel added to a module outside `KERNEL_MODULES` would reach the GPU uncompiled: every ferrylm module
+    holding Triton kernels is one of them, and (when the whole file ran: this test is last) every kernel a
+    launcher starts was compiled above."""
+    import importlib
+    import pkgutil
+
+    import ferrylm
+
+    launched = set()
+    for info in pkgutil.walk_packages(ferrylm.__path__, "ferrylm."):
+        src = importlib.util.find_spec(info.name).origin
+        if src and src.endswith(".py") and "triton.jit" in open(src).read():
+            mod = importlib.import_module(info.name)
+            assert mod in KERNEL_MODULES, f"{info.name} has Triton kernels this test does not compile"
+            launched |= {n for n, f in vars(mod).items() if isinstance(f, JITFunction) and _launched(mod, n)}
+    assert len(launched) >= 13
+    compiled = {row[0] for row in TABLE.values()}
+    if len(compiled) > 1:  # not this test alone
+        assert launched <= compiled, f"launched kernels no test compiled: {sorted(launched - compiled)}"

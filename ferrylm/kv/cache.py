@@ -137,8 +137,13 @@ def _pw2(n: int) -> bool:
 
 
 def _kernel_writes(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """`write_kv` applies: CUDA, Triton, the cache's dtype, power-of-two head widths, unit stride along them."""
-    return (WRITE_KERNEL and triton is not None and k.is_cuda and k.dtype == k_cache.dtype == v_cache.dtype
+    """`write_kv` applies: CUDA, Triton and `write_kv_fits`."""
+    return WRITE_KERNEL and triton is not None and k.is_cuda and write_kv_fits(k_cache, v_cache, k, v)
+
+
+def write_kv_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The kernel's shapes (any device): the cache's dtype, power-of-two head widths, unit stride along them."""
+    return (k.dtype == k_cache.dtype == v_cache.dtype
             and v.dtype == k.dtype and _pw2(k.shape[-1]) and (v.shape[-1] == 0 or _pw2(v.shape[-1]))
             and k.stride(-1) == 1 and (v.shape[-1] == 0 or v.stride(-1) == 1)
             and k_cache.is_contiguous() and v_cache.is_contiguous() and k.shape[0] > 0)

@@ -97,7 +97,7 @@ class PagedAttention(nn.Module):
             # (0.58x on a 2k prompt, H200, benchmarks/bench_attention.py)
             self._torch_prefills(q, k, v, out, k_cache, v_cache, k_scale, v_scale, ctx)
         elif nd < ctx.num_seqs:
-            block_q = triton_attention.prefill_block_q(self.num_heads, self.num_kv_heads, self.head_dim)
+            block_q = triton_attention.prefill_block_q(self.num_heads, self.num_kv_heads, self.head_dim, q.dtype)
             key = ("triton_prefill", block_q)
             if key not in ctx._masks:  # once per step, shared by every layer
                 ctx._masks[key] = triton_attention.prefill_meta(ctx.query_start_loc, ctx.start_pos, ctx.seq_lens,

@@ -37,8 +37,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, kernel: bool |
     A, E = flat.numel(), num_experts
     dev = flat.device
     if kernel is None:
-        kernel = (fused_ops.ENABLED and triton is not None and dev.type == "cuda" and A > 0
-                  and max(_p2(E) * _p2(A), _p2(A) ** 2) <= ALIGN_KERNEL_ELEMENTS)
+        kernel = fused_ops.ENABLED and triton is not None and dev.type == "cuda" and align_kernel_fits(A, E)
     if kernel:
         return _align_kernel(flat, E, block_m)
     counts = torch.zeros(E, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
@@ -56,6 +55,12 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, kernel: bool |
     starts = torch.arange(0, m_pad, block_m, device=dev)
     block_expert = torch.searchsorted(ends, starts, right=True).clamp_(max=E - 1)
     return rows, block_expert, ends[-1:], inv
+
+
+def align_kernel_fits(A: int, E: int) -> bool:
+    """`align` takes the one-launch kernel for A assignments over E experts (on CUDA): its comparison tiles
+    stay within `ALIGN_KERNEL_ELEMENTS`."""
+    return A > 0 and max(_p2(E) * _p2(A), _p2(A) ** 2) <= ALIGN_KERNEL_ELEMENTS
 
 
 def _p2(n: int) -> int:

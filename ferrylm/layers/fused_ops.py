@@ -14,7 +14,7 @@ Each kernel rounds where torch rounds, so the results are torch's bits or within
 - `route`: the MoE router's fp32 softmax, top-k and renormalisation (~6 kernels in `layers/moe.route`); the
   same experts in the same order (equal probabilities: the lower expert first), weights within fp32 rounding.
 The plain torch forms stay the reference and the CPU path; `usable(x)` says when these run (a CUDA tensor,
-Triton importable, `ENABLED`). Tested against the plain forms under Triton's interpreter (fp32) and on CUDA
+Triton importable, `ENABLED`). Tested against the plain forms under Triton's interpreter (fp32, fp16) and on CUDA
 (tests/test_fused_ops.py), compiled for sm_90 in every dtype (tests/test_sm90_compile.py).
 """
 
@@ -154,8 +154,13 @@ def sum_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def route_usable(router_logits: torch.Tensor, top_k: int) -> bool:
-    return (usable(router_logits) and router_logits.dim() == 2 and router_logits.stride(-1) == 1
-            and router_logits.shape[-1] <= 1024 and top_k <= 16)
+    return usable(router_logits) and route_fits(router_logits, top_k)
+
+
+def route_fits(router_logits: torch.Tensor, top_k: int) -> bool:
+    """The kernel's shapes (any device): [T, E] rows with unit stride, E <= 1024 experts, k <= 16."""
+    return (router_logits.dim() == 2 and router_logits.stride(-1) == 1 and router_logits.shape[-1] <= 1024
+            and top_k <= 16)
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,16 +209,23 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, table: torch
     HK = k.shape[1]
     qo, ko = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if T:
+        bh = triton.next_power_of_2(max(HQ, HK))
+        # a program holds [BLOCK_H, D] values of each side: past 2048 on 4 warps ptxas spills (32 or 64 heads of
+        # 128 features; tests/test_sm90_compile.py reads the spills of the sm_90 build)
         _rope[(T,)](q, k, qo, ko, table, positions, HQ, HK, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                    D=D, HALF=rot // 2, BLOCK_H=triton.next_power_of_2(max(HQ, HK)), T_=_tl(q.dtype))
+                    D=D, HALF=rot // 2, BLOCK_H=bh, T_=_tl(q.dtype), num_warps=4 if bh * D <= 2048 else 8)
     return qo, ko
 
 
 def rope_usable(q: torch.Tensor, k: torch.Tensor, rot: int) -> bool:
-    """The kernel's shapes: power-of-two half rotation and pass-through width, unit stride along D."""
+    return usable(q) and rope_fits(q, k, rot)
+
+
+def rope_fits(q: torch.Tensor, k: torch.Tensor, rot: int) -> bool:
+    """The kernel's shapes (any device): power-of-two half rotation and pass-through width, unit stride along D."""
     pw2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     rest = q.shape[-1] - rot
-    return (usable(q) and q.dim() == 3 and k.dim() == 3 and q.dtype == k.dtype and pw2(rot // 2) and rot % 2 == 0
+    return (q.dim() == 3 and k.dim() == 3 and q.dtype == k.dtype and pw2(rot // 2) and rot % 2 == 0
             and (rest == 0 or pw2(rest)) and q.stride(-1) == 1 and k.stride(-1) == 1)
 
 

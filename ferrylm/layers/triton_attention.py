@@ -288,12 +288,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part = torch.empty(B, H, S, DV, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     big = D > 256  # MLA rows (576 features): smaller tiles keep the registers in bounds
+    fp32 = q.dtype == torch.float32  # exact fp32 dots: on 4 warps or 2 stages they spill (sm_90 build)
     _decode_kernel[(B, Hk * tiles, S)](
         q, K, V, KS, VS, block_tables, seq_lens, out, part, lse, scale, window or 0,
         q.stride(0), q.stride(1), *st, block_tables.stride(0), out.stride(0), out.stride(1),
         H=H, G=G, HT=HEAD_TILE, D=D, BLOCK_D=_p2(D), DV=DV, BLOCK_DV=_p2(DV), PAGE=page,
-        BLOCK_N=16 if big else 64, SPLITS=S, WINDOWED=window is not None, QUANT=quant,
-        IEEE=_ieee(q), num_warps=8 if big else 4, num_stages=1 if big else (2 if q.dtype == torch.float32 else 3))
+        BLOCK_N=16 if big else 32 if fp32 else 64, SPLITS=S, WINDOWED=window is not None, QUANT=quant,
+        IEEE=_ieee(q), num_warps=8 if big or fp32 else 4, num_stages=1 if big or fp32 else 3)
     if S > 1:
         _combine_kernel[(B, H)](part, lse, out, out.stride(0), out.stride(1), H=H, SPLITS=S,
                                 BLOCK_S=triton.next_power_of_2(S), DV=DV, BLOCK_DV=_p2(DV), num_warps=4)
@@ -314,11 +315,13 @@ def prefill_meta(query_start_loc: list[int], start_pos: list[int], seq_lens: lis
     return meta.to(device, non_blocking=True), len(tile_seq)
 
 
-def prefill_block_q(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+def prefill_block_q(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | None = None) -> int:
     """Query tokens per prefill tile: rows = tokens x the head tile, 128 rows (16 for MLA's 576-wide rows,
-    which pad to 1024 features: TODO a split 512 + 64 dot would let them take larger tiles)."""
+    which pad to 1024 features: TODO a split 512 + 64 dot would let them take larger tiles; 32 in fp32, whose
+    exact dots run on FMA units and spill registers at 64 rows or more on sm_90)."""
     ht = min(HEAD_TILE, triton.next_power_of_2(num_heads // num_kv_heads))
-    return max(1, (16 if head_dim > 256 else 128) // ht)
+    rows = 16 if head_dim > 256 else 32 if dtype == torch.float32 else 128
+    return max(1, rows // ht)
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -336,10 +339,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out
     ht = min(HEAD_TILE, triton.next_power_of_2(G))
     big = D > 256
+    fp32 = q.dtype == torch.float32  # with `prefill_block_q`'s 32 rows: <= 40 B spilled on sm_90 (was 10 KB)
     _prefill_kernel[(num_tiles, Hk * -(-G // ht))](
         q, K, V, KS, VS, block_tables, meta, out, scale, window or 0, num_seqs, num_tiles,
         q.stride(0), q.stride(1), *st, block_tables.stride(0), out.stride(0), out.stride(1),
         G=G, HT=ht, BLOCK_Q=block_q, D=D, BLOCK_D=_p2(D), DV=DV, BLOCK_DV=_p2(DV), PAGE=page,
-        BLOCK_N=16 if big else 64, WINDOWED=window is not None, QUANT=quant, IEEE=_ieee(q),
-        num_warps=8 if big or D > 64 else 4, num_stages=1 if big else 2)
+        BLOCK_N=16 if big or fp32 and D > 128 else 32 if fp32 else 64, WINDOWED=window is not None, QUANT=quant,
+        IEEE=_ieee(q), num_warps=8 if big or D > 64 or fp32 else 4, num_stages=1 if big or fp32 else 2)
     return out

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import threading
 import time
 
@@ -279,7 +280,7 @@ def main() -> None:
             load = os.getloadavg()[0]
             for variant, experts in built.items():
                 runs = sorted(times[variant])
-                sec, nbytes = runs[len(runs) // 2], experts[0].nbytes
+                sec, nbytes = statistics.median(runs), experts[0].nbytes
                 gb_s = nbytes / sec / 1e9
                 row = {"shape": shape, "H": H, "I": I, "format": fmt_of(variant), "variant": variant,
                        "copy": variant in COPY, "tokens": t, "ms": sec * 1e3, "gb_s": gb_s, "of_read_bw": gb_s / bw,
@@ -290,7 +291,7 @@ def main() -> None:
                     spread = f"  [{runs[0] * 1e3:.2f}, {runs[-1] * 1e3:.2f}]"
                     if "plain" in times:
                         ratios = sorted(p / v for p, v in zip(times["plain"], times[variant]))
-                        row["vs_plain"] = ratios[len(ratios) // 2]
+                        row["vs_plain"] = statistics.median(ratios)
                         spread += f"  x{row['vs_plain']:.2f} plain ({ratios[0]:.2f}-{ratios[-1]:.2f})"
                 rows.append(row)
                 print(f"{shape:10s} {row['format']:5s} {variant:14s} T={t:<3d} {sec * 1e3:8.3f} ms "

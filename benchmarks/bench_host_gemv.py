@@ -2,7 +2,8 @@
 CPU at 1..16 tokens, where the GEMV is memory-bound: GB/s of weight bytes read per expert call, and that
 rate over this machine's plain multi-threaded read bandwidth measured in the same run
 (`bench_cpu_experts.read_bandwidth`). Each variant cycles over `--experts` distinct experts so the reads
-come from DRAM. Variants (each marked `copy` when it needs the weights laid out otherwise than the bank
+come from DRAM; every variant of a shape is built before its timing starts (all held at once: ~7 GB for the
+Mixtral shape with every variant). Variants (each marked `copy` when it needs the weights laid out otherwise than the bank
 holds them: landing it means re-laying the bank at load, never a second copy):
 
 - bf16 `plain`: `F.linear` on the [N, K] weight (oneDNN's brgemm matmul: it repacks weight blocks per call),
@@ -30,11 +31,15 @@ statically partitioned kernels (torch's OpenMP team) lose most there, when one c
 (offload/calibration.py's docstring).
 
     python benchmarks/bench_host_gemv.py [--threads 16] [--shapes mixtral qwen3-30b yuan-m32]
-        [--tokens 1 2 4 8 16] [--variants plain split ...] [--experts 3] [--small] [--beside h2d] [--out FILE]
+        [--tokens 1 2 4 8 16] [--variants plain split ...] [--experts 3] [--runs 3] [--small] [--beside h2d]
+        [--out FILE]
 
 `--small`: shapes scaled down 4x in each dimension and fewer repetitions (a quick check on a small host).
 Random weights (the values do not change the speed). The last line printed is JSON (rows: shape, format,
-variant, copy, tokens, ms (per expert call), gb_s, of_read_bw), written to
+variant, copy, tokens, ms (per expert call), gb_s, of_read_bw; with `--runs` R > 1 each point is timed R
+rounds that take the variants in turn (a shared machine's load falls on all alike), ms the median, ms_min /
+ms_max the spread, load_avg_1m the machine's load then and vs_plain the median over rounds of plain's time
+over the variant's in the same round), written to
 benchmarks/results/host-gemv-<date>.json (`results.write_results`).
 """
 
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import threading
 import time
 
@@ -228,6 +234,9 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=BF16 + INT8 + INT4, choices=BF16 + INT8 + INT4)
     ap.add_argument("--experts", type=int, default=3, help="distinct experts cycled (defeats the caches)")
     ap.add_argument("--reps", type=int, default=None, help="passes over the experts per figure (default 5, 3 small)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="rounds per point, each timing every variant in turn: the median is kept, the min and "
+                         "max recorded (the spread), and the median ratio to plain within a round (vs_plain)")
     ap.add_argument("--small", action="store_true", help="shapes / 4 in each dimension, fewer repetitions")
     ap.add_argument("--beside", choices=["none", "h2d", "memcpy"], default="none",
                     help="time everything beside a running copy: pinned host -> GPU (CUDA), or a one-thread memcpy")
@@ -256,22 +265,38 @@ def main() -> None:
             H, I = H // 4, I // 4
         dense = ([dense_weights(H, I, seed) for seed in range(a.experts)] if any(v in BF16 for v in a.variants)
                  else [None] * a.experts)
-        for variant in a.variants:
-            experts = [make_expert(variant, H, I, seed, dense[seed]) for seed in range(a.experts)]
-            nbytes = experts[0].nbytes
-            for t in a.tokens:
-                x = torch.randn(t, H).bfloat16()
-                mode = onednn_off() if variant.endswith("native") else contextlib.nullcontext()
-                with mode:
-                    sec = time_expert(experts, x, reps)
+        # every variant's experts built first, then each point timed in `--runs` rounds that take the variants
+        # in turn: a shared machine's load then falls on all of them alike, and the ratio to plain in the same
+        # round (`vs_plain`) is steadier than either figure
+        built = {v: [make_expert(v, H, I, seed, dense[seed]) for seed in range(a.experts)] for v in a.variants}
+        for t in a.tokens:
+            x = torch.randn(t, H).bfloat16()
+            times = {v: [] for v in a.variants}
+            for _ in range(a.runs):
+                for variant, experts in built.items():
+                    mode = onednn_off() if variant.endswith("native") else contextlib.nullcontext()
+                    with mode:
+                        times[variant].append(time_expert(experts, x, reps))
+            load = os.getloadavg()[0]
+            for variant, experts in built.items():
+                runs = sorted(times[variant])
+                sec, nbytes = statistics.median(runs), experts[0].nbytes
                 gb_s = nbytes / sec / 1e9
                 row = {"shape": shape, "H": H, "I": I, "format": fmt_of(variant), "variant": variant,
                        "copy": variant in COPY, "tokens": t, "ms": sec * 1e3, "gb_s": gb_s, "of_read_bw": gb_s / bw,
                        "expert_bytes": nbytes, "beside": a.beside}
+                spread = ""
+                if a.runs > 1:  # the spread over rounds, the machine's load then (it is shared), the paired ratio
+                    row.update(ms_min=runs[0] * 1e3, ms_max=runs[-1] * 1e3, runs=a.runs, load_avg_1m=load)
+                    spread = f"  [{runs[0] * 1e3:.2f}, {runs[-1] * 1e3:.2f}]"
+                    if "plain" in times:
+                        ratios = sorted(p / v for p, v in zip(times["plain"], times[variant]))
+                        row["vs_plain"] = statistics.median(ratios)
+                        spread += f"  x{row['vs_plain']:.2f} plain ({ratios[0]:.2f}-{ratios[-1]:.2f})"
                 rows.append(row)
                 print(f"{shape:10s} {row['format']:5s} {variant:14s} T={t:<3d} {sec * 1e3:8.3f} ms "
-                      f"{gb_s:7.1f} GB/s  {gb_s / bw:5.2f} of read", flush=True)
-            del experts
+                      f"{gb_s:7.1f} GB/s  {gb_s / bw:5.2f} of read{spread}", flush=True)
+        del built
         del dense
     best = {}
     for r in rows:

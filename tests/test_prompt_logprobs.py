@@ -1,7 +1,7 @@
 """Prompt logprobs (`SamplingParams.prompt_logprobs`) on the embedded SmolLM2 against a plain full-sequence
 forward of transformers over the same GGUF in fp32: at every prompt position, the logprob of the next prompt
 token and the top-n, with chunked prefill (a small `max_num_batched_tokens`), in a batch with rows that do
-not ask, and for a prompt whose prefix an earlier request left in the prefix cache."""
+not ask, for a prompt whose prefix an earlier request left in the prefix cache, and under preemption."""
 
 import os
 
@@ -88,3 +88,21 @@ def test_prompt_logprobs_of_a_prompt_whose_prefix_is_cached(llm, reference):
     worst = check(ids, out.prompt_logprobs, reference(ids), TOP)
     print(f"prompt logprobs with a cached prefix: max |diff| {worst:.2e}")
     assert worst < TOL
+
+
+def test_prompt_logprobs_survive_preemption(reference):
+    """A KV pool too small for the batch preempts sequences (recompute, prompt and outputs again): each
+    position is recorded once, and the values are still the full forward's."""
+    small = LLM(dequantize=True, max_num_seqs=4, max_num_batched_tokens=CHUNK, block_size=4, num_kv_blocks=40,
+                max_model_len=128)
+    tok = small.tokenizer
+    words = TEXT.split()
+    prompts = [tok.encode(" ".join(words[i:i + 24])) for i in (0, 5, 10, 15)]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=2)
+    outs = small.generate(prompts, sp)
+    preemptions = small.engine.scheduler.num_preemptions
+    assert preemptions > 0, "the small pool should have forced a preemption"
+    worst = max(check(p, o.prompt_logprobs, reference(p), 2) for p, o in zip(prompts, outs))
+    print(f"prompt logprobs with {preemptions} preemptions: max |diff| {worst:.2e}")
+    assert worst < TOL
+    small.close()

@@ -219,6 +219,50 @@ def test_echo_with_logprobs_covers_the_prompt(http, llm):
     assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"][1:n] == pytest.approx(lp["token_logprobs"][1:n])
 
 
+def test_echo_logprobs_as_lm_eval_asks_and_max_tokens_0(client, http, llm):
+    """lm-evaluation-harness `local-completions` loglikelihood: token-id prompt, echo, logprobs 1, max_tokens 1,
+    temperature 0, read over the prompt; then vLLM's echo-only form (max_tokens 0), streamed too."""
+    ids = llm.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    n = len(ids)
+    want = llm.generate([ids], greedy(1, prompt_logprobs=1))[0].prompt_logprobs
+    r = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx([want[i][ids[i]] for i in range(1, n)], abs=1e-4)
+    assert all(len(top) == 1 and tlp <= max(top.values()) + 1e-6
+               for tlp, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    greedy_hits = sum(tlp == max(top.values()) for tlp, top in zip(lp.token_logprobs[1:n], lp.top_logprobs[1:n]))
+    assert 0 < greedy_hits < n - 1  # lm-eval's is_greedy test: exact equality where the prompt token is the argmax
+    # echo only: the prompt and its logprobs, nothing generated
+    r = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=1, max_tokens=0, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason == "length" and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == n
+    assert c.text == llm.tokenizer.decode(ids, skip_special_tokens=False)
+    assert c.logprobs.tokens == lp.tokens[:n] and c.logprobs.token_logprobs == lp.token_logprobs[:n]
+    r = client.completions.create(model=MODEL, prompt="Hello there", echo=True, max_tokens=0)
+    assert r.choices[0].text == "Hello there" and r.choices[0].logprobs is None and r.usage.completion_tokens == 0
+    body = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == c.text
+    assert [t for ch in chunks for t in ch["choices"][0]["logprobs"]["tokens"]] == c.logprobs.tokens
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_echo_and_logprobs_bad_combinations_are_400(http):
+    base = {"model": MODEL, "prompt": "Hello", "temperature": 0}
+    assert_envelope(http.post("/v1/completions", json={**base, "max_tokens": 0}), 400, "max_tokens")
+    assert_envelope(http.post("/v1/completions", json={**base, "echo": True, "logprobs": 21}), 400, "logprobs")
+    assert_envelope(http.post("/v1/completions", json={**base, "echo": True, "max_tokens": 0, "logprobs": -1}),
+                    400, "logprobs")
+    assert_envelope(http.post("/v1/completions", json={**base, "echo": True, "max_tokens": -1}), 400, "max_tokens")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    assert_envelope(http.post("/v1/chat/completions", json={**chat, "echo": True, "max_tokens": 0}), 400, "max_tokens")
+    assert_envelope(http.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 21}),
+                    400, "top_logprobs")
+
+
 def test_stop_strings_params_and_unknown_fields(http):
     base = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 6, "temperature": 0}
     full = http.post("/v1/completions", json=base).json()["choices"][0]["text"]

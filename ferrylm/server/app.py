@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -135,6 +136,15 @@ def check_text(text: str, param: str) -> str:
 
 def _sse(obj) -> str:
     return f"data: {_dumps(obj)}\n\n"
+
+
+def echo_only_output(out: RequestOutput) -> RequestOutput:
+    """`echo` with `max_tokens: 0`: the engine's one sampled token dropped from every completion (text, ids,
+    logprobs); a finished one ends with "length", as vLLM's does."""
+    return dataclasses.replace(out, outputs=[dataclasses.replace(
+        c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None, cumulative_logprob=0.0,
+        finish_reason="length" if c.finish_reason in ("stop", "length") else c.finish_reason, stop_reason=None)
+        for c in out.outputs])
 
 
 class _Outputs:
@@ -324,7 +334,7 @@ class Serving:
         final: dict[int, RequestOutput] = {}
         try:
             async for i, out in outputs:
-                final[i] = out
+                final[i] = echo_only_output(out) if body.echo_only else out
         finally:
             outputs.close()
         choices, n_out, n = [], 0, body.num_choices
@@ -350,7 +360,7 @@ class Serving:
         rid = f"cmpl-{uuid.uuid4().hex}"
         outputs = self.submit(prep.prompts, prep.params, rid)
         return self._stream(outputs, prep, rid, chat=False, echo=prep.texts if body.echo else None,
-                            include_usage=body.include_usage), outputs
+                            include_usage=body.include_usage, echo_only=body.echo_only), outputs
 
     def _prompt_logprobs(self, core: LLMEngine, out: RequestOutput, num: int) -> dict:
         return P.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.token_text(core), num, 0)
@@ -432,7 +442,7 @@ class Serving:
     # -- streaming ------------------------------------------------------------------------------------
 
     async def _stream(self, outputs: _Outputs, prep: _Prepared, rid: str, *, chat: bool,
-                      echo: list[str] | None, include_usage: bool) -> AsyncIterator[str]:
+                      echo: list[str] | None, include_usage: bool, echo_only: bool = False) -> AsyncIterator[str]:
         """SSE events: one chunk per choice that advanced, the last with its finish_reason; then usage, [DONE].
 
         With stop strings, the last (longest stop - 1) characters are held back until the next token shows
@@ -448,6 +458,8 @@ class Serving:
         num_out = 0
         try:
             async for i, out in outputs:
+                if echo_only:
+                    out = echo_only_output(out)
                 for c in out.outputs:
                     idx = i * n + c.index
                     st = states.get(idx)

@@ -126,14 +126,23 @@ class _SamplingRequest(_Lenient):
 class CompletionRequest(_SamplingRequest):
     prompt: Union[str, list[str], list[int], list[list[int]], None] = None
     max_tokens: int | None = 16
-    """OpenAI's default for completions; null means up to the context length."""
+    """OpenAI's default for completions; null means up to the context length; 0 only with `echo`."""
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None
     """Generate this many per prompt and return the `n` with the highest cumulative logprob (not streamable)."""
 
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0` (vLLM's form): the prompt (and with `logprobs` its logprobs), nothing
+        generated. The engine samples one token, as vLLM's does, and the server drops it."""
+        return bool(self.echo) and self.max_tokens == 0
+
     def sampling_params(self) -> SamplingParams:
-        params = self._params(self.max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens must be a positive integer (0 only with echo: true), got 0",
+                                      param="max_tokens")
+        params = self._params(1 if self.echo_only else self.max_tokens, self.logprobs)
         if self.best_of is not None and self.best_of != params.n:
             if self.best_of < params.n:
                 raise InvalidRequestError(f"best_of must be >= n ({params.n}), got {self.best_of}", param="best_of")

@@ -17,7 +17,9 @@ or with `hybrid_split` off whole experts per step (`expert_cache.host_share`). M
 batch 1: 9.43 tok/s (in place only 5.10, llama.cpp 8.67; docs/benchmarks.md). Next: measure the copy-engine
 GPU side (copy + host read 86.5 GB/s together against 78 for in place + host), the packed column split on the
 H200 (`bench_offload.py --cases hybrid32-nf4`), the calibrated share from contended rates, and the host GEMM's
-read rate (57 GB/s of the 93 a plain read streams). A dropped offloaded CUDA engine is not always freed at once
+read rate (57 GB/s of the 93 a plain read streams; session 6, 2 cores: in the bank's own layout nothing beats the
+menu, oneDNN's packed layout reads 1.1-1.8x faster but needs a second copy of the host share, see
+docs/benchmarks.md: decide it from pending item 2's 16-core figures). A dropped offloaded CUDA engine is not always freed at once
 (seen in tests/test_cuda; the holder is not found yet).
 Session 4 (s4-hybrid): the host worker computes a padded graph step's live rows only
 (`ForwardContext.live_rows`), kernel builds lock per expert, counters two threads write go through

@@ -332,7 +332,7 @@ def test_prompt_logprobs_vllm_field_on_chat(client, http, llm):
     assert "prompt_logprobs" not in r.choices[0].model_extra
 
 
-def test_chat_echo_and_continue_final_message(client, llm):
+def test_chat_echo_and_continue_final_message(client, http, llm):
     """vLLM's chat `echo`: an assistant prefill continued (`continue_final_message`) comes back whole, streamed
     too; a last message from the user echoes nothing."""
     tok = llm.tokenizer
@@ -343,6 +343,8 @@ def test_chat_echo_and_continue_final_message(client, llm):
     ids = tok.encode(rendered[:rendered.rindex(prefill) + len(prefill)], add_special_tokens=False)
     want = llm.generate([ids], greedy(4))[0].outputs[0].text
     extra = {"echo": True, "add_generation_prompt": False, "continue_final_message": True}
+    tokenized = http.post("/tokenize", json={"model": MODEL, "messages": messages, **extra}).json()["tokens"]
+    assert tokenized == ids
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, extra_body=extra)
     assert r.choices[0].message.content == prefill + want and r.usage.prompt_tokens == len(ids)
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,

@@ -134,9 +134,12 @@ def check_text(text: str, param: str) -> str:
     return text
 
 
-def continue_final_message(text: str, last: dict) -> str:
+def continue_final_message(text: str, last: dict, add_generation_prompt: bool) -> str:
     """The rendered chat cut right after the last message's (stripped) content, as transformers and vLLM
     do for `continue_final_message`: the model continues that message instead of starting a new turn."""
+    if add_generation_prompt:
+        raise InvalidRequestError("continue_final_message needs add_generation_prompt: false",
+                                  param="continue_final_message")
     final = str(last.get("content") or "").strip()
     if not final:
         raise InvalidRequestError("continue_final_message needs the last message to have text content",
@@ -420,14 +423,10 @@ class Serving:
         # the names the template call itself uses cannot be overridden (a clash would be a TypeError)
         kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items()
                   if k not in ("self", "messages", "add_generation_prompt", "tools") and k.isidentifier()}
-        messages = body.template_messages()
-        if body.continue_final_message and body.add_generation_prompt is not False:
-            raise InvalidRequestError("continue_final_message needs add_generation_prompt: false",
-                                      param="continue_final_message")
-        text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt is not False,
-                                       tools=body.tool_dicts(), **kwargs)
+        messages, gen = body.template_messages(), body.add_generation_prompt is not False
+        text = tok.apply_chat_template(messages, add_generation_prompt=gen, tools=body.tool_dicts(), **kwargs)
         if body.continue_final_message:
-            text = continue_final_message(text, messages[-1])
+            text = continue_final_message(text, messages[-1], gen)
         try:
             ids = self.encode(core, check_text(text, "messages"), add_special_tokens=False)
             core.check_prompt(ids, params)
@@ -585,9 +584,11 @@ class Serving:
         core = self.core()
         tok = core.tokenizer_required()
         if body.messages is not None:
-            req = P.ChatCompletionRequest(messages=body.messages)
-            text = tok.apply_chat_template(req.template_messages(),
-                                           add_generation_prompt=body.add_generation_prompt is not False)
+            messages = P.ChatCompletionRequest(messages=body.messages).template_messages()
+            gen = body.add_generation_prompt is not False
+            text = tok.apply_chat_template(messages, add_generation_prompt=gen)
+            if body.continue_final_message:
+                text = continue_final_message(text, messages[-1], gen)
             ids = tok.encode(check_text(text, "messages"), add_special_tokens=bool(body.add_special_tokens))
         elif body.prompt is not None:
             ids = tok.encode(check_text(body.prompt, "prompt"), add_special_tokens=body.add_special_tokens is not False)

@@ -281,6 +281,8 @@ class TokenizeRequest(_Lenient):
     add_special_tokens: bool | None = None
     """Default: True for a prompt, False for messages (the template writes its own)."""
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    """As in chat completions: the tokens end inside the last message (needs `add_generation_prompt: false`)."""
     return_token_strs: bool | None = False
 
 

@@ -75,6 +75,21 @@ def test_prompt_logprobs_equal_a_full_forward_with_chunked_prefill(llm, referenc
     assert outs[0].outputs[0].token_ids == llm.generate([prompts[0]], plain)[0].outputs[0].token_ids
 
 
+def test_prompt_ranks_equal_a_full_forward(llm, reference):
+    """Each prompt token's rank (1 + the tokens with a higher logit) against the reference's, within the
+    tokens whose reference logprob lies within TOL of the token's (fp32 near-ties may order either way)."""
+    ids = llm.tokenizer.encode(TEXT)
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    ref = reference(ids)
+    assert len(out.prompt_ranks) == len(ids) and out.prompt_ranks[0] is None
+    ranks = out.prompt_ranks[1:]
+    for i, rank in enumerate(ranks, 1):
+        row, v = ref[i - 1], ref[i - 1][ids[i]]
+        assert int((row > v + TOL).sum()) + 1 <= rank <= int((row > v - TOL).sum()) + 1, (i, rank)
+        assert (rank == 1) == (max(out.prompt_logprobs[i].values()) == out.prompt_logprobs[i][ids[i]])
+    assert 1 in ranks and max(ranks) > 100  # the text has tokens the model predicts and tokens it does not
+
+
 def test_prompt_logprobs_of_a_prompt_whose_prefix_is_cached(llm, reference):
     tok = llm.tokenizer
     prefix = tok.encode(TEXT)

@@ -263,6 +263,121 @@ def test_echo_and_logprobs_bad_combinations_are_400(http):
                     400, "top_logprobs")
 
 
+def _check_vllm_prompt_logprobs(plp: list, ids: list[int], want, num: int, tok, tol: float = 1e-4) -> None:
+    """vLLM's `prompt_logprobs` against the offline engine's: values, decoded tokens, and ranks read off the
+    top `num` (rank r <= num iff the token is among them, r = 1 + how many of them score higher). A loose
+    `tol` (prompts batched differently) compares the prompt token's value only (near-ties may swap the top)."""
+    assert len(plp) == len(ids) and plp[0] is None
+    for i in range(1, len(ids)):
+        d = plp[i]
+        own = d[str(ids[i])]
+        assert num <= len(d) <= num + 1
+        if tol <= 1e-4:
+            assert set(d) == {str(t) for t in want.prompt_logprobs[i]}
+            assert all(e["logprob"] == pytest.approx(want.prompt_logprobs[i][int(t)], abs=tol) for t, e in d.items())
+        assert own["logprob"] == pytest.approx(want.prompt_logprobs[i][ids[i]], abs=tol)
+        for t, e in d.items():
+            assert e["decoded_token"] == tok.decode([int(t)], skip_special_tokens=False)
+            assert e["rank"] >= 1
+        top = sorted((e for t, e in d.items() if t != str(ids[i]) or own["rank"] <= num), key=lambda e: -e["logprob"])
+        assert [e["rank"] for e in top[:num]] == list(range(1, num + 1))  # the argmax has rank 1, and so on
+        if own["rank"] <= num:
+            assert own["rank"] == 1 + sum(e["logprob"] > own["logprob"] for e in d.values())
+        else:  # ranked below the top num: no higher than the last of them
+            assert own["logprob"] <= top[num - 1]["logprob"] and len(d) == num + 1
+
+
+def test_prompt_logprobs_vllm_field_on_completions(client, llm):
+    """vLLM's `prompt_logprobs: N` through the openai client (extra_body): per choice, one entry per prompt
+    token, equal to the engine's and to the echo + logprobs form in the same answer."""
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    tok = llm.tokenizer
+    ids = tok.encode(prompt)
+    want = llm.generate([ids], greedy(2, prompt_logprobs=20))[0]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 20})
+    c = r.choices[0]
+    _check_vllm_prompt_logprobs(c.model_extra["prompt_logprobs"], ids, want, 20, tok)
+    assert c.logprobs is None and not c.text.startswith(prompt)  # no echo: the default fields unchanged
+    assert any(e[str(ids[i])]["rank"] > 20 for i, e in enumerate(c.model_extra["prompt_logprobs"]) if e)
+    assert any(e[str(ids[i])]["rank"] == 1 for i, e in enumerate(c.model_extra["prompt_logprobs"]) if e)
+    # with echo + logprobs 1 in the same request (the engine computes the larger top-n once), n = 2 choices
+    r = client.completions.create(model=MODEL, prompt=[ids, ids[:5]], max_tokens=1, temperature=0, echo=True,
+                                  logprobs=1, n=2, extra_body={"prompt_logprobs": 3})
+    assert len(r.choices) == 4
+    # the server may prefill the two prompts in one step or two: the quantized kernels' numerics depend on the
+    # batch shape (measured up to 0.024 at logprob -11.5 against each prompt alone)
+    wants = llm.generate([ids, ids[:5]], greedy(1, prompt_logprobs=3, n=2))
+    for k, c in enumerate(r.choices):
+        p = ids if k < 2 else ids[:5]
+        plp = c.model_extra["prompt_logprobs"]
+        _check_vllm_prompt_logprobs(plp, p, wants[k // 2], 3, tok, tol=0.1)
+        assert plp == r.choices[k ^ 1].model_extra["prompt_logprobs"]  # the n choices of a prompt share them
+        lp = c.logprobs
+        assert lp.token_logprobs[0] is None and len(lp.top_logprobs[1]) == 1
+        assert lp.token_logprobs[1:len(p)] == pytest.approx([plp[i][str(p[i])]["logprob"] for i in range(1, len(p))],
+                                                            abs=1e-6)
+    # prompt_logprobs 0: the prompt token's own entry only
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    assert all(len(e) == 1 for e in r.choices[0].model_extra["prompt_logprobs"][1:])
+
+
+def test_prompt_logprobs_vllm_field_on_chat(client, http, llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+    want = llm.generate([ids], greedy(2, prompt_logprobs=2))[0]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 2})
+    _check_vllm_prompt_logprobs(r.model_extra["prompt_logprobs"], ids, want, 2, llm.tokenizer)  # beside choices
+    assert "prompt_logprobs" not in r.choices[0].model_extra
+
+
+def test_chat_echo_and_continue_final_message(client, http, llm):
+    """vLLM's chat `echo`: an assistant prefill continued (`continue_final_message`) comes back whole, streamed
+    too; a last message from the user echoes nothing."""
+    tok = llm.tokenizer
+    prefill = "The capital of France is"
+    messages = [{"role": "user", "content": "Tell me about France."}, {"role": "assistant", "content": prefill}]
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert rendered.rstrip().endswith("<|im_end|>")  # without continue_final_message the turn is closed
+    ids = tok.encode(rendered[:rendered.rindex(prefill) + len(prefill)], add_special_tokens=False)
+    want = llm.generate([ids], greedy(4))[0].outputs[0].text
+    extra = {"echo": True, "add_generation_prompt": False, "continue_final_message": True}
+    tokenized = http.post("/tokenize", json={"model": MODEL, "messages": messages, **extra}).json()["tokens"]
+    assert tokenized == ids
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, extra_body=extra)
+    assert r.choices[0].message.content == prefill + want and r.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                            extra_body=extra, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == prefill + want
+    # continue_final_message alone: the continuation only
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                       extra_body={**extra, "echo": False})
+    assert r.choices[0].message.content == want
+    # the last message is the user's: nothing to echo
+    user = messages[:1]
+    plain = client.chat.completions.create(model=MODEL, messages=user, max_tokens=3, temperature=0)
+    r = client.chat.completions.create(model=MODEL, messages=user, max_tokens=3, temperature=0,
+                                       extra_body={"echo": True})
+    assert r.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_prompt_logprobs_and_chat_echo_bad_values_are_400(http):
+    base = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    for path, body in (("/v1/completions", base), ("/v1/chat/completions", chat)):
+        for bad in (21, -1, "x", 1.5):
+            assert_envelope(http.post(path, json={**body, "prompt_logprobs": bad}), 400, "prompt_logprobs")
+        err = assert_envelope(http.post(path, json={**body, "prompt_logprobs": 1, "stream": True}), 400,
+                              "prompt_logprobs")
+        assert "stream" in err["message"]
+    assert_envelope(http.post("/v1/chat/completions", json={**chat, "continue_final_message": True}), 400,
+                    "continue_final_message")  # add_generation_prompt is true by default
+    empty = {**chat, "messages": chat["messages"] + [{"role": "assistant", "content": " "}],
+             "add_generation_prompt": False, "continue_final_message": True}
+    assert_envelope(http.post("/v1/chat/completions", json=empty), 400, "continue_final_message")
+
+
 def test_stop_strings_params_and_unknown_fields(http):
     base = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 6, "temperature": 0}
     full = http.post("/v1/completions", json=base).json()["choices"][0]["text"]

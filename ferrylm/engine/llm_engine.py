@@ -70,9 +70,12 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    """arrival_time, first_scheduled_time, first_token_time, finished_time (time.monotonic)."""
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """With SamplingParams.prompt_logprobs: per prompt token {token: logprob, top-n...}; None for the first."""
-    """arrival_time, first_scheduled_time, first_token_time, finished_time (time.monotonic)."""
+    prompt_ranks: list[int | None] | None = None
+    """With SamplingParams.prompt_logprobs: per prompt token its rank among the raw logits (1 = the most
+    likely; 1 + the number of tokens with a higher logit); None for the first."""
 
 
 @dataclass
@@ -87,6 +90,8 @@ class _Request:
     arrival_time: float = field(default_factory=time.monotonic)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
     """Filled as the first sequence's prompt is computed (the first token has none)."""
+    prompt_ranks: list[int | None] = field(default_factory=lambda: [None])
+    """Parallel to `prompt_logprobs`: each prompt token's rank among the raw logits."""
 
     @property
     def finished(self) -> bool:
@@ -421,6 +426,9 @@ class LLMEngine:
         lp = torch.nan_to_num_(lp, nan=MIN_LOGPROB, neginf=MIN_LOGPROB).clamp_(MIN_LOGPROB, 0.0)
         ids = torch.tensor([req.prompt_token_ids[i] for req, i in where], device=lp.device)
         chosen = lp.gather(1, ids[:, None]).squeeze(1).tolist()  # [P]
+        # rank: 1 + how many raw logits beat the prompt token's (a [P, V] compare, as cheap as the softmax)
+        raw = logits.float()  # [P, V]
+        ranks = ((raw > raw.gather(1, ids[:, None])).sum(1) + 1).tolist()  # [P]
         n = min(max(req.params.prompt_logprobs for req, _ in where), lp.shape[1])
         top_lp, top_id = (lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long()))  # [P, N]
         top_lp, top_id = top_lp.tolist(), top_id.tolist()
@@ -429,6 +437,7 @@ class LLMEngine:
             for k in range(min(req.params.prompt_logprobs, n)):
                 d.setdefault(top_id[j][k], top_lp[j][k])
             req.prompt_logprobs.append(d)
+            req.prompt_ranks.append(ranks[j])
 
     def _allowed(self, seqs: list[Sequence]):
         """(rows, bitmask) of the rows a grammar constrains this step, or None."""
@@ -503,6 +512,7 @@ class LLMEngine:
             min((s.first_token_time for s in req.seqs if s.first_token_time), default=None)
         return RequestOutput(
             prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
+            prompt_ranks=list(req.prompt_ranks) if req.params.prompt_logprobs is not None else None,
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=outs, finished=finished, num_cached_tokens=first.num_cached_tokens,
             metrics={"arrival_time": req.arrival_time, "first_scheduled_time": first.first_scheduled_time,

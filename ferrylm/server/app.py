@@ -134,6 +134,23 @@ def check_text(text: str, param: str) -> str:
     return text
 
 
+def continue_final_message(text: str, last: dict, add_generation_prompt: bool) -> str:
+    """The rendered chat cut right after the last message's (stripped) content, as transformers and vLLM
+    do for `continue_final_message`: the model continues that message instead of starting a new turn."""
+    if add_generation_prompt:
+        raise InvalidRequestError("continue_final_message needs add_generation_prompt: false",
+                                  param="continue_final_message")
+    final = str(last.get("content") or "").strip()
+    if not final:
+        raise InvalidRequestError("continue_final_message needs the last message to have text content",
+                                  param="continue_final_message")
+    at = text.rfind(final)
+    if at < 0:
+        raise InvalidRequestError("continue_final_message: the chat template does not write the last message's "
+                                  "content verbatim", param="continue_final_message")
+    return text[:at + len(final)]
+
+
 def _sse(obj) -> str:
     return f"data: {_dumps(obj)}\n\n"
 
@@ -307,8 +324,8 @@ class Serving:
         """On the worker pool: sampling params, tokenized prompts, checks."""
         core = self.core()
         params = body.sampling_params()
-        if body.echo and body.logprobs is not None:
-            params.prompt_logprobs = body.logprobs  # the echoed prompt carries its logprobs too
+        if body.echo and body.logprobs is not None:  # the echoed prompt carries its logprobs too
+            params.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
         texts, prompts = [], []
         for p in body.prompts():
             if isinstance(p, str):
@@ -351,7 +368,10 @@ class Serving:
                                                len(prefix))
                     if body.echo and final[i].prompt_logprobs is not None:
                         lp = P.join_completion_logprobs(self._prompt_logprobs(core, final[i], body.logprobs), lp)
-                choices.append(P.completion_choice(i * n + j, prefix + c.text, c.finish_reason, c.stop_reason, lp))
+                choice = P.completion_choice(i * n + j, prefix + c.text, c.finish_reason, c.stop_reason, lp)
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(core, final[i], body.prompt_logprobs)
+                choices.append(choice)
         return P.completion(rid, self.model_name, choices, P.usage(sum(map(len, prompts)), n_out))
 
     async def completion_stream(self, body: P.CompletionRequest) -> tuple[AsyncIterator[str], _Outputs]:
@@ -364,6 +384,11 @@ class Serving:
 
     def _prompt_logprobs(self, core: LLMEngine, out: RequestOutput, num: int) -> dict:
         return P.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.token_text(core), num, 0)
+
+    def _vllm_prompt_logprobs(self, core: LLMEngine, out: RequestOutput, num: int) -> list[dict | None]:
+        """The `prompt_logprobs` request field's answer (vLLM's format)."""
+        return P.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, out.prompt_ranks, self.token_text(core),
+                                 num)
 
     # -- /v1/chat/completions -------------------------------------------------------------------------
 
@@ -398,8 +423,10 @@ class Serving:
         # the names the template call itself uses cannot be overridden (a clash would be a TypeError)
         kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items()
                   if k not in ("self", "messages", "add_generation_prompt", "tools") and k.isidentifier()}
-        text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt
-                                       is not False, tools=body.tool_dicts(), **kwargs)
+        messages, gen = body.template_messages(), body.add_generation_prompt is not False
+        text = tok.apply_chat_template(messages, add_generation_prompt=gen, tools=body.tool_dicts(), **kwargs)
+        if body.continue_final_message:
+            text = continue_final_message(text, messages[-1], gen)
         try:
             ids = self.encode(core, check_text(text, "messages"), add_special_tokens=False)
             core.check_prompt(ids, params)
@@ -407,7 +434,7 @@ class Serving:
             raise InvalidRequestError(str(e).replace("your prompt has", "your messages resulted in"),
                                       param="messages" if e.param == "prompt" else e.param, code=e.code) from None
         self.check_structured(core, params)
-        return _Prepared(core, params, [ids], tools=tools)
+        return _Prepared(core, params, [ids], [body.echo_prefix(messages)], tools=tools)
 
     async def chat(self, body: P.ChatCompletionRequest) -> dict:
         self.check_model(body.model)
@@ -427,17 +454,23 @@ class Serving:
             if params.logprobs is not None and c.logprobs is not None:
                 lp = P.chat_logprobs(c.token_ids, c.logprobs, self.token_text(core), params.logprobs)
             content, calls, reason = prep.tools.result(c.text, c.finish_reason)
+            if body.echo:  # vLLM's: the content becomes a string, the echoed part first
+                content = prep.texts[0] + (content or "")
             choices.append(P.chat_choice(c.index, content, reason, c.stop_reason, lp,
                                          [t.to_dict() for t in calls] or None))
         n_out = sum(len(c.token_ids) for c in final.outputs)
-        return P.chat_completion(rid, self.model_name, choices, P.usage(len(prep.prompts[0]), n_out))
+        plp = (self._vllm_prompt_logprobs(core, final, body.prompt_logprobs) if body.prompt_logprobs is not None
+               else None)
+        return P.chat_completion(rid, self.model_name, choices, P.usage(len(prep.prompts[0]), n_out),
+                                 prompt_logprobs=plp)
 
     async def chat_stream(self, body: P.ChatCompletionRequest) -> tuple[AsyncIterator[str], _Outputs]:
         self.check_model(body.model)
         prep = await self.offload(self.prepare_chat, body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = self.submit(prep.prompts, prep.params, rid)
-        return self._stream(outputs, prep, rid, chat=True, echo=None, include_usage=body.include_usage), outputs
+        return self._stream(outputs, prep, rid, chat=True, echo=prep.texts if body.echo else None,
+                            include_usage=body.include_usage), outputs
 
     # -- streaming ------------------------------------------------------------------------------------
 
@@ -487,6 +520,8 @@ class Serving:
                         num_out += ntok
                     if chat:
                         delta, calls, reason = self._chat_delta(tools, st, text, end, finished, reason)
+                        if not st.sent and echo is not None and echo[i]:
+                            delta = echo[i] + (delta or "")
                         if not delta and not calls and not finished and lp is None:
                             continue  # nothing to show yet (a tool call is being written)
                         choice = P.chat_delta_choice(idx, delta, not st.sent, reason, stop_reason, lp, calls)
@@ -549,9 +584,11 @@ class Serving:
         core = self.core()
         tok = core.tokenizer_required()
         if body.messages is not None:
-            req = P.ChatCompletionRequest(messages=body.messages)
-            text = tok.apply_chat_template(req.template_messages(),
-                                           add_generation_prompt=body.add_generation_prompt is not False)
+            messages = P.ChatCompletionRequest(messages=body.messages).template_messages()
+            gen = body.add_generation_prompt is not False
+            text = tok.apply_chat_template(messages, add_generation_prompt=gen)
+            if body.continue_final_message:
+                text = continue_final_message(text, messages[-1], gen)
             ids = tok.encode(check_text(text, "messages"), add_special_tokens=bool(body.add_special_tokens))
         elif body.prompt is not None:
             ids = tok.encode(check_text(body.prompt, "prompt"), add_special_tokens=body.add_special_tokens is not False)

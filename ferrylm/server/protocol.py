@@ -68,6 +68,10 @@ class _SamplingRequest(_Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = None
+    """vLLM's extra: logprob, rank and text of each prompt token after the first, with the top N ([0, 20]);
+    answered as `prompt_logprobs` (completions: in each choice; chat: beside `choices`, as vLLM does).
+    Not streamable (400), as in vLLM."""
 
     @property
     def include_usage(self) -> bool:
@@ -106,6 +110,9 @@ class _SamplingRequest(_Lenient):
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams validate every value and name the bad one (InvalidRequestError -> 400)."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs cannot be streamed (as in vLLM); send stream: false",
+                                      param="prompt_logprobs")
         return SamplingParams(
             n=1 if self.n is None else self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -119,7 +126,7 @@ class _SamplingRequest(_Lenient):
             stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             ignore_eos=bool(self.ignore_eos), include_stop_str_in_output=bool(self.include_stop_str_in_output),
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens is not False,
-            logit_bias=self._logit_bias(), structured=self.structured(),
+            logit_bias=self._logit_bias(), structured=self.structured(), prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -202,6 +209,12 @@ class ChatCompletionRequest(_SamplingRequest):
     """Default: auto when tools are given."""
     parallel_tool_calls: bool | None = True
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    """vLLM's extra: the prompt ends inside the last message (an assistant prefill the model continues), not
+    after its end-of-turn; needs `add_generation_prompt: false`."""
+    echo: bool | None = False
+    """vLLM's extra: the answer's content begins with the last message's content when that message's role is
+    the one answering (assistant, or the last role with `add_generation_prompt: false`)."""
     chat_template_kwargs: dict[str, Any] | None = None
 
     def tool_dicts(self) -> list[dict] | None:
@@ -225,6 +238,14 @@ class ChatCompletionRequest(_SamplingRequest):
             raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+    def echo_prefix(self, messages: list[dict[str, Any]]) -> str:
+        """What `echo` puts before the generated content (vLLM's rule): the last message's text if its role is
+        the answering one, else ""."""
+        if not self.echo:
+            return ""
+        role = "assistant" if self.add_generation_prompt is not False else messages[-1]["role"]
+        return str(messages[-1].get("content") or "") if messages[-1]["role"] == role else ""
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages with list-of-parts content flattened to text (the templates expect strings)."""
@@ -260,6 +281,8 @@ class TokenizeRequest(_Lenient):
     add_special_tokens: bool | None = None
     """Default: True for a prompt, False for messages (the template writes its own)."""
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    """As in chat completions: the tokens end inside the last message (needs `add_generation_prompt: false`)."""
     return_token_strs: bool | None = False
 
 
@@ -335,11 +358,13 @@ def chat_delta_choice(index: int, text: str | None, first: bool, finish_reason: 
 
 
 def chat_completion(request_id: str, model: str, choices: list[dict], usage_: dict | None,
-                    created: int | None = None, chunk: bool = False) -> dict:
+                    created: int | None = None, chunk: bool = False, prompt_logprobs: list | None = None) -> dict:
     body = {"id": request_id, "object": "chat.completion.chunk" if chunk else "chat.completion",
             "created": created or int(time.time()), "model": model, "choices": choices}
     if usage_ is not None:
         body["usage"] = usage_
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
     return body
 
 
@@ -377,3 +402,19 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], token_t
                         "top_logprobs": [{"token": (t := token_text(i)), "logprob": lp,
                                           "bytes": list(t.encode("utf-8"))} for i, lp in _top(entry, num)]})
     return {"content": content}
+
+
+def prompt_logprobs(token_ids: list[int], entries: list[dict[int, float] | None], ranks: list[int | None],
+                    token_text, num: int) -> list[dict | None]:
+    """vLLM's format: per prompt token None (the first) or {token id as a string: {logprob, rank,
+    decoded_token}} holding the prompt token itself and the top `num` (ranked 1..num by logprob)."""
+    out = []
+    for tid, entry, rank in zip(token_ids, entries, ranks):
+        if entry is None:
+            out.append(None)
+            continue
+        d = {str(tid): {"logprob": entry[tid], "rank": rank, "decoded_token": token_text(tid)}}
+        for k, (t, lp) in enumerate(_top(entry, num)):
+            d.setdefault(str(t), {"logprob": lp, "rank": k + 1, "decoded_token": token_text(t)})
+        out.append(d)
+    return out

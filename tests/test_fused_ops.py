@@ -35,14 +35,19 @@ def plain(fn):
         fused_ops.ENABLED = was
 
 
+def random_norm(n: int, eps: float, dtype: torch.dtype, g: torch.Generator) -> RMSNorm:
+    """An RMSNorm of width n with random weights drawn from g, in `dtype`."""
+    norm = RMSNorm(n, eps).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(n, generator=g).to(DEV))
+    return norm.to(dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,weight_fp32", [(64, False), (4096, False), (200, True)])
 def test_rms_norm_equals_the_plain_form(dtype, n, weight_fp32):
     g = torch.Generator().manual_seed(n)
-    norm = RMSNorm(n, 1e-5).to(DEV)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(n, generator=g).to(DEV))
-    norm.to(torch.float32 if weight_fp32 else dtype)
+    norm = random_norm(n, 1e-5, torch.float32 if weight_fp32 else dtype, g)
     x = (torch.randn(7, n, generator=g) * 3).to(DEV, dtype)
     ref = plain(lambda: norm(x))
     got = fused_ops.rms_norm(x, norm.weight, norm.eps)
@@ -91,10 +96,7 @@ def test_rms_norm_with_the_residual_add(dtype):
     the norm within the plain norm's bound."""
     g = torch.Generator().manual_seed(11)
     n = 512
-    norm = RMSNorm(n, 1e-6).to(DEV)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(n, generator=g).to(DEV))
-    norm.to(dtype)
+    norm = random_norm(n, 1e-6, dtype, g)
     x, r = ((torch.randn(3, n, generator=g) * 2).to(DEV, dtype) for _ in range(2))
     ref_s, ref_h = plain(lambda: norm.add_forward(x, r))
     s, h = fused_ops.rms_norm(x, norm.weight, norm.eps, r)
@@ -162,10 +164,7 @@ def test_rms_norm_at_the_served_widths(dtype, n, rows):
     """Hidden sizes of SmolLM2 (576), Qwen3-MoE / Yuan (2048) and DeepSeek-V3 (7168): the tile pads to a power of
     two and the padding must not enter the sum; plain and residual-add forms, every row count a step has."""
     g = torch.Generator().manual_seed(n + rows)
-    norm = RMSNorm(n, 1e-6).to(DEV)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(n, generator=g).to(DEV))
-    norm.to(dtype)
+    norm = random_norm(n, 1e-6, dtype, g)
     x, r = ((torch.randn(rows, n, generator=g) * 2).to(DEV, dtype) for _ in range(2))
     bound = 2 * ULP[dtype]
     ref = plain(lambda: norm(x))
@@ -185,10 +184,7 @@ def test_rms_norm_residual_aliasing_its_input(dtype):
     fresh outputs): the same results as the two plain steps, inputs unchanged."""
     g = torch.Generator().manual_seed(5)
     n = 576
-    norm = RMSNorm(n, 1e-6).to(DEV)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(n, generator=g).to(DEV))
-    norm.to(dtype)
+    norm = random_norm(n, 1e-6, dtype, g)
     buf = torch.randn(6, n, generator=g).to(DEV, dtype)
     before = buf.clone()
     for x, r in ((buf[:3], buf[:3]), (buf[:3], buf[3:]), (buf[1:4], buf[:3])):  # itself, the rest, overlapping

@@ -7,11 +7,13 @@
 #   bash benchmarks/gpu_tests.sh LOG SECONDS "k expression" [SECONDS "k expression" ...]
 #   bash benchmarks/gpu_tests.sh $OUT/tests.log 150 "graph_decode_equals_eager or piecewise" 90 "fused_ops"
 #
+# Each test's start, outcome and failure is printed as it happens (tests/conftest.py, FERRY_TEST_TRACE), and a
+# test still running 20 s before its group's timeout dumps every thread's stack (pytest's faulthandler_timeout).
 # A k expression that names a test file (ends in .py) runs that file instead of tests/test_cuda.py.
 set -u
 log=$1
 shift
-export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 FERRY_TEST_TRACE=1
 while [ $# -ge 2 ]; do
     secs=$1 expr=$2
     shift 2
@@ -21,7 +23,7 @@ while [ $# -ge 2 ]; do
     else
         target=(tests/test_cuda.py -k "$expr")
     fi
-    timeout "$secs" python -m pytest -q -s -x --tb=short -p no:cacheprovider "${target[@]}" 2>&1 |
+    timeout "$secs" python -m pytest -q -s --tb=short -p no:cacheprovider -o faulthandler_timeout=$((secs - 20)) "${target[@]}" 2>&1 |
         grep --line-buffered -v "^WARNING\|Writing model shards\|^  [a-z]" >>"$log"
     echo "=== exit ${PIPESTATUS[0]} $(date -u +%H:%M:%S)" >>"$log"
 done

@@ -5,6 +5,20 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import helpers.py
 
+if os.environ.get("FERRY_TEST_TRACE"):  # set by benchmarks/gpu_tests.sh: a group killed by its timeout keeps
+    import time                          # what it learnt (start times, each failure as it happens)
+
+    def pytest_runtest_logstart(nodeid, location):
+        print(f"\n[{time.strftime('%H:%M:%S')}] start {nodeid}", flush=True)
+
+    def pytest_runtest_logreport(report):
+        if report.failed:
+            print(f"\n[{time.strftime('%H:%M:%S')}] FAILED {report.nodeid} ({report.when})\n{report.longreprtext}",
+                  flush=True)
+        elif report.when == "call":
+            print(f"\n[{time.strftime('%H:%M:%S')}] {report.outcome} {report.nodeid} in {report.duration:.1f}s",
+                  flush=True)
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:

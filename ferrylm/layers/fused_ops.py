@@ -8,7 +8,8 @@ Each kernel rounds where torch rounds, so the results are torch's bits or within
 - `rms_norm`: fp32 sum of squares (another summation order than torch's mean: the one difference), rsqrt,
   the normalised row rounded to x's dtype, then times the weight rounded to their promoted dtype; optionally
   the residual add before it (x + r rounded to the dtype, stored: the layer's residual stream).
-- `rope`: cos / sin rounded to q's dtype, each product rounded, then the sum: torch's bits exactly.
+- `rope`: cos / sin rounded to q's dtype, each product rounded, then the sum: torch's bits exactly in bf16 and
+  fp16; in fp32 the GPU fuses a product and the sum into one FMA (within an ulp; H200, session 7).
 - `silu_mul`: silu in fp32 rounded to the dtype, times up, rounded.
 - `sum_rows`: a token's k expert rows added in fp32 (in order) and rounded once.
 - `route`: the MoE router's fp32 softmax, top-k and renormalisation (~6 kernels in `layers/moe.route`); the

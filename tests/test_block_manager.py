@@ -19,9 +19,12 @@ def check_invariants(bm: BlockManager, seqs) -> None:
         assert len(set(s.block_table)) == len(s.block_table)
         for b in s.block_table:
             refs[b] += 1
+    free = set(bm.free_block_ids)
+    assert len(free) == bm.num_free_blocks
     for block in bm.blocks:
         assert block.ref_count == refs[block.block_id]
-        assert (block.block_id in bm.free_block_ids) == (block.ref_count == 0)
+        assert (block.block_id in free) == (block.ref_count == 0)
+    assert sum(r > 0 for r in refs) + len(free) == bm.num_blocks
     for h, b in bm.hash_to_block.items():
         assert bm.blocks[b].hash == h
 
@@ -196,3 +199,21 @@ def test_random_alloc_free_never_hands_out_used_block():
     check_invariants(bm, [])
     assert bm.num_free_blocks == bm.num_blocks
     assert bm.prefix_hits > 0
+
+
+def test_a_huge_pool_costs_nothing_until_used():
+    """A tiny model on a 141 GB GPU has tens of millions of blocks: no object per block at start-up (it took
+    minutes), ids handed out fresh in ascending order, and the counts right throughout."""
+    n = 50_000_000
+    bm = BlockManager(num_blocks=n, block_size=BS)
+    assert bm.blocks == [] and bm.num_free_blocks == n
+    a, b = make_seq(range(9)), make_seq(range(100, 106))
+    admit(bm, a)
+    admit(bm, b)
+    assert a.block_table == [0, 1, 2] and b.block_table == [3, 4]
+    assert len(bm.blocks) == 5 and bm.num_free_blocks == n - 5
+    compute(bm, a)
+    bm.free(a)  # its partial block is blank: handed out again first, before the fresh ids
+    c = make_seq(range(200, 206))
+    admit(bm, c)
+    assert c.block_table == [2, 5] and bm.num_free_blocks == n - 4

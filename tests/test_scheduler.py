@@ -41,9 +41,12 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput | None = None) -> No
             refs[b] += 1
     for s in sched.waiting:
         assert s.status == SequenceStatus.WAITING and s.block_table == [] and s.state_slot is None
+    free = set(bm.free_block_ids)
+    assert len(free) == bm.num_free_blocks
     for block in bm.blocks:
         assert block.ref_count == refs[block.block_id]
-        assert (block.block_id in bm.free_block_ids) == (block.ref_count == 0)
+        assert (block.block_id in free) == (block.ref_count == 0)
+    assert sum(r > 0 for r in refs) + len(free) == bm.num_blocks
     assert len(sched.running) <= sched.config.max_num_seqs
     keys = [(s.arrival_time, s.seq_id) for s in sched.running]
     assert keys == sorted(keys)

@@ -65,15 +65,22 @@ class Block:
 
 
 class BlockManager:
+    """Start-up is O(1) in the pool size: a block gets its `Block` the first time it is handed out (a tiny model
+    on a 141 GB GPU has tens of millions of blocks; one object each took minutes). Free blocks wait in three
+    places, handed out in this order: freed blocks without a hash (worthless once free; the latest first),
+    never-used ids (ascending), freed blocks with a hash (the prefix cache, least recently freed first)."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks: list[Block] = []
+        """The blocks handed out so far, by id (ids are handed out fresh in ascending order)."""
         self.hash_to_block: dict[int, int] = {}
-        # Every block with ref_count 0, in eviction order (front = next handed out). Cached blocks stay
-        # here while free; a prefix hit takes them out again.
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._blank: list[int] = []
+        """Freed blocks without a hash: a stack, the latest freed handed out first."""
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
+        """Freed blocks with a hash, least recently freed first: evictable, and found again by a prefix hit."""
         self.prefix_queries = 0
         """Tokens of admitted sequences looked up in the prefix cache (metrics)."""
         self.prefix_hits = 0
@@ -84,7 +91,12 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out, evictable cached blocks included."""
-        return len(self.free_block_ids)
+        return len(self._blank) + (self.num_blocks - len(self.blocks)) + len(self._cached_free)
+
+    @property
+    def free_block_ids(self) -> list[int]:
+        """Every free block id in the order they will be handed out (for inspection: O(pool size))."""
+        return self._blank[::-1] + list(range(len(self.blocks), self.num_blocks)) + list(self._cached_free)
 
     @property
     def usage(self) -> float:
@@ -127,7 +139,7 @@ class BlockManager:
         for block_id in cached_blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self.free_block_ids[block_id]
+                del self._cached_free[block_id]  # a found block has a hash
             block.ref_count += 1
         seq.block_table = list(cached_blocks) + [self._take_free_block() for _ in range(num_fresh)]
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached_tokens
@@ -170,13 +182,20 @@ class BlockManager:
             assert block.ref_count > 0, f"block {block_id} freed twice"
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
                 if block.hash == NO_HASH:  # worthless once free: hand it out before any cached block
-                    self.free_block_ids.move_to_end(block_id, last=False)
+                    self._blank.append(block_id)
+                else:
+                    self._cached_free[block_id] = None
         seq.block_table = []
 
     def _take_free_block(self) -> int:
-        block_id, _ = self.free_block_ids.popitem(last=False)
+        if self._blank:
+            block_id = self._blank.pop()
+        elif len(self.blocks) < self.num_blocks:
+            block_id = len(self.blocks)
+            self.blocks.append(Block(block_id))
+        else:
+            block_id, _ = self._cached_free.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0, f"free block {block_id} has ref_count {block.ref_count}"
         if block.hash != NO_HASH and self.hash_to_block.get(block.hash) == block_id:

@@ -8,8 +8,8 @@ Each kernel rounds where torch rounds, so the results are torch's bits or within
 - `rms_norm`: fp32 sum of squares (another summation order than torch's mean: the one difference), rsqrt,
   the normalised row rounded to x's dtype, then times the weight rounded to their promoted dtype; optionally
   the residual add before it (x + r rounded to the dtype, stored: the layer's residual stream).
-- `rope`: cos / sin rounded to q's dtype, each product rounded, then the sum: torch's bits exactly in bf16 and
-  fp16; in fp32 the GPU fuses a product and the sum into one FMA (within an ulp; H200, session 7).
+- `rope`: cos / sin rounded to q's dtype, each product rounded, then the sum: torch's bits exactly. Compiled
+  without FMA contraction: with it the H200 gave results an ulp off in every dtype (session 7).
 - `silu_mul`: silu in fp32 rounded to the dtype, times up, rounded.
 - `sum_rows`: a token's k expert rows added in fp32 (in order) and rounded once.
 - `route`: the MoE router's fp32 softmax, top-k and renormalisation (~6 kernels in `layers/moe.route`); the
@@ -214,7 +214,8 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, table: torch
         # a program holds [BLOCK_H, D] values of each side: past 2048 on 4 warps ptxas spills (32 or 64 heads of
         # 128 features; tests/test_sm90_compile.py reads the spills of the sm_90 build)
         _rope[(T,)](q, k, qo, ko, table, positions, HQ, HK, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                    D=D, HALF=rot // 2, BLOCK_H=bh, T_=_tl(q.dtype), num_warps=4 if bh * D <= 2048 else 8)
+                    D=D, HALF=rot // 2, BLOCK_H=bh, T_=_tl(q.dtype), num_warps=4 if bh * D <= 2048 else 8,
+                    enable_fp_fusion=False)  # no FMA: x cos and r sin each rounded, as torch's two kernels do
     return qo, ko
 
 

@@ -33,11 +33,10 @@ def test_nf4_groups_must_tile_rows():
     assert expert_format(quant.quantize_nf4(torch.randn(4, 128), 64)) == "nf4"
 
 
-@pytest.mark.parametrize("scheme,packs", [("int8", False), ("int4", True), ("nf4", False)])
+@pytest.mark.parametrize("scheme,packs", [("int8", True), ("int4", True), ("nf4", False)])
 def test_loader_keeps_a_quantized_stores_experts_packed(scheme, packs, tmp_path_factory):
     """A packing bank holds exactly what the dequantize-at-load path computes, at a fraction of the bytes.
-    NF4's groups of 64 do not tile this model's 96-wide rows, and int8 is not yet packed by the engine
-    (models/base.py ENGINE_PACKED_FORMATS): those banks stay dense."""
+    NF4's groups of 64 do not tile this model's 96-wide rows: that bank stays dense."""
     from test_models_hf import build
 
     from ferrylm.config import ModelConfig
@@ -82,14 +81,10 @@ def test_random_source_hands_out_packed_experts():
         src = RandomSource(cfg, dtype=torch.float32, expert_quant=scheme)
         with torch.device("meta"):
             model = model_class(mc)(mc)
-        packs = scheme == "nf4"  # int8 banks are dequantized at load (models/base.py ENGINE_PACKED_FORMATS)
-        assert len(model.pack_experts(src)) == (2 if packs else 0)
+        assert len(model.pack_experts(src)) == 2  # (models/base.py ENGINE_PACKED_FORMATS)
         model.load_weights(src)
         bank = model.model.layers[0].block_sparse_moe.experts
-        if packs:
-            assert bank.packed[0].fmt == scheme and bank.packed[0].shape == (4, 384, 128)
-        else:
-            assert bank.packed is None and bank.w13.shape == (4, 384, 128)
+        assert bank.packed[0].fmt == scheme and bank.packed[0].shape == (4, 384, 128)
         w13, w2 = bank.expert_weights(1)
         assert 0.01 < w13.float().std().item() < 0.04 and 0.01 < w2.float().std().item() < 0.04
 

@@ -214,7 +214,9 @@ class DeepseekModel(nn.Module):
 class DeepseekForCausalLM(CausalLM):
     """The forward is `CausalLM`'s segment chain (embed, layers, norm); layers keep `pre`/`post`."""
 
-    cuda_graphs = False  # True once tests/test_cuda.py -k deepseek_graph has passed on a GPU (unrun as of session 5)
+    cuda_graphs = False  # True once tests/test_cuda.py -k deepseek_graph passes on a GPU: on the H200 (session 7) its
+    # eager engine failed first, a cuBLAS internal error in `out`'s einsum at the warm-up step (after two Yuan engines
+    # in the same process: an allocation failure, or this shape; unknown)
     """MLA decode reads no host values (the absorbed matmuls, the latent cache row, routing on the device);
     the routed experts need a graph-safe backend too (`CausalLM.graph_safe`: the fused kernel, bf16/fp16)."""
 

@@ -18,7 +18,7 @@ A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_
     t_host    = copy-path MoE layers (larger steps, or a mapped path off): CACHED_EXPERT_S per expert touched
     t_launch  = layers * LAUNCH_S (eager) or LAUNCH_GRAPH_S (CUDA graphs)
     t_comm    = 2 all-reduces per layer under TP (ALLREDUCE_S + ring bytes over NVLink or PCIe)
-Packed experts (int4 / NF4) are read at `PACKED_TIME` of a dense expert's time, resident and in place.
+Packed experts (int4 / int8 / NF4) are read at `PACKED_TIME` of a dense expert's time, resident and in place.
 A prefill chunk of T tokens: max(2 * active params * T / (TFLOP/s * MFU), streamed bytes / H2D) + t_launch.
 The constants marked "measured" come from one H200 session (docs/benchmarks.md); the others are assumptions
 until `ferry plan --check` / `benchmarks/bench_plan.py` measure them. Knows nothing about files or the engine.
@@ -58,11 +58,12 @@ ALLREDUCE_S = 20e-6
 INPLACE_EFF = 0.85
 """Measured: the fused MoE kernel reading dense experts in place from mapped host memory reaches 45-47 GB/s
 against the copy engine's 54.6 (H200, `benchmarks/bench_mapped.py`, 2026-12-01)."""
-PACKED_TIME = {"nf4": (5.4, 0.92), "int4": (5.4, 0.92)}
+PACKED_TIME = {"nf4": (5.4, 0.92), "int4": (5.4, 0.92), "int8": (5.4, 0.92)}
 """Packed expert format -> (resident, in place) time to read one expert, relative to the same expert dense in
 bf16. Measured for NF4 g64 (H200, two Mixtral experts at one token: resident 2.94 vs 0.54 ms, in place 13.7 vs
 14.9 ms): the first packed kernel is latency-bound, so 4-bit experts buy memory (more of them resident, a
-higher hit rate) but not time per expert. int4 is not measured: assumed equal to NF4."""
+higher hit rate) but not time per expert. int4 and int8 (kept packed since session 7) are not measured: assumed
+equal to NF4."""
 HOST_EXPERT_EFF = 0.27
 """Measured: bf16 experts computed on the host's cores while the GPU reads other experts in place reach 0.27 of
 the host's read rate as `hw/bandwidth.host_read_gbs` measures it (the rate the planner multiplies this by):

@@ -503,8 +503,10 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                          f"kernel reads one in {res:.1f}x a bf16 expert's time resident and {inplace:.2f}x in place "
                          "(measured, NF4 on the H200): fewer bytes buy more resident experts, not faster reads")
         else:
-            notes.append(f"{fmt.experts_scheme} experts are dequantized at load (the engine keeps only int4 / nf4 "
-                         "experts packed): counted dense")
+            from ferrylm.models.base import ENGINE_PACKED_FORMATS
+
+            notes.append(f"{fmt.experts_scheme} experts are dequantized at load (the engine keeps only "
+                         f"{' / '.join(sorted(ENGINE_PACKED_FORMATS))} experts packed): counted dense")
     if opts.quant:
         if opts.quant == "fp8" and not gpu.fp8:
             notes.append(f"{gpu.name} has no FP8 tensor cores: fp8 weights can only be stored, not computed")

@@ -145,7 +145,7 @@ class CausalLM(nn.Module):
             if progress:
                 progress(name)
         for mod in self.modules():
-            if isinstance(mod, (Linear, Experts)):
+            if isinstance(mod, (Linear, Experts)) or callable(getattr(mod, "finish_load", None)):
                 try:
                     mod.finish_load()
                 except ValueError as e:  # e.g. a bank whose experts arrived partly packed, partly dense

@@ -50,6 +50,7 @@ from ferrylm.errors import ConfigError
 from ferrylm.layers.activation import get_act
 from ferrylm.layers.attention import PagedAttention
 from ferrylm.layers.context import get_forward_context
+from ferrylm.layers import fused_ops
 from ferrylm.layers.embedding import ParallelLMHead, ParallelVocabEmbedding, TiedLMHead
 from ferrylm.layers.linear import Linear
 from ferrylm.layers.moe import route
@@ -202,7 +203,7 @@ class LocalizedFilter(nn.Module):
         i = self.layer_idx
         o1 = self.conv1(torch.cat((lf.shift(x, "lf_x", i), x), dim=-1))  # [T, H/2]
         o2 = self.conv2(torch.cat((lf.shift(o1, "lf_o1", i), o1), dim=-1))  # [T, H]
-        return self.output_layernorm(o2 + x)
+        return self.output_layernorm.add_forward(o2, x)[1]  # norm(o2 + x), one launch on CUDA
 
 
 class BF16RefRotary(RotaryEmbedding):
@@ -251,9 +252,13 @@ class YuanMLP(nn.Module):
         self.inter = self.gate_up_proj.shards["up"][1]  # this tensor-parallel rank's share
         self.down_proj = RowParallelLinear(inter, hidden)
         self.act = get_act(act)
+        self.silu = act in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        up, gate = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
+        ug = self.gate_up_proj(x)  # [T, 2I]: up, gate
+        if self.silu and ug.dim() == 2 and fused_ops.usable(ug):
+            return self.down_proj(fused_ops.silu_mul(ug))  # silu(up) * gate in one launch, as torch rounds
+        up, gate = ug.split(self.inter, dim=-1)  # [T, I] each
         return self.down_proj(gate * self.act(up))
 
 
@@ -261,7 +266,8 @@ class AttentionRouter(nn.Module):
     """M32's router: per token, attention over the E experts, in fp32.
 
     q, k, v = query(x), key(x), value(x) (each [E]); A = softmax_j(q_i * k_j) (no scaling);
-    router_logits = A @ v.
+    router_logits = A @ v. The three weights are kept once more as one fp32 [3E, H] matrix (`finish_load`): one
+    matmul a layer instead of three matmuls and three weight casts (0.8 MB a layer at M32's shape).
     """
 
     def __init__(self, hidden: int, num_experts: int):
@@ -269,14 +275,22 @@ class AttentionRouter(nn.Module):
         self.query = Linear(hidden, num_experts)
         self.key = Linear(hidden, num_experts)
         self.value = Linear(hidden, num_experts)
+        self.qkv32: torch.Tensor | None = None
+
+    def finish_load(self) -> None:
+        """Called once every checkpoint tensor is in (`CausalLM.load_weights`)."""
+        ws = [m.weight.detach() for m in (self.query, self.key, self.value)]
+        self.qkv32 = None if any(w.is_meta for w in ws) else torch.cat([w.float() for w in ws])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> router logits [T, E] fp32
-        x = x.float()
-        q = F.linear(x, self.query.weight.float())[:, :, None]  # [T, E, 1]
-        k = F.linear(x, self.key.weight.float())[:, None, :]  # [T, 1, E]
-        v = F.linear(x, self.value.weight.float())[:, :, None]  # [T, E, 1]
-        a = torch.softmax(torch.bmm(q, k), dim=-1)  # [T, E, E]
+        x, E = x.float(), self.query.out_features
+        w = self.qkv32
+        if w is None or w.device != x.device:  # (a layer streamed in from the host tier brings its own weights)
+            w = torch.cat([m.weight.float() for m in (self.query, self.key, self.value)])
+        q, k, v = F.linear(x, w).split(E, dim=-1)  # [T, E] each
+        a = torch.softmax(torch.bmm(q[:, :, None], k[:, None, :]), dim=-1)  # [T, E, E]
+        v = v[:, :, None]  # [T, E, 1]
         return torch.bmm(a, v)[:, :, 0]  # [T, E]
 
 
@@ -305,8 +319,8 @@ class YuanDecoderLayer(nn.Module):
                     else YuanMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act))
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, lf: LFBatch) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), lf)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, x = self.post_attention_layernorm.add_forward(self.self_attn(positions, self.input_layernorm(h), lf), h)
+        return h + self.mlp(x)
 
 
 class YuanModel(nn.Module):

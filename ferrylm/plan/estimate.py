@@ -3,7 +3,7 @@ bytes, PCIe bytes, FLOPs) plus the serial parts (experts read in place over PCIe
 with which resource binds.
 
 A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_host + t_launch + t_comm:
-    t_hbm     = (resident weights the step touches + KV read) / (HBM GB/s * HBM_EFF)
+    t_hbm     = resident weights the step touches / (HBM GB/s * HBM_EFF) + KV read / (HBM GB/s * KV_HBM_EFF)
                 + experts read from HBM / (HBM GB/s * moe_hbm_eff(tokens per expert))
     t_copy    = bytes the copy engine moves (streamed layers, copy-path expert misses) / pinned H2D GB/s
                 (copies overlap compute)
@@ -16,7 +16,7 @@ A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_
                 (hits at least every expert's resident time: a miss never speeds the kernel up),
                 serial with the other kernels (and then not in t_hbm)
     t_host    = copy-path MoE layers (larger steps, or a mapped path off): CACHED_EXPERT_S per expert touched
-    t_launch  = layers * LAUNCH_S (eager) or LAUNCH_GRAPH_S (CUDA graphs)
+    t_launch  = layers * LAUNCH_S (eager) or LAUNCH_GRAPH_S (CUDA graphs), plus LAYER_EXTRA_S of the family
     t_comm    = 2 all-reduces per layer under TP (ALLREDUCE_S + ring bytes over NVLink or PCIe)
 Packed experts (int4 / int8 / NF4) are read at `PACKED_TIME` of a dense expert's time, resident and in place.
 A prefill chunk of T tokens: max(2 * active params * T / (TFLOP/s * MFU), streamed bytes / H2D) + t_launch.
@@ -34,14 +34,17 @@ measures, which on the H200 is 4.2 of its 4.8 TB/s (`bench_attention.py`'s read 
 the data sheet; the first `bench_plan` run (docs/benchmarks.md "`ferry plan` predicted vs measured") measured
 the 16-layer Llama-3-8B shape at 290 tok/s at batch 1 against 427 predicted, a lower bound (a graph capture in
 the timing) that 0.8 of the data sheet cannot meet with any per-layer cost."""
-MOE_HBM_EFF = 0.44
-"""Share of peak HBM bandwidth the fused MoE kernel reaches reading resident experts at one token per expert:
-the 8-layer resident Mixtral decodes >= 321 tok/s at batch 1 (first `bench_plan` run, a lower bound: a graph
-capture in the timing): 3.11 ms a token, of which the attention, LM head and launches take 0.44 ms, leaves
-5.64 GB of experts in <= 2.67 ms, 2.1 of 4.8 TB/s. The same run at batch 16 (4 tokens per expert: every expert
-read, 22.5 GB a step) decoded >= 2142 tok/s, 0.65 of peak, where `moe_hbm_eff` says 0.70 (t^(1/3), capped at
-HBM_EFF). Was 0.27, from the fused kernel alone before today's kernel changes (`bench_mapped.py`: two experts in
-0.54 ms) and the engine's 228 tok/s then."""
+KV_HBM_EFF = 0.6
+"""Share of peak HBM bandwidth the paged decode kernel reads the KV cache at. Fitted to session 7's H200 run of the
+Llama-3-8B shape at batch 16 and a 16k context (`bench_resident.py`, 840 tok/s: 34 GB of KV a step besides 16 GB
+of weights); the kernel alone measured 0.43-0.69 at batch 1-16 and 1k-16k contexts, 0.85-0.9 at batch 64
+(`bench_attention.py`, docs/benchmarks.md). Was HBM_EFF (0.7), which predicted that row 24% fast."""
+MOE_HBM_EFF = 0.66
+"""Share of peak HBM bandwidth the fused MoE kernel reaches reading resident experts at one token per expert.
+Measured (session 7, H200, `bench_resident.py`, one-launch ops on): the 8-layer resident Mixtral decodes 451 tok/s
+at batch 1, 2.22 ms a token, of which the attention, norms, LM head (0.28 ms at HBM_EFF) and launches (0.16 ms)
+leave 5.64 GB of experts in 1.78 ms: 3.2 of 4.8 TB/s. Was 0.44, fitted to session 5's 321 tok/s before the
+one-launch ops (the small kernels between the expert launches were then counted here)."""
 
 MFU = 0.65
 """Share of peak (data-sheet) tensor FLOP/s a prefill's GEMMs reach. Measured: the Llama-3-8B shape's 2k-token
@@ -50,12 +53,18 @@ prefill at 41.2k tok/s on the H200 (session 7, `bench_resident.py`, one-launch o
 27.8k tok/s there."""
 LAUNCH_S = 150e-6
 """Per layer, eager PyTorch: ~10 kernels plus Python."""
-LAUNCH_GRAPH_S = 30e-6
-"""Per layer inside a CUDA graph, beyond the bytes: paged attention at short context (11.9 us at batch 1, 1k
-tokens, `bench_attention.py` on the H200) and ~8 small kernels (norms, RoPE, activation, residuals) at ~2 us
-each, bound by their latency, not their bytes. Was 15 us (launches only). Session 5's measurement (149 tok/s,
-Llama-3-8B batch 1, 32 layers) left ~94 us a layer above the bytes with torch's chains of kernels (~40 a layer);
-`layers/fused_ops.py` cut them to ~13: re-fit once `bench_resident.py` measures the fused engine."""
+LAUNCH_GRAPH_S = 20e-6
+"""Per layer inside a CUDA graph, beyond the bytes: paged attention at short context and the ~13 small kernels
+between the GEMMs (`layers/fused_ops.py`), bound by their latency. Fitted to session 7's H200 run of the
+Llama-3-8B shape (`bench_resident.py`): batch 1 at 208 tok/s is 4.81 ms a step where the bytes at HBM_EFF take
+4.49 ms, 10 us a layer; batch 64 at 8533 tok/s wants less than nothing (GEMMs at 64 rows read below HBM_EFF,
+which this model does not separate): 20 us puts both within 15% (195 and 9780 predicted). Was 30 us before the
+one-launch ops (~94 us a layer above the reads with torch's chains of ~40 kernels a layer)."""
+LAYER_EXTRA_S = {"yuan-moe": 108e-6}
+"""Per decode layer, by `model_type` ("-moe" for its MoE models), beyond everything above: measured, not yet explained. Yuan2.0-M32 graphed
+at batch 1 decodes 186 tok/s on the H200 (session 7, `bench_resident.py --cases yuanm32-b1`), 5.38 ms a token
+where the model above says 2.79 ms: 108 us a layer (its LF filter, attention router and 32 small experts). Its
+layers lost ~10 launches since (the residual adds, the router's matmuls): re-fit once it is profiled."""
 ALLREDUCE_S = 20e-6
 """Fixed cost of one tensor-parallel all-reduce (two per layer), on top of its bytes over the link."""
 INPLACE_EFF = 0.85
@@ -102,6 +111,7 @@ def moe_hbm_eff(tokens_per_expert: float) -> float:
 @dataclass(frozen=True)
 class StepCost:
     hbm_bytes: float
+    """Weights (and the like) read from HBM at HBM_EFF."""
     pcie_bytes: float
     """Bytes the copy engine moves host -> device (overlapped with compute)."""
     flops: float
@@ -126,6 +136,10 @@ class StepCost:
     """Dense-equivalent bytes the fused kernel reads in place over PCIe (serial with the step's kernels)."""
     host_s: float = 0.0
     """Host overhead of copy-path MoE layers (serial)."""
+    kv_bytes: float = 0.0
+    """KV cache read by the step's attention (at KV_HBM_EFF)."""
+    layer_extra_s: float = 0.0
+    """A family's measured per-layer time beyond this model (`LAYER_EXTRA_S`), serial."""
 
 
 @dataclass(frozen=True)
@@ -143,13 +157,15 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     eff = hbm_gbs * 1e9 * moe_hbm_eff(cost.tokens_per_expert)
     experts = max(cost.expert_hbm_bytes, cost.expert_all_bytes if cost.mapped else 0.0) / eff
     inplace = cost.inplace_bytes / (h2d_gbs * 1e9 * INPLACE_EFF) if cost.inplace_bytes else 0.0
-    parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF) + (0.0 if cost.mapped else experts),
+    parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF) + cost.kv_bytes / (hbm_gbs * 1e9 * KV_HBM_EFF)
+             + (0.0 if cost.mapped else experts),
              "pcie": cost.pcie_bytes / (h2d_gbs * 1e9) if cost.pcie_bytes else 0.0,
              "compute": cost.flops / (tflops * 1e12 * MFU),
              "mapped_experts": max(experts, inplace, cost.host_experts_s) if cost.mapped else 0.0,
              "host_experts": 0.0 if cost.mapped else cost.host_experts_s,
              "host": cost.host_s,
-             "launch": cost.layers * (LAUNCH_GRAPH_S if cost.graphs else LAUNCH_S), "comm": cost.comm_s}
+             "launch": cost.layers * ((LAUNCH_GRAPH_S if cost.graphs else LAUNCH_S) + cost.layer_extra_s),
+             "comm": cost.comm_s}
     roof = max(("hbm", "pcie", "compute", "host_experts"), key=parts.get)  # host experts beside the copies
     seconds = parts[roof] + parts["mapped_experts"] + parts["host"] + parts["launch"] + parts["comm"]
     by_resource = {"hbm": (parts["hbm"] if roof == "hbm" else 0.0) + (experts if cost.mapped and experts >= inplace else 0.0),

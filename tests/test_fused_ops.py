@@ -262,3 +262,50 @@ def test_kv_write_at_the_served_shapes_with_a_padded_row(dtype, hk, dk, dv):
         ref_v.view(-1, hk, dv).index_copy_(0, slots, v)
     C.write_kv(got_k, got_v, slots, k, v)
     assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("C", [2048, 1024, 300])
+def test_lf_shift_equals_the_plain_shift(dtype, C):
+    """Yuan's localized-filter shift at decode (`models/yuan.LFBatch.shift_cat`), at M32's widths (hidden 2048 and
+    its half) and a ragged one: the conv input and the state pool afterwards, bit for bit. Rows: two continuing
+    sequences, one starting (its previous row is 0, not the stale state), and a padded graph row on the scratch
+    slot; the layer is a strided view of the pool, as the engine's is."""
+    from ferrylm.models.yuan import LFBatch
+
+    g = torch.Generator().manual_seed(C)
+    S, L, layer = 4, 3, 1
+    pool = torch.randn(S + 1, L, C, generator=g).to(DEV, dtype)  # row S: the scratch row
+    x = torch.randn(4, C, generator=g).to(DEV, dtype)
+    slots = torch.tensor([2, 0, S, 3], device=DEV)
+    cont = torch.tensor([[True], [False], [True], [True]], device=DEV)
+    ref_pool = pool.clone()
+    lf = LFBatch(first=None, last=None, cont=cont, slots=slots, state={"lf_x": ref_pool}, decode=True)
+    ref = plain(lambda: lf.shift_cat(x, "lf_x", layer))
+    got = fused_ops.lf_shift(x, pool.select(1, layer), slots, cont)
+    assert torch.equal(got, ref) and torch.equal(pool, ref_pool)
+    assert torch.equal(got[1, :C], torch.zeros_like(x[1])) and torch.equal(pool[2, layer], x[0])
+
+
+@pytest.mark.parametrize("E", [32, 16, 48])
+def test_attention_router_equals_the_plain_router(E):
+    """Yuan2.0-M32's attention router after its one fp32 matmul, against the plain two bmm and softmax: within
+    fp32 rounding (summation order, Triton's exp), and the same top-2 experts."""
+    from ferrylm.layers.moe import route
+    from ferrylm.models.yuan import AttentionRouter
+
+    g = torch.Generator().manual_seed(E)
+    H, T = 256, 7
+    router = AttentionRouter(H, E)
+    with torch.no_grad():
+        for m in (router.query, router.key, router.value):
+            m.weight.copy_(torch.randn(E, H, generator=g) * 0.05)
+    router = router.to(DEV, torch.bfloat16)
+    router.finish_load()
+    x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
+    ref = plain(lambda: router(x))
+    got = fused_ops.attention_router(F.linear(x.float(), router.qkv32), E)
+    worst = (got - ref).abs().max().item()
+    print(f"attention router E={E}: max diff {worst:.3e} (logit scale {ref.abs().max():.2f})")
+    assert worst <= 1e-5 * max(1.0, ref.abs().max().item())
+    assert torch.equal(plain(lambda: route(got, 2, True))[1], plain(lambda: route(ref, 2, True))[1])

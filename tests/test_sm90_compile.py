@@ -178,8 +178,14 @@ def shapes(model: str) -> dict:
     cfg = ModelConfig.from_hf(raw)
     layers = min(cfg.num_hidden_layers, int(raw.get("first_k_dense_replace", 0)) + 2)
     m = meta_model(dict(raw, num_hidden_layers=layers))
-    out = dict(norms=set(), rope=set(), attn=set(), mlp=set(), moe=set(), cfg=cfg)
+    from ferrylm.models.yuan import AttentionRouter, LocalizedFilter
+
+    out = dict(norms=set(), rope=set(), attn=set(), mlp=set(), moe=set(), lf=set(), router=set(), cfg=cfg)
     for mod in m.modules():
+        if isinstance(mod, LocalizedFilter):  # the shift's two widths: the input and conv1's output
+            out["lf"] |= {mod.conv1.in_features // 2, mod.conv1.out_features}
+        if isinstance(mod, AttentionRouter):
+            out["router"].add(mod.query.out_features)
         if isinstance(mod, RMSNorm):
             out["norms"].add(mod.weight.shape[0])
         rot, attn = getattr(mod, "rotary", None), getattr(mod, "attn", None)
@@ -213,7 +219,8 @@ MOE_MODELS = [(m, d) for m in ("Mixtral-8x7B", "Qwen3-30B-A3B", "Yuan2-M32", "De
 @pytest.mark.parametrize("model,dt", MODEL_DTYPES)
 def test_fused_ops_fit_sm90(model, dt):
     """`layers/fused_ops.py` at every width the model hands it: RMSNorm with and without the residual add, RoPE
-    on q and k, silu * up, the router's softmax top-k and the sum of a token's expert rows."""
+    on q and k, silu * up, the router's softmax top-k, the sum of a token's expert rows, and Yuan's filter shift and
+    attention router."""
     dtype = DTYPES[dt]
     s = shapes(model)
     T = 3
@@ -234,6 +241,14 @@ def test_fused_ops_fit_sm90(model, dt):
             if routed and fo.route_fits(logits, k):
                 fo.route(logits, k, norm)
             fo.sum_rows(torch.zeros(T * k, H, dtype=dtype), k)
+        for C in s["lf"]:  # a layer of the state pool: a strided view
+            store = torch.zeros(5, 3, C, dtype=dtype).select(1, 1)
+            fo.lf_shift(torch.zeros(T, C, dtype=dtype), store, torch.zeros(T, dtype=torch.long),
+                        torch.ones(T, 1, dtype=torch.bool))
+        for E in s["router"]:
+            qkv = torch.zeros(T, 3 * E)
+            if fo.attention_router_fits(qkv, E):
+                fo.attention_router(qkv, E)
     for row in check(got):
         print(model, dt, row)
 

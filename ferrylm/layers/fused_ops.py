@@ -14,6 +14,9 @@ Each kernel rounds where torch rounds, so the results are torch's bits or within
 - `sum_rows`: a token's k expert rows added in fp32 (in order) and rounded once.
 - `route`: the MoE router's fp32 softmax, top-k and renormalisation (~6 kernels in `layers/moe.route`); the
   same experts in the same order (equal probabilities: the lower expert first), weights within fp32 rounding.
+- `lf_shift` (Yuan's localized filter at decode: its state row read, replaced, and the row pair concatenated; 5
+  kernels): moves bits, torch's exactly. `attention_router` (Yuan2.0-M32's router after its matmul; 3): within
+  fp32 rounding (another summation order, Triton's exp).
 The plain torch forms stay the reference and the CPU path; `usable(x)` says when these run (a CUDA tensor,
 Triton importable, `ENABLED`). Tested against the plain forms under Triton's interpreter (fp32, fp16) and on CUDA
 (tests/test_fused_ops.py), compiled for sm_90 in every dtype (tests/test_sm90_compile.py).
@@ -143,6 +146,41 @@ if triton is not None:
         tl.store(out_ptr + t * stride_o + offs, acc.to(T_), mask=ok)
 
 
+
+if triton is not None:
+
+    @triton.jit
+    def _lf_shift(x_ptr, store_ptr, slots_ptr, cont_ptr, out_ptr, C, stride_x, stride_s, stride_o,
+                  BLOCK: tl.constexpr):
+        # one decode row a program (a block of its C features): out[b] = [cont[b] ? store[slot[b]] : 0 | x[b]],
+        # then store[slot[b]] = x[b] (the read first: padded rows share the scratch slot, their outputs unused)
+        b = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < C
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        keep = tl.load(cont_ptr + b) != 0
+        x = tl.load(x_ptr + b * stride_x + offs, mask=ok, other=0.0)
+        prev = tl.load(store_ptr + slot * stride_s + offs, mask=ok & keep, other=0.0)
+        tl.store(out_ptr + b * stride_o + offs, prev, mask=ok)
+        tl.store(out_ptr + b * stride_o + C + offs, x, mask=ok)
+        tl.store(store_ptr + slot * stride_s + offs, x, mask=ok)
+
+    @triton.jit
+    def _attn_router(qkv_ptr, out_ptr, E, stride_t, BE: tl.constexpr):
+        # one token a program: qkv [T, 3E] fp32 (q, k, v) -> out[i] = sum_j softmax_j(q_i k_j) v_j
+        t = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BE)
+        ok = i < E
+        base = qkv_ptr + t * stride_t
+        q = tl.load(base + i, mask=ok, other=0.0)
+        k = tl.load(base + E + i, mask=ok, other=0.0)
+        v = tl.load(base + 2 * E + i, mask=ok, other=0.0)
+        s = tl.where(ok[None, :], q[:, None] * k[None, :], float("-inf"))  # [BE, BE]
+        p = tl.exp(s - tl.max(s, axis=1)[:, None])
+        p = p / tl.sum(p, axis=1)[:, None]
+        tl.store(out_ptr + t * E + i, tl.sum(p * v[None, :], axis=1), mask=ok)
+
+
 def sum_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
     """`layers/fused_moe.sum_rows` in one launch: rows [T * k, H] -> [T, H], each token's k rows added in fp32."""
     A, H = rows.shape
@@ -240,3 +278,38 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         BLOCK = min(1024, triton.next_power_of_2(N))
         _silu_mul[(T, triton.cdiv(N, BLOCK))](x, out, N, x.stride(0), out.stride(0), BLOCK=BLOCK, T_=_tl(x.dtype))
     return out
+
+
+def lf_shift(x: torch.Tensor, store: torch.Tensor, slots: torch.Tensor, cont: torch.Tensor) -> torch.Tensor:
+    """Yuan's localized-filter shift for a pure decode step in one launch (`models/yuan.LFBatch.shift_cat`'s plain
+    form is an index_select, an index_copy_, a where and a cat): x [B, C] (unit stride), store [slots + 1, C] (any
+    row stride, unit along C), slots [B] long, cont [B] bool -> [B, 2C] = [previous token's row | x], the previous
+    row the stored one where cont, else 0; store[slots] = x afterwards."""
+    B, C = x.shape
+    out = torch.empty(B, 2 * C, dtype=x.dtype, device=x.device)
+    if B:
+        BLOCK = min(1024, triton.next_power_of_2(C))
+        _lf_shift[(B, triton.cdiv(C, BLOCK))](x, store, slots, cont.reshape(-1).view(torch.int8), out, C, x.stride(0),
+                                             store.stride(0), out.stride(0), BLOCK=BLOCK)
+    return out
+
+
+def lf_shift_fits(x: torch.Tensor, store: torch.Tensor) -> bool:
+    return (x.dim() == 2 and x.stride(-1) == 1 and store.dim() == 2 and store.stride(-1) == 1
+            and store.dtype == x.dtype)
+
+
+def attention_router(qkv: torch.Tensor, E: int) -> torch.Tensor:
+    """Yuan2.0-M32's router after its matmul in one launch (`models/yuan.AttentionRouter`'s plain form: two bmm and a
+    softmax): qkv [T, 3E] fp32 (unit stride) -> router logits [T, E] fp32, within fp32 rounding of the plain form
+    (another summation order, Triton's exp)."""
+    T = qkv.shape[0]
+    out = torch.empty(T, E, dtype=torch.float32, device=qkv.device)
+    if T:
+        _attn_router[(T,)](qkv, out, E, qkv.stride(0), BE=triton.next_power_of_2(E), num_warps=4 if E <= 32 else 8)
+    return out
+
+
+def attention_router_fits(qkv: torch.Tensor, E: int) -> bool:
+    """[E, E] scores a program: E <= 64 (M32 has 32)."""
+    return qkv.dim() == 2 and qkv.stride(-1) == 1 and qkv.dtype == torch.float32 and E <= 64

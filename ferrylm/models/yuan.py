@@ -154,6 +154,14 @@ class LFBatch:
             state=ctx.state if has_pool else None,
         )
 
+    def shift_cat(self, x: torch.Tensor, name: str, layer: int) -> torch.Tensor:
+        """[T, 2C] = [`shift(x)` | x], the conv's input; a decode step on CUDA does it in one launch."""
+        if self.decode and fused_ops.usable(x):
+            store = self.state[name].select(1, layer)  # [slots + 1, C]
+            if fused_ops.lf_shift_fits(x, store):
+                return fused_ops.lf_shift(x, store, self.slots, self.cont)
+        return torch.cat((self.shift(x, name, layer), x), dim=-1)
+
     def shift(self, x: torch.Tensor, name: str, layer: int) -> torch.Tensor:
         """x: [T, C] -> the previous token's row of x for every token, then keep each sequence's last row.
 
@@ -201,8 +209,8 @@ class LocalizedFilter(nn.Module):
     def forward(self, x: torch.Tensor, lf: LFBatch) -> torch.Tensor:
         # x: [T, H]
         i = self.layer_idx
-        o1 = self.conv1(torch.cat((lf.shift(x, "lf_x", i), x), dim=-1))  # [T, H/2]
-        o2 = self.conv2(torch.cat((lf.shift(o1, "lf_o1", i), o1), dim=-1))  # [T, H]
+        o1 = self.conv1(lf.shift_cat(x, "lf_x", i))  # [T, H/2]
+        o2 = self.conv2(lf.shift_cat(o1, "lf_o1", i))  # [T, H]
         return self.output_layernorm.add_forward(o2, x)[1]  # norm(o2 + x), one launch on CUDA
 
 
@@ -288,7 +296,10 @@ class AttentionRouter(nn.Module):
         w = self.qkv32
         if w is None or w.device != x.device:  # (a layer streamed in from the host tier brings its own weights)
             w = torch.cat([m.weight.float() for m in (self.query, self.key, self.value)])
-        q, k, v = F.linear(x, w).split(E, dim=-1)  # [T, E] each
+        qkv = F.linear(x, w)  # [T, 3E]
+        if fused_ops.usable(qkv) and fused_ops.attention_router_fits(qkv, E):
+            return fused_ops.attention_router(qkv, E)  # the rest in one launch
+        q, k, v = qkv.split(E, dim=-1)  # [T, E] each
         a = torch.softmax(torch.bmm(q[:, :, None], k[:, None, :]), dim=-1)  # [T, E, E]
         v = v[:, :, None]  # [T, E, 1]
         return torch.bmm(a, v)[:, :, 0]  # [T, E]

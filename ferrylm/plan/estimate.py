@@ -64,7 +64,7 @@ LAYER_EXTRA_S = {"yuan-moe": 108e-6}
 """Per decode layer, by `model_type` ("-moe" for its MoE models), beyond everything above: measured, not yet explained. Yuan2.0-M32 graphed
 at batch 1 decodes 186 tok/s on the H200 (session 7, `bench_resident.py --cases yuanm32-b1`), 5.38 ms a token
 where the model above says 2.79 ms: 108 us a layer (its LF filter, attention router and 32 small experts). Its
-layers lost ~10 launches since (the residual adds, the router's matmuls): re-fit once it is profiled."""
+layers lost ~18 launches since (residual adds, the router, the filter's shifts): re-fit once re-measured."""
 ALLREDUCE_S = 20e-6
 """Fixed cost of one tensor-parallel all-reduce (two per layer), on top of its bytes over the link."""
 INPLACE_EFF = 0.85

@@ -13,9 +13,10 @@ and the planned figure.
 
 TODO (what is left of issue #14):
 - measure: run `PYTHONPATH=. python benchmarks/bench_plan.py --gpu 1xH200` (dense, MoE resident, MoE offloaded,
-  NF4 experts offloaded) and put its predicted-vs-measured table in docs/benchmarks.md; the MoE kernel rates in
-  `estimate.py` were read off earlier runs of the same engine (calibration), and HBM_EFF / MFU / launch costs
-  are still assumptions; int4 experts' kernel rates are assumed equal to NF4's;
+  NF4 experts offloaded) and put its predicted-vs-measured table in docs/benchmarks.md; the kernel rates in
+  `estimate.py` (MOE_HBM_EFF, LAUNCH_GRAPH_S, KV_HBM_EFF, MFU, Yuan's LAYER_EXTRA_S) were read off session 7's
+  `bench_resident.py` rows (calibration: tests/test_plan.py keeps them within 20%), HBM_EFF from a copy kernel;
+  int4 and int8 experts' kernel rates are assumed equal to NF4's;
 - the warm-up step's activations (`memory.step_activation_bytes`) are an unmeasured estimate: bench_plan prints
   the engine's measured `step_peak` beside it; fit it from that run (the KV range shows what it can move);
 - the hit rate: the routing tally's steady state is modelled as the hottest experts (its hysteresis makes that

@@ -145,13 +145,16 @@ class CausalLM(nn.Module):
             if progress:
                 progress(name)
         for mod in self.modules():
-            if isinstance(mod, (Linear, Experts)) or callable(getattr(mod, "finish_load", None)):
+            if isinstance(mod, (Linear, Experts)):
                 try:
                     mod.finish_load()
                 except ValueError as e:  # e.g. a bank whose experts arrived partly packed, partly dense
                     raise ModelLoadError(f"{source.path}: {e}") from None
             elif isinstance(mod, nn.Embedding) and not mod.weight.is_meta:
                 mod.weight.requires_grad_(False)
+        for mod in self.modules():  # then the modules built on those (e.g. Yuan's router), their weights final
+            if not isinstance(mod, (Linear, Experts)) and callable(getattr(mod, "finish_load", None)):
+                mod.finish_load()
         if getattr(self, "tied", False):
             loaded.add("lm_head.weight")
         missing = self._missing(params, loaded)

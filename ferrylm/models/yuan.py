@@ -286,9 +286,12 @@ class AttentionRouter(nn.Module):
         self.qkv32: torch.Tensor | None = None
 
     def finish_load(self) -> None:
-        """Called once every checkpoint tensor is in (`CausalLM.load_weights`)."""
-        ws = [m.weight.detach() for m in (self.query, self.key, self.value)]
-        self.qkv32 = None if any(w.is_meta for w in ws) else torch.cat([w.float() for w in ws])
+        """Called once every checkpoint tensor is in and every Linear finished (`CausalLM.load_weights`). The copy
+        is a plain attribute, not a buffer: the planner's weight count leaves out its ~0.8 MB a layer."""
+        if any(m.weight.is_meta and not m.kernels for m in (self.query, self.key, self.value)):
+            self.qkv32 = None  # (a layer another pipeline stage holds)
+            return
+        self.qkv32 = torch.cat([m.dense_weight(torch.float32).detach() for m in (self.query, self.key, self.value)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> router logits [T, E] fp32

@@ -61,7 +61,7 @@ Llama-3-8B shape (`bench_resident.py`): batch 1 at 208 tok/s is 4.81 ms a step w
 which this model does not separate): 20 us puts both within 15% (195 and 9780 predicted). Was 30 us before the
 one-launch ops (~94 us a layer above the reads with torch's chains of ~40 kernels a layer)."""
 LAYER_EXTRA_S = {"yuan-moe": 108e-6}
-"""Per decode layer, by `model_type` ("-moe" for its MoE models), beyond everything above: measured, not yet explained. Yuan2.0-M32 graphed
+"""Per graphed decode layer, by `model_type` ("-moe" for its MoE models), beyond everything above: measured, not yet explained. Yuan2.0-M32 graphed
 at batch 1 decodes 186 tok/s on the H200 (session 7, `bench_resident.py --cases yuanm32-b1`), 5.38 ms a token
 where the model above says 2.79 ms: 108 us a layer (its LF filter, attention router and 32 small experts). Its
 layers lost ~18 launches since (residual adds, the router, the filter's shifts): re-fit once re-measured."""

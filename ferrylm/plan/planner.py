@@ -385,7 +385,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], host_s=x["host"], mapped=x["mapped"],
             host_experts_s=x["host_experts_s"],
             flops=2 * count.active * batch / ranks, layers=layers, graphs=graphs,
-            layer_extra_s=estimate.LAYER_EXTRA_S.get(mc.model_type + ("-moe" if E else ""), 0.0),
+            layer_extra_s=estimate.LAYER_EXTRA_S.get(mc.model_type + ("-moe" if E else ""), 0.0) if graphs else 0.0,
             comm_s=2 * layers * estimate.allreduce_s(opts.tp, batch * mc.hidden_size * act_b, link))
         t = estimate.step_time(cost, gpu.hbm_gbs, gpu.h2d_gbs, tflops)
         seconds = t.seconds * opts.pp  # a token passes every stage

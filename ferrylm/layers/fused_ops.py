@@ -295,6 +295,7 @@ def lf_shift(x: torch.Tensor, store: torch.Tensor, slots: torch.Tensor, cont: to
 
 
 def lf_shift_fits(x: torch.Tensor, store: torch.Tensor) -> bool:
+    """The kernel's shapes (any device): 2-D rows with unit stride along C, one dtype."""
     return (x.dim() == 2 and x.stride(-1) == 1 and store.dim() == 2 and store.stride(-1) == 1
             and store.dtype == x.dtype)
 

@@ -47,10 +47,10 @@ from torch import nn
 
 from ferrylm.config import ModelConfig
 from ferrylm.errors import ConfigError
+from ferrylm.layers import fused_ops
 from ferrylm.layers.activation import get_act
 from ferrylm.layers.attention import PagedAttention
 from ferrylm.layers.context import get_forward_context
-from ferrylm.layers import fused_ops
 from ferrylm.layers.embedding import ParallelLMHead, ParallelVocabEmbedding, TiedLMHead
 from ferrylm.layers.linear import Linear
 from ferrylm.layers.moe import route
@@ -288,17 +288,18 @@ class AttentionRouter(nn.Module):
     def finish_load(self) -> None:
         """Called once every checkpoint tensor is in and every Linear finished (`CausalLM.load_weights`). The copy
         is a plain attribute, not a buffer: the planner's weight count leaves out its ~0.8 MB a layer."""
-        if any(m.weight.is_meta and not m.kernels for m in (self.query, self.key, self.value)):
-            self.qkv32 = None  # (a layer another pipeline stage holds)
-            return
-        self.qkv32 = torch.cat([m.dense_weight(torch.float32).detach() for m in (self.query, self.key, self.value)])
+        held = not any(m.weight.is_meta and not m.kernels for m in (self.query, self.key, self.value))
+        self.qkv32 = self._weight32() if held else None  # (None: a layer another pipeline stage holds)
+
+    def _weight32(self) -> torch.Tensor:
+        return torch.cat([m.dense_weight(torch.float32).detach() for m in (self.query, self.key, self.value)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> router logits [T, E] fp32
         x, E = x.float(), self.query.out_features
         w = self.qkv32
         if w is None or w.device != x.device:  # (a layer streamed in from the host tier brings its own weights)
-            w = torch.cat([m.weight.float() for m in (self.query, self.key, self.value)])
+            w = self._weight32()
         qkv = F.linear(x, w)  # [T, 3E]
         if fused_ops.usable(qkv) and fused_ops.attention_router_fits(qkv, E):
             return fused_ops.attention_router(qkv, E)  # the rest in one launch

@@ -670,9 +670,10 @@ def test_packed_store_host_experts_copy_path_and_decode(tmp_path_factory):
         if opts.get("mapped_experts", True):
             assert placed.calibration.get("inplace_gbs", 0) > 0 and placed.host_decode is not None
         out, got = sampled_rows(llm, prompts, 12)
-        worst = max((a - b).abs().max().item() for a, b in zip(res, got))
-        print(f"packed int4 host experts {opts}: max |logit diff| vs resident = {worst:.3e}; {placed.stats}; "
-              f"calibration {placed.calibration}")
+        # H200 (session 8): bf16 flipped a late near-tie (2.48 after it; 1.6e-2 on the first two steps)
+        worst, diverged = worst_while_equal(res_out, res, out, got)
+        print(f"packed int4 host experts {opts}: max |logit diff| vs resident = {worst:.3e} over the same contexts "
+              f"({diverged} sequences diverged); {placed.stats}; calibration {placed.calibration}")
         assert placed.stats.cpu_experts > 0 and worst < 0.1
         assert [o.outputs[0].token_ids[:3] for o in out] == [r.outputs[0].token_ids[:3] for r in res_out]
 

@@ -707,3 +707,13 @@ def test_decode_model_reproduces_recorded_resident_runs(name, batch, prompt, out
     print(f"{name} batch {batch} at {prompt}+{output}: predicted {d['tok_s']:.1f} (binds {d['binding']}) vs "
           f"measured {measured} ({d['tok_s'] / measured - 1:+.0%})")
     assert p.verdict == "fits" and abs(d["tok_s"] / measured - 1) < 0.2
+
+
+def test_check_compares_every_metric_the_gpu_run_reports():
+    """`plan --check`'s rows for each metric bench_plan compares on the GPU, the offloaded cases' hit rate
+    included (H200, session 8: it had no aim and both offloaded cases died on a KeyError)."""
+    from ferrylm.plan.check import AIMS, compare
+
+    for name in ("weights", "peak", "decode_batch1", "decode_concurrent", "prefill", "hit_rate"):
+        (row,) = compare({"peak": 1, name: 1.1}, {"peak": 1, name: 1.0}, names=[name], suffix=" @x")
+        assert row["metric"] == name + " @x" and row["rel_error"] == pytest.approx(0.1) and row["aim"] == AIMS[name]

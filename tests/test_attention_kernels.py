@@ -156,6 +156,15 @@ def test_narrow_values_and_mla_latent():
 
 
 @needs_triton
+@pytest.mark.parametrize("page", [4, 16])
+def test_mla_rows_narrower_than_a_key_tile(page):
+    """The tests' tiny DeepSeek rows (latent 32 + rope 8, 4 query heads): on the H200 key tiles of 64 gave wrong
+    rows (page 16) or an illegal address (page 4); `_narrow_latent` sends them to 32-key tiles."""
+    q, k, v, ctx = paged_step(STARTS, NEWS, 4, 1, 40, page=page, Dv=0, seed=13)
+    assert_close(f"MLA latent 32 of 40, page {page}", PagedAttention(0, 4, 1, 40, 0.15, latent_values=32), q, k, v, ctx)
+
+
+@needs_triton
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
 @pytest.mark.parametrize("window", [None, 24])
 def test_quantized_cache_kernel_matches_torch(kv, window):

@@ -869,9 +869,9 @@ def test_yuan_m32_graph_decode_equals_eager(graphs_on):
 @pytest.mark.parametrize("v_head_dim", [16, 12])
 def test_deepseek_graph_decode_equals_eager(v_head_dim, tmp_path_factory, graphs_on):
     """DeepSeek-V3 (tiny, bf16: MLA with the latent cache row, sigmoid group routing, fused experts). On the
-    H200 (session 7) the tests' usual v_head_dim 12 failed in the eager engine's warm-up: a cuBLAS internal error
-    in the absorbed output einsum, whose [T, h, v] bf16 result rows are 24 bytes (not 16-byte aligned); 16 is
-    the aligned twin (real DeepSeek shapes: 128), so the two tell a cuBLAS alignment limit from a bug of ours."""
+    H200 (sessions 7-8) the eager engine's warm-up failed at both v_head_dims: the Triton prefill kernel, at
+    64-key tiles over the tiny 40-wide latent rows, read out of bounds (4-token pages; wrong rows at 16), and the
+    next cuBLAS call reported it (`triton_attention._narrow_latent` now takes 32-key tiles there)."""
     from test_models import DEEPSEEK, build
 
     cfg_name, cls_name, extra = DEEPSEEK["deepseek_v3"]

@@ -62,6 +62,14 @@ def _p2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+def _narrow_latent(d: int, dv: int, latent_values: int | None) -> bool:
+    """MLA rows whose value tile is narrower than the key tile (values = the first DV of each cached key):
+    key tiles of 64 then miscompile on sm_90 (H200, session 8: the tiny DeepSeek shape, D 40 / DV 32, gave
+    wrong rows at a 16-token page and an illegal address at a 4-token one, exact under the interpreter;
+    tiles of 32 and 16 were right). Real MLA rows (576 / 512) take 16-key tiles anyway."""
+    return bool(latent_values) and _p2(dv) < _p2(d)
+
+
 @functools.lru_cache(maxsize=None)
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -289,11 +297,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     big = D > 256  # MLA rows (576 features): smaller tiles keep the registers in bounds
     fp32 = q.dtype == torch.float32  # exact fp32 dots: on 4 warps or 2 stages they spill (sm_90 build)
+    narrow = _narrow_latent(D, DV, latent_values)
     _decode_kernel[(B, Hk * tiles, S)](
         q, K, V, KS, VS, block_tables, seq_lens, out, part, lse, scale, window or 0,
         q.stride(0), q.stride(1), *st, block_tables.stride(0), out.stride(0), out.stride(1),
         H=H, G=G, HT=HEAD_TILE, D=D, BLOCK_D=_p2(D), DV=DV, BLOCK_DV=_p2(DV), PAGE=page,
-        BLOCK_N=16 if big else 32 if fp32 else 64, SPLITS=S, WINDOWED=window is not None, QUANT=quant,
+        BLOCK_N=16 if big else 32 if fp32 or narrow else 64, SPLITS=S, WINDOWED=window is not None, QUANT=quant,
         IEEE=_ieee(q), num_warps=8 if big or fp32 else 4, num_stages=1 if big or fp32 else 3)
     if S > 1:
         _combine_kernel[(B, H)](part, lse, out, out.stride(0), out.stride(1), H=H, SPLITS=S,
@@ -340,10 +349,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ht = min(HEAD_TILE, triton.next_power_of_2(G))
     big = D > 256
     fp32 = q.dtype == torch.float32  # with `prefill_block_q`'s 32 rows: <= 40 B spilled on sm_90 (was 10 KB)
+    narrow = _narrow_latent(D, DV, latent_values)
     _prefill_kernel[(num_tiles, Hk * -(-G // ht))](
         q, K, V, KS, VS, block_tables, meta, out, scale, window or 0, num_seqs, num_tiles,
         q.stride(0), q.stride(1), *st, block_tables.stride(0), out.stride(0), out.stride(1),
         G=G, HT=ht, BLOCK_Q=block_q, D=D, BLOCK_D=_p2(D), DV=DV, BLOCK_DV=_p2(DV), PAGE=page,
-        BLOCK_N=16 if big or fp32 and D > 128 else 32 if fp32 else 64, WINDOWED=window is not None, QUANT=quant,
+        BLOCK_N=16 if big or fp32 and D > 128 else 32 if fp32 or narrow else 64, WINDOWED=window is not None, QUANT=quant,
         IEEE=_ieee(q), num_warps=8 if big or D > 64 or fp32 else 4, num_stages=1 if big or fp32 else 2)
     return out

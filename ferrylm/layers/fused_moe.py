@@ -71,6 +71,13 @@ def _m_pad(A: int, E: int, block_m: int) -> int:
     return (A + E * (block_m - 1) + block_m - 1) // block_m * block_m
 
 
+def padded_rows(A: int, E: int) -> int:
+    """Rows of the grouped GEMM's intermediate and output buffers for A assignments over E experts (dense banks;
+    packed ones take row blocks of at most 32, so fewer): every expert's rows padded to whole row blocks.
+    `plan/memory.step_activation_bytes` counts the prefill's buffers with it."""
+    return _m_pad(A, E, _blocks(A)[0])
+
+
 def _align_kernel(flat: torch.Tensor, E: int, block_m: int):
     A = flat.numel()
     m_pad = _m_pad(A, E, block_m)

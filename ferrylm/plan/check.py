@@ -3,7 +3,8 @@ beside what it measures: weights and KV bytes, peak device memory, KV tokens, pr
 for offloaded MoE models, the expert hit rate each decode run saw).
 
 On CUDA, weights are what the device's allocator held once the weights were placed (`ModelRunner.
-weights_allocated`: resident groups, stream buffers, expert slots), and peak device memory is
+weights_allocated`: resident groups, stream buffers, expert slots, with the RoPE tables and a cuBLAS workspace:
+the plan's `per_gpu["held"]`), and peak device memory is
 `torch.cuda.max_memory_allocated` over the whole run plus the plan's CUDA-context allowance (the allocator
 cannot see the context). On the CPU only the byte counts are compared (the plan's speeds are for its GPU
 profile), and weights are every parameter's bytes (the CPU engine holds them all). Aims (issue #14):
@@ -221,7 +222,7 @@ def predicted(plan: Plan, cuda: bool) -> dict:
     g, s = plan.per_gpu, plan.speed
     # the CUDA engine re-sizes its KV pool after a measured warm-up step; the CPU engine keeps the planned pool
     kv, kv_tokens = (g["kv"], g["kv_tokens"]) if cuda else (g["kv_planned"], g["kv_tokens_planned"])
-    out = {"weights": g["weights"] if cuda else g["weights_all"], "kv": kv, "kv_tokens": kv_tokens,
+    out = {"weights": g["held"] if cuda else g["weights_all"], "kv": kv, "kv_tokens": kv_tokens,
            "prefill": s["prefill_tok_s"]}
     if cuda:
         out.update(peak=g["peak"], step_activations=g["step_activations"], decode_batch1=s["decode_batch1"]["tok_s"],

@@ -7,7 +7,7 @@ A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_
                 + experts read from HBM / (HBM GB/s * moe_hbm_eff(tokens per expert))
     t_copy    = bytes the copy engine moves (streamed layers, copy-path expert misses) / pinned H2D GB/s
                 (copies overlap compute)
-    t_compute = 2 * active params * B / (TFLOP/s * MFU)
+    t_compute = 2 * active params * B / (TFLOP/s * MFU), the routed experts' share at MOE_MFU
     t_mapped  = decode steps of up to `CachedExperts.mapped_tokens` tokens with experts in host memory: one
                 fused launch reads the hits from HBM and the misses in place from mapped host memory at
                 pinned H2D GB/s * INPLACE_EFF, side by side, while (hybrid decode, the engine's default for
@@ -51,6 +51,11 @@ MFU = 0.65
 prefill at 41.2k tok/s on the H200 (session 7, `bench_resident.py`, one-launch ops on) is 2 * 8.03e9 * 41.2k =
 662 of 989 TFLOP/s, 0.67 (the same run's 8192^3 matmul: 807, 0.82). Was 0.5, an assumption, which predicted
 27.8k tok/s there."""
+MOE_MFU = 0.2
+"""Share of peak tensor FLOP/s the fused MoE kernel's grouped GEMMs reach in a prefill (`layers/fused_moe.py`,
+Triton tiles of 64 x 128 x 64). Fitted (H200, session 8, `bench_plan.py`): the resident 8-layer Mixtral shape
+prefills 31.2k tok/s at 2048 tokens a chunk, where MFU for every FLOP predicted 62.5k. Was MFU; the kernel's tiles
+are the next thing to tune (the dense GEMMs around it run at cuBLAS's rate)."""
 LAUNCH_S = 150e-6
 """Per layer, eager PyTorch: ~10 kernels plus Python."""
 LAUNCH_GRAPH_S = 20e-6
@@ -115,6 +120,7 @@ class StepCost:
     pcie_bytes: float
     """Bytes the copy engine moves host -> device (overlapped with compute)."""
     flops: float
+    """FLOPs of the dense GEMMs (at MFU)."""
     layers: int
     graphs: bool = False
     comm_s: float = 0.0
@@ -140,6 +146,8 @@ class StepCost:
     """KV cache read by the step's attention (at KV_HBM_EFF)."""
     layer_extra_s: float = 0.0
     """A family's measured per-layer time beyond this model (`LAYER_EXTRA_S`), serial."""
+    expert_flops: float = 0.0
+    """FLOPs of the routed experts' grouped GEMMs (at MOE_MFU)."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +168,7 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF) + cost.kv_bytes / (hbm_gbs * 1e9 * KV_HBM_EFF)
              + (0.0 if cost.mapped else experts),
              "pcie": cost.pcie_bytes / (h2d_gbs * 1e9) if cost.pcie_bytes else 0.0,
-             "compute": cost.flops / (tflops * 1e12 * MFU),
+             "compute": cost.flops / (tflops * 1e12 * MFU) + cost.expert_flops / (tflops * 1e12 * MOE_MFU),
              "mapped_experts": max(experts, inplace, cost.host_experts_s) if cost.mapped else 0.0,
              "host_experts": 0.0 if cost.mapped else cost.host_experts_s,
              "host": cost.host_s,

@@ -247,7 +247,28 @@ def summarize(groups: list[TensorGroup]) -> dict[str, int]:
 # -- the warm-up step the CUDA engine measures before sizing its KV pool --------------------------------------
 
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
-"""Assumed: the cuBLAS workspace the warm-up's first GEMM allocates through the caching allocator."""
+"""A cuBLAS workspace the warm-up step allocates through the caching allocator. Measured (H200, session 8,
+`bench_plan.py`): the dense and resident MoE warm-ups peak 293.6 and 304.2 MB above what the weights left, which
+the live tensors counted below (260 and 270.5 MB) leave at ~33.5 MB, this size; a second one is held from the
+load on (`LOAD_WORKSPACE_BYTES`)."""
+LOAD_WORKSPACE_BYTES = 32 * 2**20
+"""Device bytes the engine holds beyond its placed weights and RoPE table once it has loaded (before the
+warm-up): measured 32 MiB (+ 0-5 MiB of expert-cache tables and hand-off buffers when offloaded) in all four
+`bench_plan.py` cases on the H200 (session 8), the size of torch's cuBLAS workspace on Hopper. Counted for every
+GPU (an older one's is smaller: over-counted there, the safe side)."""
+
+
+def rope_table_bytes(model: nn.Module | None, cfg: ModelConfig, max_model_len: int) -> int:
+    """Device bytes of the RoPE tables the model runner builds before sizing the KV pool
+    (`layers/rotary.RotaryEmbedding._table`: [positions, 2, rot] fp32, one per distinct rotary shape, positions
+    capped at the engine's context). Counted from the model's own rotary modules, or for a family planned from
+    config.json one table of its rotary width."""
+    from ferrylm.layers.rotary import RotaryEmbedding
+
+    rots = {m._key: (m.rot_dim, m.max_positions) for m in model.modules() if isinstance(m, RotaryEmbedding)} \
+        if model is not None else \
+        {None: (int(cfg.raw.get("qk_rope_head_dim") or cfg.head_dim * cfg.partial_rotary_factor), max_model_len)}
+    return sum(min(p, max_model_len) * 2 * rot * 4 for rot, p in rots.values())
 
 
 def step_activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
@@ -255,10 +276,13 @@ def step_activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num
     """(estimate, floor) of the device bytes `ModelRunner._warmup_peak` measures: a prefill of the token budget
     T and the logits of min(T, max_num_seqs) rows. The peak is the widest block's live tensors on top of the
     residual stream and the block's normed input: attention (qkv, its rotated q / k, the output), a dense MLP
-    (gate_up [T, 2I], act(gate) and its product with up: 4I), fused MoE (per assignment its gated rows [I], its
-    output [H] and the gathered copy [H]; router logits fp32), shared experts as a dense MLP; or the logits
-    (lm_head output and its fp32 copy). The floor counts only what must coexist: the widest GEMM's input and
-    output (or the logits). Unmeasured as yet: `benchmarks/bench_plan.py` prints the measured figure beside it."""
+    (gate_up [T, 2I], act(gate) and its product with up: 4I), fused MoE (`layers/fused_moe.expert_rows`: its
+    gated rows [I] and output [H] over the padded rows, `fused_moe.padded_rows`, then the gathered copy [H] of
+    each assignment, beside the layer's input and attention output, which the layer's `post` still holds; router
+    logits fp32), shared experts as a dense MLP; or the logits (lm_head output and its fp32 copy); plus
+    `CUBLAS_WORKSPACE_BYTES`. The floor counts only what must coexist: the widest GEMM's input and output (or
+    the logits). `benchmarks/bench_plan.py` prints the measured figure beside it (H200, session 8: dense +2.9%,
+    resident MoE within 0.1% of this count; the offloaded prefill's rounds hold more, -10% / -12%)."""
     T = min(max_num_batched_tokens, max_model_len)
     S = min(T, max_num_seqs)
     H, D, h, hk = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, max(1, cfg.num_key_value_heads)
@@ -270,9 +294,11 @@ def step_activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num
     if dense_layers:
         widths.append((4 * cfg.intermediate_size, 2 * cfg.intermediate_size))
     if moe_layers:
-        k = max(cfg.num_experts_per_tok, 1)
-        widths.append((k * (cfg.moe_intermediate_size + 2 * H) + cfg.num_experts * 4 // elt,
-                       k * cfg.moe_intermediate_size))
+        from ferrylm.layers.fused_moe import padded_rows
+
+        k, E, I = max(cfg.num_experts_per_tok, 1), cfg.num_experts, cfg.moe_intermediate_size
+        rows = padded_rows(T * k, E)
+        widths.append((2 * H + (rows * (I + H) + T * k * H) // T + E * 4 // elt, k * I))
     if cfg.shared_expert_intermediate_size:
         widths.append((4 * cfg.shared_expert_intermediate_size, 2 * cfg.shared_expert_intermediate_size))
     logits = S * cfg.vocab_size * (elt + 4)

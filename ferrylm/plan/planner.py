@@ -18,9 +18,10 @@ from ferrylm.offload.memory import (activation_reserve, cublas_workspace_bytes, 
                                    graph_tokens, kv_after_warmup, size_memory, step_bound, warmup_activations)
 from ferrylm.offload.placement import GPU, HOST, TensorGroup
 from ferrylm.plan import catalog, estimate, hardware, hit_rate, quality
-from ferrylm.plan.memory import (DTYPE_BYTES, QUANT_SCHEMES, WeightFormat, analytical_groups, analytical_kv_bytes_per_token,
-                                 kv_bytes_per_block, kv_pool, meta_model, param_count, state_bytes_per_seq,
-                                 step_activation_bytes, summarize, weight_groups)
+from ferrylm.plan.memory import (DTYPE_BYTES, LOAD_WORKSPACE_BYTES, QUANT_SCHEMES, WeightFormat, analytical_groups,
+                                 analytical_kv_bytes_per_token, kv_bytes_per_block, kv_pool, meta_model, param_count,
+                                 rope_table_bytes, state_bytes_per_seq, step_activation_bytes, summarize,
+                                 weight_groups)
 
 CUDA_CONTEXT_BYTES = 600 * 2**20
 """CUDA context + cuBLAS workspace of one process: what `mem_get_info` shows used before the first tensor."""
@@ -172,6 +173,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     try:
         model = meta_model(mc, opts.dtype)
     except UnsupportedArchitectureError:  # no model class: count from config.json
+        model = None
         groups, count = analytical_groups(cfg, fmt) if _analytical(cfg) else _no_count(mc)
         dense_groups = analytical_groups(cfg, WeightFormat(opts.dtype))[0] if fmt != WeightFormat(opts.dtype) else groups
         state_per_seq, counted = 0, "config"
@@ -232,7 +234,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     elt = DTYPE_BYTES[opts.dtype]
     step, floor = step_activation_bytes(mc, opts.max_num_batched_tokens, opts.max_num_seqs, max_len, elt)
     pool_tokens = graph_tokens(sc, graphs_planned, piecewise and placement is not None and placement.fully_resident)
-    used = device_weights + max_len * int(mc.head_dim * mc.partial_rotary_factor) * 4  # + the fp32 RoPE table
+    # what the engine holds once loaded: the placed weights, the RoPE tables and a cuBLAS workspace
+    held = device_weights + rope_table_bytes(model, mc, max_len) + LOAD_WORKSPACE_BYTES if placement else 0
+    used = held
 
     def after_warmup(step_peak: int) -> int:
         return kv_after_warmup(budget, used, warmup_activations(step_peak, sc, mc.vocab_size, pool_tokens, ws),
@@ -267,7 +271,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     else:
         verdict = "fits" if placement.fully_resident else "offload"
     device_weights = placement.device_bytes() if placement else 0
-    per_gpu = dict(weights=device_weights, weights_all=sum(g.nbytes for g in mine), kv=kv,
+    per_gpu = dict(weights=device_weights, held=held, weights_all=sum(g.nbytes for g in mine), kv=kv,
                    kv_planned=kv_planned, kv_tokens_planned=kv_tokens_planned, kv_tokens_range=kv_range,
                    step_activations=step,
                    warmup_activations=warmup_activations(step, sc, mc.vocab_size, pool_tokens, ws),
@@ -345,6 +349,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         share = opts.cpu_share if opts.cpu_share is not None else (
             1.0 if opts.experts == "cpu" else host_gbs / (host_gbs + inplace_gbs))
 
+    # the routed experts' parameters one token touches: their GEMMs run in the fused kernel (at MOE_MFU)
+    expert_active = count.experts * count.top_k // count.num_experts if count.num_experts and fused_moe else 0
+
     def experts_cost(batch: int, prefill: bool = False) -> dict:
         """HBM (time-equivalent) bytes of hits, copied and in-place miss bytes, host seconds of one step."""
         mapped = not prefill and mapped_tokens is not None and batch <= mapped_tokens
@@ -384,7 +391,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             tokens_per_expert=tokens_per_expert(batch),
             pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], host_s=x["host"], mapped=x["mapped"],
             host_experts_s=x["host_experts_s"],
-            flops=2 * count.active * batch / ranks, layers=layers, graphs=graphs,
+            flops=2 * (count.active - expert_active) * batch / ranks, expert_flops=2 * expert_active * batch / ranks,
+            layers=layers, graphs=graphs,
             layer_extra_s=estimate.LAYER_EXTRA_S.get(mc.model_type + ("-moe" if E else ""), 0.0) if graphs else 0.0,
             comm_s=2 * layers * estimate.allreduce_s(opts.tp, batch * mc.hidden_size * act_b, link))
         t = estimate.step_time(cost, gpu.hbm_gbs, gpu.h2d_gbs, tflops)
@@ -401,8 +409,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         hbm_bytes=dense_gpu + streamed_bytes, expert_hbm_bytes=xp["hbm"],
         tokens_per_expert=tokens_per_expert(chunk), pcie_bytes=streamed_bytes + xp["copy"], host_s=xp["host"],
         host_experts_s=xp["host_experts_s"],
-        flops=(2 * count.active * chunk + 2 * mc.num_hidden_layers * chunk * chunk * mc.num_attention_heads
-               * mc.head_dim) / ranks, layers=layers,
+        flops=(2 * (count.active - expert_active) * chunk + 2 * mc.num_hidden_layers * chunk * chunk
+               * mc.num_attention_heads * mc.head_dim) / ranks, expert_flops=2 * expert_active * chunk / ranks,
+        layers=layers,
         comm_s=2 * layers * estimate.allreduce_s(opts.tp, chunk * mc.hidden_size * act_b, link)),
         gpu.hbm_gbs, gpu.h2d_gbs, tflops)
     d1 = decode(1)

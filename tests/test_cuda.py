@@ -880,6 +880,37 @@ def test_deepseek_graph_decode_equals_eager(v_head_dim, tmp_path_factory, graphs
     _graph_vs_eager(path, "deepseek_v3", "bfloat16", 2e-2)
 
 
+def test_grouped_gemm_prefill_rows_equal_the_triton_kernel():
+    """`fused_moe.grouped_rows` (torch's grouped GEMM, CUTLASS on sm_90) against the Triton kernel it would replace
+    in prefill (`expert_rows(..., decode=False)`), at prefill sizes of a Mixtral-like and a Qwen3-like bank, eager
+    and replayed from a CUDA graph (it syncs with nothing)."""
+    from ferrylm.layers import fused_moe
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for E, k, H, I, T in ((8, 2, 1024, 2048, 512), (128, 8, 512, 256, 300)):
+        w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.03).bfloat16()
+        w2 = (torch.randn(E, H, I, device="cuda", generator=g) * 0.03).bfloat16()
+        x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        w, ids = torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1).topk(k, -1)
+        if not fused_moe.grouped_mm_usable(x, w13, w2):
+            pytest.skip("torch's grouped GEMM is not available on this GPU")
+        ref = fused_moe.expert_rows(x, w13, w2, ids, w, decode=False).float()
+        got = fused_moe.grouped_rows(x, w13, w2, ids, w)
+        err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+        graph, static = torch.cuda.CUDAGraph(), None
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fused_moe.grouped_rows(x, w13, w2, ids, w)
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(graph):
+            static = fused_moe.grouped_rows(x, w13, w2, ids, w)
+        graph.replay()
+        torch.cuda.synchronize()
+        print(f"grouped GEMM vs Triton kernel, E={E} k={k} H={H} I={I} T={T}: max error {err:.2e} of the largest row")
+        assert err < 2e-2 and torch.equal(static, got)
+
+
 def _mixtral_bank(scheme: str, E: int, H: int, I: int):
     """A random bank of Mixtral-shaped experts, quantized on the device: (w13, w2) dense bf16 or `ExpertWeights`."""
     from ferrylm.layers.fused_moe import ExpertWeights

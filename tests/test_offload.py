@@ -181,6 +181,34 @@ def test_policies_on_traces():
     assert simulate(zipf, 6, "lfu")[0] > simulate(zipf, 6, "lru")[0]  # skew rewards frequency
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_grouped_gemm_prefill_rows_match_the_per_expert_reference(monkeypatch):
+    """`fused_moe.grouped_rows` (torch's grouped GEMM over the assignments sorted by expert; CUTLASS on sm_90, a
+    plain fallback here) against the per-expert torch reference in fp32 on the same bf16 weights: every
+    assignment's weighted row in `expert_rows`'s layout, experts with no rows included; and `expert_rows` takes
+    it where `GROUPED_MM_MIN_ROWS` says (off by default)."""
+    from ferrylm.layers import fused_moe
+    from ferrylm.layers.moe import expert_mlp
+
+    g = torch.Generator().manual_seed(3)
+    E, H, I, T, k = 6, 64, 48, 37, 2
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.1).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * 0.1).bfloat16()
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(T)])  # expert E-1 gets no row
+    w = torch.rand(T, k, generator=g)
+    assert fused_moe.grouped_mm_usable(x, w13, w2) and not fused_moe.grouped_mm_usable(x.float(), w13, w2)
+    got = fused_moe.grouped_rows(x, w13, w2, ids, w)
+    ref = torch.stack([expert_mlp(x[t:t + 1].float(), w13[e].float(), w2[e].float(), torch.nn.functional.silu)[0]
+                       * w[t, j] for t in range(T) for j, e in enumerate(ids[t].tolist())])
+    err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+    print(f"grouped GEMM rows vs per-expert fp32 reference: max error {err:.2e} of the largest row value")
+    assert got.shape == (T * k, H) and got.dtype == torch.bfloat16 and err < 2e-2
+    assert fused_moe.GROUPED_MM_MIN_ROWS is None
+    monkeypatch.setattr(fused_moe, "GROUPED_MM_MIN_ROWS", 1)
+    assert torch.equal(fused_moe.expert_rows(x, w13, w2, ids, w), got)
+
+
 def test_fused_moe_alignment_matches_reference():
     """The Triton kernel's index plumbing, emulated with torch on the CPU: each padded row block holds
     one expert's assignments, padding points past the end, and the gather undoes the sort."""

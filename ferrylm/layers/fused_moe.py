@@ -434,6 +434,49 @@ def _weight_args(w, device: torch.device) -> dict:
                 ALIGN=16 if table and aligned else 1)
 
 
+GROUPED_MM_MIN_ROWS: int | None = None
+"""Assignments per expert (on average) from which `expert_rows` computes a dense bank through torch's grouped GEMM
+(`grouped_rows`: CUTLASS on sm_90) instead of the Triton kernel, whose prefill GEMMs reach ~0.2 of peak (the
+8-layer Mixtral prefills 31.2k tok/s on the H200, session 8's `bench_plan.py`, where the dense GEMMs around it
+run at ~0.65). None: never, until `benchmarks/bench_moe_prefill.py` has measured where it wins."""
+
+
+def grouped_mm_usable(x: torch.Tensor, w13, w2) -> bool:
+    """torch's grouped GEMM can compute these experts: dense bf16 banks (not packed, not a `WeightTable`) beside
+    bf16 activations, row widths whole 16-byte lines, on the CPU or a CUDA device of compute capability 9.0."""
+    if not hasattr(torch, "_grouped_mm") or not all(isinstance(w, torch.Tensor) for w in (w13, w2)):
+        return False
+    if not x.dtype == w13.dtype == w2.dtype == torch.bfloat16 or x.device != w13.device:
+        return False
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    return all(n % 8 == 0 for n in (*w13.shape[1:], w2.shape[2]))
+
+
+def grouped_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
+    """`expert_rows`'s result (the weighted output of every assignment, [T * k, H]) through two grouped GEMMs over
+    the assignments sorted by expert (`grouped_mm_usable` banks): gather, gate/up GEMM, silu(gate) * up, down GEMM,
+    the routing weight in fp32, scatter back. No host sync: graph-capturable. It holds per assignment its input
+    row [H], gate and up [2I], the product [I] and two output rows [H]: more than the Triton kernel's [I + 2H]."""
+    T, k = topk_ids.shape
+    E = w13.shape[0]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # [A]: assignments by expert
+    offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)  # [E]: each expert's last row + 1
+    xs = x.index_select(0, order // k)  # [A, H]
+    gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [A, 2I]: gate, up
+    h = fused_ops.silu_mul(gu) if fused_ops.usable(gu) else _silu_mul_plain(gu)  # [A, I]
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)  # [A, H]
+    y = (y.float() * topk_weights.reshape(-1).float().index_select(0, order)[:, None]).to(x.dtype)
+    return torch.empty_like(y).index_copy_(0, order, y)
+
+
+def _silu_mul_plain(gu: torch.Tensor) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, skip: bool = False, inter: int | None = None,
                 decode=None) -> torch.Tensor:
@@ -463,6 +506,9 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
             return fmd.decode_rows(x, w13, w2, topk_ids, topk_weights, skip, cfg, inter)
     T, k = topk_ids.shape
     E, two_i, H = w13.shape
+    if (decode is None and GROUPED_MM_MIN_ROWS is not None and not skip and inter is None
+            and T * k >= GROUPED_MM_MIN_ROWS * E and grouped_mm_usable(x, w13, w2)):
+        return grouped_rows(x, w13, w2, topk_ids, topk_weights)
     up = two_i // 2
     I = up if inter is None else inter
     A = T * k

@@ -7,11 +7,12 @@ One engine per `--experts` setting on the same random-weight Qwen3-30B-A3B shape
 `bench_plan.py`'s moe-offload case: 16 layers under 4 GiB, whose batch-1 hybrid decode the plan predicts 3.4x too
 fast at the hit rate it sees, docs/benchmarks.md session 8). Per setting: the decode step time and per layer,
 the expert hit rate, misses per layer, experts the host ran and the time the stream waited for it (`OffloadStats`),
-and ms per missed expert beyond the step's resident reads. `--profile` adds the top host-side ops of a few steps
+and ms per missed expert over the fastest setting; decode steps alone (a run of n + 1 tokens less a run of 1). `--profile` adds the top host-side ops of a few steps
 (torch profiler). The last line is JSON.
 """
 
 import argparse
+import dataclasses
 import gc
 import json
 import time
@@ -28,23 +29,28 @@ def run(experts: str, a) -> dict:
     llm = LLM(RandomSource({**QWEN3_30B, "num_hidden_layers": a.layers}), device="cuda", dtype="bfloat16",
               max_num_seqs=1, max_model_len=1024, gpu_memory_budget=f"{a.budget_gib}GiB", experts=experts)
     placed = llm.engine.runner.placed
-    sp = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
-    llm.generate(prompts(1, 32, 1), sp)  # warm: graphs, the worker's kernels
-    torch.cuda.synchronize()
-    llm.generate(prompts(1, 32, 2), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))  # prefill only
-    placed.stats.reset()
-    t = time.perf_counter()
-    llm.generate(prompts(1, 32, 3), sp)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t
-    st = placed.stats
-    steps = max(st.steps, 1)
-    misses = st.expert_misses / steps / a.layers
-    out = dict(experts=experts, step_ms=wall / a.tokens * 1e3, per_layer_ms=wall / a.tokens * 1e3 / a.layers,
-               hit_rate=st.hit_rate, misses_per_layer=misses, cpu_experts_per_step=st.cpu_experts / steps,
-               cpu_wait_ms_per_step=st.cpu_wait_s / steps * 1e3, cpu_busy_ms_per_step=st.cpu_busy_s / steps * 1e3,
-               mapped_per_step=st.mapped_experts / steps, cpu_share=st.cpu_share,
-               calibration=placed.calibration)
+
+    def timed(n: int, seed: int) -> tuple[float, dict]:
+        """(seconds, the stats' counters) of a fresh 32-token prompt and n tokens."""
+        placed.stats.reset()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompts(1, 32, seed), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, dataclasses.asdict(placed.stats)
+
+    timed(4, 1)  # warm: graphs, the worker's kernels
+    t1, s1 = timed(1, 2)  # the prefill and its first token
+    tn, sn = timed(a.tokens + 1, 3)
+    d = {k: sn[k] - s1[k] for k in sn if isinstance(sn[k], (int, float))}  # the decode steps alone
+    step = (tn - t1) / a.tokens
+    seen = d["expert_hits"] + d["expert_misses"]
+    steps = a.tokens
+    out = dict(experts=experts, step_ms=step * 1e3, per_layer_ms=step * 1e3 / a.layers,
+               hit_rate=d["expert_hits"] / seen if seen else None, misses_per_layer=d["expert_misses"] / steps / a.layers,
+               cpu_experts_per_step=d["cpu_experts"] / steps, cpu_wait_ms_per_step=d["cpu_wait_s"] / steps * 1e3,
+               cpu_busy_ms_per_step=d["cpu_busy_s"] / steps * 1e3, mapped_per_step=d["mapped_experts"] / steps,
+               copied_per_step=d["copied_experts"] / steps, cpu_share=sn["cpu_share"], calibration=placed.calibration)
     print(json.dumps({k: v for k, v in out.items() if k != "calibration"}), flush=True)
     if a.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -157,10 +157,14 @@ def test_narrow_values_and_mla_latent():
 
 @needs_triton
 @pytest.mark.parametrize("page", [4, 16])
-def test_mla_rows_narrower_than_a_key_tile(page):
-    """The tests' tiny DeepSeek rows (latent 32 + rope 8, 4 query heads): on the H200 key tiles of 64 gave wrong
-    rows (page 16) or an illegal address (page 4); `_narrow_latent` sends them to 32-key tiles."""
-    q, k, v, ctx = paged_step(STARTS, NEWS, 4, 1, 40, page=page, Dv=0, seed=13)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_rows_narrower_than_a_key_tile(page, dtype):
+    """The tests' tiny DeepSeek rows (latent 32 + rope 8, 4 query heads): on the H200 bf16 key tiles of 64 gave
+    wrong rows (page 16) or an illegal address (page 4); `_narrow_latent` sends them to 32-key tiles (fp32 takes
+    32 anyway). bf16 on CUDA only: the interpreter's bf16 dot is wrong."""
+    if dtype == torch.bfloat16 and INTERPRET:
+        pytest.skip("the interpreter's bf16 dot is wrong")
+    q, k, v, ctx = paged_step(STARTS, NEWS, 4, 1, 40, page=page, Dv=0, seed=13, dtype=dtype)
     assert_close(f"MLA latent 32 of 40, page {page}", PagedAttention(0, 4, 1, 40, 0.15, latent_values=32), q, k, v, ctx)
 
 

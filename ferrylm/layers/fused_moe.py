@@ -463,7 +463,9 @@ def grouped_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     E = w13.shape[0]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [A]: assignments by expert
-    offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)  # [E]: each expert's last row + 1
+    # [E]: each expert's last row + 1 (scatter_add, not bincount: on CUDA bincount reads its range back to the host)
+    counts = torch.zeros(E, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0).to(torch.int32)
     xs = x.index_select(0, order // k)  # [A, H]
     gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [A, 2I]: gate, up
     h = fused_ops.silu_mul(gu) if fused_ops.usable(gu) else _silu_mul_plain(gu)  # [A, I]

@@ -271,6 +271,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     else:
         verdict = "fits" if placement.fully_resident else "offload"
     device_weights = placement.device_bytes() if placement else 0
+    held = held if placement else 0  # a plan that cannot run holds nothing
     per_gpu = dict(weights=device_weights, held=held, weights_all=sum(g.nbytes for g in mine), kv=kv,
                    kv_planned=kv_planned, kv_tokens_planned=kv_tokens_planned, kv_tokens_range=kv_range,
                    step_activations=step,
@@ -424,7 +425,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                  ttft_s=math.ceil(opts.prompt_len / chunk) * pre.seconds * opts.pp + d1["step_ms"] / 1e3,
                  cuda_graphs=d1["cuda_graphs"],
                  assumptions=dict(hbm_eff=estimate.HBM_EFF, moe_hbm_eff=estimate.MOE_HBM_EFF if E else None,
-                                  mfu=estimate.MFU, h2d_gbs=gpu.h2d_gbs,
+                                  mfu=estimate.MFU, moe_mfu=estimate.MOE_MFU if expert_active else None, h2d_gbs=gpu.h2d_gbs,
                                   launch_us_per_layer=1e6 * (estimate.LAUNCH_GRAPH_S if d1["cuda_graphs"]
                                                              else estimate.LAUNCH_S),
                                   expert_hit_rate=mean_hit if cached else None,

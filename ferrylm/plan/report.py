@@ -36,6 +36,8 @@ def render(plan: Plan, console: Console) -> None:
     m.add_column("note")
     m.add_row("weights on GPU", gib(g["weights"]), f"of {gib(g['weights_all'])} this rank holds (incl. stream "
               "buffers and expert slots)")
+    if g["held"] > g["weights"]:
+        m.add_row("RoPE tables, cuBLAS workspace", gib(g["held"] - g["weights"]), "held from the load on")
     lo, hi = g["kv_tokens_range"]
     m.add_row("KV cache", gib(g["kv"]), f"{g['kv_tokens']:,} tokens x {g['kv_bytes_per_token'] / 1024:.1f} KiB "
               f"({o.block_size}-token blocks) after the engine's warm-up; {lo:,}-{hi:,} as the measured step "

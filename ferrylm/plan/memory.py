@@ -265,10 +265,13 @@ def rope_table_bytes(model: nn.Module | None, cfg: ModelConfig, max_model_len: i
     config.json one table of its rotary width."""
     from ferrylm.layers.rotary import RotaryEmbedding
 
-    rots = {m._key: (m.rot_dim, m.max_positions) for m in model.modules() if isinstance(m, RotaryEmbedding)} \
-        if model is not None else \
-        {None: (int(cfg.raw.get("qk_rope_head_dim") or cfg.head_dim * cfg.partial_rotary_factor), max_model_len)}
-    return sum(min(p, max_model_len) * 2 * rot * 4 for rot, p in rots.values())
+    if model is None:
+        rot = int(cfg.raw.get("qk_rope_head_dim") or cfg.head_dim * cfg.partial_rotary_factor)
+        return max_model_len * 2 * rot * 4
+    # one table per (rotary shape, capped length), as `_table` caches them
+    tables = {(m._key, min(m.max_positions, max_model_len)): m.rot_dim for m in model.modules()
+              if isinstance(m, RotaryEmbedding)}
+    return sum(p * 2 * rot * 4 for (_, p), rot in tables.items())
 
 
 def step_activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,

@@ -4,8 +4,11 @@ token counts, with uniform random routing. Per case: milliseconds, TFLOP/s (2 x 
 the share of the matmul rate a plain 8192^3 bf16 GEMM reaches in the same run; the two paths' max difference.
 It prints the smallest assignments-per-expert from which the grouped GEMM wins on every shape: the value for
 `fused_moe.GROUPED_MM_MIN_ROWS` (session 8: the Triton kernel's prefill reached ~0.2 of peak in `bench_plan.py`).
+`--packed nf4|int4|int8`: packed banks instead, the kernel's in-tile decode against `fused_moe.dequant_rows`
+(each expert decoded once, then dense GEMMs; its "grouped" columns), for `fused_moe.PACKED_DENSE_MIN_ROWS`.
 
     PYTHONPATH=. python benchmarks/bench_moe_prefill.py            # on the H200, ~1-2 minutes
+    PYTHONPATH=. python benchmarks/bench_moe_prefill.py --packed nf4
     PYTHONPATH=. python benchmarks/bench_moe_prefill.py --smoke    # CPU: tiny shapes, the grouped path only
 """
 
@@ -45,7 +48,10 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=[256, 1024, 2048, 8192])
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, the grouped path only")
+    ap.add_argument("--packed", choices=["nf4", "int4", "int8"],
+                    help="a packed bank instead: the Triton kernel's in-tile decode against `dequant_rows` (each "
+                         "expert decoded once, dense GEMMs): the value for `fused_moe.PACKED_DENSE_MIN_ROWS`")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, the grouped (or dequant) path only")
     ap.add_argument("--out")
     a = ap.parse_args()
     from ferrylm.layers import fused_moe
@@ -66,11 +72,19 @@ def main() -> None:
         a.out = os.path.join(tempfile.mkdtemp(prefix="moe-prefill-"), "smoke.json")
     rows = []
     for name in (a.shapes if not a.smoke else a.shapes[:1]):
-        E, k, H, I = SHAPES[name] if not a.smoke else (8, 2, 64, 32)
+        E, k, H, I = SHAPES[name] if not a.smoke else (8, 2, 64, 64)
         g = torch.Generator(device=dev).manual_seed(0)
         w13 = (torch.randn(E, 2 * I, H, device=dev, generator=g) * 0.02).bfloat16()
         w2 = (torch.randn(E, H, I, device=dev, generator=g) * 0.02).bfloat16()
-        if not fused_moe.grouped_mm_usable(torch.empty(1, H, dtype=torch.bfloat16, device=dev), w13, w2):
+        if a.packed:
+            from ferrylm.weights import quant
+
+            q = {"nf4": lambda t: quant.quantize_nf4(t, 64), "int4": lambda t: quant.quantize_int4(t, 32, "min"),
+                 "int8": lambda t: quant.quantize_int8(t)}[a.packed]
+            w13 = fused_moe.ExpertWeights.stack([[q(w13[e, :I].float()), q(w13[e, I:].float())] for e in range(E)],
+                                                torch.bfloat16)
+            w2 = fused_moe.ExpertWeights.stack([[q(w2[e].float())] for e in range(E)], torch.bfloat16)
+        elif not fused_moe.grouped_mm_usable(torch.empty(1, H, dtype=torch.bfloat16, device=dev), w13, w2):
             raise SystemExit(f"bench_moe_prefill: torch's grouped GEMM cannot run {name} here (sm_90 and bf16 only)")
         for T in a.tokens if not a.smoke else [16, 64]:
             x = torch.randn(T, H, device=dev, generator=g).bfloat16()
@@ -78,7 +92,8 @@ def main() -> None:
             w, ids = torch.softmax(logits, -1).topk(k, -1)
             flops = 2 * 3 * T * k * H * I
             row = dict(shape=name, tokens=T, experts=E, top_k=k, hidden=H, inter=I, rows_per_expert=T * k / E)
-            grouped = lambda: fused_moe.grouped_rows(x, w13, w2, ids, w)  # noqa: E731
+            grouped = (lambda: fused_moe.dequant_rows(x, w13, w2, ids, w)) if a.packed else \
+                (lambda: fused_moe.grouped_rows(x, w13, w2, ids, w))  # "grouped": the path that would replace it
             row["grouped_ms"] = time_ms(grouped, a.iters, cuda)
             row["grouped_tflops"] = flops / (row["grouped_ms"] / 1e3) / 1e12
             if cuda:
@@ -100,7 +115,8 @@ def main() -> None:
                                              if r["rows_per_expert"] >= t)), None)
     print(f"grouped GEMM wins from {threshold} assignments per expert on every shape" if threshold is not None
           else "grouped GEMM does not win on every shape at any measured size", flush=True)
-    write_results("moe-prefill", rows, out=a.out, gemm_tflops=peak, grouped_min_rows=threshold)
+    write_results("moe-prefill", rows, out=a.out, gemm_tflops=peak, packed=a.packed,
+                  **{"dequant_min_rows" if a.packed else "grouped_min_rows": threshold})
 
 
 if __name__ == "__main__":

@@ -209,6 +209,40 @@ def test_grouped_gemm_prefill_rows_match_the_per_expert_reference(monkeypatch):
     assert torch.equal(fused_moe.expert_rows(x, w13, w2, ids, w), got)
 
 
+@pytest.mark.parametrize("fmt", ["nf4", "int4", "int8"])
+def test_packed_prefill_decoded_once_per_expert_matches_the_reference(fmt, monkeypatch):
+    """`fused_moe.dequant_rows` (a packed bank's experts each decoded once into dense weights, then dense GEMMs on
+    their rows) against the per-expert fp32 reference on the same dequantized weights, skipped ids (E) giving
+    zero rows; and `expert_rows` takes it where `PACKED_DENSE_MIN_ROWS` says (off by default)."""
+    from ferrylm.layers import fused_moe
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.layers.moe import expert_mlp
+    from ferrylm.weights import quant
+
+    make = {"nf4": lambda t: quant.quantize_nf4(t, 64), "int4": lambda t: quant.quantize_int4(t, 32, "min"),
+            "int8": lambda t: quant.quantize_int8(t)}[fmt]
+    g = torch.Generator().manual_seed(4)
+    E, H, I, T, k = 5, 64, 64, 23, 2
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    p13 = ExpertWeights.stack([[make(w13[e, :I]), make(w13[e, I:])] for e in range(E)], torch.bfloat16)
+    p2 = ExpertWeights.stack([[make(w2[e])] for e in range(E)], torch.bfloat16)
+    d13, d2 = p13.dequantize(torch.float32), p2.dequantize(torch.float32)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    ids[::4, 0] = E  # skipped: another round computes them
+    w = torch.rand(T, k, generator=g)
+    got = fused_moe.dequant_rows(x, p13, p2, ids, w, skip=True)
+    ref = torch.stack([torch.zeros(H) if e == E else
+                       expert_mlp(x[t:t + 1].float(), d13[e], d2[e], torch.nn.functional.silu)[0] * w[t, j]
+                       for t in range(T) for j, e in enumerate(ids[t].tolist())])
+    err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+    print(f"{fmt} bank decoded once per expert vs the fp32 reference: max error {err:.2e} of the largest row")
+    assert got.shape == (T * k, H) and err < 2e-2 and (got[::4 * k] == 0).all()
+    assert fused_moe.PACKED_DENSE_MIN_ROWS is None
+    monkeypatch.setattr(fused_moe, "PACKED_DENSE_MIN_ROWS", 1)
+    assert torch.equal(fused_moe.expert_rows(x, p13, p2, ids, w, skip=True), got)
+
+
 def test_fused_moe_alignment_matches_reference():
     """The Triton kernel's index plumbing, emulated with torch on the CPU: each padded row block holds
     one expert's assignments, padding points past the end, and the gather undoes the sort."""

@@ -474,6 +474,41 @@ def grouped_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     return torch.empty_like(y).index_copy_(0, order, y)
 
 
+PACKED_DENSE_MIN_ROWS: int | None = None
+"""Assignments per expert (on average) from which `expert_rows` computes a packed bank (`ExpertWeights`, read
+directly) by decoding each expert it uses once into a dense buffer and running dense GEMMs on its rows
+(`dequant_rows`), instead of the Triton kernel's in-tile decode, which decodes every weight tile once per row
+block of at most 32 rows (the offloaded NF4 Mixtral prefilled 1152 tok/s on the H200 in session 8's
+`bench_plan.py`, where copies alone allow ~7.5k). Eager steps only (one host read of the counts). None: never,
+until `benchmarks/bench_moe_prefill.py --packed` has measured where it wins."""
+
+
+def dequant_rows(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor, skip: bool = False) -> torch.Tensor:
+    """`expert_rows`'s result for a packed bank, each expert it uses decoded once (`ExpertWeights.dequantize`,
+    the kernel's reference decode) into a dense [2I, H] / [H, I] pair that the next expert's decode reuses
+    through the caching allocator, then gate/up GEMM, silu(gate) * up and the down GEMM on that expert's rows.
+    With `skip`, ids equal to E are skipped (their rows 0), as `expert_rows` skips them. One host read of the
+    per-expert counts: not for captured steps."""
+    T, k = topk_ids.shape
+    E = w13.shape[0]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # [A]: by expert, skipped ids (E) last
+    counts = torch.bincount(flat, minlength=E + 1).tolist()
+    xs = x.index_select(0, order // k)  # [A, H]
+    y = torch.zeros(flat.numel(), w2.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts[:E]):
+        if n:
+            a13, a2 = w13.expert(e).dequantize(x.dtype)[0], w2.expert(e).dequantize(x.dtype)[0]
+            gu = xs[start:start + n] @ a13.t()  # [n, 2I]
+            h = fused_ops.silu_mul(gu) if fused_ops.usable(gu) else _silu_mul_plain(gu)
+            torch.matmul(h, a2.t(), out=y[start:start + n])
+            start += n
+    y = (y.float() * topk_weights.reshape(-1).float().index_select(0, order)[:, None]).to(x.dtype)
+    return torch.empty_like(y).index_copy_(0, order, y)
+
+
 def _silu_mul_plain(gu: torch.Tensor) -> torch.Tensor:
     gate, up = gu.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
@@ -511,6 +546,10 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
     if (decode is None and GROUPED_MM_MIN_ROWS is not None and not skip and inter is None
             and T * k >= GROUPED_MM_MIN_ROWS * E and grouped_mm_usable(x, w13, w2)):
         return grouped_rows(x, w13, w2, topk_ids, topk_weights)
+    if (decode is None and PACKED_DENSE_MIN_ROWS is not None and inter is None
+            and all(type(w) is ExpertWeights for w in (w13, w2)) and T * k >= PACKED_DENSE_MIN_ROWS * E
+            and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return dequant_rows(x, w13, w2, topk_ids, topk_weights, skip)
     up = two_i // 2
     I = up if inter is None else inter
     A = T * k

@@ -158,6 +158,7 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
                 binding={k: plan.speed[k]["binding"] for k in ("decode_batch1", "decode_concurrent")},
                 hit_rate_assumed=plan.speed["assumptions"].get("expert_hit_rate"),
                 hit_rate_measured={k: got.get(f"hit_rate_{k}") for k in ("decode_batch1", "decode_concurrent")},
+                offload_per_step={k: got.get(f"offload_{k}") for k in ("decode_batch1", "decode_concurrent")},
                 concurrency=plan.speed["decode_concurrent"]["batch"],
                 cpu_share_planned=plan.speed["assumptions"].get("cpu_share"),
                 cpu_share_engine=runner.placed.cpu_share if cached else None,
@@ -195,6 +196,9 @@ def print_case(case: str, got: list[dict], info: dict) -> None:
     print(f"\n{case} ({info['verdict']}, loaded in {info['load_s']:.0f} s, H2D {info['h2d_gbs']:.1f} GB/s, "
           f"hit rate assumed {info['hit_rate_assumed']}, measured {info['hit_rate_measured']}; host share "
           f"planned {info['cpu_share_planned']}, engine {info['cpu_share_engine']}):", flush=True)
+    for key, st in (info.get("offload_per_step") or {}).items():
+        if st:  # per decode step: misses, where they went, the host's work and the stream's wait for it
+            print(f"  {key} per step: " + ", ".join(f"{k} {v:.3g}" for k, v in st.items()), flush=True)
     if info.get("peak_phases"):  # which phase of the check allocated the most above the engine at rest
         print("  peak per phase above the engine when the check began (it holds "
               f"{info['held_after'] / 2**30:.2f} GiB after it; budget {(info['budget'] or 0) / 2**30:.2f} GiB, "

@@ -441,12 +441,15 @@ def test_check_times_decode_after_every_prefill(tmp_path):
     transformers.MixtralForCausalLM(hf).save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=3, max_model_len=64, kv_cache_memory_gb=0.01,
               place=("experts=cpu",))
-    rate, hit = _decode(llm, [[5, 6, 7, 8] * 4, [9, 10] * 8, [11] * 16], SamplingParams(max_tokens=6, ignore_eos=True,
-                                                                                       temperature=0))
+    rate, hit, per_step = _decode(llm, [[5, 6, 7, 8] * 4, [9, 10] * 8, [11] * 16],
+                                  SamplingParams(max_tokens=6, ignore_eos=True, temperature=0))
     stats = llm.engine.runner.placed.stats
-    print(f"decode {rate:.1f} tok/s, hit rate {hit}, {stats.expert_hits} hits {stats.expert_misses} misses")
+    print(f"decode {rate:.1f} tok/s, hit rate {hit}, {stats.expert_hits} hits {stats.expert_misses} misses; "
+          f"per step {per_step}")
     assert rate > 0 and not llm.engine.has_unfinished_requests()
     assert hit is not None and 0 <= hit <= 1
+    # the per-step counters of the same steps: 5 decode steps, their misses
+    assert per_step["steps"] == stats.steps == 5 and per_step["misses"] == pytest.approx(stats.expert_misses / 5)
     # distinct experts each decode step needs (2 layers x 5 steps, 2 to 4 of the 4 experts): no prefill counted
     assert 2 * 5 * 2 <= stats.expert_hits + stats.expert_misses <= 2 * 5 * 4
 

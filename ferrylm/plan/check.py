@@ -85,10 +85,12 @@ def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:
         # prompt and output lengths captures the buckets the timed run replays (and lets expert slots settle)
         with steps:
             _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params, phases, f"{key} first")
-        rate, hit = _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params, phases, f"{key} timed")
+        rate, hit, per_step = _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params, phases,
+                                      f"{key} timed")
         got[key] = rate
         if runner.placed.caches:
             got[f"hit_rate_{key}"] = hit
+            got[f"offload_{key}"] = per_step  # where an offloaded step's time goes: misses, host work and waits
     got["peak"] = phases.peak + plan.per_gpu["cuda_context"]
     got["peak_phases"] = phases.over_base
     got["peak_reserved"] = torch.cuda.max_memory_reserved()
@@ -192,10 +194,10 @@ def _sync(cuda: bool) -> None:
 
 
 def _decode(llm, prompts: list[list[int]], params, phases: _Phases | None = None,
-            name: str = "decode") -> tuple[float, float | None]:
-    """(decode tok/s, expert hit rate) of the steps after every prompt has its first token: prefill steps,
-    whose misses are copied, count in neither. `phases` records the prefill steps' and the decode steps' peaks
-    as "`name` prefill" and "`name` decode"."""
+            name: str = "decode") -> tuple[float, float | None, dict]:
+    """(decode tok/s, expert hit rate, the offload engine's counters per decode step) of the steps after every
+    prompt has its first token: prefill steps, whose misses are copied, count in none. `phases` records the
+    prefill steps' and the decode steps' peaks as "`name` prefill" and "`name` decode"."""
     import torch
 
     eng, stats = llm.engine, llm.engine.runner.placed.stats
@@ -215,7 +217,12 @@ def _decode(llm, prompts: list[list[int]], params, phases: _Phases | None = None
     rate = tokens / (time.perf_counter() - t)
     if phases is not None:
         phases.end(f"{name} decode")
-    return rate, stats.hit_rate
+    n = max(stats.steps, 1)
+    per_step = dict(steps=stats.steps, step_ms=stats.step_s / n * 1e3, misses=stats.expert_misses / n,
+                    host_experts=stats.cpu_experts / n, host_busy_ms=stats.cpu_busy_s / n * 1e3,
+                    host_wait_ms=stats.cpu_wait_s / n * 1e3, mapped=stats.mapped_experts / n,
+                    copied=stats.copied_experts / n, h2d_mb=stats.h2d_bytes / n / 1e6)
+    return rate, stats.hit_rate, per_step
 
 
 def predicted(plan: Plan, cuda: bool) -> dict:

@@ -727,7 +727,8 @@ def test_memory_model_reproduces_the_h200_plan_check(tmp_path):
     plan-check-2026-12-02.json) replayed with today's plan. What the engine holds once loaded (weights, RoPE
     tables, `LOAD_WORKSPACE_BYTES`) within 0.5% in all four cases; peak within the issue's 5%; the warm-up
     step's count within 3% resident (dense +2.9%, MoE 0.0%) and 15% offloaded (the prefill's rounds hold more); resident
-    MoE prefill with `MOE_MFU` (fitted there) within 5%."""
+    MoE prefill with `MOE_MFU` (fitted there) within 5%; and, not fitted there, the dense prefill within 5% (the
+    FLOPs of the layers for every token, of the LM head for the sampled row only)."""
     root = os.path.dirname(os.path.dirname(__file__))
     run = os.path.join(root, "benchmarks", "results", "plan-check-2026-12-02.json")
     env = {**os.environ, "PYTHONPATH": root}
@@ -739,3 +740,5 @@ def test_memory_model_reproduces_the_h200_plan_check(tmp_path):
         assert abs(rows[case, "weights"]) < 0.005 and abs(rows[case, "peak"]) < 0.05, case
         assert abs(rows[case, "step_activations"]) < (0.15 if "offload" in case else 0.03), case
     assert abs(rows["moe", "prefill"]) < 0.05
+    # validation: MFU was fitted on session 7's 32-layer Llama-3-8B prefill, this is its 16-layer shape
+    assert abs(rows["dense", "prefill"]) < 0.05

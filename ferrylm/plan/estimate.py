@@ -7,7 +7,8 @@ A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_
                 + experts read from HBM / (HBM GB/s * moe_hbm_eff(tokens per expert))
     t_copy    = bytes the copy engine moves (streamed layers, copy-path expert misses) / pinned H2D GB/s
                 (copies overlap compute)
-    t_compute = 2 * active params * B / (TFLOP/s * MFU), the routed experts' share at MOE_MFU
+    t_compute = 2 * active params * B / (TFLOP/s * MFU) (the embedding none, the LM head per sampled row),
+                the routed experts' share at MOE_MFU
     t_mapped  = decode steps of up to `CachedExperts.mapped_tokens` tokens with experts in host memory: one
                 fused launch reads the hits from HBM and the misses in place from mapped host memory at
                 pinned H2D GB/s * INPLACE_EFF, side by side, while (hybrid decode, the engine's default for
@@ -47,10 +48,11 @@ leave 5.64 GB of experts in 1.78 ms: 3.2 of 4.8 TB/s. Was 0.44, fitted to sessio
 one-launch ops (the small kernels between the expert launches were then counted here)."""
 
 MFU = 0.65
-"""Share of peak (data-sheet) tensor FLOP/s a prefill's GEMMs reach. Measured: the Llama-3-8B shape's 2k-token
-prefill at 41.2k tok/s on the H200 (session 7, `bench_resident.py`, one-launch ops on) is 2 * 8.03e9 * 41.2k =
-662 of 989 TFLOP/s, 0.67 (the same run's 8192^3 matmul: 807, 0.82). Was 0.5, an assumption, which predicted
-27.8k tok/s there."""
+"""Share of peak (data-sheet) tensor FLOP/s a prefill's dense GEMMs reach. Measured: the Llama-3-8B shape's 2k-token
+prefill at 41.2k tok/s on the H200 (session 7, `bench_resident.py`, one-launch ops on). The FLOPs counted are the
+layers' and attention's for every token and the LM head's for the sampled row only (the embedding is a lookup):
+with them 0.65 predicts that row at -2.5% and session 8's 16-layer shape (`bench_plan.py`, 62.3k tok/s, not
+fitted) at +2.6%. Counting every parameter for every token (until session 8) put the two at -14% and -15%."""
 MOE_MFU = 0.2
 """Share of peak tensor FLOP/s the fused MoE kernel's grouped GEMMs reach in a prefill (`layers/fused_moe.py`,
 Triton tiles of 64 x 128 x 64). Fitted (H200, session 8, `bench_plan.py`): the resident 8-layer Mixtral shape

@@ -352,6 +352,10 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
 
     # the routed experts' parameters one token touches: their GEMMs run in the fused kernel (at MOE_MFU)
     expert_active = count.experts * count.top_k // count.num_experts if count.num_experts and fused_moe else 0
+    # the embedding is a lookup (no FLOPs); the LM head's matmul runs on the rows that sample: every decode row, a
+    # prefill chunk's last row only (the count holds the vocabulary matrix once when tied, twice when not)
+    vocab = mc.vocab_size * mc.hidden_size
+    body = max(0, count.active - expert_active - vocab * (1 if mc.tie_word_embeddings else 2))
 
     def experts_cost(batch: int, prefill: bool = False) -> dict:
         """HBM (time-equivalent) bytes of hits, copied and in-place miss bytes, host seconds of one step."""
@@ -392,7 +396,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             tokens_per_expert=tokens_per_expert(batch),
             pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], host_s=x["host"], mapped=x["mapped"],
             host_experts_s=x["host_experts_s"],
-            flops=2 * (count.active - expert_active) * batch / ranks, expert_flops=2 * expert_active * batch / ranks,
+            flops=2 * (body + vocab) * batch / ranks, expert_flops=2 * expert_active * batch / ranks,
             layers=layers, graphs=graphs,
             layer_extra_s=estimate.LAYER_EXTRA_S.get(mc.model_type + ("-moe" if E else ""), 0.0) if graphs else 0.0,
             comm_s=2 * layers * estimate.allreduce_s(opts.tp, batch * mc.hidden_size * act_b, link))
@@ -410,8 +414,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         hbm_bytes=dense_gpu + streamed_bytes, expert_hbm_bytes=xp["hbm"],
         tokens_per_expert=tokens_per_expert(chunk), pcie_bytes=streamed_bytes + xp["copy"], host_s=xp["host"],
         host_experts_s=xp["host_experts_s"],
-        flops=(2 * (count.active - expert_active) * chunk + 2 * mc.num_hidden_layers * chunk * chunk
-               * mc.num_attention_heads * mc.head_dim) / ranks, expert_flops=2 * expert_active * chunk / ranks,
+        flops=(2 * body * chunk + 2 * vocab + 2 * mc.num_hidden_layers * chunk * chunk * mc.num_attention_heads
+               * mc.head_dim) / ranks, expert_flops=2 * expert_active * chunk / ranks,
         layers=layers,
         comm_s=2 * layers * estimate.allreduce_s(opts.tp, chunk * mc.hidden_size * act_b, link)),
         gpu.hbm_gbs, gpu.h2d_gbs, tflops)

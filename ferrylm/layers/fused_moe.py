@@ -468,10 +468,8 @@ def grouped_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     offs = counts.cumsum(0).to(torch.int32)
     xs = x.index_select(0, order // k)  # [A, H]
     gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [A, 2I]: gate, up
-    h = fused_ops.silu_mul(gu) if fused_ops.usable(gu) else _silu_mul_plain(gu)  # [A, I]
-    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)  # [A, H]
-    y = (y.float() * topk_weights.reshape(-1).float().index_select(0, order)[:, None]).to(x.dtype)
-    return torch.empty_like(y).index_copy_(0, order, y)
+    y = torch._grouped_mm(_silu_mul(gu), w2.transpose(1, 2), offs=offs)  # [A, H]
+    return _weighted_unsorted(y, topk_weights, order)
 
 
 PACKED_DENSE_MIN_ROWS: int | None = None
@@ -501,17 +499,24 @@ def dequant_rows(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, topk_id
     for e, n in enumerate(counts[:E]):
         if n:
             a13, a2 = w13.expert(e).dequantize(x.dtype)[0], w2.expert(e).dequantize(x.dtype)[0]
-            gu = xs[start:start + n] @ a13.t()  # [n, 2I]
-            h = fused_ops.silu_mul(gu) if fused_ops.usable(gu) else _silu_mul_plain(gu)
-            torch.matmul(h, a2.t(), out=y[start:start + n])
+            torch.matmul(_silu_mul(xs[start:start + n] @ a13.t()), a2.t(), out=y[start:start + n])
             start += n
-    y = (y.float() * topk_weights.reshape(-1).float().index_select(0, order)[:, None]).to(x.dtype)
-    return torch.empty_like(y).index_copy_(0, order, y)
+    return _weighted_unsorted(y, topk_weights, order)
 
 
-def _silu_mul_plain(gu: torch.Tensor) -> torch.Tensor:
+def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """[n, 2I] (gate, up) -> silu(gate) * up [n, I]: one launch on CUDA (`fused_ops.silu_mul`), torch's ops else."""
+    if fused_ops.usable(gu):
+        return fused_ops.silu_mul(gu)
     gate, up = gu.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def _weighted_unsorted(y: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Rows y [A, H] of the assignments sorted by `order`, each times its routing weight (in fp32, rounded once),
+    put back in `expert_rows`'s layout (row t * k + j)."""
+    y = (y.float() * topk_weights.reshape(-1).float().index_select(0, order)[:, None]).to(y.dtype)
+    return torch.empty_like(y).index_copy_(0, order, y)
 
 
 def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,

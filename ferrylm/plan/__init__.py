@@ -12,20 +12,19 @@ the CUDA engine ends with after its measured warm-up (`offload/memory.py` kv_aft
 and the planned figure.
 
 TODO (what is left of issue #14):
-- measure: run `PYTHONPATH=. python benchmarks/bench_plan.py --gpu 1xH200` (dense, MoE resident, MoE offloaded,
-  NF4 experts offloaded) and put its predicted-vs-measured table in docs/benchmarks.md; the kernel rates in
-  `estimate.py` (MOE_HBM_EFF, LAUNCH_GRAPH_S, KV_HBM_EFF, MFU, Yuan's LAYER_EXTRA_S) were read off session 7's
-  `bench_resident.py` rows (calibration: tests/test_plan.py keeps them within 20%), HBM_EFF from a copy kernel;
-  int4 and int8 experts' kernel rates are assumed equal to NF4's;
-- the warm-up step's activations (`memory.step_activation_bytes`) are an unmeasured estimate: bench_plan prints
-  the engine's measured `step_peak` beside it; fit it from that run (the KV range shows what it can move);
+- measured (session 8, `benchmarks/bench_plan.py --gpu 1xH200`, docs/benchmarks.md): resident dense and MoE meet
+  every aim; offloaded decode does not (hybrid decode at batch 1 on small experts +239% at the seen hit rate, the
+  NF4 copy path at batch 16 +34%); the memory model's held bytes, fused MoE warm-up and `MOE_MFU` were fitted on
+  that run and want a second one; int4 and int8 experts' kernel rates are assumed equal to NF4's;
+- the offloaded prefill's copy rounds hold more than `memory.step_activation_bytes` counts (-7% / -12%);
 - the hit rate: the routing tally's steady state is modelled as the hottest experts (its hysteresis makes that
   an upper estimate under weak skew; Mixtral 16L measured 0.29 at batch 1 against 0.32 uniform), and tokens
   are taken as routed independently (real routing correlates from token to token); bench_plan's
   "@profile routing" rows check it on the runs' own routing;
 - hybrid decode (host cores beside the in-place reads, the engine's default for dense cached experts) is
-  modelled as two balanced rates that add; unmeasured until bench_plan runs (its "copy" GPU side, opt-in,
-  is not modelled); the copy path's host split counts as copies (measured +6%);
+  modelled as two balanced rates that add, which misses batch 1 on small experts by ~1.6 ms a miss (sessions 6
+  and 8; `benchmarks/profile_offload.py` is next); its "copy" GPU side (opt-in) is not modelled; the copy path's
+  host split counts as copies (measured +6%);
 - multi-GPU speed is per-rank arithmetic with assumed all-reduce costs, and the warm-up step is counted at the
   full widths under TP (an upper estimate); the engine loop's per-step host time (schedule, sample) is not
   modelled.

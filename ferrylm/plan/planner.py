@@ -236,10 +236,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     pool_tokens = graph_tokens(sc, graphs_planned, piecewise and placement is not None and placement.fully_resident)
     # what the engine holds once loaded: the placed weights, the RoPE tables and a cuBLAS workspace
     held = device_weights + rope_table_bytes(model, mc, max_len) + LOAD_WORKSPACE_BYTES if placement else 0
-    used = held
 
     def after_warmup(step_peak: int) -> int:
-        return kv_after_warmup(budget, used, warmup_activations(step_peak, sc, mc.vocab_size, pool_tokens, ws),
+        return kv_after_warmup(budget, held, warmup_activations(step_peak, sc, mc.vocab_size, pool_tokens, ws),
                                fixed_kv_bytes(cc, per_block), per_block, max_len, opts.block_size)[0]
 
     kv_range = (0, 0)
@@ -271,14 +270,14 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     else:
         verdict = "fits" if placement.fully_resident else "offload"
     device_weights = placement.device_bytes() if placement else 0
-    held = held if placement else 0  # a plan that cannot run holds nothing
-    per_gpu = dict(weights=device_weights, held=held, weights_all=sum(g.nbytes for g in mine), kv=kv,
+    # a plan that cannot run holds nothing
+    per_gpu = dict(weights=device_weights, held=held if placement else 0, weights_all=sum(g.nbytes for g in mine), kv=kv,
                    kv_planned=kv_planned, kv_tokens_planned=kv_tokens_planned, kv_tokens_range=kv_range,
                    step_activations=step,
                    warmup_activations=warmup_activations(step, sc, mc.vocab_size, pool_tokens, ws),
                    kv_bytes_per_token=kv_per_token, kv_tokens=kv_tokens, state=state, activations=reserve,
                    cuda_context=CUDA_CONTEXT_BYTES,
-                   peak=used + kv + state + step + 2 * opts.max_num_seqs * mc.vocab_size * 4 + CUDA_CONTEXT_BYTES
+                   peak=held + kv + state + step + 2 * opts.max_num_seqs * mc.vocab_size * 4 + CUDA_CONTEXT_BYTES
                    + (ws if pool_tokens else 0), graph_workspace=ws if pool_tokens else 0,
                    capacity=capacity, budget=budget)
 
@@ -465,7 +464,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         else:  # the engine's default budget is at most 90% of free memory; an explicit budget may go higher
             # the placement leaves the reserve for activations; the warm-up then takes what it measured
             need = (per_gpu["weights_all"] + max(resident_reserve, warmup_activations(
-                step, sc, mc.vocab_size, graph_tokens(sc, graphs_planned, piecewise), ws)) + used - device_weights
+                step, sc, mc.vocab_size, graph_tokens(sc, graphs_planned, piecewise), ws)) + held - device_weights
                     + (-(-max_len // opts.block_size) + 2) * per_block)
             gib = math.ceil(need / 2**30)
             more = (make_plan(replace(opts, gpu_memory_budget_gb=gib * 2**30 / 1e9), advise=False)

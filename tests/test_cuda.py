@@ -834,11 +834,12 @@ def _graph_vs_eager(path, tag, dtype, tol, overrides=None, vocab=250):
 
 
 @pytest.fixture
-def graphs_on(monkeypatch):
-    """DeepSeek ships with decode graphs off until its test passes on a GPU: turn them on (Yuan's are on)."""
+def graphs_on():
+    """Every family these tests graph ships with decode graphs on (DeepSeek's since session 9): say so."""
     from ferrylm.models.deepseek import DeepseekForCausalLM
+    from ferrylm.models.yuan import YuanForCausalLM
 
-    monkeypatch.setattr(DeepseekForCausalLM, "cuda_graphs", True)
+    assert DeepseekForCausalLM.cuda_graphs and YuanForCausalLM.cuda_graphs
 
 
 def test_yuan_dense_graph_decode_equals_eager(graphs_on):

@@ -67,6 +67,25 @@ def test_packed_experts_equal_dequantized(fmt):
         assert rel < (2e-2 if DT == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_decoded_experts_equal_the_reference_dequantize(fmt):
+    """`fused_moe.decode_experts` (the packed prefill's decode-once step: one launch through the fused kernel's
+    own tile decode) gives exactly `ExpertWeights.dequantize`'s values for the experts asked, in their order,
+    read directly and through a `WeightTable`; shapes not whole tiles on either axis."""
+    from ferrylm.layers.fused_moe import decode_experts
+
+    torch.manual_seed(3)
+    E, H, I = 5, 192, 320  # K (H or I) a multiple of every group, not of the 128-column tile
+    w13, w2 = torch.randn(E, 2 * I, H) * 0.05, torch.randn(E, H, I) * 0.05
+    b13, b2 = bank(fmt, w13, w2)
+    for b in (b13, b2):
+        want = b.dequantize(DT)[[3, 0, 4]]
+        for src in (b, table(b)):
+            got = decode_experts(src, [3, 0, 4], DT)
+            assert got.shape == want.shape and got.dtype == DT
+            assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
+
+
 @pytest.mark.parametrize("decode", [None, False], ids=["decode-kernel", "plain-kernel"])
 def test_columns_of_the_intermediate_add_up(decode):
     """`expert_rows(..., inter=c)` computes each expert on its first c intermediate columns (hybrid decode's

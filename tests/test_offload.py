@@ -186,7 +186,7 @@ def test_grouped_gemm_prefill_rows_match_the_per_expert_reference(monkeypatch):
     """`fused_moe.grouped_rows` (torch's grouped GEMM over the assignments sorted by expert; CUTLASS on sm_90, a
     plain fallback here) against the per-expert torch reference in fp32 on the same bf16 weights: every
     assignment's weighted row in `expert_rows`'s layout, experts with no rows included; and `expert_rows` takes
-    it where `GROUPED_MM_MIN_ROWS` says (off by default)."""
+    it where `GROUPED_MM_MIN_ROWS` and `GROUPED_MM_MIN_INTER` say."""
     from ferrylm.layers import fused_moe
     from ferrylm.layers.moe import expert_mlp
 
@@ -204,16 +204,32 @@ def test_grouped_gemm_prefill_rows_match_the_per_expert_reference(monkeypatch):
     err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
     print(f"grouped GEMM rows vs per-expert fp32 reference: max error {err:.2e} of the largest row value")
     assert got.shape == (T * k, H) and got.dtype == torch.bfloat16 and err < 2e-2
-    assert fused_moe.GROUPED_MM_MIN_ROWS is None
     monkeypatch.setattr(fused_moe, "GROUPED_MM_MIN_ROWS", 1)
+    monkeypatch.setattr(fused_moe, "GROUPED_MM_MIN_INTER", I)
     assert torch.equal(fused_moe.expert_rows(x, w13, w2, ids, w), got)
+
+
+def test_prefill_path_follows_the_measured_thresholds():
+    """`fused_moe.prefill_path` (what `expert_rows` takes in an eager prefill step, and what the planner's
+    `prefill_bytes` counts): the grouped GEMM from `GROUPED_MM_MIN_ROWS` an expert on experts at least
+    `GROUPED_MM_MIN_INTER` wide, a packed bank decoded once from `PACKED_DENSE_MIN_ROWS`, the kernel else; each
+    path's bytes grow with the rows."""
+    from ferrylm.layers import fused_moe as fm
+
+    g, m, p = fm.GROUPED_MM_MIN_ROWS, fm.GROUPED_MM_MIN_INTER, fm.PACKED_DENSE_MIN_ROWS
+    assert fm.prefill_path(g * 8, 8, m, False) == "grouped" and fm.prefill_path(g * 8 - 1, 8, m, False) == "kernel"
+    assert fm.prefill_path(g * 128, 128, m - 1, False) == "kernel"  # Qwen3-30B-A3B's 768 columns
+    assert fm.prefill_path(p * 8, 8, 768, True) == "dequant" and fm.prefill_path(p * 8 - 1, 8, 768, True) == "kernel"
+    for packed, rows in ((False, (100, g * 8, 4 * g * 8)), (True, (100, p * 8, 4 * p * 8))):
+        sizes = [fm.prefill_bytes(a, 8, 4096, 14336, 2, packed) for a in rows]
+        assert sizes == sorted(sizes) and sizes[0] > 0, (packed, sizes)
 
 
 @pytest.mark.parametrize("fmt", ["nf4", "int4", "int8"])
 def test_packed_prefill_decoded_once_per_expert_matches_the_reference(fmt, monkeypatch):
     """`fused_moe.dequant_rows` (a packed bank's experts each decoded once into dense weights, then dense GEMMs on
     their rows) against the per-expert fp32 reference on the same dequantized weights, skipped ids (E) giving
-    zero rows; and `expert_rows` takes it where `PACKED_DENSE_MIN_ROWS` says (off by default)."""
+    zero rows, the same in groups of two experts; and `expert_rows` takes it where `PACKED_DENSE_MIN_ROWS` says."""
     from ferrylm.layers import fused_moe
     from ferrylm.layers.fused_moe import ExpertWeights
     from ferrylm.layers.moe import expert_mlp
@@ -238,7 +254,9 @@ def test_packed_prefill_decoded_once_per_expert_matches_the_reference(fmt, monke
     err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
     print(f"{fmt} bank decoded once per expert vs the fp32 reference: max error {err:.2e} of the largest row")
     assert got.shape == (T * k, H) and err < 2e-2 and (got[::4 * k] == 0).all()
-    assert fused_moe.PACKED_DENSE_MIN_ROWS is None
+    monkeypatch.setattr(fused_moe, "DEQUANT_BUFFER_BYTES", 2 * 3 * I * H * 2)  # two experts a decode group
+    grouped = fused_moe.dequant_rows(x, p13, p2, ids, w, skip=True)
+    assert (grouped.float() - got.float()).abs().max().item() <= 1e-2 * ref.abs().max().item()
     monkeypatch.setattr(fused_moe, "PACKED_DENSE_MIN_ROWS", 1)
     assert torch.equal(fused_moe.expert_rows(x, p13, p2, ids, w, skip=True), got)
 

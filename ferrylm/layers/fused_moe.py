@@ -11,6 +11,8 @@ Notation: T tokens, k experts per token, A = T * k assignments, E experts, H hid
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ferrylm.layers import fused_ops
@@ -76,6 +78,39 @@ def padded_rows(A: int, E: int) -> int:
     packed ones take row blocks of at most 32, so fewer): every expert's rows padded to whole row blocks.
     `plan/memory.step_activation_bytes` counts the prefill's buffers with it."""
     return _m_pad(A, E, _blocks(A)[0])
+
+
+def prefill_path(A: int, E: int, inter: int, packed: bool) -> str:
+    """Which way `expert_rows` computes A assignments over E experts of `inter` columns in an eager step (a bf16
+    bank on sm_90 for "grouped"): "dequant" (packed, `dequant_rows`), "grouped" (dense, `grouped_rows`) or "kernel"
+    (the Triton kernel; decode batches take `fused_moe_decode` before any of these)."""
+    if packed:
+        return "dequant" if PACKED_DENSE_MIN_ROWS is not None and A >= PACKED_DENSE_MIN_ROWS * E else "kernel"
+    if GROUPED_MM_MIN_ROWS is not None and A >= GROUPED_MM_MIN_ROWS * E and inter >= GROUPED_MM_MIN_INTER:
+        return "grouped"
+    return "kernel"
+
+
+def prefill_bytes(A: int, E: int, hidden: int, inter: int, elt: int, packed: bool) -> int:
+    """Device bytes `expert_rows` holds at its peak for A assignments (beside its input), on the path
+    `prefill_path` takes; `plan/memory.step_activation_bytes` counts the MoE layer with it. kernel: the gated
+    rows [I] and output [H] over the padded rows, then the gathered copy [H] of each assignment. grouped: the
+    gathered input [H], gate/up [2I] and their product [I]; then the product and the output [H]; then the
+    weighting (fp32 rows, 8 bytes an element at the multiply, the rounded rows and their unsorted copy). dequant:
+    the sorted input and the zeroed output [2H] throughout, and per decode group (`DEQUANT_BUFFER_BYTES`; its
+    rows taken as twice the uniform share, routing skews) the decoded w13 beside gate/up and product, then
+    w2 beside product and output; then the weighting."""
+    H, I = hidden, inter
+    weighting = A * H * (8 + 2 * elt)
+    path = prefill_path(A, E, I, packed)
+    if path == "kernel":
+        return (padded_rows(A, E) * (I + H) + A * H) * elt
+    if path == "grouped":
+        return max(A * (H + 3 * I) * elt, A * (I + H) * elt, weighting)
+    g = min(E, max(1, DEQUANT_BUFFER_BYTES // (3 * I * H * elt)))
+    n = min(A, -(-2 * g * A // E))
+    group = max(g * 2 * I * H + n * 3 * I, g * H * I + n * (I + H)) * elt
+    return max(2 * A * H * elt + group, A * H * elt + weighting)
 
 
 def _align_kernel(flat: torch.Tensor, E: int, block_m: int):
@@ -228,6 +263,25 @@ if triton is not None:
             acc = acc * tl.load(scale_ptr + assign, mask=valid, other=0.0)[:, None]
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+    @triton.jit
+    def _decode_experts(ids_ptr, w_ptr, ws_ptr, wm_ptr, lut_ptr, out_ptr, N, K, stride_we, stride_wn, stride_se,
+                        stride_sn, stride_oe, stride_on, MAPPED: tl.constexpr, FMT: tl.constexpr, GS: tl.constexpr,
+                        PER_ROW: tl.constexpr, W_T: tl.constexpr, S_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, ALIGN: tl.constexpr = 1):
+        # out[j] <- expert ids[j] dense [N, K], tile by tile through the GEMM kernel's own decode (`_weight_tile`)
+        j = tl.program_id(0)
+        e = tl.load(ids_ptr + j).to(tl.int64)
+        w_base, s_base, m_base = _expert_bases(w_ptr, ws_ptr, wm_ptr, e, stride_we, stride_se, MAPPED, ALIGN, W_T, S_T)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        k0 = tl.program_id(2) * BLOCK_K
+        n_ok = offs_n < N
+        w = _weight_tile(w_base, s_base, m_base, lut_ptr, offs_n.to(tl.int64), n_ok, k0, K - k0, offs_k, stride_wn,
+                         stride_sn, FMT, GS, PER_ROW, BLOCK_K, BLOCK_N)  # [BK, BN]
+        out = out_ptr + j * stride_oe + offs_n[:, None].to(tl.int64) * stride_on + (k0 + offs_k)[None, :]
+        tl.store(out, tl.trans(w).to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & (offs_k < K - k0)[None, :])
 
 
 def _blocks(A: int) -> tuple[int, int, int]:
@@ -434,11 +488,16 @@ def _weight_args(w, device: torch.device) -> dict:
                 ALIGN=16 if table and aligned else 1)
 
 
-GROUPED_MM_MIN_ROWS: int | None = None
-"""Assignments per expert (on average) from which `expert_rows` computes a dense bank through torch's grouped GEMM
-(`grouped_rows`: CUTLASS on sm_90) instead of the Triton kernel, whose prefill GEMMs reach ~0.2 of peak (the
-8-layer Mixtral prefills 31.2k tok/s on the H200, session 8's `bench_plan.py`, where the dense GEMMs around it
-run at ~0.65). None: never, until `benchmarks/bench_moe_prefill.py` has measured where it wins."""
+GROUPED_MM_MIN_ROWS: int | None = 512
+"""Assignments per expert (on average) from which `expert_rows` computes a dense bank through torch's grouped
+GEMM (`grouped_rows`: CUTLASS on sm_90) instead of the Triton kernel, for experts at least `GROUPED_MM_MIN_INTER`
+wide. Measured by `benchmarks/bench_moe_prefill.py` on the H200 (session 9, results/moe-prefill-2026-12-02.json):
+from 512 rows an expert the grouped GEMM is 1.43x the kernel on Mixtral's experts (14336 wide; 1.53x at 2048),
+1.37x on Yuan2.0-M32's (8192), 1.16x on DeepSeek-V3's (2048) at 1024; below 512 they are within +-15% both ways;
+on Qwen3-30B-A3B's 768-wide experts the kernel stays ahead (0.75x at 512). None: never."""
+
+GROUPED_MM_MIN_INTER = 2048
+"""The narrowest expert intermediate `GROUPED_MM_MIN_ROWS` applies to (see there)."""
 
 
 def grouped_mm_usable(x: torch.Tensor, w13, w2) -> bool:
@@ -466,42 +525,84 @@ def grouped_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     # [E]: each expert's last row + 1 (scatter_add, not bincount: on CUDA bincount reads its range back to the host)
     counts = torch.zeros(E, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     offs = counts.cumsum(0).to(torch.int32)
-    xs = x.index_select(0, order // k)  # [A, H]
-    gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [A, 2I]: gate, up
-    y = torch._grouped_mm(_silu_mul(gu), w2.transpose(1, 2), offs=offs)  # [A, H]
-    return _weighted_unsorted(y, topk_weights, order)
+    h = _silu_mul(torch._grouped_mm(x.index_select(0, order // k), w13.transpose(1, 2), offs=offs))  # [A, I]
+    return _weighted_unsorted(torch._grouped_mm(h, w2.transpose(1, 2), offs=offs), topk_weights, order)
 
 
-PACKED_DENSE_MIN_ROWS: int | None = None
+PACKED_DENSE_MIN_ROWS: int | None = 32
 """Assignments per expert (on average) from which `expert_rows` computes a packed bank (`ExpertWeights`, read
-directly) by decoding each expert it uses once into a dense buffer and running dense GEMMs on its rows
+directly) by decoding each expert it uses once into dense weights and running dense GEMMs on its rows
 (`dequant_rows`), instead of the Triton kernel's in-tile decode, which decodes every weight tile once per row
-block of at most 32 rows (the offloaded NF4 Mixtral prefilled 1152 tok/s on the H200 in session 8's
-`bench_plan.py`, where copies alone allow ~7.5k). Eager steps only (one host read of the counts). None: never,
-until `benchmarks/bench_moe_prefill.py --packed` has measured where it wins."""
+block of at most 32 rows and reaches ~10 TFLOP/s (NF4) to ~18 (int4). Measured by
+`benchmarks/bench_moe_prefill.py --packed` on the H200 (session 9, results/moe-prefill-2026-12-02.json): NF4
+wins from 16 rows an expert on every shape (1.4x-1.5x at 16, 4.8x on Mixtral at 64, 24x at 512), int4 from 32
+(0.88x / 0.95x at 16 on Qwen3-30B-A3B / Yuan2.0-M32, 1.7x-2.4x at 32-64). Eager steps only (one host read of
+the counts). None: never."""
+
+DEQUANT_BUFFER_BYTES = 256 << 20
+"""`dequant_rows` decodes the experts it uses in groups whose dense weights fit this many bytes (at least one
+expert a group): one decode launch and one grouped GEMM per group, so a bank of many small experts (Qwen3-30B-A3B:
+128 of 9.4 MB) costs a few launches, while the transient stays bounded (the warm-up profile measures it)."""
 
 
-def dequant_rows(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor, skip: bool = False) -> torch.Tensor:
-    """`expert_rows`'s result for a packed bank, each expert it uses decoded once (`ExpertWeights.dequantize`,
-    the kernel's reference decode) into a dense [2I, H] / [H, I] pair that the next expert's decode reuses
-    through the caching allocator, then gate/up GEMM, silu(gate) * up and the down GEMM on that expert's rows.
-    With `skip`, ids equal to E are skipped (their rows 0), as `expert_rows` skips them. One host read of the
-    per-expert counts: not for captured steps."""
+def decode_experts(w, experts: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Experts `experts` of a packed bank (`ExpertWeights` or a `WeightTable` over one) dense: [n, N, K] in
+    `dtype`. On CUDA one Triton launch through the fused kernel's own tile decode (`_weight_tile`), the same fp32
+    values rounded once; elsewhere `ExpertWeights.dequantize` (the reference), expert by expert."""
+    like = w.like if isinstance(w, WeightTable) else w
+    _, N, K = like.shape
+    device = w.ptrs["q"].device if isinstance(w, WeightTable) else w.parts["q"].device
+    if not (triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")):
+        return torch.cat([w.expert(e).dequantize(dtype) for e in experts])
+    out = torch.empty(len(experts), N, K, dtype=dtype, device=device)
+    ids = torch.tensor(experts, dtype=torch.long).to(device, non_blocking=True)
+    args = _weight_args(w, device)
+    BN, BK = 64, 128
+    _decode_experts[(len(experts), triton.cdiv(N, BN), triton.cdiv(K, BK))](
+        ids, out_ptr=out, N=N, K=K, stride_oe=out.stride(0), stride_on=out.stride(1), PER_ROW=args["GS"] >= K,
+        BLOCK_N=BN, BLOCK_K=BK, **args)
+    return out
+
+
+def dequant_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 skip: bool = False) -> torch.Tensor:
+    """`expert_rows`'s result for a packed bank (`ExpertWeights`, or a `WeightTable` over one: decoded where it
+    lies), each expert it uses decoded once (`decode_experts`) in groups of at most `DEQUANT_BUFFER_BYTES` of
+    dense weights, then per group the gate/up GEMM, silu(gate) * up and the down GEMM on that group's rows: torch's
+    grouped GEMM where `grouped_mm_usable`, one matmul per expert else. With `skip`, ids equal to E are skipped
+    (their rows 0), as `expert_rows` skips them. One host read of the per-expert counts: not for captured steps."""
     T, k = topk_ids.shape
-    E = w13.shape[0]
+    E, two_i, H = w13.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [A]: by expert, skipped ids (E) last
     counts = torch.bincount(flat, minlength=E + 1).tolist()
     xs = x.index_select(0, order // k)  # [A, H]
-    y = torch.zeros(flat.numel(), w2.shape[1], dtype=x.dtype, device=x.device)
+    y = torch.zeros(flat.numel(), H, dtype=x.dtype, device=x.device)
+    used = [e for e in range(E) if counts[e]]
+    per = max(1, DEQUANT_BUFFER_BYTES // (3 * two_i // 2 * H * x.element_size()))
     start = 0
-    for e, n in enumerate(counts[:E]):
-        if n:
-            a13, a2 = w13.expert(e).dequantize(x.dtype)[0], w2.expert(e).dequantize(x.dtype)[0]
-            torch.matmul(_silu_mul(xs[start:start + n] @ a13.t()), a2.t(), out=y[start:start + n])
-            start += n
+    for g0 in range(0, len(used), per):
+        group = used[g0:g0 + per]
+        n = sum(counts[e] for e in group)
+        rows, out = xs[start:start + n], y[start:start + n]
+        sizes = [counts[e] for e in group]
+        # one side decoded at a time (w13's freed before w2's is made): the transient is the larger side's
+        a13 = decode_experts(w13, group, x.dtype)  # [g, 2I, H]
+        h = _silu_mul(_group_mm(rows, a13, sizes))  # [n, I]
+        del a13
+        out.copy_(_group_mm(h, decode_experts(w2, group, x.dtype), sizes))  # [g, H, I] -> [n, H]
+        start += n
+    del xs, rows, h
     return _weighted_unsorted(y, topk_weights, order)
+
+
+def _group_mm(rows: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """rows [n, K] in runs of `sizes` rows, run j times w[j] [N, K] transposed -> [n, N]: torch's grouped GEMM
+    where `grouped_mm_usable`, a matmul per run else."""
+    if grouped_mm_usable(rows, w, w):
+        offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(rows.device)
+        return torch._grouped_mm(rows, w.transpose(1, 2), offs=offs)
+    return torch.cat([r @ w[j].t() for j, r in enumerate(rows.split(sizes))])
 
 
 def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -549,7 +650,8 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
     T, k = topk_ids.shape
     E, two_i, H = w13.shape
     if (decode is None and GROUPED_MM_MIN_ROWS is not None and not skip and inter is None
-            and T * k >= GROUPED_MM_MIN_ROWS * E and grouped_mm_usable(x, w13, w2)):
+            and T * k >= GROUPED_MM_MIN_ROWS * E and two_i // 2 >= GROUPED_MM_MIN_INTER
+            and grouped_mm_usable(x, w13, w2)):
         return grouped_rows(x, w13, w2, topk_ids, topk_weights)
     if (decode is None and PACKED_DENSE_MIN_ROWS is not None and inter is None
             and all(type(w) is ExpertWeights for w in (w13, w2)) and T * k >= PACKED_DENSE_MIN_ROWS * E

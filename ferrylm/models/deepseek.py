@@ -214,8 +214,8 @@ class DeepseekModel(nn.Module):
 class DeepseekForCausalLM(CausalLM):
     """The forward is `CausalLM`'s segment chain (embed, layers, norm); layers keep `pre`/`post`."""
 
-    cuda_graphs = False  # True once tests/test_cuda.py -k deepseek_graph passes on a GPU: on the H200 (sessions 7-8)
-    # its eager engine failed first, in the Triton prefill kernel over the tiny test rows (`triton_attention._narrow_latent`)
+    cuda_graphs = True  # tests/test_cuda.py -k deepseek_graph: graphed == eager on the H200 (session 9, v_head_dim 16
+    # and 12), once the Triton prefill kernel took 32-key tiles over narrow latent rows (`triton_attention._narrow_latent`)
     """MLA decode reads no host values (the absorbed matmuls, the latent cache row, routing on the device);
     the routed experts need a graph-safe backend too (`CausalLM.graph_safe`: the fused kernel, bf16/fp16)."""
 

@@ -102,6 +102,9 @@ def test_gpu_checks_judge_nvml_readings():
     assert got["gpu0_temperature"].value == "90 C, SM clock 1200 of 1980 MHz"
     assert got["gpu0_throttle"].status == "warn" and got["gpu1_numa"].value == "node 1"
     assert got["gpu_topology"].status == "warn" and "0-1 across sockets" in got["gpu_topology"].value
+    # NVML's -1 (the lent H200, one node): said as such, not as a node called -1
+    (numa,) = [c for c in doctor.gpu_checks([_gpu(0, numa_node=-1)], True) if c.name == "gpu0_numa"]
+    assert numa.status == "ok" and numa.value.startswith("no NUMA affinity reported")
 
 
 def test_bandwidth_checks_judge_measurements():

@@ -197,8 +197,9 @@ def gpu_checks(gpus: list[GpuReadings], nvml_present: bool) -> list[Check]:
             out.append(Check(f"{p}_throttle", WARN, ", ".join(g.throttle), "none",
                              "active throttling lowers clocks below what the plan assumes",
                              "nvidia-smi -q -d PERFORMANCE  # to see why"))
-        out.append(Check(f"{p}_numa", OK, f"node {g.numa_node}" if g.numa_node is not None else "unknown", "",
-                         "pin the server's CPU threads and host memory to this node"))
+        node = ("unknown" if g.numa_node is None else f"node {g.numa_node}" if g.numa_node >= 0
+                else "no NUMA affinity reported (-1: one node, or firmware that does not say)")
+        out.append(Check(f"{p}_numa", OK, node, "", "pin the server's CPU threads and host memory to this node"))
     far = sorted({tuple(sorted((g.index, j))) for g in gpus for j, lvl in g.p2p.items() if lvl == "SYSTEM"})
     if len(gpus) > 1:
         out.append(Check("gpu_topology", WARN if far else OK,

@@ -11,6 +11,14 @@ queue is costed beside copies (`cpu_s_beside_copy`): the two share the host's me
 `cpu_share` is the same balance for the in-place decode path, in bytes: the fraction of a layer's
 non-resident expert bytes to compute on the host so that the host and the device's in-place reads finish
 together.
+
+TODO (issue 10, where it stands after session 9): the model has no fixed per-call host cost. On the H200 host,
+batch-1 decode of the Qwen3-30B-A3B shape (9.4 MB experts, 16 layers, 4 GiB) ran 17.6 ms a step under `auto`
+(share 0.28, every miss split along its intermediate) and 10.6 ms with copies / in-place reads only
+(`benchmarks/profile_offload.py`, docs/benchmarks.md "session 9"): each host call cost 0.58 ms busy where the
+bytes say ~0.1. The split should be s = (b / r_dev - F) / (b / r_dev + b / r_cpu) with F that per-call cost,
+measured in the engine (host busy per call less its bytes' time) rather than by `offload/calibration.py`'s
+isolated runs, and hybrid decode off (share 0) where a layer's misses take the device less than F.
 """
 
 from __future__ import annotations

@@ -12,18 +12,21 @@ the CUDA engine ends with after its measured warm-up (`offload/memory.py` kv_aft
 and the planned figure.
 
 TODO (what is left of issue #14):
-- measured (session 8, `benchmarks/bench_plan.py --gpu 1xH200`, docs/benchmarks.md): resident dense and MoE meet
-  every aim; offloaded decode does not (hybrid decode at batch 1 on small experts +239% at the seen hit rate, the
-  NF4 copy path at batch 16 +34%); the memory model's held bytes, fused MoE warm-up and `MOE_MFU` were fitted on
-  that run and want a second one; int4 and int8 experts' kernel rates are assumed equal to NF4's;
-- the offloaded prefill's copy rounds hold more than `memory.step_activation_bytes` counts (-7% / -12%);
+- measured (sessions 8 and 9, `benchmarks/bench_plan.py --gpu 1xH200`, docs/benchmarks.md): resident dense and
+  MoE meet every aim in both runs, and session 8's memory model held on session 9's run (weights within 0.15%,
+  peak within 0.9%); offloaded decode does not (hybrid decode at batch 1 on small experts: the engine's cost
+  model itself picks wrong there, `offload/cost_model.py` TODO; the NF4 copy path at batch 16 +34% / +49%);
+  int4 and int8 experts' kernel rates are assumed equal to NF4's;
+- the packed offloaded prefill (decode-once path, session 9: 3762 tok/s) is predicted from the copies alone
+  (+99%): the rounds' compute and copies are not modelled apart; the offloaded prefill's copy rounds hold
+  12-16% more than `memory.step_activation_bytes` counts;
 - the hit rate: the routing tally's steady state is modelled as the hottest experts (its hysteresis makes that
   an upper estimate under weak skew; Mixtral 16L measured 0.29 at batch 1 against 0.32 uniform), and tokens
   are taken as routed independently (real routing correlates from token to token); bench_plan's
   "@profile routing" rows check it on the runs' own routing;
 - hybrid decode (host cores beside the in-place reads, the engine's default for dense cached experts) is
-  modelled as two balanced rates that add, which misses batch 1 on small experts by ~1.6 ms a miss (sessions 6
-  and 8; `benchmarks/profile_offload.py` is next); its "copy" GPU side (opt-in) is not modelled; the copy path's
+  modelled as two balanced rates that add, which misses batch 1 on small experts (sessions 6, 8 and 9: a
+  fixed host cost per call, `benchmarks/profile_offload.py`); its "copy" GPU side (opt-in) is not modelled; the copy path's
   host split counts as copies (measured +6%);
 - multi-GPU speed is per-rank arithmetic with assumed all-reduce costs, and the warm-up step is counted at the
   full widths under TP (an upper estimate); the engine loop's per-step host time (schedule, sample) is not

@@ -81,9 +81,10 @@ def padded_rows(A: int, E: int) -> int:
 
 
 def prefill_path(A: int, E: int, inter: int, packed: bool) -> str:
-    """Which way `expert_rows` computes A assignments over E experts of `inter` columns in an eager step (a bf16
-    bank on sm_90 for "grouped"): "dequant" (packed, `dequant_rows`), "grouped" (dense, `grouped_rows`) or "kernel"
-    (the Triton kernel; decode batches take `fused_moe_decode` before any of these)."""
+    """Which way `expert_rows` computes A assignments over E experts of `inter` columns in an eager step of a
+    bank read directly (a bf16 bank on sm_90 for "grouped"; an offload round, `skip`, never takes "grouped"):
+    "dequant" (packed, `dequant_rows`), "grouped" (dense, `grouped_rows`) or "kernel" (the Triton kernel; decode
+    batches take `fused_moe_decode` before any of these)."""
     if packed:
         return "dequant" if PACKED_DENSE_MIN_ROWS is not None and A >= PACKED_DENSE_MIN_ROWS * E else "kernel"
     if GROUPED_MM_MIN_ROWS is not None and A >= GROUPED_MM_MIN_ROWS * E and inter >= GROUPED_MM_MIN_INTER:
@@ -95,8 +96,8 @@ def prefill_bytes(A: int, E: int, hidden: int, inter: int, elt: int, packed: boo
     """Device bytes `expert_rows` holds at its peak for A assignments (beside its input), on the path
     `prefill_path` takes; `plan/memory.step_activation_bytes` counts the MoE layer with it. kernel: the gated
     rows [I] and output [H] over the padded rows, then the gathered copy [H] of each assignment. grouped: the
-    gathered input [H], gate/up [2I] and their product [I]; then the product and the output [H]; then the
-    weighting (fp32 rows, 8 bytes an element at the multiply, the rounded rows and their unsorted copy). dequant:
+    gathered input [H] and gate/up [2I], then gate/up and their product [I], then the product beside the output
+    [H] and the weighting's fp32 rows (8 bytes an element at the multiply). dequant:
     the sorted input and the zeroed output [2H] throughout, and per decode group (`DEQUANT_BUFFER_BYTES`; its
     rows taken as twice the uniform share, routing skews) the decoded w13 beside gate/up and product, then
     w2 beside product and output; then the weighting."""
@@ -105,8 +106,8 @@ def prefill_bytes(A: int, E: int, hidden: int, inter: int, elt: int, packed: boo
     path = prefill_path(A, E, I, packed)
     if path == "kernel":
         return (padded_rows(A, E) * (I + H) + A * H) * elt
-    if path == "grouped":
-        return max(A * (H + 3 * I) * elt, A * (I + H) * elt, weighting)
+    if path == "grouped":  # the gathered input is freed once gate/up exist; the product lives to the end
+        return max(A * (H + 2 * I) * elt, 3 * A * I * elt, A * (I + H) * elt + A * H * 8)
     g = min(E, max(1, DEQUANT_BUFFER_BYTES // (3 * I * H * elt)))
     n = min(A, -(-2 * g * A // E))
     group = max(g * 2 * I * H + n * 3 * I, g * H * I + n * (I + H)) * elt
@@ -553,6 +554,8 @@ def decode_experts(w, experts: list[int], dtype: torch.dtype) -> torch.Tensor:
     _, N, K = like.shape
     device = w.ptrs["q"].device if isinstance(w, WeightTable) else w.parts["q"].device
     if not (triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")):
+        if isinstance(w, WeightTable):
+            raise ValueError("decode_experts: a WeightTable's experts decode on CUDA (or the Triton interpreter) only")
         return torch.cat([w.expert(e).dequantize(dtype) for e in experts])
     out = torch.empty(len(experts), N, K, dtype=dtype, device=device)
     ids = torch.tensor(experts, dtype=torch.long).to(device, non_blocking=True)
@@ -580,19 +583,21 @@ def dequant_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights:
     y = torch.zeros(flat.numel(), H, dtype=x.dtype, device=x.device)
     used = [e for e in range(E) if counts[e]]
     per = max(1, DEQUANT_BUFFER_BYTES // (3 * two_i // 2 * H * x.element_size()))
-    start = 0
+    start, h = 0, None
     for g0 in range(0, len(used), per):
         group = used[g0:g0 + per]
         n = sum(counts[e] for e in group)
         rows, out = xs[start:start + n], y[start:start + n]
         sizes = [counts[e] for e in group]
         # one side decoded at a time (w13's freed before w2's is made): the transient is the larger side's
+        h = None  # the previous group's product: freed before this group's decode
         a13 = decode_experts(w13, group, x.dtype)  # [g, 2I, H]
         h = _silu_mul(_group_mm(rows, a13, sizes))  # [n, I]
         del a13
         out.copy_(_group_mm(h, decode_experts(w2, group, x.dtype), sizes))  # [g, H, I] -> [n, H]
         start += n
-    del xs, rows, h
+    del xs
+    rows = h = None  # the last group's rows: not held through the weighting
     return _weighted_unsorted(y, topk_weights, order)
 
 
@@ -622,7 +627,7 @@ def _weighted_unsorted(y: torch.Tensor, topk_weights: torch.Tensor, order: torch
 
 def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, skip: bool = False, inter: int | None = None,
-                decode=None) -> torch.Tensor:
+                decode=None, experts: int | None = None) -> torch.Tensor:
     """The weighted expert output of every assignment: [A, H] in x's dtype, row t * k + j for token t's
     j-th expert. `w13`/`w2` are device banks or `WeightTable`s (the same bits either way: only the address
     arithmetic differs). With `skip`, ids equal to E (w13.shape[0]) are skipped and their rows are 0: the
@@ -632,7 +637,9 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
     of K, whose scales are those of their groups, so a packed bank needs no re-grouping; 4-bit codes: `inter`
     even): hybrid decode's host computes the others and the rows add up.
     `decode`: None takes the decode kernel where `fused_moe_decode.decode_config` says (T <= 16 tokens),
-    False the plain kernel (the reference), a `DecodeConfig` the decode kernel with those tiles."""
+    False the plain kernel (the reference), a `DecodeConfig` the decode kernel with those tiles.
+    `experts`: the model's expert count where the bank holds fewer (an offload cache's slots): the prefill path
+    (`prefill_path`) is chosen on it, so a resident and an offloaded run of a step take the same one."""
     from ferrylm.layers import fused_moe_decode as fmd
 
     like2 = w2.like if isinstance(w2, WeightTable) else w2
@@ -650,11 +657,11 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
     T, k = topk_ids.shape
     E, two_i, H = w13.shape
     if (decode is None and GROUPED_MM_MIN_ROWS is not None and not skip and inter is None
-            and T * k >= GROUPED_MM_MIN_ROWS * E and two_i // 2 >= GROUPED_MM_MIN_INTER
+            and T * k >= GROUPED_MM_MIN_ROWS * (experts or E) and two_i // 2 >= GROUPED_MM_MIN_INTER
             and grouped_mm_usable(x, w13, w2)):
         return grouped_rows(x, w13, w2, topk_ids, topk_weights)
     if (decode is None and PACKED_DENSE_MIN_ROWS is not None and inter is None
-            and all(type(w) is ExpertWeights for w in (w13, w2)) and T * k >= PACKED_DENSE_MIN_ROWS * E
+            and all(type(w) is ExpertWeights for w in (w13, w2)) and T * k >= PACKED_DENSE_MIN_ROWS * (experts or E)
             and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
         return dequant_rows(x, w13, w2, topk_ids, topk_weights, skip)
     up = two_i // 2

@@ -491,7 +491,7 @@ class CachedExperts(ExpertBackend):
             for e in experts:
                 slot[e] = self.slot_of[e]
             ids = torch.tensor(slot, dtype=torch.long).to(x.device, non_blocking=True)[topk_ids]
-            rows = expert_rows(x, self.w13, self.w2, ids, topk_weights, skip=True)
+            rows = expert_rows(x, self.w13, self.w2, ids, topk_weights, skip=True, experts=E)
             out = rows if out is None else out + rows
             for e in experts:
                 self.free[self.slot_of[e]].record(cur)

@@ -656,14 +656,12 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
             return fmd.decode_rows(x, w13, w2, topk_ids, topk_weights, skip, cfg, inter)
     T, k = topk_ids.shape
     E, two_i, H = w13.shape
-    if (decode is None and GROUPED_MM_MIN_ROWS is not None and not skip and inter is None
-            and T * k >= GROUPED_MM_MIN_ROWS * (experts or E) and two_i // 2 >= GROUPED_MM_MIN_INTER
-            and grouped_mm_usable(x, w13, w2)):
-        return grouped_rows(x, w13, w2, topk_ids, topk_weights)
-    if (decode is None and PACKED_DENSE_MIN_ROWS is not None and inter is None
-            and all(type(w) is ExpertWeights for w in (w13, w2)) and T * k >= PACKED_DENSE_MIN_ROWS * (experts or E)
-            and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
-        return dequant_rows(x, w13, w2, topk_ids, topk_weights, skip)
+    if decode is None and inter is None:
+        path = prefill_path(T * k, experts or E, two_i // 2, all(type(w) is ExpertWeights for w in (w13, w2)))
+        if path == "grouped" and not skip and grouped_mm_usable(x, w13, w2):
+            return grouped_rows(x, w13, w2, topk_ids, topk_weights)
+        if path == "dequant" and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return dequant_rows(x, w13, w2, topk_ids, topk_weights, skip)
     up = two_i // 2
     I = up if inter is None else inter
     A = T * k

@@ -589,6 +589,39 @@ def test_hybrid_decode_host_experts_equal_mapped(share, gpu_side, split, tmp_pat
         free_engines()
 
 
+def test_auto_hybrid_share_counts_the_measured_handoff(tmp_path_factory):
+    """--experts auto with no --cpu-share: the engine measures a hand-off through the real worker (and an expert
+    call's fixed cost), and the share it runs is the cost model's for those figures; at share 0 hybrid decode
+    is off (no worker), else on; either way the logits equal the in-place run's."""
+    from test_models_hf import build
+
+    from ferrylm.offload.cost_model import cpu_share
+
+    path, _ = build(tmp_path_factory, "qwen3_moe")
+    kw = dict(device="cuda", dtype="bfloat16", place=("experts=cpu",), gpu_memory_budget="2GiB")
+    prompts = [[5, 9, 31, 7, 100, 3], [17, 4, 4, 250]]
+    ref_out, ref = sampled_rows(LLM(path, experts="gpu", **kw), prompts, 8)
+    free_engines()
+    llm = LLM(path, experts="auto", **kw)
+    placed = llm.engine.runner.placed
+    cal = placed.calibration
+    print(f"auto hybrid share: {placed.cpu_share:.3f}; hand-off {cal['handoff_s'] * 1e3:.3f} ms, call "
+          f"{cal['call_s'] * 1e3:.3f} ms, whole expert {cal['host_whole_s'] * 1e3:.3f} ms, "
+          f"{cal['expected_misses']:.2f} misses a layer")
+    assert 0 < cal["handoff_s"] < 0.05 and cal["call_s"] >= 0
+    c = placed.costs
+    want = cpu_share(c, c.inplace_gbs or 0.85 * c.expert_bytes / c.copy_s / 1e9, misses=cal["expected_misses"],
+                     split=placed.hybrid_split)
+    assert placed.cpu_share == pytest.approx(want)
+    assert (placed.host_decode is not None) == (want > 0)
+    out, got = sampled_rows(llm, prompts, 8)
+    worst = max((a - b).abs().max().item() for a, b in zip(ref, got))
+    print(f"auto vs in place: max |logit diff| = {worst:.3e}")
+    assert worst < 5e-2
+    del llm, placed
+    free_engines()
+
+
 @pytest.mark.parametrize("gemm", ["split", "split-x4"])
 def test_hybrid_decode_with_each_dense_gemm(gemm, tmp_path_factory, monkeypatch):
     """Graphed hybrid decode with the host's dense bf16 GEMM forced to `gemm` (the calibration's only choice;

@@ -270,6 +270,31 @@ def test_cpu_share_balances_host_and_device():
         cpu_share(Costs(1.0, lambda n: 1.0), 10.0)
 
 
+def test_cpu_share_counts_the_fixed_costs_of_a_host_call():
+    """A hand-off and an expert call cost time beyond the bytes: with them the host's share shrinks, both
+    sides still finish together, and where they alone outlast the device's reads the share is 0 (hybrid
+    decode off); with none the share is the rate balance whatever the misses."""
+    from ferrylm.offload.cost_model import balanced_share, cpu_share
+
+    mb = 10e6  # a 10 MB expert: 1 ms on the host at 1 token (10 GB/s), 1 ms in place at 10 GB/s
+    free = Costs(copy_s=0.002, cpu_s=lambda n: 1e-3 * n, expert_bytes=int(mb), inplace_gbs=10.0)
+    assert cpu_share(free, misses=0.5) == pytest.approx(0.5) == cpu_share(free, misses=3)
+    fixed = Costs(copy_s=0.002, cpu_s=lambda n: 1e-3 * n, expert_bytes=int(mb), inplace_gbs=10.0,
+                  handoff_s=0.2e-3, call_s=0.1e-3)
+    s = cpu_share(fixed, misses=2)  # device 2 ms; host 0.2 + 2 * 0.1 + s * 2 * 0.9 ms
+    assert 0 < s < 0.5
+    assert (1 - s) * 2e-3 == pytest.approx(0.2e-3 + 2 * 0.1e-3 + s * 2 * 0.9e-3)
+    whole = cpu_share(fixed, misses=2, split=False)  # whole experts: no call per split miss
+    assert (1 - whole) * 2e-3 == pytest.approx(0.2e-3 + whole * 2e-3) and whole > s
+    # small misses: 0.3 of an expert a layer take the device 0.3 ms, the host's fixed 0.23 ms leave little
+    assert cpu_share(fixed, misses=0.3) == pytest.approx((0.3 - 0.23) / (0.3 + 0.27))
+    slow_handoff = Costs(copy_s=0.002, cpu_s=lambda n: 1e-3 * n, expert_bytes=int(mb), inplace_gbs=10.0,
+                         handoff_s=0.5e-3)
+    assert cpu_share(slow_handoff, misses=0.4) == 0.0  # 0.4 ms of reads < a 0.5 ms hand-off
+    assert balanced_share(1.0, 0.0, 1.0) == 0.5 and balanced_share(1.0, 1.0, 1.0) == 0.0
+    assert balanced_share(1.0, 0.0, 0.0) == 1.0  # a free host takes everything
+
+
 def test_hybrid_stats_reach_metrics(mixtral, tmp_path, monkeypatch):
     """The per-step split (hits, copies, in place, CPU), the CPU busy share and the device's wait: the line
     `--stats` prints, and the server's /metrics (a real `ferry serve`, token-id prompts: the test model has

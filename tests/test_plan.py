@@ -497,7 +497,8 @@ def test_hybrid_decode_shares_misses_with_the_host(tmp_path):
     a = hybrid.speed["assumptions"]
     host_gbs = estimate.HOST_EXPERT_EFF * estimate.HOST_READ_EFF * hardware.parse_host(HOST).bandwidth_per_node_gbs
     assert a["host_expert_gbs"] == pytest.approx(host_gbs)
-    assert a["cpu_share"] == pytest.approx(host_gbs / (host_gbs + estimate.INPLACE_EFF * 54.6))
+    pure = host_gbs / (host_gbs + estimate.INPLACE_EFF * 54.6)  # the rates alone
+    assert 0.9 * pure < a["cpu_share"] < pure  # a hand-off and a call per miss shave Mixtral's 352 MB experts' share
     assert gpu_only.speed["assumptions"]["cpu_share"] == 0
     speedup = hybrid.speed["decode_batch1"]["tok_s"] / gpu_only.speed["decode_batch1"]["tok_s"]
     print(f"Mixtral 16L under 16 GiB, batch 1: hybrid {hybrid.speed['decode_batch1']['tok_s']:.2f} vs in place "
@@ -506,7 +507,8 @@ def test_hybrid_decode_shares_misses_with_the_host(tmp_path):
     assert any(n.startswith("hybrid decode: the host's cores compute") for n in hybrid.notes)
     # small experts (Qwen3's 9.4 MB read in 0.2 ms): the host's per-expert cost outweighs the bytes it takes
     small = _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 1, advise=True)
-    assert any("hybrid decode costs speed here" in n for n in small.notes)
+    assert small.speed["assumptions"]["cpu_share"] == 0
+    assert any(n.startswith("hybrid decode off") for n in small.notes)
     all_host = _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 1, experts="cpu")
     assert all_host.speed["assumptions"]["cpu_share"] == 1.0
     assert _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 1, cpu_share=0.25).speed["assumptions"]["cpu_share"] == 0.25

@@ -12,13 +12,13 @@ queue is costed beside copies (`cpu_s_beside_copy`): the two share the host's me
 non-resident expert bytes to compute on the host so that the host and the device's in-place reads finish
 together.
 
-TODO (issue 10, where it stands after session 9): the model has no fixed per-call host cost. On the H200 host,
-batch-1 decode of the Qwen3-30B-A3B shape (9.4 MB experts, 16 layers, 4 GiB) ran 17.6 ms a step under `auto`
-(share 0.28, every miss split along its intermediate) and 10.6 ms with copies / in-place reads only
-(`benchmarks/profile_offload.py`, docs/benchmarks.md "session 9"): each host call cost 0.58 ms busy where the
-bytes say ~0.1. The split should be s = (b / r_dev - F) / (b / r_dev + b / r_cpu) with F that per-call cost,
-measured in the engine (host busy per call less its bytes' time) rather than by `offload/calibration.py`'s
-isolated runs, and hybrid decode off (share 0) where a layer's misses take the device less than F.
+`cpu_share` also counts what a host call costs beyond its bytes, measured in the engine
+(`placed_weights._start_host_decode`, through the real hand-off): `handoff_s`, the device-visible round trip of
+one layer's hand-off with no host work (host nodes, the worker's wake-up, the rows' copies back), and
+`call_s`, an expert call's fixed cost (dispatch, the thread team's start). On the H200 host the bytes of a
+Qwen3-30B-A3B expert (9.4 MB) take ~0.1 ms where a hand-off cost ~0.5 ms (session 9: batch-1 decode 17.6 ms
+a step split, 10.6 ms unsplit), so a layer whose misses take the device less than the fixed costs gets share 0:
+hybrid decode stays off.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ class Costs:
     """Bytes of one expert as the host holds it (its format's)."""
     inplace_gbs: float | None = None
     """GB/s at which the device reads an expert in place from host memory (CUDA, mapped banks), if measured."""
+    handoff_s: float = 0.0
+    """Device-visible seconds of one layer's hand-off to the host with no work (the hybrid decode path)."""
+    call_s: float = 0.0
+    """Host seconds one expert call costs beyond its bytes (part of `cpu_s`; what splitting an expert repeats)."""
 
     def cpu_s_beside_copy(self, n: int) -> float:
         """Seconds for the host to run one expert on n tokens while copies run."""
@@ -64,17 +68,34 @@ def split_misses(tokens: dict[int, int], costs: Costs, mode: str = "auto") -> tu
     return sorted(copy), sorted(cpu)
 
 
-def cpu_share(costs: Costs, inplace_rate_gbs: float | None = None, tokens: int = 1) -> float:
+def balanced_share(device_s: float, fixed_s: float, host_s: float) -> float:
+    """The share s of a layer's missed bytes for the host, so that both sides finish together: the misses take
+    the device `device_s` alone, the host `fixed_s + s * host_s`; (1 - s) device_s = fixed_s + s host_s.
+    0 when the fixed cost alone is no shorter than the device's time (hybrid does not pay)."""
+    if device_s <= fixed_s or device_s + host_s <= 0:
+        return 0.0
+    return min(1.0, (device_s - fixed_s) / (device_s + host_s))
+
+
+def cpu_share(costs: Costs, inplace_rate_gbs: float | None = None, tokens: int = 1, misses: float = 1.0,
+              split: bool = True) -> float:
     """The fraction of a layer's non-resident expert bytes to give the host so that both sides finish
-    together: the host reads bytes at expert_bytes / cpu_s_beside_copy(tokens) (it runs beside the device's
-    reads), the device at `inplace_rate_gbs` (default the measured `costs.inplace_gbs`, else the copy rate),
-    so the host takes r_cpu / (r_cpu + r_device). `tokens`: tokens per expert."""
+    together. The device reads `misses` experts (expected per layer and step) in place at `inplace_rate_gbs`
+    (default the measured `costs.inplace_gbs`, else the copy rate); the host pays `handoff_s` per layer, then
+    with `split` (every miss split along its intermediate) `call_s` per miss and the rest of
+    `cpu_s_beside_copy(tokens)` in proportion to its columns, else (whole experts) `cpu_s_beside_copy` per
+    expert it takes. With no fixed costs this is r_cpu / (r_cpu + r_device) whatever `misses`.
+    `tokens`: tokens per expert."""
     if costs.expert_bytes <= 0:
         raise ValueError("cpu_share needs the expert's bytes (Costs.expert_bytes)")
-    r_cpu = costs.expert_bytes / costs.cpu_s_beside_copy(tokens)
     gbs = inplace_rate_gbs if inplace_rate_gbs is not None else costs.inplace_gbs
-    r_dev = gbs * 1e9 if gbs is not None else costs.expert_bytes / costs.copy_s
-    return r_cpu / (r_cpu + r_dev) if r_cpu + r_dev > 0 else 0.0
+    dev_s = costs.expert_bytes / (gbs * 1e9) if gbs is not None else costs.copy_s
+    host_s = costs.cpu_s_beside_copy(tokens)
+    fixed = costs.handoff_s
+    if split:
+        call = min(costs.call_s, host_s)
+        fixed, host_s = fixed + misses * call, host_s - call
+    return balanced_share(misses * dev_s, fixed, misses * host_s)
 
 
 def makespan(tokens: dict[int, int], costs: Costs, copy: list[int], cpu: list[int]) -> float:

@@ -236,32 +236,73 @@ class PlacedWeights:
             self._lay_host_experts(list(range(next(iter(self.caches.values())).host_w13.shape[0])))  # one int4 copy
 
     def _start_host_decode(self) -> None:
-        """Hybrid decode: a share of each layer's experts (spread over the ids) is computed by the host while
-        not in a slot; the share balances the host's expert rate against the in-place read rate."""
+        """Hybrid decode: a share of each layer's missed experts is computed by the host while not in a slot
+        (split along the intermediate with `hybrid_split`). The share balances the host's expert rate against
+        the in-place read rate, counting the fixed costs of a host call measured here through the real
+        hand-off (`cost_model.cpu_share`); at share 0 hybrid decode stays off."""
         from ferrylm.hw.cpu_binding import bind_thread
-        from ferrylm.offload.cost_model import cpu_share
         from ferrylm.offload.host_decode import HostDecode
 
         share = self.cpu_share
-        if share is None:
-            if self.experts == "cpu":
-                share = 1.0
-            else:  # the measured in-place rate, else ~0.85 of the copy engine's (benchmarks/bench_mapped.py, H200)
-                c = self.costs
-                share = cpu_share(c, c.inplace_gbs or 0.85 * c.expert_bytes / c.copy_s / 1e9)
-        if share <= 0:
+        if share is None and self.experts == "cpu":
+            share = 1.0
+        if share is not None and share <= 0:
             self.cpu_share = 0.0
             return
         first = next(iter(self.caches.values()))
         H = first.host_w13.shape[2]
-        self.host_decode = HostDecode({l: c.host_experts for l, c in self.caches.items()},  # shared with the copy path
-                                      max(c.mapped_tokens for c in self.caches.values()),
-                                      self.model.config.num_experts_per_tok, H, first.dtype, self.stats,
-                                      self.device)
+        hd = HostDecode({l: c.host_experts for l, c in self.caches.items()},  # shared with the copy path
+                        max(c.mapped_tokens for c in self.caches.values()),
+                        self.model.config.num_experts_per_tok, H, first.dtype, self.stats, self.device)
         if self.expert_cpus:  # the decode worker waits for its first hand-off: bound before any torch work
             threads = self.cpu_threads or self.calibration.get("threads")
-            bind_thread(self.expert_cpus, threads, tid=self.host_decode.thread.native_id)
+            bind_thread(self.expert_cpus, threads, tid=hd.thread.native_id)
+        if share is None:
+            share, why = self._balanced_share(hd)
+            if share <= 0:
+                log.warning("hybrid decode off: %s", why)
+                hd.close()
+                self.cpu_share = self.stats.cpu_share = 0.0
+                return
+            log.info("hybrid decode: %s", why)
+        self.host_decode = hd
         self.set_cpu_share(share)
+
+    def _balanced_share(self, hd) -> tuple[float, str]:
+        """(share, why) from the calibrated costs and a hand-off's fixed costs measured on `hd`: `handoff_s`
+        with no host work, `call_s` from one expert whole and split in half (an expert's fixed cost is what
+        two halves cost beyond the whole), at the misses a batch-1 step expects per layer (k times the share
+        of experts not held on the device; uniform routing)."""
+        import dataclasses
+
+        from ferrylm.offload.cost_model import cpu_share
+
+        c = self.costs
+        layer, cache = next(iter(self.caches.items()))
+        E, k = cache.host_w13.shape[0], self.model.config.num_experts_per_tok
+        e = next((x for x in range(E) if x not in cache.pinned), 0)
+        split = self.hybrid_split and cache.host_experts.splittable
+        handoff = hd.round_trip_s(layer)
+        whole = hd.round_trip_s(layer, e) - handoff
+        call = 0.0
+        if split:
+            I, unit = cache.host_w2.shape[2], cache.host_experts.split_unit
+            half = max(unit, round(I / 2 / unit) * unit)
+            if half < I:
+                f = (I - half) / I  # the share of columns the host computes at `half`
+                part = hd.round_trip_s(layer, e, cols=half) - handoff
+                call = max(0.0, min(whole, (part - f * whole) / (1 - f)))
+        misses = sum(k * (1 - min(cc.capacity, E) / E) for cc in self.caches.values()) / len(self.caches)
+        self.costs = c = dataclasses.replace(c, handoff_s=max(handoff, 0.0), call_s=call)
+        gbs = c.inplace_gbs or 0.85 * c.expert_bytes / c.copy_s / 1e9  # else ~0.85 of the copy engine's (H200)
+        share = cpu_share(c, gbs, misses=misses, split=split)
+        self.calibration = {**(self.calibration or {}), "handoff_s": c.handoff_s, "call_s": call,
+                            "host_whole_s": whole, "expected_misses": misses}
+        why = (f"a hand-off costs {handoff * 1e3:.2f} ms and an expert call {call * 1e3:.2f} ms beyond its bytes; "
+               f"~{misses:.2f} misses a layer take the device {misses * c.expert_bytes / gbs / 1e6:.2f} ms in place, "
+               f"the host {whole * 1e3:.2f} ms an expert: share {share:.2f}"
+               + ("" if share > 0 else " (the fixed costs exceed what the host would save; --cpu-share S forces it)"))
+        return share, why
 
     def set_cpu_share(self, share: float) -> None:
         """Between steps: each step the host takes `share` of a layer's missed experts (rounded;

@@ -97,6 +97,11 @@ Measured (fitted): the 16-layer Qwen3-30B-A3B shape under 4 GiB decodes 27.1 tok
 `bench_plan` run): 590 ms a step, of which ~1100 host expert calls (69 misses a layer, each split with the GPU)
 take 370 ms beyond 7.4 GB at 33.5 GB/s: 0.33 ms a call (cf. CACHED_EXPERT_S, the copy path's ~0.4 ms an
 expert). Small experts (9.4 MB, 0.28 ms of bytes) are bound by it; Mixtral's (352 MB, 10 ms) are not."""
+HANDOFF_S = 0.25e-3
+"""Device-visible time of one layer's hybrid hand-off to the host with no work (host nodes, the worker's wake,
+the rows back), paid by every cached layer of a hybrid decode step. Assumed from session 9's profile (the
+16-layer Qwen3-30B-A3B shape under 4 GiB at batch 1: 0.44 ms a layer over copies alone, ~0.84 misses a layer at
+share 0.28); the engine measures its own (`HostDecode.round_trip_s`, logged at start)."""
 HOST_READ_EFF = 0.6
 """Assumed: share of one node's data-sheet memory bandwidth a host sustains reading (when not measured)."""
 CACHED_EXPERT_S = 0.4e-3

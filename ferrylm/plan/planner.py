@@ -346,9 +346,17 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     packed_any = any(m["packed"] for m in moe.values())
     share = 0.0
     if cached and mapped_tokens is not None and not packed_any and opts.experts != "gpu" and host_gbs > 0:
+        from ferrylm.offload.cost_model import balanced_share
+
         inplace_gbs = estimate.INPLACE_EFF * gpu.h2d_gbs
+        # as the engine balances it (`cost_model.cpu_share`): a batch-1 step's misses a layer, their bytes in
+        # place against the host's, beyond a hand-off and a call per split miss
+        m1 = sum(distinct(l, 1) * (1 - hit_of(l, 1, True)) for l in cached) / len(cached)
+        nb = sum(moe[l]["nbytes"] for l in cached) / len(cached)
         share = opts.cpu_share if opts.cpu_share is not None else (
-            1.0 if opts.experts == "cpu" else host_gbs / (host_gbs + inplace_gbs))
+            1.0 if opts.experts == "cpu" else balanced_share(
+                m1 * nb / (inplace_gbs * 1e9), estimate.HANDOFF_S + m1 * estimate.HOST_EXPERT_CALL_S,
+                m1 * nb / (host_gbs * 1e9)))
 
     # the routed experts' parameters one token touches: their GEMMs run in the fused kernel (at MOE_MFU)
     expert_active = count.experts * count.top_k // count.num_experts if count.num_experts and fused_moe else 0
@@ -377,7 +385,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 out["inplace_equiv"] += gpu_misses * m["inplace_equiv"]
                 # the host runs its share of every miss (split along the intermediate: one call each) or, at
                 # share 1, every miss whole
-                out["host_experts_s"] += (misses * share * m["nbytes"] / (host_gbs * 1e9)
+                out["host_experts_s"] += (misses * share * m["nbytes"] / (host_gbs * 1e9) + estimate.HANDOFF_S
                                           + misses * estimate.HOST_EXPERT_CALL_S) if share else 0.0
             else:  # the copy path's host split (offload/cost_model.py) is counted as copies: measured, it gained
                 # 6% over copies alone (Mixtral 16L batch 1, docs/benchmarks.md "Hybrid CPU-GPU experts")
@@ -496,7 +504,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             notes.append(f"hybrid decode: the host's cores compute {share:.0%} of the misses beside the kernel's "
                          f"in-place reads ({host_gbs:.0f} GB/s: {estimate.HOST_EXPERT_EFF:.0%} of the host's "
                          f"{'measured' if host.read_gbs else 'assumed'} {host.read_rate_gbs:.0f} GB/s read rate); "
-                         f"each host expert costs {estimate.HOST_EXPERT_CALL_S * 1e3:.1f} ms beyond its bytes; the copy "
+                         f"each host expert costs {estimate.HOST_EXPERT_CALL_S * 1e3:.1f} ms beyond its bytes, a layer's "
+                         f"hand-off {estimate.HANDOFF_S * 1e3:.2f} ms; the copy "
                          "path's split (larger steps, prefill) is counted as copies (it gained 6% over copies alone "
                          "when measured)")
             alone = make_plan(replace(opts, experts="gpu"), advise=False) if advise and opts.experts == "auto" else None
@@ -504,6 +513,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 notes.append(f"warning: hybrid decode costs speed here (small experts: the host's per-expert cost "
                              f"outweighs their bytes): --experts gpu decodes {alone.speed['decode_batch1']['tok_s']:.1f} "
                              f"instead of {d1['tok_s']:.1f} tok/s at batch 1")
+        elif cached and mapped_tokens and not packed_any and opts.experts == "auto" and host_gbs > 0:
+            notes.append(f"hybrid decode off (share 0, as the engine chooses it): a batch-1 step's misses take the "
+                         f"device less time in place than a hand-off ({estimate.HANDOFF_S * 1e3:.2f} ms) and a host "
+                         f"call per miss ({estimate.HOST_EXPERT_CALL_S * 1e3:.2f} ms) would cost the host; --cpu-share "
+                         "S forces it")
         elif mapped_tokens and not packed_any and opts.experts != "gpu" and host_gbs == 0:
             notes.append("hybrid decode not predicted: this host's memory read rate is unknown (--host local without "
                          "--measure-bandwidth); the engine will also compute a share of the misses on the host")

@@ -82,7 +82,9 @@ def case_options(case: str, a, cuda: bool) -> tuple[dict, str, PlanOptions]:
     d = tempfile.mkdtemp(prefix=f"ferry-plan-{case}-")
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
-    opts = PlanOptions(os.path.join(d, "config.json"), gpu=a.gpu, host=a.host, max_model_len=2048,
+    # room for the prompt and its output (a 2048-token prompt needs more than the default 2048)
+    max_len = max(2048, 1 << (a.prompt_len + tokens - 1).bit_length())
+    opts = PlanOptions(os.path.join(d, "config.json"), gpu=a.gpu, host=a.host, max_model_len=max_len,
                        max_num_seqs=a.concurrency, prompt_len=a.prompt_len, output_len=tokens,
                        concurrency=a.concurrency, measure_bandwidth=cuda and not a.profile_h2d, experts=a.experts,
                        expert_quant=experts if cuda else None)  # the CPU engine dequantizes packed experts

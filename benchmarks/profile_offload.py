@@ -22,13 +22,22 @@ import torch
 from bench_offload import QWEN3_30B, prompts  # noqa: E402
 
 
-def run(experts: str, a) -> dict:
+def run(experts: str, a, variant: str = "dueling:now") -> dict:
+    """variant: the mapped caches' slot policy (dueling | frequent | none: no promotions) and when a
+    promotion lands (now: the next step waits for its copy | late: once the host sees it landed)."""
     from ferrylm import LLM, SamplingParams
     from ferrylm.weights.random_source import RandomSource
 
     llm = LLM(RandomSource({**QWEN3_30B, "num_hidden_layers": a.layers}), device="cuda", dtype="bfloat16",
               max_num_seqs=1, max_model_len=1024, gpu_memory_budget=f"{a.budget_gib}GiB", experts=experts)
     placed = llm.engine.runner.placed
+    policy, land = variant.split(":")
+    if placed.tally is not None:
+        placed.tally.land_now = land == "now"
+        if policy == "none":
+            placed.tally._promote = lambda: None
+        else:
+            placed.tally.set_policy(policy)
 
     def timed(n: int, seed: int) -> tuple[float, dict]:
         """(seconds, the stats' counters) of a fresh 32-token prompt and n tokens."""
@@ -46,7 +55,7 @@ def run(experts: str, a) -> dict:
     step = (tn - t1) / a.tokens
     seen = d["expert_hits"] + d["expert_misses"]
     steps = a.tokens
-    out = dict(experts=experts, step_ms=step * 1e3, per_layer_ms=step * 1e3 / a.layers,
+    out = dict(experts=experts, variant=variant, step_ms=step * 1e3, per_layer_ms=step * 1e3 / a.layers,
                hit_rate=d["expert_hits"] / seen if seen else None, misses_per_layer=d["expert_misses"] / steps / a.layers,
                cpu_experts_per_step=d["cpu_experts"] / steps, cpu_wait_ms_per_step=d["cpu_wait_s"] / steps * 1e3,
                cpu_busy_ms_per_step=d["cpu_busy_s"] / steps * 1e3, mapped_per_step=d["mapped_experts"] / steps,
@@ -74,8 +83,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per setting")
     ap.add_argument("--experts", nargs="+", default=["auto", "gpu", "cpu"], choices=["auto", "gpu", "cpu"])
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--variants", nargs="+", default=["dueling:now"],
+                    help="slot policy:landing pairs, each run per --experts (policy dueling | frequent | none, "
+                         "landing now | late)")
     a = ap.parse_args()
-    rows = [run(e, a) for e in a.experts]
+    rows = [run(e, a, v) for e in a.experts for v in a.variants]
     base = min(rows, key=lambda r: r["step_ms"])
     for r in rows:  # the extra time per missed expert against the fastest setting
         if r["misses_per_layer"]:

@@ -286,13 +286,15 @@ def test_cpu_share_counts_the_fixed_costs_of_a_host_call():
     assert (1 - s) * 2e-3 == pytest.approx(0.2e-3 + 2 * 0.1e-3 + s * 2 * 0.9e-3)
     whole = cpu_share(fixed, misses=2, split=False)  # whole experts: no call per split miss
     assert (1 - whole) * 2e-3 == pytest.approx(0.2e-3 + whole * 2e-3) and whole > s
-    # small misses: 0.3 of an expert a layer take the device 0.3 ms, the host's fixed 0.23 ms leave little
+    # small misses: 0.3 of an expert a layer take the device 0.3 ms, the host's fixed 0.23 ms leave 0.12
     assert cpu_share(fixed, misses=0.3) == pytest.approx((0.3 - 0.23) / (0.3 + 0.27))
+    assert cpu_share(fixed, misses=0.27) == 0.0  # 0.09 < MIN_SHARE: predicted to save less than it risks
     slow_handoff = Costs(copy_s=0.002, cpu_s=lambda n: 1e-3 * n, expert_bytes=int(mb), inplace_gbs=10.0,
                          handoff_s=0.5e-3)
     assert cpu_share(slow_handoff, misses=0.4) == 0.0  # 0.4 ms of reads < a 0.5 ms hand-off
     assert balanced_share(1.0, 0.0, 1.0) == 0.5 and balanced_share(1.0, 1.0, 1.0) == 0.0
     assert balanced_share(1.0, 0.0, 0.0) == 1.0  # a free host takes everything
+    assert balanced_share(1.0, 0.0, 12.0) == 0.0  # a host 12x slower would take 1/13 < MIN_SHARE
 
 
 def test_hybrid_stats_reach_metrics(mixtral, tmp_path, monkeypatch):

@@ -68,13 +68,23 @@ def split_misses(tokens: dict[int, int], costs: Costs, mode: str = "auto") -> tu
     return sorted(copy), sorted(cpu)
 
 
+MIN_SHARE = 0.1
+"""Below this balanced share hybrid decode stays off: the saving it predicts (s of the misses' device time) is
+smaller than what the model leaves out (the split's second in-place launch, the host's traffic beside the
+device's reads). Measured on the H200: Mixtral 32 layers with NF4 experts under 16 GiB, whose host NF4 kernel
+runs 0.5 GB/s, balanced at 0.02 and decoded 5.51 tok/s against 6.36 with the host off (batch 1; 26.1 against
+29.0 at batch 16; `bench_offload.py --cases hybrid32-nf4`, session 10)."""
+
+
 def balanced_share(device_s: float, fixed_s: float, host_s: float) -> float:
     """The share s of a layer's missed bytes for the host, so that both sides finish together: the misses take
     the device `device_s` alone, the host `fixed_s + s * host_s`; (1 - s) device_s = fixed_s + s host_s.
-    0 when the fixed cost alone is no shorter than the device's time (hybrid does not pay)."""
+    0 when that s is below `MIN_SHARE` (hybrid does not pay), in particular when the fixed cost alone is no
+    shorter than the device's time."""
     if device_s <= fixed_s or device_s + host_s <= 0:
         return 0.0
-    return min(1.0, (device_s - fixed_s) / (device_s + host_s))
+    s = min(1.0, (device_s - fixed_s) / (device_s + host_s))
+    return s if s >= MIN_SHARE else 0.0
 
 
 def cpu_share(costs: Costs, inplace_rate_gbs: float | None = None, tokens: int = 1, misses: float = 1.0,

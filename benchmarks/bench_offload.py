@@ -253,7 +253,8 @@ print('ACC', {tokens} / (tn - t1))
 
 
 def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, batches, prefill: int | None,
-                 routing: str = "model", accelerate: bool = False, expert_quant: str | None = None) -> None:
+                 routing: str = "model", accelerate: bool = False, expert_quant: str | None = None,
+                 linear_quant: str | None = None) -> None:
     from ferrylm import LLM
     from ferrylm.weights.random_source import RandomSource
 
@@ -264,7 +265,7 @@ def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, 
         zipf_routing(float(routing[4:] or 1.2))
     t = time.perf_counter()
     torch.cuda.reset_peak_memory_stats()
-    llm = LLM(RandomSource(cfg, expert_quant=expert_quant), device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
+    llm = LLM(RandomSource(cfg, expert_quant=expert_quant, linear_quant=linear_quant), device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
               max_model_len=4096,
               max_num_batched_tokens=2048, gpu_memory_budget=f"{budget_gib}GiB")
     runner = llm.engine.runner
@@ -425,7 +426,7 @@ def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: s
     cfg = {**MIXTRAL, "num_hidden_layers": layers}
     name = f"mixtral-{layers}L-{expert_quant}-experts"
     t = time.perf_counter()
-    llm = LLM(RandomSource(cfg, expert_quant=expert_quant), device="cuda", dtype="bfloat16",
+    llm = LLM(RandomSource(cfg, expert_quant=expert_quant, linear_quant=linear_quant), device="cuda", dtype="bfloat16",
               max_num_seqs=max(batches), max_model_len=4096, gpu_memory_budget=f"{budget_gib}GiB", experts="auto")
     runner = llm.engine.runner
     placed = runner.placed
@@ -503,6 +504,9 @@ CASES = {
                                                     None, expert_quant="nf4"),
     "qwen2-72b-24L": lambda rows, h2d: case_offload(rows, h2d, "qwen2-72b-24L", {**QWEN2_72B, "num_hidden_layers": 24},
                                                     16, (1, 32), 2048),
+    # the dense case: Qwen2-72B, all 80 layers, decoder Linears NF4 (~41 GB), 16 GiB: most layers streamed
+    "qwen2-72b-nf4": lambda rows, h2d: case_offload(rows, h2d, "qwen2-72b-nf4", QWEN2_72B, 16, (1, 32), 2048,
+                                                    linear_quant="nf4"),
     "deepseek-v2-lite": lambda rows, h2d: case_offload(rows, h2d, "deepseek-v2-lite", DEEPSEEK_V2_LITE, 8, (1, 32),
                                                        2048),
     # the Yuan2.0-M32 case: 24 layers, 32 experts top-2, attention router; experts NF4, 8 GiB

@@ -183,3 +183,35 @@ def test_a_bank_packed_on_one_side_only_is_a_clear_load_error():
     assert model.pack_experts(src)  # expert 0 is packed throughout, so the bank packs
     with pytest.raises(ModelLoadError, match="stored dense in a bank whose experts are packed"):
         model.load_weights(src)
+
+
+def test_random_source_hands_out_packed_linears():
+    """`linear_quant`: a dense model's decoder Linears come packed (the Qwen2-72B NF4 benchmark's source); the
+    engine on the packed weights gives the logits of the same source dequantized (LM head and norms dense)."""
+    from helpers import capture_logits
+
+    from ferrylm import LLM, SamplingParams
+    from ferrylm.weights.random_source import RandomSource
+
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256, "hidden_size": 128,
+           "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 64, "tie_word_embeddings": False}
+    src = RandomSource(cfg, dtype=torch.float32, linear_quant="nf4")
+    assert len(src.linears) == 2 * 4 and not any("lm_head" in n or "embed" in n for n in src.linears)
+    outs = []
+    for packed in (True, False):
+        s = RandomSource(cfg, dtype=torch.float32, linear_quant="nf4")
+        if not packed:
+            s.get_quantized = lambda name: None  # the same weights, loaded dense
+        llm = LLM(s, device="cpu", dtype="float32", max_model_len=64)
+        mlp = llm.engine.runner.model.model.layers[1].mlp.gate_up_proj
+        assert bool(mlp.kernels) == packed and (mlp.weight.numel() == 0) == packed
+        with capture_logits(llm.engine) as got:
+            llm.generate([[3, 14, 15, 92, 65, 35]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        outs.append(torch.stack([row for _, row in got]))
+        llm.close()
+    diff = (outs[0] - outs[1]).abs().max().item()
+    print(f"packed vs dequantized linears: max |logit diff| {diff:.2e}")
+    assert diff < 1e-3 * outs[1].abs().max().item() + 1e-4
+    with pytest.raises(ValueError, match="linear_quant"):
+        RandomSource(cfg, linear_quant="q3")

@@ -8,7 +8,9 @@ would hide bugs and time differently); norms are 1. The names are ferrylm's fuse
 With `expert_quant` ("int8" or "nf4") the experts come as a quantized store would hand them out: one
 name per expert and projection (`...experts.<e>.w1|w3|w2.weight`) and `get_quantized` returning random
 packed codes with scales of the same spread, so packed-expert paths (kept packed on CUDA, read in place
-over PCIe) are benchmarked at real shapes without quantizing tens of GB first.
+over PCIe) are benchmarked at real shapes without quantizing tens of GB first. `linear_quant` does the same
+for the decoder layers' Linear weights (attention and dense MLP; embeddings, norms, routers and the LM head stay
+dense, as `ferry convert` leaves them): a dense model of real shape quantized, e.g. Qwen2-72B NF4 streamed.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ferrylm.weights.source import WeightSource
 
 class RandomSource(WeightSource):
     def __init__(self, config: dict, dtype: torch.dtype = torch.bfloat16, seed: int = 0, std: float = 0.02,
-                 pool_elements: int = 1 << 24, expert_quant: str | None = None):
+                 pool_elements: int = 1 << 24, expert_quant: str | None = None, linear_quant: str | None = None):
         from ferrylm.models.registry import model_class
 
         self.config, self.path, self.dtype = config, f"random:{config.get('architectures', ['?'])[0]}", dtype
@@ -35,11 +37,21 @@ class RandomSource(WeightSource):
         self.pool = (torch.randn(pool_elements, generator=g) * std).to(dtype)
         self.codes = torch.randint(0, 256, (pool_elements,), generator=g, dtype=torch.uint8)
         self.offset = 0
-        self.std, self.expert_quant = std, expert_quant
+        self.std, self.expert_quant, self.linear_quant = std, expert_quant, linear_quant
         self.experts: dict[str, tuple[int, int]] = {}  # per-expert name -> its [N, K]
+        self.linears: dict[str, tuple[int, int]] = {}  # packed Linear weight name -> its [N, K]
+        for knob, value in (("expert_quant", expert_quant), ("linear_quant", linear_quant)):
+            if value not in (None, "int8", "nf4"):
+                raise ValueError(f"{knob} {value!r}: choose int8 or nf4")
+        if linear_quant is not None:
+            from ferrylm.layers.linear import Linear
+
+            for n, m in model.named_modules():
+                w = f"{n}.weight"
+                if (isinstance(m, Linear) and ".layers." in f".{n}" and w in self.shapes
+                        and not n.endswith(("router", "gate")) and self.shapes[w][1] % 64 == 0):
+                    self.linears[w] = self.shapes[w]
         if expert_quant is not None:
-            if expert_quant not in ("int8", "nf4"):
-                raise ValueError(f"expert_quant {expert_quant!r}: choose int8 or nf4")
             for n, m in model.named_modules():
                 if type(m).__name__ == "Experts":
                     I = m.inter
@@ -64,12 +76,16 @@ class RandomSource(WeightSource):
         return t
 
     def get_quantized(self, name: str):
+        return self._packed(name)
+
+    def _packed(self, name: str):
         from ferrylm.weights.quant import NF4_LEVELS, QuantizedTensor
 
-        if name not in self.experts:
+        shape = self.experts.get(name) or self.linears.get(name)
+        if shape is None:
             return None
-        N, K = self.experts[name]
-        if self.expert_quant == "int8":  # codes uniform in [-127, 127]: values of spread std
+        N, K = shape
+        if (self.expert_quant if name in self.experts else self.linear_quant) == "int8":  # codes uniform in [-127, 127]: values of spread std
             q = self._tile(self.codes, torch.empty(N, K, dtype=torch.uint8)).view(torch.int8)
             q[q == -128] = 0
             scale = torch.full((N,), self.std * 3 ** 0.5 / 127)
@@ -80,8 +96,8 @@ class RandomSource(WeightSource):
                                self.dtype)
 
     def get(self, name: str) -> torch.Tensor:
-        if name in self.experts:
-            return self.get_quantized(name).dequantize(self.dtype)
+        if name in self.experts or name in self.linears:
+            return self._packed(name).dequantize(self.dtype)  # (the engine may switch get_quantized off)
         shape = self.shapes[name]
         if name.rpartition(".")[0] in self.norms:
             return torch.ones(shape, dtype=self.dtype)

@@ -414,6 +414,45 @@ def test_packed_dense_layers_streamed_equal_resident(tmp_path_factory):
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
 
 
+@pytest.mark.parametrize("quant", ["nf4", "int4", "int8"])
+def test_packed_linears_triton_equal_the_dequantize_path(quant, tmp_path_factory, monkeypatch):
+    """Packed Linears on CUDA (`layers/packed_linear.py`: the in-tile Triton GEMM at decode, graphed, and dense
+    chunks for cuBLAS in a prefill past `DENSE_FROM_T` tokens) against the plain `Dequantize` path of the same
+    store: the first logits row (the prefill) and the greedy decode, compared over the same contexts."""
+    from test_models_hf import build
+
+    from ferrylm.layers import packed_linear
+    from ferrylm.weights.convert import ConvertOptions, convert
+
+    path, _ = build(tmp_path_factory, "llama3")
+    store = str(tmp_path_factory.mktemp(f"packed-linear-{quant}") / "s")
+    convert(path, store, ConvertOptions(quant=quant))
+    p = [[(7 * i + 3) % 200 for i in range(57)], [1, 2, 3]]
+    kw = dict(device="cuda", dtype="bfloat16", gpu_memory_budget="8GiB")  # resident, a bounded KV pool
+    llm = LLM(store, **kw)
+    try:
+        kinds = [type(k).__name__ for m in llm.engine.runner.model.modules() for k in getattr(m, "kernels", [])]
+        print(f"{quant}: kernels {sorted(set(kinds))} ({kinds.count('PackedTriton')} of {len(kinds)} Triton)")
+        assert kinds.count("PackedTriton") >= len(kinds) // 2  # (a width its groups do not tile stays plain)
+        out, got = sampled_rows(llm, p, 8)
+    finally:
+        llm.close()
+    monkeypatch.setattr(packed_linear, "ENABLED", False)
+    plain = LLM(store, **kw)
+    try:
+        assert not any(type(k).__name__ == "PackedTriton" for m in plain.engine.runner.model.modules()
+                       for k in getattr(m, "kernels", []))
+        ref_out, ref = sampled_rows(plain, p, 8)
+    finally:
+        plain.close()
+    for a, b, o, r in zip(got, ref, token_ids(out), token_ids(ref_out)):
+        same = next((i for i, (x, y) in enumerate(zip(o, r)) if x != y), len(o)) + 1  # rows of the same contexts
+        diff = (a[:same] - b[:same]).abs().max().item()
+        print(f"{quant}: packed Triton vs dequantize, max |logit diff| {diff:.3e} over {same} rows; tokens {o} / {r}")
+        assert diff < 0.1 * b.abs().max().item()
+        assert same >= 3
+
+
 def test_triton_attention_equals_torch_attention(tiny_llama):
     """The Triton paged kernels (decode graphed, prefill chunks with cached prefixes in one launch) against
     the torch path run eagerly: fp32 to 1e-4 (exact-fp32 dots), bf16 within its rounding."""

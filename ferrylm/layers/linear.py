@@ -70,10 +70,9 @@ class Linear(nn.Module):
             pieces = list(self.qweight.values())
             if len(pieces) > 1 and all(p.row_wise for p in pieces) and len({(p.scheme, str(p.params)) for p in pieces}) == 1:
                 pieces = [_placed(self, QuantizedTensor.cat(pieces))]
-            # on a GPU engine, pieces in host memory belong to a streamed layer: its copies land on the
-            # device, so the kernel is the device's (the host's packed layouts would never see them)
-            streamed = device_for(self, "weight").type == "cpu" and compute_device().type != "cpu"
-            self.kernels = [QuantKernel.for_tensor(p, reference=streamed) for p in pieces]
+            # on a GPU engine, pieces in host memory belong to a streamed layer: its copies land on the device,
+            # so the kernel is the device's (the host's packed layouts would never see them)
+            self.kernels = [QuantKernel.for_tensor(p, compute=compute_device()) for p in pieces]
             self.packed_shards, self.qweight = order, {}  # the kernels hold the weight now, once
             replace(self, "weight", torch.empty(0, dtype=self.weight.dtype, device=device_for(self, "weight")))
             return

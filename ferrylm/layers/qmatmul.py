@@ -24,8 +24,10 @@ tests/test_qmatmul.py):
   (compute-bound there) row chunks are dequantized into a bf16 buffer for oneDNN's GEMM, which gives
   exactly what a held bf16 copy gave, 1.3-3x slower than the copy at 4-16 tokens (TODO: a Q8_0 GEMM of
   our own for batched LM heads; the copy would double the head's memory).
-- `Dequantize`: everything else (nf4, fp8, any device without a kernel): dequantize, then `F.linear`.
+- `Dequantize`: everything else (nf4, fp8 on CPU, any device without a kernel): dequantize, then `F.linear`.
   The plain reference path.
+On CUDA, `packed_linear.PackedTriton` (every format the fused MoE kernel reads: a Triton GEMM decoding tiles in
+registers at decode, dense chunks for cuBLAS at prefill).
 Activations come and go in the caller's dtype; the kernel casts at its edge. T tokens, K in, N out,
 G = K / gs groups of a row. This module knows nothing about modules, checkpoints or where the tensor
 came from.
@@ -63,8 +65,14 @@ class QuantKernel:
         self.row_wise = qt.row_wise
 
     @staticmethod
-    def for_tensor(qt: QuantizedTensor, reference: bool = False) -> "QuantKernel":
-        """The fastest kernel that serves `qt` where it lies (`reference`: the plain path)."""
+    def for_tensor(qt: QuantizedTensor, reference: bool = False, compute: torch.device | None = None) -> "QuantKernel":
+        """The fastest kernel that serves `qt` computed on `compute` (default: where it lies; a streamed layer's
+        weight lies in host memory and is computed on the GPU); `reference`: the plain path."""
+        compute = qt.device if compute is None else torch.device(compute)
+        if not reference and compute.type != "cpu":
+            from ferrylm.layers import packed_linear
+
+            return packed_linear.PackedTriton(qt) if packed_linear.usable(qt, compute) else Dequantize(qt)
         if not reference and qt.device.type == "cpu" and len(qt.shape) == 2:
             n, _ = qt.shape
             if qt.scheme == "int4" and n % 16 == 0:

@@ -1,0 +1,131 @@
+"""Packed Linear weights computed on the GPU where they lie (device memory, or a streamed layer's buffer): a
+`QuantKernel` over every format the fused MoE kernel reads (NF4, int4 sym / min, int8 per channel or group, fp8).
+
+- Few tokens (T < `DENSE_FROM_T`: decode): one Triton launch, `_packed_gemm`, decodes each weight tile in
+  registers through the fused MoE kernel's own `fused_moe._weight_tile` and accumulates in fp32: it reads the
+  packed bytes once and makes no transient. Graph-capturable (no host sync, no host-to-device copy).
+- More tokens (prefill): the weight is decoded into dense rows, at most `CHUNK_BYTES` of them at a time, by the
+  fused kernel's decode launch (`fused_moe._decode_experts`), and each chunk multiplied by cuBLAS. The plain path
+  (`qmatmul.Dequantize`) makes the whole dense weight per call (0.97 GB for Qwen2-72B's gate/up, plus its fp32
+  intermediates), which a budgeted engine must hold as activations.
+Both round each weight to the activations' dtype once, as `Dequantize` does; checked against it in
+tests/test_packed_linear.py (CUDA, or the CPU under Triton's interpreter) and tests/test_cuda.py.
+
+The kernel reads its parts from `self.qt` at every call, as views, so a layer streamer may re-point them
+(`Linear.packed_parts`). NF4 with double-quantized absmax decodes its absmax per call (a G-element transient).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ferrylm.layers import fused_moe
+from ferrylm.layers.qmatmul import QuantKernel
+from ferrylm.weights.quant import QuantizedTensor, nf4_absmax
+
+triton = fused_moe.triton
+if triton is not None:
+    import triton.language as tl
+
+    _weight_tile = fused_moe._weight_tile
+
+    @triton.jit
+    def _packed_gemm(a_ptr, w_ptr, ws_ptr, wm_ptr, lut_ptr, out_ptr, T, N, K, stride_am, stride_wn, stride_sn,
+                     stride_om, FMT: tl.constexpr, GS: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # out [T, N] = a [T, K] @ W.T, W's tiles decoded as the fused MoE kernel decodes an expert's
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < T
+        n_ok = offs_n < N
+        rows = offs_n.to(tl.int64)
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+            w = _weight_tile(w_ptr, ws_ptr, wm_ptr, lut_ptr, rows, n_ok, k0, K - k0, offs_k, stride_wn, stride_sn,
+                             FMT, GS, PER_ROW, BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, w.to(a.dtype), acc)
+            a_ptrs += BLOCK_K
+        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+DENSE_FROM_T = fused_moe.PACKED_DENSE_MIN_ROWS or 32
+"""Tokens from which the weight is decoded to dense chunks for cuBLAS (the fused MoE's measured threshold for
+decoding an expert once: the in-tile decode reaches 8-18 TFLOP/s at prefill sizes, docs/benchmarks.md)."""
+CHUNK_BYTES = 128 << 20
+"""Most dense bytes one prefill chunk decodes (the transient this kernel adds to a step)."""
+ENABLED = True
+"""False: CUDA engines keep the plain `Dequantize` path (tests and benchmarks compare the two)."""
+
+
+def usable(qt: QuantizedTensor, device: torch.device) -> bool:
+    """This kernel serves `qt` computed on `device`: Triton there (CUDA, or the interpreter on the CPU), a 2-D
+    weight in a format the fused kernel reads, with K a multiple of its group."""
+    if not ENABLED or triton is None or len(qt.shape) != 2:
+        return False
+    if not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    return fused_moe.expert_format(qt) is not None
+
+
+class PackedTriton(QuantKernel):
+    name = "packed-triton"
+
+    def __init__(self, qt: QuantizedTensor):
+        super().__init__(qt)
+        self._ids: dict[torch.device, torch.Tensor] = {}  # [1] zeros: the one "expert" of the decode launch
+
+    def _weights(self) -> fused_moe.ExpertWeights:
+        """The weight as a bank of one expert, views of the parts where they lie now."""
+        qt = self.qt
+        if qt.scheme == "nf4" and "absmax" not in qt.parts:  # double-quantized: its absmax decoded per call
+            qt = QuantizedTensor("nf4", qt.shape, {"q": qt.parts["q"], "absmax": nf4_absmax(qt).float()},
+                                 qt.params, qt.dtype)
+        fmt, group, parts = fused_moe.piece_parts(qt)
+        p = {k: v.unsqueeze(0) for k, v in parts.items()}
+        return fused_moe.ExpertWeights(fmt, (1, *qt.shape), group, p["q"], p.get("scale"), p.get("min"))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead, K = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, K)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        T, (N, _) = x2.shape[0], self.shape
+        w = self._weights()
+        out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+        if T >= DENSE_FROM_T:
+            self._dense_chunks(x2, w, out)
+        elif T:
+            args = fused_moe._weight_args(w, x.device)
+            BM, BN, BK = fused_moe._blocks(T)
+            _packed_gemm[(triton.cdiv(T, BM), triton.cdiv(N, BN))](
+                x2, args["w_ptr"], args["ws_ptr"], args["wm_ptr"], args["lut_ptr"], out, T, N, K, x2.stride(0),
+                args["stride_wn"], args["stride_sn"], out.stride(0), FMT=args["FMT"], GS=args["GS"],
+                PER_ROW=args["GS"] >= K, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+        return out.view(*lead, N)
+
+    def _dense_chunks(self, x: torch.Tensor, w: fused_moe.ExpertWeights, out: torch.Tensor) -> None:
+        N, K = self.shape
+        rows = max(64, CHUNK_BYTES // (K * x.element_size()) // 64 * 64)
+        ids = self._ids.get(x.device)
+        if ids is None:
+            ids = self._ids[x.device] = torch.zeros(1, dtype=torch.long, device=x.device)
+        buf = torch.empty(min(rows, N), K, dtype=x.dtype, device=x.device)
+        for a in range(0, N, rows):
+            n = min(rows, N - a)
+            part = {k: v[:, a:a + n] for k, v in w.parts.items()}
+            chunk = fused_moe.ExpertWeights(w.fmt, (1, n, K), w.group, part["q"], part.get("scale"), part.get("min"))
+            dense = buf[:n]
+            args = fused_moe._weight_args(chunk, x.device)
+            BN, BK = 64, 128
+            fused_moe._decode_experts[(1, triton.cdiv(n, BN), triton.cdiv(K, BK))](
+                ids, out_ptr=dense, N=n, K=K, stride_oe=0, stride_on=dense.stride(0), PER_ROW=args["GS"] >= K,
+                BLOCK_N=BN, BLOCK_K=BK, **args)
+            if n == N:
+                torch.matmul(x, dense.t(), out=out)
+            else:
+                out[:, a:a + n] = x @ dense.t()

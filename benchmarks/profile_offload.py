@@ -37,7 +37,7 @@ def run(experts: str, a, variant: str = "dueling:now") -> dict:
         if policy == "none":
             placed.tally._promote = lambda: None
         else:
-            placed.tally.set_policy(policy)
+            placed.tally.set_policy("dueling" if policy == "frozen" else policy)
 
     def timed(n: int, seed: int) -> tuple[float, dict]:
         """(seconds, the stats' counters) of a fresh 32-token prompt and n tokens."""
@@ -48,7 +48,9 @@ def run(experts: str, a, variant: str = "dueling:now") -> dict:
         torch.cuda.synchronize()
         return time.perf_counter() - t, dataclasses.asdict(placed.stats)
 
-    timed(4, 1)  # warm: graphs, the worker's kernels
+    timed(a.warm, 1)  # warm: graphs, the worker's kernels, the tally's steady state
+    if policy == "frozen" and placed.tally is not None:  # the slots the warm-up chose, no promotion after it
+        placed.tally._promote = lambda: None
     t1, s1 = timed(1, 2)  # the prefill and its first token
     tn, sn = timed(a.tokens + 1, 3)
     d = {k: sn[k] - s1[k] for k in sn if isinstance(sn[k], (int, float))}  # the decode steps alone
@@ -61,7 +63,7 @@ def run(experts: str, a, variant: str = "dueling:now") -> dict:
                cpu_busy_ms_per_step=d["cpu_busy_s"] / steps * 1e3, mapped_per_step=d["mapped_experts"] / steps,
                copied_per_step=d["copied_experts"] / steps, cpu_share=sn["cpu_share"], calibration=placed.calibration)
     print(json.dumps({k: v for k, v in out.items() if k != "calibration"}), flush=True)
-    if a.profile:
+    if a.profile and variant == a.variants[0]:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -82,10 +84,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per setting")
     ap.add_argument("--experts", nargs="+", default=["auto", "gpu", "cpu"], choices=["auto", "gpu", "cpu"])
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="torch profiler tables of the first variant's steps")
+    ap.add_argument("--warm", type=int, default=4, help="tokens decoded before timing (the tally's warm-up)")
     ap.add_argument("--variants", nargs="+", default=["dueling:now"],
-                    help="slot policy:landing pairs, each run per --experts (policy dueling | frequent | none, "
-                         "landing now | late)")
+                    help="slot policy:landing pairs, each run per --experts (policy dueling | frequent | none | "
+                         "frozen: dueling through the warm-up, no promotion after it; landing now | late)")
     a = ap.parse_args()
     rows = [run(e, a, v) for e in a.experts for v in a.variants]
     base = min(rows, key=lambda r: r["step_ms"])

@@ -145,10 +145,31 @@ def decode_rate(llm, batch: int, steps: int, seed: int, prompt_len: int = 32, st
         return time.perf_counter() - t, (stats.h2d_bytes - b0 if stats else 0)
 
     timed(3, seed + 100)  # warm-up: graphs, kernels
-    t1, b1 = timed(1, seed)
-    tn, bn = timed(steps + 1, seed + 1)
+    t1, _ = timed(1, seed)
+    tn, _ = timed(steps + 1, seed + 1)
     rate = batch * steps / (tn - t1)
-    return (rate, (bn - b1) / steps) if stats else rate
+    return (rate, decode_bytes(llm, batch, steps, seed + 2, prompt_len, stats)) if stats else rate
+
+
+def decode_bytes(llm, batch: int, steps: int, seed: int, prompt_len: int, stats) -> float:
+    """Weight bytes moved host-to-device per decode step, counted from the first token of every sequence on
+    (a difference of two runs' totals would carry the two prefills' different misses: a prefill copies most
+    experts, which swamped the decode steps' bytes on the Yuan2.0-M32 case, session 11)."""
+    from ferrylm import SamplingParams
+
+    eng = llm.engine
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+           for p in prompts(batch, prompt_len, seed)]
+    got: dict[str, int] = {}
+    b0 = n0 = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            got[o.request_id] = len(o.outputs[0].token_ids)
+        if b0 is None and len(got) == batch and all(got.get(i, 0) >= 1 for i in ids):
+            torch.cuda.synchronize()
+            b0, n0 = stats.h2d_bytes, sum(got.values())
+    done = sum(got.values()) - (n0 or 0)
+    return (stats.h2d_bytes - b0) / (done / batch) if b0 is not None and done else 0.0
 
 
 def prefill_rate(llm, length: int, seed: int) -> float:

@@ -43,6 +43,7 @@ def read_rate() -> float:
 
 
 def main() -> None:
+    from ferrylm.layers import packed_linear
     from ferrylm.layers.packed_linear import PackedTriton
     from ferrylm.layers.qmatmul import Dequantize
 
@@ -64,14 +65,18 @@ def main() -> None:
             for T in map(int, a.tokens.split(",")):
                 x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
                 tt = timed(lambda: triton_k(x))
+                packed_linear.DECODE_KERNEL = "splitk"
+                ts = timed(lambda: triton_k(x))
+                diff_s = (triton_k(x).float() - plain_k(x).float()).abs().max().item()
+                packed_linear.DECODE_KERNEL = "tile"
                 tp = timed(lambda: plain_k(x))
                 td = timed(lambda: torch.nn.functional.linear(x, dense))
                 diff = (triton_k(x).float() - plain_k(x).float()).abs().max().item()
                 row = {"shape": shape, "N": N, "K": K, "format": fmt, "tokens": T, "triton_ms": tt * 1e3,
-                       "dequantize_ms": tp * 1e3, "bf16_ms": td * 1e3, "packed_roofline_ms": roof * 1e3,
+                       "splitk_ms": ts * 1e3, "splitk_diff": diff_s, "dequantize_ms": tp * 1e3, "bf16_ms": td * 1e3, "packed_roofline_ms": roof * 1e3,
                        "speedup_vs_dequantize": tp / tt, "max_abs_diff": diff}
                 rows.append(row)
-                print(f"{shape:16s} {fmt:5s} T={T:5d}: triton {tt * 1e3:7.3f} ms, dequantize {tp * 1e3:7.3f} "
+                print(f"{shape:16s} {fmt:5s} T={T:5d}: tile {tt * 1e3:7.3f} ms, splitk {ts * 1e3:7.3f}, dequantize {tp * 1e3:7.3f} "
                       f"({tp / tt:5.1f}x), bf16 {td * 1e3:7.3f}, packed roofline {roof * 1e3:6.3f} "
                       f"({roof / tt:4.0%} of it); diff {diff:.1e}", flush=True)
             del triton_k, plain_k, qt

@@ -29,8 +29,9 @@ FORMATS = {
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("T", [1, 5, 40])
-def test_packed_linear_equals_the_dequantize_path(fmt, T, monkeypatch):
+@pytest.mark.parametrize("T,kernel", [(1, "tile"), (5, "tile"), (1, "splitk"), (5, "splitk"), (40, "tile")])
+def test_packed_linear_equals_the_dequantize_path(fmt, T, kernel, monkeypatch):
+    monkeypatch.setattr(packed_linear, "DECODE_KERNEL", kernel)
     monkeypatch.setattr(packed_linear, "CHUNK_BYTES", 64 * 256 * 2)  # prefill: several chunks of 64 rows
     g = torch.Generator().manual_seed(T)
     N, K = 200, 256  # N not a multiple of the tiles: the edge masks
@@ -43,7 +44,7 @@ def test_packed_linear_equals_the_dequantize_path(fmt, T, monkeypatch):
     got, ref = k(x), Dequantize(qt)(x)
     assert got.shape == (T, N) and got.dtype == DT
     diff = (got.float() - ref.float()).abs().max().item()
-    print(f"{fmt} T={T}: max |diff| {diff:.2e}")
+    print(f"{fmt} T={T} {kernel}: max |diff| {diff:.2e}")
     assert diff <= (2e-2 if DT == torch.bfloat16 else 1e-4) * ref.float().abs().max().item() + 1e-5
 
 

@@ -56,6 +56,10 @@ if triton is not None:
 DENSE_FROM_T = fused_moe.PACKED_DENSE_MIN_ROWS or 32
 """Tokens from which the weight is decoded to dense chunks for cuBLAS (the fused MoE's measured threshold for
 decoding an expert once: the in-tile decode reaches 8-18 TFLOP/s at prefill sizes, docs/benchmarks.md)."""
+DECODE_KERNEL = "tile"
+"""The decode-side kernel: "tile" (`_packed_gemm`: one program an N tile walks all of K, tiles decoded as the fused
+MoE's plain kernel decodes them) or "splitk" (`fused_moe_decode`'s split-K GEMV: 32-bit word loads, K split
+over programs, a deterministic reduce; the weight as a bank of one expert). `bench_packed_linear.py` times both."""
 CHUNK_BYTES = 128 << 20
 """Most dense bytes one prefill chunk decodes (the transient this kernel adds to a step)."""
 ENABLED = True
@@ -78,6 +82,7 @@ class PackedTriton(QuantKernel):
     def __init__(self, qt: QuantizedTensor):
         super().__init__(qt)
         self._ids: dict[torch.device, torch.Tensor] = {}  # [1] zeros: the one "expert" of the decode launch
+        self._rows: dict[tuple, tuple] = {}  # (device, T) -> the split-K kernel's row tables (built eagerly)
 
     def _weights(self) -> fused_moe.ExpertWeights:
         """The weight as a bank of one expert, views of the parts where they lie now."""
@@ -99,6 +104,8 @@ class PackedTriton(QuantKernel):
         out = torch.empty(T, N, dtype=x.dtype, device=x.device)
         if T >= DENSE_FROM_T:
             self._dense_chunks(x2, w, out)
+        elif T and DECODE_KERNEL == "splitk" and self._splitk(x2, w, out):
+            pass
         elif T:
             args = fused_moe._weight_args(w, x.device)
             BM, BN, BK = fused_moe._blocks(T)
@@ -107,6 +114,30 @@ class PackedTriton(QuantKernel):
                 args["stride_wn"], args["stride_sn"], out.stride(0), FMT=args["FMT"], GS=args["GS"],
                 PER_ROW=args["GS"] >= K, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
         return out.view(*lead, N)
+
+    def _splitk(self, x: torch.Tensor, w: fused_moe.ExpertWeights, out: torch.Tensor) -> bool:
+        """out <- x @ W.T through the split-K decode kernel (False where it cannot read W's layout)."""
+        from ferrylm.layers import fused_moe_decode as fmd
+
+        cfg = fmd.DecodeConfig()
+        if fmd.readable(w, cfg) is not None:
+            return False
+        T, (N, _) = x.shape[0], self.shape
+        key = (x.device, T)
+        tables = self._rows.get(key)
+        if tables is None:  # T rows of one expert in blocks of block_m: device ops only (capturable)
+            nb = -(-T // cfg.block_m)
+            r = torch.arange(nb * cfg.block_m, device=x.device)
+            tables = (torch.where(r < T, r, T), torch.zeros(nb, dtype=torch.long, device=x.device),
+                      torch.full((1,), nb * cfg.block_m, dtype=torch.long, device=x.device),
+                      torch.ones(T, dtype=torch.float32, device=x.device), torch.zeros(T, dtype=torch.long, device=x.device),
+                      nb)
+            if x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # a capture's tensors live in its pool: not kept
+                self._rows[key] = tables
+        rows, block_expert, used, ones, ids, nb = tables
+        p = fmd._gemm(x, w, rows, block_expert, used, nb, T, 1, cfg.split_k2, cfg)  # [S, T, N] fp32
+        out.copy_(fmd._reduce(p, N, x.dtype, ones, ids, 1, gated=False, skip=False))
+        return True
 
     def _dense_chunks(self, x: torch.Tensor, w: fused_moe.ExpertWeights, out: torch.Tensor) -> None:
         N, K = self.shape

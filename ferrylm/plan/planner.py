@@ -294,8 +294,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     tier = placement.tier if placement else {g.name: GPU for g in mine}
 
     def hbm_cost(g: TensorGroup) -> int:
-        # a packed Linear weight is dequantized per step on CUDA (layers/qmatmul.py `Dequantize`): it reads the
-        # codes, writes the dense weight and reads it again
+        # a packed Linear weight on CUDA (layers/packed_linear.py): counted as reading the codes, writing the dense
+        # weight and reading it again (the plain `Dequantize` pass it replaced; its in-tile decode is latency-bound
+        # like the packed experts', `estimate.PACKED_TIME`: TODO fit from benchmarks/bench_packed_linear.py)
         dense = dense_of[g.name]
         return g.nbytes + 2 * dense if g.nbytes < dense and g.kind != "experts" else g.nbytes
 
@@ -522,8 +523,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             notes.append("hybrid decode not predicted: this host's memory read rate is unknown (--host local without "
                          "--measure-bandwidth); the engine will also compute a share of the misses on the host")
     if opts.quant:
-        notes.append(f"--quant {opts.quant}: Linear weights stay packed and are dequantized per step on the GPU (no "
-                     "fused quantized GEMM on CUDA yet): it saves memory, and costs HBM time (counted)")
+        notes.append(f"--quant {opts.quant}: Linear weights stay packed on the GPU and in host memory (streamed layers "
+                     "cross PCIe packed) and are computed packed by a Triton kernel (`layers/packed_linear.py`): it "
+                     "saves memory and PCIe bytes; its decode HBM time is counted as a dequantize pass until measured")
     if fmt.experts_scheme and E:
         if packed:
             res, inplace = estimate.PACKED_TIME[packed]

@@ -15,7 +15,9 @@ A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_
                 dense experts) the host's cores compute a share of the misses at HOST_EXPERT_EFF of the host's
                 read rate, the share balanced as the engine balances it: max(hits, GPU misses, host misses)
                 (hits at least every expert's resident time: a miss never speeds the kernel up),
-                serial with the other kernels (and then not in t_hbm)
+                serial with the other kernels (and then not in t_hbm); plus the routing tally's promotion
+                copies (`PROMOTIONS_PER_MISS`), which the next step waits for (they land at once) and which
+                share the link with the in-place reads
     t_host    = copy-path MoE layers (larger steps, or a mapped path off): CACHED_EXPERT_S per expert touched
     t_launch  = layers * LAUNCH_S (eager) or LAUNCH_GRAPH_S (CUDA graphs), plus LAYER_EXTRA_S of the family
     t_comm    = 2 all-reduces per layer under TP (ALLREDUCE_S + ring bytes over NVLink or PCIe)
@@ -77,6 +79,13 @@ ALLREDUCE_S = 20e-6
 INPLACE_EFF = 0.85
 """Measured: the fused MoE kernel reading dense experts in place from mapped host memory reaches 45-47 GB/s
 against the copy engine's 54.6 (H200, `benchmarks/bench_mapped.py`, 2026-12-01)."""
+PROMOTIONS_PER_MISS = 0.55
+"""Expert copies the routing tally's promotions make per in-place miss of a mapped decode step, each landing
+before the next step (`RoutingTally.land_now`). Measured (H200, Qwen3-30B-A3B shape 16 layers under 4 GiB, batch
+1): 5.7 copies a step at 10.65 in-place misses (`bench_plan.py`, session 10), 8.4 at 13.4 (`profile_offload.py`);
+capped by `PROMOTIONS_PER_LAYER` (batch 16: 5.0 a step at 1036 misses)."""
+PROMOTIONS_PER_LAYER = 0.35
+"""Most promotion copies a mapped decode step makes per cached layer (see `PROMOTIONS_PER_MISS`)."""
 PACKED_TIME = {"nf4": (5.4, 0.92), "int4": (5.4, 0.92), "int8": (5.4, 0.92)}
 """Packed expert format -> (resident, in place) time to read one expert, relative to the same expert dense in
 bf16. Measured for NF4 g64 (H200, two Mixtral experts at one token: resident 2.94 vs 0.54 ms, in place 13.7 vs
@@ -147,6 +156,8 @@ class StepCost:
     experts take max(hits, in-place reads), serial with the step's other kernels."""
     inplace_bytes: float = 0.0
     """Dense-equivalent bytes the fused kernel reads in place over PCIe (serial with the step's kernels)."""
+    promotion_bytes: float = 0.0
+    """Bytes the mapped path's promotions copy a step (serial: the next step waits for them to land)."""
     host_s: float = 0.0
     """Host overhead of copy-path MoE layers (serial)."""
     kv_bytes: float = 0.0
@@ -172,20 +183,24 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     eff = hbm_gbs * 1e9 * moe_hbm_eff(cost.tokens_per_expert)
     experts = max(cost.expert_hbm_bytes, cost.expert_all_bytes if cost.mapped else 0.0) / eff
     inplace = cost.inplace_bytes / (h2d_gbs * 1e9 * INPLACE_EFF) if cost.inplace_bytes else 0.0
+    promote = cost.promotion_bytes / (h2d_gbs * 1e9) if cost.promotion_bytes else 0.0
     parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF) + cost.kv_bytes / (hbm_gbs * 1e9 * KV_HBM_EFF)
              + (0.0 if cost.mapped else experts),
              "pcie": cost.pcie_bytes / (h2d_gbs * 1e9) if cost.pcie_bytes else 0.0,
              "compute": cost.flops / (tflops * 1e12 * MFU) + cost.expert_flops / (tflops * 1e12 * MOE_MFU),
              "mapped_experts": max(experts, inplace, cost.host_experts_s) if cost.mapped else 0.0,
              "host_experts": 0.0 if cost.mapped else cost.host_experts_s,
+             "promotions": promote if cost.mapped else 0.0,
              "host": cost.host_s,
              "launch": cost.layers * ((LAUNCH_GRAPH_S if cost.graphs else LAUNCH_S) + cost.layer_extra_s),
              "comm": cost.comm_s}
     roof = max(("hbm", "pcie", "compute", "host_experts"), key=parts.get)  # host experts beside the copies
-    seconds = parts[roof] + parts["mapped_experts"] + parts["host"] + parts["launch"] + parts["comm"]
+    seconds = (parts[roof] + parts["mapped_experts"] + parts["promotions"] + parts["host"] + parts["launch"]
+               + parts["comm"])
     by_resource = {"hbm": (parts["hbm"] if roof == "hbm" else 0.0) + (experts if cost.mapped and experts >= inplace else 0.0),
                    "compute": parts["compute"] if roof == "compute" else 0.0,
-                   "pcie": (parts["pcie"] if roof == "pcie" else 0.0) + (inplace if cost.mapped and inplace > experts else 0.0),
+                   "pcie": (parts["pcie"] if roof == "pcie" else 0.0) + (inplace if cost.mapped and inplace > experts else 0.0)
+                   + parts["promotions"],
                    "host": (cost.host_experts_s if cost.mapped and cost.host_experts_s > max(experts, inplace) else 0.0)
                    + (parts["host_experts"] if roof == "host_experts" else 0.0),
                    "launch": parts["launch"] + parts["host"], "comm": parts["comm"]}

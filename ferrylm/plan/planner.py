@@ -369,7 +369,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     def experts_cost(batch: int, prefill: bool = False) -> dict:
         """HBM (time-equivalent) bytes of hits, copied and in-place miss bytes, host seconds of one step."""
         mapped = not prefill and mapped_tokens is not None and batch <= mapped_tokens
-        out = dict(hbm=0.0, all=0.0, copy=0.0, inplace=0.0, inplace_equiv=0.0, host=0.0, host_experts_s=0.0,
+        out = dict(hbm=0.0, all=0.0, copy=0.0, inplace=0.0, inplace_equiv=0.0, host=0.0, host_experts_s=0.0, promote=0.0,
                    mapped=mapped and bool(cached),
                    hit=sum(hit_of(l, batch, mapped) for l in cached) / len(cached) if cached else None)
         for l, m in moe.items():
@@ -384,6 +384,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 gpu_misses = misses * (1 - share)
                 out["inplace"] += gpu_misses * m["nbytes"]
                 out["inplace_equiv"] += gpu_misses * m["inplace_equiv"]
+                if slots.get(l, 0):  # the tally promotes misses into the layer's slots, landing before the next step
+                    out["promote"] += min(estimate.PROMOTIONS_PER_MISS * misses, estimate.PROMOTIONS_PER_LAYER) * m["nbytes"]
                 # the host runs its share of every miss (split along the intermediate: one call each) or, at
                 # share 1, every miss whole
                 out["host_experts_s"] += (misses * share * m["nbytes"] / (host_gbs * 1e9) + estimate.HANDOFF_S
@@ -403,7 +405,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             hbm_bytes=dense_gpu + streamed_bytes, kv_bytes=batch * ctx * kv_per_token / ranks, expert_hbm_bytes=x["hbm"],
             expert_all_bytes=x["all"],
             tokens_per_expert=tokens_per_expert(batch),
-            pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], host_s=x["host"], mapped=x["mapped"],
+            pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], promotion_bytes=x["promote"],
+            host_s=x["host"], mapped=x["mapped"],
             host_experts_s=x["host_experts_s"],
             flops=2 * (body + vocab) * batch / ranks, expert_flops=2 * expert_active * batch / ranks,
             layers=layers, graphs=graphs,
@@ -412,7 +415,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         t = estimate.step_time(cost, gpu.hbm_gbs, gpu.h2d_gbs, tflops)
         seconds = t.seconds * opts.pp  # a token passes every stage
         return dict(batch=batch, tok_s=batch / seconds, step_ms=seconds * 1e3, binding=t.binding,
-                    pcie_bytes_per_step=streamed_bytes + x["copy"] + x["inplace"], cuda_graphs=graphs,
+                    pcie_bytes_per_step=streamed_bytes + x["copy"] + x["inplace"] + x["promote"], cuda_graphs=graphs,
                     experts_path="resident" if not cached else "mapped" if x["mapped"] else "copy",
                     expert_hit_rate=x["hit"],
                     parts_ms={p: v * 1e3 for p, v in t.parts.items()})

@@ -24,6 +24,9 @@ TODO (what is left of issue #14):
   an upper estimate under weak skew; Mixtral 16L measured 0.29 at batch 1 against 0.32 uniform), and tokens
   are taken as routed independently (real routing correlates from token to token); bench_plan's
   "@profile routing" rows check it on the runs' own routing;
+- the mapped path's promotion copies are counted (serial, `estimate.PROMOTIONS_PER_MISS`) since session 11; the
+  Qwen3 batch-1 step is still ~2.3x the model at its measured hit rate (8.7 ms against 3.8: the engine loop's per-step
+  host time and the tally's promotions are the suspects, `benchmarks/profile_offload.py --variants frozen:now`);
 - hybrid decode (host cores beside the in-place reads, the engine's default for dense cached experts) is
   modelled as two balanced rates that add, which misses batch 1 on small experts (sessions 6, 8 and 9: a
   fixed host cost per call, `benchmarks/profile_offload.py`); its "copy" GPU side (opt-in) is not modelled; the copy path's

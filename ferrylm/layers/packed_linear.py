@@ -66,6 +66,10 @@ ENABLED = True
 """False: CUDA engines keep the plain `Dequantize` path (tests and benchmarks compare the two)."""
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def usable(qt: QuantizedTensor, device: torch.device) -> bool:
     """This kernel serves `qt` computed on `device`: Triton there (CUDA, or the interpreter on the CPU), a 2-D
     weight in a format the fused kernel reads, with K a multiple of its group."""
@@ -132,7 +136,7 @@ class PackedTriton(QuantKernel):
                       torch.full((1,), nb * cfg.block_m, dtype=torch.long, device=x.device),
                       torch.ones(T, dtype=torch.float32, device=x.device), torch.zeros(T, dtype=torch.long, device=x.device),
                       nb)
-            if x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # a capture's tensors live in its pool: not kept
+            if not _capturing(x):  # a capture's tensors are written at replay only: not kept
                 self._rows[key] = tables
         rows, block_expert, used, ones, ids, nb = tables
         p = fmd._gemm(x, w, rows, block_expert, used, nb, T, 1, cfg.split_k2, cfg)  # [S, T, N] fp32
@@ -144,7 +148,9 @@ class PackedTriton(QuantKernel):
         rows = max(64, CHUNK_BYTES // (K * x.element_size()) // 64 * 64)
         ids = self._ids.get(x.device)
         if ids is None:
-            ids = self._ids[x.device] = torch.zeros(1, dtype=torch.long, device=x.device)
+            ids = torch.zeros(1, dtype=torch.long, device=x.device)
+            if not _capturing(x):  # made inside a capture, its zeros would be written at replay only
+                self._ids[x.device] = ids
         buf = torch.empty(min(rows, N), K, dtype=x.dtype, device=x.device)
         for a in range(0, N, rows):
             n = min(rows, N - a)

@@ -40,6 +40,12 @@ DECODE_MAX_TOKENS = 0
 """Batches of at most this many tokens take the decode kernel (`expert_rows(decode=None)`); 0 turns it off.
 Off until the H200 sweep (`benchmarks/bench_mapped.py --sweep`) shows it beating the plain kernel (16 is the
 intended bound); tests and the sweep select it explicitly."""
+BY_FORMAT_MAX_TOKENS = {"nf4": 8}
+"""Formats that take the decode kernel at batches of at most this many tokens whatever `DECODE_MAX_TOKENS` says,
+with `by_format_config`'s tiles. Measured (H200, session 11, `bench_mapped.py --sweep`, two Mixtral experts): NF4
+2.06x the plain kernel read in place at 1 token (4.30 vs 8.83 ms, 46 GB/s of packed bytes: the PCIe rate), 2.19x
+at 8; from HBM 3.0x at 1 and 2.8x at 8 with the same tiles (`by_format_config`). int8 and bf16 within +-5% of the plain kernel in place
+(1.13x / 0.79x from HBM at 8 / 1 token int8): they stay on it."""
 TARGET_PROGRAMS = 1024
 """Auto split-K aims at about this many programs per GEMM (~8 per SM of an H100/H200)."""
 
@@ -107,13 +113,28 @@ def decode_config(T: int, w13, w2, cfg: DecodeConfig | None = None, inter: int |
     kernel (its row blocks reuse each weight tile across up to 64 rows and cuBLAS-like tiling pays). A bank cut
     at `inter` (hybrid decode's GPU columns) is read by either, dense or packed: `inter` a multiple of the
     format's codes a word (hybrid decode's c is a multiple of `offload/host_experts.HostExperts.split_unit`)."""
-    explicit, cfg = cfg is not None, cfg or DecodeConfig()  # a config asked for by name skips the token bound
-    if triton is None or not explicit and T > DECODE_MAX_TOKENS:
-        return None
     like = w2.like if isinstance(w2, WeightTable) else w2
+    fmt = "dense" if isinstance(like, torch.Tensor) else like.fmt
+    explicit = cfg is not None  # a config asked for by name skips the token bound
+    if not explicit and T <= BY_FORMAT_MAX_TOKENS.get(fmt, 0):
+        cfg = by_format_config(fmt, isinstance(w2, WeightTable), T)
+    elif not explicit and T > DECODE_MAX_TOKENS:
+        return None
+    cfg = cfg or DecodeConfig()
+    if triton is None:
+        return None
     if inter is not None and not isinstance(like, torch.Tensor) and inter % _cpw(like.fmt):
         return None  # GEMM 2 reads whole 32-bit words of K
     return cfg if readable(w13, cfg) is None and readable(w2, cfg) is None else None
+
+
+def by_format_config(fmt: str, mapped: bool, T: int) -> DecodeConfig:
+    """The tiles `BY_FORMAT_MAX_TOKENS` formats take: wide K tiles and 8 warps without splits, the sweep's best read
+    in place (session 11: NF4 4.30 ms at 1 token, 4.54 at 8, against the plain kernel's 8.83 / 9.94) and 3.0x / 2.8x
+    the plain kernel from HBM (0.70 / 0.96 ms; the best HBM tiles, FMA rows split 8 / 16 ways, take 0.40). One
+    configuration for both, so a bank read through a table (offloaded) sums in the order the resident bank does and
+    the two stay equal bit for bit."""
+    return DecodeConfig(block_k=256, num_warps=8, split_k13=1, split_k2=1)
 
 
 if triton is not None:

@@ -56,14 +56,22 @@ if triton is not None:
 DENSE_FROM_T = fused_moe.PACKED_DENSE_MIN_ROWS or 32
 """Tokens from which the weight is decoded to dense chunks for cuBLAS (the fused MoE's measured threshold for
 decoding an expert once: the in-tile decode reaches 8-18 TFLOP/s at prefill sizes, docs/benchmarks.md)."""
-DECODE_KERNEL = "tile"
-"""The decode-side kernel: "tile" (`_packed_gemm`: one program an N tile walks all of K, tiles decoded as the fused
-MoE's plain kernel decodes them) or "splitk" (`fused_moe_decode`'s split-K GEMV: 32-bit word loads, K split
-over programs, a deterministic reduce; the weight as a bank of one expert). `bench_packed_linear.py` times both."""
+DECODE_KERNEL: str | dict = {"nf4": "splitk", "int4": "splitk", "int4min": "splitk"}
+"""The decode-side kernel, one for all formats or by format (others "tile"): "tile" (`_packed_gemm`: one program an
+N tile walks all of K, tiles decoded as the fused MoE's plain kernel decodes them) or "splitk" (`fused_moe_decode`'s
+split-K GEMV: 32-bit word loads, K split over programs, a deterministic reduce; the weight as a bank of one
+expert). Measured (H200, session 11, `bench_packed_linear.py`, 1-16 tokens): NF4 split-K 2.3-3.2x the tile kernel
+(Qwen2-72B gate/up 0.97 vs 2.52 ms at 1 token; the plain `Dequantize` 3.91), int4 split-K 1.2-2.0x except Llama-8B
+gate/up at 1 token (0.33 vs 0.26), int8 the tile kernel 1.3-2x (0.23 vs 0.29 ms on Qwen2-72B gate/up, at the HBM read
+rate there)."""
 CHUNK_BYTES = 128 << 20
 """Most dense bytes one prefill chunk decodes (the transient this kernel adds to a step)."""
 ENABLED = True
 """False: CUDA engines keep the plain `Dequantize` path (tests and benchmarks compare the two)."""
+
+
+def _decode_kernel(fmt: str) -> str:
+    return DECODE_KERNEL if isinstance(DECODE_KERNEL, str) else DECODE_KERNEL.get(fmt, "tile")
 
 
 def _capturing(x: torch.Tensor) -> bool:
@@ -108,7 +116,7 @@ class PackedTriton(QuantKernel):
         out = torch.empty(T, N, dtype=x.dtype, device=x.device)
         if T >= DENSE_FROM_T:
             self._dense_chunks(x2, w, out)
-        elif T and DECODE_KERNEL == "splitk" and self._splitk(x2, w, out):
+        elif T and _decode_kernel(w.fmt) == "splitk" and self._splitk(x2, w, out):
             pass
         elif T:
             args = fused_moe._weight_args(w, x.device)

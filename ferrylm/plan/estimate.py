@@ -91,7 +91,9 @@ PACKED_TIME = {"nf4": (5.4, 0.92), "int4": (5.4, 0.92), "int8": (5.4, 0.92)}
 bf16. Measured for NF4 g64 (H200, two Mixtral experts at one token: resident 2.94 vs 0.54 ms, in place 13.7 vs
 14.9 ms): the first packed kernel is latency-bound, so 4-bit experts buy memory (more of them resident, a
 higher hit rate) but not time per expert. int4 and int8 (kept packed since session 7) are not measured: assumed
-equal to NF4."""
+equal to NF4. TODO: since session 11 NF4 banks take the split-K decode kernel at <= 8 tokens
+(`fused_moe_decode.BY_FORMAT_MAX_TOKENS`): the same two experts 0.70 ms resident and 4.30 ms in place (bf16: 0.18 /
+13.8), i.e. (3.9, 0.31) there; refit once the engine runs measure it (docs/benchmarks.md, session 11)."""
 HOST_EXPERT_EFF = 0.27
 """Measured: bf16 experts computed on the host's cores while the GPU reads other experts in place reach 0.27 of
 the host's read rate as `hw/bandwidth.host_read_gbs` measures it (the rate the planner multiplies this by):

@@ -14,18 +14,9 @@ CUDA = triton_device()
 from ferrylm.layers import packed_linear  # noqa: E402
 from ferrylm.layers.qmatmul import Dequantize, QuantKernel  # noqa: E402
 from ferrylm.weights import quant  # noqa: E402
+from test_fused_moe_formats import DEV, DT, FORMATS as BANK_FORMATS  # noqa: E402  (the kernels' formats, one list)
 
-DEV = "cuda" if CUDA else "cpu"
-DT = torch.bfloat16 if CUDA else torch.float32
-FORMATS = {
-    "int8": lambda t: quant.quantize_int8(t),
-    "int8-g32": lambda t: quant.quantize_int8(t, 32),
-    "fp8": lambda t: quant.quantize_fp8(t),
-    "int4-g32": lambda t: quant.quantize_int4(t, 32, "sym"),
-    "int4min-g64": lambda t: quant.quantize_int4(t, 64, "min"),
-    "nf4-g64": lambda t: quant.quantize_nf4(t, 64),
-    "nf4-g64-dq": lambda t: quant.quantize_nf4(t, 64, double_quant=True),
-}
+FORMATS = {**BANK_FORMATS, "nf4-g64-dq": lambda t: quant.quantize_nf4(t, 64, double_quant=True)}
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

@@ -546,19 +546,22 @@ expert a group): one decode launch and one grouped GEMM per group, so a bank of 
 128 of 9.4 MB) costs a few launches, while the transient stays bounded (the warm-up profile measures it)."""
 
 
-def decode_experts(w, experts: list[int], dtype: torch.dtype) -> torch.Tensor:
+def decode_experts(w, experts: list[int], dtype: torch.dtype, out: torch.Tensor | None = None,
+                   ids: torch.Tensor | None = None) -> torch.Tensor:
     """Experts `experts` of a packed bank (`ExpertWeights` or a `WeightTable` over one) dense: [n, N, K] in
-    `dtype`. On CUDA one Triton launch through the fused kernel's own tile decode (`_weight_tile`), the same fp32
-    values rounded once; elsewhere `ExpertWeights.dequantize` (the reference), expert by expert."""
+    `dtype` (into `out` when given). On CUDA one Triton launch through the fused kernel's own tile decode
+    (`_weight_tile`), the same fp32 values rounded once; elsewhere `ExpertWeights.dequantize` (the reference),
+    expert by expert. `ids`: `experts` already as a device tensor (no host-to-device copy: graph-capturable)."""
     like = w.like if isinstance(w, WeightTable) else w
     _, N, K = like.shape
     device = w.ptrs["q"].device if isinstance(w, WeightTable) else w.parts["q"].device
     if not (triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")):
         if isinstance(w, WeightTable):
             raise ValueError("decode_experts: a WeightTable's experts decode on CUDA (or the Triton interpreter) only")
-        return torch.cat([w.expert(e).dequantize(dtype) for e in experts])
-    out = torch.empty(len(experts), N, K, dtype=dtype, device=device)
-    ids = torch.tensor(experts, dtype=torch.long).to(device, non_blocking=True)
+        dense = torch.cat([w.expert(e).dequantize(dtype) for e in experts])
+        return dense if out is None else out.copy_(dense)
+    out = torch.empty(len(experts), N, K, dtype=dtype, device=device) if out is None else out
+    ids = torch.tensor(experts, dtype=torch.long).to(device, non_blocking=True) if ids is None else ids
     args = _weight_args(w, device)
     BN, BK = 64, 128
     _decode_experts[(len(experts), triton.cdiv(N, BN), triton.cdiv(K, BK))](

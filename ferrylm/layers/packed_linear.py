@@ -94,7 +94,7 @@ class PackedTriton(QuantKernel):
     def __init__(self, qt: QuantizedTensor):
         super().__init__(qt)
         self._ids: dict[torch.device, torch.Tensor] = {}  # [1] zeros: the one "expert" of the decode launch
-        self._rows: dict[tuple, tuple] = {}  # (device, T) -> the split-K kernel's row tables (built eagerly)
+        self._rows: dict[tuple, tuple] = {}  # (device, T) -> the split-K kernel's row tables (kept if built eagerly)
 
     def _weights(self) -> fused_moe.ExpertWeights:
         """The weight as a bank of one expert, views of the parts where they lie now."""
@@ -116,16 +116,19 @@ class PackedTriton(QuantKernel):
         out = torch.empty(T, N, dtype=x.dtype, device=x.device)
         if T >= DENSE_FROM_T:
             self._dense_chunks(x2, w, out)
-        elif T and _decode_kernel(w.fmt) == "splitk" and self._splitk(x2, w, out):
-            pass
-        elif T:
-            args = fused_moe._weight_args(w, x.device)
-            BM, BN, BK = fused_moe._blocks(T)
-            _packed_gemm[(triton.cdiv(T, BM), triton.cdiv(N, BN))](
-                x2, args["w_ptr"], args["ws_ptr"], args["wm_ptr"], args["lut_ptr"], out, T, N, K, x2.stride(0),
-                args["stride_wn"], args["stride_sn"], out.stride(0), FMT=args["FMT"], GS=args["GS"],
-                PER_ROW=args["GS"] >= K, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+        elif T and not (_decode_kernel(w.fmt) == "splitk" and self._splitk(x2, w, out)):
+            self._tile(x2, w, out)
         return out.view(*lead, N)
+
+    def _tile(self, x: torch.Tensor, w: fused_moe.ExpertWeights, out: torch.Tensor) -> None:
+        """out <- x @ W.T through `_packed_gemm`."""
+        T, (N, K) = x.shape[0], self.shape
+        args = fused_moe._weight_args(w, x.device)
+        BM, BN, BK = fused_moe._blocks(T)
+        _packed_gemm[(triton.cdiv(T, BM), triton.cdiv(N, BN))](
+            x, args["w_ptr"], args["ws_ptr"], args["wm_ptr"], args["lut_ptr"], out, T, N, K, x.stride(0),
+            args["stride_wn"], args["stride_sn"], out.stride(0), FMT=args["FMT"], GS=args["GS"],
+            PER_ROW=args["GS"] >= K, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
 
     def _splitk(self, x: torch.Tensor, w: fused_moe.ExpertWeights, out: torch.Tensor) -> bool:
         """out <- x @ W.T through the split-K decode kernel (False where it cannot read W's layout)."""
@@ -137,13 +140,11 @@ class PackedTriton(QuantKernel):
         T, (N, _) = x.shape[0], self.shape
         key = (x.device, T)
         tables = self._rows.get(key)
-        if tables is None:  # T rows of one expert in blocks of block_m: device ops only (capturable)
-            nb = -(-T // cfg.block_m)
-            r = torch.arange(nb * cfg.block_m, device=x.device)
-            tables = (torch.where(r < T, r, T), torch.zeros(nb, dtype=torch.long, device=x.device),
-                      torch.full((1,), nb * cfg.block_m, dtype=torch.long, device=x.device),
-                      torch.ones(T, dtype=torch.float32, device=x.device), torch.zeros(T, dtype=torch.long, device=x.device),
-                      nb)
+        if tables is None:  # T rows of one expert: the MoE kernels' own row blocks (device ops only: capturable)
+            ids = torch.zeros(T, dtype=torch.long, device=x.device)
+            rows, block_expert, used, _ = fused_moe.align(ids[:, None], 1, cfg.block_m)
+            ones = torch.ones(T, dtype=torch.float32, device=x.device)
+            tables = (rows, block_expert, used, ones, ids, min(rows.numel() // cfg.block_m, T))
             if not _capturing(x):  # a capture's tensors are written at replay only: not kept
                 self._rows[key] = tables
         rows, block_expert, used, ones, ids, nb = tables
@@ -152,6 +153,7 @@ class PackedTriton(QuantKernel):
         return True
 
     def _dense_chunks(self, x: torch.Tensor, w: fused_moe.ExpertWeights, out: torch.Tensor) -> None:
+        """out <- x @ W.T, W decoded `CHUNK_BYTES` of dense rows at a time (`fused_moe.decode_experts`) for cuBLAS."""
         N, K = self.shape
         rows = max(64, CHUNK_BYTES // (K * x.element_size()) // 64 * 64)
         ids = self._ids.get(x.device)
@@ -159,17 +161,12 @@ class PackedTriton(QuantKernel):
             ids = torch.zeros(1, dtype=torch.long, device=x.device)
             if not _capturing(x):  # made inside a capture, its zeros would be written at replay only
                 self._ids[x.device] = ids
-        buf = torch.empty(min(rows, N), K, dtype=x.dtype, device=x.device)
+        buf = torch.empty(1, min(rows, N), K, dtype=x.dtype, device=x.device)
         for a in range(0, N, rows):
             n = min(rows, N - a)
             part = {k: v[:, a:a + n] for k, v in w.parts.items()}
             chunk = fused_moe.ExpertWeights(w.fmt, (1, n, K), w.group, part["q"], part.get("scale"), part.get("min"))
-            dense = buf[:n]
-            args = fused_moe._weight_args(chunk, x.device)
-            BN, BK = 64, 128
-            fused_moe._decode_experts[(1, triton.cdiv(n, BN), triton.cdiv(K, BK))](
-                ids, out_ptr=dense, N=n, K=K, stride_oe=0, stride_on=dense.stride(0), PER_ROW=args["GS"] >= K,
-                BLOCK_N=BN, BLOCK_K=BK, **args)
+            dense = fused_moe.decode_experts(chunk, [0], x.dtype, out=buf[:, :n], ids=ids)[0]
             if n == N:
                 torch.matmul(x, dense.t(), out=out)
             else:

@@ -2,10 +2,11 @@
 `QuantKernel` over every format the fused MoE kernel reads (NF4, int4 sym / min, int8 per channel or group, fp8).
 
 - Few tokens (T < `DENSE_FROM_T`: decode): one Triton launch, `_packed_gemm`, decodes each weight tile in
-  registers through the fused MoE kernel's own `fused_moe._weight_tile` and accumulates in fp32: it reads the
-  packed bytes once and makes no transient. Graph-capturable (no host sync, no host-to-device copy).
+  registers through the fused MoE kernel's own `fused_moe._weight_tile` and accumulates in fp32, or (by format,
+  `DECODE_KERNEL`) `fused_moe_decode`'s split-K GEMV on the weight as a bank of one expert: either reads the
+  packed bytes once. Graph-capturable (no host sync, no host-to-device copy).
 - More tokens (prefill): the weight is decoded into dense rows, at most `CHUNK_BYTES` of them at a time, by the
-  fused kernel's decode launch (`fused_moe._decode_experts`), and each chunk multiplied by cuBLAS. The plain path
+  fused kernel's decode launch (`fused_moe.decode_experts`), and each chunk multiplied by cuBLAS. The plain path
   (`qmatmul.Dequantize`) makes the whole dense weight per call (0.97 GB for Qwen2-72B's gate/up, plus its fp32
   intermediates), which a budgeted engine must hold as activations.
 Both round each weight to the activations' dtype once, as `Dequantize` does; checked against it in

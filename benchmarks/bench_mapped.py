@@ -74,10 +74,12 @@ def main() -> None:
     ap.add_argument("--sweep-one", default=None, help=argparse.SUPPRESS)  # one format, in a child process
     ap.add_argument("--rows-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--pcie", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--where", default="", help="--sweep only the tile configurations with these fields, e.g. "
+                    "'nf4_select=True,block_k=256'")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.sweep_one:
-        rows = sweep_one(a.sweep_one, a.pcie, a.budget_s, a.tiny, a.rows_out)
+        rows = sweep_one(a.sweep_one, a.pcie, a.budget_s, a.tiny, a.rows_out, a.where)
         with open(a.rows_out, "w") as f:
             json.dump(rows, f)
         return
@@ -85,7 +87,7 @@ def main() -> None:
     pcie = h2d_rate(tier) if CUDA else None
     if a.sweep:
         tier.close()
-        rows, best = sweep(pcie, a.formats.split(","), a.budget_s, a.tiny)
+        rows, best = sweep(pcie, a.formats.split(","), a.budget_s, a.tiny, a.where)
         write_results("mapped_sweep", rows, out=a.out, h2d_gb_s=pcie, gpu=torch.cuda.get_device_name() if CUDA else None,
                       shape_e_h_i_k=(2, 128, 128, 2) if a.tiny else (2, 4096, 14336, 2), best=best)
         return
@@ -169,7 +171,12 @@ def timed_adaptive(fn, seconds: float = 0.04) -> float:
     return timed(fn, max(3, min(50, int(seconds / max(one, 1e-6)))))
 
 
-def sweep(pcie: float | None, formats: list[str], budget_s: float, tiny: bool) -> tuple[list, dict]:
+def wanted(cfg, where: str) -> bool:
+    """Whether DecodeConfig `cfg` has every `field=value` of the comma list `where` (empty: all)."""
+    return all(str(getattr(cfg, f)) == v for f, v in (kv.split("=") for kv in where.split(",") if kv))
+
+
+def sweep(pcie: float | None, formats: list[str], budget_s: float, tiny: bool, where: str = "") -> tuple[list, dict]:
     """Each format's sweep in its own process (a configuration that breaks the CUDA context costs only the
     rest of its format), the time budget shared out among the formats left; -> (rows, best per case)."""
     import os
@@ -184,7 +191,8 @@ def sweep(pcie: float | None, formats: list[str], budget_s: float, tiny: bool) -
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "rows.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--sweep-one", fmt, "--budget-s", str(max(share, 1.0)),
-                   "--rows-out", out, *(["--pcie", str(pcie)] if pcie else []), *(["--tiny"] if tiny else [])]
+                   "--rows-out", out, "--where", where, *(["--pcie", str(pcie)] if pcie else []),
+                   *(["--tiny"] if tiny else [])]
             try:
                 rc = subprocess.run(cmd, timeout=max(share, 1.0) + 90).returncode
             except subprocess.TimeoutExpired:
@@ -212,7 +220,7 @@ def sweep(pcie: float | None, formats: list[str], budget_s: float, tiny: bool) -
     return rows, best
 
 
-def sweep_one(fmt: str, pcie: float | None, budget_s: float, tiny: bool, rows_out: str) -> list[dict]:
+def sweep_one(fmt: str, pcie: float | None, budget_s: float, tiny: bool, rows_out: str, where: str = "") -> list[dict]:
     """One format: two routed experts (a bank of 2, Mixtral's shape unless `tiny`) at 1 token over every
     tile configuration x `SPLITS`, then at 8 tokens the three fastest mapped ones and the default; mapped
     host memory first, then HBM; the plain kernel (unhinted, hinted) as the baseline in the same run. The
@@ -235,7 +243,8 @@ def sweep_one(fmt: str, pcie: float | None, budget_s: float, tiny: bool, rows_ou
         cases = [("plain-unhinted", False), ("plain", False)]
         if T == 1:
             cases += [("decode", dataclasses.replace(c, split_k13=s13, split_k2=s2))
-                      for c in fmd.sweep_configs("dense" if fmt == "bf16" else fmt) for s13, s2 in SPLITS]
+                      for c in fmd.sweep_configs("dense" if fmt == "bf16" else fmt) if wanted(c, where)
+                      for s13, s2 in SPLITS]
         else:  # the three fastest mapped configurations at one token, and the default
             ranked = sorted((r for r in rows if r["tokens"] == 1 and r["memory"] == "mapped" and r["kernel"] == "decode"
                              and r.get("ok")), key=lambda r: r["ms"])

@@ -441,7 +441,7 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
 
 
 def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: str = "nf4", budget_gib: int = 16,
-                       batches=(1, 16)) -> None:
+                       batches=(1, 16), linear_quant: str | None = None) -> None:
     """The issue's packed hybrid case: Mixtral-8x7B shape, `layers` layers, experts `expert_quant` (packed in
     pinned host memory, read packed), under `budget_gib`; one engine (`experts=auto`), per batch three
     settings switched on it: hybrid (the calibrated share, every miss split along its intermediate: the GPU

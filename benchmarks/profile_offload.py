@@ -1,7 +1,7 @@
 """Profile decode steps of an offloaded MoE (where does a batch-1 step's time go?).
 
-    PYTHONPATH=. python3 benchmarks/profile_offload.py [--layers 16] [--budget-gib 4] [--experts auto gpu cpu]
-        [--profile]
+    PYTHONPATH=. python3 benchmarks/profile_offload.py [--shape qwen3|mixtral] [--expert-quant nf4] [--layers 16]
+        [--budget-gib 4] [--experts auto gpu cpu] [--profile]
 
 One engine per `--experts` setting on the same random-weight Qwen3-30B-A3B shape and budget (the default is
 `bench_plan.py`'s moe-offload case: 16 layers under 4 GiB, whose batch-1 hybrid decode the plan predicts 3.4x too
@@ -19,7 +19,9 @@ import time
 
 import torch
 
-from bench_offload import QWEN3_30B, prompts  # noqa: E402
+from bench_offload import MIXTRAL, QWEN3_30B, prompts  # noqa: E402
+
+SHAPES = {"qwen3": QWEN3_30B, "mixtral": MIXTRAL}
 
 
 def run(experts: str, a, variant: str = "dueling:now") -> dict:
@@ -28,7 +30,8 @@ def run(experts: str, a, variant: str = "dueling:now") -> dict:
     from ferrylm import LLM, SamplingParams
     from ferrylm.weights.random_source import RandomSource
 
-    llm = LLM(RandomSource({**QWEN3_30B, "num_hidden_layers": a.layers}), device="cuda", dtype="bfloat16",
+    llm = LLM(RandomSource({**SHAPES[a.shape], "num_hidden_layers": a.layers}, expert_quant=a.expert_quant),
+              device="cuda", dtype="bfloat16",
               max_num_seqs=1, max_model_len=1024, gpu_memory_budget=f"{a.budget_gib}GiB", experts=experts)
     placed = llm.engine.runner.placed
     policy, land = variant.split(":")
@@ -71,6 +74,7 @@ def run(experts: str, a, variant: str = "dueling:now") -> dict:
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))  # the GPU's kernels
     llm.close()
     del llm
     gc.collect()
@@ -82,6 +86,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-gib", type=float, default=4)
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3", help="bench_offload's model shape")
+    ap.add_argument("--expert-quant", default=None, help="experts packed in this format (nf4, int8, ...)")
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per setting")
     ap.add_argument("--experts", nargs="+", default=["auto", "gpu", "cpu"], choices=["auto", "gpu", "cpu"])
     ap.add_argument("--profile", action="store_true", help="torch profiler tables of the first variant's steps")
@@ -95,7 +101,7 @@ def main() -> None:
     for r in rows:  # the extra time per missed expert against the fastest setting
         if r["misses_per_layer"]:
             r["ms_per_miss_over_best"] = (r["step_ms"] - base["step_ms"]) / (r["misses_per_layer"] * a.layers)
-    print(json.dumps({"bench": "profile-offload", "layers": a.layers, "budget_gib": a.budget_gib, "rows": rows}))
+    print(json.dumps({"bench": "profile-offload", "shape": a.shape, "expert_quant": a.expert_quant, "layers": a.layers, "budget_gib": a.budget_gib, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -119,6 +119,27 @@ def test_route_equals_the_plain_router(E, k, normalize):
     assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("E,k", [(8, 2), (128, 8)])
+def test_route_of_nan_logits_picks_experts_in_range(E, k):
+    """A NaN router logit (a bad activation, or a graph warm-up on scratch inputs) still routes each token to k
+    distinct experts below E, as torch.topk does: an id of E would fault the expert kernels' gathers (a device
+    assert that ends the process; session 12's 2k-prompt MoE prefill on the H200). Finite rows as before."""
+    from ferrylm.layers.moe import route
+
+    g = torch.Generator().manual_seed(E)
+    logits = torch.randn(4, E, generator=g).to(DEV)
+    logits[1, 3] = float("nan")
+    logits[2] = float("nan")
+    w, ids = fused_ops.route(logits, k, True)
+    ids = ids.cpu()
+    assert ((ids >= 0) & (ids < E)).all(), ids
+    assert all(len(set(row.tolist())) == k for row in ids)
+    ref_w, ref_ids = plain(lambda: route(logits, k, True))
+    assert torch.equal(ids[[0, 3]], ref_ids.cpu()[[0, 3]])
+    assert torch.allclose(w[[0, 3]], ref_w[[0, 3]], rtol=1e-5, atol=1e-7)
+    assert torch.isnan(w[1]).all() and torch.isnan(w[2]).all()  # the NaN stays visible in the weights
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [1, 2, 8])
 def test_sum_rows_equals_the_plain_sum(dtype, k):

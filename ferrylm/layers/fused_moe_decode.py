@@ -40,12 +40,16 @@ DECODE_MAX_TOKENS = 0
 """Batches of at most this many tokens take the decode kernel (`expert_rows(decode=None)`); 0 turns it off.
 Off until the H200 sweep (`benchmarks/bench_mapped.py --sweep`) shows it beating the plain kernel (16 is the
 intended bound); tests and the sweep select it explicitly."""
-BY_FORMAT_MAX_TOKENS = {"nf4": 8}
+BY_FORMAT_MAX_TOKENS = {"nf4": 32}
 """Formats that take the decode kernel at batches of at most this many tokens whatever `DECODE_MAX_TOKENS` says,
-with `by_format_config`'s tiles. Measured (H200, session 11, `bench_mapped.py --sweep`, two Mixtral experts): NF4
-2.06x the plain kernel read in place at 1 token (4.30 vs 8.83 ms, 46 GB/s of packed bytes: the PCIe rate), 2.19x
-at 8; from HBM 3.0x at 1 and 2.8x at 8 with the same tiles (`by_format_config`). int8 and bf16 within +-5% of the plain kernel in place
-(1.13x / 0.79x from HBM at 8 / 1 token int8): they stay on it."""
+with `by_format_config`'s tiles. The bound is on tokens, the kernel's cost on rows per expert (T * k / E routed
+on average: 8 for Mixtral at 32 tokens, one block of `block_m` rows); the sweep below routes every token to both
+experts, so its 8-token figures are Mixtral's 32-token batch (session 12 raised the bound from 8 to 32 on them;
+the engine's batch-16/32 decode measures it, docs/benchmarks.md). Measured (H200, `bench_mapped.py --sweep`, two Mixtral experts, 198 MB packed):
+NF4 in place 4.17 ms at 1 token and at 8 (47.6 GB/s of packed bytes: the PCIe rate) against the plain kernel's
+8.19 / 8.70; from HBM 0.45 / 0.46 ms against 2.13 / 2.72 (session 12; session 11's tiles without the select
+tree took 0.70 / 0.96 from HBM). int8 and bf16 within +-5% of the plain kernel in place (1.13x / 0.79x from HBM
+at 8 / 1 token int8): they stay on it."""
 TARGET_PROGRAMS = 1024
 """Auto split-K aims at about this many programs per GEMM (~8 per SM of an H100/H200)."""
 
@@ -129,12 +133,12 @@ def decode_config(T: int, w13, w2, cfg: DecodeConfig | None = None, inter: int |
 
 
 def by_format_config(fmt: str, mapped: bool, T: int) -> DecodeConfig:
-    """The tiles `BY_FORMAT_MAX_TOKENS` formats take: wide K tiles and 8 warps without splits, the sweep's best read
-    in place (session 11: NF4 4.30 ms at 1 token, 4.54 at 8, against the plain kernel's 8.83 / 9.94) and 3.0x / 2.8x
-    the plain kernel from HBM (0.70 / 0.96 ms; the best HBM tiles, FMA rows split 8 / 16 ways, take 0.40). One
-    configuration for both, so a bank read through a table (offloaded) sums in the order the resident bank does and
-    the two stay equal bit for bit."""
-    return DecodeConfig(block_k=256, num_warps=8, split_k13=1, split_k2=1)
+    """The tiles `BY_FORMAT_MAX_TOKENS` formats take: wide K tiles, 8 warps, NF4 levels from the select tree, K split
+    2 / 4 ways (GEMM 1 / 2). Session 12's sweep (`bench_mapped.py --sweep --formats nf4 --where nf4_select=True`):
+    the best read in place at 1 and 8 tokens (4.17 ms) and within 4% of the best from HBM (0.448 ms at 1 token
+    against 0.432 for FMA rows of one, which take 12 ms in place). One configuration for both, so a bank read
+    through a table (offloaded) sums in the order the resident bank does and the two stay equal bit for bit."""
+    return DecodeConfig(block_k=256, num_warps=8, split_k13=2, split_k2=4, nf4_select=True)
 
 
 if triton is not None:
@@ -390,6 +394,6 @@ def sweep_configs(fmt: str) -> list[DecodeConfig]:
             DecodeConfig(block_m=1, dot=False, block_n=32, block_k=128, num_warps=4),
             DecodeConfig(block_m=2, dot=False, block_n=64, block_k=128, num_warps=8)]
     if fmt == "nf4":
-        base += [replace(c, nf4_select=True) for c in (base[0], base[6])]
+        base += [replace(c, nf4_select=True) for c in (base[0], base[6], base[3], base[7])]
     return base
 

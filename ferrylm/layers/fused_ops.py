@@ -119,15 +119,18 @@ if triton is not None:
         p = tl.exp(x - tl.max(x, axis=0))
         p = tl.where(ok, p, 0.0)
         p = p / tl.sum(p, axis=0)
+        # chosen by `s`: p with NaN above everything (as torch.topk orders it), so a NaN logit still yields K
+        # distinct experts < E (an id out of range would fault the expert kernels' gathers)
+        s = tl.where(ok, tl.where(p != p, float("inf"), p), -2.0)
         j = tl.arange(0, BK)
         vals = tl.zeros((BK,), dtype=tl.float32)
         ids = tl.zeros((BK,), dtype=tl.int64)
         for r in tl.static_range(K):
-            v = tl.max(p, axis=0)
-            i = tl.min(tl.where(p == v, e, BE), axis=0)  # the first expert at the maximum
-            vals = tl.where(j == r, v, vals)
+            m = tl.max(s, axis=0)
+            i = tl.min(tl.where(s == m, e, BE), axis=0)  # the first expert at the maximum
+            vals = tl.where(j == r, tl.sum(tl.where(e == i, p, 0.0), axis=0), vals)
             ids = tl.where(j == r, i.to(tl.int64), ids)
-            p = tl.where(e == i, -1.0, p)
+            s = tl.where(e == i, -1.0, s)
         if NORM:
             vals = vals / tl.sum(vals, axis=0)
         tl.store(w_ptr + t * K + j, vals, mask=j < K)

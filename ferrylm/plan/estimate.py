@@ -86,14 +86,14 @@ before the next step (`RoutingTally.land_now`). Measured (H200, Qwen3-30B-A3B sh
 capped by `PROMOTIONS_PER_LAYER` (batch 16: 5.0 a step at 1036 misses)."""
 PROMOTIONS_PER_LAYER = 0.35
 """Most promotion copies a mapped decode step makes per cached layer (see `PROMOTIONS_PER_MISS`)."""
-PACKED_TIME = {"nf4": (5.4, 0.92), "int4": (5.4, 0.92), "int8": (5.4, 0.92)}
-"""Packed expert format -> (resident, in place) time to read one expert, relative to the same expert dense in
-bf16. Measured for NF4 g64 (H200, two Mixtral experts at one token: resident 2.94 vs 0.54 ms, in place 13.7 vs
-14.9 ms): the first packed kernel is latency-bound, so 4-bit experts buy memory (more of them resident, a
-higher hit rate) but not time per expert. int4 and int8 (kept packed since session 7) are not measured: assumed
-equal to NF4. TODO: since session 11 NF4 banks take the split-K decode kernel at <= 8 tokens
-(`fused_moe_decode.BY_FORMAT_MAX_TOKENS`): the same two experts 0.70 ms resident and 4.30 ms in place (bf16: 0.18 /
-13.8), i.e. (3.9, 0.31) there; refit once the engine runs measure it (docs/benchmarks.md, session 11)."""
+PACKED_TIME = {"nf4": (2.5, 0.30), "int4": (5.4, 0.92), "int8": (1.4, 0.50)}
+"""Packed expert format -> (resident, in place) time to read one expert at decode, relative to the same expert
+dense in bf16. Measured on the H200, two Mixtral experts at one token (`bench_mapped.py --sweep`): NF4 g64 on the
+split-K decode kernel (`fused_moe_decode.by_format_config`, session 12) 0.45 ms resident and 4.17 in place
+against bf16's 0.18 / 13.8 (session 11's first NF4 kernel: (5.4, 0.92)); int8 per channel on the plain kernel
+0.26 / 6.92 (session 11). int4 is not measured (the plain kernel, assumed as NF4 was on it). Still latency-bound
+resident (NF4 458 GB/s of packed bytes against ~4.2 TB/s), so 4-bit experts buy memory and PCIe bytes, not HBM
+time."""
 HOST_EXPERT_EFF = 0.27
 """Measured: bf16 experts computed on the host's cores while the GPU reads other experts in place reach 0.27 of
 the host's read rate as `hw/bandwidth.host_read_gbs` measures it (the rate the planner multiplies this by):

@@ -131,45 +131,39 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def decode_rate(llm, batch: int, steps: int, seed: int, prompt_len: int = 32, stats=None):
-    """Aggregate decode tokens/s: (time of prefill + steps) - (time of prefill + 1), fresh prompts each;
-    with `stats` also the weight bytes moved per decode step over the same difference."""
+    """Aggregate decode tokens/s of `batch` fresh prompts over their decode steps alone (`decode_window`), after a
+    warm-up run (graphs, kernels); with `stats` also the weight bytes moved per decode step in the same steps."""
     from ferrylm import SamplingParams
 
-    def timed(n, s):
-        ps = prompts(batch, prompt_len, s)
-        b0 = stats.h2d_bytes if stats else 0
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate(ps, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-        torch.cuda.synchronize()
-        return time.perf_counter() - t, (stats.h2d_bytes - b0 if stats else 0)
-
-    timed(3, seed + 100)  # warm-up: graphs, kernels
-    t1, _ = timed(1, seed)
-    tn, _ = timed(steps + 1, seed + 1)
-    rate = batch * steps / (tn - t1)
-    return (rate, decode_bytes(llm, batch, steps, seed + 2, prompt_len, stats)) if stats else rate
+    llm.generate(prompts(batch, prompt_len, seed + 100), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    seconds, tokens, moved = decode_window(llm, batch, steps, seed, prompt_len, stats)
+    rate = tokens / seconds if seconds else 0.0
+    return (rate, moved / (tokens / batch) if tokens else 0.0) if stats else rate
 
 
-def decode_bytes(llm, batch: int, steps: int, seed: int, prompt_len: int, stats) -> float:
-    """Weight bytes moved host-to-device per decode step, counted from the first token of every sequence on
-    (a difference of two runs' totals would carry the two prefills' different misses: a prefill copies most
-    experts, which swamped the decode steps' bytes on the Yuan2.0-M32 case, session 11)."""
+def decode_window(llm, batch: int, steps: int, seed: int, prompt_len: int, stats) -> tuple[float, int, float]:
+    """(seconds, tokens, host-to-device bytes) of one run's decode steps: from the step after which every sequence
+    has its first token to the last. Time and bytes come from the same steps (until session 12 the rate came from
+    the difference of two runs and the bytes from a third, other prompts: the tally rows of the Yuan2.0-M32 case
+    then read faster than their own PCIe floor), and no prefill's misses are counted (a prefill copies most
+    experts, which swamped the decode steps' bytes on that case, session 11)."""
     from ferrylm import SamplingParams
 
     eng = llm.engine
     ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
            for p in prompts(batch, prompt_len, seed)]
     got: dict[str, int] = {}
-    b0 = n0 = None
+    t0 = b0 = n0 = None
     while eng.has_unfinished_requests():
         for o in eng.step():
             got[o.request_id] = len(o.outputs[0].token_ids)
-        if b0 is None and len(got) == batch and all(got.get(i, 0) >= 1 for i in ids):
+        if t0 is None and len(got) == batch and all(got.get(i, 0) >= 1 for i in ids):
             torch.cuda.synchronize()
-            b0, n0 = stats.h2d_bytes, sum(got.values())
-    done = sum(got.values()) - (n0 or 0)
-    return (stats.h2d_bytes - b0) / (done / batch) if b0 is not None and done else 0.0
+            t0, b0, n0 = time.perf_counter(), stats.h2d_bytes if stats else 0, sum(got.values())
+    torch.cuda.synchronize()
+    if t0 is None:
+        return 0.0, 0, 0.0
+    return time.perf_counter() - t0, sum(got.values()) - n0, (stats.h2d_bytes - b0) if stats else 0.0
 
 
 def prefill_rate(llm, length: int, seed: int) -> float:
@@ -321,7 +315,7 @@ def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, 
         tally.land_now = knobs["land_now"]
         for c in runner.placed.caches.values():
             c.start_trace()
-        r, per_step = decode_rate(llm, 1, 24, seed=3000, stats=stats)
+        r, per_step = decode_rate(llm, 1, 24, seed=3000 + 10 * TALLY_SWEEP.index(knobs), stats=stats)
         hit, opt = oracle(runner)
         rows.append({"model": name, "budget_gib": budget_gib, "batch": 1, "routing": routing, "path": "mapped",
                      "tally": knobs, "ferry_tok_s": r, "h2d_bytes_per_step": per_step, "hit_rate": hit,

@@ -283,13 +283,15 @@ def _shape_plan(tmp_path, cfg, layers, budget_gib, batch, hit=None, expert_quant
 
 
 # (shape, layers, GiB budget, experts stored as, batch, hit rate the run measured, tok/s it measured), all from
-# docs/benchmarks.md (H200, 2026-12-01: "Offload engine" resident / mapped / packed sections)
+# docs/benchmarks.md (H200, 2026-12-01/02: "Offload engine" resident / mapped / packed sections)
 # (resident Mixtral batch 1: session 7's `bench_resident.py`, with the one-launch ops; batch 16: the first
 # `bench_plan` run, a lower bound with a graph capture in the timing, before them)
 RECORDED = [(MIXTRAL_SHAPE, 8, None, None, 1, None, 451), (MIXTRAL_SHAPE, 8, None, None, 16, None, 2142),
             (MIXTRAL_SHAPE, 16, 16, None, 1, 0.29, 5.51), (MIXTRAL_SHAPE, 16, 16, None, 64, 0.26, 98.6),
             (QWEN3_SHAPE, 48, 8, None, 1, 0.41, 19.1), (QWEN3_SHAPE, 48, 8, None, 64, 0.07, 53.0),
-            (MIXTRAL_SHAPE, 32, 16, "nf4", 1, 0.60, 5.47)]
+            # NF4 experts on session 12's decode tiles (profile_offload.py --shape mixtral --expert-quant nf4):
+            # resident (100 GiB) and in place under 16 GiB, steady tally (--warm 96)
+            (MIXTRAL_SHAPE, 32, 100, "nf4", 1, None, 62.7), (MIXTRAL_SHAPE, 32, 16, "nf4", 1, 0.906, 29.2)]
 
 
 @pytest.mark.parametrize("cfg,layers,budget,eq,batch,hit,measured", RECORDED)
@@ -327,9 +329,10 @@ def test_offloaded_experts_follow_the_engines_paths(tmp_path):
     assert c["experts_path"] == "copy" and not c["cuda_graphs"] and c["parts_ms"]["host"] > 0
 
 
-def test_packed_experts_buy_resident_experts_not_faster_reads(tmp_path):
+def test_packed_experts_fit_more_and_read_at_the_kernels_measured_time(tmp_path):
     """NF4 experts: ~3.6x fewer bytes, so under the same budget a 16-layer Mixtral shape fits resident and a
-    32-layer one that could not run at all offloads; each read still takes the packed kernel's measured time."""
+    32-layer one that could not run at all offloads; each read takes the packed kernel's measured time: slower
+    than bf16 from HBM (2.5x), faster in place (0.30x, fewer bytes over PCIe)."""
     dense = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1, experts="gpu")  # packed experts have no host side
     nf4 = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1, expert_quant="nf4")
     assert sum(nf4.weights_bytes.values()) < 0.35 * sum(dense.weights_bytes.values())
@@ -339,7 +342,8 @@ def test_packed_experts_buy_resident_experts_not_faster_reads(tmp_path):
     assert any("nf4 experts stay packed" in n for n in nf4.notes)
     resident = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, None, 1)
     nf4_resident = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, None, 1, expert_quant="nf4")
-    assert nf4_resident.speed["decode_batch1"]["tok_s"] < resident.speed["decode_batch1"]["tok_s"] / 3  # 5.4x per read
+    r, n = resident.speed["decode_batch1"]["tok_s"], nf4_resident.speed["decode_batch1"]["tok_s"]
+    assert r / 3 < n < r / 1.5  # 2.5x an expert's read, the rest of the step the same
     big, big_nf4 = (_shape_plan(tmp_path, MIXTRAL_SHAPE, 32, 16, 1, expert_quant=q) for q in (None, "nf4"))
     assert (big.verdict, big_nf4.verdict) == ("cannot", "offload")
     int8 = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1, expert_quant="int8", experts="gpu")

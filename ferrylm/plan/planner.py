@@ -370,6 +370,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         """HBM (time-equivalent) bytes of hits, copied and in-place miss bytes, host seconds of one step."""
         mapped = not prefill and mapped_tokens is not None and batch <= mapped_tokens
         out = dict(hbm=0.0, all=0.0, copy=0.0, inplace=0.0, inplace_equiv=0.0, host=0.0, host_experts_s=0.0, promote=0.0,
+                   layers=[],
                    mapped=mapped and bool(cached),
                    hit=sum(hit_of(l, batch, mapped) for l in cached) / len(cached) if cached else None)
         for l, m in moe.items():
@@ -379,9 +380,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             out["hbm"] += (hits if mapped and m["host"] else d) * m["hbm_equiv"]
             out["all"] += d * m["hbm_equiv"]
             if not m["host"]:
+                out["layers"].append((d * m["hbm_equiv"], 0.0, 1.0))
                 continue
             if mapped:
                 gpu_misses = misses * (1 - share)
+                out["layers"].append((d * m["hbm_equiv"], gpu_misses * m["inplace_equiv"], h ** d if gpu_misses else 1.0))
                 out["inplace"] += gpu_misses * m["nbytes"]
                 out["inplace_equiv"] += gpu_misses * m["inplace_equiv"]
                 if slots.get(l, 0):  # the tally promotes misses into the layer's slots, landing before the next step
@@ -406,7 +409,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             expert_all_bytes=x["all"],
             tokens_per_expert=tokens_per_expert(batch),
             pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], promotion_bytes=x["promote"],
-            host_s=x["host"], mapped=x["mapped"],
+            mapped_layers=tuple(x["layers"]) if x["mapped"] else (), host_s=x["host"], mapped=x["mapped"],
             host_experts_s=x["host_experts_s"],
             flops=2 * (body + vocab) * batch / ranks, expert_flops=2 * expert_active * batch / ranks,
             layers=layers, graphs=graphs,
@@ -535,7 +538,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             notes.append(f"{packed} experts stay packed on the GPU and in host memory ({_gb(sum(g.nbytes for g in groups if g.kind == 'experts'))}"
                          f" instead of {_gb(sum(g.nbytes for g in dense_groups if g.kind == 'experts'))}); the packed "
                          f"kernel reads one in {res:.1f}x a bf16 expert's time resident and {inplace:.2f}x in place "
-                         "(measured, NF4 on the H200): fewer bytes buy more resident experts, not faster reads")
+                         "(measured, NF4 on the H200): fewer bytes buy more resident experts and faster in-place reads, "
+                         "not faster resident ones")
         else:
             from ferrylm.models.base import ENGINE_PACKED_FORMATS
 

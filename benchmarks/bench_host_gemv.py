@@ -176,7 +176,7 @@ def int4_kernel(variant: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
         fn = kern(0, n)
     else:
         threads, per = torch.get_num_threads(), C.chunks_per_thread(variant.removeprefix("int4pack-"))
-        fn = C.SplitRows([kern(a, c) for a, c in C.split_bounds(n, k // 2, threads * per, C.INT4_BLOCK)], 0,
+        fn = C.SplitRows([kern(a, c) for a, c in C.split_bounds(n, k // 2, threads * per, C.int4_layout().block)], 0,
                          threads)
     return Kernel(fn, (n, k), q.nbytes + d.nbytes + m.nbytes)
 

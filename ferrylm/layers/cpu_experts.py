@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrylm.layers.moe import expert_mlp
-from ferrylm.layers.qmatmul import Int4PackCPU, Int8PackCPU, QuantKernel
+from ferrylm.layers.qmatmul import Int4PackCPU, Int8PackCPU, QuantKernel, int4_layout
 from ferrylm.weights import quant as Q
 
 FORMATS = ("bf16", "int8", "int4")
@@ -59,7 +59,8 @@ SPLIT_MIN_BYTES = 1 << 20
 """Fewest weight bytes a `SplitRows` chunk takes (fewer chunks than threads below it; one: the plain GEMM):
 a hand-off to a worker costs ~10-50 us, what ~1 MB of weights takes to stream at tens of GB/s."""
 SPLIT_ALIGN = 64
-"""Chunk boundaries fall on multiples of this many rows (cache lines; torch's CPU int4 blocks)."""
+"""Chunk boundaries fall on multiples of this many rows (cache lines; whole blocks of torch's CPU int4 layout, 32 or 64
+rows as seen)."""
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
@@ -216,62 +217,21 @@ class RowBlocks:
         return out.to(x.dtype)
 
 
-INT4_BLOCK = 64
-"""Rows per block of torch's CPU int4 layout (`layers/qmatmul.Int4PackCPU`)."""
-_LAY_ROWS = 4096  # rows re-laid at a time: bounded temporaries
-
-
-def _relay_(q: torch.Tensor, to_cpu: bool) -> torch.Tensor:
-    """q [N, K/2] uint8 (N a multiple of 64), re-laid in place between the store's layout (row n: code 2c in
-    the low nibble of byte c, 2c + 1 in the high) and torch's CPU int4 layout (blocks of 64 rows as
-    [K, 32] bytes: row j of the block in the low nibble, row 32 + j in the high). Torch ops only, so it runs
-    where q lies (the host bank, or a device slot after a copy)."""
-    n, k2 = q.shape
-    for a in range(0, n, _LAY_ROWS):
-        c = min(_LAY_ROWS, n - a)
-        rows = q[a:a + c]
-        if to_cpu:
-            v = rows.view(c // INT4_BLOCK, 2, 32, k2)  # [b, half, j, c2]: row b*64 + half*32 + j
-            lo, hi = v[:, 0].transpose(1, 2), v[:, 1].transpose(1, 2)  # [b, c2, j]
-            out = torch.empty(c // INT4_BLOCK, k2, 2, 32, dtype=torch.uint8, device=q.device)  # [b, c2, even|odd, j]
-            torch.bitwise_or(lo & 0xF, hi << 4, out=out[:, :, 0])  # column 2 c2: both rows' low nibbles
-            torch.bitwise_or(lo >> 4, hi & 0xF0, out=out[:, :, 1])  # column 2 c2 + 1: both high nibbles
-        else:
-            v = rows.view(c // INT4_BLOCK, k2, 2, 32)  # [b, c2, even|odd, j]
-            ev, od = v[:, :, 0].transpose(1, 2), v[:, :, 1].transpose(1, 2)  # [b, j, c2]
-            out = torch.empty(c // INT4_BLOCK, 2, 32, k2, dtype=torch.uint8, device=q.device)  # [b, half, j, c2]
-            torch.bitwise_or(ev & 0xF, od << 4, out=out[:, 0])  # rows j: low nibbles
-            torch.bitwise_or(ev >> 4, od & 0xF0, out=out[:, 1])  # rows 32 + j: high nibbles
-        rows.copy_(out.view(c, k2))
-    return q
-
-
 def int4_to_cpu_layout_(q: torch.Tensor) -> torch.Tensor:
-    """Store layout -> torch's CPU int4 layout, in place (see `_relay_`)."""
-    return _relay_(q, True)
+    """Store layout -> torch's CPU int4 layout, in place (`qmatmul.Int4Layout`; only where
+    `int4_layout_matches`)."""
+    return int4_layout().to_cpu_(q)
 
 
 def int4_from_cpu_layout_(q: torch.Tensor) -> torch.Tensor:
     """Torch's CPU int4 layout -> the store's, in place: what a copy of a re-laid expert does on arrival."""
-    return _relay_(q, False)
+    return int4_layout().from_cpu_(q)
 
 
-_LAYOUT_OK: bool | None = None
-
-
-def int4_layout_matches() -> bool:
-    """Whether `int4_to_cpu_layout_` gives exactly what torch's own conversion gives on this build (its layout
-    is its own and may differ by CPU capability), checked once on random codes."""
-    global _LAYOUT_OK
-    if _LAYOUT_OK is None:
-        g = torch.Generator().manual_seed(0)
-        codes = torch.randint(0, 16, (2 * INT4_BLOCK, 64), dtype=torch.int32, generator=g)  # [N, K]
-        mine = int4_to_cpu_layout_(Q.pack_nibbles(codes.to(torch.uint8)))
-        try:
-            _LAYOUT_OK = torch.equal(mine, torch._convert_weight_to_int4pack_for_cpu(codes, 2).view(mine.shape))
-        except RuntimeError:
-            _LAYOUT_OK = False
-    return _LAYOUT_OK
+def int4_layout_matches(rows: int = 0) -> bool:
+    """Whether this build's int4 layout is known (`qmatmul.int4_layout`) and `rows` is whole blocks of it."""
+    layout = int4_layout()
+    return layout is not None and rows % layout.block == 0
 
 
 class Int4InPlace(Int4PackCPU):
@@ -282,7 +242,7 @@ class Int4InPlace(Int4PackCPU):
     def __init__(self, qt: Q.QuantizedTensor, packed: torch.Tensor):
         QuantKernel.__init__(self, Q.QuantizedTensor(qt.scheme, qt.shape, {p: v for p, v in qt.parts.items()
                                                                           if p != "q"}, dict(qt.params), qt.dtype))
-        self.group_size, self.packed = qt.params["group_size"], packed
+        self.group_size, self.packed, self.layout = qt.params["group_size"], packed, int4_layout()
         d = qt.parts["scale"].float()  # [N, G], as Int4PackCPU builds it
         zero = qt.parts["min"].float() + 8 * d if qt.params["zero"] == "min" else torch.zeros_like(d)
         self.scale_zero = torch.stack((d, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [G, N, 2]

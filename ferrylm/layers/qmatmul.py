@@ -9,9 +9,10 @@ tests/test_qmatmul.py):
 - `Int4PackCPU`: int4 (Q4_0 / Q4_1 and re-quantized int4), torch's `_weight_int4pack_mm_for_cpu` with bf16
   activations. That kernel dequantizes as (q - 8) * scale + zero, so Q4_0 is (d, 0) and Q4_1 (d, m + 8d);
   scale and zero are rounded to bf16 (the activations' dtype; the kernel is ~100x slower on fp32 ones).
-  Its packed layout is a fixed permutation of the codes (blocks of 64 rows: [N/64, K, 32] bytes, row j of
-  a block in the low nibble, row 32 + j in the high), so the original codes are dropped and read back
-  from it exactly (`_unpack_rows`); the fp16 scales (and mins) are kept for exact dequantization. From
+  Its packed layout is a fixed permutation of the codes that torch picks by CPU capability (`Int4Layout`,
+  learnt once from torch's own conversion: AVX512 blocks of 64 rows, AVX2 of 32), so the original codes
+  are dropped and read back from it exactly; the fp16 scales (and mins) are kept for exact
+  dequantization. From
   `DENSE_FROM_T` tokens (prefill chunks; off by default, see there) the kernel is compute-bound and ~2x
   slower than oneDNN's bf16 GEMM, so there the weight is dequantized per call, `DEQUANT_CHUNK` rows at a time, into bf16 for the dense
   GEMM (measured on this machine, 1 thread, [3072, 576]: at T=500 34 ms int4pack vs 4 ms dequantize + 14 ms
@@ -35,6 +36,8 @@ came from.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -50,8 +53,121 @@ DENSE_FROM_T: int | None = None
 never. Off by default: the two paths round differently (int4pack rounds scale and zero to bf16), so a
 greedy answer would depend on how many tokens its step batched (tests/test_server.py's 32 concurrent streams
 vs offline caught a flip). 128 measured ~1.7x faster prefill (docs/benchmarks.md). TODO: match the numerics."""
-_INT4_BLOCK = 64
-"""Rows per block of torch's CPU int4 packed layout."""
+
+
+@dataclass(frozen=True)
+class Int4Layout:
+    """Torch's CPU int4 packed layout on this build (`_convert_weight_to_int4pack_for_cpu`, a fixed permutation
+    of the codes): blocks of `block` rows, each [K, block / 2] bytes; byte s of a column holds row `lo[s]`
+    of the block in its low nibble and row `hi[s]` in its high. Torch chooses it by CPU capability (seen:
+    AVX512 64 rows, s | s + 32; AVX2 32 rows, s | s + 16), so it is learnt from torch itself (`int4_layout`).
+    The store's layout, for comparison: row n holds code 2c in the low nibble of byte c, 2c + 1 in the high.
+    Torch ops only, so every method runs where the bytes lie (host, or a device slot after a copy)."""
+
+    block: int
+    lo: torch.Tensor  # [block / 2] rows of a block
+    hi: torch.Tensor
+    halves: bool = False
+    """lo = the first half of the block's rows, hi = the second (both layouts seen): slices, not gathers."""
+
+    def __post_init__(self):
+        h = self.block // 2
+        object.__setattr__(self, "halves", torch.equal(self.lo, torch.arange(h))
+                           and torch.equal(self.hi, torch.arange(h, self.block)))
+
+    def _pick(self, v: torch.Tensor, rows: torch.Tensor, first: bool) -> torch.Tensor:
+        # v [b, block, ...] -> the block's rows `rows`, dim 1
+        h = self.block // 2
+        if self.halves:
+            return v[:, :h] if first else v[:, h:]
+        return v.index_select(1, rows.to(v.device))
+
+    def codes(self, packed: torch.Tensor, k: int, a: int, c: int) -> torch.Tensor:
+        """Rows [a, a + c) (whole blocks) of `packed` [N, K/2] as codes [c, K] uint8, by views where it can."""
+        b = self.block
+        blocks = packed.view(-1, k, b // 2)[a // b:(a + c) // b]  # [c/b, K, b/2]
+        both = torch.cat((blocks & 0xF, blocks >> 4), dim=-1)  # [c/b, K, b]: rows lo..., hi...
+        if not self.halves:
+            both = both.index_select(2, torch.argsort(torch.cat((self.lo, self.hi))).to(both.device))
+        return both.transpose(1, 2).reshape(c, k)
+
+    def rows(self, packed: torch.Tensor, k: int, idx: torch.Tensor) -> torch.Tensor:
+        """Rows `idx` [R] of `packed` [N, K/2] as codes [R, K] uint8."""
+        b = self.block
+        where = torch.empty(b, dtype=torch.long)  # row of a block -> its byte in a column, + b/2 if high
+        where[self.lo], where[self.hi] = torch.arange(b // 2), torch.arange(b // 2, b)
+        w = where.to(idx.device)[idx % b]
+        byte = packed.view(-1, k, b // 2)[idx // b, :, w % (b // 2)]  # [R, K]
+        return torch.where((w < b // 2)[:, None], byte & 0xF, byte >> 4)
+
+    def to_cpu_(self, q: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+        """q [N, K/2] (N whole blocks) from the store's layout to this one, in place, `chunk` rows at a time."""
+        return self._relay_(q, True, chunk)
+
+    def from_cpu_(self, q: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+        """The inverse of `to_cpu_`: what a copy of a re-laid expert does on arrival."""
+        return self._relay_(q, False, chunk)
+
+    def _relay_(self, q: torch.Tensor, to_cpu: bool, chunk: int) -> torch.Tensor:
+        n, k2 = q.shape
+        b, h = self.block, self.block // 2
+        chunk = max(b, chunk // b * b)
+        for a in range(0, n, chunk):
+            c = min(chunk, n - a)
+            rows = q[a:a + c]
+            if to_cpu:
+                v = rows.view(c // b, b, k2)
+                lo, hi = self._pick(v, self.lo, True).transpose(1, 2), self._pick(v, self.hi, False).transpose(1, 2)
+                out = torch.empty(c // b, k2, 2, h, dtype=torch.uint8, device=q.device)  # [b, c2, even|odd, s]
+                torch.bitwise_or(lo & 0xF, hi << 4, out=out[:, :, 0])  # column 2 c2: both rows' low nibbles
+                torch.bitwise_or(lo >> 4, hi & 0xF0, out=out[:, :, 1])  # column 2 c2 + 1: both high nibbles
+            else:
+                v = rows.view(c // b, k2, 2, h)
+                ev, od = v[:, :, 0].transpose(1, 2), v[:, :, 1].transpose(1, 2)  # [b, s, c2]
+                low, high = (ev & 0xF) | (od << 4), (ev >> 4) | (od & 0xF0)  # rows lo[s] / hi[s]
+                if self.halves:
+                    out = torch.cat((low, high), dim=1)
+                else:
+                    out = torch.empty(c // b, b, k2, dtype=torch.uint8, device=q.device)
+                    out.index_copy_(1, self.lo.to(q.device), low)
+                    out.index_copy_(1, self.hi.to(q.device), high)
+            rows.copy_(out.view(c, k2))
+        return q
+
+
+_LAYOUT: list[Int4Layout | None] = []
+
+
+def int4_layout() -> Int4Layout | None:
+    """This build's `Int4Layout`, learnt once: rows of a probe tagged by their index (two nibbles, two
+    conversions) give which rows each byte holds; the smallest block for which that reading reproduces
+    torch's conversion of random codes exactly is the layout. None if none does (or the kernel is absent):
+    then int4 kernels keep the store's codes beside theirs."""
+    if not _LAYOUT:
+        _LAYOUT.append(_learn_int4_layout())
+    return _LAYOUT[0]
+
+
+def _learn_int4_layout() -> Int4Layout | None:
+    n, k = 256, 64
+    try:
+        lo = hi = torch.zeros(n * k // 2, dtype=torch.long)
+        for digit in (0, 1):
+            tag = ((torch.arange(n) >> 4 * digit) & 0xF)[:, None].expand(n, k).to(torch.int32).contiguous()
+            b = torch._convert_weight_to_int4pack_for_cpu(tag, 2).reshape(-1).long()
+            lo, hi = lo + ((b & 0xF) << 4 * digit), hi + ((b >> 4) << 4 * digit)
+        g = torch.Generator().manual_seed(0)
+        codes = torch.randint(0, 16, (2 * n, k), dtype=torch.int32, generator=g)
+        want = torch._convert_weight_to_int4pack_for_cpu(codes, 2).reshape(2 * n, k // 2)
+    except (RuntimeError, AttributeError):
+        return None
+    for block in (8, 16, 32, 64, 128, 256):
+        layout = Int4Layout(block, lo[:block // 2].clone(), hi[:block // 2].clone())
+        if not torch.equal(torch.sort(torch.cat((layout.lo, layout.hi))).values, torch.arange(block)):
+            continue
+        if torch.equal(layout.to_cpu_(pack_nibbles(codes.to(torch.uint8))), want):
+            return layout
+    return None
 
 
 class QuantKernel:
@@ -123,25 +239,17 @@ class Int4PackCPU(QuantKernel):
         zero = qt.parts["min"].float() + 8 * d if qt.params["zero"] == "min" else torch.zeros_like(d)
         self.scale_zero = torch.stack((d, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [G, N, 2]
         # the layout is torch's, not ours: drop our copy of the codes only where reading them back is
-        # checked to give them exactly (whole 64-row blocks; the first block verified here)
-        probe = torch.arange(min(n, _INT4_BLOCK))
-        if n % _INT4_BLOCK == 0 and torch.equal(self._unpack_rows(probe), codes[:_INT4_BLOCK].to(torch.uint8)):
-            self.qt = QuantizedTensor(qt.scheme, qt.shape, {p: v for p, v in qt.parts.items() if p != "q"},
-                                      dict(qt.params), qt.dtype)
-
-    def _unpack_rows(self, idx: torch.Tensor) -> torch.Tensor:
-        # packed: [N, K/2] -> [N/64, K, 32] bytes; row b*64 + j: low nibble (j < 32) / high (j >= 32) of [b, :, j % 32]
-        n, k = self.shape
-        blocks = self.packed.view(-1, k, _INT4_BLOCK // 2)
-        half = _INT4_BLOCK // 2
-        byte = blocks[idx // _INT4_BLOCK, :, idx % half]  # [R, K]
-        return torch.where((idx % _INT4_BLOCK < half)[:, None], byte & 0xF, byte >> 4)  # [R, K] codes
+        # checked to give them exactly (whole blocks of a learnt layout; the first block verified here)
+        self.layout = int4_layout()
+        if self.layout is not None and n % self.layout.block == 0:
+            b = self.layout.block
+            if torch.equal(self.layout.codes(self.packed, k, 0, b), codes[:b].to(torch.uint8)):
+                self.qt = QuantizedTensor(qt.scheme, qt.shape, {p: v for p, v in qt.parts.items() if p != "q"},
+                                          dict(qt.params), qt.dtype)
 
     def _codes(self, a: int, c: int) -> torch.Tensor:
-        # rows [a, a + c) (multiples of 64), by views: [c/64, K, 32] bytes -> [c/64, K, 64] codes -> [c, K]
-        k = self.shape[1]
-        blocks = self.packed.view(-1, k, _INT4_BLOCK // 2)[a // _INT4_BLOCK:(a + c) // _INT4_BLOCK]
-        return torch.cat((blocks & 0xF, blocks >> 4), dim=-1).transpose(1, 2).reshape(c, k)
+        # rows [a, a + c) (whole blocks) -> codes [c, K]
+        return self.layout.codes(self.packed, self.shape[1], a, c)
 
     def _dequant_rows(self, a: int, c: int, dtype: torch.dtype) -> torch.Tensor:
         # gguf's order, as quant._dequant_int4: Q4_0 d * (q - 8); Q4_1 d * q + m -> [c, K]
@@ -168,7 +276,7 @@ class Int4PackCPU(QuantKernel):
         if "q" in self.qt.parts:
             return self.qt.rows(idx)
         parts = {p: v.index_select(0, idx) for p, v in self.qt.parts.items()}
-        parts["q"] = pack_nibbles(self._unpack_rows(idx))  # [R, K/2]
+        parts["q"] = pack_nibbles(self.layout.rows(self.packed, self.shape[1], idx))  # [R, K/2]
         return QuantizedTensor(self.qt.scheme, (idx.numel(), self.shape[1]), parts, dict(self.qt.params), self.qt.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

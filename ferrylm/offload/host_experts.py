@@ -35,7 +35,7 @@ import threading
 
 import torch
 
-from ferrylm.layers.cpu_experts import (INT4_BLOCK, HostExpert, Int4InPlace, RowBlocks, dense_linear,
+from ferrylm.layers.cpu_experts import (HostExpert, Int4InPlace, RowBlocks, dense_linear,
                                         int4_from_cpu_layout_, int4_layout_matches, int4_to_cpu_layout_)
 from ferrylm.layers.fused_moe import ExpertWeights
 from ferrylm.layers.qmatmul import QuantKernel
@@ -167,11 +167,10 @@ class HostExperts:
 
     @property
     def can_lay(self) -> bool:
-        """An int4 bank whose sides' rows are whole blocks of torch's CPU layout, on a build that lays them
-        out as `layers/cpu_experts` does."""
+        """An int4 bank whose sides' rows are whole blocks of torch's CPU layout on this build."""
         sides = (self.w13, self.w2)
-        return (all(isinstance(s, ExpertWeights) and s.fmt in ("int4", "int4min") and s.shape[1] % INT4_BLOCK == 0
-                    for s in sides) and int4_layout_matches())
+        return all(isinstance(s, ExpertWeights) and s.fmt in ("int4", "int4min") and int4_layout_matches(s.shape[1])
+                   for s in sides)
 
     def lay(self, experts) -> None:
         """Re-lay `experts`' codes in place into torch's CPU layout (no-op where `can_lay` is false or already

@@ -736,7 +736,7 @@ def test_memory_model_reproduces_the_h200_plan_check(tmp_path):
     within 3% dense (+2.9%), 20% resident MoE (-15.6%: measured on a `grouped_rows` that still held its input
     and gate/up rows through the down GEMM, the count is of the leaner one; docs/benchmarks.md's pending list
     re-measures it) and 20% offloaded (-12% / -16%: the prefill's rounds hold more);
-    resident MoE prefill with `MOE_MFU` within 5% (-1.8%, on the Triton kernel at 512-token prompts); the dense
+    resident MoE prefill with `estimate.moe_mfu` within 5% (-1.8%, on the Triton kernel at 512-token prompts); the dense
     prefill within 10% (MFU fitted on session 7's 32-layer Llama-3-8B; this 16-layer shape was +2.6% in session
     8 and -8.7% here: two runs of the same engine)."""
     root = os.path.dirname(os.path.dirname(__file__))

@@ -8,7 +8,7 @@ A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_
     t_copy    = bytes the copy engine moves (streamed layers, copy-path expert misses) / pinned H2D GB/s
                 (copies overlap compute)
     t_compute = 2 * active params * B / (TFLOP/s * MFU) (the embedding none, the LM head per sampled row),
-                the routed experts' share at MOE_MFU
+                the routed experts' share at `moe_mfu` (rows an expert)
     t_mapped  = decode steps of up to `CachedExperts.mapped_tokens` tokens with experts in host memory: one
                 fused launch reads the hits from HBM and the misses in place from mapped host memory at
                 pinned H2D GB/s * INPLACE_EFF, side by side, while (hybrid decode, the engine's default for
@@ -55,11 +55,26 @@ prefill at 41.2k tok/s on the H200 (session 7, `bench_resident.py`, one-launch o
 layers' and attention's for every token and the LM head's for the sampled row only (the embedding is a lookup):
 with them 0.65 predicts that row at -2.5% and session 8's 16-layer shape (`bench_plan.py`, 62.3k tok/s, not
 fitted) at +2.6%. Counting every parameter for every token (until session 8) put the two at -14% and -15%."""
-MOE_MFU = 0.2
-"""Share of peak tensor FLOP/s the fused MoE kernel's grouped GEMMs reach in a prefill (`layers/fused_moe.py`,
-Triton tiles of 64 x 128 x 64). Fitted (H200, session 8, `bench_plan.py`): the resident 8-layer Mixtral shape
-prefills 31.2k tok/s at 2048 tokens a chunk, where MFU for every FLOP predicted 62.5k. Was MFU; the kernel's tiles
-are the next thing to tune (the dense GEMMs around it run at cuBLAS's rate)."""
+MOE_MFU_HALF_ROWS = 512
+"""Rows per expert at which the fused MoE kernel's grouped GEMMs reach half of peak tensor FLOP/s in a prefill
+(`moe_mfu`). Fitted (H200, `bench_plan.py --cases moe`, the resident 8-layer Mixtral shape, one prompt a chunk, 8
+experts top-2): 512-token prompts (128 rows an expert) 31.5k tok/s in sessions 9 and 10 (0.2 of peak: two
+64-row tiles an expert re-read each weight tile, so at that size the kernel is bound by weight reads), and
+2048-token prompts (512 rows) 74,953 tok/s in session 12 (0.5). One constant (0.2) had put the second at -56%."""
+
+
+MOE_MFU_MIN = 0.2
+"""`moe_mfu` below 128 rows an expert: the rate of the 512-token fit. Fewer rows are bound by weight reads, which
+the HBM term prices (decode: one or a few rows an expert); a share falling with the rows would price those reads
+a second time as FLOPs."""
+
+
+def moe_mfu(tokens_per_expert: float) -> float:
+    """Share of peak tensor FLOP/s the grouped expert GEMMs reach at `tokens_per_expert` rows an expert:
+    m / (m + MOE_MFU_HALF_ROWS), between MOE_MFU_MIN and the dense GEMMs' MFU."""
+    return min(MFU, max(MOE_MFU_MIN, tokens_per_expert / (tokens_per_expert + MOE_MFU_HALF_ROWS)))
+
+
 LAUNCH_S = 150e-6
 """Per layer, eager PyTorch: ~10 kernels plus Python."""
 LAUNCH_GRAPH_S = 20e-6
@@ -173,7 +188,7 @@ class StepCost:
     layer_extra_s: float = 0.0
     """A family's measured per-layer time beyond this model (`LAYER_EXTRA_S`), serial."""
     expert_flops: float = 0.0
-    """FLOPs of the routed experts' grouped GEMMs (at MOE_MFU)."""
+    """FLOPs of the routed experts' grouped GEMMs (at `moe_mfu`)."""
 
 
 @dataclass(frozen=True)
@@ -201,7 +216,8 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF) + cost.kv_bytes / (hbm_gbs * 1e9 * KV_HBM_EFF)
              + (0.0 if cost.mapped else experts),
              "pcie": cost.pcie_bytes / (h2d_gbs * 1e9) if cost.pcie_bytes else 0.0,
-             "compute": cost.flops / (tflops * 1e12 * MFU) + cost.expert_flops / (tflops * 1e12 * MOE_MFU),
+             "compute": cost.flops / (tflops * 1e12 * MFU)
+             + (cost.expert_flops / (tflops * 1e12 * moe_mfu(cost.tokens_per_expert)) if cost.expert_flops else 0.0),
              "mapped_experts": (max(experts + inplace, cost.host_experts_s) if cost.mapped_layers else
                                 max(experts, inplace, cost.host_experts_s)) if cost.mapped else 0.0,
              "host_experts": 0.0 if cost.mapped else cost.host_experts_s,

@@ -359,7 +359,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 m1 * nb / (inplace_gbs * 1e9), estimate.HANDOFF_S + m1 * estimate.HOST_EXPERT_CALL_S,
                 m1 * nb / (host_gbs * 1e9)))
 
-    # the routed experts' parameters one token touches: their GEMMs run in the fused kernel (at MOE_MFU)
+    # the routed experts' parameters one token touches: their GEMMs run in the fused kernel (at `estimate.moe_mfu`)
     expert_active = count.experts * count.top_k // count.num_experts if count.num_experts and fused_moe else 0
     # the embedding is a lookup (no FLOPs); the LM head's matmul runs on the rows that sample: every decode row, a
     # prefill chunk's last row only (the count holds the vocabulary matrix once when tied, twice when not)
@@ -444,7 +444,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                  ttft_s=math.ceil(opts.prompt_len / chunk) * pre.seconds * opts.pp + d1["step_ms"] / 1e3,
                  cuda_graphs=d1["cuda_graphs"],
                  assumptions=dict(hbm_eff=estimate.HBM_EFF, moe_hbm_eff=estimate.MOE_HBM_EFF if E else None,
-                                  mfu=estimate.MFU, moe_mfu=estimate.MOE_MFU if expert_active else None, h2d_gbs=gpu.h2d_gbs,
+                                  mfu=estimate.MFU, moe_mfu=estimate.moe_mfu(tokens_per_expert(chunk)) if expert_active else None, h2d_gbs=gpu.h2d_gbs,
                                   launch_us_per_layer=1e6 * (estimate.LAUNCH_GRAPH_S if d1["cuda_graphs"]
                                                              else estimate.LAUNCH_S),
                                   expert_hit_rate=mean_hit if cached else None,

@@ -577,6 +577,9 @@ class CachedExperts(ExpertBackend):
         if self.mapped:
             if topk_ids.shape[0] <= self.mapped_tokens:
                 return self._forward_mapped(x, topk_ids, topk_weights)
+            # TODO(session 13, docs/benchmarks.md): Mixtral NF4 at batch 16 through this road moved 14.2 GB a step
+            # against a copy-only cache's 9.9 at a like hit rate. Suspected: these steps feed no counts to the
+            # tally, their waves evict what the slot policy keeps hot, and its promotions copy it back.
             self.land(wait=True)  # the rounds below treat slots as landed
             fetched = [e for e in range(bank.num_experts) if e not in self.slot_of]
             out = self._forward_fused(bank, x, topk_ids, topk_weights)

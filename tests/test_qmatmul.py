@@ -192,3 +192,32 @@ def test_untied_lm_head_packed_matches_dense():
     head.finish_load()
     h = torch.randn(3, 64)
     assert torch.equal(head(h).argmax(-1), dense(h).argmax(-1))
+
+
+@pytest.mark.parametrize("block,pairs", [(32, "halves"), (64, "halves"), (16, "adjacent")])
+def test_int4_layouts_round_trip_and_read_back(block, pairs):
+    """`Int4Layout` for each layout torch uses by CPU capability (AVX2 32-row blocks and AVX512 64, rows s | s + b/2
+    in a byte; the plain build's adjacent rows 2s | 2s + 1, through the gather path): store -> layout -> store is
+    exact in place, and the codes and any rows read back from the laid bytes are the original codes. This build's
+    own layout is learnt and checked against torch's conversion in tests/test_cpu_experts.py."""
+    from ferrylm.layers.qmatmul import Int4Layout
+    from ferrylm.weights.quant import pack_nibbles
+
+    h = block // 2
+    lo, hi = (torch.arange(h), torch.arange(h, block)) if pairs == "halves" else (torch.arange(0, block, 2),
+                                                                                  torch.arange(1, block, 2))
+    layout = Int4Layout(block, lo, hi)
+    assert layout.halves == (pairs == "halves")
+    g = torch.Generator().manual_seed(block)
+    n, k = 4 * block, 48
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    q = pack_nibbles(codes)
+    laid = layout.to_cpu_(q.clone(), chunk=2 * block)
+    assert not torch.equal(laid, q)
+    # byte s of column c in block b holds row lo[s] low, hi[s] high: the definition, checked directly
+    byte = laid.view(-1, k, h)[1, 5]
+    assert torch.equal(byte & 0xF, codes[block + lo, 5]) and torch.equal(byte >> 4, codes[block + hi, 5])
+    assert torch.equal(layout.codes(laid, k, block, 2 * block), codes[block:3 * block])
+    idx = torch.tensor([0, block - 1, block + 3, n - 1, 7])
+    assert torch.equal(layout.rows(laid, k, idx), codes[idx])
+    assert torch.equal(layout.from_cpu_(laid, chunk=3 * block), q)

@@ -146,7 +146,8 @@ def decode_window(llm, batch: int, steps: int, seed: int, prompt_len: int, stats
     has its first token to the last. Time and bytes come from the same steps (until session 12 the rate came from
     the difference of two runs and the bytes from a third, other prompts: the tally rows of the Yuan2.0-M32 case
     then read faster than their own PCIe floor), and no prefill's misses are counted (a prefill copies most
-    experts, which swamped the decode steps' bytes on that case, session 11)."""
+    experts, which swamped the decode steps' bytes on that case, session 11). The caches' traces restart there
+    too, so the hit rates count the same steps (until session 13 they counted the warm-up and prompt steps)."""
     from ferrylm import SamplingParams
 
     eng = llm.engine
@@ -159,6 +160,11 @@ def decode_window(llm, batch: int, steps: int, seed: int, prompt_len: int, stats
             got[o.request_id] = len(o.outputs[0].token_ids)
         if t0 is None and len(got) == batch and all(got.get(i, 0) >= 1 for i in ids):
             torch.cuda.synchronize()
+            placed = getattr(eng.runner, "placed", None)
+            if placed is not None:  # the hit rates (`oracle`) from these steps too: read the counts in flight, restart
+                placed.after_results()
+                for c in placed.caches.values():
+                    c.start_trace()
             t0, b0, n0 = time.perf_counter(), stats.h2d_bytes if stats else 0, sum(got.values())
     torch.cuda.synchronize()
     if t0 is None:

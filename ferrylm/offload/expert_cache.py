@@ -214,6 +214,8 @@ class CachedExperts(ExpertBackend):
         self.reads_host = True
         self.mapped = False
         self.landing: list[tuple[int, int]] = []
+        self.copied_step = False
+        """A mapped cache's last step took the copy road (more than `mapped_tokens` tokens): the tally skips it."""
         """Promotions in flight (expert, slot): the slot is reserved, the table still points at the host."""
         self.resident: torch.Tensor | None = None  # [E] bool row of the tally: experts the table points at a slot
         self.counts: torch.Tensor | None = None  # [E] fp32 device row of the tally: assignments this step
@@ -577,9 +579,10 @@ class CachedExperts(ExpertBackend):
         if self.mapped:
             if topk_ids.shape[0] <= self.mapped_tokens:
                 return self._forward_mapped(x, topk_ids, topk_weights)
-            # TODO(session 13, docs/benchmarks.md): Mixtral NF4 at batch 16 through this road moved 14.2 GB a step
-            # against a copy-only cache's 9.9 at a like hit rate. Suspected: these steps feed no counts to the
-            # tally, their waves evict what the slot policy keeps hot, and its promotions copy it back.
+            # the copy road: its steps feed no counts to the tally and it fetches what it needs; the slot policy
+            # must not promote back, on stale scores, what its waves evicted (session 13: Mixtral NF4 at batch 16
+            # moved 14.2 GB a step here against a copy-only cache's 9.9 at a like hit rate). Not yet re-measured.
+            self.copied_step = True
             self.land(wait=True)  # the rounds below treat slots as landed
             fetched = [e for e in range(bank.num_experts) if e not in self.slot_of]
             out = self._forward_fused(bank, x, topk_ids, topk_weights)

@@ -68,6 +68,10 @@ class RoutingTally:
             if c.landing:
                 c.land()
         self.after_results()
+        if any(c.copied_step for c in self.caches):  # a copy-road step: no counts, no decay, no promotions on it
+            for c in self.caches:
+                c.copied_step = False
+            return
         if len(self.pending) < self.depth:
             row = self.next_row
             self.next_row = (row + 1) % self.depth

@@ -11,9 +11,8 @@ tests/test_qmatmul.py):
   scale and zero are rounded to bf16 (the activations' dtype; the kernel is ~100x slower on fp32 ones).
   Its packed layout is a fixed permutation of the codes that torch picks by CPU capability (`Int4Layout`,
   learnt once from torch's own conversion: AVX512 blocks of 64 rows, AVX2 of 32), so the original codes
-  are dropped and read back from it exactly; the fp16 scales (and mins) are kept for exact
-  dequantization. From
-  `DENSE_FROM_T` tokens (prefill chunks; off by default, see there) the kernel is compute-bound and ~2x
+  are dropped and read back from it exactly; the fp16 scales (and mins) are kept for exact dequantization.
+  From `DENSE_FROM_T` tokens (prefill chunks; off by default, see there) the kernel is compute-bound and ~2x
   slower than oneDNN's bf16 GEMM, so there the weight is dequantized per call, `DEQUANT_CHUNK` rows at a time, into bf16 for the dense
   GEMM (measured on this machine, 1 thread, [3072, 576]: at T=500 34 ms int4pack vs 4 ms dequantize + 14 ms
   GEMM; at T=64 4.6 vs 2.2 + 2.9 ms, so the break-even is near T=100).
@@ -69,17 +68,23 @@ class Int4Layout:
     hi: torch.Tensor
     halves: bool = False
     """lo = the first half of the block's rows, hi = the second (both layouts seen): slices, not gathers."""
+    where: torch.Tensor | None = None
+    """[block] row of a block -> its byte in a column, + block / 2 for the high nibble (the inverse of lo, hi)."""
 
     def __post_init__(self):
         h = self.block // 2
+        if not torch.equal(torch.sort(torch.cat((self.lo, self.hi))).values, torch.arange(self.block)):
+            raise ValueError(f"int4 layout: lo and hi are no permutation of a block's {self.block} rows")
         object.__setattr__(self, "halves", torch.equal(self.lo, torch.arange(h))
                            and torch.equal(self.hi, torch.arange(h, self.block)))
+        where = torch.empty(self.block, dtype=torch.long)
+        where[self.lo], where[self.hi] = torch.arange(h), torch.arange(h, self.block)
+        object.__setattr__(self, "where", where)
 
-    def _pick(self, v: torch.Tensor, rows: torch.Tensor, first: bool) -> torch.Tensor:
-        # v [b, block, ...] -> the block's rows `rows`, dim 1
-        h = self.block // 2
+    def _take(self, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # v [b, block, ...] -> the block's rows `rows` (lo or hi), dim 1
         if self.halves:
-            return v[:, :h] if first else v[:, h:]
+            return v[:, int(rows[0]):int(rows[0]) + self.block // 2]
         return v.index_select(1, rows.to(v.device))
 
     def codes(self, packed: torch.Tensor, k: int, a: int, c: int) -> torch.Tensor:
@@ -88,15 +93,13 @@ class Int4Layout:
         blocks = packed.view(-1, k, b // 2)[a // b:(a + c) // b]  # [c/b, K, b/2]
         both = torch.cat((blocks & 0xF, blocks >> 4), dim=-1)  # [c/b, K, b]: rows lo..., hi...
         if not self.halves:
-            both = both.index_select(2, torch.argsort(torch.cat((self.lo, self.hi))).to(both.device))
+            both = both.index_select(2, self.where.to(both.device))
         return both.transpose(1, 2).reshape(c, k)
 
     def rows(self, packed: torch.Tensor, k: int, idx: torch.Tensor) -> torch.Tensor:
         """Rows `idx` [R] of `packed` [N, K/2] as codes [R, K] uint8."""
         b = self.block
-        where = torch.empty(b, dtype=torch.long)  # row of a block -> its byte in a column, + b/2 if high
-        where[self.lo], where[self.hi] = torch.arange(b // 2), torch.arange(b // 2, b)
-        w = where.to(idx.device)[idx % b]
+        w = self.where.to(idx.device)[idx % b]
         byte = packed.view(-1, k, b // 2)[idx // b, :, w % (b // 2)]  # [R, K]
         return torch.where((w < b // 2)[:, None], byte & 0xF, byte >> 4)
 
@@ -117,7 +120,7 @@ class Int4Layout:
             rows = q[a:a + c]
             if to_cpu:
                 v = rows.view(c // b, b, k2)
-                lo, hi = self._pick(v, self.lo, True).transpose(1, 2), self._pick(v, self.hi, False).transpose(1, 2)
+                lo, hi = self._take(v, self.lo).transpose(1, 2), self._take(v, self.hi).transpose(1, 2)
                 out = torch.empty(c // b, k2, 2, h, dtype=torch.uint8, device=q.device)  # [b, c2, even|odd, s]
                 torch.bitwise_or(lo & 0xF, hi << 4, out=out[:, :, 0])  # column 2 c2: both rows' low nibbles
                 torch.bitwise_or(lo >> 4, hi & 0xF0, out=out[:, :, 1])  # column 2 c2 + 1: both high nibbles
@@ -162,8 +165,9 @@ def _learn_int4_layout() -> Int4Layout | None:
     except (RuntimeError, AttributeError):
         return None
     for block in (8, 16, 32, 64, 128, 256):
-        layout = Int4Layout(block, lo[:block // 2].clone(), hi[:block // 2].clone())
-        if not torch.equal(torch.sort(torch.cat((layout.lo, layout.hi))).values, torch.arange(block)):
+        try:
+            layout = Int4Layout(block, lo[:block // 2].clone(), hi[:block // 2].clone())
+        except ValueError:  # the bytes of a larger block
             continue
         if torch.equal(layout.to_cpu_(pack_nibbles(codes.to(torch.uint8))), want):
             return layout

@@ -214,9 +214,9 @@ class CachedExperts(ExpertBackend):
         self.reads_host = True
         self.mapped = False
         self.landing: list[tuple[int, int]] = []
+        """Promotions in flight (expert, slot): the slot is reserved, the table still points at the host."""
         self.copied_step = False
         """A mapped cache's last step took the copy road (more than `mapped_tokens` tokens): the tally skips it."""
-        """Promotions in flight (expert, slot): the slot is reserved, the table still points at the host."""
         self.resident: torch.Tensor | None = None  # [E] bool row of the tally: experts the table points at a slot
         self.counts: torch.Tensor | None = None  # [E] fp32 device row of the tally: assignments this step
         self.hits: torch.Tensor | None = None  # [E] fp32 device row of the tally: assignments that hit a slot

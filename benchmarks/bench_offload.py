@@ -407,13 +407,18 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
     if routing.startswith("zipf"):
         zipf_routing(float(routing[4:] or 1.2))
     cfg = {**MIXTRAL, "num_hidden_layers": 16}
-    llm = LLM(RandomSource(cfg), device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=4096,
-              gpu_memory_budget="16GiB", experts="auto")
+    kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=4096, gpu_memory_budget="16GiB",
+              experts="auto")
+    llm = LLM(RandomSource(cfg), **kw)
     placed = llm.engine.runner.placed
     auto = placed.cpu_share
     print(f"calibration: {placed.calibration}; calibrated share {auto:.2f}", flush=True)
+    if placed.host_decode is None:  # auto turned hybrid decode off: force it on to sweep the shares
+        llm.close()
+        llm = LLM(RandomSource(cfg), **kw, cpu_share=max(s for s in shares))
+        placed = llm.engine.runner.placed
     row = {"model": "mixtral-16L", "budget_gib": 16, "batch": 1, "routing": routing, "calibrated_share": auto,
-           "gpu_side": gpu_side, "by_share": {}}
+           "gpu_side": gpu_side, "calibration": placed.calibration, "by_share": {}}
     splits = (True, False) if gpu_side == "inplace" else (False,)
     for split in splits:  # each miss split along its intermediate (the default), or whole experts per side
         key = "by_share" if split == splits[0] else "by_share_whole_experts"

@@ -7,8 +7,8 @@ One engine per `--experts` setting on the same random-weight Qwen3-30B-A3B shape
 `bench_plan.py`'s moe-offload case: 16 layers under 4 GiB, whose batch-1 hybrid decode the plan predicts 3.4x too
 fast at the hit rate it sees, docs/benchmarks.md session 8). Per setting: the decode step time and per layer,
 the expert hit rate, misses per layer, experts the host ran and the time the stream waited for it (`OffloadStats`),
-and ms per missed expert over the fastest setting; decode steps alone (a run of n + 1 tokens less a run of 1). `--profile` adds the top host-side ops of a few steps
-(torch profiler). The last line is JSON.
+and ms per missed expert over the fastest setting; decode steps alone (a run of n + 1 tokens less a run of 1). `--profile` adds the top host-side and device ops
+per decode step (torch profiler; a run of 9 tokens less a run of 1, so the prefill drops out). The last line is JSON.
 """
 
 import argparse
@@ -69,12 +69,22 @@ def run(experts: str, a, variant: str = "dueling:now") -> dict:
     if a.profile and variant == a.variants[0]:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            llm.generate(prompts(1, 32, 4), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))  # the GPU's kernels
+        def ops(max_tokens: int, seed: int) -> dict:
+            """name -> [self host us, calls, self device us] of one fresh request of `max_tokens` tokens."""
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                llm.generate(prompts(1, 32, seed), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+                torch.cuda.synchronize()
+            return {e.key: [e.self_cpu_time_total, e.count, e.self_device_time_total] for e in prof.key_averages()}
+
+        n = 8  # decode steps profiled: a run of n + 1 tokens less a run of 1 (its prefill and first token)
+        one, more = ops(1, 4), ops(n + 1, 5)
+        per = {k: [(v[i] - one.get(k, [0, 0, 0])[i]) / n for i in range(3)] for k, v in more.items()}
+        print(f"per decode step (profiled, times inflated): host {sum(v[0] for v in per.values()) / 1e3:.2f} ms "
+              f"self, device {sum(v[2] for v in per.values()) / 1e3:.2f} ms")
+        for title, i in (("self host us", 0), ("self device us", 2)):
+            print(f"{'op':60s} {title:>14s} {'calls':>8s}")
+            for k, v in sorted(per.items(), key=lambda kv: -kv[1][i])[:20]:
+                print(f"{k[:60]:60s} {v[i]:14.1f} {v[1]:8.1f}")
     llm.close()
     del llm
     gc.collect()

@@ -137,31 +137,35 @@ class HostDecode:
             pair[1].record(stream)
         return self.out[:rows].to(device, non_blocking=True)
 
-    def round_trip_s(self, layer: int, expert: int | None = None, cols: int = 0, reps: int = 15) -> float:
+    def round_trip_s(self, layer: int, cases: list[tuple[int | None, int]], reps: int = 15) -> list[float]:
         """Device-visible seconds of one hand-off of a one-token step on `layer` (send, the worker's serve, the
-        rows back), the host computing `expert` on its columns [cols, I) (`HostExperts.rows`; None: nothing),
-        the device idle between; the median of `reps` after one warm-up (which builds the expert's host
-        kernels). What the cost model's `handoff_s` and `call_s` are measured by; the stats it touches are
-        reset after."""
+        rows back) for each case (expert, cols): the host computing `expert` on its columns [cols, I)
+        (`HostExperts.rows`; None: nothing), the device idle between, the worker copying nothing (`copies`).
+        The cases run interleaved, one of each per round, so a burst of other work on the host lands on all of
+        them alike; each figure is the median of `reps` rounds after one warm-up round (which builds the
+        experts' host kernels). What the cost model's `handoff_s` and `call_s` are measured by; the stats it
+        touches are reset after."""
         dev = self.device
         x = torch.zeros(1, self.x.shape[1], dtype=self.x.dtype, device=dev)
-        ids = torch.full((1, self.k), -1, dtype=torch.long, device=dev)
-        if expert is not None:
-            ids[0, 0] = expert
+        none = torch.full((1, self.k), -1, dtype=torch.long, device=dev)
         w = torch.ones(1, self.k, device=dev)
         stream = torch.cuda.current_stream(dev)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
+        times: list[list[float]] = [[] for _ in cases]
         for _ in range(reps + 1):
-            begin.record(stream)
-            self.send(layer, x, ids, w, ids if self.copies else None, cols=cols)
-            self.receive(self.k, dev, layer)
-            end.record(stream)
-            end.synchronize()
-            times.append(begin.elapsed_time(end) / 1e3)
+            for (expert, cols), got in zip(cases, times):
+                ids = none.clone()
+                if expert is not None:
+                    ids[0, 0] = expert
+                begin.record(stream)
+                self.send(layer, x, ids, w, none if self.copies else None, cols=cols)
+                self.receive(self.k, dev, layer)
+                end.record(stream)
+                end.synchronize()
+                got.append(begin.elapsed_time(end) / 1e3)
         self.check()
         self.stats.reset()
-        return sorted(times[1:])[reps // 2]
+        return [sorted(t[1:])[reps // 2] for t in times]
 
     def _read_waits(self) -> None:
         """Add the waits of the layers served since the last call whose after-event has completed."""

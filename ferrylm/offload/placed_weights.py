@@ -282,22 +282,23 @@ class PlacedWeights:
         E, k = cache.host_w13.shape[0], self.model.config.num_experts_per_tok
         e = next((x for x in range(E) if x not in cache.pinned), 0)
         split = self.hybrid_split and cache.host_experts.splittable
-        handoff = hd.round_trip_s(layer)
-        whole = hd.round_trip_s(layer, e) - handoff
+        I, unit = cache.host_w2.shape[2], cache.host_experts.split_unit
+        half = max(unit, round(I / 2 / unit) * unit)
+        halves = split and half < I
+        cases = [(None, 0), (e, 0)] + ([(e, half)] if halves else [])
+        handoff, whole, *part = hd.round_trip_s(layer, cases)
+        whole -= handoff
         call = 0.0
-        if split:
-            I, unit = cache.host_w2.shape[2], cache.host_experts.split_unit
-            half = max(unit, round(I / 2 / unit) * unit)
-            if half < I:
-                f = (I - half) / I  # the share of columns the host computes at `half`
-                part = hd.round_trip_s(layer, e, cols=half) - handoff
-                call = max(0.0, min(whole, (part - f * whole) / (1 - f)))
+        if halves:
+            f = (I - half) / I  # the share of columns the host computes at `half`
+            call = max(0.0, min(whole, (part[0] - handoff - f * whole) / (1 - f)))
         misses = sum(k * (1 - min(cc.capacity, E) / E) for cc in self.caches.values()) / len(self.caches)
         self.costs = c = dataclasses.replace(c, handoff_s=max(handoff, 0.0), call_s=call)
         gbs = c.inplace_gbs or 0.85 * c.expert_bytes / c.copy_s / 1e9  # else ~0.85 of the copy engine's (H200)
         share = cpu_share(c, gbs, misses=misses, split=split)
         self.calibration = {**(self.calibration or {}), "handoff_s": c.handoff_s, "call_s": call,
-                            "host_whole_s": whole, "expected_misses": misses}
+                            "host_whole_s": whole,
+                            "host_half_s": part[0] - handoff if part else None, "expected_misses": misses}
         why = (f"a hand-off costs {handoff * 1e3:.2f} ms and an expert call {call * 1e3:.2f} ms beyond its bytes; "
                f"~{misses:.2f} misses a layer take the device {misses * c.expert_bytes / gbs / 1e6:.2f} ms in place, "
                f"the host {whole * 1e3:.2f} ms an expert: share {share:.2f}"

@@ -57,6 +57,47 @@ def test_choose_follows_the_margin_and_the_books():
     assert pol.choose(resident, pinned, [set()], [1]) == [(0, 2, None), (0, 3, 1)]
 
 
+
+def choose_plainly(pol, resident, pinned, busy, empty):
+    """`PromotionPolicy.choose` spelt out element by element over every row (the reference its list-based
+    loop must equal)."""
+    out = []
+    for i in range(pol.score.shape[0]):
+        score, n = pol.score[i].tolist(), min(pol.per_layer, pol.score.shape[1])
+        missing = sorted((e for e in range(len(score)) if not resident[i, e]), key=lambda e: -score[e])[:n]
+        evictable = sorted((e for e in range(len(score)) if resident[i, e] and not pinned[i, e]),
+                           key=lambda e: score[e])
+        flying, free, j = len(busy[i]), empty[i], 0
+        for e in missing:
+            if flying >= n or score[e] <= 0 or e in busy[i]:
+                break
+            if free:
+                out.append((i, e, None))
+                free -= 1
+            elif j < len(evictable) and score[e] > pol.margin * score[evictable[j]] + pol.floor:
+                out.append((i, e, evictable[j]))
+                j += 1
+            else:
+                break
+            flying += 1
+    return out
+
+
+def test_choose_equals_the_plain_reference():
+    g = torch.Generator().manual_seed(0)
+    for knobs in (FREQUENT, RECENT):
+        for _ in range(30):
+            L = 6
+            pol = PromotionPolicy(L, E, **knobs)
+            # distinct scores (ties order differently in topk and sorted), some rows all zero
+            pol.score = torch.randperm(L * E, generator=g).float().reshape(L, E) * (torch.rand(L, 1, generator=g) > 0.3)
+            resident = torch.rand(L, E, generator=g) < 0.25
+            pinned = resident & (torch.rand(L, E, generator=g) < 0.3)
+            busy = [set(torch.randint(0, E, (int(torch.randint(0, 3, (1,), generator=g)),), generator=g).tolist())
+                    for _ in range(L)]
+            empty = torch.randint(0, 2, (L,), generator=g).tolist()
+            assert pol.choose(resident, pinned, busy, empty) == choose_plainly(pol, resident, pinned, busy, empty)
+
 @pytest.mark.parametrize("lag,land", [(2, 2), (1, 0), (0, 0)])
 def test_replay_keeps_books_and_stays_under_the_oracle(lag, land):
     traces = [zipf(300, 1), sticky(300, 2), uniform(300, 3)]

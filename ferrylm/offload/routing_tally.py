@@ -99,8 +99,11 @@ class RoutingTally:
         misses = int(needed.sum()) - n_hit
         self.stats.expert_hits += n_hit
         self.stats.expert_misses += misses
-        on_host = sum(int((needed[i] & ~hit[i] & c.cpu_class).sum())
-                      for i, c in enumerate(self.caches) if c.cpu_class is not None)
+        classes = [c.cpu_class for c in self.caches]
+        on_host = 0
+        if any(cls is not None for cls in classes):  # [L, E]: the host's class of each layer (none: all False)
+            host = torch.stack([cls if cls is not None else torch.zeros_like(needed[0]) for cls in classes])
+            on_host = int((needed & ~hit & host).sum())
         self.stats.h2d_bytes += (misses - on_host) * self.caches[0].expert_bytes  # read in place over PCIe
         hd = self.caches[0].host_decode
         if hd is not None and hd.copies:  # the host worker copied them into scratch slots

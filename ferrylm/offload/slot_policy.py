@@ -39,19 +39,24 @@ class PromotionPolicy:
         candidate wins; an empty slot takes any expert used at all."""
         inf, n = float("inf"), min(self.per_layer, self.score.shape[1])
         best, cand = self.score.masked_fill(resident, -inf).topk(n, dim=1)  # [L, n], hottest first
-        worst, victim = self.score.masked_fill(~resident | pinned, inf).topk(n, dim=1, largest=False)
+        rows = (best[:, 0] > 0).nonzero().flatten()
+        if not len(rows):
+            return []
+        worst, victim = self.score[rows].masked_fill(~resident[rows] | pinned[rows], inf).topk(n, dim=1, largest=False)
+        # the rows that could promote, as Python lists at once: the loop below reads no tensor element
+        best, cand, worst, victim = best[rows].tolist(), cand[rows].tolist(), worst.tolist(), victim.tolist()
         out = []
-        for i in (best[:, 0] > 0).nonzero().flatten().tolist():
+        for r_, i in enumerate(rows.tolist()):
             flying, free, j = len(busy[i]), empty[i], 0
             for r in range(n):
-                e, b = int(cand[i, r]), float(best[i, r])
+                e, b = cand[r_][r], best[r_][r]
                 if flying >= n or b <= 0 or e in busy[i]:
                     break
                 if free:
                     out.append((i, e, None))
                     free -= 1
-                elif j < n and b > self.margin * float(worst[i, j]) + self.floor:  # inf when none is evictable
-                    out.append((i, e, int(victim[i, j])))
+                elif j < n and b > self.margin * worst[r_][j] + self.floor:  # inf when none is evictable
+                    out.append((i, e, victim[r_][j]))
                     j += 1
                 else:
                     break
@@ -93,13 +98,17 @@ class DuelingPolicy:
             res = self.resident[k]
             moved = (needed & ~self.past[k].pop(0)).sum(1).float()  # [L] in-place reads of this shadow
             pol.observe(counts)
-            for i, e, v in pol.choose(res, self.pinned, [set() for _ in range(L)], self.empty[k]):
-                moved[i] += 1
-                res[i, e] = True
-                if v is None:
-                    self.empty[k][i] -= 1
-                else:
-                    res[i, v] = False
+            chosen = pol.choose(res, self.pinned, [set() for _ in range(L)], self.empty[k])
+            if chosen:
+                rows = torch.tensor([i for i, _, _ in chosen])
+                moved += torch.bincount(rows, minlength=L).float()
+                res[rows, torch.tensor([e for _, e, _ in chosen])] = True
+                evicted = [(i, v) for i, _, v in chosen if v is not None]
+                if evicted:
+                    res[torch.tensor([i for i, _ in evicted]), torch.tensor([v for _, v in evicted])] = False
+                for i, _, v in chosen:
+                    if v is None:
+                        self.empty[k][i] -= 1
             self.past[k].append(res.clone())
             self.cost[k].mul_(self.memory).add_(moved)
         self.leader = self.cost.argmin(0)

@@ -16,12 +16,12 @@ Hybrid decode (issue 10): the host computes a share of each missed expert inside
 (`host_node.py`, `host_decode.py`): every miss is split along its intermediate (the kernel reads the first
 columns in place, the host computes the rest; dense and packed banks, c a multiple of lcm(128, w2's group)),
 or with `hybrid_split` off whole experts per step (`expert_cache.host_share`). Mixtral-16L bf16 under 16 GiB,
-batch 1: 9.43 tok/s (in place only 5.10, llama.cpp 8.67; docs/benchmarks.md). Next: measure the copy-engine
-GPU side (copy + host read 86.5 GB/s together against 78 for in place + host), the packed column split on the
-H200 (`bench_offload.py --cases hybrid32-nf4`), the calibrated share from contended rates, and the host GEMM's
-read rate (57 GB/s of the 93 a plain read streams; session 6, 2 cores: in the bank's own layout nothing beats the
-menu, oneDNN's packed layout reads 1.1-1.8x faster but needs a second copy of the host share, see
-docs/benchmarks.md: decide it from pending item 2's 16-core figures). A dropped offloaded CUDA engine is not always freed at once
+batch 1: 9.82 tok/s at the calibrated share, 11.45 under Zipf routing (in place only 5.78 / 7.48, llama.cpp 8.67;
+session 14, docs/benchmarks.md; the aim of 14.3 is missed). Next: the packed column split on the H200
+(`bench_offload.py --cases hybrid32-nf4`; the AVX512 host's int8 / int4 kernels read 77-81 GB/s at one token alone),
+and the host's share beside the device's reads (~36 GB/s there, of 93-97 a plain read streams). Decided by the
+16-core figures (session 14): no oneDNN packed copy of the host share (1.1x at 1-4 tokens for a second copy).
+A dropped offloaded CUDA engine is not always freed at once
 (seen in tests/test_cuda; the holder is not found yet).
 Session 4 (s4-hybrid): the host worker computes a padded graph step's live rows only
 (`ForwardContext.live_rows`), kernel builds lock per expert, counters two threads write go through

@@ -84,11 +84,12 @@ Llama-3-8B shape (`bench_resident.py`): batch 1 at 208 tok/s is 4.81 ms a step w
 4.49 ms, 10 us a layer; batch 64 at 8533 tok/s wants less than nothing (GEMMs at 64 rows read below HBM_EFF,
 which this model does not separate): 20 us puts both within 15% (195 and 9780 predicted). Was 30 us before the
 one-launch ops (~94 us a layer above the reads with torch's chains of ~40 kernels a layer)."""
-LAYER_EXTRA_S = {"yuan-moe": 108e-6}
-"""Per graphed decode layer, by `model_type` ("-moe" for its MoE models), beyond everything above: measured, not yet explained. Yuan2.0-M32 graphed
-at batch 1 decodes 186 tok/s on the H200 (session 7, `bench_resident.py --cases yuanm32-b1`), 5.38 ms a token
-where the model above says 2.79 ms: 108 us a layer (its LF filter, attention router and 32 small experts). Its
-layers lost ~18 launches since (residual adds, the router, the filter's shifts): re-fit once re-measured."""
+LAYER_EXTRA_S = {"yuan-moe": 60e-6}
+"""Per graphed decode layer, by `model_type` ("-moe" for its MoE models), beyond everything above: measured, not yet
+explained. Yuan2.0-M32 graphed at batch 1 decodes 232 tok/s on the H200 (session 14, `bench_resident.py --cases
+yuanm32-b1`, tree of 231d131), 4.31 ms a token where the model above says 2.38 ms of reads and 0.48 ms of launches:
+60 us a layer (its LF filter, attention router and 32 small experts). Session 7 measured 186 tok/s (108 us a layer)
+before its layers lost ~18 launches (residual adds, the router, the filter's shifts)."""
 ALLREDUCE_S = 20e-6
 """Fixed cost of one tensor-parallel all-reduce (two per layer), on top of its bytes over the link."""
 INPLACE_EFF = 0.85

@@ -99,6 +99,13 @@ def oracle(runner) -> tuple[float | None, float | None]:
     return (hits / total, opt / total) if total else (None, None)
 
 
+def needed_per_layer(runner) -> float | None:
+    """Experts a layer's step needed, on average over the caches' traces (what a measured hit rate turns into
+    misses: `ferry plan` takes it from tokens routed independently, docs/plan.md)."""
+    steps = [len(step) for c in runner.placed.caches.values() for step in (c.trace or [])]
+    return sum(steps) / len(steps) if steps else None
+
+
 def h2d_bandwidth() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty_like(src, device="cuda")
@@ -310,8 +317,8 @@ def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, 
                      "path": "mapped" if runner.placed.tally is not None else "copy", "ferry_tok_s": r,
                      "accelerate_tok_s": acc if batch == 1 else None, "resident_tok_s": None,
                      "pcie_floor_tok_s": floor, "h2d_bytes_per_step": per_step, "hit_rate": hit,
-                     "oracle_hit_rate": opt, "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
-                     "tally_warmup_tokens": warm})
+                     "oracle_hit_rate": opt, "needed_per_layer": needed_per_layer(runner),
+                     "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30, "tally_warmup_tokens": warm})
         print(f"{name} {routing} batch {batch:3d}: {r:8.2f} tok/s; PCIe floor {floor and round(floor, 2)} tok/s "
               f"({per_step / 2**30:.2f} GiB/step); hit rate {hit and round(hit, 3)} (Belady {opt and round(opt, 3)})",
               flush=True)
@@ -339,7 +346,7 @@ def case_offload(rows: list, h2d: float, name: str, cfg: dict, budget_gib: int, 
             hit, opt = oracle(runner)
             rows.append({"model": name, "budget_gib": budget_gib, "batch": batch, "routing": routing,
                          "path": "copy (mapped off)", "ferry_tok_s": r, "h2d_bytes_per_step": per_step,
-                         "hit_rate": hit, "oracle_hit_rate": opt})
+                         "hit_rate": hit, "oracle_hit_rate": opt, "needed_per_layer": needed_per_layer(runner)})
             print(f"{name} {routing} batch {batch:3d} copy path: {r:8.2f} tok/s; hit rate {hit and round(hit, 3)}",
                   flush=True)
     for c in runner.placed.caches.values():

@@ -340,6 +340,23 @@ def test_hybrid_stats_reach_metrics(mixtral, tmp_path, monkeypatch):
     assert all(sum(v) > 0 for v in json.load(open(path))["layers"].values())
 
 
+def test_calibration_times_its_options_interleaved():
+    """`calibration._compare`: one run of each option per round, so a burst of other work on the host (here
+    three slow calls in a row, as long as a whole option's turn) slows at most two of each option's five
+    samples and no median; timed one option after the other, the burst would have chosen for them."""
+    import time
+
+    order, calls = [], [0]
+
+    def fn():
+        calls[0] += 1
+        time.sleep(0.03 if 4 <= calls[0] <= 6 else 0.001)  # the warm-up round is calls 1-2
+
+    got = calibration._compare(("a", "b"), order.append, fn, reps=5)
+    assert order == ["a", "b"] * 6
+    assert set(got) == {"a", "b"} and max(got.values()) < 0.02, got
+
+
 def test_calibration_chooses_the_thread_count(tmp_path, monkeypatch):
     """`choose_threads`: of N, N-1 and N-2 torch threads the one fastest beside copies is kept (measured,
     recorded, and applied again from the cache); without it the count is left alone."""

@@ -25,6 +25,8 @@ kernels the hybrid path runs):
   experts) before the figures above are taken, so they time the path the hybrid decode then runs, and set
   again from the cache. A per-channel int8 bank chooses `packed_gemm` (plain or split) the same way.
 Each CPU figure cycles over a few experts, so the reads come from DRAM rather than the last-level cache.
+The options of each choice (thread counts, GEMMs) are timed interleaved, one run of each per round, medians
+(`_compare`): a burst of other work on the host then lands on all of them alike.
 The result is cached in `$FERRYLM_CACHE_DIR` (default `~/.cache/ferrylm`) under a key of the machine (CPU
 model, cores, threads, GPU, torch version), the expert's shape, dtype and format (and whether the in-place
 rate was measured); a different machine, shape or format measures again. A corrupt cache file is ignored with a warning.
@@ -53,7 +55,7 @@ GEMM_TOKENS = (1, 2, 4, 8, 16)
 """Token counts at which a split dense GEMM is checked against the plain one (`dense_gemm_max_t`)."""
 CYCLE = 4
 """Distinct experts each CPU figure cycles over."""
-VERSION = 3
+VERSION = 4
 """Bumped when what is measured changes (older cache files are measured again)."""
 
 
@@ -81,6 +83,21 @@ def _timeit(fn, reps: int = 3) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
+
+
+def _compare(options, select, fn, reps: int = 5) -> dict:
+    """{option: median seconds of `fn()` after `select(option)`}, the options timed interleaved (one run of each
+    per round, after a warm-up run of each), so a burst of other work on the host lands on all of them alike
+    rather than on whichever was being timed (one after the other, a burst once turned a whole choice)."""
+    times: dict = {o: [] for o in options}
+    for r in range(reps + 1):
+        for o in options:
+            select(o)
+            t = time.perf_counter()
+            fn()
+            if r:
+                times[o].append(time.perf_counter() - t)
+    return {o: sorted(ts)[len(ts) // 2] for o, ts in times.items()}
 
 
 class _Beside:
@@ -182,18 +199,21 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
     copy = _copier(host_w13, host_w2, device)
     copy_s = _timeit(copy)
 
-    def cpu_time(n: int, reps: int = 3) -> float:
+    def run_experts(n: int):
+        """A call running each of `cycle`'s experts on n tokens (-> its time / len(cycle) is one expert's)."""
         x = torch.randn(n, H, dtype=dtype)
         experts = [he.expert(e) for e in cycle]
-        return _timeit(lambda: [ex(x) for ex in experts], reps) / len(experts)
+        return lambda: [ex(x) for ex in experts]
+
+    def cpu_time(n: int, reps: int = 3) -> float:
+        return _timeit(run_experts(n), reps) / len(cycle)
 
     chosen = {}
     n = torch.get_num_threads()
     if choose_threads and n >= 4:
-        for t in (n, n - 1, n - 2):
-            torch.set_num_threads(t)
-            with _Beside(copy):
-                chosen[str(t)] = cpu_time(1, reps=5)
+        with _Beside(copy):
+            got = _compare((n, n - 1, n - 2), torch.set_num_threads, run_experts(1))
+        chosen = {str(t): s / len(cycle) for t, s in got.items()}
         torch.set_num_threads(int(min(chosen, key=chosen.get)))
 
     if device.type == "cuda":
@@ -213,17 +233,17 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
     if knob:
         name, choices = knob
         setattr(cpu_experts, f"{name}_max_t", max(GEMM_TOKENS))
-        for g in choices:  # after the thread count: the split's chunks follow it
+        def use(g):
             setattr(cpu_experts, name, g)
-            with _Beside(beside_copy):
-                by_gemm[g] = cpu_time(1, reps=5)
+
+        with _Beside(beside_copy):  # after the thread count: the split's chunks follow it
+            by_gemm = {g: s / len(cycle) for g, s in _compare(choices, use, run_experts(1)).items()}
         best = min(by_gemm, key=by_gemm.get)
         max_t = 1
         if best.startswith("split"):  # up to the most tokens at which it still beats the plain GEMM
             for n in GEMM_TOKENS[1:]:
-                for g in ("plain", best):
-                    setattr(cpu_experts, name, g)
-                    by_tokens.setdefault(g, {})[str(n)] = cpu_time(n)
+                for g, sec in _compare(("plain", best), use, run_experts(n), reps=3).items():
+                    by_tokens.setdefault(g, {})[str(n)] = sec / len(cycle)
                 if by_tokens[best][str(n)] >= by_tokens["plain"][str(n)]:
                     break
                 max_t = n

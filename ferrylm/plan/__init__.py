@@ -17,6 +17,9 @@ TODO (what is left of issue #14):
   peak within 0.9%); offloaded decode does not (hybrid decode at batch 1 on small experts: the engine's cost
   model itself picks wrong there, `offload/cost_model.py` TODO; the NF4 copy path at batch 16 +34% / +49%);
   int4 and int8 experts' kernel rates are assumed equal to NF4's;
+  session 14's unseen offload runs (docs/plan.md, packed experts row): batch 1 within -16%, batched NF4 steps
+  -29/-30%: a measured hit rate is turned into misses with a step's needed experts from independently routed
+  tokens, more than the runs needed (`bench_offload.py` rows now carry `needed_per_layer` for that refit);
 - the packed offloaded prefill (decode-once path, session 9: 3762 tok/s) is predicted from the copies alone
   (+99%): the rounds' compute and copies are not modelled apart; the offloaded prefill's copy rounds hold
   12-16% more than `memory.step_activation_bytes` counts;

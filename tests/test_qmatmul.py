@@ -94,7 +94,9 @@ def test_q8_0_chunked_path_over_many_chunks(monkeypatch):
 
 def test_int4_dense_path_over_row_chunks(monkeypatch):
     """From DENSE_FROM_T tokens the int4 kernel dequantizes row chunks (here 128 rows, a 64-row tail) for the
-    bf16 GEMM: within the bf16 bound of the plain path, and equal to the unchunked dense product."""
+    bf16 GEMM: within the bf16 bound of the plain path, and the unchunked dense product to within one bf16
+    rounding of the output (oneDNN may block K differently for a chunk's rows than for the whole weight: on an
+    AVX512 host 5 of 124,800 outputs came out one bf16 ulp apart)."""
     from ferrylm.layers import qmatmul
 
     monkeypatch.setattr(qmatmul, "DENSE_FROM_T", 128)  # opt-in (off by default)
@@ -107,7 +109,7 @@ def test_int4_dense_path_over_row_chunks(monkeypatch):
     chunked = kern(x)
     _, worst = _check(chunked, x, qt.dequantize(torch.float32))
     assert worst <= 0
-    torch.testing.assert_close(chunked, whole, rtol=2 ** -8, atol=1e-5)
+    torch.testing.assert_close(chunked, whole, rtol=2 ** -7, atol=1e-5)  # one bf16 ulp
 
 
 def test_reference_kernel_is_the_plain_path():

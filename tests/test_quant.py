@@ -157,8 +157,13 @@ def test_rows_and_cat_keep_the_packing():
 def test_nf4_equals_bitsandbytes(shape, dtype, group_size):
     """ferrylm's NF4 is bitsandbytes' NF4 (0.50.2, `quantize_4bit(quant_type="nf4")`, no double quantization): the
     same 4-bit codes (bitsandbytes puts the first of a pair in the high nibble, ferrylm in the low), the same fp32
-    absmax per group and the same dequantized weights in the weight's dtype. So a quality delta of NF4 (SmolLM2's
-    +35% perplexity) is NF4's, not this implementation's."""
+    absmax per group, the same 16 levels (bitsandbytes' `state.code`) and so the same dequantized weights in the
+    weight's dtype (its definition: level x absmax in fp32, then the dtype). So a quality delta of NF4 (SmolLM2's
+    +35% perplexity) is NF4's, not this implementation's. bitsandbytes' own CPU `dequantize_4bit` is compared too,
+    where it agrees with that definition: on one AVX512 host, 0.50.2's kernel at blocksize 128 scaled 237 of the
+    240 blocks of a (96, 320) weight with the wrong absmax (its own round trip then errs by up to 0.096 on weights of
+    scale 0.05, ferrylm's 0.025; blocksize 64 and small tensors exact), which is its defect, reported here, not
+    asserted on."""
     bnb = pytest.importorskip("bitsandbytes.functional")
     torch.manual_seed(group_size)
     w = (torch.randn(shape) * 0.05).to(dtype)
@@ -169,6 +174,18 @@ def test_nf4_equals_bitsandbytes(shape, dtype, group_size):
     mine = torch.stack((ours.parts["q"] & 0xF, ours.parts["q"] >> 4), dim=-1).view(-1)[:m]  # (ours pad the last group)
     assert torch.equal(theirs, mine)
     assert torch.equal(state.absmax.float(), ours.parts["absmax"])
-    got, want = ours.dequantize(dtype), bnb.dequantize_4bit(q, state).view(shape)
-    print(f"{shape} {dtype} g{group_size}: max |ferrylm - bitsandbytes| {(got.float() - want.float()).abs().max():.3g}")
+    assert torch.equal(state.code.float().cpu(), Q.NF4_LEVELS.float())
+    absmax = state.absmax.float().repeat_interleave(group_size)[:m]
+    want = (state.code.float().cpu()[theirs.long()] * absmax).to(dtype).view(shape)  # bitsandbytes' definition
+    got = ours.dequantize(dtype)
+    print(f"{shape} {dtype} g{group_size}: max |ferrylm - bitsandbytes' definition| "
+          f"{(got.float() - want.float()).abs().max():.3g}")
     assert got.dtype == want.dtype and torch.equal(got, want)
+    kernel = bnb.dequantize_4bit(q, state).view(shape)
+    if torch.equal(kernel, want):
+        assert torch.equal(got, kernel)
+    else:
+        bad = (kernel.float() - want.float()).abs().view(-1)[: m // group_size * group_size]
+        print(f"  bitsandbytes' CPU dequantize_4bit disagrees with its own codes and absmax in "
+              f"{int((bad.view(-1, group_size).amax(1) > 0).sum())} blocks (its defect)")
+        assert group_size > 64  # seen only above blocksize 64; exact at 64 on every host so far

@@ -25,16 +25,21 @@ SHAPES = {"qwen3": QWEN3_30B, "mixtral": MIXTRAL}
 
 
 def run(experts: str, a, variant: str = "dueling:now") -> dict:
-    """variant: the mapped caches' slot policy (dueling | frequent | none: no promotions) and when a
-    promotion lands (now: the next step waits for its copy | late: once the host sees it landed)."""
+    """variant: the mapped caches' slot policy (dueling | frequent | none: no promotions), when a
+    promotion lands (now: the next step waits for its copy | late: once the host sees it landed) and, with a
+    third part "layer", when its copy starts (`CachedExperts.promote_after_layer`: once its layer of the queued
+    step has run, not after the whole step)."""
     from ferrylm import LLM, SamplingParams
+    from ferrylm.offload.expert_cache import CachedExperts
     from ferrylm.weights.random_source import RandomSource
 
+    policy, land, *start = variant.split(":")
+    CachedExperts.promote_after_layer = start == ["layer"]  # read as the caches are built
     llm = LLM(RandomSource({**SHAPES[a.shape], "num_hidden_layers": a.layers}, expert_quant=a.expert_quant),
               device="cuda", dtype="bfloat16",
               max_num_seqs=1, max_model_len=1024, gpu_memory_budget=f"{a.budget_gib}GiB", experts=experts)
     placed = llm.engine.runner.placed
-    policy, land = variant.split(":")
+    CachedExperts.promote_after_layer = False
     if placed.tally is not None:
         placed.tally.land_now = land == "now"
         if policy == "none":
@@ -104,7 +109,8 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=4, help="tokens decoded before timing (the tally's warm-up)")
     ap.add_argument("--variants", nargs="+", default=["dueling:now"],
                     help="slot policy:landing pairs, each run per --experts (policy dueling | frequent | none | "
-                         "frozen: dueling through the warm-up, no promotion after it; landing now | late)")
+                         "frozen: dueling through the warm-up, no promotion after it; landing now | late; a third part "
+                         "'layer': copies start after their layer, e.g. dueling:now:layer)")
     a = ap.parse_args()
     rows = [run(e, a, v) for e in a.experts for v in a.variants]
     base = min(rows, key=lambda r: r["step_ms"])

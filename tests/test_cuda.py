@@ -302,10 +302,16 @@ def test_weight_table_reads_mapped_host_memory_in_place():
     tier.close()
 
 
-def test_mapped_experts_equal_resident_fused_and_graphed(tmp_path_factory):
+@pytest.mark.parametrize("after_layer", [False, True], ids=["copies-after-step", "copies-after-layer"])
+def test_mapped_experts_equal_resident_fused_and_graphed(after_layer, tmp_path_factory, monkeypatch):
     """Offloaded experts read in place at decode (graphed) and copied at prefill give the resident fused
-    bits; the slots follow the routing (promotions land behind the table)."""
+    bits; the slots follow the routing (promotions land behind the table), their copies started after the
+    whole step or, with `CachedExperts.promote_after_layer`, once their layer of it has run."""
     from test_models_hf import build
+
+    from ferrylm.offload.expert_cache import CachedExperts
+
+    monkeypatch.setattr(CachedExperts, "promote_after_layer", after_layer)
 
     path, _ = build(tmp_path_factory, "qwen3_moe")
     g = torch.Generator().manual_seed(12)

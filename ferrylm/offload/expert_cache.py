@@ -179,6 +179,12 @@ class CachedExperts(ExpertBackend):
     (H200, `benchmarks/bench_mapped.py`), and beside a 352 MB Mixtral expert the copy path's per-layer
     sync is small."""
     large_expert_bytes = 64 << 20
+    promote_after_layer = False
+    """A promotion's copy starts once its layer of the last queued step has run (`layer_done`: an event recorded
+    after every forward of this layer, inside decode graphs too, read when the engine builds it), not after
+    the whole step, so it overlaps the step's later layers (Qwen3-30B-A3B batch 1 on the H200: 2.5 ms of a
+    9.6 ms step were promotion copies run between steps, session 14). Off until it is measured on the GPU
+    (docs/benchmarks.md, pending item 4)."""
 
     def __init__(self, bank, host_w13: torch.Tensor, host_w2: torch.Tensor, capacity: int, initial: list[int],
                  pinned: set[int], policy: str, device: torch.device, copy_stream, stats, layer: int,
@@ -204,6 +210,8 @@ class CachedExperts(ExpertBackend):
         cuda = device.type == "cuda"
         self.ready = [torch.cuda.Event() for _ in range(C)] if cuda else []
         self.free = [torch.cuda.Event() for _ in range(C)] if cuda else []
+        # external: recorded inside graph captures as a record node, so waits outside see each replay's record
+        self.layer_done = torch.cuda.Event(external=True) if cuda and self.promote_after_layer else None
         self.trace: list[list[int]] | None = None
         """Per-step needed experts while tracing (`start_trace`; benchmarks compute the oracle from it)."""
         self.trace_hits, self.trace_initial = 0, []
@@ -294,7 +302,9 @@ class CachedExperts(ExpertBackend):
             self._point(victim, None)  # kernels after this read the victim in place
         self.free[s].record(cur)
         self.owner[s] = e
-        self.stream.wait_event(self.free[s])
+        # the slot's last reader is this layer of the last queued step (the victim is read in place from the
+        # next step on): its copy waits for that layer alone with `layer_done`, else for the whole step
+        self.stream.wait_event(self.layer_done if self.layer_done is not None else self.free[s])
         with torch.cuda.stream(self.stream):
             _copy(self.w13, s, self.host_w13, e, non_blocking=True)
             _copy(self.w2, s, self.host_w2, e, non_blocking=True)
@@ -576,6 +586,12 @@ class CachedExperts(ExpertBackend):
         return y
 
     def forward(self, bank, x, topk_ids, topk_weights):
+        out = self._forward(bank, x, topk_ids, topk_weights)
+        if self.layer_done is not None:  # every road: a promotion's copy waits for this record
+            self.layer_done.record(torch.cuda.current_stream(self.device))
+        return out
+
+    def _forward(self, bank, x, topk_ids, topk_weights):
         if self.mapped:
             if topk_ids.shape[0] <= self.mapped_tokens:
                 return self._forward_mapped(x, topk_ids, topk_weights)

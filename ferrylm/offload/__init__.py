@@ -6,8 +6,9 @@ Where issue 8 stands (2026-12-01): every part runs and is tested (CPU in CI, CUD
 figures in docs/benchmarks.md. TODO, in order: fp8 expert banks kept packed
 (`models/base.py` ENGINE_PACKED_FORMATS; int8 joined in session 7), a packed kernel that is faster than bf16 in time (it is
 latency-bound: profile, split K for decode), copying predicted misses first at one token (hit rate 0.41 vs
-Belady's 0.74 on Qwen3-30B), next-layer prefetch, graphs for streamed dense layers, and the
-DeepSeek and batch-256 benchmark cases. Session 11: packed Linears of streamed and resident layers are computed
+Belady's 0.74 on Qwen3-30B), next-layer prefetch, graphs for streamed dense layers, the
+DeepSeek benchmark case (batch 256 ran in session 14: 377 tok/s, 0.82 of its floor), and promotion copies that
+overlap the step (`CachedExperts.promote_after_layer`, built, off until measured: docs/benchmarks.md pending). Session 11: packed Linears of streamed and resident layers are computed
 packed on CUDA (`layers/packed_linear.py`), so the issue's Qwen2-72B NF4 case runs under 16 GiB at 95% of its PCIe
 floor; Yuan2.0-M32 NF4 under 8 GiB runs at 28-47% of its floor (the NF4 in-place kernel; docs/benchmarks.md). (The GGUF double decode at start-up is gone:
 `GGUFSource.quantized_info`.)

@@ -419,13 +419,14 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
     llm = LLM(RandomSource(cfg), **kw)
     placed = llm.engine.runner.placed
     auto = placed.cpu_share
-    print(f"calibration: {placed.calibration}; calibrated share {auto:.2f}", flush=True)
+    calibration = placed.calibration  # the figures auto chose from (a forced engine below skips the balance)
+    print(f"calibration: {calibration}; calibrated share {auto:.2f}", flush=True)
     if placed.host_decode is None:  # auto turned hybrid decode off: force it on to sweep the shares
         llm.close()
-        llm = LLM(RandomSource(cfg), **kw, cpu_share=max(s for s in shares))
+        llm = LLM(RandomSource(cfg), **kw, cpu_share=max(shares))
         placed = llm.engine.runner.placed
     row = {"model": "mixtral-16L", "budget_gib": 16, "batch": 1, "routing": routing, "calibrated_share": auto,
-           "gpu_side": gpu_side, "calibration": placed.calibration, "by_share": {}}
+           "gpu_side": gpu_side, "calibration": calibration, "by_share": {}}
     splits = (True, False) if gpu_side == "inplace" else (False,)
     for split in splits:  # each miss split along its intermediate (the default), or whole experts per side
         key = "by_share" if split == splits[0] else "by_share_whole_experts"

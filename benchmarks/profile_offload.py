@@ -35,11 +35,13 @@ def run(experts: str, a, variant: str = "dueling:now") -> dict:
 
     policy, land, *start = variant.split(":")
     CachedExperts.promote_after_layer = start == ["layer"]  # read as the caches are built
-    llm = LLM(RandomSource({**SHAPES[a.shape], "num_hidden_layers": a.layers}, expert_quant=a.expert_quant),
-              device="cuda", dtype="bfloat16",
-              max_num_seqs=1, max_model_len=1024, gpu_memory_budget=f"{a.budget_gib}GiB", experts=experts)
+    try:
+        llm = LLM(RandomSource({**SHAPES[a.shape], "num_hidden_layers": a.layers}, expert_quant=a.expert_quant),
+                  device="cuda", dtype="bfloat16",
+                  max_num_seqs=1, max_model_len=1024, gpu_memory_budget=f"{a.budget_gib}GiB", experts=experts)
+    finally:
+        CachedExperts.promote_after_layer = False
     placed = llm.engine.runner.placed
-    CachedExperts.promote_after_layer = False
     if placed.tally is not None:
         placed.tally.land_now = land == "now"
         if policy == "none":

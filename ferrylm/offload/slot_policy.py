@@ -46,17 +46,17 @@ class PromotionPolicy:
         # the rows that could promote, as Python lists at once: the loop below reads no tensor element
         best, cand, worst, victim = best[rows].tolist(), cand[rows].tolist(), worst.tolist(), victim.tolist()
         out = []
-        for r_, i in enumerate(rows.tolist()):
+        for row, i in enumerate(rows.tolist()):
             flying, free, j = len(busy[i]), empty[i], 0
             for r in range(n):
-                e, b = cand[r_][r], best[r_][r]
+                e, b = cand[row][r], best[row][r]
                 if flying >= n or b <= 0 or e in busy[i]:
                     break
                 if free:
                     out.append((i, e, None))
                     free -= 1
-                elif j < n and b > self.margin * worst[r_][j] + self.floor:  # inf when none is evictable
-                    out.append((i, e, victim[r_][j]))
+                elif j < n and b > self.margin * worst[row][j] + self.floor:  # inf when none is evictable
+                    out.append((i, e, victim[row][j]))
                     j += 1
                 else:
                     break

@@ -21,7 +21,7 @@ from ferrylm.layers.moe import Experts, TorchExperts
 from ferrylm.models.registry import model_class
 from ferrylm.offload.expert_cache import CachedExperts, belady_hits, simulate
 from ferrylm.offload.placed_weights import OffloadStats
-from ferrylm.offload.placement import GPU, HOST, PlaceRule, group_tensors, place
+from ferrylm.offload.placement import GPU, HOST, PlaceRule, group_tensors, minimum_device_bytes, place
 
 from helpers import capture_logits
 from test_models_hf import build
@@ -98,6 +98,22 @@ def test_rules_apply_and_must_match(ckpts):
         place(group_tensors(meta_model(ckpts["llama3"])), None, ("experts=cpu",))
 
 
+def test_lm_head_stays_on_the_device(ckpts):
+    # the head is a matmul each step, nothing runs it from host memory: a budget that leaves no room for it
+    # is too small (named with its minimum), and a rule that puts it there is refused
+    for family in ("mixtral", "smollm2-tied"):
+        groups = group_tensors(meta_model(ckpts[family]))
+        head = sum(g.nbytes for g in groups if g.kind == "lm_head")
+        least = minimum_device_bytes(groups)
+        assert head > 0 and least >= head
+        pl = place(groups, least)
+        assert all(pl.tier[g.name] == GPU for g in groups if g.kind == "lm_head")
+        with pytest.raises(ConfigError, match="too small for this model"):
+            place(groups, least - 1)
+        with pytest.raises(ConfigError, match="LM head in host memory"):
+            place(groups, None, ("lm_head=cpu",))
+
+
 def run(path, **kw):
     llm = LLM(path, dtype="float32", max_num_seqs=4, **kw)
     with capture_logits(llm.engine) as got:
@@ -119,11 +135,12 @@ def run(path, **kw):
 def test_offloaded_equals_resident(ckpts, family, opts):
     path = ckpts[family]
     _, ref_tokens, ref_logits = run(path)
-    if opts == "budget":  # the budget alone decides: half the weights
-        total = sum(g.nbytes for g in group_tensors(meta_model(path)))
+    if opts == "budget":  # the budget alone decides: the least it runs in and half the rest
+        groups = group_tensors(meta_model(path))
+        total, least = sum(g.nbytes for g in groups), minimum_device_bytes(groups)
         c = meta_model(path).config
         kv = 64 * KVCache.bytes_per_block(c.num_hidden_layers, 16, c.num_key_value_heads, c.head_dim, torch.float32)
-        opts = dict(gpu_memory_budget=total // 2 + kv, num_kv_blocks=64)
+        opts = dict(gpu_memory_budget=least + (total - least) // 2 + kv, num_kv_blocks=64)
     llm, tokens, logits = run(path, **opts)
     runner = llm.engine.runner
     assert not runner.placement.fully_resident

@@ -3,8 +3,9 @@
 A model built on the `meta` device is cut into tensor groups (`group_tensors`): the embeddings, the
 LM head, each layer's attention, norms, router, shared experts, dense MLP, and each expert of each MoE
 layer. `place()` fills the device budget in order of how much each group would cost per decode token
-if it lived in host memory: small always-used groups first (norms, routers), then every layer's
-attention, the LM head, shared experts and dense MLPs (streamed layer by layer when they do not fit),
+if it lived in host memory: the groups that never leave the device first (norms, routers, the LM head:
+`DEVICE_KINDS`), then every layer's attention, shared experts and dense MLPs (streamed layer by layer when
+they do not fit),
 then expert slots spread evenly over the MoE layers (misses are copied into the slots on demand), and
 the embeddings last (a lookup reads only the step's rows, so host memory costs nothing per token).
 
@@ -249,21 +250,30 @@ def _forced(groups: list[TensorGroup], rules: tuple[str, ...]) -> dict[str, str]
         if not hit:
             raise ConfigError(f"placement rule {r.text!r} matches no tensor group of this model "
                               f"(groups look like: {', '.join(sorted({_example(g) for g in groups}))})")
+        if r.tier == HOST and any(g.kind == "lm_head" for g in hit):
+            raise ConfigError(f"placement rule {r.text!r} puts the LM head in host memory: it runs on the device "
+                              f"each step (its bytes count toward the minimum budget)")
         for g in hit:
             forced[g.name] = r.tier
     return forced
 
 
+DEVICE_KINDS = ("norm", "router", "lm_head")
+"""Groups that always live on the device: every token reads norms and routers (tiny), and the LM head runs
+there each step (it is a matmul over the whole vocabulary, not a lookup: nothing streams or computes it
+from host memory)."""
+
+
 def _smallest(groups, forced, stream_buffers, min_expert_slots) -> _Ledger:
-    """Every group not forced in host memory, except norms and routers (every token reads them; tiny)."""
-    tier = {g.name: forced.get(g.name, GPU if g.kind in ("norm", "router") else HOST) for g in groups}
+    """Every group not forced in host memory, except `DEVICE_KINDS`."""
+    tier = {g.name: forced.get(g.name, GPU if g.kind in DEVICE_KINDS else HOST) for g in groups}
     return _Ledger(groups, tier, stream_buffers, min_expert_slots)
 
 
 def minimum_device_bytes(groups: list[TensorGroup], rules: tuple[str, ...] = (), *, stream_buffers: int = 2,
                          min_expert_slots: int = 2) -> int:
-    """The fewest device bytes the weights can run in (norms, routers, forced groups, stream buffers for
-    the largest layer, expert slots)."""
+    """The fewest device bytes the weights can run in (norms, routers, the LM head, forced groups, stream
+    buffers for the largest layer, expert slots)."""
     return _smallest(groups, _forced(groups, rules), stream_buffers, min_expert_slots).total()
 
 
@@ -282,12 +292,12 @@ def place(groups: list[TensorGroup], budget: int | None, rules: tuple[str, ...] 
     if ledger.total() > budget:
         raise ConfigError(
             f"GPU memory budget {budget / 2**30:.2f} GiB is too small for this model: its weights need at least "
-            f"{ledger.total() / 2**30:.2f} GiB on the device (norms, routers, forced groups, stream buffers for "
-            f"the largest layer, {min_expert_slots} expert slots per MoE layer), before the KV cache")
+            f"{ledger.total() / 2**30:.2f} GiB on the device (norms, routers, the LM head, forced groups, stream "
+            f"buffers for the largest layer, {min_expert_slots} expert slots per MoE layer), before the KV cache")
     free = [g for g in groups if g.name not in forced and tier[g.name] == HOST]
     experts = sorted((g for g in free if g.kind == "experts"), key=lambda g: (g.expert, g.layer))
     # experts round-robin over layers: slot j of every layer before slot j + 1 of any
-    order = [g for kind in ("lm_head", "attention", "shared_experts", "mlp") for g in free if g.kind == kind]
+    order = [g for kind in ("attention", "shared_experts", "mlp") for g in free if g.kind == kind]
     order += experts + [g for g in free if g.kind == "embed"]
     for g in order:
         ledger.move(g, GPU)

@@ -399,6 +399,10 @@ def case_hybrid(rows: list, h2d: float, routing: str = "model") -> None:
     torch.cuda.empty_cache()
 
 
+GEMM_SHARE = 0.45
+"""The share at which `case_hybrid_decode` compares the host GEMM paths."""
+
+
 def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0.0, 0.3, 0.45, 0.6, 1.0),
                        gpu_side: str = "inplace") -> None:
     """Hybrid decode (graphed): Mixtral 16L bf16 under 16 GiB, batch 1; the host computes a share of the
@@ -443,6 +447,25 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
                                         "cpu_busy_s": round(s.cpu_busy_s, 3), "hit_rate": s.hit_rate}
             print(f"hybrid decode {routing} split={split} share {share:.2f}: {r:6.2f} tok/s  in place "
                   f"{per / 2**30:.2f} GiB/token, {s}", flush=True)
+    # the host GEMM path (`layers/cpu_experts.dense_gemm`) the calibration chose against the others, at one
+    # share, both ways of splitting: the calibration times whole experts, a split step runs column windows
+    from ferrylm.layers import cpu_experts
+    chosen = row["dense_gemm"] = cpu_experts.dense_gemm
+    row["by_gemm"] = {}
+    for g in cpu_experts.DENSE_GEMMS:
+        cpu_experts.dense_gemm = g
+        for split in splits:
+            placed.hybrid_split = split
+            placed.set_cpu_share(GEMM_SHARE)
+            if llm.engine.runner.graphs is not None:
+                llm.engine.runner.graphs.reset()
+            placed.stats.reset()
+            r, per = decode_rate(llm, 1, 24, seed=7, stats=placed.stats)
+            row["by_gemm"][f"{g} split={split}"] = {"tok_s": r, "cpu_busy_s": round(placed.stats.cpu_busy_s, 3),
+                                                    "cpu_experts": placed.stats.cpu_experts}
+            print(f"hybrid decode {routing} gemm {g} split={split} share {GEMM_SHARE}: {r:6.2f} tok/s "
+                  f"{row['by_gemm'][f'{g} split={split}']}", flush=True)
+    cpu_experts.dense_gemm = chosen
     row["hybrid_tok_s"] = row["by_share"][f"{auto:.2f}"]["tok_s"]
     row["inplace_only_tok_s"] = row["by_share"]["0.00"]["tok_s"]
     row["cpu_only_tok_s"] = row["by_share"]["1.00"]["tok_s"]
@@ -476,8 +499,8 @@ def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: s
     I = first.host_w2.shape[2]
     print(f"{name} loaded in {time.perf_counter() - t:.1f} s; calibration {placed.calibration}; calibrated share "
           f"{auto:.2f}; decode steps of <= {first.mapped_tokens} tokens read in place", flush=True)
-    if placed.host_decode is None:
-        rows.append({"model": name, "error": f"no hybrid decode (calibrated share {auto})"})
+    if placed.host_decode is None:  # the cost model's verdict, with the figures it came from
+        rows.append({"model": name, "hybrid": "off", "calibrated_share": auto, "calibration": placed.calibration})
         return
     settings = {"auto": ("hybrid_tok_s", auto, True), "gpu": ("copy_only_tok_s", 0.0, False),
                 "cpu": ("cpu_only_tok_s", 1.0, True)}
@@ -531,6 +554,7 @@ CASES = {
     "hybrid16": lambda rows, h2d: case_hybrid(rows, h2d),
     # the issue's packed hybrid case: Mixtral 32 layers, NF4 experts, 16 GiB, batch 1 and 16 (split vs each side)
     "hybrid32-nf4": lambda rows, h2d: case_hybrid_packed(rows, h2d),
+    "hybrid32-int4": lambda rows, h2d: case_hybrid_packed(rows, h2d, expert_quant="int4"),
     "hybrid16-zipf": lambda rows, h2d: case_hybrid(rows, h2d, "zipf1.2"),
     "offload16": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16}, 16,
                                                 (1, 64), 2048, accelerate=True),

@@ -77,7 +77,7 @@ def test_random_source_hands_out_packed_experts():
            "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
            "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64}
     mc = ModelConfig.from_hf(cfg)
-    for scheme in ("int8", "nf4"):
+    for scheme in ("int8", "int4", "nf4"):
         src = RandomSource(cfg, dtype=torch.float32, expert_quant=scheme)
         with torch.device("meta"):
             model = model_class(mc)(mc)

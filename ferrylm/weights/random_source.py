@@ -5,7 +5,7 @@ Values are N(0, std) drawn once into a pool and tiled (fast enough for tens of G
 would hide bugs and time differently); norms are 1. The names are ferrylm's fused parameter names
 (`qkv_proj`, stacked expert banks), which the loader fills directly.
 
-With `expert_quant` ("int8" or "nf4") the experts come as a quantized store would hand them out: one
+With `expert_quant` ("int8", "int4" or "nf4") the experts come as a quantized store would hand them out: one
 name per expert and projection (`...experts.<e>.w1|w3|w2.weight`) and `get_quantized` returning random
 packed codes with scales of the same spread, so packed-expert paths (kept packed on CUDA, read in place
 over PCIe) are benchmarked at real shapes without quantizing tens of GB first. `linear_quant` does the same
@@ -41,8 +41,8 @@ class RandomSource(WeightSource):
         self.experts: dict[str, tuple[int, int]] = {}  # per-expert name -> its [N, K]
         self.linears: dict[str, tuple[int, int]] = {}  # packed Linear weight name -> its [N, K]
         for knob, value in (("expert_quant", expert_quant), ("linear_quant", linear_quant)):
-            if value not in (None, "int8", "nf4"):
-                raise ValueError(f"{knob} {value!r}: choose int8 or nf4")
+            if value not in (None, "int8", "int4", "nf4"):
+                raise ValueError(f"{knob} {value!r}: choose int8, int4 or nf4")
         if linear_quant is not None:
             from ferrylm.layers.linear import Linear
 
@@ -90,6 +90,11 @@ class RandomSource(WeightSource):
             q[q == -128] = 0
             scale = torch.full((N,), self.std * 3 ** 0.5 / 127)
             return QuantizedTensor("int8", (N, K), {"q": q, "scale": scale}, {}, self.dtype)
+        if (self.expert_quant if name in self.experts else self.linear_quant) == "int4":  # symmetric, group 32
+            q = self._tile(self.codes, torch.empty(N, K // 2, dtype=torch.uint8))  # nibbles uniform in [0, 15]
+            scale = torch.full((N, K // 32), self.std / 4.6, dtype=torch.float16)  # (q - 8) has rms ~4.6
+            return QuantizedTensor("int4", (N, K), {"q": q, "scale": scale}, {"group_size": 32, "zero": "sym"},
+                                   self.dtype)
         q = self._tile(self.codes, torch.empty(N * K // 2, dtype=torch.uint8))
         absmax = torch.full((N * K // 64,), self.std / float(NF4_LEVELS.pow(2).mean().sqrt()))
         return QuantizedTensor("nf4", (N, K), {"q": q, "absmax": absmax}, {"group_size": 64, "double_quant": False},

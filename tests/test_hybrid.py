@@ -232,11 +232,13 @@ def test_packed_host_experts_in_the_cache(fmt):
     weights, ids = torch.softmax(torch.randn(T, E), -1).topk(k, dim=-1)
     ref = bank.forward(x, ids, weights)  # TorchExperts: every expert decoded, fp32
 
-    def cached(mode, costs=None):
+    def cached(mode, costs=None, prepare=False):
         stats = OffloadStats()
         cache = CachedExperts(bank, *bank.packed, 2, [0], set(), "lru", torch.device("cpu"), None, stats, 0,
                               use_fused=False)
         cache.cpu_mode, cache.costs = mode, costs
+        if prepare:
+            cache.host_experts.prepare()
         return cache.forward(bank, x, ids, weights), stats
 
     out, stats = cached("gpu")
@@ -245,7 +247,10 @@ def test_packed_host_experts_in_the_cache(fmt):
     err = (out - ref).abs().max().item()
     print(f"{fmt}: host experts vs resident max |diff| {err:.2e} (output scale {ref.abs().max():.2e})")
     assert stats.cpu_experts == E - 1 and 0 < err <= 2 ** -6 * ref.abs().max()
-    out, stats = cached("auto", Costs(copy_s=1.0, cpu_s=lambda n: 1.0))
+    balanced = Costs(copy_s=1.0, cpu_s=lambda n: 1.0)
+    out, stats = cached("auto", balanced)  # no host kernel built yet: auto copies rather than build in the step
+    assert stats.cpu_experts == 0 and torch.equal(out, ref)
+    out, stats = cached("auto", balanced, prepare=True)
     assert 0 < stats.cpu_experts < E - 1 and (out - ref).abs().max() <= 2 ** -6 * ref.abs().max()
 
 

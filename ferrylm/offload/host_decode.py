@@ -137,10 +137,11 @@ class HostDecode:
             pair[1].record(stream)
         return self.out[:rows].to(device, non_blocking=True)
 
-    def round_trip_s(self, layer: int, cases: list[tuple[int | None, int]], reps: int = 15) -> list[float]:
+    def round_trip_s(self, layer: int, cases: list[tuple], reps: int = 15) -> list[float]:
         """Device-visible seconds of one hand-off of a one-token step on `layer` (send, the worker's serve, the
-        rows back) for each case (expert, cols): the host computing `expert` on its columns [cols, I)
-        (`HostExperts.rows`; None: nothing), the device idle between, the worker copying nothing (`copies`).
+        rows back) for each case (expert, cols) or (expert, cols, setup): the host computing `expert` on its
+        columns [cols, I) (`HostExperts.rows`; None: nothing) after `setup()` where given (a host GEMM path),
+        the device idle between, the worker copying nothing (`copies`).
         The cases run interleaved, one of each per round, so a burst of other work on the host lands on all of
         them alike; each figure is the median of `reps` rounds after one warm-up round (which builds the
         experts' host kernels). What the cost model's `handoff_s` and `call_s` are measured by; the stats it
@@ -153,7 +154,10 @@ class HostDecode:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times: list[list[float]] = [[] for _ in cases]
         for _ in range(reps + 1):
-            for (expert, cols), got in zip(cases, times):
+            for case, got in zip(cases, times):
+                expert, cols, *setup = case
+                if setup and setup[0] is not None:
+                    setup[0]()
                 ids = none.clone()
                 if expert is not None:
                     ids[0, 0] = expert

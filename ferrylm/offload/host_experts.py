@@ -213,6 +213,12 @@ class HostExperts:
                                                       self.act, dense_dtype=self.dense_dtype)
         return h
 
+    def built(self, e: int) -> bool:
+        """Whether expert e's whole-expert kernels exist: always for a dense bank (views, nothing to build);
+        for a packed one once `expert(e)` or `prepare` ran (int4's re-pack costs ~100 ms a Mixtral expert on the
+        H200 host, fifty times its copy: a step should not pay it, `CachedExperts._plan`)."""
+        return isinstance(self.w13, torch.Tensor) or self._experts[e] is not None
+
     def prepare(self, experts=None, cols: int = 0) -> None:
         """Build the kernels of `experts` (default all) now, so no step pays for a first use; with `cols` > 0
         (a packed bank split there) their column kernels instead (`rows(..., cols)` uses only those)."""

@@ -285,9 +285,24 @@ class PlacedWeights:
         I, unit = cache.host_w2.shape[2], cache.host_experts.split_unit
         half = max(unit, round(I / 2 / unit) * unit)
         halves = split and half < I
-        cases = [(None, 0), (e, 0)] + ([(e, half)] if halves else [])
-        handoff, whole, *part = hd.round_trip_s(layer, cases)
-        whole -= handoff
+        # a dense bank split in halves: its host GEMM path (`layers/cpu_experts.dense_gemm`, chosen by the
+        # calibration on whole experts) chosen again on the column windows a split step runs (session 15,
+        # Mixtral 16L at share 0.45: whole experts took split-x4, windows plain 8.05 tok/s against its 5.88)
+        from ferrylm.layers import cpu_experts
+
+        gemms = (cpu_experts.DENSE_GEMMS if halves and isinstance(cache.host_w13, torch.Tensor)
+                 else (cpu_experts.dense_gemm,))
+
+        def use(g):
+            return lambda: setattr(cpu_experts, "dense_gemm", g)
+
+        cases = [(None, 0, None)] + [(e, 0, use(g)) for g in gemms]
+        cases += [(e, half, use(g)) for g in gemms] if halves else []
+        handoff, *got = hd.round_trip_s(layer, cases)
+        wholes, parts = dict(zip(gemms, got[:len(gemms)])), dict(zip(gemms, got[len(gemms):]))
+        g = min(parts, key=parts.get) if parts else gemms[0]
+        cpu_experts.dense_gemm = g
+        whole, part = wholes[g] - handoff, [parts[g]] if parts else []
         call = 0.0
         if halves:
             f = (I - half) / I  # the share of columns the host computes at `half`
@@ -298,7 +313,10 @@ class PlacedWeights:
         share = cpu_share(c, gbs, misses=misses, split=split)
         self.calibration = {**(self.calibration or {}), "handoff_s": c.handoff_s, "call_s": call,
                             "host_whole_s": whole,
-                            "host_half_s": part[0] - handoff if part else None, "expected_misses": misses}
+                            "host_half_s": part[0] - handoff if part else None, "expected_misses": misses,
+                            **({"dense_gemm_split": g,
+                                "host_half_s_by_gemm": {o: t - handoff for o, t in parts.items()}}
+                               if len(parts) > 1 else {})}
         why = (f"a hand-off costs {handoff * 1e3:.2f} ms and an expert call {call * 1e3:.2f} ms beyond its bytes; "
                f"~{misses:.2f} misses a layer take the device {misses * c.expert_bytes / gbs / 1e6:.2f} ms in place, "
                f"the host {whole * 1e3:.2f} ms an expert: share {share:.2f}"

@@ -861,3 +861,48 @@ def test_tally_skips_padding_rows_of_a_graph_step():
     assert counts.tolist() == [1, 1, 1, 1] and hits.tolist() == [1, 0, 0, 1]
     tally_step(counts, hits, in_slot, ids, live_assignments(ids))  # no context: every row counts
     assert counts.tolist() == [4, 4, 2, 2] and hits.tolist() == [4, 0, 0, 2]
+
+
+def test_split_hybrid_chooses_the_host_gemm_on_column_windows():
+    """`PlacedWeights._balanced_share` on a dense bank split in halves: every host GEMM path is timed on a whole
+    expert and on a half (the round trips `HostDecode.round_trip_s` measures, here a stand-in: the hand-off
+    needs CUDA streams), the path of the fastest half is kept, and the expert call's fixed cost comes from that
+    path's whole and half. The stand-in's times depend on the path set when each case runs, so a case timed
+    under the wrong path would pick wrong."""
+    import types
+
+    from ferrylm.layers import cpu_experts
+    from ferrylm.offload.placed_weights import PlacedWeights
+
+    E, H, I = 4, 8, 512
+    half_s = {"plain": 0.006, "split": 0.007, "split-x4": 0.009}  # windows: plain fastest
+    whole_s = {"plain": 0.010, "split": 0.009, "split-x4": 0.007}  # whole experts: split-x4 fastest
+
+    class Decode:
+        def round_trip_s(self, layer, cases):
+            out = []
+            for expert, cols, setup in cases:
+                if setup is not None:
+                    setup()
+                g = cpu_experts.dense_gemm
+                out.append(0.001 + (0 if expert is None else half_s[g] if cols else whole_s[g]))
+            return out
+
+    he = types.SimpleNamespace(splittable=True, split_unit=128)
+    cache = types.SimpleNamespace(host_w13=torch.zeros(E, 2 * I, H), host_w2=torch.zeros(E, H, I), pinned=set(),
+                                  host_experts=he, capacity=2)
+    me = types.SimpleNamespace(costs=Costs(copy_s=0.01, cpu_s=lambda n: 0.01, expert_bytes=10_000_000),
+                               caches={0: cache}, model=types.SimpleNamespace(config=types.SimpleNamespace(
+                                   num_experts_per_tok=2)), hybrid_split=True, calibration={})
+    before = cpu_experts.dense_gemm
+    try:
+        cpu_experts.dense_gemm = "split-x4"  # what a whole-expert calibration picked
+        PlacedWeights._balanced_share(me, Decode())
+        cal = me.calibration
+        assert cpu_experts.dense_gemm == cal["dense_gemm_split"] == "plain"
+        assert cal["host_half_s_by_gemm"] == pytest.approx(half_s)
+        assert cal["host_whole_s"] == pytest.approx(whole_s["plain"])
+        f = 0.5  # half = 256 of 512 columns
+        assert cal["call_s"] == pytest.approx((half_s["plain"] - f * whole_s["plain"]) / (1 - f)) == 0.002
+    finally:
+        cpu_experts.dense_gemm = before

@@ -4,8 +4,9 @@ CPU kernel reads (nf4, fp8 and group-wise int8 through `layers/cpu_experts.RowBl
 
     PYTHONPATH=. python benchmarks/bench_host_rowblocks.py [--formats nf4 fp8 int8-g64 int4 int8] [--experts 2]
 
-Run it on two trees to compare them (it imports the ferrylm on PYTHONPATH). Prints one JSON object: per format
-the median ms an expert and GB/s of its packed bytes."""
+Each RowBlocks format runs both ways in one run, alternating: on the split pool (`cpu_experts.row_blocks_gemm`,
+the default) and plain (the blocks one after another on torch's threads). Prints one JSON object: per format and
+path the median ms an expert and GB/s of its packed bytes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ferrylm.layers import cpu_experts
 from ferrylm.layers.fused_moe import ExpertWeights
 from ferrylm.offload.host_experts import HostExperts
 from ferrylm.weights import quant as Q
@@ -49,18 +51,23 @@ def main() -> None:
         experts = [he.expert(e) for e in range(a.experts)]
         x = torch.randn(1, a.hidden, dtype=torch.bfloat16)
         nbytes = sum(t.numel() * t.element_size() for side in (b13, b2) for t in side.parts.values()) / a.experts
-        for ex in experts:
-            ex(x)
-        times = []
-        for _ in range(a.reps):
-            t = time.perf_counter()
-            for ex in experts:
-                ex(x)
-            times.append((time.perf_counter() - t) / a.experts)
-        s = sorted(times)[len(times) // 2]
-        out["formats"][fmt] = {"ms": round(s * 1e3, 2), "gb_s": round(nbytes / s / 1e9, 2), "expert_mb": round(nbytes / 1e6, 1),
-                               "kernel": type(experts[0].gate_up).__name__}
-        print(fmt, out["formats"][fmt], flush=True)
+        paths = ("split", "plain") if type(experts[0].gate_up).__name__ == "RowBlocks" else ("split",)
+        times: dict[str, list[float]] = {p: [] for p in paths}
+        for r in range(a.reps + 1):
+            for p in paths:
+                cpu_experts.row_blocks_gemm = p
+                t = time.perf_counter()
+                for ex in experts:
+                    ex(x)
+                if r:
+                    times[p].append((time.perf_counter() - t) / a.experts)
+        cpu_experts.row_blocks_gemm = "split"
+        for p in paths:
+            s = sorted(times[p])[len(times[p]) // 2]
+            key = fmt if p == "split" else f"{fmt} plain"
+            out["formats"][key] = {"ms": round(s * 1e3, 2), "gb_s": round(nbytes / s / 1e9, 2),
+                                   "expert_mb": round(nbytes / 1e6, 1), "kernel": type(experts[0].gate_up).__name__}
+            print(key, out["formats"][key], flush=True)
         del he, experts, b13, b2
     print(json.dumps(out))
 

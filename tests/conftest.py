@@ -96,7 +96,8 @@ def _host_dense_gemm():
     its choice."""
     from ferrylm.layers import cpu_experts
 
-    names = ("dense_gemm", "dense_gemm_max_t", "packed_gemm", "packed_gemm_max_t")
+    names = ("dense_gemm", "dense_gemm_max_t", "packed_gemm", "packed_gemm_max_t", "row_blocks_gemm",
+             "row_blocks_gemm_max_t")
     before = [getattr(cpu_experts, n) for n in names]
     yield
     for n, v in zip(names, before):

@@ -485,3 +485,32 @@ def test_int8_split_matches_plain(monkeypatch):
     finally:
         torch.set_num_threads(before)
     print(f"int8 split vs plain: max diff {worst:.3e}, bit-identical: {same}")
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "fp8", "int8-g64"])
+def test_row_blocks_split_over_the_pool_equals_plain(fmt, monkeypatch):
+    """`RowBlocks` on the split pool (chunks of rows, each decoded and multiplied by one worker) gives the plain
+    path's bits: every output column is the same block GEMM over all of K either way. Chunks small enough that
+    the weight really splits (and unevenly: rows not a multiple of the chunk), the per-channel scale sliced."""
+    from ferrylm.layers import cpu_experts
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.offload.host_experts import side_kernel
+
+    make = {"nf4": lambda w: Q.quantize_nf4(w, 64), "fp8": Q.quantize_fp8,
+            "int8-g64": lambda w: Q.quantize_int8(w, 64)}
+    torch.manual_seed(0)
+    N, K = 1000, 256
+    side = ExpertWeights.stack([[make[fmt](torch.randn(N, K) * .05)] for _ in range(2)], torch.bfloat16)
+    kern = side_kernel(side, 1)
+    assert isinstance(kern, cpu_experts.RowBlocks)
+    monkeypatch.setattr(cpu_experts, "SPLIT_MIN_BYTES", 4096)
+    monkeypatch.setattr(cpu_experts, "ROW_BLOCK_BYTES", 64 * 2 * K)  # several blocks a chunk
+    kern = side_kernel(side, 1)  # built again under the small blocks
+    assert len(kern.split(2).kernels) > 2
+    for T in (1, 5):
+        x = torch.randn(T, K, dtype=torch.bfloat16)
+        plain = kern.plain(x)
+        got = kern.split(2)(x)
+        assert torch.equal(got, plain), (got - plain).abs().max()
+        w = side.dequantize(torch.float32)[1]
+        assert (plain.float() - x.float() @ w.t()).abs().max() <= 2 ** -6 * (x.float().abs() @ w.abs().t()).max()

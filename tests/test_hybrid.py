@@ -173,6 +173,27 @@ def test_calibration_chooses_the_int8_gemm(tmp_path, monkeypatch):
     assert again == m and cpu_experts.packed_gemm == m["packed_gemm"]
 
 
+def test_calibration_chooses_the_row_blocks_path(tmp_path, monkeypatch):
+    """An NF4 bank (decoded in row blocks): the plain and the pool-split `RowBlocks` are timed the same way
+    (`layers/cpu_experts.row_blocks_gemm`), the fastest set and recorded, and set again from the cache."""
+    from ferrylm.layers import cpu_experts
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.weights import quant
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_experts, "SPLIT_MIN_BYTES", 2048)
+    act = torch.nn.functional.silu
+    w13 = ExpertWeights.stack([[quant.quantize_nf4(torch.randn(256, 128))] for _ in range(2)], torch.bfloat16)
+    w2 = ExpertWeights.stack([[quant.quantize_nf4(torch.randn(128, 128))] for _ in range(2)], torch.bfloat16)
+    _, m = calibration.calibrate(w13, w2, act, torch.device("cpu"))
+    by = m["cpu_s_beside_copy_by_gemm"]
+    assert sorted(by) == sorted(cpu_experts.ROW_BLOCKS_GEMMS) and m["row_blocks_gemm"] == min(by, key=by.get)
+    assert cpu_experts.row_blocks_gemm == m["row_blocks_gemm"] and "packed_gemm" not in m
+    monkeypatch.setattr(cpu_experts, "row_blocks_gemm", "plain" if m["row_blocks_gemm"] != "plain" else "split")
+    _, again = calibration.calibrate(w13, w2, act, torch.device("cpu"))
+    assert again == m and cpu_experts.row_blocks_gemm == m["row_blocks_gemm"]
+
+
 def test_experts_option_is_checked(mixtral):
     from ferrylm.errors import ConfigError
 

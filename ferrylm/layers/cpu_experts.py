@@ -190,6 +190,23 @@ ROW_BLOCK_BYTES = 4 << 20
 """Bytes of bf16 weights `RowBlocks` decodes at a time (a few MB: the buffer stays in cache for the GEMM)."""
 
 
+ROW_BLOCKS_GEMMS = ("plain", "split")
+row_blocks_gemm = "split"
+"""How `RowBlocks` runs at up to `row_blocks_gemm_max_t` tokens (read at each call): "split" on the split pool (rows
+in chunks, each decoded and multiplied by one single-threaded worker; when the caller has more than one torch
+thread) or "plain" (the blocks one after another on the caller's threads). Torch's decode ops barely scale with
+threads (`index_select`, NF4's level lookup: 0.80 -> 0.66 ms a MB of codes from 1 to 2 threads on the 2-core box;
+149 ms a Mixtral expert on the H200 host's 16), which the chunks spread over the cores; where the decode's ops do
+scale (group-wise int8 on the 2-core box) plain can win, so the hybrid calibration measures both and sets it
+(benchmarks/bench_host_rowblocks.py). The same bits either way: each output column is one block's GEMM over all
+of K."""
+row_blocks_gemm_max_t = 16
+"""Most tokens a call takes `row_blocks_gemm` at."""
+ROW_BLOCKS_CHUNKS_PER_THREAD = 2
+"""Chunks a worker takes on average (a worker that comes free takes the next: a core held by another thread
+delays only its own chunk)."""
+
+
 class RowBlocks:
     """x @ W.T for a packed weight that no CPU kernel reads (nf4, fp8, group-wise int8, odd-sized int4):
     `decode(a, c)` gives rows [a, a + c) as bf16 [c, K], a block at a time, each block multiplied by oneDNN's
@@ -203,8 +220,35 @@ class RowBlocks:
                  out_scale: torch.Tensor | None = None):
         self.shape, self.decode, self.nbytes, self.out_scale = tuple(shape), decode, nbytes, out_scale
         self.block = max(16, ROW_BLOCK_BYTES // (2 * shape[1]) // 16 * 16)
+        self._splits: dict[int, SplitRows] = {}
+
+    def split(self, threads: int) -> SplitRows:
+        """The `SplitRows` over chunks of rows (`ROW_BLOCKS_CHUNKS_PER_THREAD` a thread, fewer for a small
+        weight: `split_bounds`), each a `RowBlocks` decoding its own rows, on `threads` workers; built once."""
+        s = self._splits.get(threads)
+        if s is None:
+            n, k = self.shape
+            bounds = split_bounds(n, max(1, self.nbytes // n), threads * ROW_BLOCKS_CHUNKS_PER_THREAD)
+            chunks = [self._rows(a, c).plain for a, c in bounds]  # (plain: each worker runs torch single-threaded)
+            s = self._splits[threads] = SplitRows(chunks, self.nbytes, workers=threads)
+        return s
+
+    def _rows(self, a: int, c: int) -> "RowBlocks":
+        """Rows [a, a + c) as a RowBlocks of their own."""
+        if (a, c) == (0, self.shape[0]):
+            return self
+        scale = None if self.out_scale is None else self.out_scale[a:a + c]
+        return RowBlocks((c, self.shape[1]), lambda a2, c2: self.decode(a + a2, c2),
+                         self.nbytes * c // self.shape[0], out_scale=scale)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        threads = torch.get_num_threads()
+        if row_blocks_gemm == "split" and threads > 1 and x.shape[0] <= row_blocks_gemm_max_t:
+            return self.split(threads)(x)
+        return self.plain(x)
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks one after another on the calling thread's torch threads."""
         # x: [T, K] -> [T, N] in x's dtype
         n = self.shape[0]
         xb = x.to(torch.bfloat16)

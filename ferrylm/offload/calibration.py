@@ -23,7 +23,8 @@ kernels the hybrid path runs):
   the plain GEMM (more take the plain one): which wins depends on the machine
   (benchmarks/bench_host_gemv.py). Both are set in `layers/cpu_experts` (process-wide: every layer's host
   experts) before the figures above are taken, so they time the path the hybrid decode then runs, and set
-  again from the cache. A per-channel int8 bank chooses `packed_gemm` (plain or split) the same way.
+  again from the cache. A per-channel int8 bank chooses `packed_gemm` (plain or split) the same way, a bank decoded
+  in row blocks (nf4, fp8, group-wise int8) `row_blocks_gemm` (plain or split over the pool).
 Each CPU figure cycles over a few experts, so the reads come from DRAM rather than the last-level cache.
 The options of each choice (thread counts, GEMMs) are timed interleaved, one run of each per round, medians
 (`_compare`): a burst of other work on the host then lands on all of them alike.
@@ -55,8 +56,11 @@ GEMM_TOKENS = (1, 2, 4, 8, 16)
 """Token counts at which a split dense GEMM is checked against the plain one (`dense_gemm_max_t`)."""
 CYCLE = 4
 """Distinct experts each CPU figure cycles over."""
-VERSION = 4
+VERSION = 5
 """Bumped when what is measured changes (older cache files are measured again)."""
+KNOBS = (("dense_gemm", cpu_experts.DENSE_GEMMS), ("packed_gemm", cpu_experts.PACKED_GEMMS),
+         ("row_blocks_gemm", cpu_experts.ROW_BLOCKS_GEMMS))
+"""The host GEMM settings of `layers/cpu_experts` a calibration chooses (one per bank format) and its cache sets."""
 
 
 def cache_dir() -> str:
@@ -229,6 +233,8 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
         knob = ("dense_gemm", cpu_experts.DENSE_GEMMS)
     elif isinstance(he.expert(cycle[0]).gate_up, cpu_experts.Int8Split):
         knob = ("packed_gemm", cpu_experts.PACKED_GEMMS)
+    elif isinstance(he.expert(cycle[0]).gate_up, cpu_experts.RowBlocks):
+        knob = ("row_blocks_gemm", cpu_experts.ROW_BLOCKS_GEMMS)
     by_gemm, by_tokens = {}, {}
     if knob:
         name, choices = knob
@@ -315,7 +321,7 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
         if data.get("key") == key:
             if choose_threads and "threads" in data["measured"]:
                 torch.set_num_threads(int(data["measured"]["threads"]))
-            for name, choices in (("dense_gemm", cpu_experts.DENSE_GEMMS), ("packed_gemm", cpu_experts.PACKED_GEMMS)):
+            for name, choices in KNOBS:
                 if data["measured"].get(name) in choices:
                     setattr(cpu_experts, name, data["measured"][name])
                     setattr(cpu_experts, f"{name}_max_t", int(data["measured"][f"{name}_max_t"]))
@@ -336,7 +342,7 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
         log.warning("cannot write the calibration cache %s (%s)", path, str(e))
     log.info("calibrated (%s, %d threads, %s GEMM): expert copy %.2f ms, CPU expert %s ms, %.2f ms at 1 token "
              "beside copies", he.format, torch.get_num_threads(),
-             measured.get("dense_gemm", measured.get("packed_gemm", "plain")),
+             next((measured[n] for n, _ in KNOBS if n in measured), "plain"),
              measured["copy_s"] * 1e3,
              {n: round(s * 1e3, 2) for n, s in measured["cpu_s"].items()},
              measured["cpu_s_beside_copy"]["1"] * 1e3)

@@ -8,7 +8,8 @@ figures in docs/benchmarks.md. TODO, in order: fp8 expert banks kept packed
 latency-bound: profile, split K for decode), copying predicted misses first at one token (hit rate 0.41 vs
 Belady's 0.74 on Qwen3-30B), next-layer prefetch, graphs for streamed dense layers, the
 DeepSeek benchmark case (batch 256 ran in session 14: 377 tok/s, 0.82 of its floor), and promotion copies that
-overlap the step (`CachedExperts.promote_after_layer`, built, off until measured: docs/benchmarks.md pending). Session 11: packed Linears of streamed and resident layers are computed
+overlap the step (`CachedExperts.promote_after_layer`: equal to resident on the H200, 7.55 against 7.74 ms a
+Qwen3 step in session 15, within noise: left off). Session 11: packed Linears of streamed and resident layers are computed
 packed on CUDA (`layers/packed_linear.py`), so the issue's Qwen2-72B NF4 case runs under 16 GiB at 95% of its PCIe
 floor; Yuan2.0-M32 NF4 under 8 GiB runs at 28-47% of its floor (the NF4 in-place kernel; docs/benchmarks.md). (The GGUF double decode at start-up is gone:
 `GGUFSource.quantized_info`.)
@@ -18,10 +19,13 @@ Hybrid decode (issue 10): the host computes a share of each missed expert inside
 columns in place, the host computes the rest; dense and packed banks, c a multiple of lcm(128, w2's group)),
 or with `hybrid_split` off whole experts per step (`expert_cache.host_share`). Mixtral-16L bf16 under 16 GiB,
 batch 1: 9.82 tok/s at the calibrated share, 11.45 under Zipf routing (in place only 5.78 / 7.48, llama.cpp 8.67;
-session 14, docs/benchmarks.md; the aim of 14.3 is missed). Next: the packed column split on the H200
-(`bench_offload.py --cases hybrid32-nf4`; the AVX512 host's int8 / int4 kernels read 77-81 GB/s at one token alone),
-and the host's share beside the device's reads (~36 GB/s there, of 93-97 a plain read streams). Decided by the
-16-core figures (session 14): no oneDNN packed copy of the host share (1.1x at 1-4 tokens for a second copy).
+session 14, docs/benchmarks.md; the aim of 14.3 is missed: the host's bf16 GEMM reads ~42 GB/s beside the
+device's ~47 in place, which bounds this case near 11 tok/s; past it needs a host GEMV at DRAM speed, native
+code). Session 15: the host GEMM path of a split bank is chosen on the column windows it runs (split-x4 won whole
+experts, plain won windows: 8.05 against 5.88 tok/s at share 0.45); Mixtral 32L int4 batch 1 hybrid 23.0 tok/s
+against 19.1 copy-only and 22.3 host-only; NF4 host experts are decoded by torch ops (149 ms an expert on the
+16-core host; now split over the pool, `cpu_experts.row_blocks_gemm`), so the cost model keeps NF4 hybrid off.
+Pending on the GPU (docs/benchmarks.md): the two session-15 changes re-measured.
 A dropped offloaded CUDA engine is not always freed at once
 (seen in tests/test_cuda; the holder is not found yet).
 Session 4 (s4-hybrid): the host worker computes a padded graph step's live rows only

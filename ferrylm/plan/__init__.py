@@ -34,6 +34,10 @@ TODO (what is left of issue #14):
   modelled as two balanced rates that add, which misses batch 1 on small experts (sessions 6, 8 and 9: a
   fixed host cost per call, `benchmarks/profile_offload.py`); its "copy" GPU side (opt-in) is not modelled; the copy path's
   host split counts as copies (measured +6%);
+- hybrid decode over packed experts is not modelled (the plan prices packed banks in place / copied only): the
+  engine runs it where its calibration says it pays (session 15, Mixtral 32L int4 under 16 GiB batch 1: 23.0 tok/s
+  against 19.1 copy-only; the host's int4 kernel 66.7 GB/s alone, NF4 0.66 GB/s: off); a per-format host rate
+  (benchmarks/bench_host_rowblocks.py) would price it;
 - multi-GPU speed is per-rank arithmetic with assumed all-reduce costs, and the warm-up step is counted at the
   full widths under TP (an upper estimate); the engine loop's per-step host time (schedule, sample) is not
   modelled.

@@ -428,7 +428,7 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
     print(f"calibration: {calibration}; calibrated share {auto:.2f}", flush=True)
     if placed.host_decode is None:  # auto turned hybrid decode off: force it on to sweep the shares
         llm.close()
-        llm = LLM(RandomSource(cfg), **kw, cpu_share=max(shares))
+        llm = LLM(RandomSource(cfg), **kw, cpu_share=max(shares) or GEMM_SHARE)
         placed = llm.engine.runner.placed
     row = {"model": "mixtral-16L", "budget_gib": 16, "batch": 1, "routing": routing, "calibrated_share": auto,
            "gpu_side": gpu_side, "calibration": calibration, "by_share": {}}

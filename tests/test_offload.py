@@ -112,6 +112,7 @@ def test_lm_head_stays_on_the_device(ckpts):
             place(groups, least - 1)
         with pytest.raises(ConfigError, match="LM head in host memory"):
             place(groups, None, ("lm_head=cpu",))
+        assert place(groups, None, ("lm_head=cpu", "lm_head=gpu")).fully_resident  # later rules win
 
 
 def run(path, **kw):

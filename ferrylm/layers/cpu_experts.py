@@ -238,7 +238,8 @@ class RowBlocks:
         if (a, c) == (0, self.shape[0]):
             return self
         scale = None if self.out_scale is None else self.out_scale[a:a + c]
-        return RowBlocks((c, self.shape[1]), lambda a2, c2: self.decode(a + a2, c2),
+        decode = self.decode  # (not self: a chunk holding its parent would make a reference cycle)
+        return RowBlocks((c, self.shape[1]), lambda a2, c2: decode(a + a2, c2),
                          self.nbytes * c // self.shape[0], out_scale=scale)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

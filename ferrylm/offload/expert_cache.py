@@ -419,12 +419,18 @@ class CachedExperts(ExpertBackend):
         misses = [e for e in needed if e not in self.slot_of]
         on_cpu: list[int] = []
         if misses and self.cpu_mode != "gpu":
-            # auto: a packed miss whose whole-expert kernel is not built is copied (building it in the step costs
-            # more than its copy; a split hybrid decode prepares column kernels only, session 15: Mixtral 32L int4
-            # at batch 16 ran 64.6 tok/s against 197.8 copy-only, its host experts built in the steps)
-            cold = [] if self.cpu_mode == "cpu" else [e for e in misses if not self.host_experts.built(e)]
-            misses, on_cpu = split_misses({e: counts[e] for e in misses if e not in cold}, self.costs, self.cpu_mode)
-            misses = sorted(misses + cold)
+            misses, on_cpu = split_misses({e: counts[e] for e in misses}, self.costs, self.cpu_mode)
+            he = self.host_experts
+            cold = [] if self.cpu_mode == "cpu" else [e for e in on_cpu if not he.built(e)]
+            if cold:  # auto: a packed miss the host should take whose whole-expert kernel is not built is copied
+                # this step and its kernel built in the background (building it in the step costs more than its
+                # copy: a split hybrid decode prepares column kernels only; session 15, Mixtral 32L int4 at batch
+                # 16 ran 64.6 tok/s against 197.8 copy-only, its host experts built inside the steps)
+                he.build_later(cold)
+                unbuilt = [e for e in misses + on_cpu if not he.built(e)]
+                misses, on_cpu = split_misses({e: counts[e] for e in misses + on_cpu if e not in unbuilt},
+                                              self.costs, self.cpu_mode)
+                misses = sorted(misses + unbuilt)
         pending = deque(misses)
         self.stats.expert_hits += len(hits)
         self.stats.expert_misses += len(pending) + len(on_cpu)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 
 import torch
 
@@ -164,6 +165,11 @@ class HostExperts:
         self._split: dict[int, tuple] = {}  # expert -> (c, its column kernels): `_column_expert`
         self.laid: set[int] = set()
         """Experts whose int4 codes lie in the bank in torch's CPU layout (`lay`)."""
+        self._queued: deque[int] = deque()  # `build_later`'s experts, built in order by `_builder`
+        self._queued_set: set[int] = set()
+        self._queue_lock = threading.Lock()
+        self._builder: threading.Thread | None = None
+        self._stop = threading.Event()
 
     @property
     def can_lay(self) -> bool:
@@ -212,6 +218,44 @@ class HostExperts:
                     h = self._experts[e] = HostExpert(side_kernel(self.w13, e, laid), side_kernel(self.w2, e, laid),
                                                       self.act, dense_dtype=self.dense_dtype)
         return h
+
+    def build_later(self, experts) -> None:
+        """Build the whole-expert kernels of `experts` on one background thread, in order, each once (an
+        expert already built or queued is skipped); `close()` ends the thread between two builds. What a step
+        that found them unbuilt asks for (`CachedExperts._plan`: it copies them meanwhile)."""
+        with self._queue_lock:
+            if self._stop.is_set():
+                return
+            for e in experts:
+                if self._experts[e] is None and e not in self._queued_set:
+                    self._queued.append(e)
+                    self._queued_set.add(e)
+            if self._queued and self._builder is None:
+                self._builder = threading.Thread(target=self._build_queued, name="ferry-host-expert-build",
+                                                 daemon=True)
+                self._builder.start()
+
+    def _build_queued(self) -> None:
+        while not self._stop.is_set():
+            with self._queue_lock:
+                if not self._queued:
+                    self._builder = None
+                    return
+                e = self._queued.popleft()
+            self.expert(e)
+            with self._queue_lock:
+                self._queued_set.discard(e)
+        with self._queue_lock:
+            self._builder = None
+
+    def close(self) -> None:
+        """End `build_later`'s thread (after the build it is in, if any); queued builds are dropped."""
+        with self._queue_lock:
+            self._stop.set()
+            t, self._queued = self._builder, deque()
+            self._queued_set.clear()
+        if t is not None and t is not threading.current_thread():
+            t.join()
 
     def built(self, e: int) -> bool:
         """Whether expert e's whole-expert kernels exist: always for a dense bank (views, nothing to build);

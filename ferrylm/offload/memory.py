@@ -91,8 +91,9 @@ def size_memory(groups: list[TensorGroup], per_block: int, max_model_len: int, c
 
         raise ConfigError(
             f"GPU memory budget {gib(budget)} is too small for this model: it needs at least "
-            f"{gib(least + budget - room)} ({gib(least)} of weights: norms, routers, placement rules, stream "
-            f"buffers and expert slots; {gib(kv)} of KV cache; {gib(budget - room - kv)} for activations)")
+            f"{gib(least + budget - room)} ({gib(least)} of weights: norms, routers, the LM head, placement "
+            f"rules, stream buffers and expert slots; {gib(kv)} of KV cache; {gib(budget - room - kv)} for "
+            f"activations)")
     return place(groups, room, oc.place, stream_buffers=oc.stream_buffers), kv
 
 

@@ -157,7 +157,7 @@ class PlacedWeights:
             return torch.empty(shape, dtype=dtype, device=self.device)
         name = self.name_of[id(p)]
         if ".layers." not in f".{name}":
-            return torch.empty(shape, dtype=dtype)  # embeddings and head on the host: looked up, never copied
+            return torch.empty(shape, dtype=dtype)  # embeddings on the host: looked up, never copied
         return self.host.empty(shape, dtype)
 
     def allocate(self, module: nn.Module, attr: str) -> torch.Tensor:
@@ -298,7 +298,12 @@ class PlacedWeights:
 
         cases = [(None, 0, None)] + [(e, 0, use(g)) for g in gemms]
         cases += [(e, half, use(g)) for g in gemms] if halves else []
-        handoff, *got = hd.round_trip_s(layer, cases)
+        before = cpu_experts.dense_gemm
+        try:
+            handoff, *got = hd.round_trip_s(layer, cases)
+        except BaseException:
+            cpu_experts.dense_gemm = before
+            raise
         wholes, parts = dict(zip(gemms, got[:len(gemms)])), dict(zip(gemms, got[len(gemms):]))
         g = min(parts, key=parts.get) if parts else gemms[0]
         cpu_experts.dense_gemm = g
@@ -465,6 +470,9 @@ class PlacedWeights:
             self.cpu_pool.shutdown()
         for t in self._prepare_threads:
             t.join()  # each at most one expert's kernel build away
+        for c in self.caches.values():
+            if c._host_experts is not None:
+                c._host_experts.close()  # its background builds (`HostExperts.build_later`)
         if self.device.type == "cuda":  # no copy may still read the host tier when it is unregistered
             torch.cuda.synchronize(self.device)
         self.host.close()

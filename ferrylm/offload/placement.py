@@ -245,16 +245,19 @@ class _Ledger:
 
 def _forced(groups: list[TensorGroup], rules: tuple[str, ...]) -> dict[str, str]:
     forced: dict[str, str] = {}
+    last_head = ""
     for r in (PlaceRule.parse(r) for r in rules):
         hit = [g for g in groups if r.matches(g)]
         if not hit:
             raise ConfigError(f"placement rule {r.text!r} matches no tensor group of this model "
                               f"(groups look like: {', '.join(sorted({_example(g) for g in groups}))})")
-        if r.tier == HOST and any(g.kind == "lm_head" for g in hit):
-            raise ConfigError(f"placement rule {r.text!r} puts the LM head in host memory: it runs on the device "
-                              f"each step (its bytes count toward the minimum budget)")
         for g in hit:
             forced[g.name] = r.tier
+            if g.kind == "lm_head" and r.tier == HOST:
+                last_head = r.text
+    if any(forced.get(g.name) == HOST for g in groups if g.kind == "lm_head"):
+        raise ConfigError(f"placement rule {last_head!r} puts the LM head in host memory: it runs on the device "
+                          f"each step (its bytes count toward the minimum budget)")
     return forced
 
 

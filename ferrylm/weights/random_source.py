@@ -91,6 +91,8 @@ class RandomSource(WeightSource):
             scale = torch.full((N,), self.std * 3 ** 0.5 / 127)
             return QuantizedTensor("int8", (N, K), {"q": q, "scale": scale}, {}, self.dtype)
         if (self.expert_quant if name in self.experts else self.linear_quant) == "int4":  # symmetric, group 32
+            if K % 32:
+                raise ValueError(f"int4 random weights need K a multiple of 32: {name} is [{N}, {K}]")
             q = self._tile(self.codes, torch.empty(N, K // 2, dtype=torch.uint8))  # nibbles uniform in [0, 15]
             scale = torch.full((N, K // 32), self.std / 4.6, dtype=torch.float16)  # (q - 8) has rms ~4.6
             return QuantizedTensor("int4", (N, K), {"q": q, "scale": scale}, {"group_size": 32, "zero": "sym"},

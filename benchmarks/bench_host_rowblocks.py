@@ -1,12 +1,15 @@
-"""Host expert time per packed format (`offload/host_experts.HostExperts.expert(e)(x)`): the formats no qmatmul
+"""Host expert time per format and host path (`offload/host_experts.HostExperts.expert(e)(x)`): the formats no qmatmul
 CPU kernel reads (nf4, fp8 and group-wise int8 through `layers/cpu_experts.RowBlocks`) beside the ones it does
 (int4, per-channel int8), Mixtral-8x7B expert shape, one token, experts cycled so reads come from DRAM.
 
     PYTHONPATH=. python benchmarks/bench_host_rowblocks.py [--formats nf4 fp8 int8-g64 int4 int8] [--experts 2]
 
-Each RowBlocks format runs both ways in one run, alternating: on the split pool (`cpu_experts.row_blocks_gemm`,
-the default) and plain (the blocks one after another on torch's threads). Prints one JSON object: per format and
-path the median ms an expert and GB/s of its packed bytes."""
+Each format runs every host path it has in one run, alternating: bf16 by `cpu_experts.dense_gemm` (plain, split,
+split-x4, native), the RowBlocks formats by `row_blocks_gemm` (plain, split over the pool, native for NF4); "native"
+only where `layers/host_native` builds. Prints one JSON object: per format and path the median ms an expert and
+GB/s of its bytes as held.
+
+    PYTHONPATH=. python benchmarks/bench_host_rowblocks.py --formats bf16 nf4 int4"""
 
 from __future__ import annotations
 
@@ -22,12 +25,16 @@ from ferrylm.layers.fused_moe import ExpertWeights
 from ferrylm.offload.host_experts import HostExperts
 from ferrylm.weights import quant as Q
 
-MAKE = {"nf4": lambda t: Q.quantize_nf4(t, 64), "fp8": Q.quantize_fp8, "int8-g64": lambda t: Q.quantize_int8(t, 64),
+MAKE = {"bf16": None, "nf4": lambda t: Q.quantize_nf4(t, 64), "fp8": Q.quantize_fp8,
+        "int8-g64": lambda t: Q.quantize_int8(t, 64),
         "int4": lambda t: Q.quantize_int4(t, 32, "sym"), "int8": Q.quantize_int8}
 
 
 def bank(fmt: str, E: int, H: int, I: int):
     g = torch.Generator().manual_seed(0)
+    if fmt == "bf16":
+        return ((torch.randn(E, 2 * I, H, generator=g) * .02).to(torch.bfloat16),
+                (torch.randn(E, H, I, generator=g) * .02).to(torch.bfloat16))
     q = MAKE[fmt]
     b13 = ExpertWeights.stack([[q(torch.randn(I, H, generator=g) * .02), q(torch.randn(I, H, generator=g) * .02)]
                                for _ in range(E)], torch.bfloat16)
@@ -50,23 +57,29 @@ def main() -> None:
         he = HostExperts(b13, b2, F.silu)
         experts = [he.expert(e) for e in range(a.experts)]
         x = torch.randn(1, a.hidden, dtype=torch.bfloat16)
-        nbytes = sum(t.numel() * t.element_size() for side in (b13, b2) for t in side.parts.values()) / a.experts
-        paths = ("split", "plain") if type(experts[0].gate_up).__name__ == "RowBlocks" else ("split",)
+        nbytes = he.expert_bytes
+        kind = type(experts[0].gate_up).__name__
+        knob = {"RowBlocks": ("row_blocks_gemm", cpu_experts.ROW_BLOCKS_GEMMS),
+                "DenseGemm": ("dense_gemm", cpu_experts.DENSE_GEMMS)}.get(kind)
+        paths = cpu_experts.usable(knob[1]) if knob else ("default",)
+        before = getattr(cpu_experts, knob[0]) if knob else None
         times: dict[str, list[float]] = {p: [] for p in paths}
         for r in range(a.reps + 1):
             for p in paths:
-                cpu_experts.row_blocks_gemm = p
+                if knob:
+                    setattr(cpu_experts, knob[0], p)
                 t = time.perf_counter()
                 for ex in experts:
                     ex(x)
                 if r:
                     times[p].append((time.perf_counter() - t) / a.experts)
-        cpu_experts.row_blocks_gemm = "split"
+        if knob:
+            setattr(cpu_experts, knob[0], before)
         for p in paths:
             s = sorted(times[p])[len(times[p]) // 2]
-            key = fmt if p == "split" else f"{fmt} plain"
+            key = f"{fmt} {p}"
             out["formats"][key] = {"ms": round(s * 1e3, 2), "gb_s": round(nbytes / s / 1e9, 2),
-                                   "expert_mb": round(nbytes / 1e6, 1), "kernel": type(experts[0].gate_up).__name__}
+                                   "expert_mb": round(nbytes / 1e6, 1), "kernel": kind}
             print(key, out["formats"][key], flush=True)
         del he, experts, b13, b2
     print(json.dumps(out))

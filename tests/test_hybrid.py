@@ -132,7 +132,8 @@ def test_calibration_chooses_the_dense_gemm(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_experts.DenseGemm, "__call__", spy)
     _, m = calibration.calibrate(w13, w2, act, torch.device("cpu"))
     by = m["cpu_s_beside_copy_by_gemm"]
-    assert sorted(by) == sorted(cpu_experts.DENSE_GEMMS) and m["dense_gemm"] == min(by, key=by.get)
+    assert sorted(by) == sorted(cpu_experts.usable(cpu_experts.DENSE_GEMMS))
+    assert m["dense_gemm"] == min(by, key=by.get)
     assert cpu_experts.dense_gemm == m["dense_gemm"] and cpu_experts.dense_gemm_max_t == m["dense_gemm_max_t"]
     if m["dense_gemm"].startswith("split"):  # checked against plain at 2.. tokens until it stops winning
         t = m["cpu_s_by_gemm"]
@@ -187,7 +188,8 @@ def test_calibration_chooses_the_row_blocks_path(tmp_path, monkeypatch):
     w2 = ExpertWeights.stack([[quant.quantize_nf4(torch.randn(128, 128))] for _ in range(2)], torch.bfloat16)
     _, m = calibration.calibrate(w13, w2, act, torch.device("cpu"))
     by = m["cpu_s_beside_copy_by_gemm"]
-    assert sorted(by) == sorted(cpu_experts.ROW_BLOCKS_GEMMS) and m["row_blocks_gemm"] == min(by, key=by.get)
+    assert sorted(by) == sorted(cpu_experts.usable(cpu_experts.ROW_BLOCKS_GEMMS))
+    assert m["row_blocks_gemm"] == min(by, key=by.get)
     assert cpu_experts.row_blocks_gemm == m["row_blocks_gemm"] and "packed_gemm" not in m
     monkeypatch.setattr(cpu_experts, "row_blocks_gemm", "plain" if m["row_blocks_gemm"] != "plain" else "split")
     _, again = calibration.calibrate(w13, w2, act, torch.device("cpu"))
@@ -895,7 +897,7 @@ def test_tally_skips_padding_rows_of_a_graph_step():
     assert counts.tolist() == [4, 4, 2, 2] and hits.tolist() == [4, 0, 0, 2]
 
 
-def test_split_hybrid_chooses_the_host_gemm_on_column_windows():
+def test_split_hybrid_chooses_the_host_gemm_on_column_windows(monkeypatch):
     """`PlacedWeights._balanced_share` on a dense bank split in halves: every host GEMM path is timed on a whole
     expert and on a half (the round trips `HostDecode.round_trip_s` measures, here a stand-in: the hand-off
     needs CUDA streams), the path of the fastest half is kept, and the expert call's fixed cost comes from that
@@ -926,6 +928,7 @@ def test_split_hybrid_chooses_the_host_gemm_on_column_windows():
     me = types.SimpleNamespace(costs=Costs(copy_s=0.01, cpu_s=lambda n: 0.01, expert_bytes=10_000_000),
                                caches={0: cache}, model=types.SimpleNamespace(config=types.SimpleNamespace(
                                    num_experts_per_tok=2)), hybrid_split=True, calibration={})
+    monkeypatch.setattr(cpu_experts, "DENSE_GEMMS", tuple(half_s))
     before = cpu_experts.dense_gemm
     try:
         cpu_experts.dense_gemm = "split-x4"  # what a whole-expert calibration picked

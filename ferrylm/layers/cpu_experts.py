@@ -31,20 +31,22 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ferrylm.layers import host_native
 from ferrylm.layers.moe import expert_mlp
 from ferrylm.layers.qmatmul import Int4PackCPU, Int8PackCPU, QuantKernel, int4_layout
 from ferrylm.weights import quant as Q
 
 FORMATS = ("bf16", "int8", "int4")
-DENSE_GEMMS = ("plain", "split", "split-x4")
+DENSE_GEMMS = ("plain", "split", "split-x4", "native")
 dense_gemm = "plain"
 """How `HostExpert` multiplies dense bf16 / fp16 weights at up to `dense_gemm_max_t` tokens (read at each
 call; more tokens take the plain path): "plain", one oneDNN GEMM on torch's intra-op threads (the
 reference); "split", `SplitRows` (the weight's rows in one chunk per thread, each chunk a single-threaded
 oneDNN GEMM on a worker thread of its own: the same bits as plain where oneDNN does not split K);
 "split-x4", four chunks per thread, taken by the workers as they come free (a core another thread holds
-delays a quarter of a share, not a whole one). Which is fastest depends on the machine (benchmarks/bench_host_gemv.py): the
-hybrid calibration measures them and sets this (offload/calibration.py). fp32 weights always take the
+delays a quarter of a share, not a whole one); "native", `layers/host_native`'s AVX-512 GEMV over chunks
+of rows (fp32 accumulation, not plain's bits; bf16 weights with K a multiple of 16, else "split"). Which is
+fastest depends on the machine (benchmarks/bench_host_gemv.py, bench_host_rowblocks.py): the hybrid calibration measures them and sets this (offload/calibration.py). fp32 weights always take the
 plain path (an fp32 bank computes `expert_mlp`'s bits)."""
 dense_gemm_max_t = 16
 """Most tokens a call takes `dense_gemm` at (set by the calibration with it)."""
@@ -90,8 +92,24 @@ def split_pool(n: int) -> ThreadPoolExecutor:
     return pool
 
 
+def usable(choices: tuple[str, ...]) -> tuple[str, ...]:
+    """`choices` less "native" where `layers/host_native`'s kernels are unavailable (what a calibration times)."""
+    return tuple(g for g in choices if g != "native" or host_native.available())
+
+
+NATIVE_CHUNKS_PER_THREAD = 2
+"""Row chunks a worker takes on average on the native paths."""
+
+
+def native_split(n: int, row_bytes: int, threads: int, kernel: Callable[[int, int], Callable]) -> "SplitRows":
+    """A `SplitRows` over chunks of n rows for a native kernel: `kernel(a, c)` gives rows [a, a + c)'s
+    x32 -> [T, c] fp32 callable."""
+    bounds = split_bounds(n, row_bytes, threads * NATIVE_CHUNKS_PER_THREAD)
+    return SplitRows([kernel(a, c) for a, c in bounds], 0, workers=threads)
+
+
 def chunks_per_thread(gemm: str) -> int:
-    """"split" -> 1, "split-x4" -> 4."""
+    """"split" -> 1, "split-x4" -> 4 ("native" -> 1: its own chunks, `native_split`)."""
     return int(gemm.partition("-x")[2] or 1)
 
 
@@ -176,11 +194,32 @@ class DenseGemm:
                                                               self.nbytes, workers=threads)
         return s
 
+    def native(self, threads: int) -> SplitRows:
+        """The native GEMV over chunks of w's rows on `threads` workers (x32 -> [T, N] fp32), built once."""
+        s = self._splits.get((threads, 0))
+        if s is None:
+            w = self.w
+
+            def chunk(a: int, c: int):
+                return lambda x32: host_native.gemv_bf16(x32, w[a:a + c], torch.empty(x32.shape[0], c))
+            n, k = self.shape
+            s = self._splits[threads, 0] = native_split(n, k * w.element_size(), threads, chunk)
+        return s
+
+    def native_fits(self, x: torch.Tensor) -> bool:
+        return (self.w.dtype == torch.bfloat16 and self.w.stride(1) == 1 and self.shape[1] % 16 == 0
+                and x.shape[0] <= host_native.MAX_TOKENS and host_native.available())
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         g = dense_gemm
         if g == "plain" or self.w.dtype == torch.float32 or x.shape[0] > dense_gemm_max_t:
             return F.linear(x, self.w)
         threads = torch.get_num_threads()
+        if g == "native" and self.native_fits(x):
+            x32 = x.float().contiguous()
+            if threads == 1:
+                return host_native.gemv_bf16(x32, self.w, torch.empty(x.shape[0], self.shape[0])).to(x.dtype)
+            return self.native(threads)(x32).to(x.dtype)
         if threads == 1:  # (the pool's own workers)
             return F.linear(x, self.w)
         return self.split(threads, chunks_per_thread(g))(x)
@@ -190,14 +229,15 @@ ROW_BLOCK_BYTES = 4 << 20
 """Bytes of bf16 weights `RowBlocks` decodes at a time (a few MB: the buffer stays in cache for the GEMM)."""
 
 
-ROW_BLOCKS_GEMMS = ("plain", "split")
+ROW_BLOCKS_GEMMS = ("plain", "split", "native")
 row_blocks_gemm = "split"
 """How `RowBlocks` runs at up to `row_blocks_gemm_max_t` tokens (read at each call): "split" on the split pool (rows
 in chunks, each decoded and multiplied by one single-threaded worker; when the caller has more than one torch
 thread) or "plain" (the blocks one after another on the caller's threads). Torch's decode ops barely scale with
 threads (`index_select`, NF4's level lookup: 0.80 -> 0.66 ms a MB of codes from 1 to 2 threads on the 2-core box;
 149 ms a Mixtral expert on the H200 host's 16), which the chunks spread over the cores; where the decode's ops do
-scale (group-wise int8 on the 2-core box) plain can win, so the hybrid calibration measures both and sets it
+scale (group-wise int8 on the 2-core box) plain can win; "native" (NF4 only, else "split"): `layers/host_native`'s
+AVX-512 NF4 GEMV over chunks of rows, the codes decoded in registers. The hybrid calibration measures them and sets it
 (benchmarks/bench_host_rowblocks.py). The same bits either way: each output column is one block's GEMM over all
 of K."""
 row_blocks_gemm_max_t = 16
@@ -217,8 +257,10 @@ class RowBlocks:
     name = "row-blocks"
 
     def __init__(self, shape: tuple[int, int], decode: Callable[[int, int], torch.Tensor], nbytes: int,
-                 out_scale: torch.Tensor | None = None):
+                 out_scale: torch.Tensor | None = None, nf4: tuple | None = None):
         self.shape, self.decode, self.nbytes, self.out_scale = tuple(shape), decode, nbytes, out_scale
+        self.nf4 = nf4
+        """NF4 weights: (codes [N, K/2] uint8, absmax [N, K/group] fp32, group), what "native" reads."""
         self.block = max(16, ROW_BLOCK_BYTES // (2 * shape[1]) // 16 * 16)
         self._splits: dict[int, SplitRows] = {}
 
@@ -242,9 +284,34 @@ class RowBlocks:
         return RowBlocks((c, self.shape[1]), lambda a2, c2: decode(a + a2, c2),
                          self.nbytes * c // self.shape[0], out_scale=scale)
 
+    def native(self, threads: int) -> SplitRows:
+        """The native NF4 GEMV over chunks of rows on `threads` workers (x32 -> [T, N] fp32), built once."""
+        s = self._splits.get(-threads)
+        if s is None:
+            q, absmax, group = self.nf4
+            levels = Q.NF4_LEVELS.float().contiguous()
+
+            def chunk(a: int, c: int):
+                return lambda x32: host_native.gemv_nf4(x32, q[a:a + c], absmax[a:a + c], group, levels,
+                                                        torch.empty(x32.shape[0], c))
+            s = self._splits[-threads] = native_split(self.shape[0], max(1, self.nbytes // self.shape[0]), threads,
+                                                      chunk)
+        return s
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        threads = torch.get_num_threads()
-        if row_blocks_gemm == "split" and threads > 1 and x.shape[0] <= row_blocks_gemm_max_t:
+        threads, T = torch.get_num_threads(), x.shape[0]
+        g = row_blocks_gemm
+        if T > row_blocks_gemm_max_t:
+            return self.plain(x)
+        if (g == "native" and self.nf4 is not None and T <= host_native.MAX_TOKENS and self.out_scale is None
+                and host_native.available()):
+            x32 = x.float().contiguous()
+            if threads == 1:
+                q, absmax, group = self.nf4
+                out = torch.empty(T, self.shape[0])
+                return host_native.gemv_nf4(x32, q, absmax, group, Q.NF4_LEVELS.float(), out).to(x.dtype)
+            return self.native(threads)(x32).to(x.dtype)
+        if g != "plain" and threads > 1:
             return self.split(threads)(x)
         return self.plain(x)
 

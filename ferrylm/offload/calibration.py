@@ -237,7 +237,7 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
         knob = ("row_blocks_gemm", cpu_experts.ROW_BLOCKS_GEMMS)
     by_gemm, by_tokens = {}, {}
     if knob:
-        name, choices = knob
+        name, choices = knob[0], cpu_experts.usable(knob[1]) or ("plain",)
         setattr(cpu_experts, f"{name}_max_t", max(GEMM_TOKENS))
         def use(g):
             setattr(cpu_experts, name, g)
@@ -246,7 +246,7 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
             by_gemm = {g: s / len(cycle) for g, s in _compare(choices, use, run_experts(1)).items()}
         best = min(by_gemm, key=by_gemm.get)
         max_t = 1
-        if best.startswith("split"):  # up to the most tokens at which it still beats the plain GEMM
+        if best != "plain":  # up to the most tokens at which it still beats the plain GEMM
             for n in GEMM_TOKENS[1:]:
                 for g, sec in _compare(("plain", best), use, run_experts(n), reps=3).items():
                     by_tokens.setdefault(g, {})[str(n)] = sec / len(cycle)

@@ -107,7 +107,11 @@ def side_kernel(side, e: int, laid: bool = False):
             raise ValueError(f"host experts cannot read the {fmt!r} expert format")
         return w.view(c, K).to(torch.bfloat16)
 
-    return RowBlocks((N, K), decode, _nbytes(*(t[e] for t in side.parts.values())))
+    nf4 = None
+    if fmt == "nf4" and q.stride(-1) == 1 and K % gs == 0 and gs % 32 == 0:  # what the native NF4 GEMV reads
+        s32 = s if s.dtype == torch.float32 and s.stride(-1) == 1 else s.float().contiguous()
+        nf4 = (q, s32, gs)
+    return RowBlocks((N, K), decode, _nbytes(*(t[e] for t in side.parts.values())), nf4=nf4)
 
 
 PACKED_HOST_FORMATS = ("int8", "fp8", "int4", "int4min", "nf4")

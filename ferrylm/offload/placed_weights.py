@@ -290,8 +290,9 @@ class PlacedWeights:
         # Mixtral 16L at share 0.45: whole experts took split-x4, windows plain 8.05 tok/s against its 5.88)
         from ferrylm.layers import cpu_experts
 
-        gemms = (cpu_experts.DENSE_GEMMS if halves and isinstance(cache.host_w13, torch.Tensor)
-                 else (cpu_experts.dense_gemm,))
+        gemms = (cpu_experts.dense_gemm,)
+        if halves and isinstance(cache.host_w13, torch.Tensor):
+            gemms = cpu_experts.usable(cpu_experts.DENSE_GEMMS) or gemms
 
         def use(g):
             return lambda: setattr(cpu_experts, "dense_gemm", g)

@@ -1,0 +1,111 @@
+"""The native host GEMV kernels (`layers/host_native.py`) against torch in fp32, and the host expert paths that use
+them ("native" in `layers/cpu_experts`) against their plain paths. Skipped where the kernels cannot be built
+(no AVX-512F, no C compiler): the reason is printed."""
+
+import pytest
+import torch
+
+from ferrylm.layers import cpu_experts as C
+from ferrylm.layers import host_native as hn
+from ferrylm.weights import quant as Q
+
+pytestmark = pytest.mark.skipif(not hn.available(), reason=f"native host kernels: {hn.why_unavailable()}")
+
+
+def _close(got, ref, x, w):
+    # fp32 sums of K products in another order: within a few ulps of the sum of magnitudes; a bf16 result
+    # also within its own rounding (2^-8 of each value)
+    mag = x.float().abs() @ w.float().abs().t()
+    bound = 1e-5 * mag + (2 ** -8 * ref.abs() if got.dtype == torch.bfloat16 else 0)
+    err = (got.float() - ref).abs()
+    assert (err <= bound).all(), (err.max().item(), bound.max().item())
+    return err.max().item()
+
+
+def _counting(monkeypatch, name):
+    """Count the calls of host_native's `name` (the path under test really runs natively)."""
+    calls, real = [], getattr(hn, name)
+    monkeypatch.setattr(hn, name, lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("T", [1, 3, 16])
+def test_bf16_gemv_equals_torch(T):
+    torch.manual_seed(T)
+    N, K = 200, 320
+    w = torch.randn(N, 2 * K).to(torch.bfloat16)[:, K // 2:K // 2 + K]  # a strided column window, as a split reads
+    x = torch.randn(T, K, dtype=torch.bfloat16)
+    out = torch.full((T, N + 8), float("nan"))[:, 4:4 + N]  # a strided output view
+    hn.gemv_bf16(x.float().contiguous(), w, out)
+    err = _close(out, x.float() @ w.float().t(), x, w)
+    print(f"native bf16 GEMV T={T}: max |diff| vs torch fp32 {err:.2e}")
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_nf4_gemv_equals_torch(T):
+    torch.manual_seed(10 + T)
+    N, K, g = 96, 512, 64
+    qt = Q.quantize_nf4(torch.randn(N, K) * .05, g)
+    q, absmax = qt.parts["q"].view(N, K // 2), qt.parts["absmax"].view(N, K // g).float()
+    w = qt.dequantize(torch.float32)
+    x = torch.randn(T, K, dtype=torch.bfloat16)
+    out = torch.empty(T, N)
+    hn.gemv_nf4(x.float().contiguous(), q, absmax, g, Q.NF4_LEVELS.float(), out)
+    err = _close(out, x.float() @ w.t(), x, w)
+    # a window of columns [128, K) (whole groups) reads the same codes: the host's share of a split expert
+    c = 128
+    out2 = torch.empty(T, N)
+    hn.gemv_nf4(x[:, c:].float().contiguous(), q[:, c // 2:], absmax[:, c // g:], g, Q.NF4_LEVELS.float(), out2)
+    _close(out2, x[:, c:].float() @ w[:, c:].t(), x[:, c:], w[:, c:])
+    print(f"native NF4 GEMV T={T}: max |diff| vs torch fp32 {err:.2e}")
+
+
+def test_native_refuses_what_it_cannot_compute():
+    w = torch.zeros(4, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="refused"):
+        hn.gemv_bf16(torch.zeros(hn.MAX_TOKENS + 1, 32), w, torch.empty(hn.MAX_TOKENS + 1, 4))
+    with pytest.raises(ValueError, match="unit column stride"):
+        hn.gemv_bf16(torch.zeros(1, 32), torch.zeros(32, 4, dtype=torch.bfloat16).t(), torch.empty(1, 4))
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_dense_gemm_native_equals_plain(T, monkeypatch):
+    """`DenseGemm` by "native" (chunks on the pool, and on a single-threaded caller) against the plain GEMM."""
+    torch.manual_seed(0)
+    w = (torch.randn(1000, 256) * .05).to(torch.bfloat16)
+    x = torch.randn(T, 256, dtype=torch.bfloat16)
+    monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 4096)
+    monkeypatch.setattr(C, "dense_gemm", "native")
+    g = C.DenseGemm(w)
+    assert len(g.native(2).kernels) > 2
+    calls = _counting(monkeypatch, "gemv_bf16")
+    got, ref = g(x), x.float() @ w.float().t()
+    assert len(calls) == len(g.native(torch.get_num_threads()).kernels) if torch.get_num_threads() > 1 else calls
+    assert got.dtype == x.dtype
+    _close(got, ref, x, w)
+    monkeypatch.setattr(C, "dense_gemm", "plain")
+    plain = g(x)
+    assert (got.float() - plain.float()).abs().max() <= 2 ** -7 * plain.float().abs().max()  # bf16 outputs
+
+
+def test_row_blocks_native_equals_plain(monkeypatch):
+    """An NF4 host expert side (`host_experts.side_kernel`) by "native" against its plain decode-then-GEMM path."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.offload.host_experts import side_kernel
+
+    torch.manual_seed(1)
+    N, K = 640, 256
+    side = ExpertWeights.stack([[Q.quantize_nf4(torch.randn(N, K) * .05, 64)] for _ in range(2)], torch.bfloat16)
+    monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 4096)
+    kern = side_kernel(side, 1)
+    assert kern.nf4 is not None
+    w = side.dequantize(torch.float32)[1]
+    for T in (1, 6):
+        x = torch.randn(T, K, dtype=torch.bfloat16)
+        monkeypatch.setattr(C, "row_blocks_gemm", "native")
+        calls = _counting(monkeypatch, "gemv_nf4")
+        got = kern(x)
+        assert calls
+        _close(got, x.float() @ w.t(), x, w)
+        plain = kern.plain(x)
+        assert (got.float() - plain.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()

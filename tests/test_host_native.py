@@ -50,12 +50,12 @@ def test_nf4_gemv_equals_torch(T):
     w = qt.dequantize(torch.float32)
     x = torch.randn(T, K, dtype=torch.bfloat16)
     out = torch.empty(T, N)
-    hn.gemv_nf4(x.float().contiguous(), q, absmax, g, Q.NF4_LEVELS.float(), out)
+    hn.gemv_nf4(hn.nf4_x(x), q, absmax, g, Q.NF4_LEVELS.float(), out)
     err = _close(out, x.float() @ w.t(), x, w)
     # a window of columns [128, K) (whole groups) reads the same codes: the host's share of a split expert
     c = 128
     out2 = torch.empty(T, N)
-    hn.gemv_nf4(x[:, c:].float().contiguous(), q[:, c // 2:], absmax[:, c // g:], g, Q.NF4_LEVELS.float(), out2)
+    hn.gemv_nf4(hn.nf4_x(x[:, c:]), q[:, c // 2:], absmax[:, c // g:], g, Q.NF4_LEVELS.float(), out2)
     _close(out2, x[:, c:].float() @ w[:, c:].t(), x[:, c:], w[:, c:])
     print(f"native NF4 GEMV T={T}: max |diff| vs torch fp32 {err:.2e}")
 

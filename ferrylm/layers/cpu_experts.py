@@ -305,7 +305,7 @@ class RowBlocks:
             return self.plain(x)
         if (g == "native" and self.nf4 is not None and T <= host_native.MAX_TOKENS and self.out_scale is None
                 and host_native.available()):
-            x32 = x.float().contiguous()
+            x32 = host_native.nf4_x(x)
             if threads == 1:
                 q, absmax, group = self.nf4
                 out = torch.empty(T, self.shape[0])

@@ -4,7 +4,7 @@ Torch's CPU paths read a bf16 expert at ~54 GB/s on the H200 host's 16 cores (on
 device's in-place reads) and decode NF4 through tensor ops that barely scale with threads (0.66 GB/s of codes;
 `layers/cpu_experts.RowBlocks`). These kernels stream the weight once, converting in registers: bf16 -> fp32 by
 a shift, NF4 codes -> their level by one 16-lane permute (`vpermps`: the 16 levels fit one AVX-512 register),
-times the group's absmax; fp32 accumulation, one output row at a time; x is converted to fp32 once per call.
+a group's products summed, then times its absmax; fp32 accumulation, one output row at a time; x is converted to fp32 once per call.
 Each call covers the rows it is given on the calling thread; `layers/cpu_experts` splits a weight's rows over its
 pool of single-threaded workers (ctypes releases the GIL during the call), as it does for torch's GEMMs.
 
@@ -50,6 +50,15 @@ int ferry_gemv_bf16(const float* x, int T, int K, const uint16_t* w, int64_t ldw
     if (T < 1 || T > MAXT || K % 16) return -1;
     for (int n = 0; n < N; n++) {
         const uint16_t* row = w + (int64_t)n * ldw;
+        if (T == 1 && K % 32 == 0) {  /* decode's case: two independent accumulators in registers */
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+            for (int k = 0; k < K; k += 32) {
+                a0 = _mm512_fmadd_ps(bf16x16_to_f32(row + k), _mm512_loadu_ps(x + k), a0);
+                a1 = _mm512_fmadd_ps(bf16x16_to_f32(row + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+            }
+            out[n] = hsum(_mm512_add_ps(a0, a1));
+            continue;
+        }
         __m512 acc[MAXT];
         for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
         for (int k = 0; k < K; k += 16) {
@@ -62,31 +71,44 @@ int ferry_gemv_bf16(const float* x, int T, int K, const uint16_t* w, int64_t ldw
 }
 
 /* NF4: codes [N, K/2] bytes (row stride ldq bytes), element 2j the low nibble of byte j, 2j+1 the high one;
-   absmax [N, K/g] fp32 (row stride lds), g a multiple of 32; levels: the 16 fp32 levels.
+   absmax [N, K/g] fp32 (row stride lds), g a multiple of 32; levels: the 16 fp32 levels. x comes deinterleaved
+   (`nf4_x`): per block of 32 elements its 16 even ones, then its 16 odd ones, so one byte's two nibbles meet
+   their two x lanes without a shuffle. A group's products are summed unscaled, then times its absmax.
    out[t * ldo + n] = sum_k x[t, k] * levels[code(n, k)] * absmax[n, k / g] */
+#define NF4_BLOCK(XP, ACC) { \
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + k / 2))); \
+    __m512 wl = _mm512_permutexvar_ps(_mm512_and_si512(v, low4), lv); \
+    __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lv); \
+    ACC = _mm512_fmadd_ps(wl, _mm512_loadu_ps(XP + k), ACC); \
+    ACC = _mm512_fmadd_ps(wh, _mm512_loadu_ps(XP + k + 16), ACC); }
+
 int ferry_gemv_nf4(const float* x, int T, int K, const uint8_t* q, int64_t ldq, const float* absmax, int64_t lds,
                    int g, const float* levels, int N, float* out, int64_t ldo) {
     if (T < 1 || T > MAXT || K % g || g % 32) return -1;
     const __m512 lv = _mm512_loadu_ps(levels);
-    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m512i low4 = _mm512_set1_epi32(0x0F);
     for (int n = 0; n < N; n++) {
         const uint8_t* row = q + (int64_t)n * ldq;
         const float* sc = absmax + (int64_t)n * lds;
+        if (T == 1) {  /* decode's case: two accumulators in registers */
+            __m512 acc = _mm512_setzero_ps();
+            for (int k0 = 0; k0 < K; k0 += g) {
+                __m512 ga = _mm512_setzero_ps();
+                for (int k = k0; k < k0 + g; k += 32) NF4_BLOCK(x, ga)
+                acc = _mm512_fmadd_ps(ga, _mm512_set1_ps(sc[k0 / g]), acc);
+            }
+            out[n] = hsum(acc);
+            continue;
+        }
         __m512 acc[MAXT];
         for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
         for (int k0 = 0; k0 < K; k0 += g) {
             const __m512 s = _mm512_set1_ps(sc[k0 / g]);
-            for (int k = k0; k < k0 + g; k += 32) {
-                __m128i b = _mm_loadu_si128((const __m128i*)(row + k / 2));  /* 32 codes */
-                __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-                __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);  /* k..k+15, k+16..k+31 */
-                __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c0), lv), s);
-                __m512 w1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c1), lv), s);
-                for (int t = 0; t < T; t++) {
-                    const float* xt = x + (int64_t)t * K + k;
-                    acc[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xt), acc[t]);
-                    acc[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xt + 16), acc[t]);
-                }
+            for (int t = 0; t < T; t++) {
+                const float* xt = x + (int64_t)t * K;
+                __m512 ga = _mm512_setzero_ps();
+                for (int k = k0; k < k0 + g; k += 32) NF4_BLOCK(xt, ga)
+                acc[t] = _mm512_fmadd_ps(ga, s, acc[t]);
             }
         }
         for (int t = 0; t < T; t++) out[(int64_t)t * ldo + n] = hsum(acc[t]);
@@ -185,10 +207,17 @@ def gemv_bf16(x32: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Te
     return out
 
 
+def nf4_x(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] (K a multiple of 32) -> fp32 [T, K] deinterleaved as `gemv_nf4` reads it: per block of 32, the 16
+    even elements, then the 16 odd ones. Made once per call and shared by every chunk of rows."""
+    T, K = x.shape
+    return x.float().reshape(T, K // 32, 16, 2).transpose(2, 3).contiguous().view(T, K)
+
+
 def gemv_nf4(x32: torch.Tensor, q: torch.Tensor, absmax: torch.Tensor, group: int, levels: torch.Tensor,
              out: torch.Tensor) -> torch.Tensor:
-    """out [T, N] fp32 = x32 [T, K] @ W.T for NF4 W: codes q [N, K/2] uint8 (unit column stride), absmax [N, K/group]
-    fp32 (unit column stride), levels [16] fp32."""
+    """out [T, N] fp32 = x [T, K] @ W.T for NF4 W, x32 = `nf4_x(x)`: codes q [N, K/2] uint8 (unit column stride),
+    absmax [N, K/group] fp32 (unit column stride), levels [16] fp32."""
     lib = _load()
     T, K = x32.shape
     N = q.shape[0]

@@ -24,8 +24,9 @@ device's ~47 in place, which bounds this case near 11 tok/s; past it needs a hos
 code). Session 15: the host GEMM path of a split bank is chosen on the column windows it runs (split-x4 won whole
 experts, plain won windows: 8.05 against 5.88 tok/s at share 0.45); Mixtral 32L int4 batch 1 hybrid 23.0 tok/s
 against 19.1 copy-only and 22.3 host-only; NF4 host experts are decoded by torch ops (149 ms an expert on the
-16-core host; now split over the pool, `cpu_experts.row_blocks_gemm`), so the cost model keeps NF4 hybrid off.
-Pending on the GPU (docs/benchmarks.md): the two session-15 changes re-measured.
+16-core host), so the cost model kept NF4 hybrid off. Then native host kernels (`layers/host_native.py`, AVX-512:
+NF4 13x and bf16 1.3x torch's paths on the 2-core box), a "native" choice of the calibration.
+Pending on the GPU host (docs/benchmarks.md item 0): the native kernels and the two session-15 hybrid changes.
 A dropped offloaded CUDA engine is not always freed at once
 (seen in tests/test_cuda; the holder is not found yet).
 Session 4 (s4-hybrid): the host worker computes a padded graph step's live rows only

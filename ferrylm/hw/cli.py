@@ -32,6 +32,9 @@ def run_checks(a: argparse.Namespace) -> list:
         paths["model"] = probe.disk_usage(a.model_path)
     checks += doctor.disk_checks(paths)
     checks.append(doctor.log_level_check(os.environ.get("FERRY_LOG_LEVEL")))
+    from ferrylm.layers import host_native
+
+    checks.append(doctor.host_kernels_check(host_native.why_unavailable()))
     gpus = probe.read_gpus()
     checks += doctor.gpu_checks(gpus, probe.nvml() is not None)
     if a.measure:

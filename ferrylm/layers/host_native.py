@@ -126,7 +126,8 @@ _lock = threading.Lock()
 
 
 def _cache_dir() -> str:
-    return os.path.join(os.environ.get("FERRYLM_CACHE_DIR", os.path.expanduser("~/.cache/ferrylm")), "kernels")
+    # (offload/calibration.cache_dir's folder; not imported from there: layers sit below offload)
+    return os.path.join(os.environ.get("FERRYLM_CACHE_DIR") or os.path.expanduser("~/.cache/ferrylm"), "kernels")
 
 
 def _cpu_has_avx512f() -> bool:

@@ -36,8 +36,8 @@ SOURCE = r"""
 #include <string.h>
 
 #define MAXT 16
+#define KCHUNK_FLOATS 4096  /* NF4: 16 KB of x per chunk of K stays in L1 beside the streamed codes */
 
-/* x: [T, K] fp32 (contiguous); acc: T accumulators */
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 static inline __m512 bf16x16_to_f32(const uint16_t* p) {
@@ -45,74 +45,116 @@ static inline __m512 bf16x16_to_f32(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* out[t * ldo + n] = sum_k x[t * K + k] * w[n * ldw + k], rows n in [0, N); K a multiple of 16 */
-int ferry_gemv_bf16(const float* x, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out, int64_t ldo) {
-    if (T < 1 || T > MAXT || K % 16) return -1;
-    for (int n = 0; n < N; n++) {
-        const uint16_t* row = w + (int64_t)n * ldw;
-        if (T == 1 && K % 32 == 0) {  /* decode's case: two independent accumulators in registers */
+#define ALWAYS static inline __attribute__((always_inline))
+#define SWITCH_T(CALL) switch (T) { \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
+    case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; case 8: CALL(8); break; \
+    case 9: CALL(9); break; case 10: CALL(10); break; case 11: CALL(11); break; case 12: CALL(12); break; \
+    case 13: CALL(13); break; case 14: CALL(14); break; case 15: CALL(15); break; default: CALL(16); }
+
+/* T a compile-time constant in each inlined copy (SWITCH_T): the accumulators stay in registers */
+ALWAYS void bf16_rows(const float* x, const int T, int K, const uint16_t* w, int64_t ldw, int N, float* out,
+                      int64_t ldo) {
+    if (T == 1 && K % 32 == 0) {  /* decode's case: two independent accumulators, x in L1 */
+        for (int n = 0; n < N; n++) {
+            const uint16_t* row = w + (int64_t)n * ldw;
             __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
             for (int k = 0; k < K; k += 32) {
                 a0 = _mm512_fmadd_ps(bf16x16_to_f32(row + k), _mm512_loadu_ps(x + k), a0);
                 a1 = _mm512_fmadd_ps(bf16x16_to_f32(row + k + 16), _mm512_loadu_ps(x + k + 16), a1);
             }
             out[n] = hsum(_mm512_add_ps(a0, a1));
-            continue;
         }
+        return;
+    }
+    /* several tokens: R rows at a time share each load of x (R * T accumulators in registers) */
+    const int R = T <= 2 ? 8 : T <= 4 ? 4 : T <= 8 ? 2 : 1;
+    int n = 0;
+    for (; n + R <= N; n += R) {
+        __m512 acc[8][MAXT];
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
+            _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += 16) {
+            __m512 wv[8];
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) wv[r] = bf16x16_to_f32(w + (int64_t)(n + r) * ldw + k);
+            _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {
+                __m512 xv = _mm512_loadu_ps(x + (int64_t)t * K + k);
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+            }
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
+            _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) out[(int64_t)t * ldo + n + r] = hsum(acc[r][t]);
+    }
+    for (; n < N; n++) {
+        const uint16_t* row = w + (int64_t)n * ldw;
         __m512 acc[MAXT];
-        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
         for (int k = 0; k < K; k += 16) {
             __m512 wv = bf16x16_to_f32(row + k);
-            for (int t = 0; t < T; t++) acc[t] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + (int64_t)t * K + k), acc[t]);
+            _Pragma("GCC unroll 16") for (int t = 0; t < T; t++)
+                acc[t] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + (int64_t)t * K + k), acc[t]);
         }
-        for (int t = 0; t < T; t++) out[(int64_t)t * ldo + n] = hsum(acc[t]);
+        _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) out[(int64_t)t * ldo + n] = hsum(acc[t]);
     }
+}
+
+/* out[t * ldo + n] = sum_k x[t * K + k] * w[n * ldw + k], rows n in [0, N); K a multiple of 16 */
+int ferry_gemv_bf16(const float* x, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out, int64_t ldo) {
+    if (T < 1 || T > MAXT || K % 16) return -1;
+#define BF16_CALL(t) bf16_rows(x, t, K, w, ldw, N, out, ldo)
+    SWITCH_T(BF16_CALL)
     return 0;
 }
 
 /* NF4: codes [N, K/2] bytes (row stride ldq bytes), element 2j the low nibble of byte j, 2j+1 the high one;
    absmax [N, K/g] fp32 (row stride lds), g a multiple of 32; levels: the 16 fp32 levels. x comes deinterleaved
    (`nf4_x`): per block of 32 elements its 16 even ones, then its 16 odd ones, so one byte's two nibbles meet
-   their two x lanes without a shuffle. A group's products are summed unscaled, then times its absmax.
+   their two x lanes without a shuffle. A block's 32 weights are decoded once for every token; a group's
+   products are summed unscaled, then times its absmax.
    out[t * ldo + n] = sum_k x[t, k] * levels[code(n, k)] * absmax[n, k / g] */
-#define NF4_BLOCK(XP, ACC) { \
-    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + k / 2))); \
-    __m512 wl = _mm512_permutexvar_ps(_mm512_and_si512(v, low4), lv); \
-    __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lv); \
-    ACC = _mm512_fmadd_ps(wl, _mm512_loadu_ps(XP + k), ACC); \
-    ACC = _mm512_fmadd_ps(wh, _mm512_loadu_ps(XP + k + 16), ACC); }
+ALWAYS void nf4_rows(const float* x, const int T, int K, const uint8_t* q, int64_t ldq, const float* absmax,
+                     int64_t lds, int g, __m512 lv, int N, float* out, int64_t ldo) {
+    const __m512i low4 = _mm512_set1_epi32(0x0F);
+    /* K in chunks of whole groups whose x rows stay in L1 (T * KC floats <= 16 KB), every row per chunk */
+    int KC = (KCHUNK_FLOATS / T) / g * g;
+    if (KC < g) KC = g;
+    if (KC > K) KC = K;
+    for (int c0 = 0; c0 < K; c0 += KC) {
+      const int c1 = c0 + KC < K ? c0 + KC : K;
+      for (int n = 0; n < N; n++) {
+        const uint8_t* row = q + (int64_t)n * ldq;
+        const float* sc = absmax + (int64_t)n * lds;
+        __m512 acc[MAXT], ga[MAXT];
+        _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int k0 = c0; k0 < c1; k0 += g) {
+            _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) ga[t] = _mm512_setzero_ps();
+            for (int k = k0; k < k0 + g; k += 32) {
+                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + k / 2)));
+                __m512 wl = _mm512_permutexvar_ps(_mm512_and_si512(v, low4), lv);
+                __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lv);
+                _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {
+                    const float* xt = x + (int64_t)t * K + k;
+                    ga[t] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xt), ga[t]);
+                    ga[t] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xt + 16), ga[t]);
+                }
+            }
+            const __m512 s = _mm512_set1_ps(sc[k0 / g]);
+            _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) acc[t] = _mm512_fmadd_ps(ga[t], s, acc[t]);
+        }
+        _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {
+            float v = hsum(acc[t]);
+            out[(int64_t)t * ldo + n] = c0 ? out[(int64_t)t * ldo + n] + v : v;
+        }
+      }
+    }
+}
 
 int ferry_gemv_nf4(const float* x, int T, int K, const uint8_t* q, int64_t ldq, const float* absmax, int64_t lds,
                    int g, const float* levels, int N, float* out, int64_t ldo) {
     if (T < 1 || T > MAXT || K % g || g % 32) return -1;
     const __m512 lv = _mm512_loadu_ps(levels);
-    const __m512i low4 = _mm512_set1_epi32(0x0F);
-    for (int n = 0; n < N; n++) {
-        const uint8_t* row = q + (int64_t)n * ldq;
-        const float* sc = absmax + (int64_t)n * lds;
-        if (T == 1) {  /* decode's case: two accumulators in registers */
-            __m512 acc = _mm512_setzero_ps();
-            for (int k0 = 0; k0 < K; k0 += g) {
-                __m512 ga = _mm512_setzero_ps();
-                for (int k = k0; k < k0 + g; k += 32) NF4_BLOCK(x, ga)
-                acc = _mm512_fmadd_ps(ga, _mm512_set1_ps(sc[k0 / g]), acc);
-            }
-            out[n] = hsum(acc);
-            continue;
-        }
-        __m512 acc[MAXT];
-        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-        for (int k0 = 0; k0 < K; k0 += g) {
-            const __m512 s = _mm512_set1_ps(sc[k0 / g]);
-            for (int t = 0; t < T; t++) {
-                const float* xt = x + (int64_t)t * K;
-                __m512 ga = _mm512_setzero_ps();
-                for (int k = k0; k < k0 + g; k += 32) NF4_BLOCK(xt, ga)
-                acc[t] = _mm512_fmadd_ps(ga, s, acc[t]);
-            }
-        }
-        for (int t = 0; t < T; t++) out[(int64_t)t * ldo + n] = hsum(acc[t]);
-    }
+#define NF4_CALL(t) nf4_rows(x, t, K, q, ldq, absmax, lds, g, lv, N, out, ldo)
+    SWITCH_T(NF4_CALL)
     return 0;
 }
 """

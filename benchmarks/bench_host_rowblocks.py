@@ -1,15 +1,12 @@
 """Host expert time per format and host path (`offload/host_experts.HostExperts.expert(e)(x)`): the formats no qmatmul
 CPU kernel reads (nf4, fp8 and group-wise int8 through `layers/cpu_experts.RowBlocks`) beside the ones it does
 (int4, per-channel int8), Mixtral-8x7B expert shape, one token, experts cycled so reads come from DRAM.
-
-    PYTHONPATH=. python benchmarks/bench_host_rowblocks.py [--formats nf4 fp8 int8-g64 int4 int8] [--experts 2]
-
 Each format runs every host path it has in one run, alternating: bf16 by `cpu_experts.dense_gemm` (plain, split,
 split-x4, native), the RowBlocks formats by `row_blocks_gemm` (plain, split over the pool, native for NF4); "native"
 only where `layers/host_native` builds. Prints one JSON object: per format and path the median ms an expert and
 GB/s of its bytes as held.
 
-    PYTHONPATH=. python benchmarks/bench_host_rowblocks.py --formats bf16 nf4 int4"""
+    PYTHONPATH=. python benchmarks/bench_host_rowblocks.py [--formats bf16 nf4 fp8 int8-g64 int4 int8] [--experts 2]"""
 
 from __future__ import annotations
 

@@ -109,7 +109,8 @@ def test_calibration_times_the_banks_format(tmp_path, monkeypatch):
     assert m["format"] == "int4min/32" and m["expert_bytes"] == (w13.nbytes + w2.nbytes) // 2
     assert sorted(m["cpu_s"], key=int) == ["1", "4", "16", "64"] and costs.cpu_s(2) > 0
     calibration.calibrate(w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16), act, torch.device("cpu"))
-    assert len([f for f in os.listdir(tmp_path) if f.startswith("calibration-")]) == 2  # the dense bf16 bank of the same shape is another entry
+    caches = [f for f in os.listdir(tmp_path) if f.startswith("calibration-")]
+    assert len(caches) == 2  # the dense bf16 bank of the same shape is another entry
 
 
 def test_calibration_chooses_the_dense_gemm(tmp_path, monkeypatch):
@@ -153,47 +154,30 @@ def test_calibration_chooses_the_dense_gemm(tmp_path, monkeypatch):
     assert "dense_gemm" not in exact and cpu_experts.dense_gemm == "plain"
 
 
-def test_calibration_chooses_the_int8_gemm(tmp_path, monkeypatch):
-    """A per-channel int8 bank: the plain and split `_weight_int8pack_mm` are timed the same way
-    (`layers/cpu_experts.packed_gemm`), the fastest set and recorded, and set again from the cache."""
+@pytest.mark.parametrize("fmt,knob,other", [("int8", "packed_gemm", "dense_gemm"),
+                                             ("nf4", "row_blocks_gemm", "packed_gemm")])
+def test_calibration_chooses_the_packed_path(fmt, knob, other, tmp_path, monkeypatch):
+    """A per-channel int8 bank (plain and split `_weight_int8pack_mm`, `layers/cpu_experts.packed_gemm`) and an
+    NF4 bank decoded in row blocks (plain, pool-split and native `RowBlocks`, `row_blocks_gemm`): each path
+    usable here is timed the same way, the fastest set and recorded, and set again from the cache."""
     from ferrylm.layers import cpu_experts
     from ferrylm.layers.fused_moe import ExpertWeights
     from ferrylm.weights import quant
 
+    make = {"int8": quant.quantize_int8, "nf4": quant.quantize_nf4}[fmt]
+    choices = {"packed_gemm": cpu_experts.PACKED_GEMMS, "row_blocks_gemm": cpu_experts.ROW_BLOCKS_GEMMS}[knob]
     monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_experts, "SPLIT_MIN_BYTES", 2048)
     act = torch.nn.functional.silu
-    w13 = ExpertWeights.stack([[quant.quantize_int8(torch.randn(256, 128))] for _ in range(2)], torch.bfloat16)
-    w2 = ExpertWeights.stack([[quant.quantize_int8(torch.randn(128, 128))] for _ in range(2)], torch.bfloat16)
+    w13 = ExpertWeights.stack([[make(torch.randn(256, 128))] for _ in range(2)], torch.bfloat16)
+    w2 = ExpertWeights.stack([[make(torch.randn(128, 128))] for _ in range(2)], torch.bfloat16)
     _, m = calibration.calibrate(w13, w2, act, torch.device("cpu"))
     by = m["cpu_s_beside_copy_by_gemm"]
-    assert sorted(by) == sorted(cpu_experts.PACKED_GEMMS) and m["packed_gemm"] == min(by, key=by.get)
-    assert cpu_experts.packed_gemm == m["packed_gemm"] and "dense_gemm" not in m
-    monkeypatch.setattr(cpu_experts, "packed_gemm", "plain" if m["packed_gemm"] != "plain" else "split")
+    assert sorted(by) == sorted(cpu_experts.usable(choices)) and m[knob] == min(by, key=by.get)
+    assert getattr(cpu_experts, knob) == m[knob] and other not in m
+    monkeypatch.setattr(cpu_experts, knob, "plain" if m[knob] != "plain" else "split")
     _, again = calibration.calibrate(w13, w2, act, torch.device("cpu"))
-    assert again == m and cpu_experts.packed_gemm == m["packed_gemm"]
-
-
-def test_calibration_chooses_the_row_blocks_path(tmp_path, monkeypatch):
-    """An NF4 bank (decoded in row blocks): the plain and the pool-split `RowBlocks` are timed the same way
-    (`layers/cpu_experts.row_blocks_gemm`), the fastest set and recorded, and set again from the cache."""
-    from ferrylm.layers import cpu_experts
-    from ferrylm.layers.fused_moe import ExpertWeights
-    from ferrylm.weights import quant
-
-    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_experts, "SPLIT_MIN_BYTES", 2048)
-    act = torch.nn.functional.silu
-    w13 = ExpertWeights.stack([[quant.quantize_nf4(torch.randn(256, 128))] for _ in range(2)], torch.bfloat16)
-    w2 = ExpertWeights.stack([[quant.quantize_nf4(torch.randn(128, 128))] for _ in range(2)], torch.bfloat16)
-    _, m = calibration.calibrate(w13, w2, act, torch.device("cpu"))
-    by = m["cpu_s_beside_copy_by_gemm"]
-    assert sorted(by) == sorted(cpu_experts.usable(cpu_experts.ROW_BLOCKS_GEMMS))
-    assert m["row_blocks_gemm"] == min(by, key=by.get)
-    assert cpu_experts.row_blocks_gemm == m["row_blocks_gemm"] and "packed_gemm" not in m
-    monkeypatch.setattr(cpu_experts, "row_blocks_gemm", "plain" if m["row_blocks_gemm"] != "plain" else "split")
-    _, again = calibration.calibrate(w13, w2, act, torch.device("cpu"))
-    assert again == m and cpu_experts.row_blocks_gemm == m["row_blocks_gemm"]
+    assert again == m and getattr(cpu_experts, knob) == m[knob]
 
 
 def test_experts_option_is_checked(mixtral):

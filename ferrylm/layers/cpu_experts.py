@@ -46,8 +46,9 @@ oneDNN GEMM on a worker thread of its own: the same bits as plain where oneDNN d
 "split-x4", four chunks per thread, taken by the workers as they come free (a core another thread holds
 delays a quarter of a share, not a whole one); "native", `layers/host_native`'s AVX-512 GEMV over chunks
 of rows (fp32 accumulation, not plain's bits; bf16 weights with K a multiple of 16, else "split"). Which is
-fastest depends on the machine (benchmarks/bench_host_gemv.py, bench_host_rowblocks.py): the hybrid calibration measures them and sets this (offload/calibration.py). fp32 weights always take the
-plain path (an fp32 bank computes `expert_mlp`'s bits)."""
+fastest depends on the machine (benchmarks/bench_host_gemv.py, bench_host_rowblocks.py): the hybrid calibration
+measures them and sets this (offload/calibration.py). fp32 weights always take the plain path (an fp32 bank
+computes `expert_mlp`'s bits)."""
 dense_gemm_max_t = 16
 """Most tokens a call takes `dense_gemm` at (set by the calibration with it)."""
 PACKED_GEMMS = ("plain", "split", "split-x4")
@@ -194,16 +195,17 @@ class DenseGemm:
                                                               self.nbytes, workers=threads)
         return s
 
+    def native_rows(self, a: int, c: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Rows [a, a + c) by the native GEMV: x32 [T, K] fp32 -> [T, c] fp32."""
+        w = self.w[a:a + c]
+        return lambda x32: host_native.gemv_bf16(x32, w, torch.empty(x32.shape[0], c))
+
     def native(self, threads: int) -> SplitRows:
         """The native GEMV over chunks of w's rows on `threads` workers (x32 -> [T, N] fp32), built once."""
         s = self._splits.get((threads, 0))
         if s is None:
-            w = self.w
-
-            def chunk(a: int, c: int):
-                return lambda x32: host_native.gemv_bf16(x32, w[a:a + c], torch.empty(x32.shape[0], c))
             n, k = self.shape
-            s = self._splits[threads, 0] = native_split(n, k * w.element_size(), threads, chunk)
+            s = self._splits[threads, 0] = native_split(n, k * self.w.element_size(), threads, self.native_rows)
         return s
 
     def native_fits(self, x: torch.Tensor) -> bool:
@@ -217,9 +219,8 @@ class DenseGemm:
         threads = torch.get_num_threads()
         if g == "native" and self.native_fits(x):
             x32 = x.float().contiguous()
-            if threads == 1:
-                return host_native.gemv_bf16(x32, self.w, torch.empty(x.shape[0], self.shape[0])).to(x.dtype)
-            return self.native(threads)(x32).to(x.dtype)
+            run = self.native_rows(0, self.shape[0]) if threads == 1 else self.native(threads)
+            return run(x32).to(x.dtype)
         if threads == 1:  # (the pool's own workers)
             return F.linear(x, self.w)
         return self.split(threads, chunks_per_thread(g))(x)
@@ -242,6 +243,7 @@ AVX-512 NF4 GEMV over chunks of rows, the codes decoded in registers. The hybrid
 of K."""
 row_blocks_gemm_max_t = 16
 """Most tokens a call takes `row_blocks_gemm` at."""
+_NF4_LEVELS32 = Q.NF4_LEVELS.float().contiguous()  # what the native NF4 GEMV reads
 ROW_BLOCKS_CHUNKS_PER_THREAD = 2
 """Chunks a worker takes on average (a worker that comes free takes the next: a core held by another thread
 delays only its own chunk)."""
@@ -284,18 +286,18 @@ class RowBlocks:
         return RowBlocks((c, self.shape[1]), lambda a2, c2: decode(a + a2, c2),
                          self.nbytes * c // self.shape[0], out_scale=scale)
 
+    def native_rows(self, a: int, c: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Rows [a, a + c) by the native NF4 GEMV: x32 (`host_native.nf4_x`) -> [T, c] fp32."""
+        q, absmax, group = self.nf4
+        q, absmax = q[a:a + c], absmax[a:a + c]
+        return lambda x32: host_native.gemv_nf4(x32, q, absmax, group, _NF4_LEVELS32, torch.empty(x32.shape[0], c))
+
     def native(self, threads: int) -> SplitRows:
         """The native NF4 GEMV over chunks of rows on `threads` workers (x32 -> [T, N] fp32), built once."""
         s = self._splits.get(-threads)
         if s is None:
-            q, absmax, group = self.nf4
-            levels = Q.NF4_LEVELS.float().contiguous()
-
-            def chunk(a: int, c: int):
-                return lambda x32: host_native.gemv_nf4(x32, q[a:a + c], absmax[a:a + c], group, levels,
-                                                        torch.empty(x32.shape[0], c))
-            s = self._splits[-threads] = native_split(self.shape[0], max(1, self.nbytes // self.shape[0]), threads,
-                                                      chunk)
+            n = self.shape[0]
+            s = self._splits[-threads] = native_split(n, max(1, self.nbytes // n), threads, self.native_rows)
         return s
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -305,12 +307,8 @@ class RowBlocks:
             return self.plain(x)
         if (g == "native" and self.nf4 is not None and T <= host_native.MAX_TOKENS and self.out_scale is None
                 and host_native.available()):
-            x32 = host_native.nf4_x(x)
-            if threads == 1:
-                q, absmax, group = self.nf4
-                out = torch.empty(T, self.shape[0])
-                return host_native.gemv_nf4(x32, q, absmax, group, Q.NF4_LEVELS.float(), out).to(x.dtype)
-            return self.native(threads)(x32).to(x.dtype)
+            run = self.native_rows(0, self.shape[0]) if threads == 1 else self.native(threads)
+            return run(host_native.nf4_x(x)).to(x.dtype)
         if g != "plain" and threads > 1:
             return self.split(threads)(x)
         return self.plain(x)

@@ -6,12 +6,17 @@ split-x4, native), the RowBlocks formats by `row_blocks_gemm` (plain, split over
 only where `layers/host_native` builds. Prints one JSON object: per format and path the median ms an expert and
 GB/s of its bytes as held.
 
-    PYTHONPATH=. python benchmarks/bench_host_rowblocks.py [--formats bf16 nf4 fp8 int8-g64 int4 int8] [--experts 2]"""
+`--threads 1 2 4 8 16` repeats every path at each torch thread count (the split pools sized to match): how each
+path scales with cores.
+
+    PYTHONPATH=. python benchmarks/bench_host_rowblocks.py [--formats bf16 nf4 fp8 int8-g64 int4 int8] [--experts 2]
+        [--threads N ...]"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -39,6 +44,14 @@ def bank(fmt: str, E: int, H: int, I: int):
     return b13, b2
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    except OSError:
+        return "?"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", nargs="+", default=list(MAKE))
@@ -46,8 +59,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--inter", type=int, default=14336)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     a = ap.parse_args()
-    out = {"bench": "host-rowblocks", "threads": torch.get_num_threads(), "hidden": a.hidden, "inter": a.inter,
+    out = {"bench": "host-rowblocks", "threads": a.threads, "cpu": cpu_model(),
+           "affinity_cpus": len(os.sched_getaffinity(0)), "hidden": a.hidden, "inter": a.inter,
            "formats": {}}
     for fmt in a.formats:
         b13, b2 = bank(fmt, a.experts, a.hidden, a.inter)
@@ -60,24 +75,26 @@ def main() -> None:
                 "DenseGemm": ("dense_gemm", cpu_experts.DENSE_GEMMS)}.get(kind)
         paths = cpu_experts.usable(knob[1]) if knob else ("default",)
         before = getattr(cpu_experts, knob[0]) if knob else None
-        times: dict[str, list[float]] = {p: [] for p in paths}
-        for r in range(a.reps + 1):
+        for threads in a.threads:
+            torch.set_num_threads(threads)
+            times: dict[str, list[float]] = {p: [] for p in paths}
+            for r in range(a.reps + 1):
+                for p in paths:
+                    if knob:
+                        setattr(cpu_experts, knob[0], p)
+                    t = time.perf_counter()
+                    for ex in experts:
+                        ex(x)
+                    if r:
+                        times[p].append((time.perf_counter() - t) / a.experts)
+            if knob:
+                setattr(cpu_experts, knob[0], before)
             for p in paths:
-                if knob:
-                    setattr(cpu_experts, knob[0], p)
-                t = time.perf_counter()
-                for ex in experts:
-                    ex(x)
-                if r:
-                    times[p].append((time.perf_counter() - t) / a.experts)
-        if knob:
-            setattr(cpu_experts, knob[0], before)
-        for p in paths:
-            s = sorted(times[p])[len(times[p]) // 2]
-            key = f"{fmt} {p}"
-            out["formats"][key] = {"ms": round(s * 1e3, 2), "gb_s": round(nbytes / s / 1e9, 2),
-                                   "expert_mb": round(nbytes / 1e6, 1), "kernel": kind}
-            print(key, out["formats"][key], flush=True)
+                s = sorted(times[p])[len(times[p]) // 2]
+                key = f"{fmt} {p}" + (f" t={threads}" if len(a.threads) > 1 else "")
+                out["formats"][key] = {"ms": round(s * 1e3, 2), "gb_s": round(nbytes / s / 1e9, 2),
+                                       "expert_mb": round(nbytes / 1e6, 1), "kernel": kind}
+                print(key, out["formats"][key], flush=True)
         del he, experts, b13, b2
     print(json.dumps(out))
 

@@ -654,7 +654,7 @@ def test_auto_hybrid_share_counts_the_measured_handoff(tmp_path_factory):
           f"{cal['call_s'] * 1e3:.3f} ms, whole expert {cal['host_whole_s'] * 1e3:.3f} ms, "
           f"{cal['expected_misses']:.2f} misses a layer")
     assert 0 < cal["handoff_s"] < 0.05 and cal["call_s"] >= 0
-    if placed.hybrid_split:  # a dense bank split: its host GEMM path chosen on the column windows
+    if placed.hybrid_split and cal["host_half_s"] is not None:  # split in halves: the GEMM chosen on them
         from ferrylm.layers import cpu_experts
         halves = cal["host_half_s_by_gemm"]
         assert cpu_experts.dense_gemm == cal["dense_gemm_split"] == min(halves, key=halves.get)

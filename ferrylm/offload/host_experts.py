@@ -261,6 +261,15 @@ class HostExperts:
         if t is not None and t is not threading.current_thread():
             t.join()
 
+    def wait_built(self, timeout: float | None = None) -> bool:
+        """Wait until `build_later`'s queue is empty and its thread gone (True), or `timeout` seconds (False)."""
+        with self._queue_lock:
+            t = self._builder
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+            return not t.is_alive()
+        return True
+
     def built(self, e: int) -> bool:
         """Whether expert e's whole-expert kernels exist: always for a dense bank (views, nothing to build);
         for a packed one once `expert(e)` or `prepare` ran (int4's re-pack costs ~100 ms a Mixtral expert on the

@@ -41,10 +41,12 @@ def test_bf16_gemv_equals_torch(T):
     print(f"native bf16 GEMV T={T}: max |diff| vs torch fp32 {err:.2e}")
 
 
-@pytest.mark.parametrize("T", [1, 5])
-def test_nf4_gemv_equals_torch(T):
+@pytest.mark.parametrize("T,K", [(1, 512), (2, 512), (5, 512), (11, 1536), (16, 512)])
+def test_nf4_gemv_equals_torch(T, K):
+    """Row tails of the 4- and 2-row blocks (N = 99), K in several L1 chunks (T = 11: 512 columns a chunk), and
+    more than 8 tokens (passes of 8)."""
     torch.manual_seed(10 + T)
-    N, K, g = 96, 512, 64
+    N, g = 99, 64
     qt = Q.quantize_nf4(torch.randn(N, K) * .05, g)
     q, absmax = qt.parts["q"].view(N, K // 2), qt.parts["absmax"].view(N, K // g).float()
     w = qt.dequantize(torch.float32)

@@ -347,7 +347,10 @@ class PlacedWeights:
         # int4: one copy of the codes, in the host kernel's layout, only where the device never reads a miss
         # in place (share 1: `host_share` sends every miss to the host)
         self._lay_host_experts(order if share >= 1 else [])
-        self._prepare_host_experts(order)  # any miss may fall to the host; the first-chosen are built first
+        # any miss may fall to the host at a share > 0: all are built, the first-chosen first; at share 0 none is
+        # (the copy path builds a packed miss it sends to the host on its own: `HostExperts.build_later`; session 16,
+        # Mixtral 32L int4: preparing all 256 at share 0 kept the host's cores busy for 40 s)
+        self._prepare_host_experts(order if share > 0 else [])
         log.info("hybrid decode: the host computes a share %.2f of each layer's missed experts per step, "
                  "%d of %d experts first", share, int(cpu_class.sum()), E)
 

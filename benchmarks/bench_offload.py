@@ -442,6 +442,8 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
         placed.hybrid_split = split
         for share in (*shares, auto):
             placed.set_cpu_share(share)
+            if share is auto and split == splits[0]:  # auto as served: re-balanced on the misses its steps see
+                row["rebalanced_share"] = share = rebalance(llm, placed)
             if llm.engine.runner.graphs is not None:
                 llm.engine.runner.graphs.reset()  # the column split is baked into captures
             placed.stats.reset()
@@ -480,6 +482,21 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
     torch.cuda.empty_cache()
 
 
+def rebalance(llm, placed) -> float:
+    """Arm the engine's re-balance (`PlacedWeights.arm_rebalance`) and decode batch-1 tokens through its window:
+    the share auto serves with once its mapped steps have shown the misses a layer. Returns that share."""
+    from ferrylm import SamplingParams
+    from ferrylm.offload.placed_weights import REBALANCE_WINDOW
+
+    placed.arm_rebalance()
+    llm.generate(prompts(1, 16, 4242), SamplingParams(temperature=0, max_tokens=REBALANCE_WINDOW[1] + 16,
+                                                      ignore_eos=True))
+    cal = placed.calibration or {}
+    print(f"re-balance: {cal.get('measured_misses', float('nan')):.2f} misses a layer seen "
+          f"({cal.get('expected_misses', float('nan')):.2f} assumed): share {placed.cpu_share:.2f}", flush=True)
+    return placed.cpu_share
+
+
 def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: str = "nf4", budget_gib: int = 16,
                        batches=(1, 16), linear_quant: str | None = None) -> None:
     """The issue's packed hybrid case: Mixtral-8x7B shape, `layers` layers, experts `expert_quant` (packed in
@@ -515,6 +532,9 @@ def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: s
         for mode, (key, share, split) in settings.items():
             placed.hybrid_split = split
             placed.set_cpu_share(share)
+            if mode == "auto" and batch == batches[0]:  # auto as served: re-balanced on the misses its steps see
+                row["rebalanced_share"] = share = rebalance(llm, placed)
+                settings["auto"] = (key, share, split)
             built_s = placed.wait_host_builds()  # the setting's host kernels built before its steps are timed
             for c in placed.caches.values():
                 c.cpu_mode = mode

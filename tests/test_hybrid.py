@@ -925,3 +925,46 @@ def test_split_hybrid_chooses_the_host_gemm_on_column_windows(monkeypatch):
         assert cal["call_s"] == pytest.approx((half_s["plain"] - f * whole_s["plain"]) / (1 - f)) == 0.002
     finally:
         cpu_experts.dense_gemm = before
+
+
+def test_rebalance_counts_the_misses_seen():
+    """`PlacedWeights._maybe_rebalance`: once the mapped steps of `REBALANCE_WINDOW` are counted, the share is the
+    cost model's at the misses a layer those steps saw (after the window's first steps, which warm the slots);
+    a change below `REBALANCE_MIN_CHANGE` is left alone, a share that falls to 0 is applied, and it runs once."""
+    import types
+
+    from ferrylm.offload import placed_weights as pw
+    from ferrylm.offload.cost_model import cpu_share
+
+    a, b = pw.REBALANCE_WINDOW
+    L = 4
+    costs = Costs(copy_s=0.002, cpu_s=lambda n: 0.002, expert_bytes=100_000_000, inplace_gbs=40.0,
+                  handoff_s=0.0004, call_s=0.0007)
+    he = types.SimpleNamespace(splittable=True)
+    caches = {i: types.SimpleNamespace(host_experts=he) for i in range(L)}
+
+    def engine(share):
+        return types.SimpleNamespace(_rebalance=None, tally=types.SimpleNamespace(mapped_steps=0, mapped_misses=0),
+                                     host_decode=object(), caches=caches, costs=costs, hybrid_split=True,
+                                     cpu_share=share, calibration={"expected_misses": 1.2}, pending_share=None)
+
+    def run(me, misses_a_layer_step, cold=5.0):
+        for step in range(b + 8):
+            me.tally.mapped_steps += 1
+            me.tally.mapped_misses += round((cold if step < a else misses_a_layer_step) * L)
+            pw.PlacedWeights._maybe_rebalance(me)
+
+    calibrated = cpu_share(costs, misses=1.2)
+    assert calibrated > 0.2
+    me = engine(calibrated)
+    run(me, 0.25)  # the slots catch most of the routing: the fixed costs outweigh the bytes the host would save
+    assert me.calibration["measured_misses"] == pytest.approx(0.25)
+    assert me.pending_share == 0.0 == cpu_share(costs, misses=0.25)
+    assert me._rebalance is False
+    me = engine(calibrated)
+    run(me, 1.25)  # as assumed: no change
+    assert me.pending_share is None and me.calibration["rebalanced_share"] == pytest.approx(cpu_share(costs, misses=1.25))
+    me = engine(calibrated)
+    me._rebalance = False  # a share set from outside (`set_cpu_share`): never re-balanced
+    run(me, 0.25)
+    assert me.pending_share is None and "measured_misses" not in me.calibration

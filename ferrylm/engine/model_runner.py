@@ -504,6 +504,8 @@ class ModelRunner:
         previous step's sampled ids on the device, for sequences whose last token is pending.
         On CUDA nothing here waits for the device: the step is queued and the logits are its output."""
         t = time.perf_counter()
+        if self.placed.pending_share is not None and self.placed.apply_pending_share() and self.graphs is not None:
+            self.graphs.reset()  # hybrid decode's re-balanced share: its column split is baked into captures
         try:
             return self._execute(out, extra_rows, prev)
         finally:

@@ -41,6 +41,10 @@ class RoutingTally:
         self.ring = torch.zeros(self.depth, 2, L, E, dtype=torch.float32).pin_memory()
         self.pending: list[tuple[int, torch.cuda.Event]] = []  # (ring row, its copy's event), oldest first
         self.next_row = 0
+        self.mapped_steps = 0
+        """Mapped steps accounted so far (their counts have reached the host)."""
+        self.mapped_misses = 0
+        """Experts those steps needed and found in no slot, summed over layers."""
         self.resident = torch.zeros(L, E, dtype=torch.bool)
         self.pinned = torch.zeros(L, E, dtype=torch.bool)
         for i, c in enumerate(self.caches):
@@ -99,6 +103,8 @@ class RoutingTally:
         misses = int(needed.sum()) - n_hit
         self.stats.expert_hits += n_hit
         self.stats.expert_misses += misses
+        self.mapped_steps += 1
+        self.mapped_misses += misses
         classes = [c.cpu_class for c in self.caches]
         on_host = 0
         if any(cls is not None for cls in classes):  # [L, E]: the host's class of each layer (none: all False)

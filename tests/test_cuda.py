@@ -697,8 +697,9 @@ def test_hybrid_rebalance_turns_the_host_off_mid_run(tmp_path_factory):
     print(f"re-balance: {cal.get('measured_misses')} misses a layer, share {placed.cpu_share}")
     assert "measured_misses" in cal and placed.cpu_share == 0.0 and placed.pending_share is None
     assert all(c.host_decode is None for c in placed.caches.values())
-    worst = max((a - b).abs().max().item() for a, b in zip(ref, got))
-    print(f"re-balanced vs in place: max |logit diff| = {worst:.3e}")
+    # 88 greedy steps of a random model: a bf16 near-tie may flip a token, after which the contexts differ
+    worst, diverged = worst_while_equal(ref_out, ref, out, got)
+    print(f"re-balanced vs in place: max |logit diff| = {worst:.3e} while the tokens agree ({diverged} diverged)")
     assert worst < 5e-2
     assert out[0].outputs[0].token_ids[:8] == ref_out[0].outputs[0].token_ids[:8]
     del llm, placed

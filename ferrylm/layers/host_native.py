@@ -106,74 +106,46 @@ int ferry_gemv_bf16(const float* x, int T, int K, const uint16_t* w, int64_t ldw
     return 0;
 }
 
-/* R rows [n, n + R) over K columns [c0, c1) (R, T compile-time constants in each inlined copy). Each group's
-   16 levels are scaled by its absmax once (one multiply a group and row), so the permute yields the weights
-   themselves; each 32-element block's codes are decoded once for every token. Independent FMA chains: the low
-   and high nibbles' products go to separate accumulators where registers allow (T <= 4), and R rows run side by
-   side sharing each load of x (a single row's one chain ran at the FMA latency's pace: 4 G weights/s a core on the
-   H200 host, session 16). */
-ALWAYS void nf4_block(const float* x, const int T, const int R, int K, const uint8_t* q, int64_t ldq,
-                      const float* absmax, int64_t lds, int g, __m512 lv, int n, int c0, int c1, float* out,
-                      int64_t ldo) {
-    const __m512i low4 = _mm512_set1_epi32(0x0F);
-    const int two = T <= 4;  /* separate low / high accumulators */
-    __m512 al[4][MAXT], ah[4][MAXT];
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {
-            al[r][t] = _mm512_setzero_ps();
-            if (two) ah[r][t] = _mm512_setzero_ps();
-        }
-    for (int k0 = c0; k0 < c1; k0 += g) {
-        __m512 ls[4];
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
-            ls[r] = _mm512_mul_ps(lv, _mm512_set1_ps(absmax[(int64_t)(n + r) * lds + k0 / g]));
-        for (int k = k0; k < k0 + g; k += 32) {
-            __m512 xl[MAXT], xh[MAXT];
-            if (R > 1) {  /* shared by the rows */
-                _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {
-                    xl[t] = _mm512_loadu_ps(x + (int64_t)t * K + k);
-                    xh[t] = _mm512_loadu_ps(x + (int64_t)t * K + k + 16);
-                }
-            }
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
-                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + (int64_t)(n + r) * ldq + k / 2)));
-                __m512 wl = _mm512_permutexvar_ps(_mm512_and_si512(v, low4), ls[r]);
-                __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ls[r]);
-                _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {
-                    const __m512 a = R > 1 ? xl[t] : _mm512_loadu_ps(x + (int64_t)t * K + k);
-                    const __m512 b = R > 1 ? xh[t] : _mm512_loadu_ps(x + (int64_t)t * K + k + 16);
-                    al[r][t] = _mm512_fmadd_ps(wl, a, al[r][t]);
-                    if (two) ah[r][t] = _mm512_fmadd_ps(wh, b, ah[r][t]);
-                    else al[r][t] = _mm512_fmadd_ps(wh, b, al[r][t]);
-                }
-            }
-        }
-    }
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {
-            float v = hsum(two ? _mm512_add_ps(al[r][t], ah[r][t]) : al[r][t]);
-            float* o = out + (int64_t)t * ldo + n + r;
-            *o = c0 ? *o + v : v;
-        }
-}
-
 /* NF4: codes [N, K/2] bytes (row stride ldq bytes), element 2j the low nibble of byte j, 2j+1 the high one;
    absmax [N, K/g] fp32 (row stride lds), g a multiple of 32; levels: the 16 fp32 levels. x comes deinterleaved
    (`nf4_x`): per block of 32 elements its 16 even ones, then its 16 odd ones, so one byte's two nibbles meet
-   their two x lanes without a shuffle; a group's levels are scaled by its absmax before the permute.
+   their two x lanes without a shuffle. A block's 32 weights are decoded once for every token; a group's
+   products are summed unscaled, then times its absmax.
    out[t * ldo + n] = sum_k x[t, k] * levels[code(n, k)] * absmax[n, k / g] */
 ALWAYS void nf4_rows(const float* x, const int T, int K, const uint8_t* q, int64_t ldq, const float* absmax,
                      int64_t lds, int g, __m512 lv, int N, float* out, int64_t ldo) {
-    const int R = T == 1 ? 4 : T <= 4 ? 2 : 1;
+    const __m512i low4 = _mm512_set1_epi32(0x0F);
     /* K in chunks of whole groups whose x rows stay in L1 (T * KC floats <= 16 KB), every row per chunk */
     int KC = (KCHUNK_FLOATS / T) / g * g;
     if (KC < g) KC = g;
     if (KC > K) KC = K;
     for (int c0 = 0; c0 < K; c0 += KC) {
-        const int c1 = c0 + KC < K ? c0 + KC : K;
-        int n = 0;
-        for (; n + R <= N; n += R) nf4_block(x, T, R, K, q, ldq, absmax, lds, g, lv, n, c0, c1, out, ldo);
-        for (; n < N; n++) nf4_block(x, T, 1, K, q, ldq, absmax, lds, g, lv, n, c0, c1, out, ldo);
+      const int c1 = c0 + KC < K ? c0 + KC : K;
+      for (int n = 0; n < N; n++) {
+        const uint8_t* row = q + (int64_t)n * ldq;
+        const float* sc = absmax + (int64_t)n * lds;
+        __m512 acc[MAXT], ga[MAXT];
+        _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int k0 = c0; k0 < c1; k0 += g) {
+            _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) ga[t] = _mm512_setzero_ps();
+            for (int k = k0; k < k0 + g; k += 32) {
+                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + k / 2)));
+                __m512 wl = _mm512_permutexvar_ps(_mm512_and_si512(v, low4), lv);
+                __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lv);
+                _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {
+                    const float* xt = x + (int64_t)t * K + k;
+                    ga[t] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xt), ga[t]);
+                    ga[t] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xt + 16), ga[t]);
+                }
+            }
+            const __m512 s = _mm512_set1_ps(sc[k0 / g]);
+            _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) acc[t] = _mm512_fmadd_ps(ga[t], s, acc[t]);
+        }
+        _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {
+            float v = hsum(acc[t]);
+            out[(int64_t)t * ldo + n] = c0 ? out[(int64_t)t * ldo + n] + v : v;
+        }
+      }
     }
 }
 

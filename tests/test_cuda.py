@@ -674,34 +674,34 @@ def test_auto_hybrid_share_counts_the_measured_handoff(tmp_path_factory):
 def test_hybrid_rebalance_turns_the_host_off_mid_run(tmp_path_factory):
     """The re-balance (`PlacedWeights.arm_rebalance`) on a graphed hybrid decode: with the host's fixed costs
     made huge, the misses its window sees give share 0, which the runner applies between steps (graphs
-    re-captured): the banks then skip the hand-off, and the logits stay those of the all-in-place run."""
+    re-captured): the banks then skip the hand-off, and a fresh prompt's logits are those of the all-in-place
+    run (a fresh prompt: 88 bf16 steps of one sequence drift apart on their own, 0.49 seen on the H200)."""
     import dataclasses
 
     from test_models_hf import build
 
+    from ferrylm import SamplingParams
     from ferrylm.offload.placed_weights import REBALANCE_WINDOW
 
     path, _ = build(tmp_path_factory, "qwen3_moe")
     kw = dict(device="cuda", dtype="bfloat16", place=("experts=cpu",), gpu_memory_budget="2GiB")
-    prompts = [[5, 9, 31, 7, 100, 3]]
-    steps = REBALANCE_WINDOW[1] + 24
-    ref_out, ref = sampled_rows(LLM(path, experts="gpu", **kw), prompts, steps)
+    prompts = [[5, 9, 31, 7, 100, 3], [17, 4, 4, 250]]
+    ref_out, ref = sampled_rows(LLM(path, experts="gpu", **kw), prompts, 16)
     free_engines()
     llm = LLM(path, experts="auto", cpu_share=0.5, **kw)
     placed = llm.engine.runner.placed
     assert placed.host_decode is not None and all(c.host_decode is not None for c in placed.caches.values())
     placed.costs = dataclasses.replace(placed.costs, handoff_s=1.0)  # no share can pay for this
     placed.arm_rebalance()
-    out, got = sampled_rows(llm, prompts, steps)
+    llm.generate([[11, 12, 13]], SamplingParams(temperature=0, max_tokens=REBALANCE_WINDOW[1] + 16, ignore_eos=True))
     cal = placed.calibration
     print(f"re-balance: {cal.get('measured_misses')} misses a layer, share {placed.cpu_share}")
     assert "measured_misses" in cal and placed.cpu_share == 0.0 and placed.pending_share is None
     assert all(c.host_decode is None for c in placed.caches.values())
-    # 88 greedy steps of a random model: a bf16 near-tie may flip a token, after which the contexts differ
+    out, got = sampled_rows(llm, prompts, 16)
     worst, diverged = worst_while_equal(ref_out, ref, out, got)
     print(f"re-balanced vs in place: max |logit diff| = {worst:.3e} while the tokens agree ({diverged} diverged)")
     assert worst < 5e-2
-    assert out[0].outputs[0].token_ids[:8] == ref_out[0].outputs[0].token_ids[:8]
     del llm, placed
     free_engines()
 

@@ -259,14 +259,14 @@ def test_packed_host_experts_in_the_cache(fmt):
     assert stats.cpu_experts == 0 and torch.equal(out, ref)
     he = cache.host_experts
     for _ in range(E):  # the same cache, step after step: once the kernels it asked for are built, the host takes some
-        t = he._builder
-        if t is not None:
-            t.join(timeout=60)
+        assert he.wait_built(timeout=60)
         assert any(he.built(e) for e in range(E)) and he._builder is None
         out = cache.forward(bank, x, ids, weights)
         if stats.cpu_experts:
             break
     assert 0 < stats.cpu_experts and (out - ref).abs().max() <= 2 ** -6 * ref.abs().max()
+    from ferrylm.layers.cpu_experts import split_pool
+    assert split_pool(1).submit(torch.get_num_threads).result() == 1  # the builds' worker: one core
     he.close()
     he.build_later(range(E))  # closed: nothing more is built
     assert he._builder is None

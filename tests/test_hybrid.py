@@ -381,7 +381,7 @@ def test_calibration_times_its_options_interleaved():
 
 
 def test_calibration_chooses_the_thread_count(tmp_path, monkeypatch):
-    """`choose_threads`: of N, N-1 and N-2 torch threads the one fastest beside copies is kept (measured,
+    """`choose_threads`: of N, N-1, N-2 (and N/2) torch threads the one fastest beside copies is kept (measured,
     recorded, and applied again from the cache); without it the count is left alone."""
     monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
     before = torch.get_num_threads()

@@ -10,8 +10,8 @@ kernels the hybrid path runs):
 - `copy_s_beside_cpu`: the copy while the host computes experts;
 - on CUDA with a mapped bank (`mapped`): `inplace_gbs` (and `inplace_gbs_beside_cpu`), the rate at which the
   fused kernel reads the expert in place over PCIe (`inplace_read_gbs`);
-- with `choose_threads` (CUDA, no `--cpu-threads`): `threads`, the torch thread count (of N, N-1, N-2) at
-  which the expert runs fastest beside copies, and the calling thread keeps it. Why: torch's CPU kernels
+- with `choose_threads` (CUDA, no `--cpu-threads`): `threads`, the torch thread count (of N, N-1, N-2, N/2; after
+  the host GEMM path is chosen, at N) at which the expert runs fastest beside copies, and the calling thread keeps it. Why: torch's CPU kernels
   split their work statically over an OpenMP team, so while another thread holds a core (the copy's or the
   engine's thread spinning in a CUDA sync) one team member waits for a scheduler tick and the whole call
   with it (measured on a loaded 2-core host: 0.16 ms on one thread, 8-16 ms on two, in steps of the 4 ms
@@ -56,7 +56,7 @@ GEMM_TOKENS = (1, 2, 4, 8, 16)
 """Token counts at which a split dense GEMM is checked against the plain one (`dense_gemm_max_t`)."""
 CYCLE = 4
 """Distinct experts each CPU figure cycles over."""
-VERSION = 5
+VERSION = 6
 """Bumped when what is measured changes (older cache files are measured again)."""
 KNOBS = (("dense_gemm", cpu_experts.DENSE_GEMMS), ("packed_gemm", cpu_experts.PACKED_GEMMS),
          ("row_blocks_gemm", cpu_experts.ROW_BLOCKS_GEMMS))
@@ -212,14 +212,6 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
     def cpu_time(n: int, reps: int = 3) -> float:
         return _timeit(run_experts(n), reps) / len(cycle)
 
-    chosen = {}
-    n = torch.get_num_threads()
-    if choose_threads and n >= 4:
-        with _Beside(copy):
-            got = _compare((n, n - 1, n - 2), torch.set_num_threads, run_experts(1))
-        chosen = {str(t): s / len(cycle) for t, s in got.items()}
-        torch.set_num_threads(int(min(chosen, key=chosen.get)))
-
     if device.type == "cuda":
         beside_copy = copy
     else:  # the CPU engine has no copy engine: a memcpy of a buffer larger than the caches stands in
@@ -236,15 +228,30 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
     elif isinstance(he.expert(cycle[0]).gate_up, cpu_experts.RowBlocks):
         knob = ("row_blocks_gemm", cpu_experts.ROW_BLOCKS_GEMMS)
     by_gemm, by_tokens = {}, {}
+    name = best = None
     if knob:
         name, choices = knob[0], cpu_experts.usable(knob[1]) or ("plain",)
         setattr(cpu_experts, f"{name}_max_t", max(GEMM_TOKENS))
+
         def use(g):
             setattr(cpu_experts, name, g)
 
-        with _Beside(beside_copy):  # after the thread count: the split's chunks follow it
+        with _Beside(beside_copy):
             by_gemm = {g: s / len(cycle) for g, s in _compare(choices, use, run_experts(1)).items()}
         best = min(by_gemm, key=by_gemm.get)
+        use(best)
+
+    chosen = {}
+    n = torch.get_num_threads()
+    if choose_threads and n >= 4:  # with the GEMM path chosen: its chunks follow the count
+        # half the cores too: the native NF4 kernel ran 5.0 ms an expert on 8 of the H200 host's 16, 6.8 on 16
+        counts = sorted({n, n - 1, n - 2, n // 2}, reverse=True)
+        with _Beside(copy):
+            got = _compare(counts, torch.set_num_threads, run_experts(1))
+        chosen = {str(t): s / len(cycle) for t, s in got.items()}
+        torch.set_num_threads(int(min(chosen, key=chosen.get)))
+
+    if knob:
         max_t = 1
         if best != "plain":  # up to the most tokens at which it still beats the plain GEMM
             for n in GEMM_TOKENS[1:]:

@@ -706,7 +706,7 @@ def test_hybrid_rebalance_turns_the_host_off_mid_run(tmp_path_factory):
     free_engines()
 
 
-@pytest.mark.parametrize("gemm", ["split", "split-x4"])
+@pytest.mark.parametrize("gemm", ["split", "split-x4", "native"])
 def test_hybrid_decode_with_each_dense_gemm(gemm, tmp_path_factory, monkeypatch):
     """Graphed hybrid decode with the host's dense bf16 GEMM forced to `gemm` (the calibration's only choice;
     tiny chunks so the split pool runs from the decode worker): the calibration records it, the host

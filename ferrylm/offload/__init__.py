@@ -26,7 +26,12 @@ experts, plain won windows: 8.05 against 5.88 tok/s at share 0.45); Mixtral 32L 
 against 19.1 copy-only and 22.3 host-only; NF4 host experts are decoded by torch ops (149 ms an expert on the
 16-core host), so the cost model kept NF4 hybrid off. Then native host kernels (`layers/host_native.py`, AVX-512:
 NF4 13x and bf16 1.3x torch's paths on the 2-core box), a "native" choice of the calibration.
-Pending on the GPU host (docs/benchmarks.md item 0): the native kernels and the two session-15 hybrid changes.
+Session 16 on the H200 host: the split calibration took `plain` on windows, share 0.51, 10.24 tok/s (bf16 16L); the
+native NF4 kernel is 21-28x torch's decode but stops scaling at 8 of the 16 cores (the calibration now tries N/2
+threads); native bf16 does not beat oneDNN there. The calibrated share assumes uniform routing: it is now
+re-balanced once on the misses the first mapped steps saw (`placed_weights.REBALANCE_WINDOW`; Mixtral 32L int4,
+whose slots catch 97.6%, went from 0.33 to 0), and share 0 skips the per-layer hand-off (copy-only 31.1 -> 41.4
+tok/s). Pending on the GPU (docs/benchmarks.md list): the re-balance test, single-core background int4 builds.
 A dropped offloaded CUDA engine is not always freed at once
 (seen in tests/test_cuda; the holder is not found yet).
 Session 4 (s4-hybrid): the host worker computes a padded graph step's live rows only

@@ -37,7 +37,10 @@ TODO (what is left of issue #14):
 - hybrid decode over packed experts is not modelled (the plan prices packed banks in place / copied only): the
   engine runs it where its calibration says it pays (session 15, Mixtral 32L int4 under 16 GiB batch 1: 23.0 tok/s
   against 19.1 copy-only; the host's int4 kernel 66.7 GB/s alone, NF4 0.66 GB/s: off); a per-format host rate
-  (benchmarks/bench_host_rowblocks.py) would price it;
+  (benchmarks/bench_host_rowblocks.py) would price it. Session 16: the engine now re-balances its share on the
+  misses its first mapped steps saw, as the plan already counts them (`hit_of`), so both price that case in place
+  (its slots caught 97.6%: share 0, copy-only 41.4 tok/s at batch 1); the native NF4 host kernel reads 14.6 GB/s
+  on 16 threads, 19.7 on 8 (`host-rowblocks-threads-*-s16` results);
 - multi-GPU speed is per-rank arithmetic with assumed all-reduce costs, and the warm-up step is counted at the
   full widths under TP (an upper estimate); the engine loop's per-step host time (schedule, sample) is not
   modelled.

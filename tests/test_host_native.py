@@ -41,23 +41,30 @@ def test_bf16_gemv_equals_torch(T):
     print(f"native bf16 GEMV T={T}: max |diff| vs torch fp32 {err:.2e}")
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("T,K", [(1, 512), (2, 512), (5, 512), (11, 1536), (16, 512)])
-def test_nf4_gemv_equals_torch(T, K):
-    """Row tails of the 4- and 2-row blocks (N = 99), K in several L1 chunks (T = 11: 512 columns a chunk), and
-    more than 8 tokens (passes of 8)."""
+def test_nf4_gemv_equals_torch(T, K, bf16):
+    """Both kernels (fp32 activations; AVX512-BF16 dot products where the CPU has them), odd N, K in several L1
+    chunks (T = 11: 512 columns a chunk), and more than 8 tokens (passes of 8)."""
+    if bf16 and not hn.nf4_bf16():
+        pytest.skip("no AVX512-BF16 NF4 kernel on this CPU")
     torch.manual_seed(10 + T)
     N, g = 99, 64
     qt = Q.quantize_nf4(torch.randn(N, K) * .05, g)
     q, absmax = qt.parts["q"].view(N, K // 2), qt.parts["absmax"].view(N, K // g).float()
     w = qt.dequantize(torch.float32)
+    if bf16:  # the bf16 kernel's weights: each level rounded to bf16, times its group's fp32 absmax
+        codes = torch.stack([q & 0xF, q >> 4], dim=-1).view(N, K).long()
+        w = Q.NF4_LEVELS.to(torch.bfloat16).float()[codes] * absmax.repeat_interleave(g, dim=1)
+        assert (w - qt.dequantize(torch.float32)).abs().max() <= 2 ** -8 * absmax.max()
     x = torch.randn(T, K, dtype=torch.bfloat16)
     out = torch.empty(T, N)
-    hn.gemv_nf4(hn.nf4_x(x), q, absmax, g, Q.NF4_LEVELS.float(), out)
+    hn.gemv_nf4(hn.nf4_x(x, bf16=bf16), q, absmax, g, Q.NF4_LEVELS.float(), out)
     err = _close(out, x.float() @ w.t(), x, w)
     # a window of columns [128, K) (whole groups) reads the same codes: the host's share of a split expert
     c = 128
     out2 = torch.empty(T, N)
-    hn.gemv_nf4(hn.nf4_x(x[:, c:]), q[:, c // 2:], absmax[:, c // g:], g, Q.NF4_LEVELS.float(), out2)
+    hn.gemv_nf4(hn.nf4_x(x[:, c:], bf16=bf16), q[:, c // 2:], absmax[:, c // g:], g, Q.NF4_LEVELS.float(), out2)
     _close(out2, x[:, c:].float() @ w[:, c:].t(), x[:, c:], w[:, c:])
     print(f"native NF4 GEMV T={T}: max |diff| vs torch fp32 {err:.2e}")
 
@@ -102,6 +109,10 @@ def test_row_blocks_native_equals_plain(monkeypatch):
     kern = side_kernel(side, 1)
     assert kern.nf4 is not None
     w = side.dequantize(torch.float32)[1]
+    if hn.nf4_bf16():  # the AVX512-BF16 kernel runs: its levels are rounded to bf16
+        q, absmax = side.parts["q"][1].view(N, K // 2), side.parts["scale"][1].view(N, K // 64).float()
+        codes = torch.stack([q & 0xF, q >> 4], dim=-1).view(N, K).long()
+        w = Q.NF4_LEVELS.to(torch.bfloat16).float()[codes] * absmax.repeat_interleave(64, dim=1)
     for T in (1, 6):
         x = torch.randn(T, K, dtype=torch.bfloat16)
         monkeypatch.setattr(C, "row_blocks_gemm", "native")

@@ -308,7 +308,7 @@ class RowBlocks:
         if (g == "native" and self.nf4 is not None and T <= host_native.MAX_TOKENS and self.out_scale is None
                 and host_native.available()):
             run = self.native_rows(0, self.shape[0]) if threads == 1 else self.native(threads)
-            return run(host_native.nf4_x(x)).to(x.dtype)
+            return run(host_native.nf4_x(x, self.nf4[2])).to(x.dtype)
         if g != "plain" and threads > 1:
             return self.split(threads)(x)
         return self.plain(x)

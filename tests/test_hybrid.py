@@ -963,7 +963,8 @@ def test_rebalance_counts_the_misses_seen():
     assert me._rebalance is False
     me = engine(calibrated)
     run(me, 1.25)  # as assumed: no change
-    assert me.pending_share is None and me.calibration["rebalanced_share"] == pytest.approx(cpu_share(costs, misses=1.25))
+    assert me.pending_share is None
+    assert me.calibration["rebalanced_share"] == pytest.approx(cpu_share(costs, misses=1.25))
     me = engine(calibrated)
     me._rebalance = False  # a share set from outside (`set_cpu_share`): never re-balanced
     run(me, 0.25)

@@ -194,7 +194,10 @@ ALWAYS void nf4b_rows(const uint16_t* x, const int T, int K, const uint8_t* q, i
         __m512 acc[8], gl[8], gh[8];
         _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
         for (int k0 = c0; k0 < c1; k0 += g) {
-            _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) { gl[t] = _mm512_setzero_ps(); gh[t] = _mm512_setzero_ps(); }
+            _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
+                gl[t] = _mm512_setzero_ps();
+                gh[t] = _mm512_setzero_ps();
+            }
             for (int k = k0; k < k0 + g; k += 64) {
                 __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(row + k / 2)));
                 __m512i wl = _mm512_permutexvar_epi16(_mm512_and_si512(v, low4), lv);
@@ -206,7 +209,8 @@ ALWAYS void nf4b_rows(const uint16_t* x, const int T, int K, const uint8_t* q, i
                 }
             }
             const __m512 s = _mm512_set1_ps(sc[k0 / g]);
-            _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(gl[t], gh[t]), s, acc[t]);
+            _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
+                acc[t] = _mm512_fmadd_ps(_mm512_add_ps(gl[t], gh[t]), s, acc[t]);
         }
         _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
             float v = _mm512_reduce_add_ps(acc[t]);

@@ -11,10 +11,10 @@ kernels the hybrid path runs):
 - on CUDA with a mapped bank (`mapped`): `inplace_gbs` (and `inplace_gbs_beside_cpu`), the rate at which the
   fused kernel reads the expert in place over PCIe (`inplace_read_gbs`);
 - with `choose_threads` (CUDA, no `--cpu-threads`): `threads`, the torch thread count (of N, N-1, N-2, N/2; after
-  the host GEMM path is chosen, at N) at which the expert runs fastest beside copies, and the calling thread keeps it. Why: torch's CPU kernels
-  split their work statically over an OpenMP team, so while another thread holds a core (the copy's or the
-  engine's thread spinning in a CUDA sync) one team member waits for a scheduler tick and the whole call
-  with it (measured on a loaded 2-core host: 0.16 ms on one thread, 8-16 ms on two, in steps of the 4 ms
+  the host GEMM path is chosen, at N) at which the expert runs fastest beside copies, and the calling thread keeps
+  it. Why: torch's CPU kernels split their work statically over an OpenMP team, so while another thread holds a
+  core (the copy's or the engine's thread spinning in a CUDA sync) one team member waits for a scheduler tick and
+  the whole call with it (measured on a loaded 2-core host: 0.16 ms on one thread, 8-16 ms on two, in steps of the 4 ms
   tick; docs/benchmarks.md's 16 ms collapse of the packed kernels beside a copy looks the same).
 - a dense bf16 / fp16 bank: `dense_gemm`, the way `layers/cpu_experts` multiplies its weights (of
   `DENSE_GEMMS`: oneDNN's GEMM on torch's threads, its rows split over single-threaded workers, torch's own

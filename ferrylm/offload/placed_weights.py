@@ -149,7 +149,8 @@ class PlacedWeights:
         self.caches: dict[int, CachedExperts] = {}
         self._closing = threading.Event()  # set by `close()`: the host-kernel build thread stops
         self._prepare_threads: list[threading.Thread] = []
-        self._rebalance: tuple[int, int] | None | bool = False  # armed: None, then (steps, misses) at the window's start
+        # the re-balance: False (off), None (armed), then (steps, misses) at its window's start
+        self._rebalance: tuple[int, int] | None | bool = False
         self.pending_share: float | None = None
         """A share the re-balance chose, applied by the runner between steps (`apply_pending_share`)."""
 

@@ -409,10 +409,11 @@ GEMM_SHARE = 0.45
 def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0.0, 0.3, 0.45, 0.6, 1.0),
                        gpu_side: str = "inplace", quick: bool = False) -> None:
     """Hybrid decode (graphed): Mixtral 16L bf16 under 16 GiB, batch 1; the host computes a share of the
-    missed experts while the kernel reads the rest in place. Share 0 (host idle, its nodes still in the
-    graphs) is the same-run in-place baseline; the calibrated share is what `experts=auto` picks. With
-    gpu_side="copy" the host worker copies the GPU's misses with the copy engine instead (share 0: copy only).
-    `quick`: the split rows only, no GEMM sweep (the calibrated share against share 0)."""
+    missed experts while the kernel reads the rest in place. Share 0 (host idle; since session 16 an in-place
+    bank then skips the hand-off) is the same-run in-place baseline; the calibrated share, re-balanced on the
+    misses its first steps see, is what `experts=auto` serves. With gpu_side="copy" the host worker copies the
+    GPU's misses with the copy engine instead (share 0: copy only). `quick`: the split rows only, no GEMM sweep
+    (the served share against share 0 and 0.1 either side of it)."""
     from ferrylm import LLM
     from ferrylm.offload.host_decode import HostDecode
     from ferrylm.weights.random_source import RandomSource
@@ -440,10 +441,14 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
         key = "by_share" if split == splits[0] else "by_share_whole_experts"
         row[key] = {}
         placed.hybrid_split = split
-        for share in (*shares, auto):
+        todo = [*shares, auto]
+        while todo:
+            share = todo.pop(0)
             placed.set_cpu_share(share)
             if share is auto and split == splits[0]:  # auto as served: re-balanced on the misses its steps see
                 row["rebalanced_share"] = share = rebalance(llm, placed)
+                if quick:  # how far the served share is from the best one: 0.1 either side of it
+                    todo += [x for x in (round(share - 0.1, 2), round(share + 0.1, 2)) if 0 < x < 1]
             if llm.engine.runner.graphs is not None:
                 llm.engine.runner.graphs.reset()  # the column split is baked into captures
             placed.stats.reset()

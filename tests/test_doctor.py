@@ -79,6 +79,7 @@ def test_disk_and_log_checks():
     assert doctor.disk_checks({"m": roomy}, need_bytes=600 * 2**30)[0].status == "fail"
     assert doctor.log_level_check("debug").status == "warn" and doctor.log_level_check(None).status == "ok"
     assert doctor.host_kernels_check(None).status == "ok"
+    assert "AVX512-BF16" in doctor.host_kernels_check(None, nf4_bf16=True).value
     no_cc = doctor.host_kernels_check("no C compiler ran ([Errno 2] No such file or directory: 'cc')")
     assert no_cc.status == "warn" and "compiler" in no_cc.fix
     assert doctor.host_kernels_check("the CPU has no AVX-512F").fix == ""

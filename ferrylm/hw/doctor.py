@@ -152,11 +152,13 @@ def disk_checks(paths: dict[str, dict | None], need_bytes: int = 0) -> list[Chec
     return out
 
 
-def host_kernels_check(why_unavailable: str | None) -> Check:
-    """`why_unavailable`: `layers/host_native.why_unavailable()` (None: the native host kernels built)."""
+def host_kernels_check(why_unavailable: str | None, nf4_bf16: bool = False) -> Check:
+    """`why_unavailable`: `layers/host_native.why_unavailable()` (None: the native host kernels built); `nf4_bf16`:
+    `host_native.nf4_bf16()` (the AVX512-BF16 NF4 kernel runs here)."""
     if why_unavailable is None:
-        return Check("host_kernels", OK, "native AVX-512 GEMV built", "built",
-                     "hybrid decode's host experts read bf16 / NF4 weights at DRAM speed")
+        return Check("host_kernels", OK, "native AVX-512 GEMV built" + (", NF4 on AVX512-BF16" if nf4_bf16 else ""),
+                     "built", "hybrid decode's host experts read bf16 / NF4 weights at DRAM speed"
+                     + ("" if nf4_bf16 else " (NF4 on the fp32 kernel: this CPU or compiler lacks AVX512-BF16)"))
     if "AVX-512" in why_unavailable or "FERRYLM_NO_NATIVE" in why_unavailable:
         fix = "" if "AVX-512" in why_unavailable else "unset FERRYLM_NO_NATIVE"
         return Check("host_kernels", WARN, why_unavailable, "built",

@@ -56,6 +56,25 @@ static inline __m512 bf16x16_to_f32(const uint16_t* p) {
     case 9: CALL(9); break; case 10: CALL(10); break; case 11: CALL(11); break; case 12: CALL(12); break; \
     case 13: CALL(13); break; case 14: CALL(14); break; case 15: CALL(15); break; default: CALL(16); }
 
+/* NF4: K in chunks of whole groups whose x rows stay in L1 (T * KC elements of x in `budget`), every row per chunk */
+static inline int k_chunk(int budget, int T, int g, int K) {
+    int KC = (budget / T) / g * g;
+    if (KC < g) KC = g;
+    return KC > K ? K : KC;
+}
+
+/* NF4: more than 8 tokens run in passes of at most 8 (each decodes the codes again; one pass of 16 tokens ran 2.4x
+   slower than two of 8 on the 2-core box: its accumulators no longer stayed in registers). ROWS(xt, t, ot): the
+   kernel on pass rows xt (x's element type XT) into ot, t a compile-time constant in each case. */
+#define PASSES_OF_8(XT, ROWS) \
+    for (int t0 = 0; t0 < T; t0 += 8) { \
+        const XT* xt = x + (int64_t)t0 * K; \
+        float* ot = out + (int64_t)t0 * ldo; \
+        switch (T - t0 < 8 ? T - t0 : 8) { \
+            case 1: ROWS(xt, 1, ot); break; case 2: ROWS(xt, 2, ot); break; case 3: ROWS(xt, 3, ot); break; \
+            case 4: ROWS(xt, 4, ot); break; case 5: ROWS(xt, 5, ot); break; case 6: ROWS(xt, 6, ot); break; \
+            case 7: ROWS(xt, 7, ot); break; default: ROWS(xt, 8, ot); } }
+
 /* T a compile-time constant in each inlined copy (SWITCH_T): the accumulators stay in registers */
 ALWAYS void bf16_rows(const float* x, const int T, int K, const uint16_t* w, int64_t ldw, int N, float* out,
                       int64_t ldo) {
@@ -119,10 +138,7 @@ int ferry_gemv_bf16(const float* x, int T, int K, const uint16_t* w, int64_t ldw
 ALWAYS void nf4_rows(const float* x, const int T, int K, const uint8_t* q, int64_t ldq, const float* absmax,
                      int64_t lds, int g, __m512 lv, int N, float* out, int64_t ldo) {
     const __m512i low4 = _mm512_set1_epi32(0x0F);
-    /* K in chunks of whole groups whose x rows stay in L1 (T * KC floats <= 16 KB), every row per chunk */
-    int KC = (KCHUNK_FLOATS / T) / g * g;
-    if (KC < g) KC = g;
-    if (KC > K) KC = K;
+    const int KC = k_chunk(KCHUNK_FLOATS, T, g, K);
     for (int c0 = 0; c0 < K; c0 += KC) {
       const int c1 = c0 + KC < K ? c0 + KC : K;
       for (int n = 0; n < N; n++) {
@@ -157,17 +173,8 @@ int ferry_gemv_nf4(const float* x, int T, int K, const uint8_t* q, int64_t ldq, 
                    int g, const float* levels, int N, float* out, int64_t ldo) {
     if (T < 1 || T > MAXT || K % g || g % 32) return -1;
     const __m512 lv = _mm512_loadu_ps(levels);
-    /* more than 8 tokens: passes of at most 8 (each decodes the codes again; one pass of 16 tokens ran 2.4x slower
-       than two of 8 on the 2-core box: its accumulators no longer stayed in registers) */
-    for (int t0 = 0; t0 < T; t0 += 8) {
-        const float* xt = x + (int64_t)t0 * K;
-        float* ot = out + (int64_t)t0 * ldo;
-        const int n = T - t0 < 8 ? T - t0 : 8;
-        switch (n) {
-#define NF4_CASE(t) case t: nf4_rows(xt, t, K, q, ldq, absmax, lds, g, lv, N, ot, ldo); break;
-            NF4_CASE(1) NF4_CASE(2) NF4_CASE(3) NF4_CASE(4) NF4_CASE(5) NF4_CASE(6) NF4_CASE(7) NF4_CASE(8)
-        }
-    }
+#define NF4_ROWS(xt, t, ot) nf4_rows(xt, t, K, q, ldq, absmax, lds, g, lv, N, ot, ldo)
+    PASSES_OF_8(float, NF4_ROWS)
     return 0;
 }
 
@@ -183,9 +190,7 @@ int ferry_gemv_nf4(const float* x, int T, int K, const uint8_t* q, int64_t ldq, 
 ALWAYS void nf4b_rows(const uint16_t* x, const int T, int K, const uint8_t* q, int64_t ldq, const float* absmax,
                       int64_t lds, int g, __m512i lv, int N, float* out, int64_t ldo) {
     const __m512i low4 = _mm512_set1_epi16(0x0F);
-    int KC = (KCHUNK_BF16 / T) / g * g;
-    if (KC < g) KC = g;
-    if (KC > K) KC = K;
+    const int KC = k_chunk(KCHUNK_BF16, T, g, K);
     for (int c0 = 0; c0 < K; c0 += KC) {
       const int c1 = c0 + KC < K ? c0 + KC : K;
       for (int n = 0; n < N; n++) {
@@ -224,15 +229,8 @@ int ferry_gemv_nf4_bf16(const uint16_t* x, int T, int K, const uint8_t* q, int64
                         int64_t lds, int g, const uint16_t* levels32, int N, float* out, int64_t ldo) {
     if (T < 1 || T > MAXT || K % g || g % 64) return -1;
     const __m512i lv = _mm512_loadu_si512((const void*)levels32);
-    for (int t0 = 0; t0 < T; t0 += 8) {  /* passes of at most 8 tokens (registers) */
-        const uint16_t* xt = x + (int64_t)t0 * K;
-        float* ot = out + (int64_t)t0 * ldo;
-        const int n = T - t0 < 8 ? T - t0 : 8;
-        switch (n) {
-#define NF4B_CASE(t) case t: nf4b_rows(xt, t, K, q, ldq, absmax, lds, g, lv, N, ot, ldo); break;
-            NF4B_CASE(1) NF4B_CASE(2) NF4B_CASE(3) NF4B_CASE(4) NF4B_CASE(5) NF4B_CASE(6) NF4B_CASE(7) NF4B_CASE(8)
-        }
-    }
+#define NF4B_ROWS(xt, t, ot) nf4b_rows(xt, t, K, q, ldq, absmax, lds, g, lv, N, ot, ldo)
+    PASSES_OF_8(uint16_t, NF4B_ROWS)
     return 0;
 }
 #pragma GCC pop_options

@@ -285,6 +285,9 @@ def _build(path: str) -> str | None:
 
 def _load():
     global _lib, _why
+    lib = _lib
+    if lib is not None:  # every chunk of every call comes here, from every pool worker: no lock once loaded
+        return lib
     with _lock:
         if _lib is not None or _why is not None:
             return _lib

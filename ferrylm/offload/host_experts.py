@@ -174,7 +174,7 @@ class HostExperts:
         self._queued: deque[int] = deque()  # `build_later`'s experts, built in order by `_builder`
         self._queued_set: set[int] = set()
         self._queue_lock = threading.Lock()
-        self._builder: threading.Thread | None = None
+        self._builder: concurrent.futures.Future | None = None  # `_build_queued` running on split_pool(1)
         self._stop = threading.Event()
 
     @property
@@ -242,20 +242,18 @@ class HostExperts:
                 self._builder = split_pool(1).submit(self._build_queued)
 
     def _build_queued(self) -> None:
-        while not self._stop.is_set():
+        while True:
             with self._queue_lock:
-                if not self._queued:
+                if self._stop.is_set() or not self._queued:
                     self._builder = None
                     return
                 e = self._queued.popleft()
             self.expert(e)
             with self._queue_lock:
                 self._queued_set.discard(e)
-        with self._queue_lock:
-            self._builder = None
 
     def close(self) -> None:
-        """End `build_later`'s thread (after the build it is in, if any); queued builds are dropped."""
+        """End `build_later`'s builds (after the one in progress, if any); queued builds are dropped."""
         with self._queue_lock:
             self._stop.set()
             f, self._queued = self._builder, deque()

@@ -477,7 +477,7 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
             print(f"hybrid decode {routing} gemm {g} split={split} share {GEMM_SHARE}: {r:6.2f} tok/s "
                   f"{row['by_gemm'][f'{g} split={split}']}", flush=True)
     cpu_experts.dense_gemm = chosen
-    row["hybrid_tok_s"] = row["by_share"][f"{auto:.2f}"]["tok_s"]
+    row["hybrid_tok_s"] = row["by_share"][f"{row.get('rebalanced_share', auto):.2f}"]["tok_s"]  # as served
     row["inplace_only_tok_s"] = row["by_share"]["0.00"]["tok_s"]
     row["cpu_only_tok_s"] = row["by_share"].get("1.00", {}).get("tok_s")
     rows.append(row)
@@ -488,18 +488,31 @@ def case_hybrid_decode(rows: list, h2d: float, routing: str = "model", shares=(0
 
 
 def rebalance(llm, placed) -> float:
-    """Arm the engine's re-balance (`PlacedWeights.arm_rebalance`) and decode batch-1 tokens through its window:
-    the share auto serves with once its mapped steps have shown the misses a layer. Returns that share."""
+    """Arm the engine's re-balance (`PlacedWeights.arm_rebalance`) and decode batch-1 tokens through its window,
+    then through the share tuner's climb (`offload/share_tuner.py`) where it started: the share auto serves
+    with once its mapped steps have shown the misses a layer and their step times. Returns that share."""
     from ferrylm import SamplingParams
     from ferrylm.offload.placed_weights import REBALANCE_WINDOW
 
     placed.arm_rebalance()
+    t = time.perf_counter()
     llm.generate(prompts(1, 16, 4242), SamplingParams(temperature=0, max_tokens=REBALANCE_WINDOW[1] + 16,
                                                       ignore_eos=True))
     cal = placed.calibration or {}
     print(f"re-balance: {cal.get('measured_misses', float('nan')):.2f} misses a layer seen "
           f"({cal.get('expected_misses', float('nan')):.2f} assumed): share {placed.cpu_share:.2f}", flush=True)
-    return placed.cpu_share
+    for i in range(12):  # the tuner: ~20 steps a share, 5-10 shares
+        if placed.tuner is None:
+            break
+        llm.generate(prompts(1, 16, 4343 + i), SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    cal = placed.calibration or {}
+    if placed.pending_share is not None:  # applied now, so the caller's wait for host-kernel builds covers it
+        placed.set_cpu_share(placed.pending_share)
+    share = placed.cpu_share
+    if "tuned_share" in cal:
+        print(f"share tuner: {share:.2f} ({time.perf_counter() - t:.1f} s with the re-balance; median step ms by "
+              f"share {cal['tuned_step_ms']})", flush=True)
+    return share
 
 
 def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: str = "nf4", budget_gib: int = 16,

@@ -706,6 +706,35 @@ def test_hybrid_rebalance_turns_the_host_off_mid_run(tmp_path_factory):
     free_engines()
 
 
+def test_hybrid_share_tuner_settles_on_a_graphed_engine(tmp_path_factory):
+    """The share tuner (`offload/share_tuner.py`) on a graphed hybrid decode: it times one sequence's decode
+    steps, the runner applies each share it asks for between steps (graphs re-captured), it settles, records
+    its figures, and fresh prompts' logits then match the all-on-GPU run."""
+    from ferrylm.offload import share_tuner
+    from test_models_hf import build
+
+    path, _ = build(tmp_path_factory, "qwen3_moe")
+    kw = dict(device="cuda", dtype="bfloat16", place=("experts=cpu",), gpu_memory_budget="2GiB")
+    prompts = [[5, 9, 31, 7, 100, 3], [17, 4, 4, 250]]
+    ref_out, ref = sampled_rows(LLM(path, experts="gpu", **kw), prompts, 16)
+    free_engines()
+    llm = LLM(path, experts="auto", cpu_share=0.5, **kw)
+    placed = llm.engine.runner.placed
+    placed.tuner = share_tuner.ShareTuner(0.5, settle=1, samples=3)  # as the re-balance arms it
+    llm.generate([[11, 12, 13]], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    cal = placed.calibration
+    print(f"tuned share {cal.get('tuned_share')}: {cal.get('tuned_step_ms')}")
+    assert placed.tuner is None and "tuned_share" in cal and len(cal["tuned_step_ms"]) >= 3
+    assert placed.pending_share is None or placed.pending_share == cal["tuned_share"]
+    out, got = sampled_rows(llm, prompts, 16)
+    assert placed.cpu_share == cal["tuned_share"]
+    worst, diverged = worst_while_equal(ref_out, ref, out, got)
+    print(f"tuned vs all on GPU: max |logit diff| = {worst:.3e} while the tokens agree ({diverged} diverged)")
+    assert worst < 5e-2
+    del llm, placed
+    free_engines()
+
+
 @pytest.mark.parametrize("gemm", ["split", "split-x4", "native"])
 def test_hybrid_decode_with_each_dense_gemm(gemm, tmp_path_factory, monkeypatch):
     """Graphed hybrid decode with the host's dense bf16 GEMM forced to `gemm` (the calibration's only choice;

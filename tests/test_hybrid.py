@@ -946,7 +946,8 @@ def test_rebalance_counts_the_misses_seen():
     def engine(share):
         return types.SimpleNamespace(_rebalance=None, tally=types.SimpleNamespace(mapped_steps=0, mapped_misses=0),
                                      host_decode=object(), caches=caches, costs=costs, hybrid_split=True,
-                                     cpu_share=share, calibration={"expected_misses": 1.2}, pending_share=None)
+                                     cpu_share=share, calibration={"expected_misses": 1.2}, pending_share=None,
+                                     tuner=None)
 
     def run(me, misses_a_layer_step, cold=5.0):
         for step in range(b + 8):
@@ -960,12 +961,82 @@ def test_rebalance_counts_the_misses_seen():
     run(me, 0.25)  # the slots catch most of the routing: the fixed costs outweigh the bytes the host would save
     assert me.calibration["measured_misses"] == pytest.approx(0.25)
     assert me.pending_share == 0.0 == cpu_share(costs, misses=0.25)
-    assert me._rebalance is False
+    assert me._rebalance is False and me.tuner is None  # share 0: nothing for the host to take, nothing to tune
     me = engine(calibrated)
     run(me, 1.25)  # as assumed: no change
     assert me.pending_share is None
+    assert me.tuner is not None and me.tuner.share == calibrated  # then the step times tune it
     assert me.calibration["rebalanced_share"] == pytest.approx(cpu_share(costs, misses=1.25))
     me = engine(calibrated)
     me._rebalance = False  # a share set from outside (`set_cpu_share`): never re-balanced
     run(me, 0.25)
     assert me.pending_share is None and "measured_misses" not in me.calibration
+
+
+def test_share_tuner_takes_the_share_the_step_times_favour():
+    """`PlacedWeights._tune` on decode steps timed by a model of the host and device sides (the step waits for
+    the slower): prefill steps and other batch shapes are not timed, a share it asks for is applied between
+    steps as the runner does, and it settles within half a step of the best share, recorded in the
+    calibration; a start on either side reaches it, and measurement noise of 3% does not stop it."""
+    import random
+    import types
+
+    from ferrylm.offload import placed_weights as pw
+    from ferrylm.offload.share_tuner import STEP, ShareTuner
+
+    def step_s(share):  # device reads (1 - share) of the misses, the host computes share of them
+        return 0.030 + max((1 - share) * 0.100, 0.010 + share * 0.120)
+
+    best = 0.09 / 0.22  # where both sides finish together
+    for start in (0.2, 0.5, 0.9):
+        rng = random.Random(int(start * 10))
+        me = types.SimpleNamespace(tuner=ShareTuner(start), caches={0: types.SimpleNamespace(mapped_tokens=1)},
+                                   _prepare_threads=[], calibration={}, pending_share=None, cpu_share=start,
+                                   _tune_last=(0.0, None), _tune_tokens=None)
+        now, steps = 0.0, 0
+        while me.tuner is not None and steps < 2000:
+            if me.pending_share is not None:  # `apply_pending_share`, at the next step's start
+                me.cpu_share, me.pending_share = me.pending_share, None
+            steps += 1
+            if steps % 50 == 0:  # a prompt's prefill between decodes: not timed, and no period across it
+                now += 0.5
+                pw.PlacedWeights._tune(me, now, None)
+                continue
+            tokens = 2 if steps % 37 == 0 else 1  # another batch shape: not timed
+            now += step_s(me.cpu_share) * (1 + rng.gauss(0, 0.03))
+            pw.PlacedWeights._tune(me, now, tokens)
+        assert me.tuner is None, f"not settled in {steps} steps from {start}"
+        tuned = me.calibration["tuned_share"]
+        print(f"start {start}: tuned {tuned} after {steps} steps, {me.calibration['tuned_step_ms']}")
+        assert abs(tuned - best) <= STEP / 2 + 1e-9
+        assert me.cpu_share == tuned or me.pending_share == tuned
+        assert step_s(tuned) < step_s(start) or abs(start - best) <= STEP / 2
+
+
+def test_share_tuner_climbs_and_refines():
+    """`ShareTuner` alone: from one share it tries one step above, then below; climbs while a neighbour wins
+    by the margin; then half a step either side; each share costs settle + samples periods; bounds hold."""
+    from ferrylm.offload.share_tuner import ShareTuner
+
+    def walk(start, f, **kw):
+        t = ShareTuner(start, settle=2, samples=3, **kw)
+        tried, fed = [start], 0
+        while not t.done:
+            fed += 1
+            nxt = t.observe(f(t.share))
+            if nxt is not None:
+                tried.append(nxt)
+        return t, tried, fed
+
+    v = lambda s: 1.0 + abs(s - 0.62)  # noqa: E731
+    t, tried, fed = walk(0.2, v)
+    assert tried[:5] == [0.2, 0.3, 0.4, 0.5, 0.6] and t.best == 0.6
+    assert fed == 5 * len(t.measured)  # settle 2 + samples 3 on every share timed
+    t, tried, _ = walk(0.9, v)
+    assert tried[:3] == [0.9, 1.0, 0.8] and t.best == 0.6  # above lost: down, then on down
+    t, tried, _ = walk(0.0, lambda s: 1.0 + s)
+    assert t.best == 0.0 and min(tried) == 0.0 and max(tried) <= 0.1  # never outside [0, 1]
+    t, _, _ = walk(0.5, lambda s: 1.0 + 0.001 * s, min_gain=0.02)
+    assert t.best == 0.5  # differences under the margin: the start stays
+    with pytest.raises(ValueError, match="outside"):
+        ShareTuner(1.5)

@@ -509,7 +509,8 @@ class ModelRunner:
         try:
             return self._execute(out, extra_rows, prev)
         finally:
-            self.placed.after_step(time.perf_counter() - t)  # expert slots follow the routing of mapped steps
+            decode = len(out.seqs) if out.num_batched_tokens == len(out.seqs) else None  # for the share tuner
+            self.placed.after_step(time.perf_counter() - t, decode)  # expert slots follow mapped steps' routing
 
     def check_step(self) -> None:
         """Once a step's results are on the host: raise what its host expert worker hit (the step's tokens

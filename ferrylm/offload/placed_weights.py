@@ -25,6 +25,7 @@ from ferrylm.offload.expert_cache import CachedExperts
 from ferrylm.offload.host_tier import HostTier
 from ferrylm.offload.placement import GPU, Placement
 from ferrylm.offload.routing_tally import RoutingTally
+from ferrylm.offload.share_tuner import ShareTuner
 from ferrylm.offload.streamer import LayerStreamer
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,11 @@ class PlacedWeights:
         # the re-balance: False (off), None (armed), then (steps, misses) at its window's start
         self._rebalance: tuple[int, int] | None | bool = False
         self.pending_share: float | None = None
-        """A share the re-balance chose, applied by the runner between steps (`apply_pending_share`)."""
+        """A share the re-balance or the tuner chose, applied by the runner between steps (`apply_pending_share`)."""
+        self.tuner: ShareTuner | None = None
+        """Tunes a calibrated share on measured step times once the re-balance is done (`offload/share_tuner.py`)."""
+        self._tune_last: tuple[float, int | None] = (0.0, None)  # (time, tokens) of the step before
+        self._tune_tokens: int | None = None  # the batch shape the tuner times (the first it sees)
 
     # -- the allocator the loader writes through (layers.params.Allocator) ---------------------------
 
@@ -318,6 +323,31 @@ class PlacedWeights:
             log.warning("hybrid decode: %.2f misses a layer seen over %d steps (%.2f assumed): share %.2f -> %.2f",
                         misses, t.mapped_steps - s0, (self.calibration or {}).get("expected_misses", float("nan")),
                         before, share)
+        else:
+            share = before
+        if share > 0:  # the host has misses to take: time the shares around this one (at 0 it has none)
+            self.tuner, self._tune_tokens = ShareTuner(share), None
+
+    def _tune(self, now: float, tokens: int | None) -> None:
+        """Feed the tuner the period since the step before when both were decode steps of the batch shape it
+        times and no host kernels are being built beside them; queue the share it asks for."""
+        (before, last), self._tune_last = self._tune_last, (now, tokens)
+        if tokens is None or tokens != last or tokens > max(c.mapped_tokens for c in self.caches.values()):
+            return
+        if self._tune_tokens is None:
+            self._tune_tokens = tokens
+        if tokens != self._tune_tokens or any(p.is_alive() for p in self._prepare_threads):
+            return
+        tuner = self.tuner
+        nxt = tuner.observe(now - before)
+        if nxt is not None:
+            self.pending_share = nxt
+        if tuner.done:
+            self.tuner = None
+            periods = {f"{k:.2f}": round(v * 1e3, 2) for k, v in sorted(tuner.measured.items())}
+            self.calibration = {**(self.calibration or {}), "tuned_share": tuner.best, "tuned_step_ms": periods}
+            log.warning("hybrid decode: share tuned on %d-token steps to %.2f (median step ms by share: %s)",
+                        tokens, tuner.best, periods)
 
     def apply_pending_share(self) -> bool:
         """Between steps (the runner): apply the re-balance's share; True when one was applied (the caller drops
@@ -327,7 +357,7 @@ class PlacedWeights:
             return False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.set_cpu_share(share)
+        self._set_share(share)
         return True
 
     def _balanced_share(self, hd) -> tuple[float, str]:
@@ -396,10 +426,14 @@ class PlacedWeights:
         `expert_cache.host_share`), first those e with floor((e + 1) * share) > floor(e * share) (spread over
         the ids); with `hybrid_split` (any bank format) each miss is split along its intermediate instead. Graphs
         captured before keep working for the per-expert split (tensors change in place); the column split
-        is baked into captures: call `DecodeGraphs.reset()` after changing it."""
+        is baked into captures: call `DecodeGraphs.reset()` after changing it. A share set this way stays:
+        neither re-balanced nor tuned."""
         if self.host_decode is None:
             raise ValueError("hybrid decode is off (experts=gpu, no mapped caches, or a share of 0 at start)")
-        self._rebalance = False  # a share set from outside stays
+        self._rebalance, self.tuner, self.pending_share = False, None, None
+        self._set_share(share)
+
+    def _set_share(self, share: float) -> None:
         E = next(iter(self.caches.values())).host_w13.shape[0]
         cpu_class = torch.tensor([int((e + 1) * share) > int(e * share) for e in range(E)])
         for c in self.caches.values():
@@ -477,8 +511,11 @@ class PlacedWeights:
         """The most tokens a graphed step may have (mapped caches copy larger steps), None: no limit."""
         return min((c.mapped_tokens for c in self.caches.values()), default=None)
 
-    def after_step(self, step_s: float | None = None) -> None:
-        """After every step (`step_s`: its wall time, for the per-step figures)."""
+    def after_step(self, step_s: float | None = None, tokens: int | None = None) -> None:
+        """After every step (`step_s`: its wall time, for the per-step figures; `tokens`: its batch when it
+        was a decode step of one token a sequence, for the share tuner)."""
+        if self.tuner is not None:
+            self._tune(time.perf_counter(), tokens)
         if step_s is not None:
             self.stats.steps += 1
             self.stats.step_s += step_s

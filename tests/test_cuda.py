@@ -709,17 +709,20 @@ def test_hybrid_rebalance_turns_the_host_off_mid_run(tmp_path_factory):
 def test_hybrid_share_tuner_settles_on_a_graphed_engine(tmp_path_factory):
     """The share tuner (`offload/share_tuner.py`) on a graphed hybrid decode: it times one sequence's decode
     steps, the runner applies each share it asks for between steps (graphs re-captured), it settles, records
-    its figures, and fresh prompts' logits then match the all-on-GPU run."""
+    its figures, and fresh prompts' logits then match the all-on-GPU run. In fp32: in bf16 the host's and the
+    device's rounding differ, and after a long decode (slots holding other experts) one of this 4-expert
+    model's near-tied routers can pick another expert for a step (`benchmarks/diag_hybrid_routing_flip.py`)."""
     from ferrylm.offload import share_tuner
     from test_models_hf import build
 
     path, _ = build(tmp_path_factory, "qwen3_moe")
-    kw = dict(device="cuda", dtype="bfloat16", place=("experts=cpu",), gpu_memory_budget="2GiB")
+    kw = dict(device="cuda", dtype="float32", place=("experts=cpu",), gpu_memory_budget="2GiB")
     prompts = [[5, 9, 31, 7, 100, 3], [17, 4, 4, 250]]
     ref_out, ref = sampled_rows(LLM(path, experts="gpu", **kw), prompts, 16)
     free_engines()
     llm = LLM(path, experts="auto", cpu_share=0.5, **kw)
     placed = llm.engine.runner.placed
+    assert llm.engine.runner.graphs is not None  # graphed
     placed.tuner = share_tuner.ShareTuner(0.5, settle=1, samples=3)  # as the re-balance arms it
     llm.generate([[11, 12, 13]], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
     cal = placed.calibration
@@ -730,7 +733,7 @@ def test_hybrid_share_tuner_settles_on_a_graphed_engine(tmp_path_factory):
     assert placed.cpu_share == cal["tuned_share"]
     worst, diverged = worst_while_equal(ref_out, ref, out, got)
     print(f"tuned vs all on GPU: max |logit diff| = {worst:.3e} while the tokens agree ({diverged} diverged)")
-    assert worst < 5e-2
+    assert worst < 1e-3
     del llm, placed
     free_engines()
 

@@ -600,6 +600,7 @@ CASES = {
     "hybrid16": lambda rows, h2d: case_hybrid(rows, h2d),
     # the packed hybrid case: Mixtral 32 layers, NF4 experts, 16 GiB, batch 1 and 16 (split vs each side)
     "hybrid16-decode-quick": lambda rows, h2d: case_hybrid_decode(rows, h2d, shares=(0.0,), quick=True),
+    "hybrid16-decode-zipf-quick": lambda rows, h2d: case_hybrid_decode(rows, h2d, "zipf1.2", shares=(0.0,), quick=True),
     "hybrid32-nf4": lambda rows, h2d: case_hybrid_packed(rows, h2d),
     "hybrid32-int4": lambda rows, h2d: case_hybrid_packed(rows, h2d, expert_quant="int4"),
     "hybrid16-zipf": lambda rows, h2d: case_hybrid(rows, h2d, "zipf1.2"),

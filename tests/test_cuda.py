@@ -706,34 +706,41 @@ def test_hybrid_rebalance_turns_the_host_off_mid_run(tmp_path_factory):
     free_engines()
 
 
-def test_hybrid_share_tuner_settles_on_a_graphed_engine(tmp_path_factory):
-    """The share tuner (`offload/share_tuner.py`) on a graphed hybrid decode: it times one sequence's decode
-    steps, the runner applies each share it asks for between steps (graphs re-captured), it settles, records
-    its figures, and fresh prompts' logits then match the all-on-GPU run. In fp32: in bf16 the host's and the
-    device's rounding differ, and after a long decode (slots holding other experts) one of this 4-expert
-    model's near-tied routers can pick another expert for a step (`benchmarks/diag_hybrid_routing_flip.py`)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_hybrid_share_tuner_settles(dtype, tmp_path_factory):
+    """The share tuner (`offload/share_tuner.py`) on a hybrid decode: it times one sequence's decode steps,
+    the runner applies each share it asks for between steps, it settles and records its figures. In bf16 the
+    engine is graphed (the fused kernel reads misses in place; graphs are re-captured at each share) and the
+    check ends there: the host's and the device's bf16 rounding differ, and after a long decode (slots
+    holding other experts) one of this 4-expert model's near-tied routers can pick another expert for a step
+    (`benchmarks/diag_hybrid_routing_flip.py`: worst 0.5 at one step, fp32 exact). In fp32 (eager: no fused
+    kernel) fresh prompts' logits after tuning then match the all-on-GPU run."""
     from ferrylm.offload import share_tuner
     from test_models_hf import build
 
     path, _ = build(tmp_path_factory, "qwen3_moe")
-    kw = dict(device="cuda", dtype="float32", place=("experts=cpu",), gpu_memory_budget="2GiB")
+    kw = dict(device="cuda", dtype=dtype, place=("experts=cpu",), gpu_memory_budget="2GiB")
     prompts = [[5, 9, 31, 7, 100, 3], [17, 4, 4, 250]]
-    ref_out, ref = sampled_rows(LLM(path, experts="gpu", **kw), prompts, 16)
-    free_engines()
+    if dtype == "float32":
+        ref_out, ref = sampled_rows(LLM(path, experts="gpu", **kw), prompts, 16)
+        free_engines()
     llm = LLM(path, experts="auto", cpu_share=0.5, **kw)
     placed = llm.engine.runner.placed
-    assert llm.engine.runner.graphs is not None  # graphed
+    assert (llm.engine.runner.graphs is not None) == (dtype == "bfloat16")
     placed.tuner = share_tuner.ShareTuner(0.5, settle=1, samples=3)  # as the re-balance arms it
     llm.generate([[11, 12, 13]], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
     cal = placed.calibration
-    print(f"tuned share {cal.get('tuned_share')}: {cal.get('tuned_step_ms')}")
+    print(f"{dtype}: tuned share {cal.get('tuned_share')}: {cal.get('tuned_step_ms')}")
     assert placed.tuner is None and "tuned_share" in cal and len(cal["tuned_step_ms"]) >= 3
     assert placed.pending_share is None or placed.pending_share == cal["tuned_share"]
     out, got = sampled_rows(llm, prompts, 16)
     assert placed.cpu_share == cal["tuned_share"]
-    worst, diverged = worst_while_equal(ref_out, ref, out, got)
-    print(f"tuned vs all on GPU: max |logit diff| = {worst:.3e} while the tokens agree ({diverged} diverged)")
-    assert worst < 1e-3
+    if dtype == "float32":
+        worst, diverged = worst_while_equal(ref_out, ref, out, got)
+        print(f"tuned vs all on GPU: max |logit diff| = {worst:.3e} while the tokens agree ({diverged} diverged)")
+        assert worst < 1e-3
+    else:
+        assert all(torch.isfinite(r).all() for r in got)
     del llm, placed
     free_engines()
 

@@ -515,19 +515,20 @@ def rebalance(llm, placed) -> float:
     return share
 
 
-def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: str = "nf4", budget_gib: int = 16,
-                       batches=(1, 16), linear_quant: str | None = None) -> None:
+def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: str | None = "nf4", budget_gib: int = 16,
+                       batches=(1, 16), linear_quant: str | None = None, prefill: int | None = None) -> None:
     """The issue's packed hybrid case: Mixtral-8x7B shape, `layers` layers, experts `expert_quant` (packed in
     pinned host memory, read packed), under `budget_gib`; one engine (`experts=auto`), per batch three
     settings switched on it: hybrid (the calibrated share, every miss split along its intermediate: the GPU
     reads columns [0, c) in place, the host computes [c, I); steps above `mapped_tokens` take the copy path
     with the cost model's split of whole experts), copy-only (share 0: in place / copied, host idle; copy
-    path `cpu_mode=gpu`) and cpu-only (share 1, `cpu_mode=cpu`). Graphs re-captured per setting."""
+    path `cpu_mode=gpu`) and cpu-only (share 1, `cpu_mode=cpu`). Graphs re-captured per setting. `prefill`: also
+    one prompt of that many tokens under each setting (a row with batch "prefill"). `expert_quant` None: bf16."""
     from ferrylm import LLM
     from ferrylm.weights.random_source import RandomSource
 
     cfg = {**MIXTRAL, "num_hidden_layers": layers}
-    name = f"mixtral-{layers}L-{expert_quant}-experts"
+    name = f"mixtral-{layers}L-{expert_quant or 'bf16'}-experts"
     t = time.perf_counter()
     llm = LLM(RandomSource(cfg, expert_quant=expert_quant, linear_quant=linear_quant), device="cuda", dtype="bfloat16",
               max_num_seqs=max(batches), max_model_len=4096, gpu_memory_budget=f"{budget_gib}GiB", experts="auto")
@@ -572,6 +573,20 @@ def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: s
                   f"{r:7.2f} tok/s  {row[f'{mode}_split']}", flush=True)
         row["split"] = row["auto_split"]["split_cols"]
         rows.append(row)
+    if prefill:  # a prompt's steps take the copy road: the cost model's split of whole experts (cpu_mode)
+        row = {"model": name, "budget_gib": budget_gib, "batch": "prefill", "prompt_tokens": prefill}
+        for mode, (key, share, split) in settings.items():
+            placed.hybrid_split = split
+            placed.set_cpu_share(share)
+            placed.wait_host_builds()
+            for c in placed.caches.values():
+                c.cpu_mode = mode
+            placed.stats.reset()
+            row[key] = r = prefill_rate(llm, prefill, seed=len(mode) * 13)
+            row[f"{mode}_split"] = {"cpu_experts": placed.stats.cpu_experts,
+                                    "h2d_gib": placed.stats.h2d_bytes / 2**30}
+            print(f"{name} prefill {prefill} {mode:4s}: {r:8.1f} tok/s  {row[f'{mode}_split']}", flush=True)
+        rows.append(row)
     llm.close()  # its host workers stop before the interpreter does (left running, the process aborted at exit)
     del llm, runner, placed, first
     gc.collect()
@@ -603,6 +618,9 @@ CASES = {
     "hybrid16-decode-zipf-quick": lambda rows, h2d: case_hybrid_decode(rows, h2d, "zipf1.2", shares=(0.0,), quick=True),
     "hybrid32-nf4": lambda rows, h2d: case_hybrid_packed(rows, h2d),
     "hybrid32-int4": lambda rows, h2d: case_hybrid_packed(rows, h2d, expert_quant="int4"),
+    # the issue's "never more than 5% slower than the better side": bf16 16L, batch 1-64 and a 2k prefill
+    "hybrid16-sweep": lambda rows, h2d: case_hybrid_packed(rows, h2d, layers=16, expert_quant=None,
+                                                           batches=(1, 4, 16, 64), prefill=2048),
     "hybrid16-zipf": lambda rows, h2d: case_hybrid(rows, h2d, "zipf1.2"),
     "offload16": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16}, 16,
                                                 (1, 64), 2048, accelerate=True),

@@ -706,41 +706,42 @@ def test_hybrid_rebalance_turns_the_host_off_mid_run(tmp_path_factory):
     free_engines()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_hybrid_share_tuner_settles(dtype, tmp_path_factory):
-    """The share tuner (`offload/share_tuner.py`) on a hybrid decode: it times one sequence's decode steps,
-    the runner applies each share it asks for between steps, it settles and records its figures. In bf16 the
-    engine is graphed (the fused kernel reads misses in place; graphs are re-captured at each share) and the
-    check ends there: the host's and the device's bf16 rounding differ, and after a long decode (slots
-    holding other experts) one of this 4-expert model's near-tied routers can pick another expert for a step
-    (`benchmarks/diag_hybrid_routing_flip.py`: worst 0.5 at one step, fp32 exact). In fp32 (eager: no fused
-    kernel) fresh prompts' logits after tuning then match the all-on-GPU run."""
+def test_hybrid_share_tuner_settles_on_a_graphed_engine(tmp_path_factory):
+    """The share tuner (`offload/share_tuner.py`) on a graphed hybrid decode (bf16: the fused kernel reads
+    misses in place): it times one sequence's decode steps, the runner applies each share it asks for between
+    steps (graphs re-captured), it settles, records its figures and serves its choice. Fresh prompts' logits
+    then match the all-on-GPU run within bf16 rounding on nearly every row: the host's and the device's bf16
+    rounding differ, and one of this 4-expert model's near-tied routers can pick another expert for a step
+    (`benchmarks/diag_hybrid_routing_flip.py`: one step at 0.5, the others ~1e-2; in fp32 the hybrid run after
+    the same long decode equals the all-on-GPU run exactly, but fp32 has no fused kernel and so no hybrid
+    decode to tune)."""
     from ferrylm.offload import share_tuner
     from test_models_hf import build
 
     path, _ = build(tmp_path_factory, "qwen3_moe")
-    kw = dict(device="cuda", dtype=dtype, place=("experts=cpu",), gpu_memory_budget="2GiB")
+    kw = dict(device="cuda", dtype="bfloat16", place=("experts=cpu",), gpu_memory_budget="2GiB")
     prompts = [[5, 9, 31, 7, 100, 3], [17, 4, 4, 250]]
-    if dtype == "float32":
-        ref_out, ref = sampled_rows(LLM(path, experts="gpu", **kw), prompts, 16)
-        free_engines()
+    ref_out, ref = sampled_rows(LLM(path, experts="gpu", **kw), prompts, 16)
+    free_engines()
     llm = LLM(path, experts="auto", cpu_share=0.5, **kw)
     placed = llm.engine.runner.placed
-    assert (llm.engine.runner.graphs is not None) == (dtype == "bfloat16")
+    assert llm.engine.runner.graphs is not None and placed.host_decode is not None  # graphed hybrid decode
     placed.tuner = share_tuner.ShareTuner(0.5, settle=1, samples=3)  # as the re-balance arms it
     llm.generate([[11, 12, 13]], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
     cal = placed.calibration
-    print(f"{dtype}: tuned share {cal.get('tuned_share')}: {cal.get('tuned_step_ms')}")
+    print(f"tuned share {cal.get('tuned_share')}: {cal.get('tuned_step_ms')}")
     assert placed.tuner is None and "tuned_share" in cal and len(cal["tuned_step_ms"]) >= 3
     assert placed.pending_share is None or placed.pending_share == cal["tuned_share"]
     out, got = sampled_rows(llm, prompts, 16)
-    assert placed.cpu_share == cal["tuned_share"]
-    if dtype == "float32":
-        worst, diverged = worst_while_equal(ref_out, ref, out, got)
-        print(f"tuned vs all on GPU: max |logit diff| = {worst:.3e} while the tokens agree ({diverged} diverged)")
-        assert worst < 1e-3
-    else:
-        assert all(torch.isfinite(r).all() for r in got)
+    assert placed.cpu_share == cal["tuned_share"] and placed.stats.cpu_experts > 0
+    rows = []  # per row computed from the same context by both runs: its max |logit diff|
+    for r_o, r, o, g in zip(ref_out, ref, out, got):
+        a, b = r_o.outputs[0].token_ids, o.outputs[0].token_ids
+        n = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a) - 1)
+        rows += (r[:n + 1] - g[:n + 1]).abs().amax(dim=-1).tolist()
+    near = sum(d < 5e-2 for d in rows) / len(rows)
+    print(f"tuned vs all on GPU: {len(rows)} rows, worst {max(rows):.3e}, {near:.0%} within 5e-2")
+    assert near >= 0.9 and max(rows) < 1.0
     del llm, placed
     free_engines()
 

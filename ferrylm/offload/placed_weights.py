@@ -515,7 +515,10 @@ class PlacedWeights:
         """After every step (`step_s`: its wall time, for the per-step figures; `tokens`: its batch when it
         was a decode step of one token a sequence, for the share tuner)."""
         if self.tuner is not None:
-            self._tune(time.perf_counter(), tokens)
+            if self.host_decode is None:  # no hybrid decode: no share to tune (a step's time does not move with it)
+                self.tuner = None
+            else:
+                self._tune(time.perf_counter(), tokens)
         if step_s is not None:
             self.stats.steps += 1
             self.stats.step_s += step_s

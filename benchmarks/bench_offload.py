@@ -575,14 +575,14 @@ def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: s
         rows.append(row)
     if prefill:  # a prompt's steps take the copy road: the cost model's split of whole experts (cpu_mode)
         row = {"model": name, "budget_gib": budget_gib, "batch": "prefill", "prompt_tokens": prefill}
-        for mode, (key, share, split) in settings.items():
+        for i, (mode, (key, share, split)) in enumerate(settings.items()):
             placed.hybrid_split = split
             placed.set_cpu_share(share)
             placed.wait_host_builds()
             for c in placed.caches.values():
                 c.cpu_mode = mode
             placed.stats.reset()
-            row[key] = r = prefill_rate(llm, prefill, seed=len(mode) * 13)
+            row[key] = r = prefill_rate(llm, prefill, seed=1000 + 7 * i)  # fresh prompts: no prefix-cache hit
             row[f"{mode}_split"] = {"cpu_experts": placed.stats.cpu_experts,
                                     "h2d_gib": placed.stats.h2d_bytes / 2**30}
             print(f"{name} prefill {prefill} {mode:4s}: {r:8.1f} tok/s  {row[f'{mode}_split']}", flush=True)

@@ -70,6 +70,22 @@ def test_cost_model_choices():
     assert split_misses(tokens, balanced, "cpu") == ([], list(range(6)))
 
 
+def test_cost_model_prices_a_prefill_chunk_from_the_compute_bound_point():
+    """A big expert's host time is flat up to 64 tokens (bound by its bytes) and grows with its FLOPs beyond:
+    the H200 host's Mixtral figures up to 64 tokens (session 19) and, at the 256-token point the calibration now
+    measures (`TOKENS`), 60 ms (90 GFLOP at ~1.5 TFLOP/s). A
+    prefill chunk's ~512 tokens an expert then go to the copy engine (6.5 ms an expert); extrapolated from 16
+    and 64 alone, the curve priced them at ~23 ms and sent the heaviest experts to the host (session 19: a 2k
+    prefill ran 1786 tok/s against 2862 copying all)."""
+    flat = {"1": 7.1e-3, "4": 6.9e-3, "16": 7.2e-3, "64": 8.7e-3}
+    tokens = {e: 512 for e in range(8)}
+    old = calibration.costs_from({"copy_s": 6.5e-3, "cpu_s": flat})
+    assert old.cpu_s(512) < 25e-3 and split_misses(tokens, old)[1]  # the old curve: some on the host
+    new = calibration.costs_from({"copy_s": 6.5e-3, "cpu_s": {**flat, "256": 60e-3}})
+    assert new.cpu_s(512) > 0.1 and split_misses(tokens, new) == (list(range(8)), [])
+    assert split_misses({e: 1 for e in range(8)}, new)[1]  # decode's one token still goes to the host
+
+
 def test_calibration_cache(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
     w13, w2 = torch.randn(2, 64, 32), torch.randn(2, 32, 32)
@@ -107,7 +123,7 @@ def test_calibration_times_the_banks_format(tmp_path, monkeypatch):
     w2 = ExpertWeights.stack([[quant.quantize_int4(torch.randn(64, 32), 32, "min")] for _ in range(2)], torch.bfloat16)
     costs, m = calibration.calibrate(w13, w2, act, torch.device("cpu"))
     assert m["format"] == "int4min/32" and m["expert_bytes"] == (w13.nbytes + w2.nbytes) // 2
-    assert sorted(m["cpu_s"], key=int) == ["1", "4", "16", "64"] and costs.cpu_s(2) > 0
+    assert sorted(m["cpu_s"], key=int) == [str(n) for n in calibration.TOKENS] and costs.cpu_s(2) > 0
     calibration.calibrate(w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16), act, torch.device("cpu"))
     caches = [f for f in os.listdir(tmp_path) if f.startswith("calibration-")]
     assert len(caches) == 2  # the dense bf16 bank of the same shape is another entry

@@ -51,12 +51,17 @@ from ferrylm.offload.cost_model import Costs
 from ferrylm.offload.host_experts import HostExperts
 
 log = logging.getLogger(__name__)
-TOKENS = (1, 4, 16, 64)
+TOKENS = (1, 4, 16, 64, 256)
+"""Token counts an expert's host time is measured at (`cost_model.Costs.cpu_s` interpolates, and extrapolates from
+the last two). 256: up to 64 tokens a big expert is still bound by its bytes on the host, and the line through 16
+and 64 priced a prefill chunk's ~512 tokens an expert at 23 ms where the host, bound by its FLOPs there, takes
+several times that: the copy road's split sent 32 experts of a 2k prefill to the host and ran 1786 tok/s against
+2862 copying all (H200 host, Mixtral 16L bf16, session 19)."""
 GEMM_TOKENS = (1, 2, 4, 8, 16)
 """Token counts at which a split dense GEMM is checked against the plain one (`dense_gemm_max_t`)."""
 CYCLE = 4
 """Distinct experts each CPU figure cycles over."""
-VERSION = 6
+VERSION = 7
 """Bumped when what is measured changes (older cache files are measured again)."""
 KNOBS = (("dense_gemm", cpu_experts.DENSE_GEMMS), ("packed_gemm", cpu_experts.PACKED_GEMMS),
          ("row_blocks_gemm", cpu_experts.ROW_BLOCKS_GEMMS))

@@ -31,7 +31,11 @@ native NF4 kernel is 21-28x torch's decode but stops scaling at 8 of the 16 core
 threads); native bf16 does not beat oneDNN there. The calibrated share assumes uniform routing: it is now
 re-balanced once on the misses the first mapped steps saw (`placed_weights.REBALANCE_WINDOW`; Mixtral 32L int4,
 whose slots catch 97.6%, went from 0.33 to 0), and share 0 skips the per-layer hand-off (copy-only 31.1 -> 41.4
-tok/s). Pending on the GPU (docs/benchmarks.md list): the re-balance test, single-core background int4 builds.
+tok/s). Session 17: after the re-balance the share is tuned on measured step times (`share_tuner.py`, a hill
+climb; bf16 16L batch 1 10.01 tok/s), int4 32L auto within 4% of copy-only at batch 1 and ahead at 16. Session 19:
+hybrid decode beats the better side at every batch of 1-64 (bf16 16L: 1.45x at batch 1, 1.56x at 64) and a 2k
+prefill equals copy-only (the calibration times 256 tokens; `cost_model.SPLIT_MARGIN`); Zipf batch 1 13.3-13.5
+tok/s. Left: bf16 batch 1 at 14.3 (9.0-10.2 measured), NF4 hybrid (its host kernel is thread-bound).
 A dropped offloaded CUDA engine is not always freed at once
 (seen in tests/test_cuda; the holder is not found yet).
 Session 4 (s4-hybrid): the host worker computes a padded graph step's live rows only

@@ -73,7 +73,7 @@ def split_misses(tokens: dict[int, int], costs: Costs, mode: str = "auto") -> tu
 SPLIT_MARGIN = 0.2
 """The host takes copy-road misses only when the split is predicted this much shorter than copying them all. The
 model's host time is an expert's calibrated time; the engine's host steps cost more (the rows' gather and scatter,
-the join): on the H200 a 2k prefill of Mixtral 16L bf16 (~256 tokens an expert a chunk) was predicted ~12% shorter
+the join): on the H200 a 2k prefill of Mixtral 16L bf16 (~512 tokens an expert) was predicted ~12% shorter
 with one or two experts a layer on the host and ran 30% slower (2002 tok/s against 2865 copying all, session 19).
 Decode steps of a few tokens an expert, where the host wins by half, are unaffected."""
 

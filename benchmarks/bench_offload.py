@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import subprocess
 import time
 
@@ -516,9 +517,10 @@ def rebalance(llm, placed) -> float:
 
 
 def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: str | None = "nf4", budget_gib: int = 16,
-                       batches=(1, 16), linear_quant: str | None = None, prefill: int | None = None) -> None:
-    """The issue's packed hybrid case: Mixtral-8x7B shape, `layers` layers, experts `expert_quant` (packed in
-    pinned host memory, read packed), under `budget_gib`; one engine (`experts=auto`), per batch three
+                       batches=(1, 16), linear_quant: str | None = None, prefill: int | None = None,
+                       cfg: dict | None = None, model: str = "mixtral") -> None:
+    """The issue's packed hybrid case: Mixtral-8x7B shape (or `cfg`, named `model`), `layers` layers, experts
+    `expert_quant` (packed in pinned host memory, read packed), under `budget_gib`; one engine (`experts=auto`), per batch three
     settings switched on it: hybrid (the calibrated share, every miss split along its intermediate: the GPU
     reads columns [0, c) in place, the host computes [c, I); steps above `mapped_tokens` take the copy path
     with the cost model's split of whole experts), copy-only (share 0: in place / copied, host idle; copy
@@ -527,8 +529,8 @@ def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: s
     from ferrylm import LLM
     from ferrylm.weights.random_source import RandomSource
 
-    cfg = {**MIXTRAL, "num_hidden_layers": layers}
-    name = f"mixtral-{layers}L-{expert_quant or 'bf16'}-experts"
+    cfg = {**(cfg or MIXTRAL), "num_hidden_layers": layers}
+    name = f"{model}-{layers}L-{expert_quant or 'bf16'}-experts"
     t = time.perf_counter()
     llm = LLM(RandomSource(cfg, expert_quant=expert_quant, linear_quant=linear_quant), device="cuda", dtype="bfloat16",
               max_num_seqs=max(batches), max_model_len=4096, gpu_memory_budget=f"{budget_gib}GiB", experts="auto")
@@ -593,6 +595,70 @@ def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: s
     torch.cuda.empty_cache()
 
 
+def case_hybrid_profile(rows: list, h2d: float, skew: float = 1.2) -> None:
+    """Zipf routing with a recorded profile (the issue's "more under Zipf with a profile"): Mixtral 16L bf16 under
+    16 GiB, batch 1. Engine 1 has no profile: it records one over a warm-up (`expert_profile.record`, what `ferry
+    profile` does) and serves auto (re-balanced, tuned); engine 2 starts with that profile (`expert_profile=`, what
+    `--expert-profile` does: each layer's hottest experts resident, never evicted) and serves auto and share 0
+    (in place only). The same Zipf ranking in both (`zipf_routing` re-seeded)."""
+    import tempfile
+
+    from ferrylm import LLM, SamplingParams
+    from ferrylm.offload import expert_profile
+    from ferrylm.weights.random_source import RandomSource
+
+    cfg = {**MIXTRAL, "num_hidden_layers": 16}
+    kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=4, max_model_len=4096, gpu_memory_budget="16GiB",
+              experts="auto")
+    path = os.path.join(tempfile.mkdtemp(), "mixtral-16L-zipf.json")
+    row = {"model": "mixtral-16L", "budget_gib": 16, "batch": 1, "routing": f"zipf{skew}"}
+
+    def served(llm, key):  # auto as served, then (key "profile") share 0 on the same engine
+        placed = llm.engine.runner.placed
+        row[f"{key}_calibrated_share"] = placed.cpu_share
+        for mode in ("auto", "inplace") if key == "profile" else ("auto",):
+            share = rebalance(llm, placed) if mode == "auto" else 0.0
+            placed.set_cpu_share(share)
+            placed.wait_host_builds()
+            if llm.engine.runner.graphs is not None:
+                llm.engine.runner.graphs.reset()
+            placed.stats.reset()
+            r, per = decode_rate(llm, 1, 24, seed=17, stats=placed.stats)
+            st = placed.stats
+            row[f"{key}_{mode}"] = {"tok_s": r, "share": share, "pcie_gib_per_token": per / 2**30,
+                                    "hit_rate": st.hit_rate, "cpu_experts": st.cpu_experts}
+            print(f"zipf{skew} {key} {mode} (share {share:.2f}): {r:6.2f} tok/s  {row[f'{key}_{mode}']}", flush=True)
+
+    zipf_routing(skew)
+    llm = LLM(RandomSource(cfg), **kw)
+    t = time.perf_counter()
+    prof = expert_profile.record(llm, [[i + 1] for i in range(8)],
+                                 SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    expert_profile.write(prof, path)
+    counts = [sorted(v, reverse=True) for v in prof["layers"].values()]
+    row["profile_top_share"] = sum(c[0] + c[1] for c in counts) / max(1, sum(sum(c) for c in counts))
+    print(f"profile recorded in {time.perf_counter() - t:.1f} s: the top 2 of 8 take {row['profile_top_share']:.2f} "
+          f"of the routing", flush=True)
+    llm.engine.runner.placed.stats.reset()
+    served(llm, "no_profile")
+    llm.close()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    zipf_routing(skew)  # the same ranking for the second engine
+    llm = LLM(RandomSource(cfg), **kw, expert_profile=path)
+    row["profile_note"] = llm.engine.runner.placed.profile_note
+    print(row["profile_note"], flush=True)
+    served(llm, "profile")
+    row["hybrid_tok_s"] = row["profile_auto"]["tok_s"]
+    row["inplace_only_tok_s"] = row["profile_inplace"]["tok_s"]
+    rows.append(row)
+    llm.close()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 TALLY_WARMUP_TOKENS = 96
 """Batch-1 tokens decoded before the first timed run where the mapped path's routing tally promotes experts (until
 session 11 the first run timed a cold tally: Yuan2.0-M32 NF4 at batch 1 ran 17 tok/s cold, 32-37 after the batch-32
@@ -622,6 +688,15 @@ CASES = {
     "hybrid16-sweep": lambda rows, h2d: case_hybrid_packed(rows, h2d, layers=16, expert_quant=None,
                                                            batches=(1, 4, 16, 64), prefill=2048),
     "hybrid16-zipf": lambda rows, h2d: case_hybrid(rows, h2d, "zipf1.2"),
+    "hybrid16-zipf-profile": lambda rows, h2d: case_hybrid_profile(rows, h2d),
+    # the issue's "the same on the Qwen3-30B-A3B and Yuan2.0-M32 shapes": bf16 experts, budget 8 GiB (Qwen3 61 GB;
+    # M32 16 of its 24 layers, ~51 GB bf16), and M32's 24 layers with int4 experts
+    "hybrid-qwen3-30b": lambda rows, h2d: case_hybrid_packed(rows, h2d, layers=48, expert_quant=None, budget_gib=8,
+                                                             cfg=QWEN3_30B, model="qwen3-30b-a3b"),
+    "hybrid-yuan-m32": lambda rows, h2d: case_hybrid_packed(rows, h2d, layers=16, expert_quant=None, budget_gib=8,
+                                                            cfg=_yuan_m32(), model="yuan2-m32"),
+    "hybrid-yuan-m32-int4": lambda rows, h2d: case_hybrid_packed(rows, h2d, layers=24, expert_quant="int4",
+                                                                 budget_gib=8, cfg=_yuan_m32(), model="yuan2-m32"),
     "offload16": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16}, 16,
                                                 (1, 64), 2048, accelerate=True),
     "offload16-ferry": lambda rows, h2d: case_offload(rows, h2d, "mixtral-16L", {**MIXTRAL, "num_hidden_layers": 16},

@@ -69,6 +69,38 @@ def test_nf4_gemv_equals_torch(T, K, bf16):
     print(f"native NF4 GEMV T={T}: max |diff| vs torch fp32 {err:.2e}")
 
 
+@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
+def test_bf16_dot_gemv_equals_torch():
+    """The one-token bf16-x kernel (`vdpbf16ps`): a column window with a K tail past its 128-wide steps, odd N."""
+    torch.manual_seed(5)
+    N, K = 77, 32 * 13
+    w = torch.randn(N, 2 * K).to(torch.bfloat16)[:, 64:64 + K]
+    x = torch.randn(1, K, dtype=torch.bfloat16)
+    out = torch.full((1, N + 3), float("nan"))[:, 1:1 + N]
+    hn.gemv_bf16_bx(x, w, out)
+    err = _close(out, x.float() @ w.float().t(), x, w)
+    print(f"native bf16 GEMV, bf16 x: max |diff| vs torch fp32 {err:.2e}")
+    with pytest.raises(ValueError, match="bf16 x"):
+        hn.gemv_bf16_bx(torch.zeros(2, K, dtype=torch.bfloat16), w, torch.empty(2, N))
+
+
+@pytest.mark.parametrize("pf", [1, 3])
+def test_bf16_gemv_prefetch_equals_torch(pf):
+    """The one-token fp32 kernel with a software prefetch distance computes the same."""
+    torch.manual_seed(pf)
+    N, K = 50, 256
+    w = torch.randn(N, K).to(torch.bfloat16)
+    x = torch.randn(1, K, dtype=torch.bfloat16)
+    try:
+        hn.set_bf16_prefetch(pf)
+        out = hn.gemv_bf16(x.float().contiguous(), w, torch.empty(1, N))
+    finally:
+        hn.set_bf16_prefetch(0)
+    _close(out, x.float() @ w.float().t(), x, w)
+    # the read ceiling's sink: each row's pairs of bf16 summed as int32 lanes
+    assert (hn.read_bf16(w, torch.empty(N)) == w.view(torch.int32).sum(dim=1, dtype=torch.int32).float()).all()
+
+
 def test_native_refuses_what_it_cannot_compute():
     w = torch.zeros(4, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="refused"):
@@ -87,7 +119,7 @@ def test_dense_gemm_native_equals_plain(T, monkeypatch):
     monkeypatch.setattr(C, "dense_gemm", "native")
     g = C.DenseGemm(w)
     assert len(g.native(2).kernels) > 2
-    calls = _counting(monkeypatch, "gemv_bf16")
+    calls = _counting(monkeypatch, "gemv_bf16_bx" if T == 1 and hn.nf4_bf16() else "gemv_bf16")
     got, ref = g(x), x.float() @ w.float().t()
     assert len(calls) == len(g.native(torch.get_num_threads()).kernels) if torch.get_num_threads() > 1 else calls
     assert got.dtype == x.dtype

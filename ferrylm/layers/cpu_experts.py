@@ -49,6 +49,11 @@ of rows (fp32 accumulation, not plain's bits; bf16 weights with K a multiple of 
 fastest depends on the machine (benchmarks/bench_host_gemv.py, bench_host_rowblocks.py): the hybrid calibration
 measures them and sets this (offload/calibration.py). fp32 weights always take the plain path (an fp32 bank
 computes `expert_mlp`'s bits)."""
+native_bf16_dot = True
+"""Whether "native" runs a one-token bf16 call on the AVX512-BF16 dot product (`host_native.gemv_bf16_bx`: bf16 x,
+no conversion of the weights; where the CPU has it) instead of the fp32 kernel. 2-core box, a Mixtral expert from
+DRAM on 2 threads: 36.8 GB/s against 22.0 (the fp32 kernel) and 13.4 (oneDNN), at the native read's 37.7
+(benchmarks/bench_host_stream.py). The products are exact in fp32 either way; the sums differ in order."""
 dense_gemm_max_t = 16
 """Most tokens a call takes `dense_gemm` at (set by the calibration with it)."""
 PACKED_GEMMS = ("plain", "split", "split-x4")
@@ -196,9 +201,15 @@ class DenseGemm:
         return s
 
     def native_rows(self, a: int, c: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        """Rows [a, a + c) by the native GEMV: x32 [T, K] fp32 -> [T, c] fp32."""
+        """Rows [a, a + c) by the native GEMV: x [T, K] -> [T, c] fp32; x fp32, or bf16 at one token (the
+        AVX512-BF16 dot-product kernel, `native_bf16_dot`)."""
         w = self.w[a:a + c]
-        return lambda x32: host_native.gemv_bf16(x32, w, torch.empty(x32.shape[0], c))
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if x.dtype == torch.bfloat16:
+                return host_native.gemv_bf16_bx(x, w, torch.empty(1, c))
+            return host_native.gemv_bf16(x, w, torch.empty(x.shape[0], c))
+        return run
 
     def native(self, threads: int) -> SplitRows:
         """The native GEMV over chunks of w's rows on `threads` workers (x32 -> [T, N] fp32), built once."""
@@ -218,9 +229,11 @@ class DenseGemm:
             return F.linear(x, self.w)
         threads = torch.get_num_threads()
         if g == "native" and self.native_fits(x):
-            x32 = x.float().contiguous()
+            bx = (native_bf16_dot and x.shape[0] == 1 and x.dtype == torch.bfloat16 and self.shape[1] % 32 == 0
+                  and host_native.nf4_bf16())
+            xn = x.contiguous() if bx else x.float().contiguous()
             run = self.native_rows(0, self.shape[0]) if threads == 1 else self.native(threads)
-            return run(x32).to(x.dtype)
+            return run(xn).to(x.dtype)
         if threads == 1:  # (the pool's own workers)
             return F.linear(x, self.w)
         return self.split(threads, chunks_per_thread(g))(x)

@@ -10,7 +10,10 @@ reads come from DRAM, at each `--threads`; ms an expert and GB/s of its bytes fo
   - read: `host_native.read_bf16` over the rows in the split pool's chunks (`cpu_experts.native_split`, as the engine
     runs "native"): the access pattern's ceiling, loads and an integer add, no GEMV;
   - native pf=D: `host_native.gemv_bf16` on the same chunks with the software prefetch D rows ahead
-    (`host_native.set_bf16_prefetch`; 0: the hardware prefetchers alone, what the engine runs);
+    (`host_native.gemv_bf16`'s `prefetch`; 0: the hardware prefetchers alone, the engine's "native";
+    `cpu_experts.NATIVE_PREFETCH_ROWS`: its "native-pf");
+  - native-bx pf=D: the same with bf16 x on the AVX512-BF16 dot product (`host_native.gemv_bf16_bx`, what the
+    engine runs at one token where the CPU has it);
   - plain: oneDNN's `F.linear` on torch's threads (`cpu_experts.dense_gemm = "plain"`).
 Each alone and, with CUDA, beside a pinned host -> GPU copy loop (`bench_cpu_experts.H2DCopy`, the copy road's
 traffic), with that copy's GB/s. Rounds take the variants in turn; the median is kept.
@@ -52,24 +55,25 @@ def variants(experts: list[list[torch.Tensor]], threads: int, prefetch: list[int
             return lambda x: host_native.read_bf16(w, torch.empty(w.shape[0])).view(1, -1)
         reads = [chunked(ws, threads, read) for ws in experts]
         out["read"] = (None, lambda e, x: [s(x) for s in reads[e]])
-        gemvs = [chunked(ws, threads, lambda w: (lambda x: host_native.gemv_bf16(x, w, torch.empty(1, w.shape[0]))))
-                 for ws in experts]
-
-        def native(e, x):
-            gu = gemvs[e][0](x)  # [1, 2I]
-            g, u = gu.chunk(2, dim=1)
-            gemvs[e][1]((F.silu(g) * u).contiguous())
         for d in prefetch:
-            out[f"native pf={d}"] = (lambda d=d: host_native.set_bf16_prefetch(d), native)
-    if host_native.available() and host_native.nf4_bf16():
-        bxs = [chunked(ws, threads, lambda w: (lambda x: host_native.gemv_bf16_bx(x, w, torch.empty(1, w.shape[0]))))
-               for ws in experts]
+            def gemv(w, d=d):
+                return lambda x: host_native.gemv_bf16(x, w, torch.empty(1, w.shape[0]), d)
+            gemvs = [chunked(ws, threads, gemv) for ws in experts]
 
-        def native_bx(e, x):
-            gu = bxs[e][0](x.bfloat16())
-            g, u = gu.chunk(2, dim=1)
-            bxs[e][1]((F.silu(g) * u).bfloat16())
-        out["native-bx"] = (None, native_bx)
+            def native(e, x, gemvs=gemvs):
+                g, u = gemvs[e][0](x).chunk(2, dim=1)  # [1, 2I] -> gate, up
+                gemvs[e][1]((F.silu(g) * u).contiguous())
+            out[f"native pf={d}"] = (None, native)
+    if host_native.available() and host_native.nf4_bf16():
+        for d in prefetch:
+            def gemv_bx(w, d=d):
+                return lambda x: host_native.gemv_bf16_bx(x, w, torch.empty(1, w.shape[0]), d)
+            bxs = [chunked(ws, threads, gemv_bx) for ws in experts]
+
+            def native_bx(e, x, bxs=bxs):
+                g, u = bxs[e][0](x.bfloat16()).chunk(2, dim=1)
+                bxs[e][1]((F.silu(g) * u).bfloat16())
+            out[f"native-bx pf={d}"] = (None, native_bx)
 
     def plain(e, x):
         w13, w2 = experts[e]
@@ -114,7 +118,6 @@ def main() -> None:
                             call(e, x)
                         if r:  # the first round warms every path (pools, pages)
                             times[name].append((time.perf_counter() - t) / a.experts)
-            host_native.set_bf16_prefetch(0)
             copy_gb_s = getattr(copier, "gb_s", None)
             for name, ts in times.items():
                 s = statistics.median(ts)

@@ -84,19 +84,18 @@ def test_bf16_dot_gemv_equals_torch():
         hn.gemv_bf16_bx(torch.zeros(2, K, dtype=torch.bfloat16), w, torch.empty(2, N))
 
 
-@pytest.mark.parametrize("pf", [1, 3])
+@pytest.mark.parametrize("pf", [0, 1, 3])
 def test_bf16_gemv_prefetch_equals_torch(pf):
-    """The one-token fp32 kernel with a software prefetch distance computes the same."""
+    """The one-token kernels (fp32 x, and bf16 x where the CPU has AVX512-BF16) at other prefetch distances compute
+    the same."""
     torch.manual_seed(pf)
     N, K = 50, 256
     w = torch.randn(N, K).to(torch.bfloat16)
     x = torch.randn(1, K, dtype=torch.bfloat16)
-    try:
-        hn.set_bf16_prefetch(pf)
-        out = hn.gemv_bf16(x.float().contiguous(), w, torch.empty(1, N))
-    finally:
-        hn.set_bf16_prefetch(0)
+    out = hn.gemv_bf16(x.float().contiguous(), w, torch.empty(1, N), pf)
+    bx = hn.gemv_bf16_bx(x, w, torch.empty(1, N), pf) if hn.nf4_bf16() else out
     _close(out, x.float() @ w.float().t(), x, w)
+    _close(bx, x.float() @ w.float().t(), x, w)
     # the read ceiling's sink: each row's pairs of bf16 summed as int32 lanes
     assert (hn.read_bf16(w, torch.empty(N)) == w.view(torch.int32).sum(dim=1, dtype=torch.int32).float()).all()
 
@@ -109,14 +108,15 @@ def test_native_refuses_what_it_cannot_compute():
         hn.gemv_bf16(torch.zeros(1, 32), torch.zeros(32, 4, dtype=torch.bfloat16).t(), torch.empty(1, 4))
 
 
+@pytest.mark.parametrize("gemm", ["native", "native-pf"])
 @pytest.mark.parametrize("T", [1, 4])
-def test_dense_gemm_native_equals_plain(T, monkeypatch):
+def test_dense_gemm_native_equals_plain(T, gemm, monkeypatch):
     """`DenseGemm` by "native" (chunks on the pool, and on a single-threaded caller) against the plain GEMM."""
     torch.manual_seed(0)
     w = (torch.randn(1000, 256) * .05).to(torch.bfloat16)
     x = torch.randn(T, 256, dtype=torch.bfloat16)
     monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 4096)
-    monkeypatch.setattr(C, "dense_gemm", "native")
+    monkeypatch.setattr(C, "dense_gemm", gemm)
     g = C.DenseGemm(w)
     assert len(g.native(2).kernels) > 2
     calls = _counting(monkeypatch, "gemv_bf16_bx" if T == 1 and hn.nf4_bf16() else "gemv_bf16")

@@ -37,7 +37,7 @@ from ferrylm.layers.qmatmul import Int4PackCPU, Int8PackCPU, QuantKernel, int4_l
 from ferrylm.weights import quant as Q
 
 FORMATS = ("bf16", "int8", "int4")
-DENSE_GEMMS = ("plain", "split", "split-x4", "native")
+DENSE_GEMMS = ("plain", "split", "split-x4", "native", "native-pf")
 dense_gemm = "plain"
 """How `HostExpert` multiplies dense bf16 / fp16 weights at up to `dense_gemm_max_t` tokens (read at each
 call; more tokens take the plain path): "plain", one oneDNN GEMM on torch's intra-op threads (the
@@ -45,10 +45,16 @@ reference); "split", `SplitRows` (the weight's rows in one chunk per thread, eac
 oneDNN GEMM on a worker thread of its own: the same bits as plain where oneDNN does not split K);
 "split-x4", four chunks per thread, taken by the workers as they come free (a core another thread holds
 delays a quarter of a share, not a whole one); "native", `layers/host_native`'s AVX-512 GEMV over chunks
-of rows (fp32 accumulation, not plain's bits; bf16 weights with K a multiple of 16, else "split"). Which is
+of rows (fp32 accumulation, not plain's bits; bf16 weights with K a multiple of 16, else "split"); "native-pf", the
+same with a software prefetch at one token (`NATIVE_PREFETCH_ROWS`). Which is
 fastest depends on the machine (benchmarks/bench_host_gemv.py, bench_host_rowblocks.py): the hybrid calibration
 measures them and sets this (offload/calibration.py). fp32 weights always take the plain path (an fp32 bank
 computes `expert_mlp`'s bits)."""
+NATIVE_PREFETCH_ROWS = 2
+"""Rows ahead "native-pf" prefetches at one token (`host_native.gemv_bf16`'s `prefetch`). Whether it pays depends on
+the CPU (benchmarks/bench_host_stream.py), so it is a choice the calibration times: H200 host (Xeon, 8 of 16
+threads), a Mixtral expert beside a pinned copy at 54.6 GB/s, 38.7 -> 48.9 GB/s (oneDNN 36.9; alone 43.7 -> 53.1);
+the 2-core EPYC box, 2 threads alone, 32.5 -> 25.7 (it loses there)."""
 native_bf16_dot = True
 """Whether "native" runs a one-token bf16 call on the AVX512-BF16 dot product (`host_native.gemv_bf16_bx`: bf16 x,
 no conversion of the weights; where the CPU has it) instead of the fp32 kernel. 2-core box, a Mixtral expert from
@@ -100,7 +106,7 @@ def split_pool(n: int) -> ThreadPoolExecutor:
 
 def usable(choices: tuple[str, ...]) -> tuple[str, ...]:
     """`choices` less "native" where `layers/host_native`'s kernels are unavailable (what a calibration times)."""
-    return tuple(g for g in choices if g != "native" or host_native.available())
+    return tuple(g for g in choices if not g.startswith("native") or host_native.available())
 
 
 NATIVE_CHUNKS_PER_THREAD = 2
@@ -115,7 +121,7 @@ def native_split(n: int, row_bytes: int, threads: int, kernel: Callable[[int, in
 
 
 def chunks_per_thread(gemm: str) -> int:
-    """"split" -> 1, "split-x4" -> 4 ("native" -> 1: its own chunks, `native_split`)."""
+    """"split" -> 1, "split-x4" -> 4 ("native", "native-pf" -> 1: their own chunks, `native_split`)."""
     return int(gemm.partition("-x")[2] or 1)
 
 
@@ -200,23 +206,24 @@ class DenseGemm:
                                                               self.nbytes, workers=threads)
         return s
 
-    def native_rows(self, a: int, c: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def native_rows(self, a: int, c: int, prefetch: int = 0) -> Callable[[torch.Tensor], torch.Tensor]:
         """Rows [a, a + c) by the native GEMV: x [T, K] -> [T, c] fp32; x fp32, or bf16 at one token (the
-        AVX512-BF16 dot-product kernel, `native_bf16_dot`)."""
+        AVX512-BF16 dot-product kernel, `native_bf16_dot`); `prefetch` rows ahead at one token."""
         w = self.w[a:a + c]
 
         def run(x: torch.Tensor) -> torch.Tensor:
             if x.dtype == torch.bfloat16:
-                return host_native.gemv_bf16_bx(x, w, torch.empty(1, c))
-            return host_native.gemv_bf16(x, w, torch.empty(x.shape[0], c))
+                return host_native.gemv_bf16_bx(x, w, torch.empty(1, c), prefetch)
+            return host_native.gemv_bf16(x, w, torch.empty(x.shape[0], c), prefetch)
         return run
 
-    def native(self, threads: int) -> SplitRows:
-        """The native GEMV over chunks of w's rows on `threads` workers (x32 -> [T, N] fp32), built once."""
-        s = self._splits.get((threads, 0))
+    def native(self, threads: int, prefetch: int = 0) -> SplitRows:
+        """The native GEMV over chunks of w's rows on `threads` workers (x -> [T, N] fp32), built once."""
+        s = self._splits.get((threads, -1 - prefetch))
         if s is None:
             n, k = self.shape
-            s = self._splits[threads, 0] = native_split(n, k * self.w.element_size(), threads, self.native_rows)
+            s = self._splits[threads, -1 - prefetch] = native_split(
+                n, k * self.w.element_size(), threads, lambda a, c: self.native_rows(a, c, prefetch))
         return s
 
     def native_fits(self, x: torch.Tensor) -> bool:
@@ -228,11 +235,12 @@ class DenseGemm:
         if g == "plain" or self.w.dtype == torch.float32 or x.shape[0] > dense_gemm_max_t:
             return F.linear(x, self.w)
         threads = torch.get_num_threads()
-        if g == "native" and self.native_fits(x):
+        if g.startswith("native") and self.native_fits(x):
             bx = (native_bf16_dot and x.shape[0] == 1 and x.dtype == torch.bfloat16 and self.shape[1] % 32 == 0
                   and host_native.nf4_bf16())
             xn = x.contiguous() if bx else x.float().contiguous()
-            run = self.native_rows(0, self.shape[0]) if threads == 1 else self.native(threads)
+            pf = NATIVE_PREFETCH_ROWS if g == "native-pf" else 0
+            run = self.native_rows(0, self.shape[0], pf) if threads == 1 else self.native(threads, pf)
             return run(xn).to(x.dtype)
         if threads == 1:  # (the pool's own workers)
             return F.linear(x, self.w)

@@ -75,10 +75,6 @@ static inline int k_chunk(int budget, int T, int g, int K) {
             case 4: ROWS(xt, 4, ot); break; case 5: ROWS(xt, 5, ot); break; case 6: ROWS(xt, 6, ot); break; \
             case 7: ROWS(xt, 7, ot); break; default: ROWS(xt, 8, ot); } }
 
-/* rows ahead the one-token bf16 GEMV prefetches (0: the hardware prefetchers alone); `set_bf16_prefetch` */
-static int bf16_prefetch_rows = 0;
-void ferry_set_bf16_prefetch(int rows) { bf16_prefetch_rows = rows < 0 ? 0 : rows; }
-
 /* the read ceiling of the same access pattern: every element of rows [0, N) loaded and summed (as integers), no
    GEMV; out[n] = the row's sum, so the loads cannot be dropped */
 int ferry_read_bf16(int K, const uint16_t* w, int64_t ldw, int N, float* out) {
@@ -93,10 +89,10 @@ int ferry_read_bf16(int K, const uint16_t* w, int64_t ldw, int N, float* out) {
 }
 
 /* T a compile-time constant in each inlined copy (SWITCH_T): the accumulators stay in registers */
+/* pf: at one token, prefetch the same columns pf rows on (0: the hardware prefetchers alone) */
 ALWAYS void bf16_rows(const float* x, const int T, int K, const uint16_t* w, int64_t ldw, int N, float* out,
-                      int64_t ldo) {
+                      int64_t ldo, int pf) {
     if (T == 1 && K % 32 == 0) {  /* decode's case: two independent accumulators, x in L1 */
-        const int pf = bf16_prefetch_rows;
         for (int n = 0; n < N; n++) {
             const uint16_t* row = w + (int64_t)n * ldw;
             /* the same columns `pf` rows on (within this call's rows), one line an iteration */
@@ -160,9 +156,10 @@ ALWAYS void bf16_rows(const float* x, const int T, int K, const uint16_t* w, int
 }
 
 /* out[t * ldo + n] = sum_k x[t * K + k] * w[n * ldw + k], rows n in [0, N); K a multiple of 16 */
-int ferry_gemv_bf16(const float* x, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out, int64_t ldo) {
-    if (T < 1 || T > MAXT || K % 16) return -1;
-#define BF16_CALL(t) bf16_rows(x, t, K, w, ldw, N, out, ldo)
+int ferry_gemv_bf16(const float* x, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out, int64_t ldo,
+                    int pf) {
+    if (T < 1 || T > MAXT || K % 16 || pf < 0) return -1;
+#define BF16_CALL(t) bf16_rows(x, t, K, w, ldw, N, out, ldo, pf)
     SWITCH_T(BF16_CALL)
     return 0;
 }
@@ -273,14 +270,23 @@ int ferry_gemv_nf4_bf16(const uint16_t* x, int T, int K, const uint8_t* q, int64
 }
 /* bf16 rows at one token with bf16 x (`vdpbf16ps`: 32 products an instruction, no conversion of the weights; x
    [K] bf16 is half the fp32 x's bytes, so a 14336-long x stays in L1): out[n] = sum_k x[k] * w[n * ldw + k]
-   (products exact in fp32, fp32 sums). K a multiple of 32. */
-int ferry_gemv_bf16_bx(const uint16_t* x, int K, const uint16_t* w, int64_t ldw, int N, float* out) {
-    if (K % 32) return -1;
+   (products exact in fp32, fp32 sums). K a multiple of 32; pf as `bf16_rows`'. */
+int ferry_gemv_bf16_bx(const uint16_t* x, int K, const uint16_t* w, int64_t ldw, int N, float* out, int pf) {
+    if (K % 32 || pf < 0) return -1;
     for (int n = 0; n < N; n++) {
         const uint16_t* row = w + (int64_t)n * ldw;
+        /* the same columns `pf` rows on (within this call's rows): the four lines of the next step there */
+        const char* ahead = (const char*)(w + (int64_t)(pf && n + pf < N ? n + pf : n) * ldw);
+        const int fetch = pf && n + pf < N;
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
         int k = 0;
         for (; k + 128 <= K; k += 128) {
+            if (fetch) {
+                _mm_prefetch(ahead + 2 * k, _MM_HINT_T0);
+                _mm_prefetch(ahead + 2 * k + 64, _MM_HINT_T0);
+                _mm_prefetch(ahead + 2 * k + 128, _MM_HINT_T0);
+                _mm_prefetch(ahead + 2 * k + 192, _MM_HINT_T0);
+            }
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512((const void*)(row + k)),
                                   (__m512bh)_mm512_loadu_si512((const void*)(x + k)));
             a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512((const void*)(row + k + 32)),
@@ -306,11 +312,6 @@ int ferry_has_bf16(void) { return 0; }
 FLAGS = ("-O3", "-mavx512f", "-shared", "-fPIC", "-fno-math-errno")
 MAX_TOKENS = 16
 """Most tokens a call takes (the kernels keep one accumulator register per token)."""
-
-BF16_PREFETCH_ROWS = 0
-"""Rows ahead the one-token bf16 GEMV prefetches (software `prefetcht0` of the same columns, one cache line an
-iteration); 0: the hardware prefetchers alone. `set_bf16_prefetch` changes it in a loaded library;
-benchmarks/bench_host_stream.py measures it against the native read ceiling."""
 
 _lib = None
 _why: str | None = None
@@ -381,13 +382,10 @@ def _load():
             _why = f"cannot load {path} ({e})"
             return None
         i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        lib.ferry_gemv_bf16.argtypes = [p, i32, i32, p, i64, i32, p, i64]
+        lib.ferry_gemv_bf16.argtypes = [p, i32, i32, p, i64, i32, p, i64, i32]
         lib.ferry_gemv_nf4.argtypes = [p, i32, i32, p, i64, p, i64, i32, p, i32, p, i64]
         lib.ferry_gemv_bf16.restype = lib.ferry_gemv_nf4.restype = i32
         lib.ferry_has_bf16.restype = i32
-        lib.ferry_set_bf16_prefetch.argtypes = [i32]
-        lib.ferry_set_bf16_prefetch.restype = None
-        lib.ferry_set_bf16_prefetch(BF16_PREFETCH_ROWS)
         lib.ferry_read_bf16.argtypes = [i32, p, i64, i32, p]
         lib.ferry_read_bf16.restype = i32
         global _bf16
@@ -395,7 +393,7 @@ def _load():
         if _bf16:
             lib.ferry_gemv_nf4_bf16.argtypes = lib.ferry_gemv_nf4.argtypes
             lib.ferry_gemv_nf4_bf16.restype = i32
-            lib.ferry_gemv_bf16_bx.argtypes = [p, i32, p, i64, i32, p]
+            lib.ferry_gemv_bf16_bx.argtypes = [p, i32, p, i64, i32, p, i32]
             lib.ferry_gemv_bf16_bx.restype = i32
         _lib = lib
         return lib
@@ -416,40 +414,33 @@ def _check(rc: int, what: str) -> None:
         raise ValueError(f"native {what} refused its arguments (rc {rc})")
 
 
-def gemv_bf16(x32: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def gemv_bf16(x32: torch.Tensor, w: torch.Tensor, out: torch.Tensor, prefetch: int = 0) -> torch.Tensor:
     """out [T, N] fp32 (a view with unit column stride) = x32 [T, K] fp32 contiguous @ w.T, w [N, K] bf16 with unit
-    column stride (any row stride: a view of a bank's rows or columns); K a multiple of 16, T <= MAX_TOKENS."""
+    column stride (any row stride: a view of a bank's rows or columns); K a multiple of 16, T <= MAX_TOKENS.
+    `prefetch`: at one token, software-prefetch the same columns that many rows on (0: the hardware prefetchers
+    alone; which wins depends on the CPU, `layers/cpu_experts.NATIVE_PREFETCH_ROWS`)."""
     lib = _load()
     T, K = x32.shape
     N = w.shape[0]
     if w.stride(1) != 1 or out.stride(1) != 1 or not x32.is_contiguous() or w.dtype != torch.bfloat16:
         raise ValueError("native bf16 GEMV: x32 contiguous fp32, w bf16 and out with unit column stride")
-    _check(lib.ferry_gemv_bf16(x32.data_ptr(), T, K, w.data_ptr(), w.stride(0), N, out.data_ptr(), out.stride(0)),
-           "bf16 GEMV")
+    _check(lib.ferry_gemv_bf16(x32.data_ptr(), T, K, w.data_ptr(), w.stride(0), N, out.data_ptr(), out.stride(0),
+                               prefetch), "bf16 GEMV")
     return out
 
 
-def gemv_bf16_bx(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def gemv_bf16_bx(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, prefetch: int = 0) -> torch.Tensor:
     """out [1, N] fp32 = x [1, K] bf16 (contiguous) @ w.T on the AVX512-BF16 dot product (`nf4_bf16()` tells whether
-    it runs here): w [N, K] bf16 with unit column stride, K a multiple of 32. One token."""
+    it runs here): w [N, K] bf16 with unit column stride, K a multiple of 32. One token; `prefetch` as `gemv_bf16`'s."""
     lib = _load()
     if not _bf16:
         raise ValueError("native bf16 GEMV with bf16 x needs the AVX512-BF16 kernel (nf4_bf16() is False)")
     if (x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape[0] != 1 or w.stride(1) != 1
             or w.dtype != torch.bfloat16 or out.stride(1) != 1):
         raise ValueError("native bf16 GEMV (bf16 x): x [1, K] bf16 contiguous, w bf16 and out with unit column stride")
-    _check(lib.ferry_gemv_bf16_bx(x.data_ptr(), x.shape[1], w.data_ptr(), w.stride(0), w.shape[0], out.data_ptr()),
-           "bf16 GEMV (bf16 x)")
+    _check(lib.ferry_gemv_bf16_bx(x.data_ptr(), x.shape[1], w.data_ptr(), w.stride(0), w.shape[0], out.data_ptr(),
+                                  prefetch), "bf16 GEMV (bf16 x)")
     return out
-
-
-def set_bf16_prefetch(rows: int) -> None:
-    """The one-token bf16 GEMV's software prefetch distance in rows (0: off), process-wide."""
-    global BF16_PREFETCH_ROWS
-    BF16_PREFETCH_ROWS = max(0, int(rows))
-    lib = _load()
-    if lib is not None:
-        lib.ferry_set_bf16_prefetch(BF16_PREFETCH_ROWS)
 
 
 def read_bf16(w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

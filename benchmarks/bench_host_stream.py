@@ -10,8 +10,8 @@ reads come from DRAM, at each `--threads`; ms an expert and GB/s of its bytes fo
   - read: `host_native.read_bf16` over the rows in the split pool's chunks (`cpu_experts.native_split`, as the engine
     runs "native"): the access pattern's ceiling, loads and an integer add, no GEMV;
   - native pf=D: `host_native.gemv_bf16` on the same chunks with the software prefetch D rows ahead
-    (`host_native.gemv_bf16`'s `prefetch`; 0: the hardware prefetchers alone, the engine's "native";
-    `cpu_experts.NATIVE_PREFETCH_ROWS`: its "native-pf");
+    (`host_native.gemv_bf16`'s `prefetch`; 0: the hardware prefetchers alone; the engine's "native" runs
+    `cpu_experts.NATIVE_PREFETCH_ROWS`);
   - native-bx pf=D: the same with bf16 x on the AVX512-BF16 dot product (`host_native.gemv_bf16_bx`, what the
     engine runs at one token where the CPU has it);
   - plain: oneDNN's `F.linear` on torch's threads (`cpu_experts.dense_gemm = "plain"`).

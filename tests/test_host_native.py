@@ -108,15 +108,16 @@ def test_native_refuses_what_it_cannot_compute():
         hn.gemv_bf16(torch.zeros(1, 32), torch.zeros(32, 4, dtype=torch.bfloat16).t(), torch.empty(1, 4))
 
 
-@pytest.mark.parametrize("gemm", ["native", "native-pf"])
+@pytest.mark.parametrize("pf", [0, 2])
 @pytest.mark.parametrize("T", [1, 4])
-def test_dense_gemm_native_equals_plain(T, gemm, monkeypatch):
+def test_dense_gemm_native_equals_plain(T, pf, monkeypatch):
     """`DenseGemm` by "native" (chunks on the pool, and on a single-threaded caller) against the plain GEMM."""
     torch.manual_seed(0)
     w = (torch.randn(1000, 256) * .05).to(torch.bfloat16)
     x = torch.randn(T, 256, dtype=torch.bfloat16)
     monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 4096)
-    monkeypatch.setattr(C, "dense_gemm", gemm)
+    monkeypatch.setattr(C, "dense_gemm", "native")
+    monkeypatch.setattr(C, "NATIVE_PREFETCH_ROWS", pf)
     g = C.DenseGemm(w)
     assert len(g.native(2).kernels) > 2
     calls = _counting(monkeypatch, "gemv_bf16_bx" if T == 1 and hn.nf4_bf16() else "gemv_bf16")

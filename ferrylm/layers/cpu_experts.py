@@ -37,7 +37,7 @@ from ferrylm.layers.qmatmul import Int4PackCPU, Int8PackCPU, QuantKernel, int4_l
 from ferrylm.weights import quant as Q
 
 FORMATS = ("bf16", "int8", "int4")
-DENSE_GEMMS = ("plain", "split", "split-x4", "native", "native-pf")
+DENSE_GEMMS = ("plain", "split", "split-x4", "native")
 dense_gemm = "plain"
 """How `HostExpert` multiplies dense bf16 / fp16 weights at up to `dense_gemm_max_t` tokens (read at each
 call; more tokens take the plain path): "plain", one oneDNN GEMM on torch's intra-op threads (the
@@ -45,16 +45,19 @@ reference); "split", `SplitRows` (the weight's rows in one chunk per thread, eac
 oneDNN GEMM on a worker thread of its own: the same bits as plain where oneDNN does not split K);
 "split-x4", four chunks per thread, taken by the workers as they come free (a core another thread holds
 delays a quarter of a share, not a whole one); "native", `layers/host_native`'s AVX-512 GEMV over chunks
-of rows (fp32 accumulation, not plain's bits; bf16 weights with K a multiple of 16, else "split"); "native-pf", the
-same with a software prefetch at one token (`NATIVE_PREFETCH_ROWS`). Which is
+of rows (fp32 accumulation, not plain's bits; bf16 weights with K a multiple of 16, else "split"). Which is
 fastest depends on the machine (benchmarks/bench_host_gemv.py, bench_host_rowblocks.py): the hybrid calibration
 measures them and sets this (offload/calibration.py). fp32 weights always take the plain path (an fp32 bank
 computes `expert_mlp`'s bits)."""
-NATIVE_PREFETCH_ROWS = 2
-"""Rows ahead "native-pf" prefetches at one token (`host_native.gemv_bf16`'s `prefetch`). Whether it pays depends on
-the CPU (benchmarks/bench_host_stream.py), so it is a choice the calibration times: H200 host (Xeon, 8 of 16
-threads), a Mixtral expert beside a pinned copy at 54.6 GB/s, 38.7 -> 48.9 GB/s (oneDNN 36.9; alone 43.7 -> 53.1);
-the 2-core EPYC box, 2 threads alone, 32.5 -> 25.7 (it loses there)."""
+NATIVE_PREFETCH_ROWS = 0
+"""Rows ahead "native" prefetches at one token (`host_native.gemv_bf16`'s `prefetch`; 0: the hardware prefetchers
+alone). benchmarks/bench_host_stream.py, a Mixtral expert beside a pinned copy at ~54 GB/s: on the H200 host (Xeon)
+2 rows ahead read 48.7 GB/s against 37.4 on 8 threads (bf16 x: 50.5 against 40.2) and 47.5 against 40.7 on 16;
+on the 2-core EPYC box it loses (32.5 -> 25.7 alone). Left at 0: offered as a calibration choice (session 20), the
+prefetching GEMV won the calibration's one-token race beside copies at 8 threads, and the engine then decoded
+Mixtral-16L at 4.84 tok/s against 8.94 with the plain native GEMV on the 14 threads chosen before (the host's
+expert call took 10.9 ms in the engine against 6.8 in the benchmark): the thread choice beside copies does not stand
+for the decode's in-place reads. TODO: choose threads and prefetch beside in-place reads, then offer it again."""
 native_bf16_dot = True
 """Whether "native" runs a one-token bf16 call on the AVX512-BF16 dot product (`host_native.gemv_bf16_bx`: bf16 x,
 no conversion of the weights; where the CPU has it) instead of the fp32 kernel. 2-core box, a Mixtral expert from
@@ -106,7 +109,7 @@ def split_pool(n: int) -> ThreadPoolExecutor:
 
 def usable(choices: tuple[str, ...]) -> tuple[str, ...]:
     """`choices` less "native" where `layers/host_native`'s kernels are unavailable (what a calibration times)."""
-    return tuple(g for g in choices if not g.startswith("native") or host_native.available())
+    return tuple(g for g in choices if g != "native" or host_native.available())
 
 
 NATIVE_CHUNKS_PER_THREAD = 2
@@ -121,7 +124,7 @@ def native_split(n: int, row_bytes: int, threads: int, kernel: Callable[[int, in
 
 
 def chunks_per_thread(gemm: str) -> int:
-    """"split" -> 1, "split-x4" -> 4 ("native", "native-pf" -> 1: their own chunks, `native_split`)."""
+    """"split" -> 1, "split-x4" -> 4 ("native" -> 1: its own chunks, `native_split`)."""
     return int(gemm.partition("-x")[2] or 1)
 
 
@@ -235,11 +238,11 @@ class DenseGemm:
         if g == "plain" or self.w.dtype == torch.float32 or x.shape[0] > dense_gemm_max_t:
             return F.linear(x, self.w)
         threads = torch.get_num_threads()
-        if g.startswith("native") and self.native_fits(x):
+        if g == "native" and self.native_fits(x):
             bx = (native_bf16_dot and x.shape[0] == 1 and x.dtype == torch.bfloat16 and self.shape[1] % 32 == 0
                   and host_native.nf4_bf16())
             xn = x.contiguous() if bx else x.float().contiguous()
-            pf = NATIVE_PREFETCH_ROWS if g == "native-pf" else 0
+            pf = NATIVE_PREFETCH_ROWS
             run = self.native_rows(0, self.shape[0], pf) if threads == 1 else self.native(threads, pf)
             return run(xn).to(x.dtype)
         if threads == 1:  # (the pool's own workers)

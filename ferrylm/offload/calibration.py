@@ -255,13 +255,6 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
             got = _compare(counts, torch.set_num_threads, run_experts(1))
         chosen = {str(t): s / len(cycle) for t, s in got.items()}
         torch.set_num_threads(int(min(chosen, key=chosen.get)))
-        if knob and torch.get_num_threads() != n:
-            # the GEMM again at that count: which wins moves with it (H200 host beside a copy, session 20: the
-            # prefetching native GEMV gained 26% over the plain native one on 8 threads, 5% on 16)
-            with _Beside(beside_copy):
-                by_gemm = {g: s / len(cycle) for g, s in _compare(choices, use, run_experts(1)).items()}
-            best = min(by_gemm, key=by_gemm.get)
-            use(best)
 
     if knob:
         max_t = 1

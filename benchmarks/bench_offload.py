@@ -547,57 +547,75 @@ def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: s
         return
     settings = {"auto": ("hybrid_tok_s", auto, True), "gpu": ("copy_only_tok_s", 0.0, False),
                 "cpu": ("cpu_only_tok_s", 1.0, True)}
+
+    def use(mode: str) -> float:
+        """Switch the engine to a setting: split, share, its host kernels built (seconds waited), `cpu_mode`,
+        graphs re-captured (the column split is baked into captures), counters restarted."""
+        _, share, split = settings[mode]
+        placed.hybrid_split = split
+        placed.set_cpu_share(share)
+        built_s = placed.wait_host_builds()
+        for c in placed.caches.values():
+            c.cpu_mode = mode
+        if runner.graphs is not None:
+            runner.graphs.reset()
+        placed.stats.reset()
+        return built_s
+
+    counted = ("cpu_experts", "cpu_busy_s", "cpu_wait_s", "expert_hits", "expert_misses")
     for batch in batches:
         row = {"model": name, "budget_gib": budget_gib, "batch": batch, "calibrated_share": auto, "inter": I,
                "mapped_tokens": first.mapped_tokens}
-        for mode, (key, share, split) in settings.items():
-            placed.hybrid_split = split
-            placed.set_cpu_share(share)
-            if mode == "auto" and batch == batches[0]:  # auto as served: re-balanced on the misses its steps see
-                row["rebalanced_share"] = share = rebalance(llm, placed)
-                settings["auto"] = (key, share, split)
-                # then the routing tally warmed (`TALLY_WARMUP_TOKENS`), so the first setting timed does not pay for
-                # the cache's learning (Qwen3-30B, session 20: auto at share 0 ran 30.1 tok/s at hit rate 0.59 where
-                # the copy-only row after it, the same share, ran 48.2 at 0.74)
-                llm.generate(prompts(1, 16, 4545), SamplingParams(temperature=0, max_tokens=TALLY_WARMUP_TOKENS,
-                                                                  ignore_eos=True))
-            built_s = placed.wait_host_builds()  # the setting's host kernels built before its steps are timed
+        if batch == batches[0]:  # auto as served: re-balanced on the misses its steps see
+            placed.hybrid_split = True
+            placed.set_cpu_share(auto)
             for c in placed.caches.values():
-                c.cpu_mode = mode
-            if runner.graphs is not None:
-                runner.graphs.reset()  # the column split is baked into captures
-            placed.stats.reset()
-            # short prompts: with cpu_mode=cpu the prefill's misses run on the host too (compute-bound there).
-            # Batch 1: three sequences of 24 steps, each setting its own fresh prompts (a repeated prompt would
-            # repeat its greedy tokens and routing into a cache the setting before warmed); one 12-step
-            # sequence a setting let a sequence's routing decide (Qwen3-30B, session 20: 30.1 tok/s at hit rate
-            # 0.59 for one prompt, 48.2 at 0.74 for another, the same share 0)
-            reps, steps = (3, 24) if batch == 1 else (1, 4)
-            secs = per = 0.0
-            for rep in range(reps):
+                c.cpu_mode = "auto"
+            row["rebalanced_share"] = share = rebalance(llm, placed)
+            settings["auto"] = (settings["auto"][0], share, True)
+            # then the routing tally warmed (`TALLY_WARMUP_TOKENS`), so the first setting timed does not pay for
+            # the cache's learning (Qwen3-30B, session 20: auto at share 0 ran 30.1 tok/s at hit rate 0.59 where
+            # the copy-only row after it, the same share, ran 48.2 at 0.74)
+            llm.generate(prompts(1, 16, 4545), SamplingParams(temperature=0, max_tokens=TALLY_WARMUP_TOKENS,
+                                                              ignore_eos=True))
+        # short prompts: with cpu_mode=cpu the prefill's misses run on the host too (compute-bound there).
+        # Batch 1: three rounds of 24 steps, each round every setting in a rotated order with its own fresh prompts
+        # (a repeated prompt would repeat its greedy tokens and routing into a cache the setting before warmed; one
+        # 12-step sequence a setting let a sequence's routing decide: Qwen3-30B, session 20, 30.1 tok/s at hit rate
+        # 0.59 for one prompt, 48.2 at 0.74 for another, the same share 0; three sequences a setting in a fixed
+        # order still left auto 14% behind copy-only at the same share 0, the later setting on a warmer tally)
+        reps, steps = (3, 24) if batch == 1 else (1, 4)
+        acc = {m: {"secs": 0.0, "per": 0.0, "built_s": 0.0, **{k: 0 for k in counted}} for m in settings}
+        modes = list(settings)
+        for rep in range(reps):
+            for mode in modes[rep % 3:] + modes[:rep % 3]:
+                a = acc[mode]
+                a["built_s"] += use(mode)
+                a["split_cols"] = first.split_cols
                 r1, per1 = decode_rate(llm, batch, steps, seed=batch * 11 + len(mode) + 1000 * rep, prompt_len=8,
                                        stats=placed.stats)
-                secs, per = secs + steps * batch / r1, per + per1 / reps
-            r = reps * steps * batch / secs
-            st = placed.stats
-            row[key] = r
-            row[f"{mode}_split"] = {"share": share, "split_cols": first.split_cols, "h2d_gib_per_step": per / 2**30,
-                                    "cpu_experts": st.cpu_experts, "cpu_busy_s": round(st.cpu_busy_s, 3),
-                                    "cpu_wait_s": round(st.cpu_wait_s, 3), "hit_rate": st.hit_rate,
-                                    "host_build_wait_s": round(built_s, 2)}
-            print(f"{name} batch {batch:2d} {mode:4s} (share {share:.2f}, split cols {first.split_cols} of {I}): "
-                  f"{r:7.2f} tok/s  {row[f'{mode}_split']}", flush=True)
-        row["split"] = row["auto_split"]["split_cols"]
+                a["secs"] += steps * batch / r1
+                a["per"] += per1 / reps
+                for k in counted:
+                    a[k] += getattr(placed.stats, k)
+        for mode, (key, share, _) in settings.items():
+            a = acc[mode]
+            looked = a["expert_hits"] + a["expert_misses"]
+            row[key] = r = reps * steps * batch / a["secs"]
+            row[f"{mode}_split"] = {"share": share, "split_cols": a["split_cols"],
+                                    "h2d_gib_per_step": a["per"] / 2**30, "cpu_experts": a["cpu_experts"],
+                                    "cpu_busy_s": round(a["cpu_busy_s"], 3), "cpu_wait_s": round(a["cpu_wait_s"], 3),
+                                    "hit_rate": a["expert_hits"] / looked if looked else None,
+                                    "host_build_wait_s": round(a["built_s"], 2)}
+            print(f"{name} batch {batch:2d} {mode:4s} (share {share:.2f}): {r:7.2f} tok/s  {row[f'{mode}_split']}",
+                  flush=True)
+        use("auto")
+        row["split"] = first.split_cols
         rows.append(row)
     if prefill:  # a prompt's steps take the copy road: the cost model's split of whole experts (cpu_mode)
         row = {"model": name, "budget_gib": budget_gib, "batch": "prefill", "prompt_tokens": prefill}
         for i, (mode, (key, share, split)) in enumerate(settings.items()):
-            placed.hybrid_split = split
-            placed.set_cpu_share(share)
-            placed.wait_host_builds()
-            for c in placed.caches.values():
-                c.cpu_mode = mode
-            placed.stats.reset()
+            use(mode)
             row[key] = r = prefill_rate(llm, prefill, seed=1000 + 7 * i)  # fresh prompts: no prefix-cache hit
             row[f"{mode}_split"] = {"cpu_experts": placed.stats.cpu_experts,
                                     "h2d_gib": placed.stats.h2d_bytes / 2**30}
@@ -749,10 +767,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="resident,offload16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=None, help="the tree's commit, where the checkout's HEAD is not it (the "
+                    "device's copy of a working tree reports its base commit)")
     a = ap.parse_args()
     h2d, hbm = h2d_bandwidth(), hbm_bandwidth()
     print(f"pinned H2D {h2d / 1e9:.1f} GB/s; HBM copy (read+write) {hbm / 1e12:.2f} TB/s", flush=True)
-    rows: list = []
+    commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip()
+    result = {"gpu": torch.cuda.get_device_name(), "commit": commit, "h2d_gb_s": h2d / 1e9,
+              "hbm_copy_tb_s": hbm / 1e12, "cases": []}
+    rows = result["cases"]
     for c in a.cases.split(","):
         try:
             case_resident(rows, hbm) if c == "resident" else CASES[c](rows, h2d)
@@ -763,12 +787,10 @@ def main() -> None:
             rows.append({"case": c, "error": repr(e)})
         gc.collect()
         torch.cuda.empty_cache()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"gpu": torch.cuda.get_device_name(), "commit": commit, "h2d_gb_s": h2d / 1e9,
-              "hbm_copy_tb_s": hbm / 1e12, "cases": rows}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+        if a.out:  # after every case, temp then rename: a call cut short by its time limit keeps the cases done
+            with open(a.out + ".tmp", "w") as f:
+                json.dump(result, f, indent=1)
+            os.replace(a.out + ".tmp", a.out)
     print(json.dumps(result))
 
 

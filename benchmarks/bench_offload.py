@@ -579,22 +579,23 @@ def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: s
             llm.generate(prompts(1, 16, 4545), SamplingParams(temperature=0, max_tokens=TALLY_WARMUP_TOKENS,
                                                               ignore_eos=True))
         # short prompts: with cpu_mode=cpu the prefill's misses run on the host too (compute-bound there).
-        # Batch 1: three rounds of 24 steps; a round gives every setting the same fresh prompt, the settings in an
-        # order rotated each round (each is first, second and third once: a setting after another meets a cache
-        # warmed on the same routing). A random model's greedy decode routes so unevenly from prompt to prompt that
-        # prompts of their own decided the comparison: Qwen3-30B at the same share 0, one 12-step sequence a
-        # setting, 30.1 tok/s at hit rate 0.59 against 48.2 at 0.74 (session 20); three prompts a setting in a
-        # rotated order, 45.4 at 0.78 against 53.1 at 0.81 (session 21)
+        # Batch 1: three rounds of 24 steps, the settings in an order rotated each round, the three prompts in a
+        # Latin square (every setting decodes every prompt once, never the prompt the setting before it just
+        # decoded). A random model's greedy decode routes so unevenly from prompt to prompt that prompts of their
+        # own decided the comparison: Qwen3-30B at the same share 0 (auto and copy-only run the same code there),
+        # one 12-step sequence a setting, 30.1 tok/s at hit rate 0.59 against 48.2 at 0.74 (session 20); three
+        # prompts of their own, 45.4 at 0.78 against 53.1 at 0.81; one prompt a round for all three settings (the
+        # one after another met a cache warmed on that prompt's routing), 39.4 against 42.8 (session 21)
         reps, steps = (3, 24) if batch == 1 else (1, 4)
         acc = {m: {"secs": 0.0, "per": 0.0, "built_s": 0.0, **{k: 0 for k in counted}} for m in settings}
         modes = list(settings)
         for rep in range(reps):
-            for mode in modes[rep % 3:] + modes[:rep % 3]:
+            for i, mode in enumerate(modes[rep % 3:] + modes[:rep % 3]):
                 a = acc[mode]
                 a["built_s"] += use(mode)
                 a["split_cols"] = first.split_cols
-                r1, per1 = decode_rate(llm, batch, steps, seed=batch * 11 + 1000 * rep, prompt_len=8,
-                                       stats=placed.stats)
+                seed = batch * 11 + 1000 * ((rep + i) % reps)  # a Latin square: each setting every prompt once
+                r1, per1 = decode_rate(llm, batch, steps, seed=seed, prompt_len=8, stats=placed.stats)
                 a["secs"] += steps * batch / r1
                 a["per"] += per1 / reps
                 for k in counted:

@@ -600,6 +600,8 @@ def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: s
                 a["per"] += per1 / reps
                 for k in counted:
                     a[k] += getattr(placed.stats, k)
+                a.setdefault("rounds", []).append({"round": rep, "prompt": i, "tok_s": round(r1, 2),
+                                                   "hit_rate": placed.stats.hit_rate})
         for mode, (key, share, _) in settings.items():
             a = acc[mode]
             looked = a["expert_hits"] + a["expert_misses"]
@@ -608,7 +610,7 @@ def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: s
                                     "h2d_gib_per_step": a["per"] / 2**30, "cpu_experts": a["cpu_experts"],
                                     "cpu_busy_s": round(a["cpu_busy_s"], 3), "cpu_wait_s": round(a["cpu_wait_s"], 3),
                                     "hit_rate": a["expert_hits"] / looked if looked else None,
-                                    "host_build_wait_s": round(a["built_s"], 2)}
+                                    "host_build_wait_s": round(a["built_s"], 2), "rounds": a["rounds"]}
             print(f"{name} batch {batch:2d} {mode:4s} (share {share:.2f}): {r:7.2f} tok/s  {row[f'{mode}_split']}",
                   flush=True)
         use("auto")

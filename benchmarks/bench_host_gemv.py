@@ -13,6 +13,8 @@ holds them: landing it means re-laying the bank at load, never a second copy):
   `native`: `F.linear` with oneDNN off (`onednn_off` here, a process-wide flag; not in the library: wrong beside
   other threads' matmuls in the engine, see docs/benchmarks.md; torch's own
   kernels, a vectorised GEMV at 1 token, per-element dot products above); `split-native`: both;
+  `ferry-native`: the engine's native GEMV (`layers/host_native`, C with AVX-512 on the split pool's
+  workers; bf16 x on the AVX512-BF16 dot product at 1 token: `dense_gemm = "native"`);
   `w@xT`: `W @ x.T` (oneDNN with the roles swapped, as `torch.mv`);
   `bmm`: one `torch.bmm` over the rows viewed as [threads, N/threads, K]; `fp32-rows`: rows converted to
   fp32 a few MB at a time and an fp32 GEMM (fp32 accumulation, as `RowBlocks` does for decoded formats);
@@ -72,7 +74,7 @@ def onednn_off():
 
 SHAPES = {"mixtral": (4096, 14336), "qwen3-30b": (2048, 768), "yuan-m32": (2048, 8192)}  # (H, expert I)
 BF16 = ["plain", "split", "split-x2", "split-x4", "native", "split-native", "w@xT", "bmm", "fp32-rows", "pretransposed",
-        "onednn-packed", "split-packed"]
+        "onednn-packed", "split-packed", "ferry-native"]
 INT8 = ["int8pack", "int8pack-split", "int8pack-split-x4"]
 INT4 = ["int4pack", "int4pack-split", "int4pack-split-x4"]
 COPY = {"pretransposed", "onednn-packed", "split-packed"}
@@ -113,6 +115,15 @@ def dense_kernel(variant: str, w: torch.Tensor) -> Kernel:
     threads = torch.get_num_threads()
     if variant in ("plain", "native"):
         fn = lambda x: F.linear(x, w)  # noqa: E731
+    elif variant == "ferry-native":  # the engine's `dense_gemm = "native"`: layers/host_native's GEMV on the pool
+        g = C.DenseGemm(w)
+
+        def fn(x):
+            before, C.dense_gemm = C.dense_gemm, "native"
+            try:
+                return g(x)
+            finally:
+                C.dense_gemm = before
     elif variant in ("split", "split-x2", "split-x4", "split-native"):
         fn = C.DenseGemm(w).split(threads, C.chunks_per_thread(variant.removesuffix("-native")))
     elif variant == "w@xT":

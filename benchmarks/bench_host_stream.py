@@ -12,8 +12,10 @@ reads come from DRAM, at each `--threads`; ms an expert and GB/s of its bytes fo
   - native pf=D: `host_native.gemv_bf16` on the same chunks with the software prefetch D rows ahead
     (`host_native.gemv_bf16`'s `prefetch`; 0: the hardware prefetchers alone; the engine's "native" runs
     `cpu_experts.NATIVE_PREFETCH_ROWS`);
-  - native-bx pf=D: the same with bf16 x on the AVX512-BF16 dot product (`host_native.gemv_bf16_bx`, what the
-    engine runs at one token where the CPU has it);
+  - native-bx pf=D: the same with bf16 x on the AVX512-BF16 dot product (`host_native.gemv_bf16_bx`);
+  - read-c, native-bx-c pf=D: the read and the bf16-x GEMV on the same chunks from `host_native`'s pool of C
+    threads, one call a matrix (`read_bf16_mt`, `gemv_bf16_bx_mt`: what the engine runs at one token where the CPU
+    has AVX512-BF16, `cpu_experts.native_c_threads`);
   - plain: oneDNN's `F.linear` on torch's threads (`cpu_experts.dense_gemm = "plain"`).
 Each alone and, with CUDA, beside a pinned host -> GPU copy loop (`bench_cpu_experts.H2DCopy`, the copy road's
 traffic), with that copy's GB/s. Rounds take the variants in turn; the median is kept.
@@ -46,6 +48,11 @@ def chunked(ws: list[torch.Tensor], threads: int, kernel) -> list[C.SplitRows]:
                            lambda a, c, w=w: kernel(w[a:a + c])) for w in ws]
 
 
+def _rows(w: torch.Tensor, threads: int) -> int:
+    """Rows a chunk of w on `threads` threads: the engine's native chunks (`cpu_experts.native_split`)."""
+    return C.split_bounds(w.shape[0], w.shape[1] * w.element_size(), threads * C.NATIVE_CHUNKS_PER_THREAD)[0][1]
+
+
 def variants(experts: list[list[torch.Tensor]], threads: int, prefetch: list[int]) -> dict:
     """name -> (setup, one expert's call (e, x) -> None); x [1, H] fp32 for the native paths, bf16 for plain."""
     flat = torch.cat([w.reshape(-1) for ws in experts for w in ws]).view(len(experts), -1)  # the same bytes, flat
@@ -55,6 +62,12 @@ def variants(experts: list[list[torch.Tensor]], threads: int, prefetch: list[int
             return lambda x: host_native.read_bf16(w, torch.empty(w.shape[0])).view(1, -1)
         reads = [chunked(ws, threads, read) for ws in experts]
         out["read"] = (None, lambda e, x: [s(x) for s in reads[e]])
+        chunk = {id(w): _rows(w, threads) for ws in experts for w in ws}
+
+        def read_c(e, x):  # the same chunks on the C pool: one call a matrix
+            for w in experts[e]:
+                host_native.read_bf16_mt(w, torch.empty(w.shape[0]), threads, chunk[id(w)])
+        out["read-c"] = (None, read_c)
         for d in prefetch:
             def gemv(w, d=d):
                 return lambda x: host_native.gemv_bf16(x, w, torch.empty(1, w.shape[0]), d)
@@ -74,6 +87,15 @@ def variants(experts: list[list[torch.Tensor]], threads: int, prefetch: list[int
                 g, u = bxs[e][0](x.bfloat16()).chunk(2, dim=1)
                 bxs[e][1]((F.silu(g) * u).bfloat16())
             out[f"native-bx pf={d}"] = (None, native_bx)
+
+            def native_bx_c(e, x, d=d):  # the engine's one-token path with `native_c_threads`
+                w13, w2 = experts[e]
+                y = host_native.gemv_bf16_bx_mt(x.bfloat16(), w13, torch.empty(1, w13.shape[0]), threads,
+                                                _rows(w13, threads), d)
+                g, u = y.chunk(2, dim=1)
+                h = (F.silu(g) * u).bfloat16()
+                host_native.gemv_bf16_bx_mt(h, w2, torch.empty(1, w2.shape[0]), threads, _rows(w2, threads), d)
+            out[f"native-bx-c pf={d}"] = (None, native_bx_c)
 
     def plain(e, x):
         w13, w2 = experts[e]

@@ -108,21 +108,46 @@ def test_native_refuses_what_it_cannot_compute():
         hn.gemv_bf16(torch.zeros(1, 32), torch.zeros(32, 4, dtype=torch.bfloat16).t(), torch.empty(1, 4))
 
 
+@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
+@pytest.mark.parametrize("threads,chunk", [(1, 16), (2, 16), (2, 10_000), (3, 7), (8, 32)])
+def test_bf16_dot_gemv_on_c_threads_equals_one_thread(threads, chunk):
+    """The one-token bf16-x GEMV and the read over the C pool's threads (`*_mt`; more threads than cores, chunks
+    that do not divide the rows, one chunk for all) give the one-threaded call's bits, on a column window."""
+    torch.manual_seed(threads)
+    N, K = 333, 256
+    w = torch.randn(N, 2 * K).to(torch.bfloat16)[:, 32:32 + K]
+    x = torch.randn(1, K, dtype=torch.bfloat16)
+    one = hn.gemv_bf16_bx(x, w, torch.empty(1, N))
+    for _ in range(3):  # the pool's workers are reused from call to call
+        assert torch.equal(hn.gemv_bf16_bx_mt(x, w, torch.full((1, N), float("nan")), threads, chunk), one)
+    assert torch.equal(hn.read_bf16_mt(w, torch.empty(N), threads, chunk), hn.read_bf16(w, torch.empty(N)))
+    with pytest.raises(ValueError, match="refused"):
+        hn.gemv_bf16_bx_mt(x, w, torch.empty(1, N), 0, chunk)
+
+
+@pytest.mark.parametrize("c_threads", [True, False])
 @pytest.mark.parametrize("pf", [0, 2])
 @pytest.mark.parametrize("T", [1, 4])
-def test_dense_gemm_native_equals_plain(T, pf, monkeypatch):
-    """`DenseGemm` by "native" (chunks on the pool, and on a single-threaded caller) against the plain GEMM."""
+def test_dense_gemm_native_equals_plain(T, pf, c_threads, monkeypatch):
+    """`DenseGemm` by "native" (chunks on the pool, the C pool at one token with `native_c_threads`, and on a
+    single-threaded caller) against the plain GEMM."""
     torch.manual_seed(0)
     w = (torch.randn(1000, 256) * .05).to(torch.bfloat16)
     x = torch.randn(T, 256, dtype=torch.bfloat16)
     monkeypatch.setattr(C, "SPLIT_MIN_BYTES", 4096)
     monkeypatch.setattr(C, "dense_gemm", "native")
     monkeypatch.setattr(C, "NATIVE_PREFETCH_ROWS", pf)
+    monkeypatch.setattr(C, "native_c_threads", c_threads)
     g = C.DenseGemm(w)
     assert len(g.native(2).kernels) > 2
-    calls = _counting(monkeypatch, "gemv_bf16_bx" if T == 1 and hn.nf4_bf16() else "gemv_bf16")
+    bx = T == 1 and hn.nf4_bf16()
+    c_pool = bx and c_threads and torch.get_num_threads() > 1
+    calls = _counting(monkeypatch, "gemv_bf16_bx_mt" if c_pool else "gemv_bf16_bx" if bx else "gemv_bf16")
     got, ref = g(x), x.float() @ w.float().t()
-    assert len(calls) == len(g.native(torch.get_num_threads()).kernels) if torch.get_num_threads() > 1 else calls
+    if c_pool:  # one call for the whole matrix
+        assert len(calls) == 1
+    else:
+        assert len(calls) == len(g.native(torch.get_num_threads()).kernels) if torch.get_num_threads() > 1 else calls
     assert got.dtype == x.dtype
     _close(got, ref, x, w)
     monkeypatch.setattr(C, "dense_gemm", "plain")

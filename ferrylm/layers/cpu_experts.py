@@ -63,6 +63,12 @@ native_bf16_dot = True
 no conversion of the weights; where the CPU has it) instead of the fp32 kernel. 2-core box, a Mixtral expert from
 DRAM on 2 threads: 36.8 GB/s against 22.0 (the fp32 kernel) and 13.4 (oneDNN), at the native read's 37.7
 (benchmarks/bench_host_stream.py). The products are exact in fp32 either way; the sums differ in order."""
+native_c_threads = True
+"""Whether "native"'s one-token bf16-x GEMV runs a matrix in one call on `host_native`'s pool of C threads
+(`gemv_bf16_bx_mt`) instead of a call a row chunk from the Python workers of `split_pool` (`SplitRows`): the same
+rows, chunks and bits. Why: on the H200 host (16 vCPUs) the Python workers' row chunks read 40 GB/s on 16 threads
+where a plain read streams 85, and 53 against 54 on 8 (benchmarks/bench_host_stream.py "read", session 21): each
+chunk's call waits its turn at the GIL. Not yet measured on that host (docs/benchmarks.md, pending)."""
 dense_gemm_max_t = 16
 """Most tokens a call takes `dense_gemm` at (set by the calibration with it)."""
 PACKED_GEMMS = ("plain", "split", "split-x4")
@@ -243,6 +249,12 @@ class DenseGemm:
                   and host_native.nf4_bf16())
             xn = x.contiguous() if bx else x.float().contiguous()
             pf = NATIVE_PREFETCH_ROWS
+            if bx and threads > 1 and native_c_threads:  # the whole matrix in one call on the C pool
+                n, k = self.shape
+                bounds = split_bounds(n, k * self.w.element_size(), threads * NATIVE_CHUNKS_PER_THREAD)
+                out = torch.empty(1, n)
+                host_native.gemv_bf16_bx_mt(xn, self.w, out, min(threads, len(bounds)), bounds[0][1], pf)
+                return out.to(x.dtype)
             run = self.native_rows(0, self.shape[0], pf) if threads == 1 else self.native(threads, pf)
             return run(xn).to(x.dtype)
         if threads == 1:  # (the pool's own workers)

@@ -10,7 +10,8 @@ table (`vpermw`), bf16 activations, 32 products an instruction (2-core box, one 
 kernel at 1-4 tokens; an expert from DRAM 9.1 ms against 12.7); its levels are rounded to bf16 (as the torch path
 rounds each decoded weight), `nf4_x` prepares x for whichever kernel runs.
 Each call covers the rows it is given on the calling thread; `layers/cpu_experts` splits a weight's rows over its
-pool of single-threaded workers (ctypes releases the GIL during the call), as it does for torch's GEMMs.
+pool of single-threaded workers (ctypes releases the GIL during the call), as it does for torch's GEMMs. The
+one-token bf16-x GEMV also runs a whole matrix in one call on a pool of C threads (`gemv_bf16_bx_mt`).
 
 They are C compiled at first use with the system's C compiler (`cc`, -O3 -mavx512f) into
 `$FERRYLM_CACHE_DIR/kernels/` (default `~/.cache/ferrylm`), named by a hash of the source and flags, written to
@@ -38,8 +39,98 @@ SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include <pthread.h>
+#include <stdatomic.h>
 
 #define MAXT 16
+
+/* A pool of worker threads in C for the row-parallel entry points (`*_mt`): one call from Python runs a whole
+   matrix on `threads` threads (the caller and threads - 1 workers), each taking the next chunk of rows as it
+   comes free. The workers start on first use from the calling thread (they inherit its CPU binding), sleep on a
+   condition variable between calls and live as long as the process; one parallel call runs at a time. */
+typedef void (*ferry_task)(const void* args, int a, int c);  /* rows [a, a + c) */
+static struct {
+    pthread_mutex_t mu, call;
+    pthread_cond_t go, done;
+    int started, active, left, n, chunk;
+    long gen;
+    ferry_task fn;
+    const void* args;
+    atomic_int next;
+} P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static void run_chunks(ferry_task fn, const void* args, int n, int chunk) {
+    for (;;) {
+        int a = atomic_fetch_add(&P.next, chunk);
+        if (a >= n) return;
+        fn(args, a, n - a < chunk ? n - a : chunk);
+    }
+}
+
+static void* pool_worker(void* arg) {
+    const int id = (int)(intptr_t)arg;
+    long seen = 0;
+    pthread_mutex_lock(&P.mu);
+    for (;;) {
+        while (P.gen == seen) pthread_cond_wait(&P.go, &P.mu);
+        seen = P.gen;
+        const int mine = id < P.active;
+        ferry_task fn = P.fn;
+        const void* args = P.args;
+        const int n = P.n, chunk = P.chunk;
+        pthread_mutex_unlock(&P.mu);
+        if (mine) run_chunks(fn, args, n, chunk);
+        pthread_mutex_lock(&P.mu);
+        if (mine && --P.left == 0) pthread_cond_signal(&P.done);
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void) {  /* a forked child has none of the parent's workers */
+    pthread_mutex_init(&P.mu, NULL);
+    pthread_mutex_init(&P.call, NULL);
+    pthread_cond_init(&P.go, NULL);
+    pthread_cond_init(&P.done, NULL);
+    P.started = 0;
+}
+
+/* fn over rows [0, n) in chunks of `chunk` rows on `threads` threads; returns 0, or -1 when no worker could be
+   started (then the caller has run them all) */
+static int par_rows(ferry_task fn, const void* args, int n, int threads, int chunk) {
+    if (threads <= 1 || n <= chunk) {
+        fn(args, 0, n);
+        return 0;
+    }
+    pthread_mutex_lock(&P.call);
+    static int forked_hook = 0;
+    if (!forked_hook) {
+        pthread_atfork(NULL, NULL, pool_after_fork);
+        forked_hook = 1;
+    }
+    while (P.started < threads - 1) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, pool_worker, (void*)(intptr_t)P.started)) break;
+        pthread_detach(t);
+        P.started++;
+    }
+    const int workers = P.started < threads - 1 ? P.started : threads - 1;
+    pthread_mutex_lock(&P.mu);
+    P.fn = fn;
+    P.args = args;
+    P.n = n;
+    P.chunk = chunk;
+    atomic_store(&P.next, 0);
+    P.active = P.left = workers;
+    P.gen++;
+    pthread_cond_broadcast(&P.go);
+    pthread_mutex_unlock(&P.mu);
+    run_chunks(fn, args, n, chunk);
+    pthread_mutex_lock(&P.mu);
+    while (P.left) pthread_cond_wait(&P.done, &P.mu);
+    pthread_mutex_unlock(&P.mu);
+    pthread_mutex_unlock(&P.call);
+    return workers == threads - 1 ? 0 : -1;
+}
 #define KCHUNK_FLOATS 4096  /* NF4: 16 KB of x per chunk of K stays in L1 beside the streamed codes */
 
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -85,6 +176,19 @@ int ferry_read_bf16(int K, const uint16_t* w, int64_t ldw, int N, float* out) {
         for (int k = 0; k < K; k += 32) a = _mm512_add_epi32(a, _mm512_loadu_si512((const void*)(row + k)));
         out[n] = (float)_mm512_reduce_add_epi32(a);
     }
+    return 0;
+}
+
+typedef struct { int K; const uint16_t* w; int64_t ldw; float* out; } read_args;
+static void read_task(const void* p, int a, int c) {
+    const read_args* r = (const read_args*)p;
+    ferry_read_bf16(r->K, r->w + (int64_t)a * r->ldw, r->ldw, c, r->out + a);
+}
+/* `ferry_read_bf16` over rows [0, N) on `threads` threads of the pool, chunks of `chunk` rows */
+int ferry_read_bf16_mt(int K, const uint16_t* w, int64_t ldw, int N, float* out, int threads, int chunk) {
+    if (K % 32 || threads < 1 || chunk < 1) return -1;
+    read_args r = {K, w, ldw, out};
+    par_rows(read_task, &r, N, threads, chunk);
     return 0;
 }
 
@@ -303,13 +407,26 @@ int ferry_gemv_bf16_bx(const uint16_t* x, int K, const uint16_t* w, int64_t ldw,
     }
     return 0;
 }
+typedef struct { const uint16_t* x; int K; const uint16_t* w; int64_t ldw; float* out; int pf; } bx_args;
+static void bx_task(const void* p, int a, int c) {
+    const bx_args* b = (const bx_args*)p;
+    ferry_gemv_bf16_bx(b->x, b->K, b->w + (int64_t)a * b->ldw, b->ldw, c, b->out + a, b->pf);
+}
+/* `ferry_gemv_bf16_bx` over rows [0, N) on `threads` threads of the pool, chunks of `chunk` rows */
+int ferry_gemv_bf16_bx_mt(const uint16_t* x, int K, const uint16_t* w, int64_t ldw, int N, float* out, int pf,
+                          int threads, int chunk) {
+    if (K % 32 || pf < 0 || threads < 1 || chunk < 1) return -1;
+    bx_args b = {x, K, w, ldw, out, pf};
+    par_rows(bx_task, &b, N, threads, chunk);
+    return 0;
+}
 #pragma GCC pop_options
 int ferry_has_bf16(void) { return 1; }
 #else
 int ferry_has_bf16(void) { return 0; }
 #endif
 """
-FLAGS = ("-O3", "-mavx512f", "-shared", "-fPIC", "-fno-math-errno")
+FLAGS = ("-O3", "-mavx512f", "-shared", "-fPIC", "-fno-math-errno", "-pthread")
 MAX_TOKENS = 16
 """Most tokens a call takes (the kernels keep one accumulator register per token)."""
 
@@ -388,6 +505,8 @@ def _load():
         lib.ferry_has_bf16.restype = i32
         lib.ferry_read_bf16.argtypes = [i32, p, i64, i32, p]
         lib.ferry_read_bf16.restype = i32
+        lib.ferry_read_bf16_mt.argtypes = [i32, p, i64, i32, p, i32, i32]
+        lib.ferry_read_bf16_mt.restype = i32
         global _bf16
         _bf16 = bool(lib.ferry_has_bf16()) and {"avx512bw", "avx512_bf16"} <= _cpu_flags()
         if _bf16:
@@ -395,6 +514,8 @@ def _load():
             lib.ferry_gemv_nf4_bf16.restype = i32
             lib.ferry_gemv_bf16_bx.argtypes = [p, i32, p, i64, i32, p, i32]
             lib.ferry_gemv_bf16_bx.restype = i32
+            lib.ferry_gemv_bf16_bx_mt.argtypes = [p, i32, p, i64, i32, p, i32, i32, i32]
+            lib.ferry_gemv_bf16_bx_mt.restype = i32
         _lib = lib
         return lib
 
@@ -450,6 +571,36 @@ def read_bf16(w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if w.stride(1) != 1 or w.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError("native bf16 read: w bf16 with unit column stride, out contiguous")
     _check(lib.ferry_read_bf16(w.shape[1], w.data_ptr(), w.stride(0), w.shape[0], out.data_ptr()), "bf16 read")
+    return out
+
+
+def gemv_bf16_bx_mt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, threads: int, chunk: int,
+                    prefetch: int = 0) -> torch.Tensor:
+    """`gemv_bf16_bx` over all of w's rows on `threads` threads of the C pool (the calling thread and
+    threads - 1 workers), each taking the next `chunk` rows as it comes free: one call from Python a matrix,
+    where `layers/cpu_experts.SplitRows` makes one a chunk from as many Python workers (on the H200 host's 16
+    cores their row chunks read 40 GB/s against a plain read's 85, 53 against 54 on 8: the workers' turns at the
+    GIL). out [1, N] fp32 contiguous."""
+    lib = _load()
+    if not _bf16:
+        raise ValueError("native bf16 GEMV with bf16 x needs the AVX512-BF16 kernel (nf4_bf16() is False)")
+    if (x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape[0] != 1 or w.stride(1) != 1
+            or w.dtype != torch.bfloat16 or not out.is_contiguous()):
+        raise ValueError("native bf16 GEMV (bf16 x): x [1, K] bf16 contiguous, w bf16 with unit column stride, "
+                         "out contiguous")
+    _check(lib.ferry_gemv_bf16_bx_mt(x.data_ptr(), x.shape[1], w.data_ptr(), w.stride(0), w.shape[0],
+                                     out.data_ptr(), prefetch, threads, chunk), "bf16 GEMV (bf16 x, threads)")
+    return out
+
+
+def read_bf16_mt(w: torch.Tensor, out: torch.Tensor, threads: int, chunk: int) -> torch.Tensor:
+    """`read_bf16` over all of w's rows on `threads` threads of the C pool, `chunk` rows at a time (a benchmark's
+    read ceiling for `gemv_bf16_bx_mt`)."""
+    lib = _load()
+    if w.stride(1) != 1 or w.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError("native bf16 read: w bf16 with unit column stride, out contiguous")
+    _check(lib.ferry_read_bf16_mt(w.shape[1], w.data_ptr(), w.stride(0), w.shape[0], out.data_ptr(), threads,
+                                  chunk), "bf16 read (threads)")
     return out
 
 

@@ -2,6 +2,9 @@
 them ("native" in `layers/cpu_experts`) against their plain paths. Skipped where the kernels cannot be built
 (no AVX-512F, no C compiler): the reason is printed."""
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -180,3 +183,28 @@ def test_row_blocks_native_equals_plain(monkeypatch):
         _close(got, x.float() @ w.t(), x, w)
         plain = kern.plain(x)
         assert (got.float() - plain.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()
+
+
+@pytest.mark.skipif(not hn.nf4_bf16() or not hasattr(os, "fork"), reason="no AVX512-BF16 kernels, or no fork")
+def test_c_thread_pool_works_in_a_forked_child():
+    """A child forked after the C pool's workers started has none of them: the pool starts its own there (a
+    child waiting on its parent's workers would hang)."""
+    N, K = 256, 128
+    w = torch.randn(N, K).to(torch.bfloat16)
+    x = torch.randn(1, K, dtype=torch.bfloat16)
+    want = hn.gemv_bf16_bx_mt(x, w, torch.empty(1, N), 3, 16).numpy().tobytes()  # workers started here
+    out = torch.empty(1, N)
+    pid = os.fork()
+    if pid == 0:  # the child: no torch compute (its OpenMP state is not fork-safe), the kernel alone
+        ok = hn.gemv_bf16_bx_mt(x, w, out, 3, 16).numpy().tobytes() == want
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0, "the child's C-pool GEMV differed"
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's C-pool GEMV hung")

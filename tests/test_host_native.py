@@ -28,7 +28,7 @@ def _close(got, ref, x, w):
 def _counting(monkeypatch, name):
     """Count the calls of host_native's `name` (the path under test really runs natively)."""
     calls, real = [], getattr(hn, name)
-    monkeypatch.setattr(hn, name, lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(hn, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
     return calls
 
 
@@ -159,7 +159,8 @@ def test_dense_gemm_native_equals_plain(T, pf, c_threads, monkeypatch):
 
 
 def test_row_blocks_native_equals_plain(monkeypatch):
-    """An NF4 host expert side (`host_experts.side_kernel`) by "native" against its plain decode-then-GEMM path."""
+    """An NF4 host expert side (`host_experts.side_kernel`) by "native" (the C pool's threads, and the Python pool's:
+    the same bits) against its plain decode-then-GEMM path."""
     from ferrylm.layers.fused_moe import ExpertWeights
     from ferrylm.offload.host_experts import side_kernel
 
@@ -181,6 +182,9 @@ def test_row_blocks_native_equals_plain(monkeypatch):
         got = kern(x)
         assert calls
         _close(got, x.float() @ w.t(), x, w)
+        monkeypatch.setattr(C, "native_c_threads", False)
+        assert torch.equal(kern(x), got)
+        monkeypatch.setattr(C, "native_c_threads", True)
         plain = kern.plain(x)
         assert (got.float() - plain.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()
 

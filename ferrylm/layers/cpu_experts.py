@@ -64,11 +64,13 @@ no conversion of the weights; where the CPU has it) instead of the fp32 kernel. 
 DRAM on 2 threads: 36.8 GB/s against 22.0 (the fp32 kernel) and 13.4 (oneDNN), at the native read's 37.7
 (benchmarks/bench_host_stream.py). The products are exact in fp32 either way; the sums differ in order."""
 native_c_threads = True
-"""Whether "native"'s one-token bf16-x GEMV runs a matrix in one call on `host_native`'s pool of C threads
-(`gemv_bf16_bx_mt`) instead of a call a row chunk from the Python workers of `split_pool` (`SplitRows`): the same
-rows, chunks and bits. Why: on the H200 host (16 vCPUs) the Python workers' row chunks read 40 GB/s on 16 threads
-where a plain read streams 85, and 53 against 54 on 8 (benchmarks/bench_host_stream.py "read", session 21): each
-chunk's call waits its turn at the GIL. Not yet measured on that host (docs/benchmarks.md, pending)."""
+"""Whether "native" runs a matrix in one call on `host_native`'s pool of C threads (the one-token bf16-x GEMV,
+`gemv_bf16_bx_mt`; `RowBlocks`' NF4 GEMV at any token count, `gemv_nf4(threads=)`) instead of a call a row chunk
+from the Python workers of `split_pool` (`SplitRows`): the same rows, chunks and bits. Why: on the H200 host (16
+vCPUs) the Python workers' row chunks read 40 GB/s on 16 threads where a plain read streams 85, and 53 against 54
+on 8 (benchmarks/bench_host_stream.py "read", session 21), and the NF4 GEMV ran slower on 16 threads than on 8 (7.19
+against 4.98 ms an expert, session 17): each chunk's call waits its turn at the GIL. Not yet measured on that host
+(docs/benchmarks.md, pending)."""
 dense_gemm_max_t = 16
 """Most tokens a call takes `dense_gemm` at (set by the calibration with it)."""
 PACKED_GEMMS = ("plain", "split", "split-x4")
@@ -343,8 +345,16 @@ class RowBlocks:
             return self.plain(x)
         if (g == "native" and self.nf4 is not None and T <= host_native.MAX_TOKENS and self.out_scale is None
                 and host_native.available()):
+            x32 = host_native.nf4_x(x, self.nf4[2])
+            if threads > 1 and native_c_threads:  # the whole matrix in one call on the C pool
+                n = self.shape[0]
+                bounds = split_bounds(n, max(1, self.nbytes // n), threads * NATIVE_CHUNKS_PER_THREAD)
+                q, absmax, group = self.nf4
+                out = host_native.gemv_nf4(x32, q, absmax, group, _NF4_LEVELS32, torch.empty(T, n),
+                                           threads=min(threads, len(bounds)), chunk=bounds[0][1])
+                return out.to(x.dtype)
             run = self.native_rows(0, self.shape[0]) if threads == 1 else self.native(threads)
-            return run(host_native.nf4_x(x, self.nf4[2])).to(x.dtype)
+            return run(x32).to(x.dtype)
         if g != "plain" and threads > 1:
             return self.split(threads)(x)
         return self.plain(x)

@@ -11,7 +11,8 @@ kernel at 1-4 tokens; an expert from DRAM 9.1 ms against 12.7); its levels are r
 rounds each decoded weight), `nf4_x` prepares x for whichever kernel runs.
 Each call covers the rows it is given on the calling thread; `layers/cpu_experts` splits a weight's rows over its
 pool of single-threaded workers (ctypes releases the GIL during the call), as it does for torch's GEMMs. The
-one-token bf16-x GEMV also runs a whole matrix in one call on a pool of C threads (`gemv_bf16_bx_mt`).
+one-token bf16-x GEMV and the NF4 GEMV also run a whole matrix in one call on a pool of C threads
+(`gemv_bf16_bx_mt`, `gemv_nf4(threads=)`).
 
 They are C compiled at first use with the system's C compiler (`cc`, -O3 -mavx512f) into
 `$FERRYLM_CACHE_DIR/kernels/` (default `~/.cache/ferrylm`), named by a hash of the source and flags, written to
@@ -425,6 +426,40 @@ int ferry_has_bf16(void) { return 1; }
 #else
 int ferry_has_bf16(void) { return 0; }
 #endif
+
+typedef struct {
+    int bf16, T, K, g, N;
+    const void* x; const uint8_t* q; int64_t ldq; const float* absmax; int64_t lds; const void* levels;
+    float* out; int64_t ldo;
+    int rc;
+} nf4_args;
+static void nf4_task(const void* p, int a, int c) {
+    nf4_args* n = (nf4_args*)p;
+    int rc;
+#ifndef FERRY_NO_BF16
+    if (n->bf16)
+        rc = ferry_gemv_nf4_bf16((const uint16_t*)n->x, n->T, n->K, n->q + (int64_t)a * n->ldq, n->ldq,
+                                 n->absmax + (int64_t)a * n->lds, n->lds, n->g, (const uint16_t*)n->levels, c,
+                                 n->out + a, n->ldo);
+    else
+#endif
+        rc = ferry_gemv_nf4((const float*)n->x, n->T, n->K, n->q + (int64_t)a * n->ldq, n->ldq,
+                            n->absmax + (int64_t)a * n->lds, n->lds, n->g, (const float*)n->levels, c, n->out + a,
+                            n->ldo);
+    if (rc) n->rc = rc;  /* every chunk sees the same arguments: any one's refusal is all of them */
+}
+/* `ferry_gemv_nf4` (bf16: `ferry_gemv_nf4_bf16`) over rows [0, N) on `threads` threads of the pool, chunks of
+   `chunk` rows */
+int ferry_gemv_nf4_mt(int bf16, const void* x, int T, int K, const uint8_t* q, int64_t ldq, const float* absmax,
+                      int64_t lds, int g, const void* levels, int N, float* out, int64_t ldo, int threads, int chunk) {
+#ifdef FERRY_NO_BF16
+    if (bf16) return -2;
+#endif
+    if (threads < 1 || chunk < 1) return -1;
+    nf4_args n = {bf16, T, K, g, N, x, q, ldq, absmax, lds, levels, out, ldo, 0};
+    par_rows(nf4_task, &n, N, threads, chunk);
+    return n.rc;
+}
 """
 FLAGS = ("-O3", "-mavx512f", "-shared", "-fPIC", "-fno-math-errno", "-pthread")
 MAX_TOKENS = 16
@@ -506,6 +541,8 @@ def _load():
         lib.ferry_read_bf16.argtypes = [i32, p, i64, i32, p]
         lib.ferry_read_bf16.restype = i32
         lib.ferry_read_bf16_mt.argtypes = [i32, p, i64, i32, p, i32, i32]
+        lib.ferry_gemv_nf4_mt.argtypes = [i32, p, i32, i32, p, i64, p, i64, i32, p, i32, p, i64, i32, i32]
+        lib.ferry_gemv_nf4_mt.restype = i32
         lib.ferry_read_bf16_mt.restype = i32
         global _bf16
         _bf16 = bool(lib.ferry_has_bf16()) and {"avx512bw", "avx512_bf16"} <= _cpu_flags()
@@ -643,10 +680,11 @@ def nf4_x32(x: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_nf4(x32: torch.Tensor, q: torch.Tensor, absmax: torch.Tensor, group: int, levels: torch.Tensor,
-             out: torch.Tensor) -> torch.Tensor:
+             out: torch.Tensor, threads: int = 1, chunk: int = 0) -> torch.Tensor:
     """out [T, N] fp32 = x [T, K] @ W.T for NF4 W, x32 = `nf4_x(x, group)` (fp32: the fp32 kernel; bf16: the
     AVX512-BF16 one, its levels rounded to bf16): codes q [N, K/2] uint8 (unit column stride), absmax [N, K/group] fp32
-    (unit column stride), levels [16] fp32."""
+    (unit column stride), levels [16] fp32. `threads` > 1: all N rows on that many threads of the C pool (as
+    `gemv_bf16_bx_mt`), `chunk` rows at a time."""
     lib = _load()
     T, K = x32.shape
     N = q.shape[0]
@@ -659,6 +697,11 @@ def gemv_nf4(x32: torch.Tensor, q: torch.Tensor, absmax: torch.Tensor, group: in
         fn, lv = lib.ferry_gemv_nf4_bf16, _levels_bf16()
     else:
         fn, lv = lib.ferry_gemv_nf4, levels
+    if threads > 1:
+        _check(lib.ferry_gemv_nf4_mt(int(fn is not lib.ferry_gemv_nf4), x32.data_ptr(), T, K, q.data_ptr(),
+                                     q.stride(0), absmax.data_ptr(), absmax.stride(0), group, lv.data_ptr(), N,
+                                     out.data_ptr(), out.stride(0), threads, max(1, chunk or N)), "NF4 GEMV (threads)")
+        return out
     _check(fn(x32.data_ptr(), T, K, q.data_ptr(), q.stride(0), absmax.data_ptr(), absmax.stride(0), group,
               lv.data_ptr(), N, out.data_ptr(), out.stride(0)), "NF4 GEMV")
     return out

@@ -212,3 +212,30 @@ def test_c_thread_pool_works_in_a_forked_child():
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child's C-pool GEMV hung")
+
+
+@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
+def test_c_thread_pool_under_concurrent_callers():
+    """Three Python threads call the C-pool GEMV at once with thread counts that grow the pool between calls: every
+    result has the one-threaded call's bits (one parallel call runs at a time; a worker started late takes only the
+    jobs after it)."""
+    import threading
+
+    N, K = 3000, 256
+    w = torch.randn(N, K).to(torch.bfloat16)
+    x = torch.randn(1, K, dtype=torch.bfloat16)
+    want = hn.gemv_bf16_bx(x, w, torch.empty(1, N))
+    bad: list = []
+
+    def run(seed):
+        for i in range(60):
+            got = hn.gemv_bf16_bx_mt(x, w, torch.empty(1, N), 1 + (i * 7 + seed) % 12, 1 + (i % 25) * 20)
+            if not torch.equal(got, want):
+                bad.append((seed, i))
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a C-pool call hung"
+    assert not bad

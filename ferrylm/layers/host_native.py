@@ -68,9 +68,12 @@ static void run_chunks(ferry_task fn, const void* args, int n, int chunk) {
     }
 }
 
+#define POOL_MAX 1024
+static long pool_born[POOL_MAX];  /* the job count when each worker was started: it takes the jobs after it */
+
 static void* pool_worker(void* arg) {
     const int id = (int)(intptr_t)arg;
-    long seen = 0;
+    long seen = pool_born[id];
     pthread_mutex_lock(&P.mu);
     for (;;) {
         while (P.gen == seen) pthread_cond_wait(&P.go, &P.mu);
@@ -108,8 +111,10 @@ static int par_rows(ferry_task fn, const void* args, int n, int threads, int chu
         pthread_atfork(NULL, NULL, pool_after_fork);
         forked_hook = 1;
     }
+    if (threads > POOL_MAX) threads = POOL_MAX;
     while (P.started < threads - 1) {
         pthread_t t;
+        pool_born[P.started] = P.gen;  /* (gen changes only under P.call, held here) */
         if (pthread_create(&t, NULL, pool_worker, (void*)(intptr_t)P.started)) break;
         pthread_detach(t);
         P.started++;

@@ -35,7 +35,12 @@ tok/s). Session 17: after the re-balance the share is tuned on measured step tim
 climb; bf16 16L batch 1 10.01 tok/s), int4 32L auto within 4% of copy-only at batch 1 and ahead at 16. Session 19:
 hybrid decode beats the better side at every batch of 1-64 (bf16 16L: 1.45x at batch 1, 1.56x at 64) and a 2k
 prefill equals copy-only (the calibration times 256 tokens; `cost_model.SPLIT_MARGIN`); Zipf batch 1 13.3-13.5
-tok/s. Left: bf16 batch 1 at 14.3 (9.0-10.2 measured), NF4 hybrid (its host kernel is thread-bound).
+tok/s. Sessions 20-21: Qwen3-30B and Yuan2.0-M32 hybrid (M32 bf16 1.12-1.25x the better side at batch 1, 1.43x
+at 16; Qwen3 re-balanced to share 0 = copy-only's rate within noise); a recorded profile gains nothing over the
+tally under Zipf; on 14 threads the host's plain read beside copies is ~86 GB/s where every one-token GEMV reads
+44-53 (the Python pool's chunks wait at the GIL): the native GEMVs now run a matrix on a C thread pool
+(`layers/host_native`, `cpu_experts.native_c_threads`), not yet measured there. Left: bf16 batch 1 at 14.3
+(8.4-10.2 measured), NF4 hybrid (its host kernel was thread-bound).
 A dropped offloaded CUDA engine is not always freed at once
 (seen in tests/test_cuda; the holder is not found yet).
 Session 4 (s4-hybrid): the host worker computes a padded graph step's live rows only

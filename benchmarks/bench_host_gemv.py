@@ -13,8 +13,8 @@ holds them: landing it means re-laying the bank at load, never a second copy):
   `native`: `F.linear` with oneDNN off (`onednn_off` here, a process-wide flag; not in the library: wrong beside
   other threads' matmuls in the engine, see docs/benchmarks.md; torch's own
   kernels, a vectorised GEMV at 1 token, per-element dot products above); `split-native`: both;
-  `ferry-native`: the engine's native GEMV (`layers/host_native`, C with AVX-512 on the split pool's
-  workers; bf16 x on the AVX512-BF16 dot product at 1 token: `dense_gemm = "native"`);
+  `ferry-native`: the engine's native GEMV (`layers/host_native`, C with AVX-512; at 1 token bf16 x on the
+  AVX512-BF16 dot product over the C thread pool, above on the split pool's workers: `dense_gemm = "native"`);
   `w@xT`: `W @ x.T` (oneDNN with the roles swapped, as `torch.mv`);
   `bmm`: one `torch.bmm` over the rows viewed as [threads, N/threads, K]; `fp32-rows`: rows converted to
   fp32 a few MB at a time and an fp32 GEMM (fp32 accumulation, as `RowBlocks` does for decoded formats);

@@ -48,9 +48,11 @@ def chunked(ws: list[torch.Tensor], threads: int, kernel) -> list[C.SplitRows]:
                            lambda a, c, w=w: kernel(w[a:a + c])) for w in ws]
 
 
-def _rows(w: torch.Tensor, threads: int) -> int:
-    """Rows a chunk of w on `threads` threads: the engine's native chunks (`cpu_experts.native_split`)."""
-    return C.split_bounds(w.shape[0], w.shape[1] * w.element_size(), threads * C.NATIVE_CHUNKS_PER_THREAD)[0][1]
+def _split(w: torch.Tensor, threads: int) -> tuple[int, int]:
+    """(threads, rows a chunk) of w as the engine runs it on the C pool (`cpu_experts.DenseGemm`: its native chunks,
+    no more threads than chunks)."""
+    bounds = C.split_bounds(w.shape[0], w.shape[1] * w.element_size(), threads * C.NATIVE_CHUNKS_PER_THREAD)
+    return min(threads, len(bounds)), bounds[0][1]
 
 
 def variants(experts: list[list[torch.Tensor]], threads: int, prefetch: list[int]) -> dict:
@@ -62,11 +64,11 @@ def variants(experts: list[list[torch.Tensor]], threads: int, prefetch: list[int
             return lambda x: host_native.read_bf16(w, torch.empty(w.shape[0])).view(1, -1)
         reads = [chunked(ws, threads, read) for ws in experts]
         out["read"] = (None, lambda e, x: [s(x) for s in reads[e]])
-        chunk = {id(w): _rows(w, threads) for ws in experts for w in ws}
+        split = {id(w): _split(w, threads) for ws in experts for w in ws}
 
         def read_c(e, x):  # the same chunks on the C pool: one call a matrix
             for w in experts[e]:
-                host_native.read_bf16_mt(w, torch.empty(w.shape[0]), threads, chunk[id(w)])
+                host_native.read_bf16_mt(w, torch.empty(w.shape[0]), *split[id(w)])
         out["read-c"] = (None, read_c)
         for d in prefetch:
             def gemv(w, d=d):
@@ -90,11 +92,10 @@ def variants(experts: list[list[torch.Tensor]], threads: int, prefetch: list[int
 
             def native_bx_c(e, x, d=d):  # the engine's one-token path with `native_c_threads`
                 w13, w2 = experts[e]
-                y = host_native.gemv_bf16_bx_mt(x.bfloat16(), w13, torch.empty(1, w13.shape[0]), threads,
-                                                _rows(w13, threads), d)
+                y = host_native.gemv_bf16_bx_mt(x.bfloat16(), w13, torch.empty(1, w13.shape[0]), *split[id(w13)], d)
                 g, u = y.chunk(2, dim=1)
                 h = (F.silu(g) * u).bfloat16()
-                host_native.gemv_bf16_bx_mt(h, w2, torch.empty(1, w2.shape[0]), threads, _rows(w2, threads), d)
+                host_native.gemv_bf16_bx_mt(h, w2, torch.empty(1, w2.shape[0]), *split[id(w2)], d)
             out[f"native-bx-c pf={d}"] = (None, native_bx_c)
 
     def plain(e, x):

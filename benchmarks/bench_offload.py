@@ -600,6 +600,7 @@ def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: s
                 a["per"] += per1 / reps
                 for k in counted:
                     a[k] += getattr(placed.stats, k)
+                # (the hit rates count the setting's warm-up run and prompt steps with its timed steps)
                 a.setdefault("rounds", []).append({"round": rep, "prompt": i, "tok_s": round(r1, 2),
                                                    "hit_rate": placed.stats.hit_rate})
         for mode, (key, share, _) in settings.items():

@@ -26,7 +26,7 @@ def rows_of(path: str) -> list[dict]:
         best = max((x for x in (copy, c.get("cpu_only_tok_s")) if x is not None), default=None)
         split = c.get("auto_split") or {}
         out.append({"model": c["model"], "budget_gib": c.get("budget_gib"), "batch": c.get("batch"),
-                    "routing": c.get("routing", "uniform").replace("model", "uniform"),
+                    "routing": "uniform" if c.get("routing", "model") == "model" else c["routing"],
                     "hybrid_tok_s": round(c["hybrid_tok_s"], 2),
                     "copy_only_tok_s": None if copy is None else round(copy, 2),
                     "cpu_only_tok_s": None if c.get("cpu_only_tok_s") is None else round(c["cpu_only_tok_s"], 2),
@@ -51,7 +51,7 @@ def main() -> None:
             gpus.add(json.load(f).get("gpu"))
         for r in rows_of(p):
             rows[(r["model"], r["budget_gib"], str(r["batch"]), r["routing"])] = r
-    summary = {"gpu": " / ".join(sorted(g for g in gpus if g)), "commit": sorted({r["commit"] for r in rows.values()}),
+    summary = {"gpu": " / ".join(sorted(g for g in gpus if g)), "commit": sorted({r["commit"] for r in rows.values()} - {None}),
                "cases": list(rows.values())}
     with open(a.out + ".tmp", "w") as f:
         json.dump(summary, f, indent=1)

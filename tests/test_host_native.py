@@ -123,7 +123,8 @@ def test_bf16_dot_gemv_on_c_threads_equals_one_thread(threads, chunk):
     one = hn.gemv_bf16_bx(x, w, torch.empty(1, N))
     for _ in range(3):  # the pool's workers are reused from call to call
         assert torch.equal(hn.gemv_bf16_bx_mt(x, w, torch.full((1, N), float("nan")), threads, chunk), one)
-    assert torch.equal(hn.read_bf16_mt(w, torch.empty(N), threads, chunk), hn.read_bf16(w, torch.empty(N)))
+    assert torch.equal(hn.read_bf16_mt(w, torch.full((N,), float("nan")), threads, chunk),
+                       hn.read_bf16(w, torch.empty(N)))
     with pytest.raises(ValueError, match="refused"):
         hn.gemv_bf16_bx_mt(x, w, torch.empty(1, N), 0, chunk)
 
@@ -185,6 +186,12 @@ def test_row_blocks_native_equals_plain(monkeypatch):
         monkeypatch.setattr(C, "native_c_threads", False)
         assert torch.equal(kern(x), got)
         monkeypatch.setattr(C, "native_c_threads", True)
+    if torch.get_num_threads() > 1:  # the C pool ran: one call for the whole side, threads > 1
+        pooled = []
+        real = hn.gemv_nf4
+        monkeypatch.setattr(hn, "gemv_nf4", lambda *a, **kw: pooled.append(kw.get("threads", 1)) or real(*a, **kw))
+        kern(x)
+        assert len(pooled) == 1 and pooled[0] > 1
         plain = kern.plain(x)
         assert (got.float() - plain.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()
 
@@ -199,8 +206,8 @@ def test_c_thread_pool_works_in_a_forked_child():
     want = hn.gemv_bf16_bx_mt(x, w, torch.empty(1, N), 3, 16).numpy().tobytes()  # workers started here
     out = torch.empty(1, N)
     pid = os.fork()
-    if pid == 0:  # the child: no torch compute (its OpenMP state is not fork-safe), the kernel alone
-        ok = hn.gemv_bf16_bx_mt(x, w, out, 3, 16).numpy().tobytes() == want
+    if pid == 0:  # the child: no torch compute (its OpenMP state is not fork-safe), the kernel alone, its pool grown
+        ok = all(hn.gemv_bf16_bx_mt(x, w, out, t, 16).numpy().tobytes() == want for t in (3, 2, 5, 3))
         os._exit(0 if ok else 1)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -232,7 +239,7 @@ def test_c_thread_pool_under_concurrent_callers():
             got = hn.gemv_bf16_bx_mt(x, w, torch.empty(1, N), 1 + (i * 7 + seed) % 12, 1 + (i % 25) * 20)
             if not torch.equal(got, want):
                 bad.append((seed, i))
-    threads = [threading.Thread(target=run, args=(s,)) for s in range(3)]
+    threads = [threading.Thread(target=run, args=(s,), daemon=True) for s in range(3)]
     for t in threads:
         t.start()
     for t in threads:

@@ -98,10 +98,10 @@ static void pool_after_fork(void) {  /* a forked child has none of the parent's 
     P.started = 0;
 }
 
-/* fn over rows [0, n) in chunks of `chunk` rows on `threads` threads; returns 0, or -1 when no worker could be
-   started (then the caller has run them all) */
+/* fn over rows [0, n) in chunks of `chunk` rows on `threads` threads; returns 0, or -1 when fewer workers than
+   asked could be started (the rows are all computed either way, on fewer threads) */
 static int par_rows(ferry_task fn, const void* args, int n, int threads, int chunk) {
-    if (threads <= 1 || n <= chunk) {
+    if (threads <= 1 || n <= chunk) {  /* (so chunk < n below: the shared counter stays below 2n + threads * n) */
         fn(args, 0, n);
         return 0;
     }
@@ -436,7 +436,7 @@ typedef struct {
     int bf16, T, K, g, N;
     const void* x; const uint8_t* q; int64_t ldq; const float* absmax; int64_t lds; const void* levels;
     float* out; int64_t ldo;
-    int rc;
+    atomic_int rc;
 } nf4_args;
 static void nf4_task(const void* p, int a, int c) {
     nf4_args* n = (nf4_args*)p;
@@ -451,7 +451,7 @@ static void nf4_task(const void* p, int a, int c) {
         rc = ferry_gemv_nf4((const float*)n->x, n->T, n->K, n->q + (int64_t)a * n->ldq, n->ldq,
                             n->absmax + (int64_t)a * n->lds, n->lds, n->g, (const float*)n->levels, c, n->out + a,
                             n->ldo);
-    if (rc) n->rc = rc;  /* every chunk sees the same arguments: any one's refusal is all of them */
+    if (rc) atomic_store(&n->rc, rc);  /* every chunk sees the same arguments: any one's refusal is all of them */
 }
 /* `ferry_gemv_nf4` (bf16: `ferry_gemv_nf4_bf16`) over rows [0, N) on `threads` threads of the pool, chunks of
    `chunk` rows */
@@ -461,9 +461,10 @@ int ferry_gemv_nf4_mt(int bf16, const void* x, int T, int K, const uint8_t* q, i
     if (bf16) return -2;
 #endif
     if (threads < 1 || chunk < 1) return -1;
-    nf4_args n = {bf16, T, K, g, N, x, q, ldq, absmax, lds, levels, out, ldo, 0};
+    nf4_args n = {bf16, T, K, g, N, x, q, ldq, absmax, lds, levels, out, ldo};
+    atomic_init(&n.rc, 0);
     par_rows(nf4_task, &n, N, threads, chunk);
-    return n.rc;
+    return atomic_load(&n.rc);
 }
 """
 FLAGS = ("-O3", "-mavx512f", "-shared", "-fPIC", "-fno-math-errno", "-pthread")
@@ -627,9 +628,10 @@ def gemv_bf16_bx_mt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, threads
     if not _bf16:
         raise ValueError("native bf16 GEMV with bf16 x needs the AVX512-BF16 kernel (nf4_bf16() is False)")
     if (x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape[0] != 1 or w.stride(1) != 1
-            or w.dtype != torch.bfloat16 or not out.is_contiguous()):
-        raise ValueError("native bf16 GEMV (bf16 x): x [1, K] bf16 contiguous, w bf16 with unit column stride, "
-                         "out contiguous")
+            or w.dtype != torch.bfloat16 or not out.is_contiguous() or out.dtype != torch.float32
+            or out.numel() != w.shape[0] or x.shape[1] != w.shape[1]):
+        raise ValueError("native bf16 GEMV (bf16 x): x [1, K] bf16 contiguous, w [N, K] bf16 with unit column "
+                         "stride, out [1, N] fp32 contiguous")
     _check(lib.ferry_gemv_bf16_bx_mt(x.data_ptr(), x.shape[1], w.data_ptr(), w.stride(0), w.shape[0],
                                      out.data_ptr(), prefetch, threads, chunk), "bf16 GEMV (bf16 x, threads)")
     return out
@@ -639,8 +641,9 @@ def read_bf16_mt(w: torch.Tensor, out: torch.Tensor, threads: int, chunk: int) -
     """`read_bf16` over all of w's rows on `threads` threads of the C pool, `chunk` rows at a time (a benchmark's
     read ceiling for `gemv_bf16_bx_mt`)."""
     lib = _load()
-    if w.stride(1) != 1 or w.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError("native bf16 read: w bf16 with unit column stride, out contiguous")
+    if (w.stride(1) != 1 or w.dtype != torch.bfloat16 or not out.is_contiguous() or out.dtype != torch.float32
+            or out.numel() != w.shape[0]):
+        raise ValueError("native bf16 read: w [N, K] bf16 with unit column stride, out [N] fp32 contiguous")
     _check(lib.ferry_read_bf16_mt(w.shape[1], w.data_ptr(), w.stride(0), w.shape[0], out.data_ptr(), threads,
                                   chunk), "bf16 read (threads)")
     return out
@@ -689,7 +692,7 @@ def gemv_nf4(x32: torch.Tensor, q: torch.Tensor, absmax: torch.Tensor, group: in
     """out [T, N] fp32 = x [T, K] @ W.T for NF4 W, x32 = `nf4_x(x, group)` (fp32: the fp32 kernel; bf16: the
     AVX512-BF16 one, its levels rounded to bf16): codes q [N, K/2] uint8 (unit column stride), absmax [N, K/group] fp32
     (unit column stride), levels [16] fp32. `threads` > 1: all N rows on that many threads of the C pool (as
-    `gemv_bf16_bx_mt`), `chunk` rows at a time."""
+    `gemv_bf16_bx_mt`), `chunk` rows at a time (0: N / threads)."""
     lib = _load()
     T, K = x32.shape
     N = q.shape[0]
@@ -703,9 +706,12 @@ def gemv_nf4(x32: torch.Tensor, q: torch.Tensor, absmax: torch.Tensor, group: in
     else:
         fn, lv = lib.ferry_gemv_nf4, levels
     if threads > 1:
+        if chunk < 0:
+            raise ValueError(f"native NF4 GEMV: chunk {chunk} rows (0: the rows split evenly over the threads)")
+        chunk = chunk or -(-N // threads)
         _check(lib.ferry_gemv_nf4_mt(int(fn is not lib.ferry_gemv_nf4), x32.data_ptr(), T, K, q.data_ptr(),
                                      q.stride(0), absmax.data_ptr(), absmax.stride(0), group, lv.data_ptr(), N,
-                                     out.data_ptr(), out.stride(0), threads, max(1, chunk or N)), "NF4 GEMV (threads)")
+                                     out.data_ptr(), out.stride(0), threads, max(1, chunk)), "NF4 GEMV (threads)")
         return out
     _check(fn(x32.data_ptr(), T, K, q.data_ptr(), q.stride(0), absmax.data_ptr(), absmax.stride(0), group,
               lv.data_ptr(), N, out.data_ptr(), out.stride(0)), "NF4 GEMV")

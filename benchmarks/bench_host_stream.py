@@ -49,10 +49,8 @@ def chunked(ws: list[torch.Tensor], threads: int, kernel) -> list[C.SplitRows]:
 
 
 def _split(w: torch.Tensor, threads: int) -> tuple[int, int]:
-    """(threads, rows a chunk) of w as the engine runs it on the C pool (`cpu_experts.DenseGemm`: its native chunks,
-    no more threads than chunks)."""
-    bounds = C.split_bounds(w.shape[0], w.shape[1] * w.element_size(), threads * C.NATIVE_CHUNKS_PER_THREAD)
-    return min(threads, len(bounds)), bounds[0][1]
+    """(threads, rows a chunk) of w as the engine runs it on the C pool (`cpu_experts.c_pool_split`)."""
+    return C.c_pool_split(w.shape[0], w.shape[1] * w.element_size(), threads)
 
 
 def variants(experts: list[list[torch.Tensor]], threads: int, prefetch: list[int]) -> dict:

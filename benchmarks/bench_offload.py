@@ -614,8 +614,7 @@ def case_hybrid_packed(rows: list, h2d: float, layers: int = 32, expert_quant: s
                                     "host_build_wait_s": round(a["built_s"], 2), "rounds": a["rounds"]}
             print(f"{name} batch {batch:2d} {mode:4s} (share {share:.2f}): {r:7.2f} tok/s  {row[f'{mode}_split']}",
                   flush=True)
-        use("auto")
-        row["split"] = first.split_cols
+        row["split"] = acc["auto"]["split_cols"]
         rows.append(row)
     if prefill:  # a prompt's steps take the copy road: the cost model's split of whole experts (cpu_mode)
         row = {"model": name, "budget_gib": budget_gib, "batch": "prefill", "prompt_tokens": prefill}

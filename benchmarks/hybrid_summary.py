@@ -51,8 +51,8 @@ def main() -> None:
             gpus.add(json.load(f).get("gpu"))
         for r in rows_of(p):
             rows[(r["model"], r["budget_gib"], str(r["batch"]), r["routing"])] = r
-    summary = {"gpu": " / ".join(sorted(g for g in gpus if g)), "commit": sorted({r["commit"] for r in rows.values()} - {None}),
-               "cases": list(rows.values())}
+    summary = {"gpu": " / ".join(sorted(g for g in gpus if g)),
+               "commit": sorted({r["commit"] for r in rows.values()} - {None}), "cases": list(rows.values())}
     with open(a.out + ".tmp", "w") as f:
         json.dump(summary, f, indent=1)
     os.replace(a.out + ".tmp", a.out)

@@ -24,6 +24,7 @@ Shapes: T tokens, H hidden, I the expert's intermediate size.
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -129,6 +130,14 @@ def native_split(n: int, row_bytes: int, threads: int, kernel: Callable[[int, in
     x32 -> [T, c] fp32 callable."""
     bounds = split_bounds(n, row_bytes, threads * NATIVE_CHUNKS_PER_THREAD)
     return SplitRows([kernel(a, c) for a, c in bounds], 0, workers=threads)
+
+
+@functools.lru_cache(maxsize=256)
+def c_pool_split(n: int, row_bytes: int, threads: int) -> tuple[int, int]:
+    """(threads, rows a chunk) for a native kernel over n rows on `host_native`'s C pool: `native_split`'s chunks,
+    no more threads than chunks (per call on the hot path: cached)."""
+    bounds = split_bounds(n, row_bytes, threads * NATIVE_CHUNKS_PER_THREAD)
+    return min(threads, len(bounds)), bounds[0][1]
 
 
 def chunks_per_thread(gemm: str) -> int:
@@ -253,9 +262,8 @@ class DenseGemm:
             pf = NATIVE_PREFETCH_ROWS
             if bx and threads > 1 and native_c_threads:  # the whole matrix in one call on the C pool
                 n, k = self.shape
-                bounds = split_bounds(n, k * self.w.element_size(), threads * NATIVE_CHUNKS_PER_THREAD)
                 out = torch.empty(1, n)
-                host_native.gemv_bf16_bx_mt(xn, self.w, out, min(threads, len(bounds)), bounds[0][1], pf)
+                host_native.gemv_bf16_bx_mt(xn, self.w, out, *c_pool_split(n, k * self.w.element_size(), threads), pf)
                 return out.to(x.dtype)
             run = self.native_rows(0, self.shape[0], pf) if threads == 1 else self.native(threads, pf)
             return run(xn).to(x.dtype)
@@ -348,10 +356,10 @@ class RowBlocks:
             x32 = host_native.nf4_x(x, self.nf4[2])
             if threads > 1 and native_c_threads:  # the whole matrix in one call on the C pool
                 n = self.shape[0]
-                bounds = split_bounds(n, max(1, self.nbytes // n), threads * NATIVE_CHUNKS_PER_THREAD)
+                pool_threads, chunk = c_pool_split(n, max(1, self.nbytes // n), threads)
                 q, absmax, group = self.nf4
                 out = host_native.gemv_nf4(x32, q, absmax, group, _NF4_LEVELS32, torch.empty(T, n),
-                                           threads=min(threads, len(bounds)), chunk=bounds[0][1])
+                                           threads=pool_threads, chunk=chunk)
                 return out.to(x.dtype)
             run = self.native_rows(0, self.shape[0]) if threads == 1 else self.native(threads)
             return run(x32).to(x.dtype)

@@ -547,9 +547,9 @@ def _load():
         lib.ferry_read_bf16.argtypes = [i32, p, i64, i32, p]
         lib.ferry_read_bf16.restype = i32
         lib.ferry_read_bf16_mt.argtypes = [i32, p, i64, i32, p, i32, i32]
+        lib.ferry_read_bf16_mt.restype = i32
         lib.ferry_gemv_nf4_mt.argtypes = [i32, p, i32, i32, p, i64, p, i64, i32, p, i32, p, i64, i32, i32]
         lib.ferry_gemv_nf4_mt.restype = i32
-        lib.ferry_read_bf16_mt.restype = i32
         global _bf16
         _bf16 = bool(lib.ferry_has_bf16()) and {"avx512bw", "avx512_bf16"} <= _cpu_flags()
         if _bf16:

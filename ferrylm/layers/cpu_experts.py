@@ -59,6 +59,12 @@ prefetching GEMV won the calibration's one-token race beside copies at 8 threads
 Mixtral-16L at 4.84 tok/s against 8.94 with the plain native GEMV on the 14 threads chosen before (the host's
 expert call took 10.9 ms in the engine against 6.8 in the benchmark): the thread choice beside copies does not stand
 for the decode's in-place reads. TODO: choose threads and prefetch beside in-place reads, then offer it again."""
+NATIVE_PREFETCH_ROWS_MULTI = 2
+"""Rows ahead the bf16-x native GEMV prefetches at 2..16 tokens (`host_native.gemv_bf16_bx`'s `prefetch`): it reads
+K in chunks whose x stays in L1, so a row is read in runs of a few KB that the hardware's stream prefetchers do not
+follow across. 2-core box, a Mixtral w13 from DRAM on the C pool's 2 threads, GB/s at 0 / 1 / 2 / 4 rows ahead:
+8 tokens 16.7 / 36.5 / 36.5 / 35.3, 16 tokens 12.9 / 22.7 / 26.6 / 26.1, 4 tokens 34.5 / 40.7 / 39.9 / 40.0 (oneDNN
+31 at 4 and 8, 24 at 16)."""
 native_bf16_dot = True
 """Whether "native" runs a one-token bf16 call on the AVX512-BF16 dot product (`host_native.gemv_bf16_bx`: bf16 x,
 no conversion of the weights; where the CPU has it) instead of the fp32 kernel. 2-core box, a Mixtral expert from
@@ -72,6 +78,13 @@ vCPUs) the Python workers' row chunks read 40 GB/s on 16 threads where a plain r
 on 8 (benchmarks/bench_host_stream.py "read", session 21), and the NF4 GEMV ran slower on 16 threads than on 8 (7.19
 against 4.98 ms an expert, session 17): each chunk's call waits its turn at the GIL. Not yet measured on that host
 (docs/benchmarks.md, pending)."""
+native_fused_expert = True
+"""Whether a SiLU expert on dense bf16 weights runs whole in one native call where "native" takes it on the C pool
+(`host_native.expert_silu_bf16`: gate and up, the SiLU product, down; the same bits as the GEMVs one by one with
+torch's SiLU between) rather than two GEMV calls and torch's ops between them. Why: each torch op large enough to run
+on the calling thread's OpenMP team leaves that team spinning for a while, and the spinners take cores from the C
+pool's workers. 2-core box, a Mixtral w13 at 2 and 4 tokens: 7.3-9.9 ms against 5.4-6.3 after an
+`out.to(bfloat16)` of the GEMV's [T, 2I] output, as fast as without it under `OMP_WAIT_POLICY=PASSIVE`."""
 dense_gemm_max_t = 16
 """Most tokens a call takes `dense_gemm` at (set by the calibration with it)."""
 PACKED_GEMMS = ("plain", "split", "split-x4")
@@ -227,13 +240,13 @@ class DenseGemm:
         return s
 
     def native_rows(self, a: int, c: int, prefetch: int = 0) -> Callable[[torch.Tensor], torch.Tensor]:
-        """Rows [a, a + c) by the native GEMV: x [T, K] -> [T, c] fp32; x fp32, or bf16 at one token (the
-        AVX512-BF16 dot-product kernel, `native_bf16_dot`); `prefetch` rows ahead at one token."""
+        """Rows [a, a + c) by the native GEMV: x [T, K] -> [T, c] fp32; x fp32, or bf16 (the AVX512-BF16
+        dot-product kernel, `native_bf16_dot`); `prefetch` rows ahead (`gemv_bf16`: at one token)."""
         w = self.w[a:a + c]
 
         def run(x: torch.Tensor) -> torch.Tensor:
             if x.dtype == torch.bfloat16:
-                return host_native.gemv_bf16_bx(x, w, torch.empty(1, c), prefetch)
+                return host_native.gemv_bf16_bx(x, w, torch.empty(x.shape[0], c), prefetch)
             return host_native.gemv_bf16(x, w, torch.empty(x.shape[0], c), prefetch)
         return run
 
@@ -256,13 +269,13 @@ class DenseGemm:
             return F.linear(x, self.w)
         threads = torch.get_num_threads()
         if g == "native" and self.native_fits(x):
-            bx = (native_bf16_dot and x.shape[0] == 1 and x.dtype == torch.bfloat16 and self.shape[1] % 32 == 0
+            bx = (native_bf16_dot and x.dtype == torch.bfloat16 and self.shape[1] % 32 == 0
                   and host_native.nf4_bf16())
             xn = x.contiguous() if bx else x.float().contiguous()
-            pf = NATIVE_PREFETCH_ROWS
+            pf = NATIVE_PREFETCH_ROWS if x.shape[0] == 1 else NATIVE_PREFETCH_ROWS_MULTI if bx else 0
             if bx and threads > 1 and native_c_threads:  # the whole matrix in one call on the C pool
                 n, k = self.shape
-                out = torch.empty(1, n)
+                out = torch.empty(x.shape[0], n)
                 host_native.gemv_bf16_bx_mt(xn, self.w, out, *c_pool_split(n, k * self.w.element_size(), threads), pf)
                 return out.to(x.dtype)
             run = self.native_rows(0, self.shape[0], pf) if threads == 1 else self.native(threads, pf)
@@ -486,8 +499,23 @@ class HostExpert:
             return HostExpert(Q.quantize_int4(w13, group_size, "min"), Q.quantize_int4(w2, group_size, "min"), act)
         raise ValueError(f"unknown host expert format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether this call runs as one native call (`native_fused_expert`)."""
+        g, d = self.gate_up, self.down
+        return (native_fused_expert and dense_gemm == "native" and native_bf16_dot and native_c_threads
+                and self.act is F.silu and x.dtype == torch.bfloat16 and x.shape[0] <= dense_gemm_max_t
+                and isinstance(g, DenseGemm) and isinstance(d, DenseGemm) and g.native_fits(x)
+                and self.hidden % 32 == 0 and self.inter % 32 == 0 and d.w.dtype == torch.bfloat16
+                and d.w.stride(1) == 1 and host_native.nf4_bf16())
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H], in x's dtype; computed with `compute_dtype` activations
+        if self.fused(x):
+            threads, H, I = torch.get_num_threads(), self.hidden, self.inter
+            return host_native.expert_silu_bf16(
+                x.contiguous(), self.gate_up.w, self.down.w, torch.empty(x.shape[0], H, dtype=torch.bfloat16),
+                c_pool_split(I, 4 * H, threads), c_pool_split(H, 2 * I, threads), NATIVE_PREFETCH_ROWS,
+                NATIVE_PREFETCH_ROWS_MULTI)
         xb = x.to(self.compute_dtype)
         h = self.gate_up(xb)  # [T, 2I]
         gate, up = h[:, :self.inter], h[:, self.inter:]  # [T, I] views

@@ -40,6 +40,8 @@ SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 
@@ -413,17 +415,193 @@ int ferry_gemv_bf16_bx(const uint16_t* x, int K, const uint16_t* w, int64_t ldw,
     }
     return 0;
 }
-typedef struct { const uint16_t* x; int K; const uint16_t* w; int64_t ldw; float* out; int pf; } bx_args;
+/* bf16 rows at T tokens with bf16 x, T a compile-time constant: each 32 weights loaded once for every token (one
+   `vdpbf16ps` a token), S accumulator registers a token (S * T >= 8 chains, so the instruction's latency is hidden
+   at few tokens: at 2 tokens and one chain each the 2-core box ran 38 GB/s from L2 against 95 at one token on four);
+   K in chunks whose x stays in L1 (T * KC * 2 bytes <= 32 KB: at 16 tokens 1024 of K), every row per chunk, the
+   chunks' sums added in order (a row's result does not depend on which thread or call ran it). x comes packed
+   (`bxt_pack`, once a call): per chunk, block by block [KC / 32][T][32], so a step's T loads are adjacent lines,
+   where x's own rows, K * 2 bytes apart, fall in the same L1 sets and evict each other (2-core box: 2 tokens ran 24
+   GB/s, 16 ran 7). Rows `pf` ahead are prefetched, the same chunk's lines, one a step: with K chunked a row is read
+   in runs of KC * 2 bytes that the hardware's stream prefetchers, which stop at page ends, no longer follow. */
+#define BXT_BUDGET 16384  /* x elements (32 KB of bf16) a chunk of K */
+#define BXT_S(t) ((t) >= 8 ? 1 : (t) >= 4 ? 2 : (8 + (t) - 1) / (t))
+static inline int bxt_kc(int T, int K) {
+    int KC = (BXT_BUDGET / T) / 32 * 32;
+    return KC > K ? K : KC;
+}
+/* x [T, K] -> xb [T * K]: element (t, k) of chunk [c0, c0 + KC) at c0 * T + ((k - c0) / 32 * T + t) * 32 + k % 32 */
+static void bxt_pack(const uint16_t* x, int T, int K, uint16_t* xb) {
+    const int KC = bxt_kc(T, K);
+    for (int c0 = 0; c0 < K; c0 += KC) {
+        const int c1 = c0 + KC < K ? c0 + KC : K;
+        for (int k = c0; k < c1; k += 32)
+            for (int t = 0; t < T; t++)
+                memcpy(xb + (int64_t)c0 * T + ((int64_t)(k - c0) / 32 * T + t) * 32, x + (int64_t)t * K + k, 64);
+    }
+}
+ALWAYS void bxt_rows(const uint16_t* xb, const int T, const int S, int K, const uint16_t* w, int64_t ldw, int N,
+                     float* out, int64_t ldo, int pf) {
+    const int KC = bxt_kc(T, K);
+    for (int c0 = 0; c0 < K; c0 += KC) {
+      const int c1 = c0 + KC < K ? c0 + KC : K;
+      for (int n = 0; n < N; n++) {
+        const uint16_t* row = w + (int64_t)n * ldw;
+        /* the line `pf` rows on in this chunk, or past the last row the next chunk's first rows */
+        const int an = n + pf < N ? n + pf : n + pf - N;
+        const int ac = n + pf < N ? c0 : c0 + KC;
+        const int fetch = pf && an < N && ac < K;
+        const char* ahead = (const char*)(w + (int64_t)an * ldw + ac) - 2 * c0;
+        __m512 acc[MAXT * 8];
+        _Pragma("GCC unroll 16") for (int i = 0; i < T * S; i++) acc[i] = _mm512_setzero_ps();
+        const uint16_t* xk = xb + (int64_t)c0 * T;
+        int k = c0;
+        for (; k + 32 * S <= c1; k += 32 * S) {
+            _Pragma("GCC unroll 8") for (int s = 0; s < S; s++) {
+                if (fetch) _mm_prefetch(ahead + 2 * (k + 32 * s), _MM_HINT_T0);
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(row + k + 32 * s));
+                _Pragma("GCC unroll 16") for (int t = 0; t < T; t++)
+                    acc[s * T + t] = _mm512_dpbf16_ps(acc[s * T + t], wv,
+                                                      (__m512bh)_mm512_load_si512((const void*)(xk + 32 * t)));
+                xk += 32 * T;
+            }
+        }
+        for (; k < c1; k += 32, xk += 32 * T) {
+            if (fetch) _mm_prefetch(ahead + 2 * k, _MM_HINT_T0);
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(row + k));
+            _Pragma("GCC unroll 16") for (int t = 0; t < T; t++)
+                acc[t] = _mm512_dpbf16_ps(acc[t], wv, (__m512bh)_mm512_load_si512((const void*)(xk + 32 * t)));
+        }
+        _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {
+            __m512 a = acc[t];
+            _Pragma("GCC unroll 8") for (int s = 1; s < S; s++) a = _mm512_add_ps(a, acc[s * T + t]);
+            float v = _mm512_reduce_add_ps(a);
+            out[(int64_t)t * ldo + n] = c0 ? out[(int64_t)t * ldo + n] + v : v;
+        }
+      }
+    }
+}
+/* rows [0, N) of w at T tokens: x the raw [1, K] at one token (`ferry_gemv_bf16_bx`), else packed (`bxt_pack`) */
+static void bx_any(const uint16_t* x, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out, int64_t ldo,
+                   int pf) {
+    if (T == 1) {
+        ferry_gemv_bf16_bx(x, K, w, ldw, N, out, pf);
+        return;
+    }
+#define BXT_CALL(t) bxt_rows(x, t, BXT_S(t), K, w, ldw, N, out, ldo, pf)
+    SWITCH_T(BXT_CALL)
+}
+/* out[t * ldo + n] = sum_k x[t * K + k] * w[n * ldw + k] at 1..16 tokens (one token: `ferry_gemv_bf16_bx` is the
+   faster), x [T, K] bf16 contiguous; K a multiple of 32; pf: rows ahead to prefetch (0: none) */
+int ferry_gemv_bf16_bxt(const uint16_t* x, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out,
+                        int64_t ldo, int pf) {
+    if (T < 1 || T > MAXT || K % 32 || pf < 0) return -1;
+    uint16_t* xb = aligned_alloc(64, (size_t)T * K * 2);
+    if (!xb) return -3;
+    bxt_pack(x, T, K, xb);
+#define BXT_CALL1(t) bxt_rows(xb, t, BXT_S(t), K, w, ldw, N, out, ldo, pf)
+    SWITCH_T(BXT_CALL1)
+    free(xb);
+    return 0;
+}
+typedef struct { const uint16_t* x; int T, K; const uint16_t* w; int64_t ldw; float* out; int64_t ldo; int pf; } bx_args;
 static void bx_task(const void* p, int a, int c) {
     const bx_args* b = (const bx_args*)p;
-    ferry_gemv_bf16_bx(b->x, b->K, b->w + (int64_t)a * b->ldw, b->ldw, c, b->out + a, b->pf);
+    bx_any(b->x, b->T, b->K, b->w + (int64_t)a * b->ldw, b->ldw, c, b->out + a, b->ldo, b->pf);
 }
-/* `ferry_gemv_bf16_bx` over rows [0, N) on `threads` threads of the pool, chunks of `chunk` rows */
-int ferry_gemv_bf16_bx_mt(const uint16_t* x, int K, const uint16_t* w, int64_t ldw, int N, float* out, int pf,
-                          int threads, int chunk) {
-    if (K % 32 || pf < 0 || threads < 1 || chunk < 1) return -1;
-    bx_args b = {x, K, w, ldw, out, pf};
+/* `ferry_gemv_bf16_bx` (T = 1) / `ferry_gemv_bf16_bxt` (T > 1) over rows [0, N) on `threads` threads of the pool,
+   chunks of `chunk` rows (x packed once, by the calling thread) */
+int ferry_gemv_bf16_bx_mt(const uint16_t* x, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out,
+                          int64_t ldo, int pf, int threads, int chunk) {
+    if (T < 1 || T > MAXT || K % 32 || pf < 0 || threads < 1 || chunk < 1) return -1;
+    uint16_t* xb = NULL;
+    if (T > 1) {
+        if (!(xb = aligned_alloc(64, (size_t)T * K * 2))) return -3;
+        bxt_pack(x, T, K, xb);
+    }
+    bx_args b = {T > 1 ? xb : x, T, K, w, ldw, out, ldo, pf};
     par_rows(bx_task, &b, N, threads, chunk);
+    free(xb);
+    return 0;
+}
+
+/* fp32 -> bf16, round to nearest even (as torch converts; inputs here are finite or inf) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x7FFFFFu)) return (uint16_t)((u >> 16) | 0x40);  /* NaN */
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+}
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* A whole SiLU expert on bf16 activations, y = w2 @ (silu(gate x) * up x), as `layers/cpu_experts.HostExpert`
+   computes it on torch's bf16 tensors: gate and up rounded to bf16, silu in fp32 rounded to bf16, the product
+   rounded to bf16, then the down GEMV. Two passes over the pool (the down rows need all of h): the first takes h's
+   columns j in chunks (gate row j and up row I + j both), the second w2's rows. No torch op runs in between:
+   one after another on the calling thread they leave its OpenMP team spinning for a while, and those spinners
+   take cores from this pool's workers (2-core box, 2 tokens: 9.5 ms a Mixtral w13 against 5.1 without). */
+#define EXPERT_SUB 128  /* gate / up rows a step within a chunk (their fp32 results on the stack) */
+typedef struct {
+    const uint16_t* x; int T, H, I; const uint16_t* w13; int64_t ld13; const uint16_t* w2; int64_t ld2;
+    uint16_t* h; float* y32; uint16_t* y16; int pf;
+} expert_args;
+static void expert_up_task(const void* p, int a, int c) {
+    const expert_args* e = (const expert_args*)p;
+    float g[MAXT * EXPERT_SUB], u[MAXT * EXPERT_SUB];
+    for (int j0 = a; j0 < a + c; j0 += EXPERT_SUB) {
+        const int m = a + c - j0 < EXPERT_SUB ? a + c - j0 : EXPERT_SUB;
+        bx_any(e->x, e->T, e->H, e->w13 + (int64_t)j0 * e->ld13, e->ld13, m, g, EXPERT_SUB, e->pf);
+        bx_any(e->x, e->T, e->H, e->w13 + (int64_t)(e->I + j0) * e->ld13, e->ld13, m, u, EXPERT_SUB, e->pf);
+        for (int t = 0; t < e->T; t++)
+            for (int j = 0; j < m; j++) {
+                const float gb = from_bf16(to_bf16(g[t * EXPERT_SUB + j]));
+                const float sb = from_bf16(to_bf16(gb / (1.0f + expf(-gb))));
+                e->h[(int64_t)t * e->I + j0 + j] = to_bf16(sb * from_bf16(to_bf16(u[t * EXPERT_SUB + j])));
+            }
+    }
+}
+static void expert_down_task(const void* p, int a, int c) {
+    const expert_args* e = (const expert_args*)p;
+    if (e->y16) {  /* bf16 out: each row's fp32 sums rounded once */
+        float y[MAXT * EXPERT_SUB];
+        for (int n0 = a; n0 < a + c; n0 += EXPERT_SUB) {
+            const int m = a + c - n0 < EXPERT_SUB ? a + c - n0 : EXPERT_SUB;
+            bx_any(e->h, e->T, e->I, e->w2 + (int64_t)n0 * e->ld2, e->ld2, m, y, EXPERT_SUB, e->pf);
+            for (int t = 0; t < e->T; t++)
+                for (int j = 0; j < m; j++) e->y16[(int64_t)t * e->H + n0 + j] = to_bf16(y[t * EXPERT_SUB + j]);
+        }
+    } else {
+        bx_any(e->h, e->T, e->I, e->w2 + (int64_t)a * e->ld2, e->ld2, c, e->y32 + a, e->H, e->pf);
+    }
+}
+/* x [T, H] bf16 contiguous, w13 [2I, H] (row stride ld13), w2 [H, I] (row stride ld2), H and I multiples of 32;
+   out [T, H] contiguous, bf16 (out_bf16) or fp32; pf1 / pfm: rows ahead prefetched at one token / more; the first
+   pass on threads13 threads, chunk13 columns of h a chunk, the second on threads2, chunk2 rows of w2 a chunk. Returns 0, -1 on bad arguments, -3 without memory. */
+int ferry_expert_silu_bf16(const uint16_t* x, int T, int H, int I, const uint16_t* w13, int64_t ld13,
+                           const uint16_t* w2, int64_t ld2, void* out, int out_bf16, int pf1, int pfm, int threads13,
+                           int chunk13, int threads2, int chunk2) {
+    if (T < 1 || T > MAXT || H % 32 || I % 32 || pf1 < 0 || pfm < 0 || threads13 < 1 || chunk13 < 1 || threads2 < 1
+        || chunk2 < 1)
+        return -1;
+    const size_t xbytes = (size_t)T * H * 2, hbytes = (size_t)T * I * 2;
+    uint16_t* buf = aligned_alloc(64, (xbytes + 2 * hbytes + 63) / 64 * 64);
+    if (!buf) return -3;
+    uint16_t *xb = buf, *h = buf + (size_t)T * H, *hb = h + (size_t)T * I;
+    if (T > 1) bxt_pack(x, T, H, xb);
+    expert_args e = {T > 1 ? xb : x, T, H, I, w13, ld13, w2, ld2, h, out_bf16 ? NULL : (float*)out,
+                     out_bf16 ? (uint16_t*)out : NULL, T > 1 ? pfm : pf1};
+    par_rows(expert_up_task, &e, I, threads13, chunk13);
+    if (T > 1) {
+        bxt_pack(h, T, I, hb);
+        e.h = hb;
+    }
+    par_rows(expert_down_task, &e, H, threads2, chunk2);
+    free(buf);
     return 0;
 }
 #pragma GCC pop_options
@@ -468,6 +646,7 @@ int ferry_gemv_nf4_mt(int bf16, const void* x, int T, int K, const uint8_t* q, i
 }
 """
 FLAGS = ("-O3", "-mavx512f", "-shared", "-fPIC", "-fno-math-errno", "-pthread")
+LIBS = ("-lm",)
 MAX_TOKENS = 16
 """Most tokens a call takes (the kernels keep one accumulator register per token)."""
 
@@ -504,7 +683,7 @@ def _build(path: str) -> str | None:
             f.write(SOURCE)
         cc = os.environ.get("CC", "cc")
         for extra in ((), ("-DFERRY_NO_BF16",)):
-            r = subprocess.run([cc, *FLAGS, *extra, src, "-o", out], capture_output=True, text=True, timeout=120)
+            r = subprocess.run([cc, *FLAGS, *extra, src, *LIBS, "-o", out], capture_output=True, text=True, timeout=120)
             if not r.returncode:
                 os.replace(out, path)  # temp-then-rename: never a half-written library
                 return None
@@ -525,7 +704,7 @@ def _load():
         if not _cpu_has_avx512f():
             _why = "the CPU has no AVX-512F"
             return None
-        digest = hashlib.sha256((SOURCE + " ".join(FLAGS)).encode()).hexdigest()[:16]
+        digest = hashlib.sha256((SOURCE + " ".join(FLAGS + LIBS)).encode()).hexdigest()[:16]
         path = os.path.join(_cache_dir(), f"host_gemv-{digest}.so")
         if not os.path.exists(path):
             try:
@@ -557,7 +736,12 @@ def _load():
             lib.ferry_gemv_nf4_bf16.restype = i32
             lib.ferry_gemv_bf16_bx.argtypes = [p, i32, p, i64, i32, p, i32]
             lib.ferry_gemv_bf16_bx.restype = i32
-            lib.ferry_gemv_bf16_bx_mt.argtypes = [p, i32, p, i64, i32, p, i32, i32, i32]
+            lib.ferry_gemv_bf16_bxt.argtypes = [p, i32, i32, p, i64, i32, p, i64, i32]
+            lib.ferry_gemv_bf16_bxt.restype = i32
+            lib.ferry_gemv_bf16_bx_mt.argtypes = [p, i32, i32, p, i64, i32, p, i64, i32, i32, i32]
+            lib.ferry_expert_silu_bf16.argtypes = [p, i32, i32, i32, p, i64, p, i64, p, i32, i32, i32, i32, i32, i32,
+                                                   i32]
+            lib.ferry_expert_silu_bf16.restype = i32
             lib.ferry_gemv_bf16_bx_mt.restype = i32
         _lib = lib
         return lib
@@ -593,17 +777,30 @@ def gemv_bf16(x32: torch.Tensor, w: torch.Tensor, out: torch.Tensor, prefetch: i
     return out
 
 
-def gemv_bf16_bx(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, prefetch: int = 0) -> torch.Tensor:
-    """out [1, N] fp32 = x [1, K] bf16 (contiguous) @ w.T on the AVX512-BF16 dot product (`nf4_bf16()` tells whether
-    it runs here): w [N, K] bf16 with unit column stride, K a multiple of 32. One token; `prefetch` as `gemv_bf16`'s."""
-    lib = _load()
+def _bx_check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     if not _bf16:
         raise ValueError("native bf16 GEMV with bf16 x needs the AVX512-BF16 kernel (nf4_bf16() is False)")
-    if (x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape[0] != 1 or w.stride(1) != 1
-            or w.dtype != torch.bfloat16 or out.stride(1) != 1):
-        raise ValueError("native bf16 GEMV (bf16 x): x [1, K] bf16 contiguous, w bf16 and out with unit column stride")
-    _check(lib.ferry_gemv_bf16_bx(x.data_ptr(), x.shape[1], w.data_ptr(), w.stride(0), w.shape[0], out.data_ptr(),
-                                  prefetch), "bf16 GEMV (bf16 x)")
+    T = x.shape[0]
+    if (x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or not 1 <= T <= MAX_TOKENS
+            or w.stride(1) != 1 or w.dtype != torch.bfloat16 or x.shape[1] != w.shape[1] or out.dtype != torch.float32
+            or out.dim() != 2 or out.stride(1) != 1 or tuple(out.shape) != (T, w.shape[0])):
+        raise ValueError(f"native bf16 GEMV (bf16 x): x [T, K] bf16 contiguous with T <= {MAX_TOKENS}, w [N, K] bf16 "
+                         "with unit column stride, out [T, N] fp32 with unit column stride")
+
+
+def gemv_bf16_bx(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, prefetch: int = 0) -> torch.Tensor:
+    """out [T, N] fp32 (unit column stride) = x [T, K] bf16 (contiguous, T <= MAX_TOKENS) @ w.T on the AVX512-BF16
+    dot product (`nf4_bf16()` tells whether it runs here): w [N, K] bf16 with unit column stride, K a multiple of
+    32. One token: four accumulators over the row, `prefetch` as `gemv_bf16`'s; more: one accumulator a token, K in
+    chunks whose x stays in L1 (`prefetch` unused)."""
+    lib = _load()
+    _bx_check(x, w, out)
+    if x.shape[0] == 1:
+        _check(lib.ferry_gemv_bf16_bx(x.data_ptr(), x.shape[1], w.data_ptr(), w.stride(0), w.shape[0],
+                                      out.data_ptr(), prefetch), "bf16 GEMV (bf16 x)")
+    else:
+        _check(lib.ferry_gemv_bf16_bxt(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.stride(0), w.shape[0],
+                                       out.data_ptr(), out.stride(0), prefetch), "bf16 GEMV (bf16 x)")
     return out
 
 
@@ -623,17 +820,38 @@ def gemv_bf16_bx_mt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, threads
     threads - 1 workers), each taking the next `chunk` rows as it comes free: one call from Python a matrix,
     where `layers/cpu_experts.SplitRows` makes one a chunk from as many Python workers (on the H200 host's 16
     cores their row chunks read 40 GB/s against a plain read's 85, 53 against 54 on 8: the workers' turns at the
-    GIL). out [1, N] fp32 contiguous."""
+    GIL). Results bit-identical to one `gemv_bf16_bx` call (each row's sums run in the same order)."""
     lib = _load()
+    _bx_check(x, w, out)
+    _check(lib.ferry_gemv_bf16_bx_mt(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.stride(0), w.shape[0],
+                                     out.data_ptr(), out.stride(0), prefetch, threads, chunk),
+           "bf16 GEMV (bf16 x, threads)")
+    return out
+
+
+def expert_silu_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor,
+                     split13: tuple[int, int], split2: tuple[int, int], prefetch: int = 0,
+                     prefetch_multi: int = 0) -> torch.Tensor:
+    """out [T, H] (bf16 or fp32, contiguous) = w2 @ (silu(gate x) * up x) for x [T, H] bf16 contiguous (T <=
+    MAX_TOKENS), w13 [2I, H] (gate rows, then up rows) and w2 [H, I] bf16 with unit column strides, H and I multiples
+    of 32: a whole expert in one call on the C pool (split13 = (threads, h's columns a chunk), then split2 = (threads,
+    w2's rows a chunk)), rounded to bf16 where `HostExpert`'s torch ops round (the same bits as `gemv_bf16_bx`
+    twice with torch's SiLU between, where libm's expf and torch's agree); `prefetch` rows ahead at one token,
+    `prefetch_multi` at more (`gemv_bf16_bx`'s)."""
+    lib = _load()
+    T, H = x.shape
+    I = w2.shape[1]
     if not _bf16:
-        raise ValueError("native bf16 GEMV with bf16 x needs the AVX512-BF16 kernel (nf4_bf16() is False)")
-    if (x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape[0] != 1 or w.stride(1) != 1
-            or w.dtype != torch.bfloat16 or not out.is_contiguous() or out.dtype != torch.float32
-            or out.numel() != w.shape[0] or x.shape[1] != w.shape[1]):
-        raise ValueError("native bf16 GEMV (bf16 x): x [1, K] bf16 contiguous, w [N, K] bf16 with unit column "
-                         "stride, out [1, N] fp32 contiguous")
-    _check(lib.ferry_gemv_bf16_bx_mt(x.data_ptr(), x.shape[1], w.data_ptr(), w.stride(0), w.shape[0],
-                                     out.data_ptr(), prefetch, threads, chunk), "bf16 GEMV (bf16 x, threads)")
+        raise ValueError("native expert: needs the AVX512-BF16 kernel (nf4_bf16() is False)")
+    if (x.dtype != torch.bfloat16 or not x.is_contiguous() or not 1 <= T <= MAX_TOKENS
+            or w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or w13.stride(1) != 1 or w2.stride(1) != 1
+            or tuple(w13.shape) != (2 * I, H) or w2.shape[0] != H or out.dtype not in (torch.bfloat16, torch.float32)
+            or not out.is_contiguous() or tuple(out.shape) != (T, H)):
+        raise ValueError(f"native expert: x [T, H] bf16 contiguous with T <= {MAX_TOKENS}, w13 [2I, H] and w2 [H, I] "
+                         "bf16 with unit column strides, out [T, H] bf16 or fp32 contiguous")
+    _check(lib.ferry_expert_silu_bf16(x.data_ptr(), T, H, I, w13.data_ptr(), w13.stride(0), w2.data_ptr(),
+                                      w2.stride(0), out.data_ptr(), int(out.dtype == torch.bfloat16), prefetch,
+                                      prefetch_multi, *split13, *split2), "expert (SiLU, bf16)")
     return out
 
 

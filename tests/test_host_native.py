@@ -84,7 +84,81 @@ def test_bf16_dot_gemv_equals_torch():
     err = _close(out, x.float() @ w.float().t(), x, w)
     print(f"native bf16 GEMV, bf16 x: max |diff| vs torch fp32 {err:.2e}")
     with pytest.raises(ValueError, match="bf16 x"):
-        hn.gemv_bf16_bx(torch.zeros(2, K, dtype=torch.bfloat16), w, torch.empty(2, N))
+        hn.gemv_bf16_bx(torch.zeros(hn.MAX_TOKENS + 1, K, dtype=torch.bfloat16), w, torch.empty(hn.MAX_TOKENS + 1, N))
+    with pytest.raises(ValueError, match="bf16 x"):  # out of the wrong shape
+        hn.gemv_bf16_bx(torch.zeros(2, K, dtype=torch.bfloat16), w, torch.empty(1, N))
+
+
+@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
+@pytest.mark.parametrize("T", [2, 3, 4, 5, 8, 9, 16])
+def test_bf16_dot_gemv_tokens_equals_torch(T):
+    """The bf16-x GEMV at 2..16 tokens: K in several L1 chunks (at 16 tokens 1024 columns a chunk) with a tail past
+    the S-wide steps, a column window, odd N, a strided output; every prefetch distance the same bits; the C pool's
+    threads and chunks the one-threaded call's bits."""
+    torch.manual_seed(T)
+    N, K = 77, 32 * 71
+    w = torch.randn(N, K + 96).to(torch.bfloat16)[:, 32:32 + K]
+    x = torch.randn(T, K, dtype=torch.bfloat16)
+    out = torch.full((T, N + 3), float("nan"))[:, 1:1 + N]
+    hn.gemv_bf16_bx(x, w, out)
+    err = _close(out, x.float() @ w.float().t(), x, w)
+    print(f"native bf16 GEMV, bf16 x, {T} tokens: max |diff| vs torch fp32 {err:.2e}")
+    for pf in (1, 2, 100):
+        assert torch.equal(hn.gemv_bf16_bx(x, w, torch.empty(T, N), pf), out)
+    for threads, chunk in ((2, 16), (3, 7), (2, 10_000)):
+        assert torch.equal(hn.gemv_bf16_bx_mt(x, w, torch.full((T, N), float("nan")), threads, chunk, 2), out)
+
+
+@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
+@pytest.mark.parametrize("T", [1, 3, 16])
+def test_native_expert_equals_gemvs_and_torch_silu(T):
+    """The whole SiLU expert in one call (`expert_silu_bf16`) against the same GEMVs one by one with torch's bf16 SiLU
+    and product between (the fused call's own expf may differ from torch's in the last bit of a rare element: each
+    mismatch within one bf16 rounding), on one thread and on the pool's; bf16 and fp32 outputs; bad shapes refused."""
+    torch.manual_seed(20 + T)
+    H, I = 96, 32 * 9  # a few h columns a chunk and a tail past EXPERT_SUB rows
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    w13, w2 = (torch.randn(2 * I, H) * .1).bfloat16(), (torch.randn(H, I) * .1).bfloat16()
+    g = hn.gemv_bf16_bx(x, w13, torch.empty(T, 2 * I)).bfloat16()
+    mid = torch.nn.functional.silu(g[:, :I]).mul_(g[:, I:])
+    ref = hn.gemv_bf16_bx(mid, w2, torch.empty(T, H))
+    one = hn.expert_silu_bf16(x, w13, w2, torch.empty(T, H), (1, I), (1, H))
+    err = (one - ref).abs()
+    assert (err <= 2 ** -7 * ref.abs().max()).all() and (err == 0).float().mean() > 0.99, err.max().item()
+    print(f"native SiLU expert, {T} tokens: {(err > 0).sum().item()} of {err.numel()} outputs differ from the "
+          f"GEMVs with torch's SiLU, max |diff| {err.max().item():.2e}")
+    for split13, split2 in (((2, 32), (2, 16)), ((3, 64), (2, 40))):
+        assert torch.equal(hn.expert_silu_bf16(x, w13, w2, torch.full((T, H), float("nan")), split13, split2, 0, 2),
+                           one)
+    assert torch.equal(hn.expert_silu_bf16(x, w13, w2, torch.empty(T, H, dtype=torch.bfloat16), (2, 32), (2, 16)),
+                       one.bfloat16())
+    with pytest.raises(ValueError, match="native expert"):
+        hn.expert_silu_bf16(x, w2, w13, torch.empty(T, H), (1, I), (1, H))
+    with pytest.raises(ValueError, match="refused"):
+        hn.expert_silu_bf16(x, w13, w2, torch.empty(T, H), (0, I), (1, H))
+
+
+@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
+@pytest.mark.parametrize("T", [1, 5])
+def test_host_expert_fused_equals_unfused_and_plain(T, monkeypatch):
+    """`HostExpert` under "native" runs one fused call (`native_fused_expert`) where it did two GEMVs and torch's
+    ops: the same outputs, and within bf16 rounding of the plain oneDNN expert."""
+    torch.manual_seed(T)
+    H, I = 128, 320
+    w13, w2 = (torch.randn(2 * I, H) * .1).bfloat16(), (torch.randn(H, I) * .1).bfloat16()
+    e = C.HostExpert(w13, w2)
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    plain = e(x)
+    monkeypatch.setattr(C, "dense_gemm", "native")
+    calls = _counting(monkeypatch, "expert_silu_bf16")
+    fused = e(x)
+    assert len(calls) == 1 and fused.dtype == x.dtype and fused.shape == x.shape
+    monkeypatch.setattr(C, "native_fused_expert", False)
+    unfused = e(x)
+    assert len(calls) == 1
+    diff = (fused.float() - unfused.float()).abs()
+    assert (diff <= 2 ** -7 * unfused.float().abs().max()).all() and (diff == 0).float().mean() > 0.99
+    assert (fused.float() - plain.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()
 
 
 @pytest.mark.parametrize("pf", [0, 1, 3])
@@ -133,8 +207,8 @@ def test_bf16_dot_gemv_on_c_threads_equals_one_thread(threads, chunk):
 @pytest.mark.parametrize("pf", [0, 2])
 @pytest.mark.parametrize("T", [1, 4])
 def test_dense_gemm_native_equals_plain(T, pf, c_threads, monkeypatch):
-    """`DenseGemm` by "native" (chunks on the pool, the C pool at one token with `native_c_threads`, and on a
-    single-threaded caller) against the plain GEMM."""
+    """`DenseGemm` by "native" (chunks on the pool, the C pool with `native_c_threads`, and on a single-threaded
+    caller) against the plain GEMM."""
     torch.manual_seed(0)
     w = (torch.randn(1000, 256) * .05).to(torch.bfloat16)
     x = torch.randn(T, 256, dtype=torch.bfloat16)
@@ -144,7 +218,7 @@ def test_dense_gemm_native_equals_plain(T, pf, c_threads, monkeypatch):
     monkeypatch.setattr(C, "native_c_threads", c_threads)
     g = C.DenseGemm(w)
     assert len(g.native(2).kernels) > 2
-    bx = T == 1 and hn.nf4_bf16()
+    bx = hn.nf4_bf16()
     c_pool = bx and c_threads and torch.get_num_threads() > 1
     calls = _counting(monkeypatch, "gemv_bf16_bx_mt" if c_pool else "gemv_bf16_bx" if bx else "gemv_bf16")
     got, ref = g(x), x.float() @ w.float().t()

@@ -8,11 +8,14 @@ a group's products summed, then times its absmax; fp32 accumulation, one output 
 Where the CPU has AVX512-BF16 (and the compiler its target), NF4 runs on `vdpbf16ps` instead: levels from a bf16
 table (`vpermw`), bf16 activations, 32 products an instruction (2-core box, one thread, in cache: 1.4-1.5x the fp32
 kernel at 1-4 tokens; an expert from DRAM 9.1 ms against 12.7); its levels are rounded to bf16 (as the torch path
-rounds each decoded weight), `nf4_x` prepares x for whichever kernel runs.
+rounds each decoded weight), `nf4_x` prepares x for whichever kernel runs. Dense bf16 weights with bf16 x run on
+`vdpbf16ps` too (`gemv_bf16_bx`: 1-16 tokens, no conversion of the weights).
 Each call covers the rows it is given on the calling thread; `layers/cpu_experts` splits a weight's rows over its
 pool of single-threaded workers (ctypes releases the GIL during the call), as it does for torch's GEMMs. The
-one-token bf16-x GEMV and the NF4 GEMV also run a whole matrix in one call on a pool of C threads
-(`gemv_bf16_bx_mt`, `gemv_nf4(threads=)`).
+bf16-x GEMV and the NF4 GEMV also run a whole matrix in one call on a pool of C threads (`gemv_bf16_bx_mt`,
+`gemv_nf4(threads=)`), and a whole SiLU expert runs in one call there (`expert_silu_bf16`: gate and up, the SiLU
+product rounded as torch rounds it, down). 2-core box, a Mixtral expert from DRAM at 1 / 2 / 4 / 8 / 16 tokens,
+against oneDNN's bf16 GEMMs in the same run: 1.71 / 1.29 / 1.15 / 1.17 / 1.27x (docs/benchmarks.md, session 22).
 
 They are C compiled at first use with the system's C compiler (`cc`, -O3 -mavx512f) into
 `$FERRYLM_CACHE_DIR/kernels/` (default `~/.cache/ferrylm`), named by a hash of the source and flags, written to

@@ -61,7 +61,7 @@ GEMM_TOKENS = (1, 2, 4, 8, 16)
 """Token counts at which a split dense GEMM is checked against the plain one (`dense_gemm_max_t`)."""
 CYCLE = 4
 """Distinct experts each CPU figure cycles over."""
-VERSION = 8
+VERSION = 9
 """Bumped when what is measured changes (older cache files are measured again)."""
 KNOBS = (("dense_gemm", cpu_experts.DENSE_GEMMS), ("packed_gemm", cpu_experts.PACKED_GEMMS),
          ("row_blocks_gemm", cpu_experts.ROW_BLOCKS_GEMMS))
@@ -94,14 +94,24 @@ def _timeit(fn, reps: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+SETTLE_S = 0.03
+"""Seconds `_compare` waits before each timed run: a torch op run on the calling thread's OpenMP team leaves that
+team spinning for a while after it (libgomp's default wait policy), and the spinners take cores from whatever runs
+next: interleaved, a native run on the C pool right after oneDNN's paid for oneDNN's spinners (2-core box, a Mixtral
+w13 at 2 tokens: 7.05 ms right after a parallel torch op, 5.25 after 30 ms of sleep, 5.15 with
+OMP_WAIT_POLICY=PASSIVE). The engine runs one path throughout, so a race times each path settled."""
+
+
 def _compare(options, select, fn, reps: int = 5) -> dict:
     """{option: median seconds of `fn()` after `select(option)`}, the options timed interleaved (one run of each
     per round, after a warm-up run of each), so a burst of other work on the host lands on all of them alike
-    rather than on whichever was being timed (one after the other, a burst once turned a whole choice)."""
+    rather than on whichever was being timed (one after the other, a burst once turned a whole choice); each run
+    after `SETTLE_S` of quiet."""
     times: dict = {o: [] for o in options}
     for r in range(reps + 1):
         for o in options:
             select(o)
+            time.sleep(SETTLE_S)
             t = time.perf_counter()
             fn()
             if r:

@@ -39,8 +39,12 @@ tok/s. Sessions 20-21: Qwen3-30B and Yuan2.0-M32 hybrid (M32 bf16 1.12-1.25x the
 at 16; Qwen3 re-balanced to share 0 = copy-only's rate within noise); a recorded profile gains nothing over the
 tally under Zipf; on 14 threads the host's plain read beside copies is ~86 GB/s where every one-token GEMV reads
 44-53 (the Python pool's chunks wait at the GIL): the native GEMVs now run a matrix on a C thread pool
-(`layers/host_native`, `cpu_experts.native_c_threads`), not yet measured there. Left: bf16 batch 1 at 14.3
-(8.4-10.2 measured), NF4 hybrid (its host kernel was thread-bound).
+(`layers/host_native`, `cpu_experts.native_c_threads`), not yet measured there. Session 22 (no device): a dense
+SiLU expert runs whole in one native call at 1-16 tokens (`cpu_experts.native_fused_expert`: torch's ops between
+the GEMVs had left OpenMP spinners on the pool's cores), 1.15-1.71x oneDNN on the 2-core box, and the calibration
+takes it up to 16 tokens there. Left: bf16 batch 1 at 14.3 (8.4-10.2 measured) and batch 16 at 51 (36.8), both to
+measure on the H200 with this path (docs/benchmarks.md, pending item 1), NF4 hybrid (its host kernel was
+thread-bound; its expert still runs torch ops between GEMVs).
 A dropped offloaded CUDA engine is not always freed at once
 (seen in tests/test_cuda; the holder is not found yet).
 Session 4 (s4-hybrid): the host worker computes a padded graph step's live rows only

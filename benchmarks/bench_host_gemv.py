@@ -16,7 +16,8 @@ holds them: landing it means re-laying the bank at load, never a second copy):
   `ferry-native`: the engine's native GEMV (`layers/host_native`, C with AVX-512; bf16 x on the AVX512-BF16 dot
   product over the C thread pool where the CPU has it, else fp32 x on the split pool's workers: `dense_gemm = "native"`;
   each GEMV on its own, torch's SiLU between); `ferry-expert`: the engine's `HostExpert` under that setting (with
-  AVX512-BF16, the whole expert in one call on the C pool: `cpu_experts.native_fused_expert`);
+  AVX512-BF16, the whole expert in one call on the C pool: `cpu_experts.native_fused_expert`; 2-16 tokens on AMX
+  tiles where the CPU has them, `cpu_experts.native_amx`); `ferry-expert-avx`: the same with AMX off;
   `w@xT`: `W @ x.T` (oneDNN with the roles swapped, as `torch.mv`);
   `bmm`: one `torch.bmm` over the rows viewed as [threads, N/threads, K]; `fp32-rows`: rows converted to
   fp32 a few MB at a time and an fp32 GEMM (fp32 accumulation, as `RowBlocks` does for decoded formats);
@@ -76,7 +77,7 @@ def onednn_off():
 
 SHAPES = {"mixtral": (4096, 14336), "qwen3-30b": (2048, 768), "yuan-m32": (2048, 8192)}  # (H, expert I)
 BF16 = ["plain", "split", "split-x2", "split-x4", "native", "split-native", "w@xT", "bmm", "fp32-rows", "pretransposed",
-        "onednn-packed", "split-packed", "ferry-native", "ferry-expert"]
+        "onednn-packed", "split-packed", "ferry-native", "ferry-expert", "ferry-expert-avx"]
 INT8 = ["int8pack", "int8pack-split", "int8pack-split-x4"]
 INT4 = ["int4pack", "int4pack-split", "int4pack-split-x4"]
 COPY = {"pretransposed", "onednn-packed", "split-packed"}
@@ -213,8 +214,10 @@ def make_expert(variant: str, H: int, I: int, seed: int, dense=None) -> C.HostEx
                                                                        generator=g)),
                           (torch.rand(n, k // gs, generator=g) * 1e-3).half(),
                           (torch.rand(n, k // gs, generator=g) * -1e-3).half(), gs) for n, k in sides]
-    elif variant == "ferry-expert":  # the engine's HostExpert under `dense_gemm = "native"`: one fused call
-        return NativeExpert(*(dense or dense_weights(H, I, seed)))
+    elif variant in ("ferry-expert", "ferry-expert-avx"):  # the engine's HostExpert under "native": one fused call
+        e = NativeExpert(*(dense or dense_weights(H, I, seed)))
+        e.amx = variant == "ferry-expert"
+        return e
     else:
         ks = [dense_kernel(variant, w) for w in dense or dense_weights(H, I, seed)]
     return C.HostExpert(*ks)
@@ -224,12 +227,15 @@ class NativeExpert(C.HostExpert):
     """`HostExpert` over dense bf16 weights, called with `dense_gemm = "native"` (where the CPU has AVX512-BF16:
     the whole expert in one native call on the C pool, `cpu_experts.native_fused_expert`)."""
 
+    amx = True  # cpu_experts.native_amx during the call
+
     def __call__(self, x):
         before, C.dense_gemm = C.dense_gemm, "native"
+        amx_before, C.native_amx = C.native_amx, self.amx
         try:
             return super().__call__(x)
         finally:
-            C.dense_gemm = before
+            C.dense_gemm, C.native_amx = before, amx_before
 
 
 def fmt_of(variant: str) -> str:

@@ -723,6 +723,8 @@ CASES = {
     # the "never more than 5% slower than the better side": bf16 16L, batch 1-64 and a 2k prefill
     "hybrid16-sweep": lambda rows, h2d: case_hybrid_packed(rows, h2d, layers=16, expert_quant=None,
                                                            batches=(1, 4, 16, 64), prefill=2048),
+    # the batch-16 aim alone (bf16 16L: 2-4 tokens an expert on the host, where the AMX kernel runs)
+    "hybrid16-b16": lambda rows, h2d: case_hybrid_packed(rows, h2d, layers=16, expert_quant=None, batches=(16,)),
     "hybrid16-zipf": lambda rows, h2d: case_hybrid(rows, h2d, "zipf1.2"),
     "hybrid16-zipf-profile": lambda rows, h2d: case_hybrid_profile(rows, h2d),
     # the "the same on the Qwen3-30B-A3B and Yuan2.0-M32 shapes": bf16 experts, budget 8 GiB (Qwen3 61 GB;

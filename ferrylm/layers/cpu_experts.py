@@ -85,6 +85,13 @@ torch's SiLU between) rather than two GEMV calls and torch's ops between them. W
 on the calling thread's OpenMP team leaves that team spinning for a while, and the spinners take cores from the C
 pool's workers. 2-core box, a Mixtral w13 at 2 and 4 tokens: 7.3-9.9 ms against 5.4-6.3 after an
 `out.to(bfloat16)` of the GEMV's [T, 2I] output, as fast as without it under `OMP_WAIT_POLICY=PASSIVE`."""
+native_amx = True
+"""Whether "native" runs bf16 calls of 2-16 tokens on the C pool on AMX tiles where the CPU has them
+(`host_native.amx()`: `gemv_bf16_bx_mt(amx=True)`, `expert_silu_bf16(amx=True)`) instead of the AVX512-BF16 kernel,
+which issues one `vdpbf16ps` a token per 32 weights and so turns compute-bound from ~4 tokens: on the 2-core box
+(Xeon, AMX) one thread read a Mixtral w13 at 13.6-14.9 GB/s at 1-16 tokens on tiles, where the fused AVX512-BF16
+expert read 10.2 GB/s on two threads at 16 tokens and oneDNN 17 (`benchmarks/bench_host_gemv.py`, variant
+ferry-expert-amx). One token keeps the AVX512-BF16 GEMV (one `vdpbf16ps` a 64-byte line: bound by the bytes already)."""
 dense_gemm_max_t = 16
 """Most tokens a call takes `dense_gemm` at (set by the calibration with it)."""
 PACKED_GEMMS = ("plain", "split", "split-x4")
@@ -151,6 +158,11 @@ def c_pool_split(n: int, row_bytes: int, threads: int) -> tuple[int, int]:
     no more threads than chunks (per call on the hot path: cached)."""
     bounds = split_bounds(n, row_bytes, threads * NATIVE_CHUNKS_PER_THREAD)
     return min(threads, len(bounds)), bounds[0][1]
+
+
+def use_amx(tokens: int) -> bool:
+    """Whether a native bf16 call of `tokens` tokens on the C pool runs on AMX tiles (`native_amx`)."""
+    return native_amx and tokens > 1 and host_native.amx()
 
 
 def chunks_per_thread(gemm: str) -> int:
@@ -276,7 +288,8 @@ class DenseGemm:
             if bx and threads > 1 and native_c_threads:  # the whole matrix in one call on the C pool
                 n, k = self.shape
                 out = torch.empty(x.shape[0], n)
-                host_native.gemv_bf16_bx_mt(xn, self.w, out, *c_pool_split(n, k * self.w.element_size(), threads), pf)
+                host_native.gemv_bf16_bx_mt(xn, self.w, out, *c_pool_split(n, k * self.w.element_size(), threads), pf,
+                                            use_amx(x.shape[0]))
                 return out.to(x.dtype)
             run = self.native_rows(0, self.shape[0], pf) if threads == 1 else self.native(threads, pf)
             return run(xn).to(x.dtype)
@@ -515,7 +528,7 @@ class HostExpert:
             return host_native.expert_silu_bf16(
                 x.contiguous(), self.gate_up.w, self.down.w, torch.empty(x.shape[0], H, dtype=torch.bfloat16),
                 c_pool_split(I, 4 * H, threads), c_pool_split(H, 2 * I, threads), NATIVE_PREFETCH_ROWS,
-                NATIVE_PREFETCH_ROWS_MULTI)
+                NATIVE_PREFETCH_ROWS_MULTI, use_amx(x.shape[0]))
         xb = x.to(self.compute_dtype)
         h = self.gate_up(xb)  # [T, 2I]
         gate, up = h[:, :self.inter], h[:, self.inter:]  # [T, I] views

@@ -47,6 +47,8 @@ SOURCE = r"""
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <unistd.h>
+#include <sys/syscall.h>
 
 #define MAXT 16
 
@@ -484,13 +486,112 @@ ALWAYS void bxt_rows(const uint16_t* xb, const int T, const int S, int K, const 
       }
     }
 }
-/* rows [0, N) of w at T tokens: x the raw [1, K] at one token (`ferry_gemv_bf16_bx`), else packed (`bxt_pack`) */
+#ifndef FERRY_NO_AMX
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+/* AMX (Sapphire Rapids and later): a tile multiply takes 16 rows of the weight x 32 of K against 32 of K x T tokens
+   (one `tdpbf16ps`, 16 x T x 32 products), so at 2-16 tokens the weight's bytes, not the arithmetic, bound a core:
+   one thread read a Mixtral w13 at 13.6-14.9 GB/s at 1-16 tokens on the 2-core box where the AVX512-BF16 kernel
+   above ran 5 GB/s at 16 (one `vdpbf16ps` a token per 32 weights). The weight is tile A as it lies (16 rows, 64
+   bytes each, row stride ldw: no re-layout); x is tile B in the VNNI layout (`amx_pack`: per 32 of K, 16 rows of
+   the pairs (k, k + 1) of every token), packed once a call. Every row's result is its K / 32 tile products summed
+   in order of K, whichever rows share its tile: the bits do not depend on the thread split. Tiles: 0-1 results
+   (16 rows x T fp32 each), 4-5 weights, 6 x. */
+typedef struct { uint8_t palette_id, start_row, rsv[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_cfg;
+static void amx_config(int T, int rows) {
+    amx_cfg c;
+    memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    c.rows[0] = c.rows[1] = c.rows[4] = c.rows[5] = rows;
+    c.colsb[0] = c.colsb[1] = 4 * T;
+    c.colsb[4] = c.colsb[5] = 64;
+    c.rows[6] = 16;
+    c.colsb[6] = 4 * T;
+    _tile_loadconfig(&c);
+}
+/* the process's permission to use the tile registers (Linux: arch_prctl ARCH_REQ_XCOMP_PERM XTILEDATA); 0: granted */
+int ferry_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
+/* x [T, K] bf16 -> xv: element (t, k) at (k / 32 * 16 + k % 32 / 2) * 2T + 2t + k % 2 */
+static void amx_pack(const uint16_t* x, int T, int K, uint16_t* xv) {
+    const uint32_t* x2 = (const uint32_t*)x;  /* pairs (k, k + 1), k even */
+    uint32_t* v = (uint32_t*)xv;
+    for (int p = 0; p < K / 2; p++)
+        for (int t = 0; t < T; t++) v[(int64_t)p * T + t] = x2[(int64_t)t * (K / 2) + p];
+}
+static void amx_store(int j, float* c, int T, int rows, float* out, int64_t ldo) {
+    if (j) _tile_stored(1, c, 4 * T);
+    else _tile_stored(0, c, 4 * T);
+    for (int i = 0; i < rows; i++)
+        for (int t = 0; t < T; t++) out[(int64_t)t * ldo + i] = c[i * T + t];
+}
+/* out[t * ldo + n] = sum_k x[t, k] w[n * ldw + k] for rows [0, N), x packed by `amx_pack`; 1 <= T <= 16, K a
+   multiple of 32. Rows in pairs of tiles of 16 (the x tile loaded once for both), then one tile, then the last
+   N % 16 rows in tiles of that many rows. */
+static void amx_rows(const uint16_t* xv, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out,
+                     int64_t ldo) {
+    float c[16 * MAXT];
+    const int64_t lw = ldw * 2;
+    const int sb = 4 * T;
+    int n0 = 0;
+    amx_config(T, 16);
+    for (; n0 + 32 <= N; n0 += 32) {
+        const uint16_t* r = w + (int64_t)n0 * ldw;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int k = 0; k < K; k += 32) {
+            _tile_loadd(6, xv + (int64_t)k * T, sb);
+            _tile_loadd(4, r + k, lw);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(5, r + 16 * ldw + k, lw);
+            _tile_dpbf16ps(1, 5, 6);
+        }
+        amx_store(0, c, T, 16, out + n0, ldo);
+        amx_store(1, c, T, 16, out + n0 + 16, ldo);
+    }
+    for (int rows; n0 < N; n0 += rows) {
+        rows = N - n0 < 16 ? N - n0 : 16;
+        if (rows < 16) amx_config(T, rows);
+        const uint16_t* r = w + (int64_t)n0 * ldw;
+        _tile_zero(0);
+        for (int k = 0; k < K; k += 32) {
+            _tile_loadd(6, xv + (int64_t)k * T, sb);
+            _tile_loadd(4, r + k, lw);
+            _tile_dpbf16ps(0, 4, 6);
+        }
+        amx_store(0, c, T, rows, out + n0, ldo);
+    }
+    _tile_release();
+}
+int ferry_has_amx(void) { return 1; }
+#pragma GCC pop_options
+#else
+int ferry_amx_init(void) { return -1; }
+int ferry_has_amx(void) { return 0; }
+#endif
+/* x as the row kernels read it: at one token as it is, else `bxt_pack`ed, or `amx_pack`ed for the AMX kernel */
+static void bx_pack(const uint16_t* x, int T, int K, uint16_t* xb, int amx) {
+#ifndef FERRY_NO_AMX
+    if (amx) {
+        amx_pack(x, T, K, xb);
+        return;
+    }
+#endif
+    bxt_pack(x, T, K, xb);
+}
+/* rows [0, N) of w at T tokens: x the raw [1, K] at one token (`ferry_gemv_bf16_bx`), else packed (`bx_pack`); amx:
+   the AMX kernel at more than one token */
 static void bx_any(const uint16_t* x, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out, int64_t ldo,
-                   int pf) {
+                   int pf, int amx) {
     if (T == 1) {
         ferry_gemv_bf16_bx(x, K, w, ldw, N, out, pf);
         return;
     }
+#ifndef FERRY_NO_AMX
+    if (amx) {
+        amx_rows(x, T, K, w, ldw, N, out, ldo);
+        return;
+    }
+#endif
 #define BXT_CALL(t) bxt_rows(x, t, BXT_S(t), K, w, ldw, N, out, ldo, pf)
     SWITCH_T(BXT_CALL)
 }
@@ -507,22 +608,25 @@ int ferry_gemv_bf16_bxt(const uint16_t* x, int T, int K, const uint16_t* w, int6
     free(xb);
     return 0;
 }
-typedef struct { const uint16_t* x; int T, K; const uint16_t* w; int64_t ldw; float* out; int64_t ldo; int pf; } bx_args;
+typedef struct { const uint16_t* x; int T, K; const uint16_t* w; int64_t ldw; float* out; int64_t ldo; int pf, amx; } bx_args;
 static void bx_task(const void* p, int a, int c) {
     const bx_args* b = (const bx_args*)p;
-    bx_any(b->x, b->T, b->K, b->w + (int64_t)a * b->ldw, b->ldw, c, b->out + a, b->ldo, b->pf);
+    bx_any(b->x, b->T, b->K, b->w + (int64_t)a * b->ldw, b->ldw, c, b->out + a, b->ldo, b->pf, b->amx);
 }
-/* `ferry_gemv_bf16_bx` (T = 1) / `ferry_gemv_bf16_bxt` (T > 1) over rows [0, N) on `threads` threads of the pool,
-   chunks of `chunk` rows (x packed once, by the calling thread) */
+/* `ferry_gemv_bf16_bx` (T = 1) / `ferry_gemv_bf16_bxt` (T > 1; amx: the AMX kernel) over rows [0, N) on `threads`
+   threads of the pool, chunks of `chunk` rows (x packed once, by the calling thread) */
 int ferry_gemv_bf16_bx_mt(const uint16_t* x, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out,
-                          int64_t ldo, int pf, int threads, int chunk) {
+                          int64_t ldo, int pf, int threads, int chunk, int amx) {
     if (T < 1 || T > MAXT || K % 32 || pf < 0 || threads < 1 || chunk < 1) return -1;
+#ifdef FERRY_NO_AMX
+    if (amx) return -2;
+#endif
     uint16_t* xb = NULL;
     if (T > 1) {
         if (!(xb = aligned_alloc(64, (size_t)T * K * 2))) return -3;
-        bxt_pack(x, T, K, xb);
+        bx_pack(x, T, K, xb, amx);
     }
-    bx_args b = {T > 1 ? xb : x, T, K, w, ldw, out, ldo, pf};
+    bx_args b = {T > 1 ? xb : x, T, K, w, ldw, out, ldo, pf, amx};
     par_rows(bx_task, &b, N, threads, chunk);
     free(xb);
     return 0;
@@ -551,15 +655,15 @@ static inline float from_bf16(uint16_t h) {
 #define EXPERT_SUB 128  /* gate / up rows a step within a chunk (their fp32 results on the stack) */
 typedef struct {
     const uint16_t* x; int T, H, I; const uint16_t* w13; int64_t ld13; const uint16_t* w2; int64_t ld2;
-    uint16_t* h; float* y32; uint16_t* y16; int pf;
+    uint16_t* h; float* y32; uint16_t* y16; int pf, amx;
 } expert_args;
 static void expert_up_task(const void* p, int a, int c) {
     const expert_args* e = (const expert_args*)p;
     float g[MAXT * EXPERT_SUB], u[MAXT * EXPERT_SUB];
     for (int j0 = a; j0 < a + c; j0 += EXPERT_SUB) {
         const int m = a + c - j0 < EXPERT_SUB ? a + c - j0 : EXPERT_SUB;
-        bx_any(e->x, e->T, e->H, e->w13 + (int64_t)j0 * e->ld13, e->ld13, m, g, EXPERT_SUB, e->pf);
-        bx_any(e->x, e->T, e->H, e->w13 + (int64_t)(e->I + j0) * e->ld13, e->ld13, m, u, EXPERT_SUB, e->pf);
+        bx_any(e->x, e->T, e->H, e->w13 + (int64_t)j0 * e->ld13, e->ld13, m, g, EXPERT_SUB, e->pf, e->amx);
+        bx_any(e->x, e->T, e->H, e->w13 + (int64_t)(e->I + j0) * e->ld13, e->ld13, m, u, EXPERT_SUB, e->pf, e->amx);
         for (int t = 0; t < e->T; t++)
             for (int j = 0; j < m; j++) {
                 const float gb = from_bf16(to_bf16(g[t * EXPERT_SUB + j]));
@@ -574,33 +678,38 @@ static void expert_down_task(const void* p, int a, int c) {
         float y[MAXT * EXPERT_SUB];
         for (int n0 = a; n0 < a + c; n0 += EXPERT_SUB) {
             const int m = a + c - n0 < EXPERT_SUB ? a + c - n0 : EXPERT_SUB;
-            bx_any(e->h, e->T, e->I, e->w2 + (int64_t)n0 * e->ld2, e->ld2, m, y, EXPERT_SUB, e->pf);
+            bx_any(e->h, e->T, e->I, e->w2 + (int64_t)n0 * e->ld2, e->ld2, m, y, EXPERT_SUB, e->pf, e->amx);
             for (int t = 0; t < e->T; t++)
                 for (int j = 0; j < m; j++) e->y16[(int64_t)t * e->H + n0 + j] = to_bf16(y[t * EXPERT_SUB + j]);
         }
     } else {
-        bx_any(e->h, e->T, e->I, e->w2 + (int64_t)a * e->ld2, e->ld2, c, e->y32 + a, e->H, e->pf);
+        bx_any(e->h, e->T, e->I, e->w2 + (int64_t)a * e->ld2, e->ld2, c, e->y32 + a, e->H, e->pf, e->amx);
     }
 }
 /* x [T, H] bf16 contiguous, w13 [2I, H] (row stride ld13), w2 [H, I] (row stride ld2), H and I multiples of 32;
    out [T, H] contiguous, bf16 (out_bf16) or fp32; pf1 / pfm: rows ahead prefetched at one token / more; the first
-   pass on threads13 threads, chunk13 columns of h a chunk, the second on threads2, chunk2 rows of w2 a chunk. Returns 0, -1 on bad arguments, -3 without memory. */
+   pass on threads13 threads, chunk13 columns of h a chunk, the second on threads2, chunk2 rows of w2 a chunk; amx:
+   the AMX kernel at more than one token. Returns 0, -1 on bad arguments, -2 without the AMX kernel, -3 without
+   memory. */
 int ferry_expert_silu_bf16(const uint16_t* x, int T, int H, int I, const uint16_t* w13, int64_t ld13,
                            const uint16_t* w2, int64_t ld2, void* out, int out_bf16, int pf1, int pfm, int threads13,
-                           int chunk13, int threads2, int chunk2) {
+                           int chunk13, int threads2, int chunk2, int amx) {
     if (T < 1 || T > MAXT || H % 32 || I % 32 || pf1 < 0 || pfm < 0 || threads13 < 1 || chunk13 < 1 || threads2 < 1
         || chunk2 < 1)
         return -1;
+#ifdef FERRY_NO_AMX
+    if (amx) return -2;
+#endif
     const size_t xbytes = (size_t)T * H * 2, hbytes = (size_t)T * I * 2;
     uint16_t* buf = aligned_alloc(64, (xbytes + 2 * hbytes + 63) / 64 * 64);
     if (!buf) return -3;
     uint16_t *xb = buf, *h = buf + (size_t)T * H, *hb = h + (size_t)T * I;
-    if (T > 1) bxt_pack(x, T, H, xb);
+    if (T > 1) bx_pack(x, T, H, xb, amx);
     expert_args e = {T > 1 ? xb : x, T, H, I, w13, ld13, w2, ld2, h, out_bf16 ? NULL : (float*)out,
-                     out_bf16 ? (uint16_t*)out : NULL, T > 1 ? pfm : pf1};
+                     out_bf16 ? (uint16_t*)out : NULL, T > 1 ? pfm : pf1, amx};
     par_rows(expert_up_task, &e, I, threads13, chunk13);
     if (T > 1) {
-        bxt_pack(h, T, I, hb);
+        bx_pack(h, T, I, hb, amx);
         e.h = hb;
     }
     par_rows(expert_down_task, &e, H, threads2, chunk2);
@@ -611,6 +720,8 @@ int ferry_expert_silu_bf16(const uint16_t* x, int T, int H, int I, const uint16_
 int ferry_has_bf16(void) { return 1; }
 #else
 int ferry_has_bf16(void) { return 0; }
+int ferry_has_amx(void) { return 0; }
+int ferry_amx_init(void) { return -1; }
 #endif
 
 typedef struct {
@@ -656,6 +767,7 @@ MAX_TOKENS = 16
 _lib = None
 _why: str | None = None
 _bf16 = False  # the AVX512-BF16 NF4 kernel is built and this CPU runs it
+_amx = False  # the AMX kernel is built, this CPU has it and the OS lets this process use it
 _lock = threading.Lock()
 
 
@@ -677,15 +789,15 @@ def _cpu_has_avx512f() -> bool:
 
 
 def _build(path: str) -> str | None:
-    """Compile SOURCE into `path` (temp-then-rename); the AVX512-BF16 kernel left out where the compiler does
-    not take its target. Returns why it failed, or None."""
+    """Compile SOURCE into `path` (temp-then-rename); the AMX kernel, then the AVX512-BF16 ones, left out where the
+    compiler does not take their targets. Returns why it failed, or None."""
     os.makedirs(_cache_dir(), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
         src, out = os.path.join(tmp, "host_gemv.c"), os.path.join(tmp, "host_gemv.so")
         with open(src, "w") as f:
             f.write(SOURCE)
         cc = os.environ.get("CC", "cc")
-        for extra in ((), ("-DFERRY_NO_BF16",)):
+        for extra in ((), ("-DFERRY_NO_AMX",), ("-DFERRY_NO_BF16",)):
             r = subprocess.run([cc, *FLAGS, *extra, src, *LIBS, "-o", out], capture_output=True, text=True, timeout=120)
             if not r.returncode:
                 os.replace(out, path)  # temp-then-rename: never a half-written library
@@ -741,11 +853,16 @@ def _load():
             lib.ferry_gemv_bf16_bx.restype = i32
             lib.ferry_gemv_bf16_bxt.argtypes = [p, i32, i32, p, i64, i32, p, i64, i32]
             lib.ferry_gemv_bf16_bxt.restype = i32
-            lib.ferry_gemv_bf16_bx_mt.argtypes = [p, i32, i32, p, i64, i32, p, i64, i32, i32, i32]
+            lib.ferry_gemv_bf16_bx_mt.argtypes = [p, i32, i32, p, i64, i32, p, i64, i32, i32, i32, i32]
             lib.ferry_expert_silu_bf16.argtypes = [p, i32, i32, i32, p, i64, p, i64, p, i32, i32, i32, i32, i32, i32,
-                                                   i32]
+                                                   i32, i32]
             lib.ferry_expert_silu_bf16.restype = i32
             lib.ferry_gemv_bf16_bx_mt.restype = i32
+        global _amx
+        _amx = _bf16 and bool(lib.ferry_has_amx()) and {"amx_tile", "amx_bf16"} <= _cpu_flags()
+        if _amx and lib.ferry_amx_init() != 0:  # the kernel refuses the process its tile registers
+            log.info("native host kernels: the CPU has AMX but the kernel does not grant it; AVX-512 only")
+            _amx = False
         _lib = lib
         return lib
 
@@ -818,30 +935,34 @@ def read_bf16(w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_bf16_bx_mt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, threads: int, chunk: int,
-                    prefetch: int = 0) -> torch.Tensor:
+                    prefetch: int = 0, amx: bool = False) -> torch.Tensor:
     """`gemv_bf16_bx` over all of w's rows on `threads` threads of the C pool (the calling thread and
     threads - 1 workers), each taking the next `chunk` rows as it comes free: one call from Python a matrix,
     where `layers/cpu_experts.SplitRows` makes one a chunk from as many Python workers (on the H200 host's 16
     cores their row chunks read 40 GB/s against a plain read's 85, 53 against 54 on 8: the workers' turns at the
-    GIL). Results bit-identical to one `gemv_bf16_bx` call (each row's sums run in the same order)."""
+    GIL). Results bit-identical to one `gemv_bf16_bx` call (each row's sums run in the same order). `amx`: more than
+    one token on the AMX kernel (`amx()` tells whether it runs here; its sums run in another order: fp32 rounding of
+    the K-long dot, and the same bits whatever `threads` and `chunk`)."""
     lib = _load()
     _bx_check(x, w, out)
+    _amx_check(amx)
     _check(lib.ferry_gemv_bf16_bx_mt(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.stride(0), w.shape[0],
-                                     out.data_ptr(), out.stride(0), prefetch, threads, chunk),
+                                     out.data_ptr(), out.stride(0), prefetch, threads, chunk, int(amx)),
            "bf16 GEMV (bf16 x, threads)")
     return out
 
 
 def expert_silu_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor,
                      split13: tuple[int, int], split2: tuple[int, int], prefetch: int = 0,
-                     prefetch_multi: int = 0) -> torch.Tensor:
+                     prefetch_multi: int = 0, amx: bool = False) -> torch.Tensor:
     """out [T, H] (bf16 or fp32, contiguous) = w2 @ (silu(gate x) * up x) for x [T, H] bf16 contiguous (T <=
     MAX_TOKENS), w13 [2I, H] (gate rows, then up rows) and w2 [H, I] bf16 with unit column strides, H and I multiples
     of 32: a whole expert in one call on the C pool (split13 = (threads, h's columns a chunk), then split2 = (threads,
     w2's rows a chunk)), rounded to bf16 where `HostExpert`'s torch ops round (the same bits as `gemv_bf16_bx`
     twice with torch's SiLU between, where libm's expf and torch's agree); `prefetch` rows ahead at one token,
-    `prefetch_multi` at more (`gemv_bf16_bx`'s)."""
+    `prefetch_multi` at more (`gemv_bf16_bx`'s); `amx`: more than one token on the AMX kernel (`gemv_bf16_bx_mt`'s)."""
     lib = _load()
+    _amx_check(amx)
     T, H = x.shape
     I = w2.shape[1]
     if not _bf16:
@@ -854,8 +975,19 @@ def expert_silu_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: 
                          "bf16 with unit column strides, out [T, H] bf16 or fp32 contiguous")
     _check(lib.ferry_expert_silu_bf16(x.data_ptr(), T, H, I, w13.data_ptr(), w13.stride(0), w2.data_ptr(),
                                       w2.stride(0), out.data_ptr(), int(out.dtype == torch.bfloat16), prefetch,
-                                      prefetch_multi, *split13, *split2), "expert (SiLU, bf16)")
+                                      prefetch_multi, *split13, *split2, int(amx)), "expert (SiLU, bf16)")
     return out
+
+
+def amx() -> bool:
+    """Whether the AMX kernel runs here (`gemv_bf16_bx_mt(amx=True)`, `expert_silu_bf16(amx=True)`): built, the CPU has
+    AMX-BF16 and the OS grants this process the tile registers."""
+    return _load() is not None and _amx
+
+
+def _amx_check(amx: bool) -> None:
+    if amx and not _amx:
+        raise ValueError("native bf16 GEMV: amx=True needs the AMX kernel (amx() is False here)")
 
 
 def read_bf16_mt(w: torch.Tensor, out: torch.Tensor, threads: int, chunk: int) -> torch.Tensor:

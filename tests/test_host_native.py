@@ -161,6 +161,64 @@ def test_host_expert_fused_equals_unfused_and_plain(T, monkeypatch):
     assert (fused.float() - plain.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()
 
 
+@pytest.mark.skipif(not hn.amx(), reason="no AMX on this CPU (or the OS does not grant it)")
+@pytest.mark.parametrize("T", [2, 3, 8, 16])
+def test_amx_gemv_equals_torch_and_thread_split(T):
+    """The AMX kernel at 2-16 tokens: within fp32 rounding of the K-long dot of the exact products, rows in pairs of
+    tiles, one tile and a tail of fewer than 16 (N = 77), the same bits on any thread split (a row's tile products
+    summed in order of K whichever rows share its tile), one token passed to the AVX512-BF16 GEMV."""
+    torch.manual_seed(40 + T)
+    N, K = 77, 1024
+    x = torch.randn(T, K, dtype=torch.bfloat16)
+    w = torch.randn(N, K, dtype=torch.bfloat16)
+    one = hn.gemv_bf16_bx_mt(x, w, torch.empty(T, N), 1, N, amx=True)
+    _close(one, x.float() @ w.float().t(), x, w)
+    for threads, chunk in ((2, 16), (3, 7), (4, 32)):
+        assert torch.equal(hn.gemv_bf16_bx_mt(x, w, torch.full((T, N), float("nan")), threads, chunk, amx=True), one)
+    x1 = x[:1].contiguous()
+    assert torch.equal(hn.gemv_bf16_bx_mt(x1, w, torch.empty(1, N), 2, 16, amx=True),
+                       hn.gemv_bf16_bx(x1, w, torch.empty(1, N)))
+
+
+@pytest.mark.skipif(not hn.amx(), reason="no AMX on this CPU (or the OS does not grant it)")
+@pytest.mark.parametrize("T", [2, 5, 16])
+def test_amx_expert_equals_avx_expert_and_host_expert(T, monkeypatch):
+    """The fused SiLU expert on AMX tiles against the AVX512-BF16 one (the same roundings, sums in another order:
+    within a bf16 rounding, nearly all equal) and against the plain oneDNN `HostExpert`; `HostExpert` under "native"
+    takes the AMX kernel at more than one token (`cpu_experts.native_amx`)."""
+    torch.manual_seed(60 + T)
+    H, I = 128, 32 * 11
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    w13, w2 = (torch.randn(2 * I, H) * .1).bfloat16(), (torch.randn(H, I) * .1).bfloat16()
+    avx = hn.expert_silu_bf16(x, w13, w2, torch.empty(T, H), (2, 64), (2, 64))
+    amx = hn.expert_silu_bf16(x, w13, w2, torch.empty(T, H), (2, 64), (2, 64), amx=True)
+    diff = (amx - avx).abs()
+    assert (diff <= 2 ** -7 * avx.abs().max()).all() and (diff <= 1e-4 * avx.abs().max()).float().mean() > 0.95
+    assert torch.equal(hn.expert_silu_bf16(x, w13, w2, torch.empty(T, H), (3, 32), (1, H), amx=True), amx)
+    e = C.HostExpert(w13, w2)
+    plain = e(x)
+    monkeypatch.setattr(C, "dense_gemm", "native")
+    got = []
+    real = hn.expert_silu_bf16
+    monkeypatch.setattr(hn, "expert_silu_bf16", lambda *a, **k: got.append(a[-1] if len(a) > 8 else k.get("amx"))
+                        or real(*a, **k))
+    fused = e(x)
+    assert got == [True]
+    assert (fused.float() - plain.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()
+    monkeypatch.setattr(C, "native_amx", False)
+    e(x)
+    assert got == [True, False]
+
+
+@pytest.mark.skipif(not hn.available(), reason="no native kernels here")
+def test_amx_refused_where_absent(monkeypatch):
+    """amx=True where the AMX kernel does not run is a clear error, not a silent fallback."""
+    monkeypatch.setattr(hn, "_amx", False)
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="AMX"):
+        hn.gemv_bf16_bx_mt(torch.zeros(2, 64, dtype=torch.bfloat16), w, torch.empty(2, 32), 1, 32, amx=True)
+
+
 @pytest.mark.parametrize("pf", [0, 1, 3])
 def test_bf16_gemv_prefetch_equals_torch(pf):
     """The one-token kernels (fp32 x, and bf16 x where the CPU has AVX512-BF16) at other prefetch distances compute

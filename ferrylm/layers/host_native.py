@@ -944,8 +944,8 @@ def gemv_bf16_bx_mt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, threads
     one token on the AMX kernel (`amx()` tells whether it runs here; its sums run in another order: fp32 rounding of
     the K-long dot, and the same bits whatever `threads` and `chunk`)."""
     lib = _load()
-    _bx_check(x, w, out)
     _amx_check(amx)
+    _bx_check(x, w, out)
     _check(lib.ferry_gemv_bf16_bx_mt(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.stride(0), w.shape[0],
                                      out.data_ptr(), out.stride(0), prefetch, threads, chunk, int(amx)),
            "bf16 GEMV (bf16 x, threads)")

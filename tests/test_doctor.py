@@ -80,6 +80,9 @@ def test_disk_and_log_checks():
     assert doctor.log_level_check("debug").status == "warn" and doctor.log_level_check(None).status == "ok"
     assert doctor.host_kernels_check(None).status == "ok"
     assert "AVX512-BF16" in doctor.host_kernels_check(None, nf4_bf16=True).value
+    assert "AMX" in doctor.host_kernels_check(None, True, amx=True, cpu_has_amx=True).value
+    unused = doctor.host_kernels_check(None, True, amx=False, cpu_has_amx=True)
+    assert unused.status == "warn" and "5.16" in unused.fix
     no_cc = doctor.host_kernels_check("no C compiler ran ([Errno 2] No such file or directory: 'cc')")
     assert no_cc.status == "warn" and "compiler" in no_cc.fix
     assert doctor.host_kernels_check("the CPU has no AVX-512F").fix == ""

@@ -34,7 +34,8 @@ def run_checks(a: argparse.Namespace) -> list:
     checks.append(doctor.log_level_check(os.environ.get("FERRY_LOG_LEVEL")))
     from ferrylm.layers import host_native
 
-    checks.append(doctor.host_kernels_check(host_native.why_unavailable(), host_native.nf4_bf16()))
+    checks.append(doctor.host_kernels_check(host_native.why_unavailable(), host_native.nf4_bf16(), host_native.amx(),
+                                            {"amx_tile", "amx_bf16"} <= set(host.flags)))
     gpus = probe.read_gpus()
     checks += doctor.gpu_checks(gpus, probe.nvml() is not None)
     if a.measure:

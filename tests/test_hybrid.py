@@ -524,6 +524,41 @@ def test_host_rows_on_a_column_range_add_up_to_the_expert():
     assert not host[3].any() and (host[0] - whole[0]).abs().max() > 1e-3  # the -1 row is 0; the split is real
 
 
+@pytest.mark.skipif(not __import__("ferrylm.layers.host_native", fromlist=["x"]).nf4_bf16(),
+                    reason="no AVX512-BF16 kernels on this CPU")
+@pytest.mark.parametrize("T", [1, 3])
+def test_host_rows_on_a_column_range_run_one_native_call(T, monkeypatch):
+    """bf16 SiLU banks under "native": a split miss's host columns [c, I) run as one native call
+    (`cpu_experts.native_expert(cols=c)`, no torch op between its GEMVs) and equal the GEMVs with torch's SiLU between
+    (`native_fused_expert` off) within a bf16 rounding, nearly all bit for bit."""
+    import torch.nn.functional as F
+
+    from ferrylm.layers import cpu_experts as C
+    from ferrylm.layers import host_native as hn
+    from ferrylm.offload.host_experts import HostExperts
+
+    g = torch.Generator().manual_seed(5)
+    E, H, I, k = 3, 64, 512, 2
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * .1).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * .1).bfloat16()
+    he = HostExperts(w13, w2, F.silu)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.tensor([[0, 2], [2, -1], [1, 0]])[:T]
+    w = torch.rand(T, k, generator=g)
+    monkeypatch.setattr(C, "dense_gemm", "native")
+    calls = []
+    real = hn.expert_silu_bf16
+    monkeypatch.setattr(hn, "expert_silu_bf16", lambda *a, **kw: calls.append(a[-1]) or real(*a, **kw))
+    fused, plain = torch.empty(T * k, H, dtype=torch.bfloat16), torch.empty(T * k, H, dtype=torch.bfloat16)
+    n = he.rows(x, ids, w, fused, cols=128)
+    assert calls == [128] * n and n == len(set(ids[ids >= 0].tolist()))
+    monkeypatch.setattr(C, "native_fused_expert", False)
+    he.rows(x, ids, w, plain, cols=128)
+    assert len(calls) == n
+    diff = (fused.float() - plain.float()).abs()
+    assert (diff <= 2 ** -7 * plain.float().abs().max()).all() and (diff == 0).float().mean() > 0.95
+
+
 PACKED = {"int8": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_int8(t),
           "int8-g32": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_int8(t, 32),
           "fp8": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_fp8(t),

@@ -515,25 +515,39 @@ class HostExpert:
     def fused(self, x: torch.Tensor) -> bool:
         """Whether this call runs as one native call (`native_fused_expert`)."""
         g, d = self.gate_up, self.down
-        return (native_fused_expert and dense_gemm == "native" and native_bf16_dot and native_c_threads
-                and self.act is F.silu and x.dtype == torch.bfloat16 and x.shape[0] <= dense_gemm_max_t
-                and isinstance(g, DenseGemm) and isinstance(d, DenseGemm) and g.native_fits(x)
-                and self.hidden % 32 == 0 and self.inter % 32 == 0 and d.w.dtype == torch.bfloat16
-                and d.w.stride(1) == 1 and host_native.nf4_bf16())
+        return isinstance(g, DenseGemm) and isinstance(d, DenseGemm) and native_expert_fits(x, g.w, d.w, self.act)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H], in x's dtype; computed with `compute_dtype` activations
         if self.fused(x):
-            threads, H, I = torch.get_num_threads(), self.hidden, self.inter
-            return host_native.expert_silu_bf16(
-                x.contiguous(), self.gate_up.w, self.down.w, torch.empty(x.shape[0], H, dtype=torch.bfloat16),
-                c_pool_split(I, 4 * H, threads), c_pool_split(H, 2 * I, threads), NATIVE_PREFETCH_ROWS,
-                NATIVE_PREFETCH_ROWS_MULTI, use_amx(x.shape[0]))
+            return native_expert(x, self.gate_up.w, self.down.w)
         xb = x.to(self.compute_dtype)
         h = self.gate_up(xb)  # [T, 2I]
         gate, up = h[:, :self.inter], h[:, self.inter:]  # [T, I] views
         mid = self.act(gate).mul_(up)  # [T, I], a fresh contiguous tensor
         return self.down(mid).to(x.dtype)
+
+
+def native_expert_fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Callable, cols: int = 0) -> bool:
+    """Whether a SiLU expert over dense w13 [2I, H], w2 [H, I] (its columns [cols, I)) runs as one native call
+    (`native_fused_expert`, under "native" on the C pool with bf16 x)."""
+    H, I = w2.shape
+    return (native_fused_expert and dense_gemm == "native" and native_bf16_dot and native_c_threads
+            and act is F.silu and x.dtype == torch.bfloat16 and x.shape[0] <= min(dense_gemm_max_t, host_native.MAX_TOKENS)
+            and w13.dtype == torch.bfloat16 and w2.dtype == torch.bfloat16 and w13.stride(1) == 1
+            and w2.stride(1) == 1 and tuple(w13.shape) == (2 * I, H) and H % 32 == 0 and I % 32 == 0
+            and cols % 32 == 0 and 0 <= cols < I and host_native.nf4_bf16())
+
+
+def native_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, cols: int = 0) -> torch.Tensor:
+    """The SiLU expert (its intermediate columns [cols, I)) in one native call on the C pool (`native_expert_fits`):
+    [T, H] bf16."""
+    threads = torch.get_num_threads()
+    H, I = w2.shape
+    n = I - cols
+    return host_native.expert_silu_bf16(
+        x.contiguous(), w13, w2, torch.empty(x.shape[0], H, dtype=torch.bfloat16), c_pool_split(n, 4 * H, threads),
+        c_pool_split(H, 2 * n, threads), NATIVE_PREFETCH_ROWS, NATIVE_PREFETCH_ROWS_MULTI, use_amx(x.shape[0]), cols)
 
 
 def host_expert_reference(x: torch.Tensor, w13: torch.Tensor | Q.QuantizedTensor,

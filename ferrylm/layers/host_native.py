@@ -654,7 +654,7 @@ static inline float from_bf16(uint16_t h) {
    take cores from this pool's workers (2-core box, 2 tokens: 9.5 ms a Mixtral w13 against 5.1 without). */
 #define EXPERT_SUB 128  /* gate / up rows a step within a chunk (their fp32 results on the stack) */
 typedef struct {
-    const uint16_t* x; int T, H, I; const uint16_t* w13; int64_t ld13; const uint16_t* w2; int64_t ld2;
+    const uint16_t* x; int T, H, I; const uint16_t* w13; int64_t ld13, up; const uint16_t* w2; int64_t ld2;
     uint16_t* h; float* y32; uint16_t* y16; int pf, amx;
 } expert_args;
 static void expert_up_task(const void* p, int a, int c) {
@@ -663,7 +663,7 @@ static void expert_up_task(const void* p, int a, int c) {
     for (int j0 = a; j0 < a + c; j0 += EXPERT_SUB) {
         const int m = a + c - j0 < EXPERT_SUB ? a + c - j0 : EXPERT_SUB;
         bx_any(e->x, e->T, e->H, e->w13 + (int64_t)j0 * e->ld13, e->ld13, m, g, EXPERT_SUB, e->pf, e->amx);
-        bx_any(e->x, e->T, e->H, e->w13 + (int64_t)(e->I + j0) * e->ld13, e->ld13, m, u, EXPERT_SUB, e->pf, e->amx);
+        bx_any(e->x, e->T, e->H, e->w13 + (e->up + j0) * e->ld13, e->ld13, m, u, EXPERT_SUB, e->pf, e->amx);
         for (int t = 0; t < e->T; t++)
             for (int j = 0; j < m; j++) {
                 const float gb = from_bf16(to_bf16(g[t * EXPERT_SUB + j]));
@@ -686,16 +686,18 @@ static void expert_down_task(const void* p, int a, int c) {
         bx_any(e->h, e->T, e->I, e->w2 + (int64_t)a * e->ld2, e->ld2, c, e->y32 + a, e->H, e->pf, e->amx);
     }
 }
-/* x [T, H] bf16 contiguous, w13 [2I, H] (row stride ld13), w2 [H, I] (row stride ld2), H and I multiples of 32;
+/* x [T, H] bf16 contiguous, w13 [2I, H] (row stride ld13; gate row j at w13 + j * ld13, up row j at
+   w13 + (up + j) * ld13: up = I for a whole expert, the full intermediate for a window of its columns), w2 [H, I]
+   (row stride ld2), H and I multiples of 32;
    out [T, H] contiguous, bf16 (out_bf16) or fp32; pf1 / pfm: rows ahead prefetched at one token / more; the first
    pass on threads13 threads, chunk13 columns of h a chunk, the second on threads2, chunk2 rows of w2 a chunk; amx:
    the AMX kernel at more than one token. Returns 0, -1 on bad arguments, -2 without the AMX kernel, -3 without
    memory. */
-int ferry_expert_silu_bf16(const uint16_t* x, int T, int H, int I, const uint16_t* w13, int64_t ld13,
+int ferry_expert_silu_bf16(const uint16_t* x, int T, int H, int I, const uint16_t* w13, int64_t ld13, int64_t up,
                            const uint16_t* w2, int64_t ld2, void* out, int out_bf16, int pf1, int pfm, int threads13,
                            int chunk13, int threads2, int chunk2, int amx) {
     if (T < 1 || T > MAXT || H % 32 || I % 32 || pf1 < 0 || pfm < 0 || threads13 < 1 || chunk13 < 1 || threads2 < 1
-        || chunk2 < 1)
+        || chunk2 < 1 || up < I)
         return -1;
 #ifdef FERRY_NO_AMX
     if (amx) return -2;
@@ -705,7 +707,7 @@ int ferry_expert_silu_bf16(const uint16_t* x, int T, int H, int I, const uint16_
     if (!buf) return -3;
     uint16_t *xb = buf, *h = buf + (size_t)T * H, *hb = h + (size_t)T * I;
     if (T > 1) bx_pack(x, T, H, xb, amx);
-    expert_args e = {T > 1 ? xb : x, T, H, I, w13, ld13, w2, ld2, h, out_bf16 ? NULL : (float*)out,
+    expert_args e = {T > 1 ? xb : x, T, H, I, w13, ld13, up, w2, ld2, h, out_bf16 ? NULL : (float*)out,
                      out_bf16 ? (uint16_t*)out : NULL, T > 1 ? pfm : pf1, amx};
     par_rows(expert_up_task, &e, I, threads13, chunk13);
     if (T > 1) {
@@ -854,8 +856,8 @@ def _load():
             lib.ferry_gemv_bf16_bxt.argtypes = [p, i32, i32, p, i64, i32, p, i64, i32]
             lib.ferry_gemv_bf16_bxt.restype = i32
             lib.ferry_gemv_bf16_bx_mt.argtypes = [p, i32, i32, p, i64, i32, p, i64, i32, i32, i32, i32]
-            lib.ferry_expert_silu_bf16.argtypes = [p, i32, i32, i32, p, i64, p, i64, p, i32, i32, i32, i32, i32, i32,
-                                                   i32, i32]
+            lib.ferry_expert_silu_bf16.argtypes = [p, i32, i32, i32, p, i64, i64, p, i64, p, i32, i32, i32, i32, i32,
+                                                   i32, i32, i32]
             lib.ferry_expert_silu_bf16.restype = i32
             lib.ferry_gemv_bf16_bx_mt.restype = i32
         global _amx
@@ -954,13 +956,15 @@ def gemv_bf16_bx_mt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, threads
 
 def expert_silu_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor,
                      split13: tuple[int, int], split2: tuple[int, int], prefetch: int = 0,
-                     prefetch_multi: int = 0, amx: bool = False) -> torch.Tensor:
+                     prefetch_multi: int = 0, amx: bool = False, cols: int = 0) -> torch.Tensor:
     """out [T, H] (bf16 or fp32, contiguous) = w2 @ (silu(gate x) * up x) for x [T, H] bf16 contiguous (T <=
     MAX_TOKENS), w13 [2I, H] (gate rows, then up rows) and w2 [H, I] bf16 with unit column strides, H and I multiples
     of 32: a whole expert in one call on the C pool (split13 = (threads, h's columns a chunk), then split2 = (threads,
     w2's rows a chunk)), rounded to bf16 where `HostExpert`'s torch ops round (the same bits as `gemv_bf16_bx`
     twice with torch's SiLU between, where libm's expf and torch's agree); `prefetch` rows ahead at one token,
-    `prefetch_multi` at more (`gemv_bf16_bx`'s); `amx`: more than one token on the AMX kernel (`gemv_bf16_bx_mt`'s)."""
+    `prefetch_multi` at more (`gemv_bf16_bx`'s); `amx`: more than one token on the AMX kernel (`gemv_bf16_bx_mt`'s).
+    `cols` > 0 (a multiple of 32 below I): the expert on its intermediate columns [cols, I) only (gate rows [cols, I),
+    up rows [I + cols, 2I), w2's columns [cols, I)), as the hybrid split computes a miss's host part."""
     lib = _load()
     _amx_check(amx)
     T, H = x.shape
@@ -970,12 +974,15 @@ def expert_silu_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: 
     if (x.dtype != torch.bfloat16 or not x.is_contiguous() or not 1 <= T <= MAX_TOKENS
             or w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or w13.stride(1) != 1 or w2.stride(1) != 1
             or tuple(w13.shape) != (2 * I, H) or w2.shape[0] != H or out.dtype not in (torch.bfloat16, torch.float32)
-            or not out.is_contiguous() or tuple(out.shape) != (T, H)):
+            or not out.is_contiguous() or tuple(out.shape) != (T, H) or cols % 32 or not 0 <= cols < I):
         raise ValueError(f"native expert: x [T, H] bf16 contiguous with T <= {MAX_TOKENS}, w13 [2I, H] and w2 [H, I] "
-                         "bf16 with unit column strides, out [T, H] bf16 or fp32 contiguous")
-    _check(lib.ferry_expert_silu_bf16(x.data_ptr(), T, H, I, w13.data_ptr(), w13.stride(0), w2.data_ptr(),
-                                      w2.stride(0), out.data_ptr(), int(out.dtype == torch.bfloat16), prefetch,
-                                      prefetch_multi, *split13, *split2, int(amx)), "expert (SiLU, bf16)")
+                         "bf16 with unit column strides, out [T, H] bf16 or fp32 contiguous, cols a multiple of 32 "
+                         "below I")
+    e = w2.element_size()
+    _check(lib.ferry_expert_silu_bf16(x.data_ptr(), T, H, I - cols, w13.data_ptr() + cols * w13.stride(0) * e,
+                                      w13.stride(0), I, w2.data_ptr() + cols * e, w2.stride(0), out.data_ptr(),
+                                      int(out.dtype == torch.bfloat16), prefetch, prefetch_multi, *split13, *split2,
+                                      int(amx)), "expert (SiLU, bf16)")
     return out
 
 

@@ -37,8 +37,8 @@ from collections import deque
 
 import torch
 
-from ferrylm.layers.cpu_experts import (HostExpert, Int4InPlace, RowBlocks, dense_linear,
-                                        int4_from_cpu_layout_, int4_layout_matches, int4_to_cpu_layout_,
+from ferrylm.layers.cpu_experts import (HostExpert, Int4InPlace, RowBlocks, dense_linear, int4_from_cpu_layout_,
+                                        int4_layout_matches, int4_to_cpu_layout_, native_expert, native_expert_fits,
                                         split_pool)
 from ferrylm.layers.fused_moe import ExpertWeights
 from ferrylm.layers.qmatmul import QuantKernel
@@ -301,7 +301,8 @@ class HostExperts:
     def _columns(self, e: int, x: torch.Tensor, c: int) -> torch.Tensor:
         """Expert e on the intermediate columns [c, I) only: [n, H] (the device computes [0, c) and adds).
         Views of the bank's rows; the strided w2 view costs BLAS nothing (its rows keep their stride); each
-        GEMM by the path `layers/cpu_experts.dense_gemm` names (`dense_linear`), as whole experts are.
+        GEMM by the path `layers/cpu_experts.dense_gemm` names (`dense_linear`), as whole experts are, or (bf16
+        SiLU under "native") the whole window in one native call (`cpu_experts.native_expert`).
         Packed banks: kernels over windows of the packed parts (`_column_expert`), bf16 activations."""
         if not isinstance(self.w13, torch.Tensor):
             gate, up, down = self._column_expert(e, c)
@@ -310,6 +311,8 @@ class HostExperts:
         I = self.w2.shape[2]
         w13, w2 = self.w13[e], self.w2[e]  # [2I, H], [H, I]
         xb = x.to(w13.dtype)
+        if native_expert_fits(xb, w13, w2, self.act, c):  # one native call: no torch op between the GEMVs
+            return native_expert(xb, w13, w2, c)
         mid = self.act(dense_linear(xb, w13[c:I])).mul_(dense_linear(xb, w13[I + c:]))  # [n, I - c]
         return dense_linear(mid, w2[:, c:])
 

@@ -513,10 +513,8 @@ static void amx_config(int T, int rows) {
 int ferry_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
 /* x [T, K] bf16 -> xv: element (t, k) at (k / 32 * 16 + k % 32 / 2) * 2T + 2t + k % 2 */
 static void amx_pack(const uint16_t* x, int T, int K, uint16_t* xv) {
-    const uint32_t* x2 = (const uint32_t*)x;  /* pairs (k, k + 1), k even */
-    uint32_t* v = (uint32_t*)xv;
-    for (int p = 0; p < K / 2; p++)
-        for (int t = 0; t < T; t++) v[(int64_t)p * T + t] = x2[(int64_t)t * (K / 2) + p];
+    for (int p = 0; p < K / 2; p++)  /* the pair (k, k + 1) = (2p, 2p + 1), 4 bytes a copy */
+        for (int t = 0; t < T; t++) memcpy(xv + ((int64_t)p * T + t) * 2, x + (int64_t)t * K + 2 * p, 4);
 }
 static void amx_store(int j, float* c, int T, int rows, float* out, int64_t ldo) {
     if (j) _tile_stored(1, c, 4 * T);

@@ -16,7 +16,7 @@ mapped on CUDA), so building them costs no quantization.
 
 The last line printed is JSON (per format: expert_bytes, copy_ms, cpu_ms {tokens}, cpu_gb_s (1 token),
 cpu_beside_copy_ms, copy_beside_cpu_ms, inplace_gb_s, inplace_beside_cpu_gb_s, rows_ms, cpu_share, and for
-a dense or per-channel int8 bank the GEMM the calibration chose: host_gemm, host_gemm_max_t,
+a dense or per-channel int8 bank the GEMM the calibration chose: host_gemm, host_gemm_max_t, host_gemm_multi,
 cpu_beside_copy_ms_by_gemm).
 """
 
@@ -129,6 +129,7 @@ def main() -> None:
                "kernel": type(he.expert(0).gate_up).__name__,
                "host_gemm": m.get("dense_gemm", m.get("packed_gemm")),
                "host_gemm_max_t": m.get("dense_gemm_max_t", m.get("packed_gemm_max_t")),
+               "host_gemm_multi": m.get("dense_gemm_multi", m.get("packed_gemm_multi")),
                "cpu_beside_copy_ms_by_gemm": {g: s * 1e3 for g, s in m.get("cpu_s_beside_copy_by_gemm", {}).items()}}
         threads = torch.get_num_threads()
         sweep = {}

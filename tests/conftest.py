@@ -96,8 +96,7 @@ def _host_dense_gemm():
     its choice."""
     from ferrylm.layers import cpu_experts
 
-    names = ("dense_gemm", "dense_gemm_max_t", "packed_gemm", "packed_gemm_max_t", "row_blocks_gemm",
-             "row_blocks_gemm_max_t")
+    names = tuple(f"{k}{s}" for k in ("dense_gemm", "packed_gemm", "row_blocks_gemm") for s in ("", "_max_t", "_multi"))
     before = [getattr(cpu_experts, n) for n in names]
     yield
     for n, v in zip(names, before):

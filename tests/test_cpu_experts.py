@@ -425,6 +425,20 @@ def test_column_split_takes_the_dense_gemm_path(monkeypatch):
     assert err.max() <= 2 ** -7 * outs["plain"].float().abs().max() + 1e-4, err.max()
 
 
+def test_gemm_at_takes_the_multi_token_path_between_2_and_max_t(monkeypatch):
+    """`gemm_at`: the one-token choice at 1 token, `{name}_multi` (where set) at 2..`{name}_max_t`, plain above; no
+    multi: the one-token choice throughout."""
+    from ferrylm.layers import cpu_experts as C
+
+    monkeypatch.setattr(C, "dense_gemm", "plain")
+    monkeypatch.setattr(C, "dense_gemm_max_t", 8)
+    monkeypatch.setattr(C, "dense_gemm_multi", "native")
+    assert [C.gemm_at("dense_gemm", t) for t in (1, 2, 8, 9)] == ["plain", "native", "native", "plain"]
+    monkeypatch.setattr(C, "dense_gemm", "split")
+    monkeypatch.setattr(C, "dense_gemm_multi", None)
+    assert [C.gemm_at("dense_gemm", t) for t in (1, 8, 9)] == ["split", "split", "plain"]
+
+
 def test_dense_gemm_max_t_sends_larger_calls_to_the_plain_gemm(monkeypatch):
     """`dense_gemm_max_t` sends larger calls of a split path to the plain one."""
     from ferrylm.layers import cpu_experts as C

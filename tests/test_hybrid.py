@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ferrylm import LLM
+from ferrylm.layers import host_native
 from ferrylm.offload import calibration
 from ferrylm.offload.cost_model import Costs, makespan, split_misses
 
@@ -136,8 +137,9 @@ def test_calibration_times_the_banks_format(tmp_path, monkeypatch):
 def test_calibration_chooses_the_dense_gemm(tmp_path, monkeypatch):
     """A dense bf16 bank: every `layers/cpu_experts.DENSE_GEMMS` is timed at 1 token beside copies, the fastest
     is set process-wide (with the most tokens it takes: a split one while it beats the plain GEMM)
-    before the recorded figures are taken (they time the path then used) and set again from the cache; an
-    fp32 bank (exact `expert_mlp` bits) chooses nothing."""
+    before the recorded figures are taken (they time the path then used) and set again from the cache; on an AMX host
+    "native" is raced at 2.. tokens even where it lost at one (`dense_gemm_multi`); an fp32 bank (exact `expert_mlp`
+    bits) chooses nothing."""
     from ferrylm.layers import cpu_experts
 
     monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
@@ -156,12 +158,17 @@ def test_calibration_chooses_the_dense_gemm(tmp_path, monkeypatch):
     assert sorted(by) == sorted(cpu_experts.usable(cpu_experts.DENSE_GEMMS))
     assert m["dense_gemm"] == min(by, key=by.get)
     assert cpu_experts.dense_gemm == m["dense_gemm"] and cpu_experts.dense_gemm_max_t == m["dense_gemm_max_t"]
-    if m["dense_gemm"] != "plain":  # checked against plain at 2.. tokens until it stops winning
+    multi = m["dense_gemm_multi"] or m["dense_gemm"]  # checked against plain at 2.. tokens until it stops winning
+    if m["dense_gemm_max_t"] > 1:
         t = m["cpu_s_by_gemm"]
-        assert all(t[m["dense_gemm"]][str(n)] < t["plain"][str(n)] for n in (2, 4, 8, 16)
-                   if n <= m["dense_gemm_max_t"])
+        assert multi != "plain" and all(t[multi][str(n)] < t["plain"][str(n)] for n in (2, 4, 8, 16)
+                                        if n <= m["dense_gemm_max_t"])
     else:
-        assert m["dense_gemm_max_t"] == 1 and not m["cpu_s_by_gemm"]
+        assert m["dense_gemm_multi"] is None
+        if m["dense_gemm"] == "plain" and not host_native.amx():  # no candidate to race at 2.. tokens
+            assert not m["cpu_s_by_gemm"]
+    if m["dense_gemm_multi"] is not None:  # only a path other than the one-token one, raced where AMX runs
+        assert host_native.amx() and m["dense_gemm_multi"] == "native" != m["dense_gemm"]
     assert set(used[-10:]) == {m["dense_gemm"]}  # the figures after the choice: the chosen path
     other = next(g for g in cpu_experts.usable(cpu_experts.DENSE_GEMMS) if g != m["dense_gemm"])
     monkeypatch.setattr(cpu_experts, "dense_gemm", other)
@@ -169,6 +176,7 @@ def test_calibration_chooses_the_dense_gemm(tmp_path, monkeypatch):
     _, again = calibration.calibrate(w13, w2, act, torch.device("cpu"))
     assert again == m and cpu_experts.dense_gemm == m["dense_gemm"]  # from the cache
     assert cpu_experts.dense_gemm_max_t == m["dense_gemm_max_t"]
+    assert cpu_experts.dense_gemm_multi == m["dense_gemm_multi"]
     monkeypatch.setattr(cpu_experts, "dense_gemm", "plain")
     _, exact = calibration.calibrate(w13.float(), w2.float(), act, torch.device("cpu"))
     assert "dense_gemm" not in exact and cpu_experts.dense_gemm == "plain"

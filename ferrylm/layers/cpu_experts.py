@@ -93,7 +93,11 @@ which issues one `vdpbf16ps` a token per 32 weights and so turns compute-bound f
 expert read 10.2 GB/s on two threads at 16 tokens and oneDNN 17 (`benchmarks/bench_host_gemv.py`, variant
 ferry-expert-amx). One token keeps the AVX512-BF16 GEMV (one `vdpbf16ps` a 64-byte line: bound by the bytes already)."""
 dense_gemm_max_t = 16
-"""Most tokens a call takes `dense_gemm` at (set by the calibration with it)."""
+"""Most tokens a call takes `dense_gemm` (or `dense_gemm_multi`) at; more take "plain" (set by the calibration)."""
+dense_gemm_multi = None
+"""The path at 2..`dense_gemm_max_t` tokens where it differs from the one-token choice `dense_gemm` (None: the same):
+the calibration races them apart, since on an AMX host "native" can lose the one-token race to oneDNN and still win at
+2-16 tokens on tiles (`gemm_at`)."""
 PACKED_GEMMS = ("plain", "split", "split-x4")
 packed_gemm = "plain"
 """The same choice for per-channel int8 experts (`Int8Split`): torch's `_weight_int8pack_mm` on its
@@ -101,6 +105,8 @@ OpenMP team, or its rows split over the pool as `dense_gemm`'s "split" / "split-
 output is one row's sum either way). Set by the calibration for an int8 bank."""
 packed_gemm_max_t = 16
 """Most tokens a call takes `packed_gemm` at."""
+packed_gemm_multi = None
+"""`packed_gemm`'s path at 2..`packed_gemm_max_t` tokens where it differs (None: the same; see `dense_gemm_multi`)."""
 SPLIT_MIN_BYTES = 1 << 20
 """Fewest weight bytes a `SplitRows` chunk takes (fewer chunks than threads below it; one: the plain GEMM):
 a hand-off to a worker costs ~10-50 us, what ~1 MB of weights takes to stream at tens of GB/s."""
@@ -158,6 +164,16 @@ def c_pool_split(n: int, row_bytes: int, threads: int) -> tuple[int, int]:
     no more threads than chunks (per call on the hot path: cached)."""
     bounds = split_bounds(n, row_bytes, threads * NATIVE_CHUNKS_PER_THREAD)
     return min(threads, len(bounds)), bounds[0][1]
+
+
+def gemm_at(name: str, tokens: int) -> str:
+    """The path the setting `name` ("dense_gemm", "packed_gemm", "row_blocks_gemm") gives a call of `tokens` tokens:
+    its one-token choice, `{name}_multi` (where set) at 2..`{name}_max_t`, "plain" above (read at each call)."""
+    g = globals()
+    if tokens > g[f"{name}_max_t"]:
+        return "plain"
+    multi = g[f"{name}_multi"]
+    return g[name] if tokens == 1 or multi is None else multi
 
 
 def use_amx(tokens: int) -> bool:
@@ -276,8 +292,8 @@ class DenseGemm:
                 and x.shape[0] <= host_native.MAX_TOKENS and host_native.available())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        g = dense_gemm
-        if g == "plain" or self.w.dtype == torch.float32 or x.shape[0] > dense_gemm_max_t:
+        g = gemm_at("dense_gemm", x.shape[0])
+        if g == "plain" or self.w.dtype == torch.float32:
             return F.linear(x, self.w)
         threads = torch.get_num_threads()
         if g == "native" and self.native_fits(x):
@@ -315,6 +331,8 @@ AVX-512 NF4 GEMV over chunks of rows, the codes decoded in registers. The hybrid
 of K."""
 row_blocks_gemm_max_t = 16
 """Most tokens a call takes `row_blocks_gemm` at."""
+row_blocks_gemm_multi = None
+"""`row_blocks_gemm`'s path at 2..`row_blocks_gemm_max_t` tokens where it differs (None: the same)."""
 _NF4_LEVELS32 = Q.NF4_LEVELS.float().contiguous()  # what the native NF4 GEMV reads
 ROW_BLOCKS_CHUNKS_PER_THREAD = 2
 """Chunks a worker takes on average (a worker that comes free takes the next: a core held by another thread
@@ -374,8 +392,8 @@ class RowBlocks:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         threads, T = torch.get_num_threads(), x.shape[0]
-        g = row_blocks_gemm
-        if T > row_blocks_gemm_max_t:
+        g = gemm_at("row_blocks_gemm", T)
+        if g == "plain":
             return self.plain(x)
         if (g == "native" and self.nf4 is not None and T <= host_native.MAX_TOKENS and self.out_scale is None
                 and host_native.available()):
@@ -457,8 +475,8 @@ class Int8Split(Int8PackCPU):
         return s
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        g, threads = packed_gemm, torch.get_num_threads()
-        if g == "plain" or x.shape[0] > packed_gemm_max_t or threads == 1:
+        g, threads = gemm_at("packed_gemm", x.shape[0]), torch.get_num_threads()
+        if g == "plain" or threads == 1:
             return super().__call__(x)
         return self.split(threads, chunks_per_thread(g))(x)
 
@@ -532,8 +550,8 @@ def native_expert_fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act
     """Whether a SiLU expert over dense w13 [2I, H], w2 [H, I] (its columns [cols, I)) runs as one native call
     (`native_fused_expert`, under "native" on the C pool with bf16 x)."""
     H, I = w2.shape
-    return (native_fused_expert and dense_gemm == "native" and native_bf16_dot and native_c_threads
-            and act is F.silu and x.dtype == torch.bfloat16 and x.shape[0] <= min(dense_gemm_max_t, host_native.MAX_TOKENS)
+    return (native_fused_expert and gemm_at("dense_gemm", x.shape[0]) == "native" and native_bf16_dot
+            and native_c_threads and act is F.silu and x.dtype == torch.bfloat16 and x.shape[0] <= host_native.MAX_TOKENS
             and w13.dtype == torch.bfloat16 and w2.dtype == torch.bfloat16 and w13.stride(1) == 1
             and w2.stride(1) == 1 and tuple(w13.shape) == (2 * I, H) and H % 32 == 0 and I % 32 == 0
             and cols % 32 == 0 and 0 <= cols < I and host_native.nf4_bf16())

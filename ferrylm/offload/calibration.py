@@ -20,7 +20,8 @@ kernels the hybrid path runs):
   `DENSE_GEMMS`: oneDNN's GEMM on torch's threads, its rows split over single-threaded workers, torch's own
   GEMV at 1 token), the one fastest at 1 token beside copies (`cpu_s_beside_copy_by_gemm`), and
   `dense_gemm_max_t`, the most tokens (of 2..16, alone: `cpu_s_by_gemm`) at which a split one still beats
-  the plain GEMM (more take the plain one): which wins depends on the machine
+  the plain GEMM (more take the plain one), by the path `dense_gemm_multi` where it is not the one-token winner ("native"
+  on an AMX host can lose at one token and win at 2-16 on tiles): which wins depends on the machine
   (benchmarks/bench_host_gemv.py). Both are set in `layers/cpu_experts` (process-wide: every layer's host
   experts) before the figures above are taken, so they time the path the hybrid decode then runs, and set
   again from the cache. A per-channel int8 bank chooses `packed_gemm` (plain or split) the same way, a bank decoded
@@ -46,7 +47,7 @@ import time
 
 import torch
 
-from ferrylm.layers import cpu_experts
+from ferrylm.layers import cpu_experts, host_native
 from ferrylm.offload.cost_model import Costs
 from ferrylm.offload.host_experts import HostExperts
 
@@ -267,16 +268,27 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
         torch.set_num_threads(int(min(chosen, key=chosen.get)))
 
     if knob:
-        max_t = 1
-        if best != "plain":  # up to the most tokens at which it still beats the plain GEMM
-            for n in GEMM_TOKENS[1:]:
-                for g, sec in _compare(("plain", best), use, run_experts(n), reps=3).items():
-                    by_tokens.setdefault(g, {})[str(n)] = sec / len(cycle)
-                if by_tokens[best][str(n)] >= by_tokens["plain"][str(n)]:
-                    break
-                max_t = n
+        # 2..16 tokens: the one-token winner, and "native" on an AMX host (tiles from 2 tokens: it can lose the
+        # one-token race and win here), against plain; the path that wins at 2 tokens is kept up to the most tokens
+        # at which it still beats plain (`{name}_multi`, `{name}_max_t`; more take plain)
+        cands = [best] if best != "plain" else []
+        if name == "dense_gemm" and "native" in choices and "native" not in cands and host_native.amx():
+            cands.append("native")
+        max_t, multi = 1, None
+        setattr(cpu_experts, f"{name}_multi", None)
+        for n in GEMM_TOKENS[1:]:
+            if not cands:
+                break
+            got = {g: sec / len(cycle) for g, sec in _compare(("plain", *cands), use, run_experts(n), reps=3).items()}
+            for g, sec in got.items():
+                by_tokens.setdefault(g, {})[str(n)] = sec
+            win = min(cands, key=got.get)
+            if got[win] >= got["plain"]:
+                break
+            max_t, multi, cands = n, win, [win]
         setattr(cpu_experts, name, best)
         setattr(cpu_experts, f"{name}_max_t", max_t)
+        setattr(cpu_experts, f"{name}_multi", multi if multi != best else None)
     cpu = {str(n): cpu_time(n) for n in TOKENS}
     with _Beside(beside_copy):
         cpu_beside = {"1": cpu_time(1, reps=5)}
@@ -291,6 +303,7 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
     if knob:
         name = knob[0]
         out.update({name: getattr(cpu_experts, name), f"{name}_max_t": getattr(cpu_experts, f"{name}_max_t"),
+                    f"{name}_multi": getattr(cpu_experts, f"{name}_multi"),
                     "cpu_s_beside_copy_by_gemm": by_gemm, "cpu_s_by_gemm": by_tokens})
     if device.type == "cuda" and mapped:
         try:
@@ -345,8 +358,10 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
                 torch.set_num_threads(int(data["measured"]["threads"]))
             for name, choices in KNOBS:
                 if data["measured"].get(name) in choices:
+                    multi = data["measured"].get(f"{name}_multi")
                     setattr(cpu_experts, name, data["measured"][name])
                     setattr(cpu_experts, f"{name}_max_t", int(data["measured"][f"{name}_max_t"]))
+                    setattr(cpu_experts, f"{name}_multi", multi if multi in choices else None)
             return costs_from(data["measured"]), data["measured"]
         log.warning("calibration cache %s was made on another machine or shape: measuring again", path)
     except FileNotFoundError:

@@ -134,6 +134,22 @@ def test_calibration_times_the_banks_format(tmp_path, monkeypatch):
     assert len(caches) == 2  # the dense bf16 bank of the same shape is another entry
 
 
+@pytest.mark.skipif(not host_native.amx(), reason="no AMX on this CPU (or the OS does not grant it)")
+def test_calibration_cache_is_per_amx_use(tmp_path, monkeypatch):
+    """A cached 2..16-token choice stands on AMX tiles running: with `native_amx` off (or AMX gone) the bank is
+    measured again under its own cache entry, never restored from the one made on tiles."""
+    from ferrylm.layers import cpu_experts
+
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
+    act = torch.nn.functional.silu
+    w13, w2 = torch.randn(2, 256, 128).bfloat16(), torch.randn(2, 128, 128).bfloat16()
+    calibration.calibrate(w13, w2, act, torch.device("cpu"))
+    monkeypatch.setattr(cpu_experts, "native_amx", False)
+    _, m = calibration.calibrate(w13, w2, act, torch.device("cpu"))
+    assert m["dense_gemm_multi"] is None  # without tiles native is not raced apart from the one-token winner
+    assert len([f for f in os.listdir(tmp_path) if f.startswith("calibration-")]) == 2
+
+
 def test_calibration_chooses_the_dense_gemm(tmp_path, monkeypatch):
     """A dense bf16 bank: every `layers/cpu_experts.DENSE_GEMMS` is timed at 1 token beside copies, the fastest
     is set process-wide (with the most tokens it takes: a split one while it beats the plain GEMM)

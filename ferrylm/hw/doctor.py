@@ -164,9 +164,9 @@ def host_kernels_check(why_unavailable: str | None, nf4_bf16: bool = False, amx:
                + ("" if nf4_bf16 else " (NF4 on the fp32 kernel: this CPU or compiler lacks AVX512-BF16)"))
         if cpu_has_amx and not amx:
             return Check("host_kernels", WARN, value, "built, with AMX",
-                         why + "; this CPU has AMX but the kernels do not use it (the C compiler lacks -mamx-bf16, or "
-                         "the OS kernel, older than Linux 5.16, does not grant the tile registers): batched host "
-                         "experts (2-16 tokens) run ~2x slower on AVX512-BF16",
+                         why + "; this CPU has AMX but the kernels do not use it (they need the AVX512-BF16 build, a C "
+                         "compiler that takes -mamx-bf16, and an OS that grants the tile registers: Linux >= 5.16, "
+                         "no seccomp filter on arch_prctl): batched host experts (2-16 tokens) run ~2x slower",
                          "# gcc >= 11 and Linux >= 5.16; then rm -r ~/.cache/ferrylm/kernels")
         return Check("host_kernels", OK, value, "built", why)
     if "AVX-512" in why_unavailable or "FERRYLM_NO_NATIVE" in why_unavailable:

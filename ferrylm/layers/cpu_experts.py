@@ -301,7 +301,7 @@ class DenseGemm:
                   and host_native.nf4_bf16())
             xn = x.contiguous() if bx else x.float().contiguous()
             pf = NATIVE_PREFETCH_ROWS if x.shape[0] == 1 else NATIVE_PREFETCH_ROWS_MULTI if bx else 0
-            if bx and threads > 1 and native_c_threads:  # the whole matrix in one call on the C pool
+            if bx and (threads > 1 or use_amx(x.shape[0])) and native_c_threads:  # one call (C pool; AMX tiles)
                 n, k = self.shape
                 out = torch.empty(x.shape[0], n)
                 host_native.gemv_bf16_bx_mt(xn, self.w, out, *c_pool_split(n, k * self.w.element_size(), threads), pf,

@@ -272,7 +272,8 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
         # one-token race and win here), against plain; the path that wins at 2 tokens is kept up to the most tokens
         # at which it still beats plain (`{name}_multi`, `{name}_max_t`; more take plain)
         cands = [best] if best != "plain" else []
-        if name == "dense_gemm" and "native" in choices and "native" not in cands and host_native.amx():
+        if (name == "dense_gemm" and "native" in choices and "native" not in cands and dtype == torch.bfloat16
+                and cpu_experts.use_amx(2)):
             cands.append("native")
         max_t, multi = 1, None
         setattr(cpu_experts, f"{name}_multi", None)
@@ -347,7 +348,9 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
     key = {**machine_key(device), "shape": [list(host_w13.shape[1:]), list(host_w2.shape[1:])],
            "dtype": str(he.dense_dtype), "format": he.format, "version": VERSION,
            "inplace": mapped and device.type == "cuda",  # a cache made without the in-place rate lacks it
-           "choose_threads": choose_threads}
+           "choose_threads": choose_threads,
+           # a 2..16-token choice of "native" stands on AMX tiles: it does not hold where they stop running (or start)
+           "amx": host_native.amx() and cpu_experts.native_amx}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"calibration-{digest}.json")
     try:

@@ -230,12 +230,13 @@ class NativeExpert(C.HostExpert):
     amx = True  # cpu_experts.native_amx during the call
 
     def __call__(self, x):
-        before, C.dense_gemm = C.dense_gemm, "native"
-        amx_before, C.native_amx = C.native_amx, self.amx
+        saved = C.dense_gemm, C.native_amx, C.dense_gemm_max_t
+        C.dense_gemm, C.native_amx = "native", self.amx
+        C.dense_gemm_max_t = C.host_native.max_tokens(C.use_amx(2))  # (above: plain, as the engine would)
         try:
             return super().__call__(x)
         finally:
-            C.dense_gemm, C.native_amx = before, amx_before
+            C.dense_gemm, C.native_amx, C.dense_gemm_max_t = saved
 
 
 def fmt_of(variant: str) -> str:

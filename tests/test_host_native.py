@@ -162,11 +162,12 @@ def test_host_expert_fused_equals_unfused_and_plain(T, monkeypatch):
 
 
 @pytest.mark.skipif(not hn.amx(), reason="no AMX on this CPU (or the OS does not grant it)")
-@pytest.mark.parametrize("T", [2, 3, 8, 16])
+@pytest.mark.parametrize("T", [2, 3, 8, 16, 17, 40, 64])
 def test_amx_gemv_equals_torch_and_thread_split(T):
-    """The AMX kernel at 2-16 tokens: within fp32 rounding of the K-long dot of the exact products, rows in pairs of
-    tiles, one tile and a tail of fewer than 16 (N = 77), the same bits on any thread split (a row's tile products
-    summed in order of K whichever rows share its tile), one token passed to the AVX512-BF16 GEMV."""
+    """The AMX kernel at 2-64 tokens (above 16 in blocks of 16): within fp32 rounding of the K-long dot of the exact
+    products, rows in pairs of tiles, one tile and a tail of fewer than 16 (N = 77), the same bits on any thread split
+    (a row's tile products summed in order of K whichever rows share its tile), one token passed to the AVX512-BF16
+    GEMV; more than 64 tokens (16 without tiles) refused."""
     torch.manual_seed(40 + T)
     N, K = 77, 1024
     x = torch.randn(T, K, dtype=torch.bfloat16)
@@ -178,19 +179,29 @@ def test_amx_gemv_equals_torch_and_thread_split(T):
     x1 = x[:1].contiguous()
     assert torch.equal(hn.gemv_bf16_bx_mt(x1, w, torch.empty(1, N), 2, 16, amx=True),
                        hn.gemv_bf16_bx(x1, w, torch.empty(1, N)))
+    if T > hn.MAX_TOKENS:
+        with pytest.raises(ValueError, match="T <= 16"):
+            hn.gemv_bf16_bx_mt(x, w, torch.empty(T, N), 2, 16)
+    with pytest.raises(ValueError, match="T <= 64"):
+        hn.gemv_bf16_bx_mt(torch.zeros(65, K, dtype=torch.bfloat16), w, torch.empty(65, N), 2, 16, amx=True)
 
 
 @pytest.mark.skipif(not hn.amx(), reason="no AMX on this CPU (or the OS does not grant it)")
-@pytest.mark.parametrize("T", [2, 5, 16])
+@pytest.mark.parametrize("T", [2, 5, 16, 33])
 def test_amx_expert_equals_avx_expert_and_host_expert(T, monkeypatch):
-    """The fused SiLU expert on AMX tiles against the AVX512-BF16 one (the same roundings, sums in another order:
-    within a bf16 rounding, nearly all equal) and against the plain oneDNN `HostExpert`; `HostExpert` under "native"
-    takes the AMX kernel at more than one token (`cpu_experts.native_amx`)."""
+    """The fused SiLU expert on AMX tiles (33 tokens: in blocks of 16) against the AVX512-BF16 one (the same roundings,
+    sums in another order: within a bf16 rounding, nearly all equal) and against the plain oneDNN `HostExpert`;
+    `HostExpert` under "native" takes the AMX kernel at more than one token (`cpu_experts.native_amx`), and above 16
+    tokens only on tiles."""
     torch.manual_seed(60 + T)
     H, I = 128, 32 * 11
     x = torch.randn(T, H, dtype=torch.bfloat16)
     w13, w2 = (torch.randn(2 * I, H) * .1).bfloat16(), (torch.randn(H, I) * .1).bfloat16()
-    avx = hn.expert_silu_bf16(x, w13, w2, torch.empty(T, H), (2, 64), (2, 64))
+    if T <= hn.MAX_TOKENS:
+        avx = hn.expert_silu_bf16(x, w13, w2, torch.empty(T, H), (2, 64), (2, 64))
+    else:  # (the AVX512-BF16 kernel takes 16 tokens at a time)
+        avx = torch.cat([hn.expert_silu_bf16(x[t:t + 16].contiguous(), w13, w2, torch.empty(min(16, T - t), H),
+                                             (2, 64), (2, 64)) for t in range(0, T, 16)])
     amx = hn.expert_silu_bf16(x, w13, w2, torch.empty(T, H), (2, 64), (2, 64), amx=True)
     diff = (amx - avx).abs()
     assert (diff <= 2 ** -7 * avx.abs().max()).all() and (diff <= 1e-4 * avx.abs().max()).float().mean() > 0.95
@@ -198,6 +209,7 @@ def test_amx_expert_equals_avx_expert_and_host_expert(T, monkeypatch):
     e = C.HostExpert(w13, w2)
     plain = e(x)
     monkeypatch.setattr(C, "dense_gemm", "native")
+    monkeypatch.setattr(C, "dense_gemm_max_t", 64)  # (as the calibration sets it where native wins up to 64)
     got = []
     real = hn.expert_silu_bf16
     monkeypatch.setattr(hn, "expert_silu_bf16", lambda *a, **k: got.append(a[8] if len(a) > 8 else k.get("amx"))
@@ -207,7 +219,7 @@ def test_amx_expert_equals_avx_expert_and_host_expert(T, monkeypatch):
     assert (fused.float() - plain.float()).abs().max() <= 2 ** -6 * plain.float().abs().max()
     monkeypatch.setattr(C, "native_amx", False)
     e(x)
-    assert got == [True, False]
+    assert got == ([True, False] if T <= hn.MAX_TOKENS else [True])  # more than 16 without tiles: not fused
 
 
 @pytest.mark.skipif(not hn.available(), reason="no native kernels here")

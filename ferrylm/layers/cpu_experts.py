@@ -86,12 +86,14 @@ on the calling thread's OpenMP team leaves that team spinning for a while, and t
 pool's workers. 2-core box, a Mixtral w13 at 2 and 4 tokens: 7.3-9.9 ms against 5.4-6.3 after an
 `out.to(bfloat16)` of the GEMV's [T, 2I] output, as fast as without it under `OMP_WAIT_POLICY=PASSIVE`."""
 native_amx = True
-"""Whether "native" runs bf16 calls of 2-16 tokens on the C pool on AMX tiles where the CPU has them
+"""Whether "native" runs bf16 calls of 2-64 tokens on the C pool on AMX tiles where the CPU has them
 (`host_native.amx()`: `gemv_bf16_bx_mt(amx=True)`, `expert_silu_bf16(amx=True)`) instead of the AVX512-BF16 kernel,
 which issues one `vdpbf16ps` a token per 32 weights and so turns compute-bound from ~4 tokens: on the 2-core box
 (Xeon, AMX) one thread read a Mixtral w13 at 13.6-14.9 GB/s at 1-16 tokens on tiles, where the fused AVX512-BF16
 expert read 10.2 GB/s on two threads at 16 tokens and oneDNN 17 (`benchmarks/bench_host_gemv.py`, variant
-ferry-expert-amx). One token keeps the AVX512-BF16 GEMV (one `vdpbf16ps` a 64-byte line: bound by the bytes already)."""
+ferry-expert; `ferry-expert-avx` without tiles). One token keeps the AVX512-BF16 GEMV (one `vdpbf16ps` a 64-byte
+line: bound by the bytes already). Above 16 tokens (up to `host_native.MAX_TOKENS_AMX`, 64) the tokens go in blocks
+of 16 over rows held in L2."""
 dense_gemm_max_t = 16
 """Most tokens a call takes `dense_gemm` (or `dense_gemm_multi`) at; more take "plain" (set by the calibration)."""
 dense_gemm_multi = None
@@ -288,8 +290,13 @@ class DenseGemm:
         return s
 
     def native_fits(self, x: torch.Tensor) -> bool:
+        T = x.shape[0]
+        if T > host_native.MAX_TOKENS:  # only the AMX call on the C pool takes more
+            return (T <= host_native.MAX_TOKENS_AMX and use_amx(T) and native_c_threads and native_bf16_dot
+                    and x.dtype == torch.bfloat16 and self.w.dtype == torch.bfloat16 and self.w.stride(1) == 1
+                    and self.shape[1] % 32 == 0)
         return (self.w.dtype == torch.bfloat16 and self.w.stride(1) == 1 and self.shape[1] % 16 == 0
-                and x.shape[0] <= host_native.MAX_TOKENS and host_native.available())
+                and host_native.available())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         g = gemm_at("dense_gemm", x.shape[0])
@@ -551,7 +558,8 @@ def native_expert_fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act
     (`native_fused_expert`, under "native" on the C pool with bf16 x)."""
     H, I = w2.shape
     return (native_fused_expert and gemm_at("dense_gemm", x.shape[0]) == "native" and native_bf16_dot
-            and native_c_threads and act is F.silu and x.dtype == torch.bfloat16 and x.shape[0] <= host_native.MAX_TOKENS
+            and native_c_threads and act is F.silu and x.dtype == torch.bfloat16
+            and x.shape[0] <= host_native.max_tokens(use_amx(x.shape[0]))
             and w13.dtype == torch.bfloat16 and w2.dtype == torch.bfloat16 and w13.stride(1) == 1
             and w2.stride(1) == 1 and tuple(w13.shape) == (2 * I, H) and H % 32 == 0 and I % 32 == 0
             and cols % 32 == 0 and 0 <= cols < I and host_native.nf4_bf16())

@@ -51,6 +51,8 @@ SOURCE = r"""
 #include <sys/syscall.h>
 
 #define MAXT 16
+#define AMX_MAXT 64  /* the AMX kernel: tokens in blocks of 16, each block's x packed apart */
+#define XMAXT AMX_MAXT  /* the expert's buffers: the most tokens any kernel takes */
 
 /* A pool of worker threads in C for the row-parallel entry points (`*_mt`): one call from Python runs a whole
    matrix on `threads` threads (the caller and threads - 1 workers), each taking the next chunk of rows as it
@@ -511,10 +513,16 @@ static void amx_config(int T, int rows) {
 }
 /* the process's permission to use the tile registers (Linux: arch_prctl ARCH_REQ_XCOMP_PERM XTILEDATA); 0: granted */
 int ferry_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
-/* x [T, K] bf16 -> xv: element (t, k) at (k / 32 * 16 + k % 32 / 2) * 2T + 2t + k % 2 */
+/* x [T, K] bf16 -> xv, tokens in blocks of 16 (block b: tokens [16b, 16b + Tb) at xv + 16b * K): element (t, k) of a
+   block at (k / 32 * 16 + k % 32 / 2) * 2Tb + 2t + k % 2 */
 static void amx_pack(const uint16_t* x, int T, int K, uint16_t* xv) {
-    for (int p = 0; p < K / 2; p++)  /* the pair (k, k + 1) = (2p, 2p + 1), 4 bytes a copy */
-        for (int t = 0; t < T; t++) memcpy(xv + ((int64_t)p * T + t) * 2, x + (int64_t)t * K + 2 * p, 4);
+    for (int t0 = 0; t0 < T; t0 += 16) {
+        const int tb = T - t0 < 16 ? T - t0 : 16;
+        const uint16_t* xt = x + (int64_t)t0 * K;
+        uint16_t* v = xv + (int64_t)t0 * K;
+        for (int p = 0; p < K / 2; p++)  /* the pair (k, k + 1) = (2p, 2p + 1), 4 bytes a copy */
+            for (int t = 0; t < tb; t++) memcpy(v + ((int64_t)p * tb + t) * 2, xt + (int64_t)t * K + 2 * p, 4);
+    }
 }
 static void amx_store(int j, float* c, int T, int rows, float* out, int64_t ldo) {
     if (j) _tile_stored(1, c, 4 * T);
@@ -522,12 +530,10 @@ static void amx_store(int j, float* c, int T, int rows, float* out, int64_t ldo)
     for (int i = 0; i < rows; i++)
         for (int t = 0; t < T; t++) out[(int64_t)t * ldo + i] = c[i * T + t];
 }
-/* out[t * ldo + n] = sum_k x[t, k] w[n * ldw + k] for rows [0, N), x packed by `amx_pack`; 1 <= T <= 16, K a
-   multiple of 32. Rows in pairs of tiles of 16 (the x tile loaded once for both), then one tile, then the last
-   N % 16 rows in tiles of that many rows. */
-static void amx_rows(const uint16_t* xv, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out,
-                     int64_t ldo) {
-    float c[16 * MAXT];
+/* one block of <= 16 tokens (x packed for it alone) over rows [0, N) */
+static void amx_block(const uint16_t* xv, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out,
+                      int64_t ldo) {
+    float c[16 * 16];
     const int64_t lw = ldw * 2;
     const int sb = 4 * T;
     int n0 = 0;
@@ -557,6 +563,24 @@ static void amx_rows(const uint16_t* xv, int T, int K, const uint16_t* w, int64_
             _tile_dpbf16ps(0, 4, 6);
         }
         amx_store(0, c, T, rows, out + n0, ldo);
+    }
+}
+#define AMX_ROWS 32  /* rows a step above 16 tokens: every token block over them while they sit in L2 (<= 1 MB) */
+/* out[t * ldo + n] = sum_k x[t, k] w[n * ldw + k] for rows [0, N), x packed by `amx_pack`; 1 <= T <= AMX_MAXT, K a
+   multiple of 32. Rows in pairs of tiles of 16 (the x tile loaded once for both), then one tile, then the last
+   N % 16 rows in tiles of that many rows; above 16 tokens, AMX_ROWS rows at a time, each token block of 16 over them
+   in turn (the first block reads them from DRAM, the others from L2). */
+static void amx_rows(const uint16_t* xv, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out,
+                     int64_t ldo) {
+    if (T <= 16) {
+        amx_block(xv, T, K, w, ldw, N, out, ldo);
+    } else {
+        for (int n0 = 0; n0 < N; n0 += AMX_ROWS) {
+            const int m = N - n0 < AMX_ROWS ? N - n0 : AMX_ROWS;
+            for (int t0 = 0; t0 < T; t0 += 16)
+                amx_block(xv + (int64_t)t0 * K, T - t0 < 16 ? T - t0 : 16, K, w + (int64_t)n0 * ldw, ldw, m,
+                          out + (int64_t)t0 * ldo + n0, ldo);
+        }
     }
     _tile_release();
 }
@@ -606,7 +630,9 @@ int ferry_gemv_bf16_bxt(const uint16_t* x, int T, int K, const uint16_t* w, int6
     free(xb);
     return 0;
 }
-typedef struct { const uint16_t* x; int T, K; const uint16_t* w; int64_t ldw; float* out; int64_t ldo; int pf, amx; } bx_args;
+typedef struct {
+    const uint16_t* x; int T, K; const uint16_t* w; int64_t ldw; float* out; int64_t ldo; int pf, amx;
+} bx_args;
 static void bx_task(const void* p, int a, int c) {
     const bx_args* b = (const bx_args*)p;
     bx_any(b->x, b->T, b->K, b->w + (int64_t)a * b->ldw, b->ldw, c, b->out + a, b->ldo, b->pf, b->amx);
@@ -615,7 +641,7 @@ static void bx_task(const void* p, int a, int c) {
    threads of the pool, chunks of `chunk` rows (x packed once, by the calling thread) */
 int ferry_gemv_bf16_bx_mt(const uint16_t* x, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out,
                           int64_t ldo, int pf, int threads, int chunk, int amx) {
-    if (T < 1 || T > MAXT || K % 32 || pf < 0 || threads < 1 || chunk < 1) return -1;
+    if (T < 1 || T > (amx ? AMX_MAXT : MAXT) || K % 32 || pf < 0 || threads < 1 || chunk < 1) return -1;
 #ifdef FERRY_NO_AMX
     if (amx) return -2;
 #endif
@@ -644,6 +670,36 @@ static inline float from_bf16(uint16_t h) {
     return f;
 }
 
+/* fp32 -> bf16 bits (low 16 of each lane), rounded to nearest even as `to_bf16` (and torch) round, NaN kept quiet;
+   not `vcvtneps2bf16`, which flushes denormals */
+static inline __m512i bf16_bits(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+static inline __m512 bf16_round(__m512 f) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(f), 16)); }
+/* e^x on 16 lanes: x = n ln2 + r (Cody-Waite), e^r by Cephes' expf polynomial, times 2^n (`vscalefps`: inf above
+   ~88.7, gradual underflow below ~-87.3); within ~1 ulp of libm's expf, so the SiLU rounded to bf16 equals the
+   scalar one but for a rare tie (tests/test_host_native.py) */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(100.0f)), _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* A whole SiLU expert on bf16 activations, y = w2 @ (silu(gate x) * up x), as `layers/cpu_experts.HostExpert`
    computes it on torch's bf16 tensors: gate and up rounded to bf16, silu in fp32 rounded to bf16, the product
    rounded to bf16, then the down GEMV. Two passes over the pool (the down rows need all of h): the first takes h's
@@ -657,23 +713,28 @@ typedef struct {
 } expert_args;
 static void expert_up_task(const void* p, int a, int c) {
     const expert_args* e = (const expert_args*)p;
-    float g[MAXT * EXPERT_SUB], u[MAXT * EXPERT_SUB];
+    float g[XMAXT * EXPERT_SUB], u[XMAXT * EXPERT_SUB];
     for (int j0 = a; j0 < a + c; j0 += EXPERT_SUB) {
         const int m = a + c - j0 < EXPERT_SUB ? a + c - j0 : EXPERT_SUB;
         bx_any(e->x, e->T, e->H, e->w13 + (int64_t)j0 * e->ld13, e->ld13, m, g, EXPERT_SUB, e->pf, e->amx);
         bx_any(e->x, e->T, e->H, e->w13 + (e->up + j0) * e->ld13, e->ld13, m, u, EXPERT_SUB, e->pf, e->amx);
         for (int t = 0; t < e->T; t++)
-            for (int j = 0; j < m; j++) {
-                const float gb = from_bf16(to_bf16(g[t * EXPERT_SUB + j]));
-                const float sb = from_bf16(to_bf16(gb / (1.0f + expf(-gb))));
-                e->h[(int64_t)t * e->I + j0 + j] = to_bf16(sb * from_bf16(to_bf16(u[t * EXPERT_SUB + j])));
+            for (int j = 0; j < m; j += 16) {
+                const __mmask16 k = m - j < 16 ? (__mmask16)((1u << (m - j)) - 1) : (__mmask16)0xFFFF;
+                const __m512 gb = bf16_round(_mm512_maskz_loadu_ps(k, g + t * EXPERT_SUB + j));
+                const __m512 one = _mm512_set1_ps(1.0f);
+                const __m512 den = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gb)));
+                const __m512 sb = bf16_round(_mm512_div_ps(gb, den));
+                const __m512 ub = bf16_round(_mm512_maskz_loadu_ps(k, u + t * EXPERT_SUB + j));
+                _mm512_mask_cvtepi32_storeu_epi16(e->h + (int64_t)t * e->I + j0 + j, k,
+                                                  bf16_bits(_mm512_mul_ps(sb, ub)));
             }
     }
 }
 static void expert_down_task(const void* p, int a, int c) {
     const expert_args* e = (const expert_args*)p;
     if (e->y16) {  /* bf16 out: each row's fp32 sums rounded once */
-        float y[MAXT * EXPERT_SUB];
+        float y[XMAXT * EXPERT_SUB];
         for (int n0 = a; n0 < a + c; n0 += EXPERT_SUB) {
             const int m = a + c - n0 < EXPERT_SUB ? a + c - n0 : EXPERT_SUB;
             bx_any(e->h, e->T, e->I, e->w2 + (int64_t)n0 * e->ld2, e->ld2, m, y, EXPERT_SUB, e->pf, e->amx);
@@ -694,8 +755,8 @@ static void expert_down_task(const void* p, int a, int c) {
 int ferry_expert_silu_bf16(const uint16_t* x, int T, int H, int I, const uint16_t* w13, int64_t ld13, int64_t up,
                            const uint16_t* w2, int64_t ld2, void* out, int out_bf16, int pf1, int pfm, int threads13,
                            int chunk13, int threads2, int chunk2, int amx) {
-    if (T < 1 || T > MAXT || H % 32 || I % 32 || pf1 < 0 || pfm < 0 || threads13 < 1 || chunk13 < 1 || threads2 < 1
-        || chunk2 < 1 || up < I)
+    if (T < 1 || T > (amx ? AMX_MAXT : MAXT) || H % 32 || I % 32 || pf1 < 0 || pfm < 0 || threads13 < 1 || chunk13 < 1
+        || threads2 < 1 || chunk2 < 1 || up < I)
         return -1;
 #ifdef FERRY_NO_AMX
     if (amx) return -2;
@@ -763,6 +824,8 @@ FLAGS = ("-O3", "-mavx512f", "-shared", "-fPIC", "-fno-math-errno", "-pthread")
 LIBS = ("-lm",)
 MAX_TOKENS = 16
 """Most tokens a call takes (the kernels keep one accumulator register per token)."""
+MAX_TOKENS_AMX = 64
+"""Most tokens a bf16 call on the AMX kernel takes (`amx=True`: tokens in blocks of 16, the rows re-read from L2)."""
 
 _lib = None
 _why: str | None = None
@@ -897,10 +960,15 @@ def gemv_bf16(x32: torch.Tensor, w: torch.Tensor, out: torch.Tensor, prefetch: i
     return out
 
 
-def _bx_check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+def max_tokens(amx: bool) -> int:
+    """Most tokens a bf16-x call takes: `MAX_TOKENS_AMX` on the AMX kernel, else `MAX_TOKENS`."""
+    return MAX_TOKENS_AMX if amx else MAX_TOKENS
+
+
+def _bx_check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, amx: bool = False) -> None:
     if not _bf16:
         raise ValueError("native bf16 GEMV with bf16 x needs the AVX512-BF16 kernel (nf4_bf16() is False)")
-    T = x.shape[0]
+    T, MAX_TOKENS = x.shape[0], max_tokens(amx)
     if (x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or not 1 <= T <= MAX_TOKENS
             or w.stride(1) != 1 or w.dtype != torch.bfloat16 or x.shape[1] != w.shape[1] or out.dtype != torch.float32
             or out.dim() != 2 or out.stride(1) != 1 or tuple(out.shape) != (T, w.shape[0])):
@@ -945,7 +1013,7 @@ def gemv_bf16_bx_mt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, threads
     the K-long dot, and the same bits whatever `threads` and `chunk`)."""
     lib = _load()
     _amx_check(amx)
-    _bx_check(x, w, out)
+    _bx_check(x, w, out, amx)
     _check(lib.ferry_gemv_bf16_bx_mt(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.stride(0), w.shape[0],
                                      out.data_ptr(), out.stride(0), prefetch, threads, chunk, int(amx)),
            "bf16 GEMV (bf16 x, threads)")
@@ -966,7 +1034,7 @@ def expert_silu_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: 
     lib = _load()
     _amx_check(amx)
     T, H = x.shape
-    I = w2.shape[1]
+    I, MAX_TOKENS = w2.shape[1], max_tokens(amx)
     if not _bf16:
         raise ValueError("native expert: needs the AVX512-BF16 kernel (nf4_bf16() is False)")
     if (x.dtype != torch.bfloat16 or not x.is_contiguous() or not 1 <= T <= MAX_TOKENS

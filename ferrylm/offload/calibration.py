@@ -19,9 +19,9 @@ kernels the hybrid path runs):
 - a dense bf16 / fp16 bank: `dense_gemm`, the way `layers/cpu_experts` multiplies its weights (of
   `DENSE_GEMMS`: oneDNN's GEMM on torch's threads, its rows split over single-threaded workers, torch's own
   GEMV at 1 token), the one fastest at 1 token beside copies (`cpu_s_beside_copy_by_gemm`), and
-  `dense_gemm_max_t`, the most tokens (of 2..16, alone: `cpu_s_by_gemm`) at which a split one still beats
-  the plain GEMM (more take the plain one), by the path `dense_gemm_multi` where it is not the one-token winner ("native"
-  on an AMX host can lose at one token and win at 2-16 on tiles): which wins depends on the machine
+  `dense_gemm_max_t`, the most tokens (of 2..64, alone: `cpu_s_by_gemm`) at which a split one still beats
+  the plain GEMM (more take the plain one), by the path `dense_gemm_multi` where it is not the one-token
+  winner ("native" on an AMX host can lose at one token and win at 2-64 on tiles): which wins depends on the machine
   (benchmarks/bench_host_gemv.py). Both are set in `layers/cpu_experts` (process-wide: every layer's host
   experts) before the figures above are taken, so they time the path the hybrid decode then runs, and set
   again from the cache. A per-channel int8 bank chooses `packed_gemm` (plain or split) the same way, a bank decoded
@@ -58,11 +58,11 @@ the last two). 256: up to 64 tokens a big expert is still bound by its bytes on 
 and 64 priced a prefill chunk's ~512 tokens an expert at 23 ms where the host, bound by its FLOPs there, takes
 several times that: the copy road's split sent 32 experts of a 2k prefill to the host and ran 1786 tok/s against
 2862 copying all (H200 host, Mixtral 16L bf16, session 19)."""
-GEMM_TOKENS = (1, 2, 4, 8, 16)
+GEMM_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 """Token counts at which a split dense GEMM is checked against the plain one (`dense_gemm_max_t`)."""
 CYCLE = 4
 """Distinct experts each CPU figure cycles over."""
-VERSION = 10  # 10: bf16 "native" at 2-16 tokens on AMX tiles (its timings changed)
+VERSION = 10  # 10: bf16 "native" at 2-64 tokens on AMX tiles (its timings changed; races at 32 and 64 tokens)
 """Bumped when what is measured changes (older cache files are measured again)."""
 KNOBS = (("dense_gemm", cpu_experts.DENSE_GEMMS), ("packed_gemm", cpu_experts.PACKED_GEMMS),
          ("row_blocks_gemm", cpu_experts.ROW_BLOCKS_GEMMS))
@@ -268,7 +268,7 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
         torch.set_num_threads(int(min(chosen, key=chosen.get)))
 
     if knob:
-        # 2..16 tokens: the one-token winner, and "native" on an AMX host (tiles from 2 tokens: it can lose the
+        # 2..64 tokens: the one-token winner, and "native" on an AMX host (tiles from 2 tokens: it can lose the
         # one-token race and win here), against plain; the path that wins at 2 tokens is kept up to the most tokens
         # at which it still beats plain (`{name}_multi`, `{name}_max_t`; more take plain)
         cands = [best] if best != "plain" else []
@@ -349,7 +349,7 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
            "dtype": str(he.dense_dtype), "format": he.format, "version": VERSION,
            "inplace": mapped and device.type == "cuda",  # a cache made without the in-place rate lacks it
            "choose_threads": choose_threads,
-           # a 2..16-token choice of "native" stands on AMX tiles: it does not hold where they stop running (or start)
+           # a 2..64-token choice of "native" stands on AMX tiles: it does not hold where they stop running (or start)
            "amx": host_native.amx() and cpu_experts.native_amx}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"calibration-{digest}.json")

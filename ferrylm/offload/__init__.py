@@ -42,8 +42,12 @@ tally under Zipf; on 14 threads the host's plain read beside copies is ~86 GB/s 
 (`layers/host_native`, `cpu_experts.native_c_threads`), not yet measured there. Session 22 (no device): a dense
 SiLU expert runs whole in one native call at 1-16 tokens (`cpu_experts.native_fused_expert`: torch's ops between
 the GEMVs had left OpenMP spinners on the pool's cores), 1.15-1.71x oneDNN on the 2-core box, and the calibration
-takes it up to 16 tokens there. Left: bf16 batch 1 at 14.3 (8.4-10.2 measured) and batch 16 at 51 (36.8), both to
-measure on the H200 with this path (docs/benchmarks.md, pending item 1), NF4 hybrid (its host kernel was
+takes it up to 16 tokens there. Session 23 (no device could be started): on a Xeon the AVX512-BF16 expert lost to
+oneDNN from 2 tokens (compute-bound); bf16 calls of 2-64 tokens now run on AMX tiles where the CPU has them (2-core
+Xeon: 1.23-1.32x oneDNN at 2-16 tokens, at the read rate), the calibration races the 2..64-token path apart from the
+one-token one (`cpu_experts.gemm_at`), and the batch-1 split's host columns run in one native call. Left: bf16 batch 1
+at 14.3 (8.4-10.2 measured) and batch 16 at 51 (36.8: its host windows of 2-4 tokens are where AMX should show), both
+to measure on the H200 with these paths (docs/benchmarks.md, pending item 1), NF4 hybrid (its host kernel was
 thread-bound; its expert still runs torch ops between GEMVs).
 A dropped offloaded CUDA engine is not always freed at once
 (seen in tests/test_cuda; the holder is not found yet).

@@ -500,15 +500,21 @@ ALWAYS void bxt_rows(const uint16_t* xb, const int T, const int S, int K, const 
    in order of K, whichever rows share its tile: the bits do not depend on the thread split. Tiles: 0-1 results
    (16 rows x T fp32 each), 4-5 weights, 6 x. */
 typedef struct { uint8_t palette_id, start_row, rsv[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_cfg;
-static void amx_config(int T, int rows) {
+/* tiles for `rows` weight rows against token blocks of T0 and T1 (0: none) tokens: results 0-1 (block 0) and 2-3
+   (block 1), weights 4-5, x 6 (block 0) and 7 (block 1) */
+static void amx_config(int T0, int T1, int rows) {
     amx_cfg c;
     memset(&c, 0, sizeof c);
     c.palette_id = 1;
     c.rows[0] = c.rows[1] = c.rows[4] = c.rows[5] = rows;
-    c.colsb[0] = c.colsb[1] = 4 * T;
+    c.colsb[0] = c.colsb[1] = c.colsb[6] = 4 * T0;
     c.colsb[4] = c.colsb[5] = 64;
     c.rows[6] = 16;
-    c.colsb[6] = 4 * T;
+    if (T1) {
+        c.rows[2] = c.rows[3] = rows;
+        c.colsb[2] = c.colsb[3] = c.colsb[7] = 4 * T1;
+        c.rows[7] = 16;
+    }
     _tile_loadconfig(&c);
 }
 /* the process's permission to use the tile registers (Linux: arch_prctl ARCH_REQ_XCOMP_PERM XTILEDATA); 0: granted */
@@ -525,61 +531,84 @@ static void amx_pack(const uint16_t* x, int T, int K, uint16_t* xv) {
     }
 }
 static void amx_store(int j, float* c, int T, int rows, float* out, int64_t ldo) {
-    if (j) _tile_stored(1, c, 4 * T);
-    else _tile_stored(0, c, 4 * T);
+    switch (j) {  /* (a tile's number is an immediate) */
+        case 0: _tile_stored(0, c, 4 * T); break;
+        case 1: _tile_stored(1, c, 4 * T); break;
+        case 2: _tile_stored(2, c, 4 * T); break;
+        default: _tile_stored(3, c, 4 * T);
+    }
     for (int i = 0; i < rows; i++)
         for (int t = 0; t < T; t++) out[(int64_t)t * ldo + i] = c[i * T + t];
 }
-/* one block of <= 16 tokens (x packed for it alone) over rows [0, N) */
-static void amx_block(const uint16_t* xv, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out,
-                      int64_t ldo) {
+/* token blocks of T0 and T1 (0: none; each <= 16, x packed for each alone, at xv0 and xv1) over rows [0, N): the
+   weight tile loaded once for both blocks */
+static void amx_block(const uint16_t* xv0, int T0, const uint16_t* xv1, int T1, int K, const uint16_t* w, int64_t ldw,
+                      int N, float* out0, float* out1, int64_t ldo) {
     float c[16 * 16];
     const int64_t lw = ldw * 2;
-    const int sb = 4 * T;
     int n0 = 0;
-    amx_config(T, 16);
+    amx_config(T0, T1, 16);
     for (; n0 + 32 <= N; n0 += 32) {
         const uint16_t* r = w + (int64_t)n0 * ldw;
         _tile_zero(0);
         _tile_zero(1);
+        if (T1) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
         for (int k = 0; k < K; k += 32) {
-            _tile_loadd(6, xv + (int64_t)k * T, sb);
+            _tile_loadd(6, xv0 + (int64_t)k * T0, 4 * T0);
             _tile_loadd(4, r + k, lw);
             _tile_dpbf16ps(0, 4, 6);
             _tile_loadd(5, r + 16 * ldw + k, lw);
             _tile_dpbf16ps(1, 5, 6);
+            if (T1) {
+                _tile_loadd(7, xv1 + (int64_t)k * T1, 4 * T1);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
         }
-        amx_store(0, c, T, 16, out + n0, ldo);
-        amx_store(1, c, T, 16, out + n0 + 16, ldo);
+        amx_store(0, c, T0, 16, out0 + n0, ldo);
+        amx_store(1, c, T0, 16, out0 + n0 + 16, ldo);
+        if (T1) {
+            amx_store(2, c, T1, 16, out1 + n0, ldo);
+            amx_store(3, c, T1, 16, out1 + n0 + 16, ldo);
+        }
     }
     for (int rows; n0 < N; n0 += rows) {
         rows = N - n0 < 16 ? N - n0 : 16;
-        if (rows < 16) amx_config(T, rows);
+        if (rows < 16) amx_config(T0, T1, rows);
         const uint16_t* r = w + (int64_t)n0 * ldw;
         _tile_zero(0);
+        if (T1) _tile_zero(2);
         for (int k = 0; k < K; k += 32) {
-            _tile_loadd(6, xv + (int64_t)k * T, sb);
+            _tile_loadd(6, xv0 + (int64_t)k * T0, 4 * T0);
             _tile_loadd(4, r + k, lw);
             _tile_dpbf16ps(0, 4, 6);
+            if (T1) {
+                _tile_loadd(7, xv1 + (int64_t)k * T1, 4 * T1);
+                _tile_dpbf16ps(2, 4, 7);
+            }
         }
-        amx_store(0, c, T, rows, out + n0, ldo);
+        amx_store(0, c, T0, rows, out0 + n0, ldo);
+        if (T1) amx_store(2, c, T1, rows, out1 + n0, ldo);
     }
 }
-#define AMX_ROWS 32  /* rows a step above 16 tokens: every token block over them while they sit in L2 (<= 1 MB) */
+#define AMX_ROWS 32  /* rows a step above 32 tokens: each pair of token blocks over them while they sit in L2 (<= 1 MB) */
 /* out[t * ldo + n] = sum_k x[t, k] w[n * ldw + k] for rows [0, N), x packed by `amx_pack`; 1 <= T <= AMX_MAXT, K a
    multiple of 32. Rows in pairs of tiles of 16 (the x tile loaded once for both), then one tile, then the last
-   N % 16 rows in tiles of that many rows; above 16 tokens, AMX_ROWS rows at a time, each token block of 16 over them
-   in turn (the first block reads them from DRAM, the others from L2). */
+   N % 16 rows in tiles of that many rows; tokens in blocks of 16, two at a time against each weight tile; above 32
+   tokens, AMX_ROWS rows at a time, each pair of blocks over them in turn (the first pair reads them from DRAM, the
+   next from L2). Each row's result for a token is its K / 32 tile products summed in order of K. */
 static void amx_rows(const uint16_t* xv, int T, int K, const uint16_t* w, int64_t ldw, int N, float* out,
                      int64_t ldo) {
-    if (T <= 16) {
-        amx_block(xv, T, K, w, ldw, N, out, ldo);
-    } else {
-        for (int n0 = 0; n0 < N; n0 += AMX_ROWS) {
-            const int m = N - n0 < AMX_ROWS ? N - n0 : AMX_ROWS;
-            for (int t0 = 0; t0 < T; t0 += 16)
-                amx_block(xv + (int64_t)t0 * K, T - t0 < 16 ? T - t0 : 16, K, w + (int64_t)n0 * ldw, ldw, m,
-                          out + (int64_t)t0 * ldo + n0, ldo);
+    const int step = T <= 32 ? N : AMX_ROWS;
+    for (int n0 = 0; n0 < N; n0 += step) {
+        const int m = N - n0 < step ? N - n0 : step;
+        for (int t0 = 0; t0 < T; t0 += 32) {
+            const int T0 = T - t0 < 16 ? T - t0 : 16, T1 = T - t0 - T0 < 16 ? (T - t0 - T0 > 0 ? T - t0 - T0 : 0) : 16;
+            amx_block(xv + (int64_t)t0 * K, T0, xv + (int64_t)(t0 + 16) * K, T1, K, w + (int64_t)n0 * ldw, ldw, m,
+                      out + (int64_t)t0 * ldo + n0, out + (int64_t)(t0 + 16) * ldo + n0, ldo);
         }
     }
     _tile_release();

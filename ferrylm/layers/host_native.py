@@ -497,8 +497,8 @@ ALWAYS void bxt_rows(const uint16_t* xb, const int T, const int S, int K, const 
    above ran 5 GB/s at 16 (one `vdpbf16ps` a token per 32 weights). The weight is tile A as it lies (16 rows, 64
    bytes each, row stride ldw: no re-layout); x is tile B in the VNNI layout (`amx_pack`: per 32 of K, 16 rows of
    the pairs (k, k + 1) of every token), packed once a call. Every row's result is its K / 32 tile products summed
-   in order of K, whichever rows share its tile: the bits do not depend on the thread split. Tiles: 0-1 results
-   (16 rows x T fp32 each), 4-5 weights, 6 x. */
+   in order of K, whichever rows share its tile: the bits do not depend on the thread split. Tiles: 0-3 results
+   (16 rows x <= 16 tokens fp32 each: two row tiles x two token blocks), 4-5 weights, 6-7 x (a token block each). */
 typedef struct { uint8_t palette_id, start_row, rsv[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_cfg;
 /* tiles for `rows` weight rows against token blocks of T0 and T1 (0: none) tokens: results 0-1 (block 0) and 2-3
    (block 1), weights 4-5, x 6 (block 0) and 7 (block 1) */
@@ -607,8 +607,8 @@ static void amx_rows(const uint16_t* xv, int T, int K, const uint16_t* w, int64_
         const int m = N - n0 < step ? N - n0 : step;
         for (int t0 = 0; t0 < T; t0 += 32) {
             const int T0 = T - t0 < 16 ? T - t0 : 16, T1 = T - t0 - T0 < 16 ? (T - t0 - T0 > 0 ? T - t0 - T0 : 0) : 16;
-            amx_block(xv + (int64_t)t0 * K, T0, xv + (int64_t)(t0 + 16) * K, T1, K, w + (int64_t)n0 * ldw, ldw, m,
-                      out + (int64_t)t0 * ldo + n0, out + (int64_t)(t0 + 16) * ldo + n0, ldo);
+            amx_block(xv + (int64_t)t0 * K, T0, T1 ? xv + (int64_t)(t0 + 16) * K : NULL, T1, K, w + (int64_t)n0 * ldw,
+                      ldw, m, out + (int64_t)t0 * ldo + n0, T1 ? out + (int64_t)(t0 + 16) * ldo + n0 : NULL, ldo);
         }
     }
     _tile_release();

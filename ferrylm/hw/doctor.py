@@ -155,18 +155,18 @@ def disk_checks(paths: dict[str, dict | None], need_bytes: int = 0) -> list[Chec
 def host_kernels_check(why_unavailable: str | None, nf4_bf16: bool = False, amx: bool = False,
                        cpu_has_amx: bool = False) -> Check:
     """`why_unavailable`: `layers/host_native.why_unavailable()` (None: the native host kernels built); `nf4_bf16`:
-    `host_native.nf4_bf16()` (the AVX512-BF16 NF4 kernel runs here); `amx`: `host_native.amx()` (bf16 experts at 2-16
+    `host_native.nf4_bf16()` (the AVX512-BF16 NF4 kernel runs here); `amx`: `host_native.amx()` (bf16 experts at 2-64
     tokens on AMX tiles); `cpu_has_amx`: the CPU's flags name amx_tile and amx_bf16."""
     if why_unavailable is None:
         value = ("native AVX-512 GEMV built" + (", NF4 on AVX512-BF16" if nf4_bf16 else "")
-                 + (", bf16 at 2-16 tokens on AMX" if amx else ""))
+                 + (", bf16 at 2-64 tokens on AMX" if amx else ""))
         why = ("hybrid decode's host experts read bf16 / NF4 weights at DRAM speed"
                + ("" if nf4_bf16 else " (NF4 on the fp32 kernel: this CPU or compiler lacks AVX512-BF16)"))
         if cpu_has_amx and not amx:
             return Check("host_kernels", WARN, value, "built, with AMX",
                          why + "; this CPU has AMX but the kernels do not use it (they need the AVX512-BF16 build, a C "
                          "compiler that takes -mamx-bf16, and an OS that grants the tile registers: Linux >= 5.16, "
-                         "no seccomp filter on arch_prctl): batched host experts (2-16 tokens) run ~2x slower",
+                         "no seccomp filter on arch_prctl): batched host experts (2-64 tokens) run ~2x slower",
                          "# gcc >= 11 and Linux >= 5.16; then rm -r ~/.cache/ferrylm/kernels")
         return Check("host_kernels", OK, value, "built", why)
     if "AVX-512" in why_unavailable or "FERRYLM_NO_NATIVE" in why_unavailable:

@@ -291,12 +291,12 @@ class DenseGemm:
 
     def native_fits(self, x: torch.Tensor) -> bool:
         T = x.shape[0]
-        if T > host_native.MAX_TOKENS:  # only the AMX call on the C pool takes more
-            return (T <= host_native.MAX_TOKENS_AMX and use_amx(T) and native_c_threads and native_bf16_dot
-                    and x.dtype == torch.bfloat16 and self.w.dtype == torch.bfloat16 and self.w.stride(1) == 1
-                    and self.shape[1] % 32 == 0)
-        return (self.w.dtype == torch.bfloat16 and self.w.stride(1) == 1 and self.shape[1] % 16 == 0
-                and host_native.available())
+        if not (self.w.dtype == torch.bfloat16 and self.w.stride(1) == 1 and self.shape[1] % 16 == 0
+                and host_native.available()):
+            return False
+        return T <= host_native.MAX_TOKENS or (  # more: only the AMX call on the C pool
+            T <= host_native.MAX_TOKENS_AMX and use_amx(T) and native_c_threads and native_bf16_dot
+            and x.dtype == torch.bfloat16 and self.shape[1] % 32 == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         g = gemm_at("dense_gemm", x.shape[0])

@@ -997,11 +997,11 @@ def max_tokens(amx: bool) -> int:
 def _bx_check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, amx: bool = False) -> None:
     if not _bf16:
         raise ValueError("native bf16 GEMV with bf16 x needs the AVX512-BF16 kernel (nf4_bf16() is False)")
-    T, MAX_TOKENS = x.shape[0], max_tokens(amx)
-    if (x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or not 1 <= T <= MAX_TOKENS
+    T, most = x.shape[0], max_tokens(amx)
+    if (x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or not 1 <= T <= most
             or w.stride(1) != 1 or w.dtype != torch.bfloat16 or x.shape[1] != w.shape[1] or out.dtype != torch.float32
             or out.dim() != 2 or out.stride(1) != 1 or tuple(out.shape) != (T, w.shape[0])):
-        raise ValueError(f"native bf16 GEMV (bf16 x): x [T, K] bf16 contiguous with T <= {MAX_TOKENS}, w [N, K] bf16 "
+        raise ValueError(f"native bf16 GEMV (bf16 x): x [T, K] bf16 contiguous with T <= {most}, w [N, K] bf16 "
                          "with unit column stride, out [T, N] fp32 with unit column stride")
 
 
@@ -1053,7 +1053,7 @@ def expert_silu_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: 
                      split13: tuple[int, int], split2: tuple[int, int], prefetch: int = 0,
                      prefetch_multi: int = 0, amx: bool = False, cols: int = 0) -> torch.Tensor:
     """out [T, H] (bf16 or fp32, contiguous) = w2 @ (silu(gate x) * up x) for x [T, H] bf16 contiguous (T <=
-    MAX_TOKENS), w13 [2I, H] (gate rows, then up rows) and w2 [H, I] bf16 with unit column strides, H and I multiples
+    `max_tokens(amx)`), w13 [2I, H] (gate rows, then up rows) and w2 [H, I] bf16 with unit column strides, H and I multiples
     of 32: a whole expert in one call on the C pool (split13 = (threads, h's columns a chunk), then split2 = (threads,
     w2's rows a chunk)), rounded to bf16 where `HostExpert`'s torch ops round (the same bits as `gemv_bf16_bx`
     twice with torch's SiLU between, where libm's expf and torch's agree); `prefetch` rows ahead at one token,
@@ -1063,14 +1063,14 @@ def expert_silu_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: 
     lib = _load()
     _amx_check(amx)
     T, H = x.shape
-    I, MAX_TOKENS = w2.shape[1], max_tokens(amx)
+    I, most = w2.shape[1], max_tokens(amx)
     if not _bf16:
         raise ValueError("native expert: needs the AVX512-BF16 kernel (nf4_bf16() is False)")
-    if (x.dtype != torch.bfloat16 or not x.is_contiguous() or not 1 <= T <= MAX_TOKENS
+    if (x.dtype != torch.bfloat16 or not x.is_contiguous() or not 1 <= T <= most
             or w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or w13.stride(1) != 1 or w2.stride(1) != 1
             or tuple(w13.shape) != (2 * I, H) or w2.shape[0] != H or out.dtype not in (torch.bfloat16, torch.float32)
             or not out.is_contiguous() or tuple(out.shape) != (T, H) or cols % 32 or not 0 <= cols < I):
-        raise ValueError(f"native expert: x [T, H] bf16 contiguous with T <= {MAX_TOKENS}, w13 [2I, H] and w2 [H, I] "
+        raise ValueError(f"native expert: x [T, H] bf16 contiguous with T <= {most}, w13 [2I, H] and w2 [H, I] "
                          "bf16 with unit column strides, out [T, H] bf16 or fp32 contiguous, cols a multiple of 32 "
                          "below I")
     e = w2.element_size()

@@ -359,7 +359,7 @@ def slot_books(placed):
         assert torch.equal(c.in_slot.cpu(), placed.tally.resident[i])
 
 
-@pytest.mark.parametrize("scheme,group", [("int4", 32), ("int8", 64)])
+@pytest.mark.parametrize("scheme,group", [("int4", 32), ("int8", 64), ("fp8", 64)])
 def test_packed_experts_resident_and_offloaded(scheme, group, tmp_path_factory, monkeypatch):
     """A quantized store's experts stay packed on CUDA (the fused kernel decodes tiles): close to the
     dequantized torch reference over the same contexts; offloaded (read in place / copied packed) equal to

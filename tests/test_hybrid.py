@@ -258,7 +258,7 @@ def test_profile_round_trip(mixtral, tmp_path, caplog):
     assert "cannot read it" in caplog.text
 
 
-@pytest.mark.parametrize("fmt", ["int4min", "nf4", "int8"])
+@pytest.mark.parametrize("fmt", ["int4min", "nf4", "int8", "fp8"])
 def test_packed_host_experts_in_the_cache(fmt):
     """A cache over a packed host bank (as the CUDA engine holds int4 / nf4 stores) on the CPU: copied misses
     give exactly the resident reference (the same decoded weights); misses computed on the host in the
@@ -271,7 +271,7 @@ def test_packed_host_experts_in_the_cache(fmt):
     from ferrylm.weights import quant
 
     make = {"int4min": lambda w: quant.quantize_int4(w, 32, "min"), "nf4": lambda w: quant.quantize_nf4(w, 64),
-            "int8": quant.quantize_int8}[fmt]
+            "int8": quant.quantize_int8, "fp8": quant.quantize_fp8}[fmt]
     torch.manual_seed(0)
     E, H, I, T, k = 4, 128, 192, 6, 2
     bank = Experts(E, H, I)

@@ -243,7 +243,7 @@ def test_prefill_path_follows_the_measured_thresholds():
         assert sizes == sorted(sizes) and sizes[0] > 0, (packed, sizes)
 
 
-@pytest.mark.parametrize("fmt", ["nf4", "int4", "int8"])
+@pytest.mark.parametrize("fmt", ["nf4", "int4", "int8", "fp8"])
 def test_packed_prefill_decoded_once_per_expert_matches_the_reference(fmt, monkeypatch):
     """`fused_moe.dequant_rows` (a packed bank's experts each decoded once into dense weights, then dense GEMMs on
     their rows) against the per-expert fp32 reference on the same dequantized weights, skipped ids (E) giving
@@ -254,7 +254,7 @@ def test_packed_prefill_decoded_once_per_expert_matches_the_reference(fmt, monke
     from ferrylm.weights import quant
 
     make = {"nf4": lambda t: quant.quantize_nf4(t, 64), "int4": lambda t: quant.quantize_int4(t, 32, "min"),
-            "int8": lambda t: quant.quantize_int8(t)}[fmt]
+            "int8": lambda t: quant.quantize_int8(t), "fp8": quant.quantize_fp8}[fmt]
     g = torch.Generator().manual_seed(4)
     E, H, I, T, k = 5, 64, 64, 23, 2
     w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1

@@ -33,7 +33,7 @@ def test_nf4_groups_must_tile_rows():
     assert expert_format(quant.quantize_nf4(torch.randn(4, 128), 64)) == "nf4"
 
 
-@pytest.mark.parametrize("scheme,packs", [("int8", True), ("int4", True), ("nf4", False)])
+@pytest.mark.parametrize("scheme,packs", [("int8", True), ("int4", True), ("fp8", True), ("nf4", False)])
 def test_loader_keeps_a_quantized_stores_experts_packed(scheme, packs, tmp_path_factory):
     """A packing bank holds exactly what the dequantize-at-load path computes, at a fraction of the bytes.
     NF4's groups of 64 do not tile this model's 96-wide rows: that bank stays dense."""
@@ -77,7 +77,7 @@ def test_random_source_hands_out_packed_experts():
            "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
            "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64}
     mc = ModelConfig.from_hf(cfg)
-    for scheme in ("int8", "int4", "nf4"):
+    for scheme in ("int8", "int4", "nf4", "fp8"):
         src = RandomSource(cfg, dtype=torch.float32, expert_quant=scheme)
         with torch.device("meta"):
             model = model_class(mc)(mc)

@@ -6,7 +6,8 @@ Where issue 8 stands (2026-12-01): every part runs and is tested (CPU in CI, CUD
 figures in docs/benchmarks.md. TODO, in order: fp8 expert banks kept packed
 (`models/base.py` ENGINE_PACKED_FORMATS; int8 joined in session 7), a packed kernel that is faster than bf16 in time (it is
 latency-bound: profile, split K for decode), copying predicted misses first at one token (hit rate 0.41 vs
-Belady's 0.74 on Qwen3-30B), next-layer prefetch, graphs for streamed dense layers, the
+Belady's 0.74 on Qwen3-30B; the next-layer router predictor, tried on traces, moved more bytes than the dueling
+policy: not kept), graphs for streamed dense layers, the
 DeepSeek benchmark case (batch 256 ran in session 14: 377 tok/s, 0.82 of its floor), and promotion copies that
 overlap the step (`CachedExperts.promote_after_layer`: equal to resident on the H200, 7.55 against 7.74 ms a
 Qwen3 step in session 15, within noise: left off). Session 11: packed Linears of streamed and resident layers are computed

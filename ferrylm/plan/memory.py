@@ -51,7 +51,7 @@ def packed_expert_bytes(inter: int, hidden: int, scheme: str, group_size: int = 
     """Bytes one expert (gate [I, H], up [I, H], down [H, I]) keeps when the engine holds it packed, None
     when it would be dense: as `CausalLM.pack_experts` decides, a bank packs only when all three pieces are
     stored in one kernel format the engine keeps packed (`models/base.py` ENGINE_PACKED_FORMATS: int4, int8,
-    NF4; fp8 experts are dequantized at load)."""
+    NF4, fp8)."""
     from ferrylm.layers.fused_moe import expert_format
     from ferrylm.models.base import ENGINE_PACKED_FORMATS
     from ferrylm.weights.convert import ConvertOptions, quantize_stored, stored_scheme

@@ -225,12 +225,13 @@ def test_cli_plan_check_on_cpu(tmp_path, capsys):
         assert r["within"] and r["rel_error"] == 0
 
 
-@pytest.mark.parametrize("scheme,group,inter", [("int4", 32, 192), ("nf4", 64, 192), ("nf4", 64, 96), ("int8", 64, 192)])
+@pytest.mark.parametrize("scheme,group,inter", [("int4", 32, 192), ("nf4", 64, 192), ("nf4", 64, 96), ("int8", 64, 192),
+                                                ("fp8", 64, 192)])
 def test_quantized_store_bytes_equal_the_engines_groups(scheme, group, inter, tmp_path):
     """A real `ferry convert --quant` store of a tiny Mixtral: every tensor group's bytes as the plan counts
     them (the converter's quantizer on meta) = as the engine sizes them for placement after noting packed
-    Linears and packing experts (`note_packed_linears`, `pack_experts`). int4 / nf4 experts pack; nf4 whose
-    groups of 64 do not tile 96-wide rows, and int8 (dequantized at load), stay dense."""
+    Linears and packing experts (`note_packed_linears`, `pack_experts`). int4 / nf4 / int8 / fp8 experts pack;
+    nf4 whose groups of 64 do not tile 96-wide rows stays dense."""
     import torch
     import transformers
 
@@ -258,7 +259,7 @@ def test_quantized_store_bytes_equal_the_engines_groups(scheme, group, inter, tm
           f"{sum(want.values())} B, dense {sum(dense.values())} B")
     assert got == want
     assert (got["layers.0.experts.0"] < dense["layers.0.experts.0"]) == bool(packed) == (
-        scheme in ("int4", "int8", "nf4") and inter % group == 0)
+        scheme in ("int4", "int8", "nf4", "fp8") and inter % group == 0)
 
 
 MIXTRAL_SHAPE = dict(catalog.CATALOG["Mixtral-8x7B"], max_position_embeddings=32768)

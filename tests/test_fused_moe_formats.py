@@ -22,6 +22,7 @@ FORMATS = {
     "int8": lambda t: quant.quantize_int8(t),
     "int8-g32": lambda t: quant.quantize_int8(t, 32),
     "fp8": lambda t: quant.quantize_fp8(t),
+    "fp8-g64": lambda t: quant.quantize_fp8(t, 64),  # block-wise FP8 checkpoints load as row groups
     "int4-g32": lambda t: quant.quantize_int4(t, 32, "sym"),
     "int4min-g64": lambda t: quant.quantize_int4(t, 64, "min"),
     "nf4-g64": lambda t: quant.quantize_nf4(t, 64),

@@ -586,6 +586,7 @@ def test_host_rows_on_a_column_range_run_one_native_call(T, monkeypatch):
 PACKED = {"int8": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_int8(t),
           "int8-g32": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_int8(t, 32),
           "fp8": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_fp8(t),
+          "fp8-g64": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_fp8(t, 64),
           "int4-g32": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_int4(t, 32, "sym"),
           "int4min-g64": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_int4(t, 64, "min"),
           "nf4-g64": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_nf4(t, 64)}

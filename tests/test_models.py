@@ -310,7 +310,7 @@ def test_deepseek_config_errors_name_the_key():
     base = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=64, vocab_size=10,
                 num_attention_heads=4, num_hidden_layers=2, kv_lora_rank=32, qk_rope_head_dim=8, n_routed_experts=8)
     for extra, key in ((dict(topk_method="greedy"), "topk_method"), (dict(scoring_func="softmax"), "scoring_func"),
-                       (dict(n_group=3), "n_group"), (dict(quantization_config={"quant_method": "fp8"}), "quant_method")):
+                       (dict(n_group=3), "n_group")):
         with pytest.raises(ConfigError, match=key):
             DeepseekForCausalLM(ModelConfig.from_hf({**base, **extra}))
     with pytest.raises(ConfigError, match="kv_lora_rank"):

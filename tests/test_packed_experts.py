@@ -13,7 +13,8 @@ from ferrylm.weights.source import open_source
 
 
 @pytest.mark.parametrize("make", [lambda t: quant.quantize_int8(t), lambda t: quant.quantize_int4(t, 32, "min"),
-                                  lambda t: quant.quantize_nf4(t, 64), lambda t: quant.quantize_fp8(t)])
+                                  lambda t: quant.quantize_nf4(t, 64), lambda t: quant.quantize_fp8(t),
+                                  lambda t: quant.quantize_fp8(t, 32)])
 def test_stacked_bank_dequantizes_like_its_pieces(make):
     torch.manual_seed(0)
     E, N, K = 3, 16, 128

@@ -189,3 +189,32 @@ def test_nf4_equals_bitsandbytes(shape, dtype, group_size):
         print(f"  bitsandbytes' CPU dequantize_4bit disagrees with its own codes and absmax in "
               f"{int((bad.view(-1, group_size).amax(1) > 0).sum())} blocks (its defect)")
         assert group_size > 64  # seen only above blocksize 64; exact at 64 on every host so far
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (33, 64), (256, 96)], ids=str)
+def test_fp8_group_wise_within_bound(shape):
+    """fp8 with one fp32 scale per group of a row (what block-wise FP8 checkpoints load as)."""
+    torch.manual_seed(3)
+    w = torch.randn(shape) * 0.05
+    w[1, :32] *= 1e6  # a group far larger than the rest of its row: its own scale
+    qt = Q.quantize_fp8(w, 32)
+    assert qt.parts["scale"].shape == (shape[0], shape[1] // 32) and qt.parts["scale"].dtype == torch.float32
+    err = (w - qt.dequantize(torch.float32)).abs()
+    assert (err <= Q.error_bound(w, qt)).all()
+    per_channel = (w - Q.quantize_fp8(w).dequantize(torch.float32)).abs()  # the rest of row 1 falls to subnormals
+    assert err[1, 32:].max() * 10 < per_channel[1, 32:].max()
+
+
+def test_fp8_blocks_read_as_row_groups_exactly():
+    """`from_fp8_blocks`: a [ceil(N/bn), ceil(K/bk)] block-scaled e4m3 weight as row groups of bk, the same values
+    as `fp8_block_dequantize`; K no multiple of bk, or scales of another shape, give None."""
+    g = torch.Generator().manual_seed(5)
+    codes = (torch.randn(40, 64, generator=g) * 60).to(torch.float8_e4m3fn)
+    s = torch.rand(3, 4, generator=g) + 0.01
+    qt = Q.from_fp8_blocks(codes, s, (16, 16), torch.bfloat16)
+    ref = codes.float() * s.repeat_interleave(16, 0)[:40].repeat_interleave(16, 1)
+    assert torch.equal(qt.dequantize(torch.float32), ref)
+    assert torch.equal(Q.fp8_block_dequantize(codes, s, (16, 16), torch.float32), ref)
+    assert qt.dequantize().dtype == torch.bfloat16 and qt.nbytes == 40 * 64 + 40 * 4 * 4
+    assert Q.from_fp8_blocks(codes[:, :40], s[:, :3], (16, 16), torch.bfloat16) is None  # 40 % 16
+    assert Q.from_fp8_blocks(codes, s[:2], (16, 16), torch.bfloat16) is None

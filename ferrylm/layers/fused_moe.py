@@ -129,7 +129,7 @@ def _align_kernel(flat: torch.Tensor, E: int, block_m: int):
 
 FORMATS = {"dense": 0, "int8": 1, "fp8": 2, "int4": 3, "int4min": 4, "nf4": 5}
 """Weight formats the kernel reads: dense (the activations' dtype), int8 (per channel or per group of a
-row), fp8 (e4m3 bits, per channel), int4 (two codes a byte, sym or with a min per group), nf4 (two codes a
+row), fp8 (e4m3 bits, per channel or per group of a row), int4 (two codes a byte, sym or with a min per group), nf4 (two codes a
 byte, fp32 absmax per group). Quantized tiles are decoded in fp32 exactly as `weights/quant.py`'s
 dequantizers compute and rounded to the activations' dtype: the dot sees the dequantized weights' values
 (in tiles twice as wide along K, so its sums run in another order than the dense kernel's)."""
@@ -361,7 +361,7 @@ class ExpertWeights:
                 qt = QuantizedTensor("nf4", (N, K), {"q": q.reshape(-1), "absmax": s.reshape(-1)},
                                      {"group_size": self.group, "double_quant": False})
             elif self.fmt in ("int8", "fp8"):
-                grouped = self.fmt == "int8" and self.group != K
+                grouped = self.group != K
                 qt = QuantizedTensor(self.fmt, (N, K), {"q": q, "scale": s if grouped else s[:, 0]},
                                      {"group_size": self.group} if grouped else {})
             else:

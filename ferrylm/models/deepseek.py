@@ -57,10 +57,6 @@ class DeepseekShape:
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> "DeepseekShape":
         raw, v3 = cfg.raw, cfg.model_type == "deepseek_v3"
-        quant = (raw.get("quantization_config") or {}).get("quant_method")
-        if quant:  # DeepSeek-V3's release is block-wise FP8 with weight_scale_inv tensors
-            raise ConfigError(f"quantization_config.quant_method {quant!r} checkpoints are not supported; "
-                              "convert the weights to bf16 first")
         method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
         allowed = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
         if method not in allowed:

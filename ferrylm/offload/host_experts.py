@@ -14,7 +14,7 @@ them ahead), over views of the bank's own bytes:
   store's layout at the int4 kernel's speed (re-laying per call costs ~10x the matmul), hence the swap;
 - int8 per channel -> `Int8PackCPU` on the bank's codes (only the scales are converted, to bf16);
 - nf4, fp8, group-wise int8, odd-sized int4 -> `RowBlocks`: rows decoded a few MB at a time into bf16
-  for the GEMM (fp8: exactly, by moving bits, the fp32 scale on the output).
+  for the GEMM (fp8: exactly, by moving bits, the fp32 scale on the output; group-wise fp8 on the values).
 
 `rows(x, ids, weights, out)` computes the weighted output of every assignment whose expert id is >= 0 in
 `ids` (the caller marks the assignments it keeps with -1) into `out`'s rows, in the layout of
@@ -98,6 +98,8 @@ def side_kernel(side, e: int, laid: bool = False):
         # rows [a, a + c) -> [c, K] bf16, the values `weights/quant.py`'s dequantizers give (fp32, then rounded)
         if fmt == "int8":  # group-wise: w = d * q
             w = q[a:a + c].float().view(c, -1, gs).mul_(s[a:a + c].float()[..., None])
+        elif fmt == "fp8":  # group-wise (block-wise FP8 checkpoints): e4m3 -> bf16 exactly, then the group's scale
+            w = fp8_to_bf16(q[a:a + c]).float().view(c, -1, gs).mul_(s[a:a + c].float()[..., None])
         elif fmt == "nf4":  # a byte -> its two levels as one 8-byte word; index_select takes int32 indices
             words = Q._NF4_PAIR_WORDS.index_select(0, q[a:a + c].reshape(-1).int())  # [c * K/2] fp64 pairs
             w = words.view(torch.float32).view(c, -1, gs).mul_(s[a:a + c].float()[..., None])

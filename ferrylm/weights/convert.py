@@ -217,10 +217,14 @@ def convert(src: str, dst: str, opts: ConvertOptions | None = None, progress: bo
             files = tokenizer_files(src, source)
             # the tokenizer reads config.json too (architecture-specific special tokens, bos fallback)
             cfg_file = os.path.join(src, "config.json")
+            config = source.config
+            if "quantization_config" in config:  # (block-wise FP8: the store's own manifest says how each is kept)
+                config = {k: v for k, v in config.items() if k != "quantization_config"}
+                files["config.json"] = json.dumps(config, indent=1).encode()
             if os.path.isfile(cfg_file):
                 with open(cfg_file, "rb") as f:
                     files.setdefault("config.json", f.read())
-            files.setdefault("config.json", json.dumps(source.config, indent=1).encode())
+            files.setdefault("config.json", json.dumps(config, indent=1).encode())
             if not any(f in files for f in ("tokenizer.json", "tokenizer.model")):
                 log.warning("%s: no tokenizer files found; the store will need --tokenizer", src)
             with _Progress(progress, sum(len(ns) for _, ns in groups)) as bar:
@@ -242,7 +246,7 @@ def convert(src: str, dst: str, opts: ConvertOptions | None = None, progress: bo
                     "quantization": {"scheme": opts.quant, "group_size": opts.group_size,
                                      "double_quant": opts.double_quant,
                                      "keep_high_precision": list(HIGH_PRECISION + tuple(opts.keep_high_precision))}}
-            manifest = writer.commit(source.config, meta)
+            manifest = writer.commit(config, meta)
         except BaseException:
             writer.abort()  # KeyboardInterrupt and bugs too: never leave a temporary store behind
             raise

@@ -13,7 +13,9 @@ faster kernel is checked against:
   "sym", whose largest-magnitude value maps to -8 so the other end clamps at +7.
 - `fp8`: per-output-channel FP8 e4m3 (`torch.float8_e4m3fn`, max 448). scale[n] = absmax(row n) / 448.
   Bound: |w - deq| <= max(2**-4 * |w|, 2**-10 * scale[n]) (half an ulp of a 3-bit mantissa; half the
-  smallest subnormal near zero).
+  smallest subnormal near zero). With `group_size` (2-D weights): one fp32 scale per `group_size` values of a
+  row, scale [N, G]; `from_fp8_blocks` reads the block-wise FP8 of DeepSeek-V3's and Qwen3's FP8 releases
+  (one scale per 128 x 128 block) into that layout exactly.
 - `nf4`: group-wise 4-bit NormalFloat (QLoRA's 16 levels) over the row-major flattened weight, one fp32
   absmax per group of `group_size` (64 or 128) values. Optional double quantization stores the absmaxes
   as int8 around their mean with one fp32 scale per 256 groups (QLoRA's 8-bit second level).
@@ -76,7 +78,8 @@ class QuantizedTensor:
     shape: tuple[int, ...]
     """Logical (dequantized) shape, e.g. [N, K]."""
     parts: dict[str, torch.Tensor]
-    """int8/fp8: q [N, K] (int8 / uint8 bits of e4m3), scale [N] fp32.
+    """int8/fp8: q [N, K] (int8 / uint8 bits of e4m3), scale [N] fp32 (group-wise: [N, K/group_size], int8 fp16,
+    fp8 fp32).
     nf4: q [ceil(M/G_size)*G_size/2] uint8 (two codes per byte, low nibble first), and either
     absmax [G] fp32 or (double-quantized) absmax_q [G] int8, absmax_scale [B] fp32, absmax_mean [1] fp32.
     int8 with group_size: q [N, K] int8, scale [N, K/gs] fp16.
@@ -227,7 +230,13 @@ def _dequant_int4(qt: QuantizedTensor) -> torch.Tensor:
 
 # -- FP8 e4m3 per channel --------------------------------------------------------------------------
 
-def quantize_fp8(w: torch.Tensor) -> QuantizedTensor:
+def quantize_fp8(w: torch.Tensor, group_size: int | None = None) -> QuantizedTensor:
+    if group_size:
+        g = _groups(w, group_size)  # [N, G, gs]
+        amax = g.abs().amax(dim=-1)
+        d = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [N, G] fp32
+        q = (g / d[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8).view(w.shape)
+        return QuantizedTensor("fp8", tuple(w.shape), {"q": q, "scale": d}, {"group_size": group_size}, w.dtype)
     w2 = _rows(w.float())  # [N, K]
     scale = _channel_scale(w2, FP8_MAX)  # [N]
     q = (w2 / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -237,7 +246,37 @@ def quantize_fp8(w: torch.Tensor) -> QuantizedTensor:
 def _dequant_fp8(qt: QuantizedTensor) -> torch.Tensor:
     q = qt.parts["q"]  # [N, K] e4m3 bits
     vals = torch.take(_lut("fp8", _FP8_VALUES, q.device), q.long())  # [N, K] fp32
+    if "group_size" in qt.params:
+        n, k = qt.shape
+        return vals.view(n, -1, qt.params["group_size"]).mul_(qt.parts["scale"].float()[..., None]).view(n, k)
     return vals.mul_(qt.parts["scale"][:, None]).reshape(qt.shape)
+
+
+def fp8_block_dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                         dtype: torch.dtype) -> torch.Tensor:
+    """A block-wise FP8 weight as DeepSeek-V3 and Qwen3 FP8 checkpoints store it (e4m3 `weight` [N, K],
+    fp32 `weight_scale_inv` [ceil(N/bn), ceil(K/bk)], w = e4m3 value * scale of its block), dense in `dtype`:
+    the fp32 product, then rounded, as `from_fp8_blocks(...).dequantize(dtype)` gives it."""
+    n, k = w.shape
+    bn, bk = block
+    s = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    vals = torch.take(_lut("fp8", _FP8_VALUES, w.device), w.view(torch.uint8).long())  # [N, K] fp32
+    return vals.mul_(s).to(dtype)
+
+
+def from_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                    dtype: torch.dtype) -> QuantizedTensor | None:
+    """A block-wise FP8 weight (see `fp8_block_dequantize`) as a group-wise `fp8` QuantizedTensor: the same
+    codes, each block's scale repeated over its rows (groups of bk along K), so it dequantizes to exactly the
+    same values. None when K is no multiple of bk (a row would end in a part group)."""
+    if w.dim() != 2 or scale_inv.dim() != 2:
+        return None
+    n, k = w.shape
+    bn, bk = block
+    if k % bk or scale_inv.shape != (-(-n // bn), k // bk):
+        return None
+    scale = scale_inv.float().repeat_interleave(bn, 0)[:n].contiguous()  # [N, K/bk]
+    return QuantizedTensor("fp8", (n, k), {"q": w.view(torch.uint8), "scale": scale}, {"group_size": bk}, dtype)
 
 
 # -- NF4 group-wise --------------------------------------------------------------------------------
@@ -338,7 +377,11 @@ def error_bound(w: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
     if qt.scheme == "int8":
         return (qt.parts["scale"][:, None] / 2).expand(_rows(w).shape).reshape(w.shape) * 1.0001 + eps
     if qt.scheme == "fp8":
-        scale = qt.parts["scale"][:, None].expand(_rows(w).shape).reshape(w.shape)
+        if "group_size" in qt.params:
+            gs = qt.params["group_size"]
+            scale = qt.parts["scale"].float()[..., None].expand(*qt.parts["scale"].shape, gs).reshape(w.shape)
+        else:
+            scale = qt.parts["scale"][:, None].expand(_rows(w).shape).reshape(w.shape)
         return torch.maximum(w.abs() * 2.0 ** -4, scale * 2.0 ** -10) * 1.0001 + eps
     gs = qt.params["group_size"]
     m = w.numel()

@@ -41,8 +41,18 @@ class WeightSource(ABC):
         self.close()
 
 
+FP8_SCALE_SUFFIX = ".weight_scale_inv"
+
+
 class SafetensorsSource(WeightSource):
-    """An HF model directory: config.json plus one or more *.safetensors (sharded or not)."""
+    """An HF model directory: config.json plus one or more *.safetensors (sharded or not).
+
+    A checkpoint whose `quantization_config` says block-wise FP8 (`quant_method` "fp8" with `weight_block_size`,
+    as DeepSeek-V3 and the Qwen3 FP8 releases ship: e4m3 `weight` plus fp32 `weight_scale_inv` per block) hands
+    its FP8 weights out packed (`get_quantized`: group-wise `fp8`, exactly the same values) and dense in the
+    model dtype through `get`; the scale tensors are not names of their own. Activations stay in the model
+    dtype (weight-only, as on GPUs without FP8 tensor cores): the reference's dynamic per-token FP8 activations
+    are not emulated. Any other `quant_method` is refused by name."""
 
     def __init__(self, path: str):
         from safetensors import safe_open
@@ -73,21 +83,58 @@ class SafetensorsSource(WeightSource):
             self._handles[fname] = h
             for k in h.keys():
                 self._where[k] = fname
+        self.fp8_block = _fp8_block(path, self.config)
+        self._scales = {}  # FP8 weight name -> its weight_scale_inv's name
+        if self.fp8_block:
+            for k in self._where:
+                if k.endswith(FP8_SCALE_SUFFIX):
+                    self._scales[k[: -len(FP8_SCALE_SUFFIX)] + ".weight"] = k
 
     def keys(self) -> list[str]:
-        return list(self._where)
+        return [k for k in self._where if not k.endswith(FP8_SCALE_SUFFIX)] if self._scales else list(self._where)
 
-    def get(self, name: str) -> torch.Tensor:
+    def _raw(self, name: str) -> torch.Tensor:
         try:
             fname = self._where[name]
         except KeyError:
             raise ModelLoadError(f"{self.path}: checkpoint has no tensor {name!r}") from None
         return self._handles[fname].get_tensor(name)
 
+    def get(self, name: str) -> torch.Tensor:
+        if name in self._scales:
+            from ferrylm.weights.quant import fp8_block_dequantize
+
+            return fp8_block_dequantize(*self._fp8(name), self.fp8_block, self.dtype)
+        return self._raw(name)
+
+    def get_quantized(self, name: str):
+        """A block-wise FP8 weight as a group-wise `fp8` QuantizedTensor (None for every other tensor, and for
+        an FP8 weight whose rows are no multiple of the block: `get` dequantizes that one)."""
+        if name not in self._scales:
+            return None
+        from ferrylm.weights.quant import from_fp8_blocks
+
+        return from_fp8_blocks(*self._fp8(name), self.fp8_block, self.dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype FP8 weights dequantize to: config.json's `torch_dtype` (bf16 where it names none)."""
+        name = self.config.get("torch_dtype") or self.config.get("dtype") or "bfloat16"
+        dt = getattr(torch, str(name), None)
+        return dt if isinstance(dt, torch.dtype) and dt.is_floating_point and dt.itemsize >= 2 else torch.bfloat16
+
+    def _fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        w, s = self._raw(name), self._raw(self._scales[name])
+        bn, bk = self.fp8_block
+        if w.dtype != torch.float8_e4m3fn or w.dim() != 2 or s.shape != (-(-w.shape[0] // bn), -(-w.shape[1] // bk)):
+            raise ModelLoadError(f"{self.path}: {name!r} is {w.dtype} {tuple(w.shape)} with scales {tuple(s.shape)}: "
+                                 f"not block-wise FP8 e4m3 in blocks of {bn} x {bk}")
+        return w, s
+
     def get_part(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
         """`get(name).narrow(dim, start, length)`, reading only those bytes (a tensor-parallel rank's slice)."""
-        if name not in self._where:
-            return self.get(name)  # raises the missing-tensor error
+        if name not in self._where or name in self._scales:
+            return self.get(name).narrow(dim, start, length)  # (or the missing-tensor error)
         sl = self._handles[self._where[name]].get_slice(name)
         index = [slice(None)] * len(sl.get_shape())
         index[dim] = slice(start, start + length)
@@ -95,6 +142,27 @@ class SafetensorsSource(WeightSource):
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def _fp8_block(path: str, config: dict) -> tuple[int, int] | None:
+    """The FP8 block shape a checkpoint's `quantization_config` declares, None where it declares none; any other
+    quantization method (GPTQ, AWQ, bitsandbytes, compressed-tensors, ...) is refused by name."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "fp8":
+        raise ModelLoadError(f"{path}: quantization_config.quant_method {method!r} checkpoints are not supported "
+                             "(block-wise 'fp8' is); load the unquantized checkpoint, or convert it with "
+                             "`ferry convert --quant` for a packed store")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelLoadError(f"{path}: fp8 quantization_config without a weight_block_size of two positive "
+                             f"integers ({block!r}): only block-wise FP8 checkpoints are supported")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ModelLoadError(f"{path}: fp8 activation_scheme {qc.get('activation_scheme')!r}: only 'dynamic' "
+                             "checkpoints (no input scales) are supported")
+    return int(block[0]), int(block[1])
 
 
 def _weight_files(path: str) -> list[str]:

@@ -1,0 +1,149 @@
+"""Block-wise FP8 checkpoints, the format of DeepSeek-V3's and the Qwen3 FP8 releases (`quantization_config`
+{"quant_method": "fp8", "weight_block_size": [bn, bk]}: e4m3 `weight` [N, K] and an fp32 `weight_scale_inv`
+[ceil(N/bn), ceil(K/bk)] per Linear of the decoder layers). Built here from transformers models: every decoder
+Linear but the router block-quantized as those releases are, beside the same weights dequantized in fp32 (the
+reference). ferrylm on the FP8 directory gives exactly the logits it gives on the dequantized one, and matches
+transformers on those weights; the FP8 weights whose rows are a multiple of bk stay packed."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ferrylm import LLM, SamplingParams  # noqa: E402
+from ferrylm.errors import ModelLoadError  # noqa: E402
+from ferrylm.weights import quant  # noqa: E402
+from ferrylm.weights.source import SafetensorsSource, open_source  # noqa: E402
+
+from helpers import capture_logits  # noqa: E402
+from test_models import DEEPSEEK, build, compare, prompts_of  # noqa: E402
+
+BLOCK = (16, 16)
+"""The releases use 128 x 128; these models are 24-112 wide, so 16 x 16 gives full blocks, part blocks along N (40
+rows) and a K that is no multiple of the block (q_b_proj's 24: dequantized at load)."""
+
+
+def fp8_blocks(w: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 codes [N, K], fp32 scale_inv [ceil(N/bn), ceil(K/bk)]): each block's absmax to 448."""
+    n, k = w.shape
+    bn, bk = block
+    pad = torch.nn.functional.pad(w.float(), (0, (-k) % bk, 0, (-n) % bn))
+    blocks = pad.view(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk)
+    amax = blocks.abs().amax(dim=(1, 3))
+    s = torch.where(amax > 0, amax / quant.FP8_MAX, torch.ones_like(amax))
+    codes = (w.float() / s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]).to(torch.float8_e4m3fn)
+    return codes, s
+
+
+def quantized(name: str, t: torch.Tensor) -> bool:
+    """What the releases block-quantize: the decoder layers' 2-D Linear weights, not norms or routers."""
+    return (".layers." in name and name.endswith(".weight") and t.dim() == 2 and not name.endswith("mlp.gate.weight"))
+
+
+def fp8_pair(tmp_path_factory, family: str) -> tuple[str, str, object]:
+    """(FP8 checkpoint dir, dequantized fp32 dir, transformers model on the dequantized weights)."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = build(tmp_path_factory, f"{family}-fp8-src", *DEEPSEEK[family])
+    tensors = load_file(str(Path(path) / "model.safetensors"))
+    fp8, deq = {}, {}
+    for name, t in tensors.items():
+        if quantized(name, t):
+            codes, s = fp8_blocks(t)
+            fp8[name], fp8[name.removesuffix(".weight") + ".weight_scale_inv"] = codes, s
+            deq[name] = quant.fp8_block_dequantize(codes, s, BLOCK, torch.float32)
+        else:
+            fp8[name] = deq[name] = t
+    dirs = []
+    for kind, tens in (("fp8", fp8), ("deq", deq)):
+        d = tmp_path_factory.mktemp(f"{family}-{kind}")
+        for f in Path(path).iterdir():
+            if f.name != "model.safetensors":
+                shutil.copy(f, d / f.name)
+        save_file(tens, str(d / "model.safetensors"), metadata={"format": "pt"})
+        dirs.append(d)
+    cfg = json.loads((dirs[0] / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(BLOCK), "activation_scheme": "dynamic",
+                                  "fmt": "e4m3"}
+    (dirs[0] / "config.json").write_text(json.dumps(cfg))
+    ref = getattr(transformers, DEEPSEEK[family][1]).from_pretrained(str(dirs[1]), dtype=torch.float32).eval()
+    return str(dirs[0]), str(dirs[1]), ref
+
+
+def logits(llm, prompts) -> list[torch.Tensor]:
+    with capture_logits(llm.engine) as got:
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    rows: dict[int, list] = {}
+    for sid, row in got:
+        rows.setdefault(sid, []).append(row.float())
+    return [torch.stack(v) for _, v in sorted(rows.items())]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3"])
+def test_fp8_checkpoint_equals_its_dequantized_weights(family, tmp_path_factory):
+    fp8, deq, ref = fp8_pair(tmp_path_factory, family)
+    src = open_source(fp8)
+    assert isinstance(src, SafetensorsSource) and src.fp8_block == BLOCK
+    assert not any(k.endswith("weight_scale_inv") for k in src.keys())
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"  # [64, 32]: packed, exactly the dequantized values
+    qt = src.get_quantized(name)
+    assert qt.scheme == "fp8" and qt.params == {"group_size": BLOCK[1]} and qt.parts["q"].dtype == torch.uint8
+    assert torch.equal(qt.dequantize(torch.float32), src.get(name))
+    assert src.get_quantized("model.layers.0.self_attn.q_b_proj.weight") is None  # K = 24: dense through get
+    assert src.get_quantized("model.embed_tokens.weight") is None
+    prompts = prompts_of(11, 19)
+    got = LLM(fp8, dtype="float32", max_num_seqs=4)
+    packed = [n for n, m in got.engine.runner.model.named_modules() if getattr(m, "packed_shards", None)]
+    assert "model.layers.0.self_attn.o_proj" in packed and "model.layers.0.self_attn.q_b_proj" not in packed
+    a, b = logits(got, prompts), logits(LLM(deq, dtype="float32", max_num_seqs=4), prompts)
+    worst = max((x - y).abs().max().item() for x, y in zip(a, b))
+    print(f"{family} FP8 blocks {BLOCK} vs the same weights dequantized: max |logit diff| {worst:.3e}; "
+          f"{len(packed)} Linears kept packed")
+    assert worst == 0.0
+    compare(f"{family}-fp8", fp8, ref, prompts)  # and transformers on the dequantized weights
+
+
+def test_fp8_checkpoint_converts_to_a_store_that_keeps_it_packed(tmp_path_factory):
+    from ferrylm.weights.convert import ConvertOptions, convert
+
+    fp8, deq, _ = fp8_pair(tmp_path_factory, "deepseek_v3")
+    store = str(tmp_path_factory.mktemp("fp8-store") / "s")
+    report = convert(fp8, store, ConvertOptions())
+    assert report.packed > 0
+    src = open_source(store)
+    assert "quantization_config" not in src.config
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    assert torch.equal(src.get_quantized(name).dequantize(torch.float32), open_source(fp8).get(name))
+    prompts = prompts_of(9)
+    a = logits(LLM(store, dtype="float32"), prompts)
+    b = logits(LLM(deq, dtype="float32"), prompts)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("qc,match", [({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
+                                      ({"quant_method": "fp8"}, "weight_block_size"),
+                                      ({"quant_method": "fp8", "weight_block_size": [16, 16],
+                                        "activation_scheme": "static"}, "activation_scheme 'static'")])
+def test_unsupported_quantization_configs_are_named(qc, match, tmp_path_factory):
+    path, _ = build(tmp_path_factory, "llama-qc", "LlamaConfig", "LlamaForCausalLM", {})
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    (Path(path) / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    with pytest.raises(ModelLoadError, match=match):
+        LLM(path)
+
+
+def test_fp8_weight_with_wrong_scales_is_named(tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    fp8, _, _ = fp8_pair(tmp_path_factory, "deepseek_v3")
+    f = Path(fp8) / "model.safetensors"
+    t = load_file(str(f))
+    bad = "model.layers.0.mlp.up_proj.weight_scale_inv"
+    t[bad] = t[bad][:1]
+    save_file(t, str(f), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="up_proj.weight.*not block-wise FP8"):
+        LLM(fp8, dtype="float32")

@@ -397,6 +397,32 @@ def test_packed_experts_resident_and_offloaded(scheme, group, tmp_path_factory, 
     assert all(torch.equal(a, b) for a, b in zip(res, got))
 
 
+def test_fp8_checkpoint_packed_on_cuda(tmp_path_factory):
+    """A block-wise FP8 checkpoint (DeepSeek-V3's format, tests/test_fp8_checkpoint.py) on CUDA: experts kept packed
+    as group-wise fp8 (the fused kernel) and Linears packed (`packed_linear`), close to the same weights
+    dequantized (the plain path: `dequantize=True`) over the same contexts; offloaded equal to resident bit for bit."""
+    from test_fp8_checkpoint import fp8_pair
+
+    fp8, _, _ = fp8_pair(tmp_path_factory, "deepseek_v3")
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (70, 3, 17)]
+    kw = dict(device="cuda", dtype="bfloat16", enforce_eager=True)
+    ref_out, ref = sampled_rows(LLM(fp8, dequantize=True, **kw), prompts, 12)
+    resident = LLM(fp8, **kw)
+    banks = [m for m in resident.engine.runner.model.modules() if getattr(m, "packed", None) is not None]
+    assert banks and all(b.packed[0].fmt == "fp8" and b.packed[0].group == 16 for b in banks)
+    res_out, res = sampled_rows(resident, prompts, 12)
+    worst, diverged = worst_while_equal(ref_out, ref, res_out, res)
+    print(f"FP8 checkpoint packed (fused kernel, packed Linears) vs dequantized: max |logit diff| = {worst:.3e} "
+          f"over the same contexts ({diverged} sequences flipped a token)")
+    assert worst < 0.1
+    off = LLM(fp8, place=("experts=cpu", "layers.1.experts.0=gpu"), experts="gpu", **kw)
+    off_out, got = sampled_rows(off, prompts, 12)
+    assert off.engine.runner.placed.stats.expert_misses > 0
+    assert token_ids(off_out) == token_ids(res_out)
+    assert all(torch.equal(a, b) for a, b in zip(res, got))
+
+
 def test_packed_dense_layers_streamed_equal_resident(tmp_path_factory):
     """A quantized store's streamed layers cross PCIe packed and are dequantized on the device: the same
     bits as the resident packed run."""

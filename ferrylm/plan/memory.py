@@ -84,6 +84,10 @@ class WeightFormat:
     expert_quant: str | None = None
     """The experts' scheme when it differs from `quant` (e.g. a store whose experts alone are NF4); None:
     `quant`'s."""
+    fp8_block: int | None = None
+    """A block-wise FP8 checkpoint (DeepSeek-V3, Qwen3 FP8; `quant` "fp8"): its blocks' width along K. Its FP8
+    weights load as fp8 row groups of that many with an fp32 scale each (`weights/quant.from_fp8_blocks`); a
+    weight whose rows are no multiple of it is dequantized at load."""
 
     @property
     def experts_scheme(self) -> str | None:
@@ -95,12 +99,24 @@ class WeightFormat:
         if self.quant is None or len(shape) < 2:
             return dense
         n = stored_bytes(name, tuple(shape), self.quant, self.group_size)
+        if n is not None and self.fp8_block and self.quant == "fp8":
+            n = fp8_block_bytes(shape, self.fp8_block)
         return dense if n is None else n
 
     def expert_bytes(self, inter: int, hidden: int) -> int | None:
         """Bytes of one packed expert, None: the engine holds this bank dense."""
         s = self.experts_scheme
+        if s == "fp8" and self.fp8_block:
+            parts = [fp8_block_bytes(shape, self.fp8_block) for shape in ((inter, hidden), (inter, hidden), (hidden, inter))]
+            return None if None in parts else sum(parts)
         return None if s is None else packed_expert_bytes(inter, hidden, s, self.group_size)
+
+
+def fp8_block_bytes(shape: tuple[int, ...], block_k: int) -> int | None:
+    """Bytes a block-wise FP8 weight [N, K] keeps loaded (e4m3 codes, an fp32 scale per row and block of K), None
+    where it is dequantized at load (K no multiple of the block)."""
+    n, k = shape
+    return None if k % block_k else n * k + n * (k // block_k) * 4
 
 
 def meta_model(cfg: ModelConfig | dict, dtype: str = "bfloat16") -> nn.Module:

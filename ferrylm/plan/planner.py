@@ -18,6 +18,7 @@ from ferrylm.offload.memory import (activation_reserve, cublas_workspace_bytes, 
                                    graph_tokens, kv_after_warmup, size_memory, step_bound, warmup_activations)
 from ferrylm.offload.placement import GPU, HOST, TensorGroup
 from ferrylm.plan import catalog, estimate, hardware, hit_rate, quality
+from ferrylm.weights.source import fp8_block
 from ferrylm.plan.memory import (DTYPE_BYTES, LOAD_WORKSPACE_BYTES, QUANT_SCHEMES, WeightFormat, analytical_groups,
                                  analytical_kv_bytes_per_token, kv_bytes_per_block, kv_pool, meta_model, param_count,
                                  rope_table_bytes, state_bytes_per_seq, step_activation_bytes, summarize,
@@ -167,7 +168,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         raise ConfigError(f"--experts {opts.experts!r}: choose auto, gpu or cpu")
     if opts.cpu_share is not None and not 0 <= opts.cpu_share <= 1:
         raise ConfigError(f"--cpu-share {opts.cpu_share}: a share between 0 and 1")
-    fmt = WeightFormat(opts.dtype, opts.quant, expert_quant=opts.expert_quant)
+    block = fp8_block(name, cfg)  # a block-wise FP8 checkpoint: counted as it loads, unless planned as a store
+    fmt = (WeightFormat(opts.dtype, "fp8", expert_quant=opts.expert_quant, fp8_block=block[1])
+           if block and not opts.quant else WeightFormat(opts.dtype, opts.quant, expert_quant=opts.expert_quant))
     graphs_family = piecewise = False
     fused_moe = opts.dtype in ("bfloat16", "float16")  # `FusedExperts.supports_tensors` on a CUDA device
     try:
@@ -545,9 +548,14 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
 
             notes.append(f"{fmt.experts_scheme} experts are dequantized at load (the engine keeps only "
                          f"{' / '.join(sorted(ENGINE_PACKED_FORMATS))} experts packed): counted dense")
-    if opts.quant:
-        if opts.quant == "fp8" and not gpu.fp8:
-            notes.append(f"{gpu.name} has no FP8 tensor cores: fp8 weights can only be stored, not computed")
+    if fmt.fp8_block:
+        notes.append(f"block-wise FP8 checkpoint (blocks of {block[0]} x {block[1]}): its FP8 weights stay packed as "
+                     f"they load (e4m3 codes plus an fp32 scale per row and {block[1]} columns, 3% over the codes; "
+                     "weights whose rows are no multiple of the block dequantized), decoded to "
+                     f"{opts.dtype} in the kernels' tiles; activations stay {opts.dtype}")
+    if fmt.quant == "fp8" and not gpu.fp8:
+        notes.append(f"{gpu.name} has no FP8 tensor cores: fp8 weights are stored and moved packed and decoded to "
+                     f"{opts.dtype} in the kernels' tiles (weight-only), as on GPUs that have them")
     qual = []
     for flag, scheme in (("--quant", opts.quant), ("--expert-quant", opts.expert_quant)):
         if scheme:

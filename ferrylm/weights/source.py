@@ -83,7 +83,7 @@ class SafetensorsSource(WeightSource):
             self._handles[fname] = h
             for k in h.keys():
                 self._where[k] = fname
-        self.fp8_block = _fp8_block(path, self.config)
+        self.fp8_block = fp8_block(path, self.config)
         self._scales = {}  # FP8 weight name -> its weight_scale_inv's name
         if self.fp8_block:
             for k in self._where:
@@ -144,7 +144,7 @@ class SafetensorsSource(WeightSource):
         self._handles.clear()
 
 
-def _fp8_block(path: str, config: dict) -> tuple[int, int] | None:
+def fp8_block(path: str, config: dict) -> tuple[int, int] | None:
     """The FP8 block shape a checkpoint's `quantization_config` declares, None where it declares none; any other
     quantization method (GPTQ, AWQ, bitsandbytes, compressed-tensors, ...) is refused by name."""
     qc = config.get("quantization_config")

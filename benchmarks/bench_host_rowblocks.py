@@ -9,7 +9,7 @@ GB/s of its bytes as held.
 `--threads 1 2 4 8 16` repeats every path at each torch thread count (the split pools sized to match): how each
 path scales with cores.
 
-    PYTHONPATH=. python benchmarks/bench_host_rowblocks.py [--formats bf16 nf4 fp8 int8-g64 int4 int8] [--experts 2]
+    PYTHONPATH=. python benchmarks/bench_host_rowblocks.py [--formats bf16 nf4 fp8 fp8-g128 int8-g64 int4 int8] [--experts 2]
         [--threads N ...]"""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ferrylm.offload.host_experts import HostExperts
 from ferrylm.weights import quant as Q
 
 MAKE = {"bf16": None, "nf4": lambda t: Q.quantize_nf4(t, 64), "fp8": Q.quantize_fp8,
+        "fp8-g128": lambda t: Q.quantize_fp8(t, 128),  # block-wise FP8 checkpoints as they load
         "int8-g64": lambda t: Q.quantize_int8(t, 64),
         "int4": lambda t: Q.quantize_int4(t, 32, "sym"), "int8": Q.quantize_int8}
 

@@ -390,3 +390,64 @@ def test_c_thread_pool_under_concurrent_callers():
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a C-pool call hung"
     assert not bad
+
+
+@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
+def test_fp8_gemv_reads_every_code_exactly():
+    """`gemv_fp8` turns each of the 254 finite e4m3 codes into exactly its value (subnormals included); the two NaN
+    codes read as +-480, as the host's `fp8_to_bf16` reads them."""
+    q = torch.arange(256, dtype=torch.uint8).view(1, 256)
+    vals = []
+    for k0 in range(0, 256, 16):
+        x = torch.zeros(16, 256, dtype=torch.bfloat16)
+        x[torch.arange(16), k0 + torch.arange(16)] = 1
+        vals.append(hn.gemv_fp8(x, q, torch.ones(1, 1), 256, torch.empty(16, 1))[:, 0])
+    vals, ref = torch.cat(vals), Q._FP8_VALUES
+    finite = ~torch.isnan(ref)
+    assert torch.equal(vals[finite], ref[finite]) and vals[0x7F] == 480 and vals[0xFF] == -480
+
+
+@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 9, 16])
+@pytest.mark.parametrize("group", [32, 128, None])
+def test_fp8_gemv_equals_torch(T, group):
+    """Per channel (None) and group-wise fp8 (block-wise FP8 checkpoints load as groups of 128): fp32 sums of exact
+    products, each group's sum times its scale; the C pool's threads give the same bits."""
+    torch.manual_seed(T)
+    N, K = 203, 384
+    w = torch.randn(N, K) * .05
+    qt = Q.quantize_fp8(w, group)
+    scale = qt.parts["scale"].float().view(N, -1).contiguous()
+    x = torch.randn(T, K).to(torch.bfloat16)
+    got = hn.gemv_fp8(x, qt.parts["q"], scale, group or K, torch.empty(T, N))
+    _close(got, x.float() @ qt.dequantize(torch.float32).t(), x, qt.dequantize(torch.float32))
+    assert torch.equal(hn.gemv_fp8(x, qt.parts["q"], scale, group or K, torch.empty(T, N), threads=2, chunk=7), got)
+    with pytest.raises(ValueError, match="fp8 GEMV"):
+        hn.gemv_fp8(x.float(), qt.parts["q"], scale, group or K, torch.empty(T, N))
+
+
+@pytest.mark.parametrize("group", [None, 64])
+def test_row_blocks_fp8_native_equals_plain(group, monkeypatch):
+    """An fp8 host expert side (per channel, and group-wise) by "native" against its plain decode-then-GEMM path:
+    the native one multiplies the exact e4m3 values and applies the scale to fp32 sums, the plain one rounds each
+    weight (group-wise) or the output (per channel) to bf16, so they agree within bf16's rounding."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.offload.host_experts import side_kernel
+
+    torch.manual_seed(2)
+    N, K = 320, 256
+    side = ExpertWeights.stack([[Q.quantize_fp8(torch.randn(N, K) * .05, group)] for _ in range(2)], torch.bfloat16)
+    kern = side_kernel(side, 1)
+    assert kern.fp8 is not None
+    for T in (1, 6):
+        x = torch.randn(T, K, dtype=torch.bfloat16)
+        monkeypatch.setattr(C, "row_blocks_gemm", "plain")
+        plain = kern(x)
+        monkeypatch.setattr(C, "row_blocks_gemm", "native")
+        calls = _counting(monkeypatch, "gemv_fp8")
+        got = kern(x)
+        assert calls if hn.nf4_bf16() else not calls
+        assert (got.float() - plain.float()).abs().max() <= 2 ** -7 * plain.float().abs().max()
+        monkeypatch.setattr(C, "native_c_threads", False)
+        assert torch.equal(kern(x), got)
+        monkeypatch.setattr(C, "native_c_threads", True)

@@ -356,10 +356,13 @@ class RowBlocks:
     name = "row-blocks"
 
     def __init__(self, shape: tuple[int, int], decode: Callable[[int, int], torch.Tensor], nbytes: int,
-                 out_scale: torch.Tensor | None = None, nf4: tuple | None = None):
+                 out_scale: torch.Tensor | None = None, nf4: tuple | None = None, fp8: tuple | None = None):
         self.shape, self.decode, self.nbytes, self.out_scale = tuple(shape), decode, nbytes, out_scale
         self.nf4 = nf4
         """NF4 weights: (codes [N, K/2] uint8, absmax [N, K/group] fp32, group), what "native" reads."""
+        self.fp8 = fp8
+        """fp8 weights: (codes [N, K] uint8, scales [N, K/group] fp32, group; K: per channel), what "native" reads
+        (`host_native.gemv_fp8`: the scales inside, so `out_scale` is not applied on that path)."""
         self.block = max(16, ROW_BLOCK_BYTES // (2 * shape[1]) // 16 * 16)
         self._splits: dict[int, SplitRows] = {}
 
@@ -384,10 +387,28 @@ class RowBlocks:
                          self.nbytes * c // self.shape[0], out_scale=scale)
 
     def native_rows(self, a: int, c: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        """Rows [a, a + c) by the native NF4 GEMV: x32 (`host_native.nf4_x`) -> [T, c] fp32."""
+        """Rows [a, a + c) by the native GEMV: x as `native_x` makes it -> [T, c] fp32."""
+        if self.fp8 is not None:
+            q, scale, group = self.fp8
+            q, scale = q[a:a + c], scale[a:a + c]
+            return lambda xb: host_native.gemv_fp8(xb, q, scale, group, torch.empty(xb.shape[0], c))
         q, absmax, group = self.nf4
         q, absmax = q[a:a + c], absmax[a:a + c]
         return lambda x32: host_native.gemv_nf4(x32, q, absmax, group, _NF4_LEVELS32, torch.empty(x32.shape[0], c))
+
+    def native_ok(self, T: int) -> bool:
+        """Whether the native GEMV can take these weights at T tokens here."""
+        if T > host_native.MAX_TOKENS or not host_native.available():
+            return False
+        if self.fp8 is not None:
+            return host_native.nf4_bf16()
+        return self.nf4 is not None and self.out_scale is None
+
+    def native_x(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] as the native GEMV reads it, made once a call."""
+        if self.fp8 is not None:
+            return x.to(torch.bfloat16).contiguous()
+        return host_native.nf4_x(x, self.nf4[2])
 
     def native(self, threads: int) -> SplitRows:
         """The native NF4 GEMV over chunks of rows on `threads` workers (x32 -> [T, N] fp32), built once."""
@@ -402,15 +423,19 @@ class RowBlocks:
         g = gemm_at("row_blocks_gemm", T)
         if g == "plain":
             return self.plain(x)
-        if (g == "native" and self.nf4 is not None and T <= host_native.MAX_TOKENS and self.out_scale is None
-                and host_native.available()):
-            x32 = host_native.nf4_x(x, self.nf4[2])
+        if g == "native" and self.native_ok(T):
+            x32 = self.native_x(x)
             if threads > 1 and native_c_threads:  # the whole matrix in one call on the C pool
                 n = self.shape[0]
                 pool_threads, chunk = c_pool_split(n, max(1, self.nbytes // n), threads)
-                q, absmax, group = self.nf4
-                out = host_native.gemv_nf4(x32, q, absmax, group, _NF4_LEVELS32, torch.empty(T, n),
-                                           threads=pool_threads, chunk=chunk)
+                if self.fp8 is not None:
+                    q, scale, group = self.fp8
+                    out = host_native.gemv_fp8(x32, q, scale, group, torch.empty(T, n), threads=pool_threads,
+                                               chunk=chunk)
+                else:
+                    q, absmax, group = self.nf4
+                    out = host_native.gemv_nf4(x32, q, absmax, group, _NF4_LEVELS32, torch.empty(T, n),
+                                               threads=pool_threads, chunk=chunk)
                 return out.to(x.dtype)
             run = self.native_rows(0, self.shape[0]) if threads == 1 else self.native(threads)
             return run(x32).to(x.dtype)

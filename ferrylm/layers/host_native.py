@@ -387,6 +387,76 @@ int ferry_gemv_nf4_bf16(const uint16_t* x, int T, int K, const uint8_t* q, int64
     PASSES_OF_8(uint16_t, NF4B_ROWS)
     return 0;
 }
+/* fp8 e4m3 rows (one byte a weight, in order) with AVX512-BF16 dot products: 32 codes become 32 bf16 words
+   holding exactly their values (e4m3's range lies inside bf16's normal one): a normal code's 7 magnitude bits
+   shifted under bf16's exponent with the bias moved from 7 to 127, a subnormal one (exponent 0) from a table of its
+   8 values; the sign from the sign-extended byte. The two NaN codes read as +-480 (as `fp8_to_bf16`). x bf16 [T, K]
+   in order; a group of g columns' sums times its fp32 scale (`gstep` 0: one scale a row, `scale[n * lds]`). */
+ALWAYS __m512i fp8_words(__m256i codes, __m512i subtab) {
+    const __m512i v = _mm512_cvtepi8_epi16(codes);  /* sign-extended: bit 15 is the sign */
+    const __m512i normal = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(v, 4), _mm512_set1_epi16(0x07F0)),
+                                            _mm512_set1_epi16(120 << 7));
+    const __mmask32 sub = _mm512_testn_epi16_mask(v, _mm512_set1_epi16(0x78));
+    /* a subnormal's low 5 bits are 00mmm: its table index as they stand (vpermw reads 5 bits) */
+    const __m512i w = _mm512_mask_permutexvar_epi16(normal, sub, v, subtab);
+    return _mm512_ternarylogic_epi32(w, v, _mm512_set1_epi16((short)0x8000), 0xF8);  /* w | (v & 0x8000) */
+}
+
+/* CH independent chains of dot products a token (CH blocks of 32 columns a step): at few tokens one chain is bound
+   by `vdpbf16ps`' latency (one token, one chain: 4.7 GB/s on a Xeon core, most of it waiting) */
+#define FP8_CH(T) ((T) <= 2 ? 4 : (T) <= 4 ? 2 : 1)
+ALWAYS void fp8_rows(const uint16_t* x, const int T, int K, const uint8_t* q, int64_t ldq, const float* scale,
+                     int64_t lds, int g, int gstep, __m512i subtab, int N, float* out, int64_t ldo) {
+    const int KC = k_chunk(KCHUNK_BF16, T, g, K);
+    const int CH = FP8_CH(T);
+    for (int c0 = 0; c0 < K; c0 += KC) {
+      const int c1 = c0 + KC < K ? c0 + KC : K;
+      for (int n = 0; n < N; n++) {
+        const uint8_t* row = q + (int64_t)n * ldq;
+        const float* sc = scale + (int64_t)n * lds;
+        __m512 acc[8], ga[4][8];
+        _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int k0 = c0; k0 < c1; k0 += g) {
+            _Pragma("GCC unroll 4") for (int j = 0; j < CH; j++)
+                _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) ga[j][t] = _mm512_setzero_ps();
+            int k = k0;
+            for (; k + 32 * CH <= k0 + g; k += 32 * CH) {
+                _Pragma("GCC unroll 4") for (int j = 0; j < CH; j++) {
+                    const __m512i w = fp8_words(_mm256_loadu_si256((const __m256i*)(row + k + 32 * j)), subtab);
+                    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
+                        ga[j][t] = _mm512_dpbf16_ps(ga[j][t], (__m512bh)w,
+                                                    (__m512bh)_mm512_loadu_si512((const void*)(x + (int64_t)t * K + k + 32 * j)));
+                }
+            }
+            for (; k < k0 + g; k += 32) {  /* a group that is no multiple of 32 * CH: its tail on chain 0 */
+                const __m512i w = fp8_words(_mm256_loadu_si256((const __m256i*)(row + k)), subtab);
+                _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
+                    ga[0][t] = _mm512_dpbf16_ps(ga[0][t], (__m512bh)w,
+                                                (__m512bh)_mm512_loadu_si512((const void*)(x + (int64_t)t * K + k)));
+            }
+            const __m512 s = _mm512_set1_ps(sc[(k0 / g) * gstep]);
+            _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
+                __m512 sum = ga[0][t];
+                _Pragma("GCC unroll 4") for (int j = 1; j < CH; j++) sum = _mm512_add_ps(sum, ga[j][t]);
+                acc[t] = _mm512_fmadd_ps(sum, s, acc[t]);
+            }
+        }
+        _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
+            float v = _mm512_reduce_add_ps(acc[t]);
+            out[(int64_t)t * ldo + n] = c0 ? out[(int64_t)t * ldo + n] + v : v;
+        }
+      }
+    }
+}
+
+int ferry_gemv_fp8(const uint16_t* x, int T, int K, const uint8_t* q, int64_t ldq, const float* scale, int64_t lds,
+                   int g, int gstep, const uint16_t* subtab32, int N, float* out, int64_t ldo) {
+    if (T < 1 || T > MAXT || K % g || g % 32 || (gstep != 0 && gstep != 1)) return -1;
+    const __m512i subtab = _mm512_loadu_si512((const void*)subtab32);
+#define FP8_ROWS(xt, t, ot) fp8_rows(xt, t, K, q, ldq, scale, lds, g, gstep, subtab, N, ot, ldo)
+    PASSES_OF_8(uint16_t, FP8_ROWS)
+    return 0;
+}
 /* bf16 rows at one token with bf16 x (`vdpbf16ps`: 32 products an instruction, no conversion of the weights; x
    [K] bf16 is half the fp32 x's bytes, so a 14336-long x stays in L1): out[n] = sum_k x[k] * w[n * ldw + k]
    (products exact in fp32, fp32 sums). K a multiple of 32; pf as `bf16_rows`'. */
@@ -835,6 +905,33 @@ static void nf4_task(const void* p, int a, int c) {
                             n->ldo);
     if (rc) atomic_store(&n->rc, rc);  /* every chunk sees the same arguments: any one's refusal is all of them */
 }
+typedef struct {
+    int T, K, g, gstep, N;
+    const uint16_t* x; const uint8_t* q; int64_t ldq; const float* scale; int64_t lds; const uint16_t* subtab;
+    float* out; int64_t ldo;
+    atomic_int rc;
+} fp8_args;
+static void fp8_task(const void* p, int a, int c) {
+#ifndef FERRY_NO_BF16
+    fp8_args* f = (fp8_args*)p;
+    int rc = ferry_gemv_fp8(f->x, f->T, f->K, f->q + (int64_t)a * f->ldq, f->ldq, f->scale + (int64_t)a * f->lds,
+                            f->lds, f->g, f->gstep, f->subtab, c, f->out + a, f->ldo);
+    if (rc) atomic_store(&f->rc, rc);
+#endif
+}
+/* `ferry_gemv_fp8` over rows [0, N) on `threads` threads of the pool, chunks of `chunk` rows */
+int ferry_gemv_fp8_mt(const uint16_t* x, int T, int K, const uint8_t* q, int64_t ldq, const float* scale, int64_t lds,
+                      int g, int gstep, const uint16_t* subtab32, int N, float* out, int64_t ldo, int threads,
+                      int chunk) {
+#ifdef FERRY_NO_BF16
+    return -2;
+#endif
+    if (threads < 1 || chunk < 1) return -1;
+    fp8_args f = {T, K, g, gstep, N, x, q, ldq, scale, lds, subtab32, out, ldo};
+    atomic_init(&f.rc, 0);
+    par_rows(fp8_task, &f, N, threads, chunk);
+    return atomic_load(&f.rc);
+}
 /* `ferry_gemv_nf4` (bf16: `ferry_gemv_nf4_bf16`) over rows [0, N) on `threads` threads of the pool, chunks of
    `chunk` rows */
 int ferry_gemv_nf4_mt(int bf16, const void* x, int T, int K, const uint8_t* q, int64_t ldq, const float* absmax,
@@ -941,6 +1038,10 @@ def _load():
         if _bf16:
             lib.ferry_gemv_nf4_bf16.argtypes = lib.ferry_gemv_nf4.argtypes
             lib.ferry_gemv_nf4_bf16.restype = i32
+            lib.ferry_gemv_fp8.argtypes = [p, i32, i32, p, i64, p, i64, i32, i32, p, i32, p, i64]
+            lib.ferry_gemv_fp8.restype = i32
+            lib.ferry_gemv_fp8_mt.argtypes = [p, i32, i32, p, i64, p, i64, i32, i32, p, i32, p, i64, i32, i32]
+            lib.ferry_gemv_fp8_mt.restype = i32
             lib.ferry_gemv_bf16_bx.argtypes = [p, i32, p, i64, i32, p, i32]
             lib.ferry_gemv_bf16_bx.restype = i32
             lib.ferry_gemv_bf16_bxt.argtypes = [p, i32, i32, p, i64, i32, p, i64, i32]
@@ -1140,6 +1241,54 @@ def nf4_x32(x: torch.Tensor) -> torch.Tensor:
     32, the 16 even elements, then the 16 odd ones."""
     T, K = x.shape
     return x.float().reshape(T, K // 32, 16, 2).transpose(2, 3).contiguous().view(T, K)
+
+
+_FP8_SUBNORMALS_BF16 = None
+
+
+def _fp8_subnormals() -> torch.Tensor:
+    """e4m3's 8 subnormal values (m * 2^-9) as bf16 words, padded to 32: `fp8_words`' table."""
+    global _FP8_SUBNORMALS_BF16
+    if _FP8_SUBNORMALS_BF16 is None:
+        t = torch.zeros(32, dtype=torch.bfloat16)
+        t[:8] = torch.arange(8, dtype=torch.float32) * 2.0 ** -9
+        _FP8_SUBNORMALS_BF16 = t
+    return _FP8_SUBNORMALS_BF16
+
+
+def fp8_group(K: int, group: int) -> tuple[int, int]:
+    """(g, gstep) `gemv_fp8` runs a weight of row length K with scale groups of `group` (K: one a row) in: a row's
+    scale is read once per g columns (gstep 0: always its first)."""
+    if group != K:
+        return group, 1
+    return next(g for g in (256, 128, 64, 32) if K % g == 0), 0
+
+
+def gemv_fp8(xb: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int, out: torch.Tensor,
+             threads: int = 1, chunk: int = 0) -> torch.Tensor:
+    """out [T, N] fp32 = x [T, K] @ W.T for fp8 e4m3 W (AVX512-BF16: `nf4_bf16()`): xb bf16 [T, K] contiguous, codes
+    q [N, K] uint8 (unit column stride), scale [N, K/group] fp32 (unit column stride; group K: per channel),
+    group and K multiples of 32, T <= MAX_TOKENS. Products of the exact e4m3 values with bf16 x, fp32 sums, each
+    group's sum times its scale. `threads` > 1: on that many threads of the C pool, `chunk` rows at a time."""
+    lib = _load()
+    if not _bf16:
+        raise ValueError("native fp8 GEMV: needs the AVX512-BF16 kernel (nf4_bf16() is False)")
+    T, K = xb.shape
+    N = q.shape[0]
+    if (xb.dtype != torch.bfloat16 or not xb.is_contiguous() or q.dtype != torch.uint8 or q.stride(1) != 1
+            or scale.dtype != torch.float32 or scale.stride(-1) != 1 or out.stride(1) != 1 or K % 32 or group % 32
+            or K % group or scale.shape != (N, K // group)):
+        raise ValueError("native fp8 GEMV: bf16 x [T, K], uint8 codes [N, K] and fp32 scales [N, K/group] with unit "
+                         "column strides, K and group multiples of 32")
+    g, gstep = fp8_group(K, group)
+    args = (xb.data_ptr(), T, K, q.data_ptr(), q.stride(0), scale.data_ptr(), scale.stride(0), g, gstep,
+            _fp8_subnormals().data_ptr(), N, out.data_ptr(), out.stride(0))
+    if threads > 1:
+        chunk = chunk or -(-N // threads)
+        _check(lib.ferry_gemv_fp8_mt(*args, threads, max(1, chunk)), "fp8 GEMV (threads)")
+    else:
+        _check(lib.ferry_gemv_fp8(*args), "fp8 GEMV")
+    return out
 
 
 def gemv_nf4(x32: torch.Tensor, q: torch.Tensor, absmax: torch.Tensor, group: int, levels: torch.Tensor,

@@ -89,8 +89,12 @@ def side_kernel(side, e: int, laid: bool = False):
         zero = "min" if fmt == "int4min" else "sym"
         qt = Q.QuantizedTensor("int4", (N, K), parts, {"group_size": gs, "zero": zero}, torch.bfloat16)
         return Int4InPlace(qt, q) if laid else qt
+    native_fp8 = None
+    if fmt == "fp8" and q.stride(-1) == 1 and K % 32 == 0 and gs % 32 == 0:  # what the native fp8 GEMV reads
+        native_fp8 = (q, s if s.dtype == torch.float32 and s.stride(-1) == 1 else s.float().contiguous(), gs)
     if fmt == "fp8" and gs == K:  # per channel: e4m3 -> bf16 exactly (`fp8_to_bf16`); the scale goes on the output
-        return RowBlocks((N, K), lambda a, c: fp8_to_bf16(q[a:a + c]), _nbytes(q, s), out_scale=s[:, 0].float())
+        return RowBlocks((N, K), lambda a, c: fp8_to_bf16(q[a:a + c]), _nbytes(q, s), out_scale=s[:, 0].float(),
+                         fp8=native_fp8)
     m = side.parts.get("min")
     m = m[e] if m is not None else None
 
@@ -115,7 +119,7 @@ def side_kernel(side, e: int, laid: bool = False):
     if fmt == "nf4" and q.stride(-1) == 1 and K % gs == 0 and gs % 32 == 0:  # what the native NF4 GEMV reads
         s32 = s if s.dtype == torch.float32 and s.stride(-1) == 1 else s.float().contiguous()
         nf4 = (q, s32, gs)
-    return RowBlocks((N, K), decode, _nbytes(*(t[e] for t in side.parts.values())), nf4=nf4)
+    return RowBlocks((N, K), decode, _nbytes(*(t[e] for t in side.parts.values())), nf4=nf4, fp8=native_fp8)
 
 
 PACKED_HOST_FORMATS = ("int8", "fp8", "int4", "int4min", "nf4")

@@ -451,3 +451,26 @@ def test_row_blocks_fp8_native_equals_plain(group, monkeypatch):
         monkeypatch.setattr(C, "native_c_threads", False)
         assert torch.equal(kern(x), got)
         monkeypatch.setattr(C, "native_c_threads", True)
+
+
+@pytest.mark.skipif(not hn.amx() or not hn.nf4_bf16(), reason="no AMX on this CPU (or the OS does not grant it)")
+@pytest.mark.parametrize("T", [1, 3, 16])
+@pytest.mark.parametrize("group", [128, None])
+def test_fp8_gemv_on_amx_equals_torch_and_thread_split(T, group):
+    """The fp8 GEMV on AMX tiles (each group decoded into tile rows): the same products as torch within fp32 sum
+    order, its bits independent of the thread split (rows 203: a 11-row tail tile), groups wider than its buffer
+    refused."""
+    torch.manual_seed(T)
+    N, K = 203, 768
+    qt = Q.quantize_fp8(torch.randn(N, K) * .05, group)
+    scale = qt.parts["scale"].float().view(N, -1).contiguous()
+    x = torch.randn(T, K).to(torch.bfloat16)
+    w = qt.dequantize(torch.float32)
+    got = hn.gemv_fp8(x, qt.parts["q"], scale, group or K, torch.empty(T, N), amx=True)
+    _close(got, x.float() @ w.t(), x, w)
+    assert torch.equal(hn.gemv_fp8(x, qt.parts["q"], scale, group or K, torch.empty(T, N), threads=2, chunk=48,
+                                   amx=True), got)
+    wide = Q.quantize_fp8(torch.randn(16, 1024), 512)
+    with pytest.raises(ValueError, match="at most"):
+        hn.gemv_fp8(x[:, :1].expand(T, 1024).contiguous(), wide.parts["q"], wide.parts["scale"], 512,
+                    torch.empty(T, 16), amx=True)

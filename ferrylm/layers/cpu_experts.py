@@ -94,6 +94,12 @@ expert read 10.2 GB/s on two threads at 16 tokens and oneDNN 17 (`benchmarks/ben
 ferry-expert; `ferry-expert-avx` without tiles). One token keeps the AVX512-BF16 GEMV (one `vdpbf16ps` a 64-byte
 line: bound by the bytes already). Above 16 tokens (up to `host_native.MAX_TOKENS_AMX`, 64) the tokens go in blocks
 of 16 over rows held in L2."""
+native_fp8_amx = True
+"""Whether `RowBlocks`' native fp8 GEMV runs on AMX tiles where the CPU has them (`host_native.gemv_fp8(amx=True)`:
+each group of codes decoded into bf16 tile rows in L1, then tile multiplies), at every token count: its AVX512-BF16
+kernel spends a `vdpbf16ps` a token per 32 weights on top of the decode. 2-core Xeon, an 8192 x 4096 fp8 weight
+(groups of 128) from DRAM on 2 threads: 2.1-2.4 ms at 1-16 tokens on tiles against 3.2 / 4.7 / 15.5 ms at 1 / 4 / 16
+on the AVX512-BF16 kernel, and 2.6-3.1 ms for the same weight in bf16 (`gemv_bf16_bx_mt`)."""
 dense_gemm_max_t = 16
 """Most tokens a call takes `dense_gemm` (or `dense_gemm_multi`) at; more take "plain" (set by the calibration)."""
 dense_gemm_multi = None
@@ -391,10 +397,16 @@ class RowBlocks:
         if self.fp8 is not None:
             q, scale, group = self.fp8
             q, scale = q[a:a + c], scale[a:a + c]
-            return lambda xb: host_native.gemv_fp8(xb, q, scale, group, torch.empty(xb.shape[0], c))
+            return lambda xb: host_native.gemv_fp8(xb, q, scale, group, torch.empty(xb.shape[0], c), amx=self.fp8_amx)
         q, absmax, group = self.nf4
         q, absmax = q[a:a + c], absmax[a:a + c]
         return lambda x32: host_native.gemv_nf4(x32, q, absmax, group, _NF4_LEVELS32, torch.empty(x32.shape[0], c))
+
+    @property
+    def fp8_amx(self) -> bool:
+        """The native fp8 GEMV runs on AMX tiles (`native_fp8_amx`, the CPU grants them, groups it takes)."""
+        return (native_fp8_amx and host_native.amx() and
+                host_native.fp8_group(self.shape[1], self.fp8[2])[0] <= host_native.FP8_AMX_GROUP)
 
     def native_ok(self, T: int) -> bool:
         """Whether the native GEMV can take these weights at T tokens here."""
@@ -431,7 +443,7 @@ class RowBlocks:
                 if self.fp8 is not None:
                     q, scale, group = self.fp8
                     out = host_native.gemv_fp8(x32, q, scale, group, torch.empty(T, n), threads=pool_threads,
-                                               chunk=chunk)
+                                               chunk=chunk, amx=self.fp8_amx)
                 else:
                     q, absmax, group = self.nf4
                     out = host_native.gemv_nf4(x32, q, absmax, group, _NF4_LEVELS32, torch.empty(T, n),

@@ -683,6 +683,55 @@ static void amx_rows(const uint16_t* xv, int T, int K, const uint16_t* w, int64_
     }
     _tile_release();
 }
+#define FP8_AMX_G 256  /* widest group the AMX fp8 kernel decodes at once (per channel: `fp8_group`'s g) */
+/* fp8 rows on AMX tiles (one token block, T <= 16, x packed by `amx_pack`): per 16 rows, each group of g columns is
+   decoded (`fp8_words`, exact) into bf16 tile rows in an L1 buffer and multiplied against x; each group's tile
+   sums times its row's scale (gstep 0, one scale a row: the whole row's sums times it). Where the AVX512-BF16
+   kernel spends one `vdpbf16ps` a token per 32 weights, a tile multiply does 16 rows x T tokens x 32. */
+static void fp8_amx_rows(const uint16_t* xv, int T, int K, const uint8_t* q, int64_t ldq, const float* scale,
+                         int64_t lds, int g, int gstep, __m512i subtab, int N, float* out, int64_t ldo) {
+    uint16_t buf[16 * FP8_AMX_G] __attribute__((aligned(64)));
+    float c[16 * 16], acc[16 * 16];
+    int configured = 0;
+    for (int n0 = 0; n0 < N; n0 += 16) {
+        const int rows = N - n0 < 16 ? N - n0 : 16;
+        if (configured != rows) {
+            amx_config(T, 0, rows);
+            configured = rows;
+        }
+        memset(acc, 0, sizeof acc);
+        _tile_zero(0);
+        for (int k0 = 0; k0 < K; k0 += g) {
+            for (int i = 0; i < rows; i++) {
+                const uint8_t* src = q + (int64_t)(n0 + i) * ldq + k0;
+                for (int k = 0; k < g; k += 32)
+                    _mm512_store_si512((void*)(buf + i * g + k),
+                                       fp8_words(_mm256_loadu_si256((const __m256i*)(src + k)), subtab));
+            }
+            for (int k = 0; k < g; k += 32) {
+                _tile_loadd(4, buf + k, 2 * g);
+                _tile_loadd(6, xv + (int64_t)(k0 + k) * T, 4 * T);
+                _tile_dpbf16ps(0, 4, 6);
+            }
+            if (gstep) {
+                _tile_stored(0, c, 4 * T);
+                _tile_zero(0);
+                for (int i = 0; i < rows; i++) {
+                    const float sc = scale[(int64_t)(n0 + i) * lds + k0 / g];
+                    for (int t = 0; t < T; t++) acc[i * T + t] += c[i * T + t] * sc;
+                }
+            }
+        }
+        if (!gstep) {
+            _tile_stored(0, c, 4 * T);
+            for (int i = 0; i < rows; i++)
+                for (int t = 0; t < T; t++) acc[i * T + t] = c[i * T + t] * scale[(int64_t)(n0 + i) * lds];
+        }
+        for (int i = 0; i < rows; i++)
+            for (int t = 0; t < T; t++) out[(int64_t)t * ldo + n0 + i] = acc[i * T + t];
+    }
+    _tile_release();
+}
 int ferry_has_amx(void) { return 1; }
 #pragma GCC pop_options
 #else
@@ -906,7 +955,7 @@ static void nf4_task(const void* p, int a, int c) {
     if (rc) atomic_store(&n->rc, rc);  /* every chunk sees the same arguments: any one's refusal is all of them */
 }
 typedef struct {
-    int T, K, g, gstep, N;
+    int T, K, g, gstep, N, amx;
     const uint16_t* x; const uint8_t* q; int64_t ldq; const float* scale; int64_t lds; const uint16_t* subtab;
     float* out; int64_t ldo;
     atomic_int rc;
@@ -914,22 +963,42 @@ typedef struct {
 static void fp8_task(const void* p, int a, int c) {
 #ifndef FERRY_NO_BF16
     fp8_args* f = (fp8_args*)p;
+#ifndef FERRY_NO_AMX
+    if (f->amx) {
+        fp8_amx_rows(f->x, f->T, f->K, f->q + (int64_t)a * f->ldq, f->ldq, f->scale + (int64_t)a * f->lds, f->lds, f->g,
+                     f->gstep, _mm512_loadu_si512((const void*)f->subtab), c, f->out + a, f->ldo);
+        return;
+    }
+#endif
     int rc = ferry_gemv_fp8(f->x, f->T, f->K, f->q + (int64_t)a * f->ldq, f->ldq, f->scale + (int64_t)a * f->lds,
                             f->lds, f->g, f->gstep, f->subtab, c, f->out + a, f->ldo);
     if (rc) atomic_store(&f->rc, rc);
 #endif
 }
-/* `ferry_gemv_fp8` over rows [0, N) on `threads` threads of the pool, chunks of `chunk` rows */
+/* `ferry_gemv_fp8` (amx: `fp8_amx_rows`, x packed once by the calling thread) over rows [0, N) on `threads` threads
+   of the pool, chunks of `chunk` rows */
 int ferry_gemv_fp8_mt(const uint16_t* x, int T, int K, const uint8_t* q, int64_t ldq, const float* scale, int64_t lds,
                       int g, int gstep, const uint16_t* subtab32, int N, float* out, int64_t ldo, int threads,
-                      int chunk) {
+                      int chunk, int amx) {
 #ifdef FERRY_NO_BF16
     return -2;
 #endif
-    if (threads < 1 || chunk < 1) return -1;
-    fp8_args f = {T, K, g, gstep, N, x, q, ldq, scale, lds, subtab32, out, ldo};
+#ifdef FERRY_NO_AMX
+    if (amx) return -2;
+#endif
+    if (threads < 1 || chunk < 1 || T < 1 || T > MAXT || K % g || g % 32 || (gstep != 0 && gstep != 1)) return -1;
+    uint16_t* xv = NULL;
+#ifndef FERRY_NO_AMX
+    if (amx) {
+        if (g > FP8_AMX_G) return -1;
+        if (!(xv = aligned_alloc(64, (size_t)T * K * 2))) return -3;
+        amx_pack(x, T, K, xv);
+    }
+#endif
+    fp8_args f = {T, K, g, gstep, N, amx, xv ? xv : x, q, ldq, scale, lds, subtab32, out, ldo};
     atomic_init(&f.rc, 0);
     par_rows(fp8_task, &f, N, threads, chunk);
+    free(xv);
     return atomic_load(&f.rc);
 }
 /* `ferry_gemv_nf4` (bf16: `ferry_gemv_nf4_bf16`) over rows [0, N) on `threads` threads of the pool, chunks of
@@ -1040,7 +1109,7 @@ def _load():
             lib.ferry_gemv_nf4_bf16.restype = i32
             lib.ferry_gemv_fp8.argtypes = [p, i32, i32, p, i64, p, i64, i32, i32, p, i32, p, i64]
             lib.ferry_gemv_fp8.restype = i32
-            lib.ferry_gemv_fp8_mt.argtypes = [p, i32, i32, p, i64, p, i64, i32, i32, p, i32, p, i64, i32, i32]
+            lib.ferry_gemv_fp8_mt.argtypes = [p, i32, i32, p, i64, p, i64, i32, i32, p, i32, p, i64, i32, i32, i32]
             lib.ferry_gemv_fp8_mt.restype = i32
             lib.ferry_gemv_bf16_bx.argtypes = [p, i32, p, i64, i32, p, i32]
             lib.ferry_gemv_bf16_bx.restype = i32
@@ -1264,12 +1333,17 @@ def fp8_group(K: int, group: int) -> tuple[int, int]:
     return next(g for g in (256, 128, 64, 32) if K % g == 0), 0
 
 
+FP8_AMX_GROUP = 256
+"""Widest scale group the AMX fp8 kernel takes (its L1 buffer; block-wise FP8 checkpoints use 128)."""
+
+
 def gemv_fp8(xb: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int, out: torch.Tensor,
-             threads: int = 1, chunk: int = 0) -> torch.Tensor:
+             threads: int = 1, chunk: int = 0, amx: bool = False) -> torch.Tensor:
     """out [T, N] fp32 = x [T, K] @ W.T for fp8 e4m3 W (AVX512-BF16: `nf4_bf16()`): xb bf16 [T, K] contiguous, codes
     q [N, K] uint8 (unit column stride), scale [N, K/group] fp32 (unit column stride; group K: per channel),
     group and K multiples of 32, T <= MAX_TOKENS. Products of the exact e4m3 values with bf16 x, fp32 sums, each
-    group's sum times its scale. `threads` > 1: on that many threads of the C pool, `chunk` rows at a time."""
+    group's sum times its scale. `threads` > 1: on that many threads of the C pool, `chunk` rows at a time. `amx`:
+    on AMX tiles (`amx()`; groups of at most FP8_AMX_GROUP), each group decoded into tile rows first."""
     lib = _load()
     if not _bf16:
         raise ValueError("native fp8 GEMV: needs the AVX512-BF16 kernel (nf4_bf16() is False)")
@@ -1281,11 +1355,14 @@ def gemv_fp8(xb: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
         raise ValueError("native fp8 GEMV: bf16 x [T, K], uint8 codes [N, K] and fp32 scales [N, K/group] with unit "
                          "column strides, K and group multiples of 32")
     g, gstep = fp8_group(K, group)
+    _amx_check(amx)
+    if amx and g > FP8_AMX_GROUP:
+        raise ValueError(f"native fp8 GEMV on AMX: groups of at most {FP8_AMX_GROUP}, not {g}")
     args = (xb.data_ptr(), T, K, q.data_ptr(), q.stride(0), scale.data_ptr(), scale.stride(0), g, gstep,
             _fp8_subnormals().data_ptr(), N, out.data_ptr(), out.stride(0))
-    if threads > 1:
+    if threads > 1 or amx:
         chunk = chunk or -(-N // threads)
-        _check(lib.ferry_gemv_fp8_mt(*args, threads, max(1, chunk)), "fp8 GEMV (threads)")
+        _check(lib.ferry_gemv_fp8_mt(*args, threads, max(1, chunk), int(amx)), "fp8 GEMV (threads)")
     else:
         _check(lib.ferry_gemv_fp8(*args), "fp8 GEMV")
     return out

@@ -12,6 +12,11 @@ the CUDA engine ends with after its measured warm-up (`offload/memory.py` kv_aft
 and the planned figure.
 
 TODO (what is left of issue #14):
+- session 24 (`plan-check-2026-12-06-s24-h100.json`, an H100): resident dense and MoE within +-20% on a GPU the
+  constants were not fitted on; KV tokens after the warm-up 1.1-1.4% high there (the start-up figure within 0.2%);
+  offloaded decode with the run's own routing within 13% in 3 of 4 rows, but Qwen3 batch 1 caught 94% in its slots
+  (token-to-token repetition the independent-token model cannot see) and at that hit rate the plan is 2x fast:
+  small experts' in-place reads and the promotions (5.8 a step, 0.8 a miss, not 0.55) cost more than modelled;
 - measured (sessions 8 and 9, `benchmarks/bench_plan.py --gpu 1xH200`, docs/benchmarks.md): resident dense and
   MoE meet every aim in both runs, and session 8's memory model held on session 9's run (weights within 0.15%,
   peak within 0.9%); offloaded decode does not (hybrid decode at batch 1 on small experts: the engine's cost

@@ -145,8 +145,32 @@ def test_fp8_weight_with_wrong_scales_is_named(tmp_path_factory):
     bad = "model.layers.0.mlp.up_proj.weight_scale_inv"
     t[bad] = t[bad][:1]
     save_file(t, str(f), metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match="up_proj.weight.*not block-wise FP8"):
+    with pytest.raises(ModelLoadError, match=r"up_proj.weight.*not block-wise FP8.*\(scales \(6, 4\) expected\)"):
         LLM(fp8, dtype="float32")
+    del t[bad]  # an FP8 weight without its scales: named, never loaded as raw e4m3 values
+    save_file(t, str(f), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="up_proj.weight' is torch.float8_e4m3fn but the checkpoint has no "
+                                             "model.layers.0.mlp.up_proj.weight_scale_inv"):
+        LLM(fp8, dtype="float32")
+
+
+def test_bf16_scales_load_as_their_values(tmp_path_factory):
+    """Qwen3's FP8 releases store `weight_scale_inv` in bf16 (DeepSeek's in fp32): the same values either way."""
+    from safetensors.torch import load_file, save_file
+
+    fp8, _, _ = fp8_pair(tmp_path_factory, "deepseek_v3")
+    name = "model.layers.1.mlp.experts.2.gate_proj.weight"
+    before = open_source(fp8).get(name)
+    f = Path(fp8) / "model.safetensors"
+    t = load_file(str(f))
+    for k in [k for k in t if k.endswith("weight_scale_inv")]:
+        t[k] = t[k].to(torch.bfloat16)
+    save_file(t, str(f), metadata={"format": "pt"})
+    src = open_source(fp8)
+    scale = t[name.removesuffix(".weight") + ".weight_scale_inv"].float()
+    assert torch.equal(src.get(name), quant.fp8_block_dequantize(t[name], scale, BLOCK, torch.float32))
+    assert torch.equal(src.get_quantized(name).dequantize(torch.float32), src.get(name))
+    assert (src.get(name) - before).abs().max() <= before.abs().max() * 2 ** -8  # bf16-rounded scales
 
 
 def test_plan_counts_an_fp8_checkpoint_as_the_engine_loads_it(tmp_path_factory):

@@ -474,3 +474,16 @@ def test_fp8_gemv_on_amx_equals_torch_and_thread_split(T, group):
     with pytest.raises(ValueError, match="at most"):
         hn.gemv_fp8(x[:, :1].expand(T, 1024).contiguous(), wide.parts["q"], wide.parts["scale"], 512,
                     torch.empty(T, 16), amx=True)
+
+
+@pytest.mark.parametrize("flags", [(), ("-DFERRY_NO_AMX",), ("-DFERRY_NO_BF16",)])
+def test_every_fallback_build_compiles(flags, tmp_path):
+    """Each build `_build` falls back to (a compiler without the AMX or the AVX512-BF16 targets) compiles: the
+    session-24 review found the last one broken by the fp8 AMX kernel's helpers."""
+    import subprocess
+
+    src = tmp_path / "k.c"
+    src.write_text(hn.SOURCE)
+    r = subprocess.run([os.environ.get("CC", "cc"), *hn.FLAGS, *flags, str(src), *hn.LIBS, "-o", str(tmp_path / "k.so")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -37,9 +37,14 @@ import threading
 
 import torch
 
+from ferrylm.weights.quant import NF4_LEVELS
+
 log = logging.getLogger(__name__)
 
 SOURCE = r"""
+#ifdef FERRY_NO_BF16  /* the AMX kernels use the AVX512-BF16 ones' helpers (fp8_words): no BF16, no AMX */
+#define FERRY_NO_AMX
+#endif
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -451,7 +456,7 @@ ALWAYS void fp8_rows(const uint16_t* x, const int T, int K, const uint8_t* q, in
 
 int ferry_gemv_fp8(const uint16_t* x, int T, int K, const uint8_t* q, int64_t ldq, const float* scale, int64_t lds,
                    int g, int gstep, const uint16_t* subtab32, int N, float* out, int64_t ldo) {
-    if (T < 1 || T > MAXT || K % g || g % 32 || (gstep != 0 && gstep != 1)) return -1;
+    if (T < 1 || T > MAXT || g < 32 || K % g || g % 32 || (gstep != 0 && gstep != 1)) return -1;
     const __m512i subtab = _mm512_loadu_si512((const void*)subtab32);
 #define FP8_ROWS(xt, t, ot) fp8_rows(xt, t, K, q, ldq, scale, lds, g, gstep, subtab, N, ot, ldo)
     PASSES_OF_8(uint16_t, FP8_ROWS)
@@ -986,7 +991,8 @@ int ferry_gemv_fp8_mt(const uint16_t* x, int T, int K, const uint8_t* q, int64_t
 #ifdef FERRY_NO_AMX
     if (amx) return -2;
 #endif
-    if (threads < 1 || chunk < 1 || T < 1 || T > MAXT || K % g || g % 32 || (gstep != 0 && gstep != 1)) return -1;
+    if (threads < 1 || chunk < 1 || T < 1 || T > MAXT || g < 32 || K % g || g % 32 || (gstep != 0 && gstep != 1))
+        return -1;
     uint16_t* xv = NULL;
 #ifndef FERRY_NO_AMX
     if (amx) {
@@ -1279,17 +1285,8 @@ def nf4_bf16() -> bool:
     return _load() is not None and _bf16
 
 
-_NF4_LEVELS_BF16 = None
-
-
 def _levels_bf16() -> torch.Tensor:
-    global _NF4_LEVELS_BF16
-    if _NF4_LEVELS_BF16 is None:
-        from ferrylm.weights.quant import NF4_LEVELS
-
-        t = torch.zeros(32, dtype=torch.bfloat16)
-        t[:16] = NF4_LEVELS.to(torch.bfloat16)
-        _NF4_LEVELS_BF16 = t
+    """The NF4 levels as bf16 words, padded to 32 (made at import, see `_FP8_SUBNORMALS_BF16`)."""
     return _NF4_LEVELS_BF16
 
 
@@ -1312,17 +1309,10 @@ def nf4_x32(x: torch.Tensor) -> torch.Tensor:
     return x.float().reshape(T, K // 32, 16, 2).transpose(2, 3).contiguous().view(T, K)
 
 
-_FP8_SUBNORMALS_BF16 = None
-
-
-def _fp8_subnormals() -> torch.Tensor:
-    """e4m3's 8 subnormal values (m * 2^-9) as bf16 words, padded to 32: `fp8_words`' table."""
-    global _FP8_SUBNORMALS_BF16
-    if _FP8_SUBNORMALS_BF16 is None:
-        t = torch.zeros(32, dtype=torch.bfloat16)
-        t[:8] = torch.arange(8, dtype=torch.float32) * 2.0 ** -9
-        _FP8_SUBNORMALS_BF16 = t
-    return _FP8_SUBNORMALS_BF16
+_FP8_SUBNORMALS_BF16 = torch.cat([torch.arange(8, dtype=torch.float32) * 2.0 ** -9, torch.zeros(24)]).to(torch.bfloat16)
+"""e4m3's 8 subnormal values (m * 2^-9) as bf16 words, padded to 32: `fp8_words`' table (made at import: pool threads
+share it, and it outlives every call that passes its address)."""
+_NF4_LEVELS_BF16 = torch.cat([NF4_LEVELS, torch.zeros(16)]).to(torch.bfloat16)
 
 
 def fp8_group(K: int, group: int) -> tuple[int, int]:
@@ -1359,7 +1349,7 @@ def gemv_fp8(xb: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
     if amx and g > FP8_AMX_GROUP:
         raise ValueError(f"native fp8 GEMV on AMX: groups of at most {FP8_AMX_GROUP}, not {g}")
     args = (xb.data_ptr(), T, K, q.data_ptr(), q.stride(0), scale.data_ptr(), scale.stride(0), g, gstep,
-            _fp8_subnormals().data_ptr(), N, out.data_ptr(), out.stride(0))
+            _FP8_SUBNORMALS_BF16.data_ptr(), N, out.data_ptr(), out.stride(0))
     if threads > 1 or amx:
         chunk = chunk or -(-N // threads)
         _check(lib.ferry_gemv_fp8_mt(*args, threads, max(1, chunk), int(amx)), "fp8 GEMV (threads)")

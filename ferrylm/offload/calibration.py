@@ -62,7 +62,8 @@ GEMM_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 """Token counts at which a split dense GEMM is checked against the plain one (`dense_gemm_max_t`)."""
 CYCLE = 4
 """Distinct experts each CPU figure cycles over."""
-VERSION = 10  # 10: bf16 "native" at 2-64 tokens on AMX tiles (its timings changed; races at 32 and 64 tokens)
+VERSION = 11  # 11: fp8 banks' "native" row blocks run a kernel (before, the choice fell back to split); 10: bf16
+#   "native" at 2-64 tokens on AMX tiles (its timings changed; races at 32 and 64 tokens)
 """Bumped when what is measured changes (older cache files are measured again)."""
 KNOBS = (("dense_gemm", cpu_experts.DENSE_GEMMS), ("packed_gemm", cpu_experts.PACKED_GEMMS),
          ("row_blocks_gemm", cpu_experts.ROW_BLOCKS_GEMMS))

@@ -48,7 +48,8 @@ class SafetensorsSource(WeightSource):
     """An HF model directory: config.json plus one or more *.safetensors (sharded or not).
 
     A checkpoint whose `quantization_config` says block-wise FP8 (`quant_method` "fp8" with `weight_block_size`,
-    as DeepSeek-V3 and the Qwen3 FP8 releases ship: e4m3 `weight` plus fp32 `weight_scale_inv` per block) hands
+    as DeepSeek-V3 and the Qwen3 FP8 releases ship: e4m3 `weight` plus a `weight_scale_inv` per block, fp32 in
+    DeepSeek's, bf16 in Qwen3's) hands
     its FP8 weights out packed (`get_quantized`: group-wise `fp8`, exactly the same values) and dense in the
     model dtype through `get`; the scale tensors are not names of their own. Activations stay in the model
     dtype (weight-only, as on GPUs without FP8 tensor cores): the reference's dynamic per-token FP8 activations
@@ -105,7 +106,11 @@ class SafetensorsSource(WeightSource):
             from ferrylm.weights.quant import fp8_block_dequantize
 
             return fp8_block_dequantize(*self._fp8(name), self.fp8_block, self.dtype)
-        return self._raw(name)
+        t = self._raw(name)
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # its values mean nothing without their scales
+            raise ModelLoadError(f"{self.path}: {name!r} is {t.dtype} but the checkpoint has no "
+                                 f"{name.removesuffix('.weight')}{FP8_SCALE_SUFFIX} for it")
+        return t
 
     def get_quantized(self, name: str):
         """A block-wise FP8 weight as a group-wise `fp8` QuantizedTensor (None for every other tensor, and for
@@ -127,14 +132,15 @@ class SafetensorsSource(WeightSource):
         w, s = self._raw(name), self._raw(self._scales[name])
         bn, bk = self.fp8_block
         if w.dtype != torch.float8_e4m3fn or w.dim() != 2 or s.shape != (-(-w.shape[0] // bn), -(-w.shape[1] // bk)):
+            want = (-(-w.shape[0] // bn), -(-w.shape[1] // bk)) if w.dim() == 2 else "?"
             raise ModelLoadError(f"{self.path}: {name!r} is {w.dtype} {tuple(w.shape)} with scales {tuple(s.shape)}: "
-                                 f"not block-wise FP8 e4m3 in blocks of {bn} x {bk}")
+                                 f"not block-wise FP8 e4m3 in blocks of {bn} x {bk} (scales {want} expected)")
         return w, s
 
     def get_part(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
         """`get(name).narrow(dim, start, length)`, reading only those bytes (a tensor-parallel rank's slice)."""
-        if name not in self._where or name in self._scales:
-            return self.get(name).narrow(dim, start, length)  # (or the missing-tensor error)
+        if name not in self._where or name in self._scales or self.fp8_block:
+            return self.get(name).narrow(dim, start, length)  # (or the missing-tensor / missing-scale error)
         sl = self._handles[self._where[name]].get_slice(name)
         index = [slice(None)] * len(sl.get_shape())
         index[dim] = slice(start, start + length)
@@ -153,8 +159,8 @@ def fp8_block(path: str, config: dict) -> tuple[int, int] | None:
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method != "fp8":
         raise ModelLoadError(f"{path}: quantization_config.quant_method {method!r} checkpoints are not supported "
-                             "(block-wise 'fp8' is); load the unquantized checkpoint, or convert it with "
-                             "`ferry convert --quant` for a packed store")
+                             "(block-wise 'fp8' is); load the unquantized checkpoint, or convert the unquantized "
+                             "checkpoint with `ferry convert --quant` for a packed store")
     block = qc.get("weight_block_size")
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ModelLoadError(f"{path}: fp8 quantization_config without a weight_block_size of two positive "

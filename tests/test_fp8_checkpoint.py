@@ -44,7 +44,7 @@ def quantized(name: str, t: torch.Tensor) -> bool:
     return (".layers." in name and name.endswith(".weight") and t.dim() == 2 and not name.endswith("mlp.gate.weight"))
 
 
-def fp8_pair(tmp_path_factory, family: str) -> tuple[str, str, object]:
+def fp8_pair(tmp_path_factory, family: str, block=BLOCK) -> tuple[str, str, object]:
     """(FP8 checkpoint dir, dequantized fp32 dir, transformers model on the dequantized weights)."""
     from safetensors.torch import load_file, save_file
 
@@ -53,9 +53,9 @@ def fp8_pair(tmp_path_factory, family: str) -> tuple[str, str, object]:
     fp8, deq = {}, {}
     for name, t in tensors.items():
         if quantized(name, t):
-            codes, s = fp8_blocks(t)
+            codes, s = fp8_blocks(t, block)
             fp8[name], fp8[name.removesuffix(".weight") + ".weight_scale_inv"] = codes, s
-            deq[name] = quant.fp8_block_dequantize(codes, s, BLOCK, torch.float32)
+            deq[name] = quant.fp8_block_dequantize(codes, s, block, torch.float32)
         else:
             fp8[name] = deq[name] = t
     dirs = []
@@ -67,7 +67,7 @@ def fp8_pair(tmp_path_factory, family: str) -> tuple[str, str, object]:
         save_file(tens, str(d / "model.safetensors"), metadata={"format": "pt"})
         dirs.append(d)
     cfg = json.loads((dirs[0] / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(BLOCK), "activation_scheme": "dynamic",
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block), "activation_scheme": "dynamic",
                                   "fmt": "e4m3"}
     (dirs[0] / "config.json").write_text(json.dumps(cfg))
     ref = getattr(transformers, DEEPSEEK[family][1]).from_pretrained(str(dirs[1]), dtype=torch.float32).eval()
@@ -105,6 +105,31 @@ def test_fp8_checkpoint_equals_its_dequantized_weights(family, tmp_path_factory)
           f"{len(packed)} Linears kept packed")
     assert worst == 0.0
     compare(f"{family}-fp8", fp8, ref, prompts)  # and transformers on the dequantized weights
+
+
+def test_fp8_linears_on_the_native_kernel_match_the_plain_path(tmp_path_factory):
+    """Blocks of 32: the CPU engine's FP8 Linears whose rows are a multiple of 32 run `host_native.gemv_fp8`
+    (`qmatmul.Fp8NativeCPU`: bf16 activations, like the CPU's int4 / int8 kernels) where it builds, within bf16's
+    rounding of the dequantized checkpoint's logits; `dequantize=True` (the plain path) equals them exactly."""
+    from ferrylm.layers.qmatmul import Fp8NativeCPU
+
+    fp8, deq, _ = fp8_pair(tmp_path_factory, "deepseek_v3", block=(32, 32))
+    prompts = prompts_of(11, 19)
+    got = LLM(fp8, dtype="float32", max_num_seqs=4)
+    kernels = {type(k).__name__ for m in got.engine.runner.model.modules() for k in getattr(m, "kernels", [])}
+    native = Fp8NativeCPU.usable(quant.quantize_fp8(torch.ones(32, 64), 32))
+    assert ("Fp8NativeCPU" in kernels) == native, kernels
+    ref = logits(LLM(deq, dtype="float32", max_num_seqs=4), prompts)
+    plain = logits(LLM(fp8, dtype="float32", max_num_seqs=4, dequantize=True), prompts)
+    assert all(torch.equal(a, b) for a, b in zip(plain, ref))
+    worst = 0.0
+    for x, y in zip(logits(got, prompts), ref):  # rows up to the first greedy token that differs (same contexts)
+        same = (x.argmax(-1) == y.argmax(-1)).long().cumprod(0)
+        n = int(same.sum()) + (1 if same.sum() < len(same) else 0)
+        worst = max(worst, ((x[:n] - y[:n]).abs().max() / y[:n].abs().max()).item())
+    print(f"FP8 Linears on {sorted(kernels)} vs the dequantized checkpoint: max |logit diff| {worst:.2e} of the scale "
+          "over the same contexts")
+    assert worst < 2 ** -5
 
 
 def test_fp8_checkpoint_converts_to_a_store_that_keeps_it_packed(tmp_path_factory):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ferrylm.layers.embedding import LMHead, TiedLMHead, VocabEmbedding, refine_top
 from ferrylm.layers.linear import Linear
-from ferrylm.layers.qmatmul import QuantKernel
+from ferrylm.layers.qmatmul import Fp8NativeCPU, QuantKernel
 from ferrylm.weights import quant as Q
 
 FORMATS = {
@@ -22,9 +22,13 @@ FORMATS = {
     "q8_0": lambda w: Q.quantize_int8(w, 32),
     "int8": lambda w: Q.quantize_int8(w),
     "nf4": lambda w: Q.quantize_nf4(w, 64),
+    "fp8": lambda w: Q.quantize_fp8(w),
+    "fp8-g64": lambda w: Q.quantize_fp8(w, 64),  # block-wise FP8 checkpoints load as row groups
 }
 EXPECTED_KERNEL = {"q4_0": "int4pack", "q4_1": "int4pack", "int4-g128": "int4pack", "q8_0": "int8group",
-                   "int8": "int8pack", "nf4": "dequantize"}
+                   "int8": "int8pack", "nf4": "dequantize", "fp8": "fp8-native", "fp8-g64": "fp8-native"}
+if not Fp8NativeCPU.usable(Q.quantize_fp8(torch.ones(32, 64))):  # no AVX512-BF16 kernels here: the plain path
+    EXPECTED_KERNEL.update({"fp8": "dequantize", "fp8-g64": "dequantize"})
 SHAPES = [(64, 128), (960, 576), (576, 1536), (48, 256)]
 SKIP = {("int4-g128", (960, 576))}  # 576 is no multiple of 128
 

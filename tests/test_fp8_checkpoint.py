@@ -99,6 +99,10 @@ def test_fp8_checkpoint_equals_its_dequantized_weights(family, tmp_path_factory)
     got = LLM(fp8, dtype="float32", max_num_seqs=4)
     packed = [n for n, m in got.engine.runner.model.named_modules() if getattr(m, "packed_shards", None)]
     assert "model.layers.0.self_attn.o_proj" in packed and "model.layers.0.self_attn.q_b_proj" not in packed
+    assert "model.layers.0.self_attn.kv_b_proj" not in packed  # absorbed MLA reads it dense every step
+    for n in ("model.layers.1.self_attn.o_proj.weight", "model.layers.0.self_attn.q_b_proj.weight"):
+        info, qt = src.quantized_info(n), src.get_quantized(n)  # headers alone: what the read would give
+        assert (info is None) == (qt is None) and (qt is None or (info.shape, info.nbytes) == (qt.shape, qt.nbytes))
     a, b = logits(got, prompts), logits(LLM(deq, dtype="float32", max_num_seqs=4), prompts)
     worst = max((x - y).abs().max().item() for x, y in zip(a, b))
     print(f"{family} FP8 blocks {BLOCK} vs the same weights dequantized: max |logit diff| {worst:.3e}; "

@@ -62,6 +62,13 @@ class CausalLM(nn.Module):
 
     absent: tuple[str, ...] = ()
     """Name prefixes of modules another pipeline stage holds (`keep_layers`): their tensors are not read."""
+    dense_linears: tuple[str, ...] = ()
+    """Linear module names (the last part, e.g. "kv_b_proj") whose weights are held dense even from a quantized
+    source: the family reads them as dense weights (`Linear.dense_weight`) every step."""
+
+    def skips(self, name: str) -> bool:
+        """A checkpoint tensor the family never uses (e.g. DeepSeek-V3's multi-token-prediction layer): not read."""
+        return False
 
     def keep_layers(self, layers: range, embed: bool, head: bool) -> None:
         """Keep only a pipeline stage's part: the layers in `layers`, the embedding if `embed` (or a tied head
@@ -123,6 +130,8 @@ class CausalLM(nn.Module):
             if any(name.endswith(s) for s in self.ignored_weights):
                 continue
             if self.absent and name.startswith(self.absent):  # another pipeline stage's tensor
+                continue
+            if self.skips(name):
                 continue
             part = self._tp_part(name, params)
             if part == SKIP:  # an expert another tensor-parallel rank holds: never read here
@@ -206,6 +215,8 @@ class CausalLM(nn.Module):
         """`qt` when `name` lands on a Linear's weight (or one shard of it) of the same shape, else None."""
         if qt is None or not name.endswith(".weight") or _EXPERT.match(name):
             return None
+        if self.dense_linears and name.rsplit(".", 2)[-2] in self.dense_linears:
+            return None
         if name in params:
             mod = self.get_submodule(name[: -len(".weight")])
             return qt if isinstance(mod, Linear) and tuple(params[name].shape) == tuple(qt.shape) else None
@@ -232,14 +243,15 @@ class CausalLM(nn.Module):
     def note_packed_linears(self, source) -> int:
         """Record on each Linear the bytes its weight will keep packed (`packed_nbytes`), so placement sizes
         it at that, not at its dense shape. Returns how many checkpoint tensors stay packed. A source with
-        `quantized_info` (GGUF) answers shape and bytes without decoding blocks the load decodes again."""
+        `quantized_info` (GGUF, a block-wise FP8 checkpoint) answers shape and bytes without reading or decoding what the
+        load reads again."""
         get_quantized = getattr(source, "quantized_info", None) or getattr(source, "get_quantized", None)
         if get_quantized is None:
             return 0
         params = dict(self.named_parameters())
         n = 0
         for name in source.keys():
-            if not name.endswith(".weight") or _EXPERT.match(name):  # never a Linear's packed weight: not read
+            if not name.endswith(".weight") or _EXPERT.match(name) or self.skips(name):  # never a Linear's packed weight
                 continue
             qt = self._quantized_for_linear(name, get_quantized(name), params)
             if qt is None:

@@ -224,9 +224,15 @@ class DeepseekForCausalLM(CausalLM):
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def map_weight(self, name: str, tensor: torch.Tensor) -> bool:
-        # V3 checkpoints carry multi-token-prediction layers past num_hidden_layers: not used for decoding
+    dense_linears = ("kv_b_proj",)
+    """Absorbed MLA reads kv_b_proj as a dense weight every step (`MLAttention._kv_b`): kept dense at load, never
+    packed (an FP8 checkpoint's would be dequantized twice a layer a step)."""
+
+    def skips(self, name: str) -> bool:
+        # V3 checkpoints carry multi-token-prediction layers past num_hidden_layers: not used for decoding (and never
+        # read: an FP8 release's layer 61 is ~11.7B weights to decode for nothing)
         m = _LAYER.match(name)
-        if m and int(m[1]) >= self.config.num_hidden_layers:
-            return True
+        return bool(m and int(m[1]) >= self.config.num_hidden_layers)
+
+    def map_weight(self, name: str, tensor: torch.Tensor) -> bool:
         return self.tied and name == "lm_head.weight"

@@ -142,10 +142,17 @@ def weight_groups(model: nn.Module, fmt: WeightFormat | None = None) -> list[Ten
     if fmt is None or (fmt.quant is None and fmt.expert_quant is None):
         return groups
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    dense = getattr(model, "dense_linears", ())  # held dense whatever the source (`CausalLM.dense_linears`)
+
+    def nbytes(n: str) -> int:
+        if dense and n.rsplit(".", 2)[-2] in dense:
+            return math.prod(shapes[n]) * DTYPE_BYTES[fmt.dtype]
+        return fmt.param_bytes(n, shapes[n])
+
     out = []
     for g in groups:
         if g.kind != "experts":
-            g = replace(g, nbytes=sum(fmt.param_bytes(n, shapes[n]) for n in g.params))
+            g = replace(g, nbytes=sum(nbytes(n) for n in g.params))
         else:
             _, two_i, hidden = shapes[g.params[0]]  # w13: [E, 2I, H]
             packed = fmt.expert_bytes(two_i // 2, hidden)

@@ -121,6 +121,19 @@ class SafetensorsSource(WeightSource):
 
         return from_fp8_blocks(*self._fp8(name), self.fp8_block, self.dtype)
 
+    def quantized_info(self, name: str):
+        """What `get_quantized(name)` would give, from the headers alone (no tensor read): None, or its `shape`
+        and `nbytes` (codes plus an fp32 scale per row and block of K)."""
+        if name not in self._scales:
+            return None
+        from types import SimpleNamespace
+
+        shape = tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+        bk = self.fp8_block[1]
+        if len(shape) != 2 or shape[1] % bk:
+            return None
+        return SimpleNamespace(shape=shape, nbytes=shape[0] * shape[1] + shape[0] * (shape[1] // bk) * 4)
+
     @property
     def dtype(self) -> torch.dtype:
         """The dtype FP8 weights dequantize to: config.json's `torch_dtype` (bf16 where it names none)."""

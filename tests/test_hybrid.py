@@ -655,7 +655,7 @@ def test_packed_host_rows_on_a_column_range(fmt):
         he.rows(x, ids, w, host, cols=64)
 
 
-@pytest.mark.parametrize("fmt", ["nf4-g64", "int4-g32", "int8"])
+@pytest.mark.parametrize("fmt", ["nf4-g64", "int4-g32", "int8", "fp8-g64"])
 def test_hybrid_decode_split_on_a_packed_bank(fmt):
     """The mapped cache's hybrid decode step (`CachedExperts._forward_mapped`) over a packed host bank, with
     the real kernels (Triton's interpreter on the CPU, fp32; CUDA where there is one) and a synchronous

@@ -1341,9 +1341,9 @@ def gemv_fp8(xb: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
     N = q.shape[0]
     if (xb.dtype != torch.bfloat16 or not xb.is_contiguous() or q.dtype != torch.uint8 or q.stride(1) != 1
             or scale.dtype != torch.float32 or scale.stride(-1) != 1 or out.stride(1) != 1 or K % 32 or group % 32
-            or K % group or scale.shape != (N, K // group)):
-        raise ValueError("native fp8 GEMV: bf16 x [T, K], uint8 codes [N, K] and fp32 scales [N, K/group] with unit "
-                         "column strides, K and group multiples of 32")
+            or K % group or scale.shape != (N, K // group) or out.shape != (T, N) or T < 1):
+        raise ValueError("native fp8 GEMV: bf16 x [T, K] (T >= 1), uint8 codes [N, K], fp32 scales [N, K/group] and out "
+                         "[T, N] with unit column strides, K and group multiples of 32")
     g, gstep = fp8_group(K, group)
     _amx_check(amx)
     if amx and g > FP8_AMX_GROUP:

@@ -28,7 +28,8 @@ _EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", 
 _FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")  # transformers v5 in-memory layout
 ENGINE_PACKED_FORMATS = {"fp8", "int4", "int4min", "int8", "nf4"}
 """Expert formats the engine keeps packed (every format the fused kernel reads, tests/test_fused_moe_formats.py).
-fp8 joined in session 24 (per-channel e4m3, one byte a weight like int8). int8 joined in session 7: on the H200 a packed int8 bank's logits were
+fp8 joined in session 24 (e4m3, one byte a weight like int8; per channel, or group-wise as block-wise FP8
+checkpoints load). int8 joined in session 7: on the H200 a packed int8 bank's logits were
 1.95e-2 off the dequantized reference over the same contexts (int4 1.94e-2); session 2's 2.1 compared rows after a
 flipped near-tie."""
 _SHARD = re.compile(r"^(.*)\.(q|k|v|gate|up)_proj\.(weight|bias)$")

@@ -3,8 +3,8 @@ device expert cache (copied misses, or misses read in place by the fused kernel 
 experts, routing profiles and the cost model. docs/architecture.md has one line per module.
 
 Where issue 8 stands (2026-12-01): every part runs and is tested (CPU in CI, CUDA in tests/test_cuda.py);
-figures in docs/benchmarks.md. TODO, in order: fp8 expert banks kept packed
-(`models/base.py` ENGINE_PACKED_FORMATS; int8 joined in session 7), a packed kernel that is faster than bf16 in time (it is
+figures in docs/benchmarks.md. TODO, in order (fp8 expert banks stay packed since
+session 24, per channel or as a block-wise FP8 checkpoint's row groups), a packed kernel that is faster than bf16 in time (it is
 latency-bound: profile, split K for decode), copying predicted misses first at one token (hit rate 0.41 vs
 Belady's 0.74 on Qwen3-30B; the next-layer router predictor, tried on traces, moved more bytes than the dueling
 policy: not kept), graphs for streamed dense layers, the

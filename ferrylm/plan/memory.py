@@ -115,6 +115,8 @@ class WeightFormat:
 def fp8_block_bytes(shape: tuple[int, ...], block_k: int) -> int | None:
     """Bytes a block-wise FP8 weight [N, K] keeps loaded (e4m3 codes, an fp32 scale per row and block of K), None
     where it is dequantized at load (K no multiple of the block)."""
+    if len(shape) != 2:
+        return None
     n, k = shape
     return None if k % block_k else n * k + n * (k // block_k) * 4
 

@@ -235,7 +235,8 @@ def convert(src: str, dst: str, opts: ConvertOptions | None = None, progress: bo
                     for name in names:
                         qt = packed(name) if packed else None
                         if qt is not None:  # the source's blocks as they are
-                            _keep_packed(name, qt, writer, opts, report)
+                            _keep_packed(name, qt, writer, opts, report,
+                                         "fp8-blocks" if getattr(source, "fp8_block", None) else "gguf")
                         else:
                             _convert_one(name, source.get(name), writer, opts, report)
                         bar.advance(report)
@@ -258,13 +259,13 @@ def convert(src: str, dst: str, opts: ConvertOptions | None = None, progress: bo
 
 
 def _keep_packed(name: str, qt: Q.QuantizedTensor, writer: StoreWriter, opts: ConvertOptions,
-                 report: ConvertReport) -> None:
+                 report: ConvertReport, origin: str) -> None:
     report.tensors += 1
     report.packed += 1
     report.bytes_before += qt.shape[0] * qt.shape[1] * 4  # as read dequantized
     if opts.dtype:
         qt.dtype = DTYPES[opts.dtype]
-    e = writer.add(name, qt, {"packed_from": "gguf"})
+    e = writer.add(name, qt, {"packed_from": origin})
     report.bytes_raw += e["raw_bytes"]
     report.bytes_stored += e["stored_bytes"]
 

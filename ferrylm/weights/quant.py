@@ -87,7 +87,7 @@ class QuantizedTensor:
     min [N, K/gs] fp16 when zero="min". Every part has the rows leading, so rows can be gathered or
     concatenated part by part."""
     params: dict = field(default_factory=dict)
-    """Scheme parameters: nf4 -> group_size, double_quant; int8 -> group_size (absent: per channel);
+    """Scheme parameters: nf4 -> group_size, double_quant; int8 and fp8 -> group_size (absent: per channel);
     int4 -> group_size, zero ("sym" | "min")."""
     dtype: torch.dtype = torch.float32
     """The high-precision dtype the weight had (and dequantizes to by default)."""
@@ -166,7 +166,7 @@ def _dequant_int8(qt: QuantizedTensor) -> torch.Tensor:
 def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
     # w: [N, K] -> [N, G, gs]
     if w.dim() != 2 or w.shape[1] % group_size:
-        raise ValueError(f"group-wise int4/int8 needs a 2-D weight whose rows are a multiple of {group_size} "
+        raise ValueError(f"group-wise int4/int8/fp8 needs a 2-D weight whose rows are a multiple of {group_size} "
                          f"long, not {tuple(w.shape)}")
     return w.float().view(w.shape[0], -1, group_size)
 

@@ -753,3 +753,14 @@ def test_memory_model_reproduces_the_h200_plan_check(tmp_path):
         assert abs(rows[case, "step_activations"]) < act, case
     assert abs(rows["moe", "prefill"]) < 0.05
     assert abs(rows["dense", "prefill"]) < 0.10
+
+
+def test_tensor_parallel_ranks_count_quantized_weights_dense():
+    """Under --tp the engine's ranks read their slices of a quantized store dense (packed pieces are not sliced):
+    the plan counts the same bytes as unquantized and says why."""
+    opts = dict(gpu="2xH200", host=HOST, max_model_len=4096, max_num_seqs=8, tp=2)
+    q, dense = make_plan(PlanOptions("Llama-3-8B", quant="nf4", **opts)), make_plan(PlanOptions("Llama-3-8B", **opts))
+    assert q.weights_bytes == dense.weights_bytes
+    assert any("--tp 2: each rank loads its slices of quantized weights dense" in n for n in q.notes)
+    assert sum(make_plan(PlanOptions("Llama-3-8B", quant="nf4", **{**opts, "tp": 1})).weights_bytes.values()) < \
+        0.5 * sum(dense.weights_bytes.values())

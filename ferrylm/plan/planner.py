@@ -171,6 +171,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     block = fp8_block(name, cfg)  # a block-wise FP8 checkpoint: counted as it loads, unless planned as a store
     fmt = (WeightFormat(opts.dtype, "fp8", expert_quant=opts.expert_quant, fp8_block=block[1])
            if block and not opts.quant else WeightFormat(opts.dtype, opts.quant, expert_quant=opts.expert_quant))
+    tp_dense = opts.tp > 1 and (fmt.quant or fmt.expert_quant)
+    if tp_dense:  # tensor-parallel ranks read their slices dense (`CausalLM._tp_part`: packed pieces are not sliced)
+        fmt = WeightFormat(opts.dtype)
     graphs_family = piecewise = False
     fused_moe = opts.dtype in ("bfloat16", "float16")  # `FusedExperts.supports_tensors` on a CUDA device
     try:
@@ -548,6 +551,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
 
             notes.append(f"{fmt.experts_scheme} experts are dequantized at load (the engine keeps only "
                          f"{' / '.join(sorted(ENGINE_PACKED_FORMATS))} experts packed): counted dense")
+    if tp_dense:
+        notes.append(f"--tp {opts.tp}: each rank loads its slices of quantized weights dense (packed pieces are not "
+                     f"sliced yet), so they are counted in {opts.dtype}")
     if fmt.fp8_block:
         notes.append(f"block-wise FP8 checkpoint (blocks of {block[0]} x {block[1]}): its FP8 weights stay packed as "
                      f"they load (e4m3 codes plus an fp32 scale per row and {block[1]} columns, 3% over the codes; "

@@ -158,10 +158,11 @@ def host_kernels_check(why_unavailable: str | None, nf4_bf16: bool = False, amx:
     `host_native.nf4_bf16()` (the AVX512-BF16 NF4 kernel runs here); `amx`: `host_native.amx()` (bf16 experts at 2-64
     tokens on AMX tiles); `cpu_has_amx`: the CPU's flags name amx_tile and amx_bf16."""
     if why_unavailable is None:
-        value = ("native AVX-512 GEMV built" + (", NF4 on AVX512-BF16" if nf4_bf16 else "")
-                 + (", bf16 at 2-64 tokens on AMX" if amx else ""))
-        why = ("hybrid decode's host experts read bf16 / NF4 weights at DRAM speed"
-               + ("" if nf4_bf16 else " (NF4 on the fp32 kernel: this CPU or compiler lacks AVX512-BF16)"))
+        value = ("native AVX-512 GEMV built" + (", NF4 and fp8 on AVX512-BF16" if nf4_bf16 else "")
+                 + (", bf16 at 2-64 tokens and fp8 on AMX" if amx else ""))
+        why = ("hybrid decode's host experts read bf16 / NF4 / fp8 weights at DRAM speed"
+               + ("" if nf4_bf16 else " (NF4 on the fp32 kernel and fp8 on torch's decode: this CPU or compiler "
+                                      "lacks AVX512-BF16)"))
         if cpu_has_amx and not amx:
             return Check("host_kernels", WARN, value, "built, with AMX",
                          why + "; this CPU has AMX but the kernels do not use it (they need the AVX512-BF16 build, a C "

@@ -750,6 +750,12 @@ CASES = {
                                                       None, expert_quant="nf4"),
     "qwen3-30b-nf4": lambda rows, h2d: case_offload(rows, h2d, "qwen3-30b-a3b-nf4-experts", QWEN3_30B, 8, (1, 64),
                                                     None, expert_quant="nf4"),
+    # Qwen3-30B-A3B-FP8's layout (experts as block-wise FP8 loads them: e4m3 + a scale per row and 128 columns), 8 GiB;
+    # hybrid: the same with the host's native fp8 kernel beside the in-place reads (session 24)
+    "qwen3-30b-fp8": lambda rows, h2d: case_offload(rows, h2d, "qwen3-30b-a3b-fp8-experts", QWEN3_30B, 8, (1, 64),
+                                                    None, expert_quant="fp8-g128"),
+    "hybrid-qwen3-30b-fp8": lambda rows, h2d: case_hybrid_packed(rows, h2d, layers=48, expert_quant="fp8-g128",
+                                                                 budget_gib=8, cfg=QWEN3_30B, model="qwen3-30b-a3b"),
     "qwen2-72b-24L": lambda rows, h2d: case_offload(rows, h2d, "qwen2-72b-24L", {**QWEN2_72B, "num_hidden_layers": 24},
                                                     16, (1, 32), 2048),
     # the issue's dense case: Qwen2-72B, all 80 layers, decoder Linears NF4 (~41 GB), 16 GiB: most layers streamed

@@ -78,14 +78,18 @@ def test_random_source_hands_out_packed_experts():
            "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
            "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64}
     mc = ModelConfig.from_hf(cfg)
-    for scheme in ("int8", "int4", "nf4", "fp8"):
+    for scheme in ("int8", "int4", "nf4", "fp8", "fp8-g128"):
+        if scheme == "fp8-g128":  # groups of 128 along both w13's and w2's rows
+            cfg, mc = {**cfg, "intermediate_size": 256, "hidden_size": 128}, ModelConfig.from_hf({**cfg, "intermediate_size": 256})
         src = RandomSource(cfg, dtype=torch.float32, expert_quant=scheme)
         with torch.device("meta"):
             model = model_class(mc)(mc)
         assert len(model.pack_experts(src)) == 2  # (models/base.py ENGINE_PACKED_FORMATS)
         model.load_weights(src)
         bank = model.model.layers[0].block_sparse_moe.experts
-        assert bank.packed[0].fmt == scheme and bank.packed[0].shape == (4, 384, 128)
+        assert bank.packed[0].fmt == scheme.split("-")[0] and bank.packed[0].shape == (4, 2 * mc.intermediate_size, 128)
+        if scheme == "fp8-g128":
+            assert (bank.packed[0].group, bank.packed[1].group) == (128, 128)
         w13, w2 = bank.expert_weights(1)
         assert 0.01 < w13.float().std().item() < 0.04 and 0.01 < w2.float().std().item() < 0.04
 

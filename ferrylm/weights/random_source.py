@@ -5,7 +5,7 @@ Values are N(0, std) drawn once into a pool and tiled (fast enough for tens of G
 would hide bugs and time differently); norms are 1. The names are ferrylm's fused parameter names
 (`qkv_proj`, stacked expert banks), which the loader fills directly.
 
-With `expert_quant` ("int8", "int4", "nf4" or "fp8") the experts come as a quantized store would hand them out: one
+With `expert_quant` (`PACKED_SCHEMES`) the experts come as a quantized store would hand them out: one
 name per expert and projection (`...experts.<e>.w1|w3|w2.weight`) and `get_quantized` returning random
 packed codes with scales of the same spread, so packed-expert paths (kept packed on CUDA, read in place
 over PCIe) are benchmarked at real shapes without quantizing tens of GB first. `linear_quant` does the same
@@ -21,7 +21,9 @@ from ferrylm.config import ModelConfig
 from ferrylm.weights.source import WeightSource
 
 
-PACKED_SCHEMES = ("int8", "int4", "nf4", "fp8")
+PACKED_SCHEMES = ("int8", "int4", "nf4", "fp8", "fp8-g128")
+"""fp8: per channel (`ferry convert --quant fp8`); fp8-g128: a block-wise FP8 checkpoint as it loads (DeepSeek-V3,
+Qwen3 FP8: groups of 128 along each row, `weights/quant.from_fp8_blocks`)."""
 FP8_SPREAD = 64.0
 """fp8 random codes are e4m3 values of N(0, FP8_SPREAD): 7 standard deviations below e4m3's largest finite 448."""
 
@@ -48,7 +50,7 @@ class RandomSource(WeightSource):
         for knob, value in (("expert_quant", expert_quant), ("linear_quant", linear_quant)):
             if value not in (None, *PACKED_SCHEMES):
                 raise ValueError(f"{knob} {value!r}: choose one of {', '.join(PACKED_SCHEMES)}")
-        if "fp8" in (expert_quant, linear_quant):  # e4m3 codes of N(0, 1) * FP8_SPREAD: N(0, std) at scale std / it
+        if {expert_quant, linear_quant} & {"fp8", "fp8-g128"}:  # e4m3 codes of N(0, 1) * FP8_SPREAD: N(0, std) at scale std / it
             self.fp8_codes = (torch.randn(pool_elements, generator=g) * FP8_SPREAD).clamp(-448, 448).to(
                 torch.float8_e4m3fn).view(torch.uint8)
         if linear_quant is not None:
@@ -105,10 +107,17 @@ class RandomSource(WeightSource):
             scale = torch.full((N, K // 32), self.std / 4.6, dtype=torch.float16)  # (q - 8) has rms ~4.6
             return QuantizedTensor("int4", (N, K), {"q": q, "scale": scale}, {"group_size": 32, "zero": "sym"},
                                    self.dtype)
-        if (self.expert_quant if name in self.experts else self.linear_quant) == "fp8":  # per channel, like int8
+        scheme = self.expert_quant if name in self.experts else self.linear_quant
+        if scheme == "fp8":  # per channel, like int8
             q = self._tile(self.fp8_codes, torch.empty(N, K, dtype=torch.uint8))
             scale = torch.full((N,), self.std / FP8_SPREAD)
             return QuantizedTensor("fp8", (N, K), {"q": q, "scale": scale}, {}, self.dtype)
+        if scheme == "fp8-g128":  # a block-wise checkpoint's layout: one fp32 scale per row and 128 columns
+            if K % 128:
+                raise ValueError(f"fp8-g128 random weights need K a multiple of 128: {name} is [{N}, {K}]")
+            q = self._tile(self.fp8_codes, torch.empty(N, K, dtype=torch.uint8))
+            scale = torch.full((N, K // 128), self.std / FP8_SPREAD)
+            return QuantizedTensor("fp8", (N, K), {"q": q, "scale": scale}, {"group_size": 128}, self.dtype)
         q = self._tile(self.codes, torch.empty(N * K // 2, dtype=torch.uint8))
         absmax = torch.full((N * K // 64,), self.std / float(NF4_LEVELS.pow(2).mean().sqrt()))
         return QuantizedTensor("nf4", (N, K), {"q": q, "absmax": absmax}, {"group_size": 64, "double_quant": False},

@@ -106,6 +106,8 @@ def replay(path: str, a) -> list[dict]:
 
     with open(path) as f:
         old = json.load(f)
+    if old.get("gpu"):  # plan for the GPU that run measured (files before session 24 name none: the H200)
+        a = argparse.Namespace(**{**vars(a), "gpu": old["gpu"]})
     rows = []
     for case, info in old["cases"].items():
         if case not in CASES:

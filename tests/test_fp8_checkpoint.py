@@ -228,3 +228,15 @@ def test_plan_counts_an_fp8_checkpoint_as_the_engine_loads_it(tmp_path_factory):
     print(f"plan: FP8 checkpoint {total} B, dequantized {dense_total} B")
     assert total == sum(want.values()) and total < 0.6 * dense_total
     assert any("block-wise FP8 checkpoint" in n for n in plan.notes)
+
+
+def test_catalog_fp8_releases_plan_at_about_half_the_bytes():
+    """`ferry plan DeepSeek-V3-FP8` (the release as downloaded) counts its decoder Linears and experts as FP8 blocks:
+    about half the bf16 model's bytes (embeddings, LM head, norms and routers stay bf16), and says so."""
+    from ferrylm.plan.planner import PlanOptions, make_plan
+
+    opts = dict(gpu="4xA800-80G-PCIe", host="2xXeon-8480C,1TB", max_model_len=4096, max_num_seqs=4)
+    fp8, bf16 = make_plan(PlanOptions("DeepSeek-V3-FP8", **opts)), make_plan(PlanOptions("DeepSeek-V3", **opts))
+    ratio = sum(fp8.weights_bytes.values()) / sum(bf16.weights_bytes.values())
+    print(f"DeepSeek-V3 FP8 release / bf16: {ratio:.3f} of the bytes")
+    assert 0.5 < ratio < 0.53 and any("block-wise FP8 checkpoint" in n for n in fp8.notes)

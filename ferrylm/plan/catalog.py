@@ -46,12 +46,20 @@ CATALOG: dict[str, dict] = {
                         torch_dtype="bfloat16", hidden_act="silu", rms_norm_eps=1e-6),
     **{k: dict(v, torch_dtype="bfloat16") for k, v in yuan_sizes.REAL_CONFIGS.items()},
 }
-"""name -> config.json dict. Yuan's come from `yuan_sizes` (the vendor's launch scripts for 51B/102B)."""
+_FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
+CATALOG.update({  # the block-wise FP8 releases: the same configs with their quantization_config (counted as they load)
+    "DeepSeek-V3-FP8": dict(CATALOG["DeepSeek-V3"], quantization_config=_FP8),
+    "Qwen3-30B-A3B-FP8": dict(CATALOG["Qwen3-30B-A3B"], quantization_config=_FP8),
+    "Qwen3-235B-A22B-FP8": dict(CATALOG["Qwen3-235B-A22B"], quantization_config=_FP8),
+})
+"""name -> config.json dict. Yuan's come from `yuan_sizes` (the vendor's launch scripts for 51B/102B). DeepSeek-V3's
+own release is the FP8 one; "DeepSeek-V3" is the model in bf16 (e.g. after DeepSeek's fp8_cast_bf16 script)."""
 
 PUBLISHED_PARAMS: dict[str, tuple[float, float]] = {
     "Llama-3-8B": (8.03e9, 8.03e9), "Llama-3-70B": (70.6e9, 70.6e9), "Qwen2-72B": (72.7e9, 72.7e9),
     "Qwen2.5-72B": (72.7e9, 72.7e9), "Mixtral-8x7B": (46.7e9, 12.9e9), "Mixtral-8x22B": (140.6e9, 39.1e9),
     "Qwen3-30B-A3B": (30.5e9, 3.3e9), "Qwen3-235B-A22B": (235e9, 22e9), "DeepSeek-V3": (671e9, 37e9),
+    "Qwen3-30B-A3B-FP8": (30.5e9, 3.3e9), "Qwen3-235B-A22B-FP8": (235e9, 22e9), "DeepSeek-V3-FP8": (671e9, 37e9),
     "Yuan2-2B": (2.09e9, 2.09e9), "Yuan2-51B": (51.8e9, 51.8e9), "Yuan2-102B": (102.6e9, 102.6e9),
     "Yuan2-M32": (39.9e9, 3.7e9),
 }

@@ -487,3 +487,48 @@ def test_every_fallback_build_compiles(flags, tmp_path):
     r = subprocess.run([os.environ.get("CC", "cc"), *hn.FLAGS, *flags, str(src), *hn.LIBS, "-o", str(tmp_path / "k.so")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
+@pytest.mark.parametrize("T", [1, 3, 16])
+@pytest.mark.parametrize("group", [128, None])
+def test_fp8_expert_equals_gemvs_and_torch_silu(T, group):
+    """`expert_silu_fp8` (gate, up, SiLU, down in one call) gives the bits of `gemv_fp8` twice with torch's bf16 SiLU
+    and product between, on the AVX512-BF16 kernel and (where granted) on AMX tiles; fp32 out too."""
+    torch.manual_seed(T)
+    H, I = 256, 384
+    a, b = Q.quantize_fp8(torch.randn(2 * I, H) * .05, group), Q.quantize_fp8(torch.randn(H, I) * .05, group)
+    sa, sb = a.parts["scale"].float().view(2 * I, -1).contiguous(), b.parts["scale"].float().view(H, -1).contiguous()
+    x = torch.randn(T, H).to(torch.bfloat16)
+    for amx in (False, True) if hn.amx() else (False,):
+        gu = hn.gemv_fp8(x, a.parts["q"], sa, group or H, torch.empty(T, 2 * I), amx=amx).to(torch.bfloat16)
+        mid = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).contiguous()
+        want = hn.gemv_fp8(mid, b.parts["q"], sb, group or I, torch.empty(T, H), amx=amx)
+        for out in (torch.empty(T, H, dtype=torch.bfloat16), torch.empty(T, H)):
+            got = hn.expert_silu_fp8(x, (a.parts["q"], sa, group or H), (b.parts["q"], sb, group or I), out, (2, 48),
+                                     (2, 80), amx=amx)
+            assert torch.equal(got, want.to(out.dtype)), (amx, out.dtype)
+
+
+@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
+def test_fp8_host_expert_fused_equals_unfused(monkeypatch):
+    """A host expert over fp8 banks (`HostExpert` of two `RowBlocks`) under "native" runs whole in one native call
+    (`native_fused_expert`): the same bits as its two native GEMVs with torch's ops between."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.offload.host_experts import HostExperts
+
+    torch.manual_seed(5)
+    E, H, I = 2, 256, 384
+    w13 = ExpertWeights.stack([[Q.quantize_fp8(torch.randn(I, H) * .05, 128), Q.quantize_fp8(torch.randn(I, H) * .05, 128)]
+                               for _ in range(E)], torch.bfloat16)
+    w2 = ExpertWeights.stack([[Q.quantize_fp8(torch.randn(H, I) * .05, 128)] for _ in range(E)], torch.bfloat16)
+    he = HostExperts(w13, w2, torch.nn.functional.silu)
+    monkeypatch.setattr(C, "row_blocks_gemm", "native")
+    for T in (1, 5):
+        x = torch.randn(T, H, dtype=torch.bfloat16)
+        calls = _counting(monkeypatch, "expert_silu_fp8")
+        fused = he.expert(1)(x)
+        assert calls
+        monkeypatch.setattr(C, "native_fused_expert", False)
+        assert torch.equal(he.expert(1)(x), fused)
+        monkeypatch.setattr(C, "native_fused_expert", True)

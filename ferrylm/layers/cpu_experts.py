@@ -79,7 +79,8 @@ on 8 (benchmarks/bench_host_stream.py "read", session 21), and the NF4 GEMV ran 
 against 4.98 ms an expert, session 17): each chunk's call waits its turn at the GIL. Not yet measured on that host
 (docs/benchmarks.md, pending)."""
 native_fused_expert = True
-"""Whether a SiLU expert on dense bf16 weights runs whole in one native call where "native" takes it on the C pool
+"""Whether a SiLU expert on dense bf16 weights (or on fp8 `RowBlocks`: `host_native.expert_silu_fp8`, the same bits
+as its two GEMVs with torch's SiLU between) runs whole in one native call where "native" takes it on the C pool
 (`host_native.expert_silu_bf16`: gate and up, the SiLU product, down; the same bits as the GEMVs one by one with
 torch's SiLU between) rather than two GEMV calls and torch's ops between them. Why: each torch op large enough to run
 on the calling thread's OpenMP team leaves that team spinning for a while, and the spinners take cores from the C
@@ -577,11 +578,26 @@ class HostExpert:
     def fused(self, x: torch.Tensor) -> bool:
         """Whether this call runs as one native call (`native_fused_expert`)."""
         g, d = self.gate_up, self.down
+        if isinstance(g, RowBlocks) and isinstance(d, RowBlocks):
+            return self._fused_fp8(x)
         return isinstance(g, DenseGemm) and isinstance(d, DenseGemm) and native_expert_fits(x, g.w, d.w, self.act)
+
+    def _fused_fp8(self, x: torch.Tensor) -> bool:
+        g, d = self.gate_up, self.down
+        return (native_fused_expert and g.fp8 is not None and d.fp8 is not None and self.act is F.silu
+                and native_c_threads and gemm_at("row_blocks_gemm", x.shape[0]) == "native"
+                and g.native_ok(x.shape[0]) and d.native_ok(x.shape[0]) and g.fp8_amx == d.fp8_amx)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H], in x's dtype; computed with `compute_dtype` activations
         if self.fused(x):
+            if isinstance(self.gate_up, RowBlocks):  # fp8: gate, up, SiLU and down in one native call
+                threads, T, H = torch.get_num_threads(), x.shape[0], self.hidden
+                out = host_native.expert_silu_fp8(
+                    x.to(torch.bfloat16).contiguous(), self.gate_up.fp8, self.down.fp8,
+                    torch.empty(T, H, dtype=torch.bfloat16), c_pool_split(self.inter, 2 * H, threads),
+                    c_pool_split(H, self.inter, threads), amx=self.gate_up.fp8_amx)
+                return out.to(x.dtype)
             return native_expert(x, self.gate_up.w, self.down.w)
         xb = x.to(self.compute_dtype)
         h = self.gate_up(xb)  # [T, 2I]

@@ -864,6 +864,19 @@ typedef struct {
     const uint16_t* x; int T, H, I; const uint16_t* w13; int64_t ld13, up; const uint16_t* w2; int64_t ld2;
     uint16_t* h; float* y32; uint16_t* y16; int pf, amx;
 } expert_args;
+/* h[t, j] = bf16(bf16(silu(bf16(g[t, j]))) * bf16(u[t, j])) for m columns (g, u rows of EXPERT_SUB), h row stride I */
+static inline void silu_mul(const float* g, const float* u, int T, int m, uint16_t* h, int I) {
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < m; j += 16) {
+            const __mmask16 k = m - j < 16 ? (__mmask16)((1u << (m - j)) - 1) : (__mmask16)0xFFFF;
+            const __m512 gb = bf16_round(_mm512_maskz_loadu_ps(k, g + t * EXPERT_SUB + j));
+            const __m512 one = _mm512_set1_ps(1.0f);
+            const __m512 den = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gb)));
+            const __m512 sb = bf16_round(_mm512_div_ps(gb, den));
+            const __m512 ub = bf16_round(_mm512_maskz_loadu_ps(k, u + t * EXPERT_SUB + j));
+            _mm512_mask_cvtepi32_storeu_epi16(h + (int64_t)t * I + j, k, bf16_bits(_mm512_mul_ps(sb, ub)));
+        }
+}
 static void expert_up_task(const void* p, int a, int c) {
     const expert_args* e = (const expert_args*)p;
     float g[XMAXT * EXPERT_SUB], u[XMAXT * EXPERT_SUB];
@@ -871,17 +884,7 @@ static void expert_up_task(const void* p, int a, int c) {
         const int m = a + c - j0 < EXPERT_SUB ? a + c - j0 : EXPERT_SUB;
         bx_any(e->x, e->T, e->H, e->w13 + (int64_t)j0 * e->ld13, e->ld13, m, g, EXPERT_SUB, e->pf, e->amx);
         bx_any(e->x, e->T, e->H, e->w13 + (e->up + j0) * e->ld13, e->ld13, m, u, EXPERT_SUB, e->pf, e->amx);
-        for (int t = 0; t < e->T; t++)
-            for (int j = 0; j < m; j += 16) {
-                const __mmask16 k = m - j < 16 ? (__mmask16)((1u << (m - j)) - 1) : (__mmask16)0xFFFF;
-                const __m512 gb = bf16_round(_mm512_maskz_loadu_ps(k, g + t * EXPERT_SUB + j));
-                const __m512 one = _mm512_set1_ps(1.0f);
-                const __m512 den = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gb)));
-                const __m512 sb = bf16_round(_mm512_div_ps(gb, den));
-                const __m512 ub = bf16_round(_mm512_maskz_loadu_ps(k, u + t * EXPERT_SUB + j));
-                _mm512_mask_cvtepi32_storeu_epi16(e->h + (int64_t)t * e->I + j0 + j, k,
-                                                  bf16_bits(_mm512_mul_ps(sb, ub)));
-            }
+        silu_mul(g, u, e->T, m, e->h + j0, e->I);
     }
 }
 static void expert_down_task(const void* p, int a, int c) {
@@ -927,6 +930,90 @@ int ferry_expert_silu_bf16(const uint16_t* x, int T, int H, int I, const uint16_
         e.h = hb;
     }
     par_rows(expert_down_task, &e, H, threads2, chunk2);
+    free(buf);
+    return 0;
+}
+
+/* The same SiLU expert over fp8 weights (each side as `gemv_fp8` reads it: codes, fp32 scales of g columns, gstep 0
+   for one a row), rounded where `HostExpert` rounds its two fp8 GEMVs and torch's ops between; on AMX tiles
+   (`fp8_amx_rows`, x and h packed once) or the AVX512-BF16 kernel. T <= MAXT. */
+typedef struct {
+    const uint16_t* x; int T, H, I; const uint8_t* q13; int64_t ld13, up; const float* s13; int64_t lds13;
+    int g13, gs13; const uint8_t* q2; int64_t ld2; const float* s2; int64_t lds2; int g2, gs2;
+    const uint16_t* subtab; uint16_t* h; float* y32; uint16_t* y16; int amx;
+} fp8_expert_args;
+static void fp8_any(const uint16_t* x, int T, int K, const uint8_t* q, int64_t ldq, const float* s, int64_t lds,
+                    int g, int gstep, const uint16_t* subtab, int N, float* out, int64_t ldo, int amx) {
+#ifndef FERRY_NO_AMX
+    if (amx) {
+        fp8_amx_rows(x, T, K, q, ldq, s, lds, g, gstep, _mm512_loadu_si512((const void*)subtab), N, out, ldo);
+        return;
+    }
+#endif
+    ferry_gemv_fp8(x, T, K, q, ldq, s, lds, g, gstep, subtab, N, out, ldo);
+}
+static void fp8_expert_up_task(const void* p, int a, int c) {
+    const fp8_expert_args* e = (const fp8_expert_args*)p;
+    float g[MAXT * EXPERT_SUB], u[MAXT * EXPERT_SUB];
+    for (int j0 = a; j0 < a + c; j0 += EXPERT_SUB) {
+        const int m = a + c - j0 < EXPERT_SUB ? a + c - j0 : EXPERT_SUB;
+        fp8_any(e->x, e->T, e->H, e->q13 + (int64_t)j0 * e->ld13, e->ld13, e->s13 + (int64_t)j0 * e->lds13, e->lds13,
+                e->g13, e->gs13, e->subtab, m, g, EXPERT_SUB, e->amx);
+        fp8_any(e->x, e->T, e->H, e->q13 + (e->up + j0) * e->ld13, e->ld13, e->s13 + (e->up + j0) * e->lds13,
+                e->lds13, e->g13, e->gs13, e->subtab, m, u, EXPERT_SUB, e->amx);
+        silu_mul(g, u, e->T, m, e->h + j0, e->I);
+    }
+}
+static void fp8_expert_down_task(const void* p, int a, int c) {
+    const fp8_expert_args* e = (const fp8_expert_args*)p;
+    if (e->y16) {
+        float y[MAXT * EXPERT_SUB];
+        for (int n0 = a; n0 < a + c; n0 += EXPERT_SUB) {
+            const int m = a + c - n0 < EXPERT_SUB ? a + c - n0 : EXPERT_SUB;
+            fp8_any(e->h, e->T, e->I, e->q2 + (int64_t)n0 * e->ld2, e->ld2, e->s2 + (int64_t)n0 * e->lds2, e->lds2,
+                    e->g2, e->gs2, e->subtab, m, y, EXPERT_SUB, e->amx);
+            for (int t = 0; t < e->T; t++)
+                for (int j = 0; j < m; j++) e->y16[(int64_t)t * e->H + n0 + j] = to_bf16(y[t * EXPERT_SUB + j]);
+        }
+    } else {
+        fp8_any(e->h, e->T, e->I, e->q2 + (int64_t)a * e->ld2, e->ld2, e->s2 + (int64_t)a * e->lds2, e->lds2, e->g2,
+                e->gs2, e->subtab, c, e->y32 + a, e->H, e->amx);
+    }
+}
+/* x [T, H] bf16 contiguous; gate rows j of w13 at q13 + j * ld13 (scales s13 + j * lds13), up rows at up + j; w2
+   [H, I] (q2, ld2, s2, lds2); g / gs: each side's scale group along K and gstep (`fp8_group`); H, I, g multiples of
+   32; out [T, H] bf16 (out_bf16) or fp32. Returns 0, -1 on bad arguments, -2 without the AMX kernel, -3 without
+   memory. */
+int ferry_expert_silu_fp8(const uint16_t* x, int T, int H, int I, const uint8_t* q13, int64_t ld13, int64_t up,
+                          const float* s13, int64_t lds13, int g13, int gs13, const uint8_t* q2, int64_t ld2,
+                          const float* s2, int64_t lds2, int g2, int gs2, const uint16_t* subtab32, void* out,
+                          int out_bf16, int threads13, int chunk13, int threads2, int chunk2, int amx) {
+    if (T < 1 || T > MAXT || H % 32 || I % 32 || g13 < 32 || g2 < 32 || g13 % 32 || g2 % 32 || H % g13 || I % g2
+        || (gs13 != 0 && gs13 != 1) || (gs2 != 0 && gs2 != 1) || threads13 < 1 || chunk13 < 1 || threads2 < 1
+        || chunk2 < 1 || up < I)
+        return -1;
+#ifdef FERRY_NO_AMX
+    if (amx) return -2;
+#else
+    if (amx && (g13 > FP8_AMX_G || g2 > FP8_AMX_G)) return -1;
+#endif
+    const size_t xbytes = (size_t)T * H * 2, hbytes = (size_t)T * I * 2;
+    uint16_t* buf = aligned_alloc(64, (xbytes + 2 * hbytes + 63) / 64 * 64);
+    if (!buf) return -3;
+    uint16_t *xb = buf, *h = buf + (size_t)T * H, *hb = h + (size_t)T * I;
+#ifndef FERRY_NO_AMX
+    if (amx) amx_pack(x, T, H, xb);
+#endif
+    fp8_expert_args e = {amx ? xb : x, T, H, I, q13, ld13, up, s13, lds13, g13, gs13, q2, ld2, s2, lds2, g2, gs2,
+                         subtab32, h, out_bf16 ? NULL : (float*)out, out_bf16 ? (uint16_t*)out : NULL, amx};
+    par_rows(fp8_expert_up_task, &e, I, threads13, chunk13);
+#ifndef FERRY_NO_AMX
+    if (amx) {
+        amx_pack(h, T, I, hb);
+        e.h = hb;
+    }
+#endif
+    par_rows(fp8_expert_down_task, &e, H, threads2, chunk2);
     free(buf);
     return 0;
 }
@@ -1113,6 +1200,9 @@ def _load():
         if _bf16:
             lib.ferry_gemv_nf4_bf16.argtypes = lib.ferry_gemv_nf4.argtypes
             lib.ferry_gemv_nf4_bf16.restype = i32
+            lib.ferry_expert_silu_fp8.argtypes = [p, i32, i32, i32, p, i64, i64, p, i64, i32, i32, p, i64, p, i64, i32,
+                                                  i32, p, p, i32, i32, i32, i32, i32, i32]
+            lib.ferry_expert_silu_fp8.restype = i32
             lib.ferry_gemv_fp8.argtypes = [p, i32, i32, p, i64, p, i64, i32, i32, p, i32, p, i64]
             lib.ferry_gemv_fp8.restype = i32
             lib.ferry_gemv_fp8_mt.argtypes = [p, i32, i32, p, i64, p, i64, i32, i32, p, i32, p, i64, i32, i32, i32]
@@ -1254,6 +1344,38 @@ def expert_silu_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: 
                                       w13.stride(0), I, w2.data_ptr() + cols * e, w2.stride(0), out.data_ptr(),
                                       int(out.dtype == torch.bfloat16), prefetch, prefetch_multi, *split13, *split2,
                                       int(amx)), "expert (SiLU, bf16)")
+    return out
+
+
+def expert_silu_fp8(x: torch.Tensor, w13: tuple, w2: tuple, out: torch.Tensor, split13: tuple[int, int],
+                    split2: tuple[int, int], amx: bool = False) -> torch.Tensor:
+    """`expert_silu_bf16` over fp8 weights: w13 = (codes [2I, H] uint8, scales [2I, H / g13] fp32, g13) with the gate
+    rows then the up rows, w2 = (codes [H, I], scales [H, I / g2], g2), as `gemv_fp8` reads each (g = K: one scale a
+    row); x [T, H] bf16 contiguous, T <= MAX_TOKENS; out [T, H] bf16 or fp32. The same bits as `gemv_fp8` twice with
+    torch's bf16 SiLU and product between (where libm's expf and torch's agree); `amx`: on AMX tiles."""
+    lib = _load()
+    _amx_check(amx)
+    if not _bf16:
+        raise ValueError("native fp8 expert: needs the AVX512-BF16 kernel (nf4_bf16() is False)")
+    (q13, s13, g13), (q2, s2, g2) = w13, w2
+    T, H = x.shape
+    I = q2.shape[1]
+    if (x.dtype != torch.bfloat16 or not x.is_contiguous() or not 1 <= T <= MAX_TOKENS
+            or q13.dtype != torch.uint8 or q2.dtype != torch.uint8 or q13.stride(1) != 1 or q2.stride(1) != 1
+            or tuple(q13.shape) != (2 * I, H) or q2.shape[0] != H or s13.dtype != torch.float32
+            or s2.dtype != torch.float32 or s13.stride(-1) != 1 or s2.stride(-1) != 1 or H % g13 or I % g2
+            or tuple(s13.shape) != (2 * I, H // g13) or tuple(s2.shape) != (H, I // g2)
+            or out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous() or tuple(out.shape) != (T, H)):
+        raise ValueError(f"native fp8 expert: x [T, H] bf16 contiguous with T <= {MAX_TOKENS}, codes w13 [2I, H] and w2 "
+                         "[H, I] uint8 with unit column strides and their fp32 scales [rows, K / group], out [T, H]")
+    (ga, sa), (gb, sb) = fp8_group(H, g13), fp8_group(I, g2)
+    if amx and max(ga, gb) > FP8_AMX_GROUP:
+        raise ValueError(f"native fp8 expert on AMX: groups of at most {FP8_AMX_GROUP}")
+    _check(lib.ferry_expert_silu_fp8(x.data_ptr(), T, H, I, q13.data_ptr(), q13.stride(0), I, s13.data_ptr(),
+                                     s13.stride(0), ga, sa, q2.data_ptr(), q2.stride(0), s2.data_ptr(), s2.stride(0), gb,
+                                     sb, _FP8_SUBNORMALS_BF16.data_ptr(), out.data_ptr(),
+                                     int(out.dtype == torch.bfloat16), *split13, *split2, int(amx)),
+           "expert (SiLU, fp8)")
     return out
 
 

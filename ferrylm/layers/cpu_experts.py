@@ -406,8 +406,7 @@ class RowBlocks:
     @property
     def fp8_amx(self) -> bool:
         """The native fp8 GEMV runs on AMX tiles (`native_fp8_amx`, the CPU grants them, groups it takes)."""
-        return (native_fp8_amx and host_native.amx() and
-                host_native.fp8_group(self.shape[1], self.fp8[2])[0] <= host_native.FP8_AMX_GROUP)
+        return native_fp8_amx and host_native.fp8_amx(self.shape[1], self.fp8[2])
 
     def native_ok(self, T: int) -> bool:
         """Whether the native GEMV can take these weights at T tokens here."""

@@ -942,15 +942,16 @@ typedef struct {
     int g13, gs13; const uint8_t* q2; int64_t ld2; const float* s2; int64_t lds2; int g2, gs2;
     const uint16_t* subtab; uint16_t* h; float* y32; uint16_t* y16; int amx;
 } fp8_expert_args;
-static void fp8_any(const uint16_t* x, int T, int K, const uint8_t* q, int64_t ldq, const float* s, int64_t lds,
-                    int g, int gstep, const uint16_t* subtab, int N, float* out, int64_t ldo, int amx) {
+/* fp8 rows [0, N) on AMX tiles (x packed by `amx_pack`) or the AVX512-BF16 kernel (x as it is); 0, or the refusal */
+static int fp8_any(const uint16_t* x, int T, int K, const uint8_t* q, int64_t ldq, const float* s, int64_t lds,
+                   int g, int gstep, const uint16_t* subtab, int N, float* out, int64_t ldo, int amx) {
 #ifndef FERRY_NO_AMX
     if (amx) {
         fp8_amx_rows(x, T, K, q, ldq, s, lds, g, gstep, _mm512_loadu_si512((const void*)subtab), N, out, ldo);
-        return;
+        return 0;
     }
 #endif
-    ferry_gemv_fp8(x, T, K, q, ldq, s, lds, g, gstep, subtab, N, out, ldo);
+    return ferry_gemv_fp8(x, T, K, q, ldq, s, lds, g, gstep, subtab, N, out, ldo);
 }
 static void fp8_expert_up_task(const void* p, int a, int c) {
     const fp8_expert_args* e = (const fp8_expert_args*)p;
@@ -1055,15 +1056,8 @@ typedef struct {
 static void fp8_task(const void* p, int a, int c) {
 #ifndef FERRY_NO_BF16
     fp8_args* f = (fp8_args*)p;
-#ifndef FERRY_NO_AMX
-    if (f->amx) {
-        fp8_amx_rows(f->x, f->T, f->K, f->q + (int64_t)a * f->ldq, f->ldq, f->scale + (int64_t)a * f->lds, f->lds, f->g,
-                     f->gstep, _mm512_loadu_si512((const void*)f->subtab), c, f->out + a, f->ldo);
-        return;
-    }
-#endif
-    int rc = ferry_gemv_fp8(f->x, f->T, f->K, f->q + (int64_t)a * f->ldq, f->ldq, f->scale + (int64_t)a * f->lds,
-                            f->lds, f->g, f->gstep, f->subtab, c, f->out + a, f->ldo);
+    int rc = fp8_any(f->x, f->T, f->K, f->q + (int64_t)a * f->ldq, f->ldq, f->scale + (int64_t)a * f->lds, f->lds,
+                     f->g, f->gstep, f->subtab, c, f->out + a, f->ldo, f->amx);
     if (rc) atomic_store(&f->rc, rc);
 #endif
 }
@@ -1435,6 +1429,11 @@ _FP8_SUBNORMALS_BF16 = torch.cat([torch.arange(8, dtype=torch.float32) * 2.0 ** 
 """e4m3's 8 subnormal values (m * 2^-9) as bf16 words, padded to 32: `fp8_words`' table (made at import: pool threads
 share it, and it outlives every call that passes its address)."""
 _NF4_LEVELS_BF16 = torch.cat([NF4_LEVELS, torch.zeros(16)]).to(torch.bfloat16)
+
+
+def fp8_amx(K: int, group: int) -> bool:
+    """Whether `gemv_fp8` / `expert_silu_fp8` can run a row of K with scale groups of `group` on AMX tiles here."""
+    return amx() and fp8_group(K, group)[0] <= FP8_AMX_GROUP
 
 
 def fp8_group(K: int, group: int) -> tuple[int, int]:

@@ -270,7 +270,7 @@ class Fp8NativeCPU(QuantKernel):
         T, N = x2.shape[0], self.shape[0]
         if T == 0 or T > FP8_NATIVE_MAX_T:
             return F.linear(x, self.qt.dequantize(x.dtype))
-        amx = host_native.amx() and host_native.fp8_group(K, self.group)[0] <= host_native.FP8_AMX_GROUP
+        amx = host_native.fp8_amx(K, self.group)
         xb, out = x2.to(torch.bfloat16).contiguous(), torch.empty(T, N)
         step = host_native.MAX_TOKENS
         for t in range(0, T, step):  # (each call reads the weight once: a 16-token call costs about a 1-token one)

@@ -24,6 +24,7 @@ from torch import nn
 
 from ferrylm.config import ModelConfig
 from ferrylm.offload.placement import KINDS, TensorGroup, group_tensors
+from ferrylm.weights.quant import fp8_blocks_nbytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -100,25 +101,16 @@ class WeightFormat:
             return dense
         n = stored_bytes(name, tuple(shape), self.quant, self.group_size)
         if n is not None and self.fp8_block and self.quant == "fp8":
-            n = fp8_block_bytes(shape, self.fp8_block)
+            n = fp8_blocks_nbytes(tuple(shape), self.fp8_block)
         return dense if n is None else n
 
     def expert_bytes(self, inter: int, hidden: int) -> int | None:
         """Bytes of one packed expert, None: the engine holds this bank dense."""
         s = self.experts_scheme
         if s == "fp8" and self.fp8_block:
-            parts = [fp8_block_bytes(shape, self.fp8_block) for shape in ((inter, hidden), (inter, hidden), (hidden, inter))]
+            parts = [fp8_blocks_nbytes(shape, self.fp8_block) for shape in ((inter, hidden), (inter, hidden), (hidden, inter))]
             return None if None in parts else sum(parts)
         return None if s is None else packed_expert_bytes(inter, hidden, s, self.group_size)
-
-
-def fp8_block_bytes(shape: tuple[int, ...], block_k: int) -> int | None:
-    """Bytes a block-wise FP8 weight [N, K] keeps loaded (e4m3 codes, an fp32 scale per row and block of K), None
-    where it is dequantized at load (K no multiple of the block)."""
-    if len(shape) != 2:
-        return None
-    n, k = shape
-    return None if k % block_k else n * k + n * (k // block_k) * 4
 
 
 def meta_model(cfg: ModelConfig | dict, dtype: str = "bfloat16") -> nn.Module:

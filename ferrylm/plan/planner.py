@@ -18,11 +18,11 @@ from ferrylm.offload.memory import (activation_reserve, cublas_workspace_bytes, 
                                    graph_tokens, kv_after_warmup, size_memory, step_bound, warmup_activations)
 from ferrylm.offload.placement import GPU, HOST, TensorGroup
 from ferrylm.plan import catalog, estimate, hardware, hit_rate, quality
-from ferrylm.weights.source import fp8_block
 from ferrylm.plan.memory import (DTYPE_BYTES, LOAD_WORKSPACE_BYTES, QUANT_SCHEMES, WeightFormat, analytical_groups,
                                  analytical_kv_bytes_per_token, kv_bytes_per_block, kv_pool, meta_model, param_count,
                                  rope_table_bytes, state_bytes_per_seq, step_activation_bytes, summarize,
                                  weight_groups)
+from ferrylm.weights.source import fp8_block
 
 CUDA_CONTEXT_BYTES = 600 * 2**20
 """CUDA context + cuBLAS workspace of one process: what `mem_get_info` shows used before the first tensor."""

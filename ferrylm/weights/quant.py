@@ -264,6 +264,15 @@ def fp8_block_dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
     return vals.mul_(s).to(dtype)
 
 
+def fp8_blocks_nbytes(shape: tuple[int, ...], block_k: int) -> int | None:
+    """Bytes `from_fp8_blocks` holds for a block-wise FP8 weight of `shape` (codes plus an fp32 scale per row and
+    block of K), None where it gives None (not 2-D, K no multiple of the block)."""
+    if len(shape) != 2 or shape[1] % block_k:
+        return None
+    n, k = shape
+    return n * k + n * (k // block_k) * 4
+
+
 def from_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                     dtype: torch.dtype) -> QuantizedTensor | None:
     """A block-wise FP8 weight (see `fp8_block_dequantize`) as a group-wise `fp8` QuantizedTensor: the same

@@ -128,11 +128,11 @@ class SafetensorsSource(WeightSource):
             return None
         from types import SimpleNamespace
 
+        from ferrylm.weights.quant import fp8_blocks_nbytes
+
         shape = tuple(self._handles[self._where[name]].get_slice(name).get_shape())
-        bk = self.fp8_block[1]
-        if len(shape) != 2 or shape[1] % bk:
-            return None
-        return SimpleNamespace(shape=shape, nbytes=shape[0] * shape[1] + shape[0] * (shape[1] // bk) * 4)
+        nbytes = fp8_blocks_nbytes(shape, self.fp8_block[1])
+        return None if nbytes is None else SimpleNamespace(shape=shape, nbytes=nbytes)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -144,17 +144,19 @@ class SafetensorsSource(WeightSource):
     def _fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         w, s = self._raw(name), self._raw(self._scales[name])
         bn, bk = self.fp8_block
-        if w.dtype != torch.float8_e4m3fn or w.dim() != 2 or s.shape != (-(-w.shape[0] // bn), -(-w.shape[1] // bk)):
-            want = (-(-w.shape[0] // bn), -(-w.shape[1] // bk)) if w.dim() == 2 else "?"
+        want = (-(-w.shape[0] // bn), -(-w.shape[1] // bk)) if w.dim() == 2 else "?"
+        if w.dtype != torch.float8_e4m3fn or s.shape != want:
             raise ModelLoadError(f"{self.path}: {name!r} is {w.dtype} {tuple(w.shape)} with scales {tuple(s.shape)}: "
                                  f"not block-wise FP8 e4m3 in blocks of {bn} x {bk} (scales {want} expected)")
         return w, s
 
     def get_part(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
         """`get(name).narrow(dim, start, length)`, reading only those bytes (a tensor-parallel rank's slice)."""
-        if name not in self._where or name in self._scales or self.fp8_block:
-            return self.get(name).narrow(dim, start, length)  # (or the missing-tensor / missing-scale error)
+        if name not in self._where or name in self._scales:
+            return self.get(name).narrow(dim, start, length)  # (or the missing-tensor error)
         sl = self._handles[self._where[name]].get_slice(name)
+        if sl.get_dtype().startswith("F8"):
+            return self.get(name)  # an FP8 weight without scales: the error that names it
         index = [slice(None)] * len(sl.get_shape())
         index[dim] = slice(start, start + length)
         return sl[tuple(index)]

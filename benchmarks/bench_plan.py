@@ -153,8 +153,10 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
     cached = bool(runner.placed.caches)
     # the CPU engine caches nothing; its smoke run records the routing all the same (the code path, no figures)
     moe = bool(expert_profile.banks(runner.model)) and (cached or not cuda)
-    if moe:  # record the routing of the runs below, as `ferry profile` does (device-side, graph-safe)
+    if moe:  # record the routing of the runs below, as `ferry profile` does (device-side, graph-safe), and the
+        # trace of their one-token steps (the batch-1 decode run's)
         expert_profile.start(runner.model)
+        expert_profile.start_trace(runner.model, 4096)
     got = measure(plan, llm, cuda, max_decode_tokens=tokens)
     rows = compare(predicted(plan, cuda), got)
     info = dict(verdict=plan.verdict, load_s=load_s, h2d_gbs=plan.speed["assumptions"]["h2d_gbs"],
@@ -176,7 +178,10 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
                 held_after=torch.cuda.memory_allocated() if cuda else None)
     if moe:  # the hit rate predicted from the routing these runs saw (this engine pinned nothing)
         prof = os.path.join(d, "routing.json")
-        expert_profile.write(expert_profile.collect(runner.model, llm.engine.model_config.architecture), prof)
+        recorded = expert_profile.collect(runner.model, llm.engine.model_config.architecture)
+        recorded["decode_trace"] = expert_profile.collect_trace(runner.model)
+        info["traced_steps"] = len(next(iter(recorded["decode_trace"].values()), []))
+        expert_profile.write(recorded, prof)
         routed = make_plan(replace(opts, routing=prof), advise=False)
         for key in ("decode_batch1", "decode_concurrent"):
             hit = got.get(f"hit_rate_{key}")

@@ -190,11 +190,16 @@ def cmd_profile(a: argparse.Namespace) -> None:
         prompts = expert_profile.PROMPTS
     if llm.engine.tokenizer is None:
         print("ferry profile: the model has no tokenizer: profiling on random token ids", file=sys.stderr)
-    profile = expert_profile.record(llm, prompts * a.repeat, sampling_params(a, seed=a.seed), a.seed)
+    if a.trace_steps is not None and a.trace_steps < 0:
+        raise ConfigError(f"--trace-steps {a.trace_steps}: a number of decode steps, 0 or more")
+    profile = expert_profile.record(llm, prompts * a.repeat, sampling_params(a, seed=a.seed), a.seed,
+                                    **({} if a.trace_steps is None else {"trace_steps": a.trace_steps}))
     expert_profile.write(profile, a.output)
     total = sum(sum(v) for v in profile["layers"].values())
+    traced = len(next(iter(profile.get("decode_trace", {}).values()), []))
     print(f"wrote {a.output}: {len(profile['layers'])} MoE layers, {total} routed assignments over "
-          f"{len(prompts) * a.repeat} prompts", file=sys.stderr)
+          f"{len(prompts) * a.repeat} prompts" + (f", {traced} decode steps traced at batch 1" if traced else ""),
+          file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--output", "-o", required=True, help="profile JSON to write")
     pr.add_argument("--prompts", default=None, help="text file, one prompt per line (default: a built-in mix)")
     pr.add_argument("--repeat", type=int, default=1, help="run the prompts this many times")
+    pr.add_argument("--trace-steps", type=int, default=None,
+                    help="then run the prompts one at a time, recording the routing of this many decode steps "
+                         "(how tokens reuse experts: `ferry plan` replays the slot policy on it; 0: none; "
+                         "default expert_profile.TRACE_STEPS, 256)")
     add_engine_args(pr)
     add_sampling_args(pr)
     pr.set_defaults(func=cmd_profile, max_tokens=64)

@@ -1339,3 +1339,27 @@ def test_one_launch_ops_equal_the_plain_engine(family, tmp_path_factory, monkeyp
     print(f"{family}: one-launch ops vs plain engine: max |logit diff| {worst:.3e} over the same contexts "
           f"({diverged} sequences flipped a token)")
     assert worst < 5e-2  # (a token flips only where the two runs' logits are this close: a near-tie)
+
+
+def test_decode_trace_recorded_inside_graphs_equals_eager(tmp_path_factory):
+    """`ferry profile`'s decode trace is written device-side (graph-safe, no sync): a graphed resident engine and
+    an offloaded one with mapped (graphed) decode steps record the trace an eager engine records."""
+    from test_models_hf import build
+
+    from ferrylm.offload import expert_profile
+    from ferrylm.sampling_params import SamplingParams
+
+    path, _ = build(tmp_path_factory, "qwen3_moe")
+    prompts = [[5, 17, 42, 99, 3, 200, 7], [1, 2, 3, 4]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = {}
+    for name, kw in (("eager", dict(enforce_eager=True)), ("graphed", {}),
+                     ("mapped", dict(place=("experts=cpu", "layers.0.experts.0-1=gpu"), experts="gpu"))):
+        llm = LLM(path, device="cuda", dtype="float32", **kw)
+        got[name] = expert_profile.record(llm, prompts, params, trace_steps=100)
+        llm.close()
+    trace = got["eager"]["decode_trace"]
+    assert len(next(iter(trace.values()))) == 2 * 11
+    for name in ("graphed", "mapped"):
+        assert got[name]["decode_trace"] == trace, name
+        assert got[name]["layers"] == got["eager"]["layers"], name

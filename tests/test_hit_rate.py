@@ -205,3 +205,59 @@ def test_a_saved_profile_is_used_as_the_engine_uses_it(tmp_path, monkeypatch):
     assert got.speed["decode_batch1"]["expert_hit_rate"] > base.speed["decode_batch1"]["expert_hit_rate"] + 0.3
     stated = _plan(tmp_path, routing="uniform")  # a stated routing wins over the saved profile
     assert stated.speed["decode_batch1"]["expert_hit_rate"] == pytest.approx(base.speed["decode_batch1"]["expert_hit_rate"])
+
+
+def _traced(tmp_path, cfg, reuse: float, name: str, steps: int = 160, seed: int = 0) -> str:
+    """A profile with a `decode_trace`: every layer's one-token steps keep each of the last step's experts with
+    probability `reuse`, else draw another (uniform); the counts are what the trace routed."""
+    E, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    rng = random.Random(seed)
+    trace, counts = {}, {}
+    for l in range(cfg["num_hidden_layers"]):
+        cur, steps_l, c = rng.sample(range(E), k), [], [0] * E
+        for _ in range(steps):
+            keep = [e for e in cur if rng.random() < reuse]
+            rest = [e for e in range(E) if e not in keep]
+            cur = keep + rng.sample(rest, k - len(keep))
+            steps_l.append(sorted(cur))
+            for e in cur:
+                c[e] += 1
+        trace[str(l)], counts[l] = steps_l, c
+    return _profile(tmp_path, cfg, lambda l, E: counts[l], name=name, decode_trace=trace)
+
+
+def test_a_decode_trace_replays_the_slot_policy(tmp_path):
+    """Popularity alone takes tokens as independent; a profile's decode trace says how much a sequence reuses
+    its experts from token to token, and the plan replays the engine's slot policy on it: routing that repeats
+    hits far more than its flat popularity says (and runs faster), independent tokens about what popularity
+    says, and the promotions a step follow the replay."""
+    base = _plan(tmp_path)
+    sticky = _plan(tmp_path, routing=_traced(tmp_path, QWEN3, 0.97, "sticky.json"))
+    fresh = _plan(tmp_path, routing=_traced(tmp_path, QWEN3, 0.0, "fresh.json"))
+    b1 = {n: p.speed["decode_batch1"] for n, p in (("uniform", base), ("sticky", sticky), ("fresh", fresh))}
+    for n, s in b1.items():
+        print(f"{n}: batch-1 hit {s['expert_hit_rate']:.3f}, {s['tok_s']:.1f} tok/s, promotions "
+              f"{s['parts_ms'].get('promotions', 0):.3f} ms")
+    assert "decode trace of 160 steps" in sticky.speed["assumptions"]["expert_hit_rate_from"]
+    assert b1["sticky"]["expert_hit_rate"] > 0.8 > b1["uniform"]["expert_hit_rate"] + 0.5
+    assert b1["sticky"]["tok_s"] > 2 * b1["uniform"]["tok_s"]
+    assert abs(b1["fresh"]["expert_hit_rate"] - b1["uniform"]["expert_hit_rate"]) < 0.05
+    # batch 16: sixteen sequences side by side need more distinct experts; reuse still helps, less
+    conc = sticky.speed["decode_concurrent"]
+    assert base.speed["decode_concurrent"]["expert_hit_rate"] < conc["expert_hit_rate"] < b1["sticky"]["expert_hit_rate"]
+    # the replay is the engine's policy: its hit rate at batch 1 is replay_mapped's over the cached layers
+    from ferrylm.plan import hit_rate as hr
+
+    route = hr.routing(str(tmp_path / "sticky.json"), None, QWEN3["architectures"][0], 128, 8, list(range(8)))
+    res, slots = sticky.placement["resident_experts"], sticky.placement["expert_slots"]
+    got = hr.replayed(route, {l: (r, r + slots) for l, r in res.items()}, 128, 1)
+    mean = sum(h for h, _ in got.values()) / len(got)
+    assert mean == pytest.approx(b1["sticky"]["expert_hit_rate"])
+    # a broken trace is a clear error naming it
+    bad = _profile(tmp_path, QWEN3, lambda l, E: [1] * E, name="bad-trace.json",
+                   decode_trace={str(l): [[0, 999]] for l in range(8)})
+    with pytest.raises(ConfigError, match="decode_trace names an expert outside"):
+        _plan(tmp_path, routing=bad)
+    short = _profile(tmp_path, QWEN3, lambda l, E: [1] * E, name="short-trace.json", decode_trace={"0": [[1]]})
+    with pytest.raises(ConfigError, match="does not cover every MoE layer"):
+        _plan(tmp_path, expert_profile=short)

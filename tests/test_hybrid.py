@@ -241,6 +241,11 @@ def test_profile_round_trip(mixtral, tmp_path, caplog):
     assert r.returncode == 0, r.stderr
     prof = json.loads(out.read_text())
     assert sorted(prof["layers"]) == ["0", "1"] and all(len(v) == 4 and sum(v) > 0 for v in prof["layers"].values())
+    # then the prompts one at a time: each one-token decode step's experts, in order (top 2 of 4, every layer)
+    trace = prof["decode_trace"]
+    assert sorted(trace) == ["0", "1"] and len({len(v) for v in trace.values()}) == 1
+    assert len(trace["0"]) == 6 * 7 and all(len(step) == 2 and len(set(step)) == 2 for v in trace.values() for step in v)
+    assert "42 decode steps traced" in r.stderr
     llm = LLM(mixtral, place=("experts=cpu", "layers.0-1.experts.0=gpu"), expert_profile=str(out))
     caches = llm.engine.runner.placed.caches
     for layer, cache in caches.items():

@@ -89,6 +89,10 @@ class Experts(nn.Module):
         self.backend: ExpertBackend = TorchExperts()
         self.routing_counts: torch.Tensor | None = None
         """[E] long on the device while profiling: how many assignments each expert got."""
+        self.routing_trace: torch.Tensor | None = None
+        """[S + 1, E] bool on the device while tracing (`expert_profile.start_trace`): row t the experts the t-th
+        one-token step used (its last row a sink for steps past S); `routing_trace_pos` [1] long the next row."""
+        self.routing_trace_pos: torch.Tensor | None = None
         self.packing = False
         """Keep quantized experts packed (`load` stashes them; `finish_load` stacks and places them)."""
         self.packed = None
@@ -167,6 +171,11 @@ class Experts(nn.Module):
             from ferrylm.layers.context import live_assignments
 
             self.routing_counts.scatter_add_(0, topk_ids.flatten(), live_assignments(topk_ids))  # padded rows: 0
+        if self.routing_trace is not None and topk_ids.shape[0] == 1:  # a one-token step (decode at batch 1)
+            row = torch.zeros(1, self.num_experts, dtype=torch.bool, device=self.routing_trace.device)
+            row[0, topk_ids[0].to(row.device)] = True
+            self.routing_trace.index_copy_(0, self.routing_trace_pos, row)  # device-side: graph-safe, no sync
+            self.routing_trace_pos.add_(1).clamp_(max=self.routing_trace.shape[0] - 1)
         return self.backend.forward(self, x, topk_ids, topk_weights)
 
 

@@ -6,7 +6,13 @@ workload of `profile_experts` (`--profile-experts N`): it saves the model's prof
 finds it (`saved`).
 
     {"format": "ferrylm-expert-profile/1", "architecture": ..., "num_experts": E,
-     "layers": {"<layer>": [count per expert], ...}}
+     "layers": {"<layer>": [count per expert], ...},
+     "decode_trace": {"<layer>": [[experts of step 0], [experts of step 1], ...], ...}}
+
+`decode_trace` (optional) is the routing of one-token decode steps in order, the prompts run one at a time
+after the counted workload (`record`'s `trace_steps`): how much a sequence reuses its experts from token to
+token, which popularity alone does not say. `ferry plan` replays the engine's slot policy on it
+(`plan/hit_rate.py`).
 """
 
 from __future__ import annotations
@@ -56,9 +62,15 @@ def saved(model) -> str | None:
     return path if path is not None and os.path.exists(path) else None
 
 
-def record(llm, prompts: list, params, seed: int = 0) -> dict:
-    """Run `prompts` through `llm` (`ferrylm.LLM`) counting routing; -> the profile. A model without a
-    tokenizer gets seeded random token-id prompts of 32 tokens instead."""
+TRACE_STEPS = 256
+"""One-token decode steps `record` traces by default (prompts one at a time, after the counted workload)."""
+
+
+def record(llm, prompts: list, params, seed: int = 0, trace_steps: int = TRACE_STEPS) -> dict:
+    """Run `prompts` through `llm` (`ferrylm.LLM`) counting routing, then run them one at a time tracing the
+    routing of each decode step until `trace_steps` steps are traced (or every prompt ran once more; 0: no
+    trace); -> the profile. A model without a tokenizer gets seeded random token-id prompts of 32 tokens
+    instead."""
     from ferrylm.errors import ConfigError
 
     engine = llm.engine
@@ -70,7 +82,15 @@ def record(llm, prompts: list, params, seed: int = 0) -> dict:
         prompts = [[rng.randrange(engine.model_config.vocab_size) for _ in range(32)] for _ in prompts]
     start(model)  # counts stay on afterwards: graphs captured meanwhile write these tensors
     llm.generate(prompts, params)
-    return collect(model, engine.model_config.architecture)
+    profile = collect(model, engine.model_config.architecture)
+    if trace_steps > 0:
+        start_trace(model, trace_steps)
+        for p in prompts:
+            llm.generate([p], params)
+            if traced_steps(model) >= trace_steps:
+                break
+        profile["decode_trace"] = collect_trace(model)
+    return profile
 
 
 def warm_up(llm, n: int, model: str | None, seed: int = 0) -> str:
@@ -84,7 +104,9 @@ def warm_up(llm, n: int, model: str | None, seed: int = 0) -> str:
         raise ConfigError("profile_experts: the model is no path (the embedded model, or a source object): "
                           "nowhere to save its profile")
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
-    profile = record(llm, prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, seed=seed), seed)
+    # no decode trace: start-up time (the placement reads the counts; `ferry profile` writes a trace for the plan)
+    profile = record(llm, prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, seed=seed), seed,
+                     trace_steps=0)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write(profile, path)
     llm.engine.runner.placed.stats.reset()
@@ -106,6 +128,32 @@ def start(model: nn.Module) -> None:
         if bank.backend.__class__.__name__ == "CachedExperts":
             dev = bank.backend.device
         bank.routing_counts = torch.zeros(bank.num_experts, dtype=torch.long, device=dev)
+
+
+def start_trace(model: nn.Module, steps: int) -> None:
+    """Trace the routing of the next `steps` one-token steps (every bank, on its device; see `record`)."""
+    for bank in banks(model).values():
+        dev = bank.routing_counts.device if bank.routing_counts is not None else torch.device("cpu")
+        bank.routing_trace = torch.zeros(steps + 1, bank.num_experts, dtype=torch.bool, device=dev)
+        bank.routing_trace_pos = torch.zeros(1, dtype=torch.long, device=dev)
+
+
+def traced_steps(model: nn.Module) -> int:
+    return min((int(b.routing_trace_pos.item()) for b in banks(model).values() if b.routing_trace is not None),
+               default=0)
+
+
+def collect_trace(model: nn.Module) -> dict:
+    """layer -> the experts of each traced step, in order; tracing stops (a graph captured meanwhile keeps
+    writing its buffers, which nothing reads)."""
+    n = traced_steps(model)
+    out = {}
+    for i, b in banks(model).items():
+        if b.routing_trace is not None:
+            rows = b.routing_trace[:n].cpu()
+            out[str(i)] = [r.nonzero().flatten().tolist() for r in rows]
+            b.routing_trace = b.routing_trace_pos = None
+    return out
 
 
 def collect(model: nn.Module, architecture: str) -> dict:
@@ -146,6 +194,25 @@ def parse(path: str, architecture: str, num_experts: int, moe_layers: list[int])
     if any(c < 0 for v in layers.values() for c in v):
         raise ValueError("it has negative counts")
     return layers
+
+
+def parse_trace(path: str, num_experts: int, moe_layers: list[int]) -> dict[int, list[list[int]]] | None:
+    """The profile's `decode_trace` (layer -> experts of each step), None when it has none; raises
+    `ValueError` naming what is wrong. Call after `parse` accepted the file."""
+    with open(path) as f:
+        data = json.load(f)
+    raw = data.get("decode_trace")
+    if not raw:
+        return None
+    try:
+        trace = {int(k): [[int(e) for e in step] for step in v] for k, v in raw.items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"its decode_trace cannot be read ({e})") from None
+    if sorted(trace) != sorted(moe_layers) or len({len(v) for v in trace.values()}) != 1:
+        raise ValueError("its decode_trace does not cover every MoE layer for the same steps")
+    if any(not 0 <= e < num_experts for v in trace.values() for step in v for e in step):
+        raise ValueError(f"its decode_trace names an expert outside 0-{num_experts - 1}")
+    return trace
 
 
 def read(path: str, architecture: str, num_experts: int, moe_layers: list[int]) -> dict[int, list[int]] | None:

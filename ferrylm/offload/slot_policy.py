@@ -16,7 +16,7 @@ that crossed PCIe (in-place reads + promotions). It knows nothing of devices or 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -130,6 +130,10 @@ class Replay:
     promotions: int = 0
     """Experts copied into slots (each one expert's bytes over PCIe)."""
     steps: int = 0
+    row_hits: list = field(default_factory=list)
+    """Per layer row: hits, accesses, promotions (the totals above, split)."""
+    row_accesses: list = field(default_factory=list)
+    row_promotions: list = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
@@ -143,10 +147,11 @@ class Replay:
 
 def replay_mapped(traces: list[list[list[int]]], experts: int, capacity: list[int], initial: list[list[int]],
                   pinned: list[set[int]] = None, lag: int = 1, land_lag: int = 1, dueling: bool = False,
-                  **knobs) -> Replay:
+                  warmup: int = 0, **knobs) -> Replay:
     """The mapped path on a trace: traces[i][t] are the experts layer row i needs at step t (all rows the
     same length); capacity[i] slots, filled with initial[i]; `knobs` go to `PromotionPolicy` (with
-    `dueling`, `candidates` go to `DuelingPolicy`)."""
+    `dueling`, `candidates` go to `DuelingPolicy`). The first `warmup` steps run but are not counted (the
+    slots settling from their initial fill, as an engine's first steps after start-up)."""
     L, S = len(traces), len(traces[0])
     pinned = pinned or [set() for _ in range(L)]
     resident = torch.zeros(L, experts, dtype=torch.bool)
@@ -165,13 +170,18 @@ def replay_mapped(traces: list[list[list[int]]], experts: int, capacity: list[in
         for t, need in enumerate(tr):
             counts[t, i, need] = 1.0
     landing: list[tuple[int, int, int]] = []  # (row, expert, step after which it is resident)
-    out = Replay(steps=S)
+    out = Replay(steps=max(0, S - warmup), row_hits=[0] * L, row_accesses=[0] * L, row_promotions=[0] * L)
     for s in range(S):
         needed = counts[s] > 0  # [L, E]
-        hits = int((needed & resident).sum())
-        out.hits += hits
-        out.accesses += int(needed.sum())
-        out.in_place += int(needed.sum()) - hits
+        counted = s >= warmup
+        if counted:
+            row_hits, row_need = (needed & resident).sum(1).tolist(), needed.sum(1).tolist()
+            for i in range(L):
+                out.row_hits[i] += row_hits[i]
+                out.row_accesses[i] += row_need[i]
+            out.hits += sum(row_hits)
+            out.accesses += sum(row_need)
+            out.in_place += sum(row_need) - sum(row_hits)
         # after the step: land, read the counts that arrived, promote
         still = []
         for i, e, t in landing:
@@ -190,7 +200,8 @@ def replay_mapped(traces: list[list[list[int]]], experts: int, capacity: list[in
                 empty[i] -= 1
             else:
                 resident[i, victim] = False
-            out.promotions += 1
+            out.promotions += counted
+            out.row_promotions[i] += counted
             if land_lag == 0:
                 resident[i, e] = True
             else:

@@ -15,6 +15,12 @@ A step of B tokens needs expert e with probability q_e = 1 - (1 - p_e)^B, p_e th
 (sum_e p_e = top_k; tokens independent). The hit rate is the engine's own figure (`PlacedWeights.stats`):
 needed experts found resident over needed experts. Uniform routing gives C / E on both paths.
 
+Popularity alone takes the tokens as independent; a sequence that reuses its experts from token to token finds
+far more of them in its slots (a random-weight Qwen3-30B-A3B shape: 0.94 measured at batch 1 against 0.20 from
+its popularity, docs/benchmarks.md). A profile with a `decode_trace` (`ferry profile`: one-token steps in order)
+says how much: for mapped decode steps `replayed` runs the engine's own slot policy on it
+(`offload/slot_policy.replay_mapped`, the tally's dueling policy), which gives the promotions a step makes too.
+
 Knows nothing about bytes, hardware or speed.
 """
 
@@ -36,6 +42,8 @@ class Routing:
     """The engine is given this profile: each layer's R hottest experts are resident and pinned."""
     source: str
     """Where the routing came from, in words (printed beside the hit rate)."""
+    traces: dict[int, list[list[int]]] | None = None
+    """layer -> the experts of each one-token decode step in order (a profile's `decode_trace`), or None."""
 
     def of(self, layer: int) -> tuple[float, ...] | None:
         return None if self.shares is None else self.shares.get(layer)
@@ -57,8 +65,10 @@ def routing(spec: str | None, profile: str | None, architecture: str, num_expert
             raise ConfigError(f"{'--expert-profile' if profile else '--routing'}: this model has no experts to route")
         return UNIFORM
     if profile is not None:
-        return Routing(_profile_shares(profile, "--expert-profile", architecture, num_experts, top_k, moe_layers),
-                       True, f"expert profile {profile} (recorded; its hottest experts pinned, as the engine pins them)")
+        shares = _profile_shares(profile, "--expert-profile", architecture, num_experts, top_k, moe_layers)
+        traces = _profile_traces(profile, "--expert-profile", num_experts, moe_layers)
+        return Routing(shares, True, f"expert profile {profile} (recorded; its hottest experts pinned, as the engine pins "
+                             f"them{_traced(traces)})", traces)
     if spec is None or spec == "uniform":
         return UNIFORM
     if spec.startswith("zipf:"):
@@ -72,8 +82,10 @@ def routing(spec: str | None, profile: str | None, architecture: str, num_expert
         return Routing({l: one for l in moe_layers}, False, f"stated skew {spec} (--routing; the slots follow it, "
                                                           "nothing pinned)")
     if spec.endswith(".json") or "/" in spec:
-        return Routing(_profile_shares(spec, "--routing", architecture, num_experts, top_k, moe_layers), False,
-                       f"routing of profile {spec} (--routing; the engine not given it: nothing pinned)")
+        shares = _profile_shares(spec, "--routing", architecture, num_experts, top_k, moe_layers)
+        traces = _profile_traces(spec, "--routing", num_experts, moe_layers)
+        return Routing(shares, False, f"routing of profile {spec} (--routing; the engine not given it: nothing "
+                                      f"pinned{_traced(traces)})", traces)
     raise ConfigError(f"--routing {spec!r}: choose uniform, zipf:S (e.g. zipf:1.2) or a profile FILE.json "
                       "written by `ferry profile`")
 
@@ -91,6 +103,59 @@ def _profile_shares(path: str, flag: str, architecture: str, num_experts: int, t
     # a layer with no counts says nothing about its routing: uniform there
     return {l: tuple(_scaled(v, top_k)) if sum(v) else tuple([top_k / num_experts] * num_experts)
             for l, v in counts.items()}
+
+
+def _profile_traces(path: str, flag: str, num_experts: int, moe_layers: list[int]) -> dict | None:
+    from ferrylm.offload import expert_profile
+
+    try:
+        return expert_profile.parse_trace(path, num_experts, moe_layers)
+    except ValueError as e:
+        raise ConfigError(f"{flag} {path}: {e}") from None
+
+
+def _traced(traces: dict | None) -> str:
+    if not traces:
+        return ""
+    return (f"; batch-1 steps replayed on its decode trace of {len(next(iter(traces.values())))} steps by the "
+            "engine's slot policy")
+
+
+WARMUP_STEPS = 32
+"""Steps of a replay left out of its figures (the slots settling from their initial fill); a quarter of a
+shorter trace."""
+
+
+def replayed(route: Routing, layers: dict[int, tuple[int, int]], num_experts: int,
+             tokens: int) -> dict[int, tuple[float, float]]:
+    """Mapped decode steps of `tokens` sequences on the routing's decode trace: layer -> (hit rate, promotion
+    copies a step), by the engine's own slot policy (`offload/slot_policy.replay_mapped`: the dueling policy,
+    counts read one step late, promotions landing before the next step) over `tokens` copies of the trace run
+    side by side, S / tokens steps apart (sequences each reusing its experts as the traced ones did).
+    layers: cached layer -> (resident experts R, device slots C); pinned routing pins each layer's R hottest
+    (by the profile's counts) as the engine does, else the first R start resident, unpinned."""
+    from ferrylm.offload.slot_policy import replay_mapped
+
+    rows = sorted(layers)
+    traces = [route.traces[l] for l in rows]
+    S = len(traces[0])
+    if S == 0:
+        raise ConfigError("the profile's decode_trace is empty: record one with `ferry profile --trace-steps N`")
+    tokens = max(1, min(tokens, S))
+    steps = [[sorted({e for b in range(tokens) for e in tr[(t + b * S // tokens) % S]}) for t in range(S)]
+             for tr in traces]
+    initial, pinned = [], []
+    for l in rows:
+        R = layers[l][0]
+        shares = route.of(l)
+        first = (sorted(range(num_experts), key=lambda e: (-shares[e], e))[:R] if route.pinned and shares
+                 else list(range(R)))
+        initial.append(first)
+        pinned.append(set(first) if route.pinned else set())
+    r = replay_mapped(steps, num_experts, [layers[l][1] for l in rows], initial, pinned=pinned, lag=1, land_lag=0,
+                      dueling=True, warmup=WARMUP_STEPS if S >= 4 * WARMUP_STEPS else S // 4)
+    return {l: (r.row_hits[i] / r.row_accesses[i] if r.row_accesses[i] else 1.0, r.row_promotions[i] / max(1, r.steps))
+            for i, l in enumerate(rows)}
 
 
 def _scaled(weights: list[float], top_k: int) -> list[float]:

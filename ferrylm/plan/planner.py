@@ -321,12 +321,25 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
 
     hits: dict[tuple, float] = {}
 
+    replays: dict[int, dict] = {}
+
+    def replay_of(tokens: int) -> dict[int, tuple[float, float]] | None:
+        """Mapped steps on a traced profile: layer -> (hit rate, promotions a step) by the engine's slot policy."""
+        if route.traces is None:
+            return None
+        if tokens not in replays:
+            cached_layers = {l: (m["resident"], m["resident"] + slots.get(l, 0)) for l, m in moe.items() if m["host"]}
+            replays[tokens] = hit_rate.replayed(route, cached_layers, E, tokens) if cached_layers else {}
+        return replays[tokens]
+
     def hit_of(l: int, tokens: int, mapped: bool) -> float:
         m = moe[l]
         if m["host"] == 0:
             return 1.0
         if opts.expert_hit_rate is not None:
             return opts.expert_hit_rate
+        if mapped and route.traces is not None:
+            return replay_of(tokens)[l][0]
         key = (l, tokens, mapped)
         if key not in hits:
             hits[key] = hit_rate.hit_rate(route.of(l), m["experts"], k, m["resident"], m["resident"] + slots.get(l, 0),
@@ -394,7 +407,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 out["inplace"] += gpu_misses * m["nbytes"]
                 out["inplace_equiv"] += gpu_misses * m["inplace_equiv"]
                 if slots.get(l, 0):  # the tally promotes misses into the layer's slots, landing before the next step
-                    out["promote"] += min(estimate.PROMOTIONS_PER_MISS * misses, estimate.PROMOTIONS_PER_LAYER) * m["nbytes"]
+                    replay = replay_of(batch) if opts.expert_hit_rate is None else None
+                    out["promote"] += (replay[l][1] if replay is not None else min(
+                        estimate.PROMOTIONS_PER_MISS * misses, estimate.PROMOTIONS_PER_LAYER)) * m["nbytes"]
                 # the host runs its share of every miss (split along the intermediate: one call each) or, at
                 # share 1, every miss whole
                 out["host_experts_s"] += (misses * share * m["nbytes"] / (host_gbs * 1e9) + estimate.HANDOFF_S

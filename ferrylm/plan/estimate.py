@@ -17,7 +17,8 @@ A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_
                 (hits at least every expert's resident time: a miss never speeds the kernel up),
                 serial with the other kernels (and then not in t_hbm); plus the routing tally's promotion
                 copies (`PROMOTIONS_PER_MISS`), which the next step waits for (they land at once) and which
-                share the link with the in-place reads
+                share the link with the in-place reads; a layer with an in-place miss adds INPLACE_LAYER_S, a
+                promotion PROMOTION_S (latencies small experts do not hide)
     t_host    = copy-path MoE layers (larger steps, or a mapped path off): CACHED_EXPERT_S per expert touched
     t_launch  = layers * LAUNCH_S (eager) or LAUNCH_GRAPH_S (CUDA graphs), plus LAYER_EXTRA_S of the family
     t_comm    = 2 all-reduces per layer under TP (ALLREDUCE_S + ring bytes over NVLink or PCIe)
@@ -95,6 +96,16 @@ ALLREDUCE_S = 20e-6
 INPLACE_EFF = 0.85
 """Measured: the fused MoE kernel reading dense experts in place from mapped host memory reaches 45-47 GB/s
 against the copy engine's 54.6 (H200, `benchmarks/bench_mapped.py`, 2026-12-01)."""
+INPLACE_LAYER_S = 0.15e-3
+"""Device time a mapped layer with at least one in-place miss spends beyond its bytes at INPLACE_EFF: reads over
+PCIe ramping up and the kernel's tail waiting on their latency, which a small expert does not hide. Fitted (H200,
+session 14's profile of the Qwen3-30B-A3B shape, 16 layers under 4 GiB, batch 1, `profile_offload.py --profile`):
+the fused kernel took 3.69 ms a step for 107 MB read in place (2.28 ms at 47 GB/s) and ~0.16 ms of hits, in ~8.4
+layers with a miss: 0.15 ms each (9.4 MB experts read at ~29 GB/s); whole Mixtral experts (352 MB) read at 47 GB/s,
+where this is 2% of a miss."""
+PROMOTION_S = 0.14e-3
+"""Device time of one promotion copy beyond its bytes at the pinned H2D rate (its copies per weight, their events).
+Fitted to the same profile: 7.9 promotions a step of 9.4 MB took 2.47 ms of copies (74 MB: 1.35 ms at 55 GB/s)."""
 PROMOTIONS_PER_MISS = 0.55
 """Expert copies the routing tally's promotions make per in-place miss of a mapped decode step, each landing
 before the next step (`RoutingTally.land_now`). Measured (H200, Qwen3-30B-A3B shape 16 layers under 4 GiB, batch
@@ -182,6 +193,8 @@ class StepCost:
     (Mixtral 32L NF4, batch 1, hit 0.91): a miss in ~1 of 5 layers, so a step is ~0.8 of the layers' HBM time plus
     the in-place reads (34.2 ms measured; max over the whole step said 25.3). Empty: max over the step."""
     promotion_bytes: float = 0.0
+    promotions: float = 0.0
+    """Promotion copies a step (each PROMOTION_S beyond its bytes)."""
     """Bytes the mapped path's promotions copy a step (serial: the next step waits for them to land)."""
     host_s: float = 0.0
     """Host overhead of copy-path MoE layers (serial)."""
@@ -208,12 +221,12 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     eff = hbm_gbs * 1e9 * moe_hbm_eff(cost.tokens_per_expert)
     experts = max(cost.expert_hbm_bytes, cost.expert_all_bytes if cost.mapped else 0.0) / eff
     inplace = cost.inplace_bytes / (h2d_gbs * 1e9 * INPLACE_EFF) if cost.inplace_bytes else 0.0
-    promote = cost.promotion_bytes / (h2d_gbs * 1e9) if cost.promotion_bytes else 0.0
+    promote = (cost.promotion_bytes / (h2d_gbs * 1e9) + cost.promotions * PROMOTION_S) if cost.promotion_bytes else 0.0
     if cost.mapped and cost.mapped_layers:  # layer by layer (see StepCost.mapped_layers)
         rate = h2d_gbs * 1e9 * INPLACE_EFF
         experts = sum(full for full, _, _ in cost.mapped_layers) / eff
-        layered = sum(q * full / eff + (1 - q) * max(full / eff, read / rate / (1 - q)) if q < 1 else full / eff
-                      for full, read, q in cost.mapped_layers)
+        layered = sum(q * full / eff + (1 - q) * max(full / eff, read / rate / (1 - q) + INPLACE_LAYER_S)
+                      if q < 1 else full / eff for full, read, q in cost.mapped_layers)
         inplace = layered - experts  # what the in-place reads add to the experts' HBM time
     parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF) + cost.kv_bytes / (hbm_gbs * 1e9 * KV_HBM_EFF)
              + (0.0 if cost.mapped else experts),

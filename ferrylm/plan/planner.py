@@ -389,6 +389,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         """HBM (time-equivalent) bytes of hits, copied and in-place miss bytes, host seconds of one step."""
         mapped = not prefill and mapped_tokens is not None and batch <= mapped_tokens
         out = dict(hbm=0.0, all=0.0, copy=0.0, inplace=0.0, inplace_equiv=0.0, host=0.0, host_experts_s=0.0, promote=0.0,
+                   promotions=0.0,
                    layers=[],
                    mapped=mapped and bool(cached),
                    hit=sum(hit_of(l, batch, mapped) for l in cached) / len(cached) if cached else None)
@@ -408,8 +409,10 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 out["inplace_equiv"] += gpu_misses * m["inplace_equiv"]
                 if slots.get(l, 0):  # the tally promotes misses into the layer's slots, landing before the next step
                     replay = replay_of(batch) if opts.expert_hit_rate is None else None
-                    out["promote"] += (replay[l][1] if replay is not None else min(
-                        estimate.PROMOTIONS_PER_MISS * misses, estimate.PROMOTIONS_PER_LAYER)) * m["nbytes"]
+                    n = replay[l][1] if replay is not None else min(estimate.PROMOTIONS_PER_MISS * misses,
+                                                                     estimate.PROMOTIONS_PER_LAYER)
+                    out["promotions"] += n
+                    out["promote"] += n * m["nbytes"]
                 # the host runs its share of every miss (split along the intermediate: one call each) or, at
                 # share 1, every miss whole
                 out["host_experts_s"] += (misses * share * m["nbytes"] / (host_gbs * 1e9) + estimate.HANDOFF_S
@@ -430,6 +433,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             expert_all_bytes=x["all"],
             tokens_per_expert=tokens_per_expert(batch),
             pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], promotion_bytes=x["promote"],
+            promotions=x["promotions"],
             mapped_layers=tuple(x["layers"]) if x["mapped"] else (), host_s=x["host"], mapped=x["mapped"],
             host_experts_s=x["host_experts_s"],
             flops=2 * (body + vocab) * batch / ranks, expert_flops=2 * expert_active * batch / ranks,

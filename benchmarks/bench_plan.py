@@ -157,6 +157,7 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
         # trace of their one-token steps (the batch-1 decode run's)
         expert_profile.start(runner.model)
         expert_profile.start_trace(runner.model, 4096)
+        runner.recapture_graphs()
     got = measure(plan, llm, cuda, max_decode_tokens=tokens)
     rows = compare(predicted(plan, cuda), got)
     info = dict(verdict=plan.verdict, load_s=load_s, h2d_gbs=plan.speed["assumptions"]["h2d_gbs"],

@@ -1343,7 +1343,8 @@ def test_one_launch_ops_equal_the_plain_engine(family, tmp_path_factory, monkeyp
 
 def test_decode_trace_recorded_inside_graphs_equals_eager(tmp_path_factory):
     """`ferry profile`'s decode trace is written device-side (graph-safe, no sync): a graphed resident engine and
-    an offloaded one with mapped (graphed) decode steps record the trace an eager engine records."""
+    an offloaded one with mapped (graphed) decode steps record the counts and trace an eager engine records,
+    graphs captured before the recording included (they are captured again)."""
     from test_models_hf import build
 
     from ferrylm.offload import expert_profile
@@ -1356,6 +1357,7 @@ def test_decode_trace_recorded_inside_graphs_equals_eager(tmp_path_factory):
     for name, kw in (("eager", dict(enforce_eager=True)), ("graphed", {}),
                      ("mapped", dict(place=("experts=cpu", "layers.0.experts.0-1=gpu"), experts="gpu"))):
         llm = LLM(path, device="cuda", dtype="float32", **kw)
+        llm.generate([prompts[1]], params)  # graphs captured before recording: record captures them again
         got[name] = expert_profile.record(llm, prompts, params, trace_steps=100)
         llm.close()
     trace = got["eager"]["decode_trace"]

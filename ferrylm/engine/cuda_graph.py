@@ -201,6 +201,11 @@ class PiecewiseGraphs:
         self.pool = None
         self.side = None  # the one stream every capture warms up and captures on (`side_stream`)
 
+    def reset(self) -> None:
+        """Drop the captured pieces (captured again on next use), as `DecodeGraphs.reset`."""
+        self.graphs.clear()
+        self.pool = None
+
     def eligible(self, num_tokens: int) -> bool:
         return num_tokens <= self.buckets[-1]
 

@@ -512,6 +512,13 @@ class ModelRunner:
             decode = len(out.seqs) if out.num_batched_tokens == len(out.seqs) else None  # for the share tuner
             self.placed.after_step(time.perf_counter() - t, decode)  # expert slots follow mapped steps' routing
 
+    def recapture_graphs(self) -> None:
+        """Capture the CUDA graphs again on next use: after switching on something a capture bakes in or leaves
+        out (`offload/expert_profile.start`'s routing counts and trace are Python-side switches)."""
+        for g in (self.graphs, self.piecewise):
+            if g is not None:
+                g.reset()
+
     def check_step(self) -> None:
         """Once a step's results are on the host: raise what its host expert worker hit (the step's tokens
         are then dropped, not streamed); the expert slots read the step's routing counts."""

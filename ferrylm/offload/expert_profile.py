@@ -81,10 +81,12 @@ def record(llm, prompts: list, params, seed: int = 0, trace_steps: int = TRACE_S
         rng = random.Random(seed)
         prompts = [[rng.randrange(engine.model_config.vocab_size) for _ in range(32)] for _ in prompts]
     start(model)  # counts stay on afterwards: graphs captured meanwhile write these tensors
+    engine.runner.recapture_graphs()  # graphs captured before counted nothing
     llm.generate(prompts, params)
     profile = collect(model, engine.model_config.architecture)
     if trace_steps > 0:
         start_trace(model, trace_steps)
+        engine.runner.recapture_graphs()
         for p in prompts:
             llm.generate([p], params)
             if traced_steps(model) >= trace_steps:

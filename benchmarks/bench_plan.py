@@ -180,8 +180,10 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
     if moe:  # the hit rate predicted from the routing these runs saw (this engine pinned nothing)
         prof = os.path.join(d, "routing.json")
         recorded = expert_profile.collect(runner.model, llm.engine.model_config.architecture)
-        recorded["decode_trace"] = expert_profile.collect_trace(runner.model)
-        info["traced_steps"] = len(next(iter(recorded["decode_trace"].values()), []))
+        trace = expert_profile.collect_trace(runner.model)
+        info["traced_steps"] = len(next(iter(trace.values()), []))
+        if info["traced_steps"]:  # the CPU smoke run decodes nothing
+            recorded["decode_trace"] = trace
         expert_profile.write(recorded, prof)
         routed = make_plan(replace(opts, routing=prof), advise=False)
         for key in ("decode_batch1", "decode_concurrent"):

@@ -1125,3 +1125,24 @@ def test_share_tuner_climbs_and_refines():
     assert t.best == 0.5  # differences under the margin: the start stays
     with pytest.raises(ValueError, match="outside"):
         ShareTuner(1.5)
+
+
+def test_profile_under_decode_graphs_equals_eager(mixtral):
+    """Routing counts and the decode trace through the decode graphs' path (on the CPU their steps run
+    uncaptured, after the same warm-up run a capture makes) equal the eager engine's: the warm-up run records
+    nothing (`context.recording_off`), or every new graph bucket would count its first step twice."""
+    from ferrylm import SamplingParams
+    from ferrylm.offload import expert_profile
+
+    prompts = [[5, 17, 42, 99, 3], [1, 2, 3, 4, 5, 6, 7]]
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    got = []
+    for graphs in (False, True):
+        llm = LLM(mixtral)
+        if graphs:
+            llm.engine.runner.graphs = llm.engine.runner.decode_graphs()
+        got.append(expert_profile.record(llm, prompts, params, trace_steps=64))
+        assert (llm.engine.runner.graphs is not None) == graphs
+    eager, graphed = got
+    assert len(eager["decode_trace"]["0"]) == 2 * 8
+    assert graphed["decode_trace"] == eager["decode_trace"] and graphed["layers"] == eager["layers"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ferrylm.engine.scheduler import SchedulerOutput
-from ferrylm.layers.context import ForwardContext, forward_context
+from ferrylm.layers.context import ForwardContext, forward_context, recording_off
 
 
 def side_stream(stream, device: torch.device):
@@ -156,7 +156,8 @@ class DecodeGraphs:
         rows = self.state_rows[:Bb]
         real = rows.clone()
         rows.fill_(self.scratch_row)
-        step()
+        with recording_off():  # the replay that follows is the step's run
+            step()
         rows.copy_(real)
 
     @torch.inference_mode()
@@ -197,6 +198,9 @@ class PiecewiseGraphs:
         self.ids = torch.zeros(top, dtype=torch.long, device=device)
         self.pos = torch.zeros(top, dtype=torch.long, device=device)
         self.attn_out = torch.zeros(top, model.attn_width, dtype=dtype, device=device)
+        self.live = torch.zeros(1, dtype=torch.long, device=device)
+        """Real tokens of the padded step, written before the replays: the pieces are captured under a context
+        whose `live_rows` it is, so routing counts leave the padding rows out (`context.live_assignments`)."""
         self.graphs: dict[int, list[tuple[torch.cuda.CUDAGraph, tuple]]] = {}
         self.pool = None
         self.side = None  # the one stream every capture warms up and captures on (`side_stream`)
@@ -217,6 +221,7 @@ class PiecewiseGraphs:
         self.ids[T:Tb].zero_()
         self.pos[:T].copy_(pos)
         self.pos[T:Tb].zero_()
+        self.live.fill_(T)
         segs = self._graphs(Tb)
         segs[0][0].replay()
         with forward_context(ctx):
@@ -241,14 +246,16 @@ class PiecewiseGraphs:
             x = model.layer_post(i - 1, segs[i - 1][1][0], a)
             return (x, *model.layer_pre(i, pos, x)) if i < L else (model.final_norm(x),)
 
+        # the pieces see no attention metadata; only the padded rows' count, for routing counts
+        ctx = ForwardContext([], [], [], torch.empty(0), torch.empty(0), 0, None, live_rows=self.live)
         for i in range(L + 1):
             stream = self.side = side_stream(self.side, self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up: allocator and library handles, outside the capture
+            with torch.cuda.stream(stream), recording_off():  # warm-up: allocator and library handles, uncaptured
                 piece(i)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream), forward_context(ctx):
                 outs = piece(i)
             self.pool = graph.pool()
             segs.append((graph, outs))

@@ -98,6 +98,25 @@ def forward_context(ctx: ForwardContext):
         _current = prev
 
 
+_recording = True
+
+
+@contextlib.contextmanager
+def recording_off():
+    """Routing counts and the decode trace (`layers/moe.Experts`) record nothing meanwhile: a CUDA graph's
+    warm-up run, which the replay that follows repeats as the step's real run."""
+    global _recording
+    prev, _recording = _recording, False
+    try:
+        yield
+    finally:
+        _recording = prev
+
+
+def recording() -> bool:
+    return _recording
+
+
 def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("no ForwardContext installed: models run inside `forward_context(...)`")

@@ -167,11 +167,11 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_ids, topk_weights: [T, k] -> [T, H]
-        if self.routing_counts is not None:  # device-side, so profiling keeps graphs and adds no sync
-            from ferrylm.layers.context import live_assignments
+        from ferrylm.layers.context import live_assignments, recording
 
+        if self.routing_counts is not None and recording():  # device-side: profiling keeps graphs, adds no sync
             self.routing_counts.scatter_add_(0, topk_ids.flatten(), live_assignments(topk_ids))  # padded rows: 0
-        if self.routing_trace is not None and topk_ids.shape[0] == 1:  # a one-token step (decode at batch 1)
+        if self.routing_trace is not None and recording() and topk_ids.shape[0] == 1:  # a one-token step
             row = torch.zeros(1, self.num_experts, dtype=torch.bool, device=self.routing_trace.device)
             row[0, topk_ids[0].to(row.device)] = True
             self.routing_trace.index_copy_(0, self.routing_trace_pos, row)  # device-side: graph-safe, no sync

@@ -91,7 +91,9 @@ def record(llm, prompts: list, params, seed: int = 0, trace_steps: int = TRACE_S
             llm.generate([p], params)
             if traced_steps(model) >= trace_steps:
                 break
-        profile["decode_trace"] = collect_trace(model)
+        trace = collect_trace(model)
+        if any(trace.values()):  # no one-token step ran (one token a prompt): no trace rather than an empty one
+            profile["decode_trace"] = trace
     return profile
 
 
@@ -123,19 +125,25 @@ def banks(model: nn.Module) -> dict[int, Experts]:
     return {int(name.split(".")[2]): m for name, m in model.named_modules() if isinstance(m, Experts)}
 
 
+def _device(bank: Experts) -> torch.device:
+    """Where a bank's routing runs (its counters live there)."""
+    if bank.backend.__class__.__name__ == "CachedExperts":
+        return bank.backend.device
+    return bank.w13.device if not bank.w13.is_meta else torch.device("cpu")
+
+
 def start(model: nn.Module) -> None:
-    """Count routing from now on (every bank, on its device)."""
+    """Count routing from now on (every bank, on its device). Graphs captured before count nothing: the
+    caller captures them again (`ModelRunner.recapture_graphs`), as `record` does."""
     for bank in banks(model).values():
-        dev = bank.w13.device if not bank.w13.is_meta else torch.device("cpu")
-        if bank.backend.__class__.__name__ == "CachedExperts":
-            dev = bank.backend.device
-        bank.routing_counts = torch.zeros(bank.num_experts, dtype=torch.long, device=dev)
+        bank.routing_counts = torch.zeros(bank.num_experts, dtype=torch.long, device=_device(bank))
 
 
 def start_trace(model: nn.Module, steps: int) -> None:
-    """Trace the routing of the next `steps` one-token steps (every bank, on its device; see `record`)."""
+    """Trace the routing of the next `steps` one-token steps (every bank, on its device; see `record`).
+    Graphs captured before trace nothing: as `start`."""
     for bank in banks(model).values():
-        dev = bank.routing_counts.device if bank.routing_counts is not None else torch.device("cpu")
+        dev = _device(bank)
         bank.routing_trace = torch.zeros(steps + 1, bank.num_experts, dtype=torch.bool, device=dev)
         bank.routing_trace_pos = torch.zeros(1, dtype=torch.long, device=dev)
 
@@ -212,6 +220,9 @@ def parse_trace(path: str, num_experts: int, moe_layers: list[int]) -> dict[int,
         raise ValueError(f"its decode_trace cannot be read ({e})") from None
     if sorted(trace) != sorted(moe_layers) or len({len(v) for v in trace.values()}) != 1:
         raise ValueError("its decode_trace does not cover every MoE layer for the same steps")
+    if not next(iter(trace.values())):
+        raise ValueError("its decode_trace holds no steps (record one with `ferry profile --trace-steps N` and "
+                         "--max-tokens 2 or more)")
     if any(not 0 <= e < num_experts for v in trace.values() for step in v for e in step):
         raise ValueError(f"its decode_trace names an expert outside 0-{num_experts - 1}")
     return trace

@@ -193,9 +193,9 @@ class StepCost:
     (Mixtral 32L NF4, batch 1, hit 0.91): a miss in ~1 of 5 layers, so a step is ~0.8 of the layers' HBM time plus
     the in-place reads (34.2 ms measured; max over the whole step said 25.3). Empty: max over the step."""
     promotion_bytes: float = 0.0
+    """Bytes the mapped path's promotions copy a step (serial: the next step waits for them to land)."""
     promotions: float = 0.0
     """Promotion copies a step (each PROMOTION_S beyond its bytes)."""
-    """Bytes the mapped path's promotions copy a step (serial: the next step waits for them to land)."""
     host_s: float = 0.0
     """Host overhead of copy-path MoE layers (serial)."""
     kv_bytes: float = 0.0

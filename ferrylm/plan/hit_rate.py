@@ -18,7 +18,7 @@ needed experts found resident over needed experts. Uniform routing gives C / E o
 Popularity alone takes the tokens as independent; a sequence that reuses its experts from token to token finds
 far more of them in its slots (a random-weight Qwen3-30B-A3B shape: 0.94 measured at batch 1 against 0.20 from
 its popularity, docs/benchmarks.md). A profile with a `decode_trace` (`ferry profile`: one-token steps in order)
-says how much: for mapped decode steps `replayed` runs the engine's own slot policy on it
+says how much: for mapped batch-1 decode steps `replayed` runs the engine's own slot policy on it
 (`offload/slot_policy.replay_mapped`, the tally's dueling policy), which gives the promotions a step makes too.
 
 Knows nothing about bytes, hardware or speed.
@@ -126,24 +126,19 @@ WARMUP_STEPS = 32
 shorter trace."""
 
 
-def replayed(route: Routing, layers: dict[int, tuple[int, int]], num_experts: int,
-             tokens: int) -> dict[int, tuple[float, float]]:
-    """Mapped decode steps of `tokens` sequences on the routing's decode trace: layer -> (hit rate, promotion
-    copies a step), by the engine's own slot policy (`offload/slot_policy.replay_mapped`: the dueling policy,
-    counts read one step late, promotions landing before the next step) over `tokens` copies of the trace run
-    side by side, S / tokens steps apart (sequences each reusing its experts as the traced ones did).
-    layers: cached layer -> (resident experts R, device slots C); pinned routing pins each layer's R hottest
-    (by the profile's counts) as the engine does, else the first R start resident, unpinned."""
+def replayed(route: Routing, layers: dict[int, tuple[int, int]], num_experts: int) -> dict[int, tuple[float, float]]:
+    """Mapped batch-1 decode steps on the routing's decode trace: layer -> (hit rate, promotion copies a step),
+    by the engine's own slot policy (`offload/slot_policy.replay_mapped`: the dueling policy, counts read one
+    step late, promotions landing before the next step). Batch 1 only: the trace is one sequence at a time, and
+    copies of it side by side would stand for sequences far more alike than independent ones (the planner
+    prices larger batches by popularity). layers: cached layer -> (resident experts R, device slots C); pinned
+    routing pins each layer's R hottest (by the profile's counts) as the engine does, else the first R start
+    resident, unpinned."""
     from ferrylm.offload.slot_policy import replay_mapped
 
     rows = sorted(layers)
-    traces = [route.traces[l] for l in rows]
-    S = len(traces[0])
-    if S == 0:
-        raise ConfigError("the profile's decode_trace is empty: record one with `ferry profile --trace-steps N`")
-    tokens = max(1, min(tokens, S))
-    steps = [[sorted({e for b in range(tokens) for e in tr[(t + b * S // tokens) % S]}) for t in range(S)]
-             for tr in traces]
+    steps = [route.traces[l] for l in rows]
+    S = len(steps[0])
     initial, pinned = [], []
     for l in rows:
         R = layers[l][0]

@@ -265,14 +265,28 @@ def local_gpus():
     from ferrylm.plan.hardware import GpuProfile
 
     out = []
-    for g in read_gpus():
+    for i, g in enumerate(read_gpus()):
         base = profile_for(g.name)
         if base is None:
             base = GpuProfile(g.name, 0, 1000, {"bf16": 100, "fp16": 100}, 4, source="guess")
-        out.append(replace(base, name=g.name, memory_gb=g.memory_total / 1e9, memory_gib=g.memory_total / 2**30,
+        total = _cuda_total(i) or g.memory_total
+        out.append(replace(base, name=g.name, memory_gb=total / 1e9, memory_gib=total / 2**30,
                            pcie_gen=g.pcie_gen_max or base.pcie_gen, pcie_width=g.pcie_width or base.pcie_width,
                            source="NVML + " + base.source))
     return out
+
+
+def _cuda_total(index: int) -> int | None:
+    """The total memory CUDA reports for GPU `index` (what the engine sizes from; NVML's is ~0.5 GiB more on
+    an H100), None without a CUDA build of torch that sees it."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and index < torch.cuda.device_count():
+            return torch.cuda.get_device_properties(index).total_memory
+    except Exception:  # a broken driver: NVML's figure
+        return None
+    return None
 
 
 def profile_for(nvml_name: str):

@@ -34,7 +34,7 @@ class GpuProfile:
     nvlink_gbs: float = 0.0
     """GPU-to-GPU NVLink bandwidth per direction (0: peers talk over PCIe)."""
     memory_gib: float | None = None
-    """Capacity in GiB when the card's marketing "G" means GiB (A100/A800/H100 80G: 80 GiB)."""
+    """Capacity in GiB as CUDA reports it (A100/A800/H100 80G: 79.2 GiB; see `GPUS`)."""
     source: str = "data sheet"
 
     @property
@@ -94,14 +94,14 @@ PCIE_EFFECTIVE_GBS = {3: 12.0, 4: 25.0, 5: 50.0}
 """Pinned H2D a x16 link reaches in practice, by PCIe generation (peaks 15.8 / 31.5 / 63 GB/s)."""
 
 GPUS = {g.name: g for g in [
-    GpuProfile("A800-80G-PCIe", 85.9, 1935, {"bf16": 312, "fp16": 312, "int8": 624}, 4, memory_gib=80),
-    GpuProfile("A800-80G-SXM", 85.9, 2039, {"bf16": 312, "fp16": 312, "int8": 624}, 4, nvlink_gbs=200, memory_gib=80),
-    GpuProfile("A100-80G-PCIe", 85.9, 1935, {"bf16": 312, "fp16": 312, "int8": 624}, 4, memory_gib=80),
-    GpuProfile("A100-80G-SXM", 85.9, 2039, {"bf16": 312, "fp16": 312, "int8": 624}, 4, nvlink_gbs=300, memory_gib=80),
-    GpuProfile("A100-40G", 42.9, 1555, {"bf16": 312, "fp16": 312, "int8": 624}, 4, memory_gib=40),
-    GpuProfile("H100-80G-SXM", 85.9, 3350, {"bf16": 989, "fp16": 989, "fp8": 1979, "int8": 1979}, 5, nvlink_gbs=450, memory_gib=80),
-    GpuProfile("H100-80G-PCIe", 85.9, 2000, {"bf16": 756, "fp16": 756, "fp8": 1513, "int8": 1513}, 5, memory_gib=80),
-    GpuProfile("H800-80G-SXM", 85.9, 3350, {"bf16": 989, "fp16": 989, "fp8": 1979, "int8": 1979}, 5, nvlink_gbs=200, memory_gib=80),
+    GpuProfile("A800-80G-PCIe", 85.9, 1935, {"bf16": 312, "fp16": 312, "int8": 624}, 4, memory_gib=79.2),
+    GpuProfile("A800-80G-SXM", 85.9, 2039, {"bf16": 312, "fp16": 312, "int8": 624}, 4, nvlink_gbs=200, memory_gib=79.2),
+    GpuProfile("A100-80G-PCIe", 85.9, 1935, {"bf16": 312, "fp16": 312, "int8": 624}, 4, memory_gib=79.2),
+    GpuProfile("A100-80G-SXM", 85.9, 2039, {"bf16": 312, "fp16": 312, "int8": 624}, 4, nvlink_gbs=300, memory_gib=79.2),
+    GpuProfile("A100-40G", 42.9, 1555, {"bf16": 312, "fp16": 312, "int8": 624}, 4, memory_gib=39.6),
+    GpuProfile("H100-80G-SXM", 85.9, 3350, {"bf16": 989, "fp16": 989, "fp8": 1979, "int8": 1979}, 5, nvlink_gbs=450, memory_gib=79.2),
+    GpuProfile("H100-80G-PCIe", 85.9, 2000, {"bf16": 756, "fp16": 756, "fp8": 1513, "int8": 1513}, 5, memory_gib=79.2),
+    GpuProfile("H800-80G-SXM", 85.9, 3350, {"bf16": 989, "fp16": 989, "fp8": 1979, "int8": 1979}, 5, nvlink_gbs=200, memory_gib=79.2),
     GpuProfile("H200", 150.3, 4800, {"bf16": 989, "fp16": 989, "fp8": 1979, "int8": 1979}, 5, nvlink_gbs=450, memory_gib=140),
     GpuProfile("H20", 103.1, 4000, {"bf16": 148, "fp16": 148, "fp8": 296, "int8": 296}, 5, nvlink_gbs=450, memory_gib=96),
     GpuProfile("L40S", 48.3, 864, {"bf16": 362, "fp16": 362, "fp8": 733, "int8": 733}, 4, memory_gib=45),
@@ -110,7 +110,10 @@ GPUS = {g.name: g for g in [
     GpuProfile("A10", 24.2, 600, {"bf16": 125, "fp16": 125, "int8": 250}, 4, memory_gib=22.5),
     GpuProfile("T4", 15.8, 320, {"fp16": 65, "int8": 130}, 3, memory_gib=15),
 ]}
-"""Capacities are what the driver reports as total memory (e.g. H200: 141 GB on the box, ~140 GiB usable)."""
+"""Capacities are what CUDA reports as the card's total memory (`cudaMemGetInfo`, torch's `total_memory`: what the
+engine sizes from), a little under the marketing figure and under nvidia-smi's: an 80 GB A100 / H100 79.2 GiB
+(session 24's H100 run: the engine's KV pool was 1.1% (0.71 GB) under the plan's with 80 GiB, what 79.2 accounts for),
+an A100 40 GB 39.6 GiB, the H200 ~140 GiB."""
 
 HOSTS = {h.name: h for h in [
     HostProfile("Xeon-8480C", 1, 56, 8, 38.4, 512, avx512=True, amx=True),

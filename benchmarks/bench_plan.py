@@ -173,6 +173,8 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
                 kv_tokens_range=plan.per_gpu["kv_tokens_range"], kv_tokens_planned=plan.per_gpu["kv_tokens_planned"],
                 step_activations_measured=runner.step_peak, step_activations_predicted=plan.per_gpu["step_activations"],
                 activation_reserve=plan.per_gpu["activations"], budget=plan.per_gpu["budget"],
+                engine_budget=runner._budget,  # the engine's own (from CUDA's total and free memory)
+                cuda_total=torch.cuda.get_device_properties(0).total_memory if cuda else None,
                 # per phase of the check: its peak allocation above the engine at rest (weights, KV, buffers)
                 peak_phases=got.get("peak_phases"), peak_reserved=got.get("peak_reserved"),
                 step_peaks=got.get("step_peaks"),  # the untimed runs' steps with the highest peaks, one per shape

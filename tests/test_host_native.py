@@ -454,6 +454,43 @@ def test_row_blocks_fp8_native_equals_plain(group, monkeypatch):
 
 
 @pytest.mark.skipif(not hn.amx() or not hn.nf4_bf16(), reason="no AMX on this CPU (or the OS does not grant it)")
+def test_row_blocks_fp8_native_avx_keeps_off_the_tiles(monkeypatch):
+    """"native-avx" runs an fp8 side on the AVX512-BF16 kernel where "native" takes AMX tiles (the calibration
+    races them at one token): the same products within fp32 sum order; a split row_blocks setting ("native-avx" at
+    one token, "native" from two) sends each call to its own kernel."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.offload.host_experts import side_kernel
+
+    torch.manual_seed(5)
+    N, K = 320, 256
+    side = ExpertWeights.stack([[Q.quantize_fp8(torch.randn(N, K) * .05, 128)] for _ in range(2)], torch.bfloat16)
+    kern = side_kernel(side, 1)
+    seen = []
+    real = hn.gemv_fp8
+
+    def spy(*a, **kw):
+        seen.append(kw.get("amx", False))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(hn, "gemv_fp8", spy)
+    for T in (1, 4):
+        x = torch.randn(T, K, dtype=torch.bfloat16)
+        got = {}
+        for g in ("native", "native-avx"):
+            monkeypatch.setattr(C, "row_blocks_gemm", g)
+            seen.clear()
+            got[g] = kern(x).float()
+            assert seen and all(a == (g == "native") for a in seen), (g, seen)
+        assert (got["native"] - got["native-avx"]).abs().max() <= 2 ** -7 * got["native"].abs().max()
+    monkeypatch.setattr(C, "row_blocks_gemm", "native-avx")
+    monkeypatch.setattr(C, "row_blocks_gemm_multi", "native")
+    for T, tiles in ((1, False), (3, True)):
+        seen.clear()
+        kern(torch.randn(T, K, dtype=torch.bfloat16))
+        assert seen and all(a == tiles for a in seen)
+
+
+@pytest.mark.skipif(not hn.amx() or not hn.nf4_bf16(), reason="no AMX on this CPU (or the OS does not grant it)")
 @pytest.mark.parametrize("T", [1, 3, 16])
 @pytest.mark.parametrize("group", [128, None])
 def test_fp8_gemv_on_amx_equals_torch_and_thread_split(T, group):

@@ -199,16 +199,18 @@ def test_calibration_chooses_the_dense_gemm(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt,knob,other", [("int8", "packed_gemm", "dense_gemm"),
-                                             ("nf4", "row_blocks_gemm", "packed_gemm")])
+                                             ("nf4", "row_blocks_gemm", "packed_gemm"),
+                                             ("fp8", "row_blocks_gemm", "packed_gemm")])
 def test_calibration_chooses_the_packed_path(fmt, knob, other, tmp_path, monkeypatch):
-    """A per-channel int8 bank (plain and split `_weight_int8pack_mm`, `layers/cpu_experts.packed_gemm`) and an
-    NF4 bank decoded in row blocks (plain, pool-split and native `RowBlocks`, `row_blocks_gemm`): each path
-    usable here is timed the same way, the fastest set and recorded, and set again from the cache."""
+    """A per-channel int8 bank (plain and split `_weight_int8pack_mm`, `layers/cpu_experts.packed_gemm`) and
+    NF4 / fp8 banks decoded in row blocks (plain, pool-split and native `RowBlocks`, `row_blocks_gemm`; fp8 also
+    native-avx where AMX tiles run): each path usable here is timed the same way, the fastest set and recorded,
+    and set again from the cache."""
     from ferrylm.layers import cpu_experts
     from ferrylm.layers.fused_moe import ExpertWeights
     from ferrylm.weights import quant
 
-    make = {"int8": quant.quantize_int8, "nf4": quant.quantize_nf4}[fmt]
+    make = {"int8": quant.quantize_int8, "nf4": quant.quantize_nf4, "fp8": lambda w: quant.quantize_fp8(w, 64)}[fmt]
     choices = {"packed_gemm": cpu_experts.PACKED_GEMMS, "row_blocks_gemm": cpu_experts.ROW_BLOCKS_GEMMS}[knob]
     monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_experts, "SPLIT_MIN_BYTES", 2048)
@@ -217,7 +219,10 @@ def test_calibration_chooses_the_packed_path(fmt, knob, other, tmp_path, monkeyp
     w2 = ExpertWeights.stack([[make(torch.randn(128, 128))] for _ in range(2)], torch.bfloat16)
     _, m = calibration.calibrate(w13, w2, act, torch.device("cpu"))
     by = m["cpu_s_beside_copy_by_gemm"]
-    assert sorted(by) == sorted(cpu_experts.usable(choices)) and m[knob] == min(by, key=by.get)
+    want = [g for g in cpu_experts.usable(choices) if g != "native-avx" or fmt == "fp8"]
+    assert sorted(by) == sorted(want) and m[knob] == min(by, key=by.get)
+    if fmt == "fp8":
+        assert ("native-avx" in by) == host_native.amx()
     assert getattr(cpu_experts, knob) == m[knob] and other not in m
     monkeypatch.setattr(cpu_experts, knob, "plain" if m[knob] != "plain" else "split")
     _, again = calibration.calibrate(w13, w2, act, torch.device("cpu"))

@@ -152,8 +152,10 @@ def split_pool(n: int) -> ThreadPoolExecutor:
 
 
 def usable(choices: tuple[str, ...]) -> tuple[str, ...]:
-    """`choices` less "native" where `layers/host_native`'s kernels are unavailable (what a calibration times)."""
-    return tuple(g for g in choices if g != "native" or host_native.available())
+    """`choices` less "native" where `layers/host_native`'s kernels are unavailable, and less "native-avx" where no
+    tiles run (it is "native" there) (what a calibration times)."""
+    return tuple(g for g in choices if not g.startswith("native") or host_native.available()
+                 and (g != "native-avx" or (host_native.amx() and native_fp8_amx)))
 
 
 NATIVE_CHUNKS_PER_THREAD = 2
@@ -332,15 +334,17 @@ ROW_BLOCK_BYTES = 4 << 20
 """Bytes of bf16 weights `RowBlocks` decodes at a time (a few MB: the buffer stays in cache for the GEMM)."""
 
 
-ROW_BLOCKS_GEMMS = ("plain", "split", "native")
+ROW_BLOCKS_GEMMS = ("plain", "split", "native", "native-avx")
 row_blocks_gemm = "split"
 """How `RowBlocks` runs at up to `row_blocks_gemm_max_t` tokens (read at each call): "split" on the split pool (rows
 in chunks, each decoded and multiplied by one single-threaded worker; when the caller has more than one torch
 thread) or "plain" (the blocks one after another on the caller's threads). Torch's decode ops barely scale with
 threads (`index_select`, NF4's level lookup: 0.80 -> 0.66 ms a MB of codes from 1 to 2 threads on the 2-core box;
 149 ms a Mixtral expert on the H200 host's 16), which the chunks spread over the cores; where the decode's ops do
-scale (group-wise int8 on the 2-core box) plain can win; "native" (NF4 only, else "split"): `layers/host_native`'s
-AVX-512 NF4 GEMV over chunks of rows, the codes decoded in registers. The hybrid calibration measures them and sets it
+scale (group-wise int8 on the 2-core box) plain can win; "native" (NF4 and fp8, else "split"): `layers/host_native`'s
+AVX-512 NF4 / fp8 GEMV over chunks of rows, the codes decoded in registers (fp8 on AMX tiles where the CPU has them,
+`native_fp8_amx`); "native-avx": fp8 on the AVX512-BF16 kernel even where tiles run (small experts at one token can
+be faster there: the calibration races the two; NF4 has no tile path, so the same as "native"). The hybrid calibration measures them and sets it
 (benchmarks/bench_host_rowblocks.py). The same bits either way: each output column is one block's GEMM over all
 of K."""
 row_blocks_gemm_max_t = 16
@@ -398,15 +402,17 @@ class RowBlocks:
         if self.fp8 is not None:
             q, scale, group = self.fp8
             q, scale = q[a:a + c], scale[a:a + c]
-            return lambda xb: host_native.gemv_fp8(xb, q, scale, group, torch.empty(xb.shape[0], c), amx=self.fp8_amx)
+            return lambda xb: host_native.gemv_fp8(xb, q, scale, group, torch.empty(xb.shape[0], c),
+                                                   amx=self.fp8_amx(xb.shape[0]))
         q, absmax, group = self.nf4
         q, absmax = q[a:a + c], absmax[a:a + c]
         return lambda x32: host_native.gemv_nf4(x32, q, absmax, group, _NF4_LEVELS32, torch.empty(x32.shape[0], c))
 
-    @property
-    def fp8_amx(self) -> bool:
-        """The native fp8 GEMV runs on AMX tiles (`native_fp8_amx`, the CPU grants them, groups it takes)."""
-        return native_fp8_amx and host_native.fp8_amx(self.shape[1], self.fp8[2])
+    def fp8_amx(self, tokens: int) -> bool:
+        """The native fp8 GEMV of a call of `tokens` tokens runs on AMX tiles (`native_fp8_amx`, the path "native"
+        rather than "native-avx", the CPU grants them, groups it takes)."""
+        return (native_fp8_amx and gemm_at("row_blocks_gemm", tokens) == "native"
+                and host_native.fp8_amx(self.shape[1], self.fp8[2]))
 
     def native_ok(self, T: int) -> bool:
         """Whether the native GEMV can take these weights at T tokens here."""
@@ -435,7 +441,7 @@ class RowBlocks:
         g = gemm_at("row_blocks_gemm", T)
         if g == "plain":
             return self.plain(x)
-        if g == "native" and self.native_ok(T):
+        if g.startswith("native") and self.native_ok(T):
             x32 = self.native_x(x)
             if threads > 1 and native_c_threads:  # the whole matrix in one call on the C pool
                 n = self.shape[0]
@@ -443,7 +449,7 @@ class RowBlocks:
                 if self.fp8 is not None:
                     q, scale, group = self.fp8
                     out = host_native.gemv_fp8(x32, q, scale, group, torch.empty(T, n), threads=pool_threads,
-                                               chunk=chunk, amx=self.fp8_amx)
+                                               chunk=chunk, amx=self.fp8_amx(T))
                 else:
                     q, absmax, group = self.nf4
                     out = host_native.gemv_nf4(x32, q, absmax, group, _NF4_LEVELS32, torch.empty(T, n),
@@ -584,8 +590,9 @@ class HostExpert:
     def _fused_fp8(self, x: torch.Tensor) -> bool:
         g, d = self.gate_up, self.down
         return (native_fused_expert and g.fp8 is not None and d.fp8 is not None and self.act is F.silu
-                and native_c_threads and gemm_at("row_blocks_gemm", x.shape[0]) == "native"
-                and g.native_ok(x.shape[0]) and d.native_ok(x.shape[0]) and g.fp8_amx == d.fp8_amx)
+                and native_c_threads and gemm_at("row_blocks_gemm", x.shape[0]).startswith("native")
+                and g.native_ok(x.shape[0]) and d.native_ok(x.shape[0])
+                and g.fp8_amx(x.shape[0]) == d.fp8_amx(x.shape[0]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H], in x's dtype; computed with `compute_dtype` activations
@@ -595,7 +602,7 @@ class HostExpert:
                 out = host_native.expert_silu_fp8(
                     x.to(torch.bfloat16).contiguous(), self.gate_up.fp8, self.down.fp8,
                     torch.empty(T, H, dtype=torch.bfloat16), c_pool_split(self.inter, 2 * H, threads),
-                    c_pool_split(H, self.inter, threads), amx=self.gate_up.fp8_amx)
+                    c_pool_split(H, self.inter, threads), amx=self.gate_up.fp8_amx(T))
                 return out.to(x.dtype)
             return native_expert(x, self.gate_up.w, self.down.w)
         xb = x.to(self.compute_dtype)

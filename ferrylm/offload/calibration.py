@@ -25,7 +25,8 @@ kernels the hybrid path runs):
   (benchmarks/bench_host_gemv.py). Both are set in `layers/cpu_experts` (process-wide: every layer's host
   experts) before the figures above are taken, so they time the path the hybrid decode then runs, and set
   again from the cache. A per-channel int8 bank chooses `packed_gemm` (plain or split) the same way, a bank decoded
-  in row blocks (nf4, fp8, group-wise int8) `row_blocks_gemm` (plain or split over the pool).
+  in row blocks (nf4, fp8, group-wise int8) `row_blocks_gemm` (plain or split over the pool, native; fp8 also
+  native-avx: at one token small fp8 experts can run faster on AVX512-BF16 than on tiles, which then take 2-64).
 Each CPU figure cycles over a few experts, so the reads come from DRAM rather than the last-level cache.
 The options of each choice (thread counts, GEMMs) are timed interleaved, one run of each per round, medians
 (`_compare`): a burst of other work on the host then lands on all of them alike.
@@ -62,7 +63,8 @@ GEMM_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 """Token counts at which a split dense GEMM is checked against the plain one (`dense_gemm_max_t`)."""
 CYCLE = 4
 """Distinct experts each CPU figure cycles over."""
-VERSION = 11  # 11: fp8 banks' "native" row blocks run a kernel (before, the choice fell back to split); 10: bf16
+VERSION = 12  # 12: fp8 row blocks race "native" (AMX tiles) against "native-avx" at one token; 11: fp8 banks'
+#   "native" row blocks run a kernel (before, the choice fell back to split); 10: bf16
 #   "native" at 2-64 tokens on AMX tiles (its timings changed; races at 32 and 64 tokens)
 """Bumped when what is measured changes (older cache files are measured again)."""
 KNOBS = (("dense_gemm", cpu_experts.DENSE_GEMMS), ("packed_gemm", cpu_experts.PACKED_GEMMS),
@@ -246,8 +248,11 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
         knob = ("row_blocks_gemm", cpu_experts.ROW_BLOCKS_GEMMS)
     by_gemm, by_tokens = {}, {}
     name = best = None
+    fp8_rows = knob is not None and knob[0] == "row_blocks_gemm" and he.expert(cycle[0]).gate_up.fp8 is not None
     if knob:
         name, choices = knob[0], cpu_experts.usable(knob[1]) or ("plain",)
+        if not fp8_rows:  # "native-avx" differs from "native" only for fp8 row blocks
+            choices = tuple(g for g in choices if g != "native-avx")
         setattr(cpu_experts, f"{name}_max_t", max(GEMM_TOKENS))
 
         def use(g):
@@ -273,8 +278,9 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
         # one-token race and win here), against plain; the path that wins at 2 tokens is kept up to the most tokens
         # at which it still beats plain (`{name}_multi`, `{name}_max_t`; more take plain)
         cands = [best] if best != "plain" else []
-        if (name == "dense_gemm" and "native" in choices and "native" not in cands and dtype == torch.bfloat16
-                and cpu_experts.use_amx(2)):
+        tiles = (name == "dense_gemm" and dtype == torch.bfloat16 and cpu_experts.use_amx(2)) or (
+            fp8_rows and "native-avx" in choices)  # tiles from 2 tokens: "native" can lose at one and win here
+        if tiles and "native" in choices and "native" not in cands:
             cands.append("native")
         max_t, multi = 1, None
         setattr(cpu_experts, f"{name}_multi", None)

@@ -569,3 +569,39 @@ def test_fp8_host_expert_fused_equals_unfused(monkeypatch):
         monkeypatch.setattr(C, "native_fused_expert", False)
         assert torch.equal(he.expert(1)(x), fused)
         monkeypatch.setattr(C, "native_fused_expert", True)
+
+
+@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
+@pytest.mark.parametrize("w2_group", [128, None])
+def test_fp8_split_window_in_one_call_equals_the_window_kernels(w2_group, monkeypatch):
+    """Hybrid decode's host part of an fp8 expert (its intermediate columns [c, I)) runs in one native call
+    (`HostExpert.fp8_window`, `expert_silu_fp8(cols=c)`): the same bits as the window's own kernels (gate, up and
+    down `RowBlocks` over the window, torch's SiLU between), group-wise and per-channel w2, on each fp8 path here;
+    a window off w2's scale groups is refused by name."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.offload.host_experts import HostExperts
+
+    torch.manual_seed(7)
+    E, H, I = 2, 256, 384
+    w13 = ExpertWeights.stack([[Q.quantize_fp8(torch.randn(I, H) * .05, 128), Q.quantize_fp8(torch.randn(I, H) * .05, 128)]
+                               for _ in range(E)], torch.bfloat16)
+    w2 = ExpertWeights.stack([[Q.quantize_fp8(torch.randn(H, I) * .05, w2_group)] for _ in range(E)], torch.bfloat16)
+    he = HostExperts(w13, w2, torch.nn.functional.silu)
+    paths = ("native", "native-avx") if hn.amx() else ("native",)
+    for path in paths:
+        monkeypatch.setattr(C, "row_blocks_gemm", path)
+        for T, c in ((1, 128), (4, 256)):
+            x = torch.randn(T, H, dtype=torch.bfloat16)
+            calls = _counting(monkeypatch, "expert_silu_fp8")
+            got = he._columns(1, x, c)
+            assert calls and got.shape == (T, H)
+            monkeypatch.setattr(C, "native_fused_expert", False)  # the window's three kernels, torch's ops between
+            want = he._columns(1, x, c)
+            monkeypatch.setattr(C, "native_fused_expert", True)
+            assert torch.equal(got, want), (path, T, c)
+    if w2_group:  # 32 columns in: off w2's scale groups, refused by name
+        whole = he.expert(0)
+        x = torch.randn(1, H, dtype=torch.bfloat16)
+        assert not whole.fp8_window_fits(x, 32) and whole.fp8_window_fits(x, 128)
+        with pytest.raises(ValueError, match="group 128"):
+            hn.expert_silu_fp8(x, whole.gate_up.fp8, whole.down.fp8, torch.empty(1, H), (1, 64), (1, 64), cols=32)

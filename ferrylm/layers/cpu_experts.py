@@ -594,16 +594,28 @@ class HostExpert:
                 and g.native_ok(x.shape[0]) and d.native_ok(x.shape[0])
                 and g.fp8_amx(x.shape[0]) == d.fp8_amx(x.shape[0]))
 
+    def fp8_window_fits(self, x: torch.Tensor, cols: int) -> bool:
+        """Whether this fp8 expert's intermediate columns [cols, I) run as one native call (`fp8_window`): the fused
+        fp8 path takes x, and the window starts on a 32-column and (group-wise w2) a scale-group boundary."""
+        if not (isinstance(self.gate_up, RowBlocks) and self._fused_fp8(x)):
+            return False
+        g2 = self.down.fp8[2]
+        return cols % 32 == 0 and 0 <= cols < self.inter and (g2 == self.inter or cols % g2 == 0)
+
+    def fp8_window(self, x: torch.Tensor, cols: int = 0) -> torch.Tensor:
+        """Gate, up, SiLU and down of an fp8 expert (its intermediate columns [cols, I): the hybrid split's host
+        part) in one native call (`host_native.expert_silu_fp8`): [T, H] bf16."""
+        threads, T, H = torch.get_num_threads(), x.shape[0], self.hidden
+        n = self.inter - cols
+        return host_native.expert_silu_fp8(
+            x.to(torch.bfloat16).contiguous(), self.gate_up.fp8, self.down.fp8, torch.empty(T, H, dtype=torch.bfloat16),
+            c_pool_split(n, 2 * H, threads), c_pool_split(H, n, threads), amx=self.gate_up.fp8_amx(T), cols=cols)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H], in x's dtype; computed with `compute_dtype` activations
         if self.fused(x):
             if isinstance(self.gate_up, RowBlocks):  # fp8: gate, up, SiLU and down in one native call
-                threads, T, H = torch.get_num_threads(), x.shape[0], self.hidden
-                out = host_native.expert_silu_fp8(
-                    x.to(torch.bfloat16).contiguous(), self.gate_up.fp8, self.down.fp8,
-                    torch.empty(T, H, dtype=torch.bfloat16), c_pool_split(self.inter, 2 * H, threads),
-                    c_pool_split(H, self.inter, threads), amx=self.gate_up.fp8_amx(T))
-                return out.to(x.dtype)
+                return self.fp8_window(x).to(x.dtype)
             return native_expert(x, self.gate_up.w, self.down.w)
         xb = x.to(self.compute_dtype)
         h = self.gate_up(xb)  # [T, 2I]

@@ -1342,11 +1342,13 @@ def expert_silu_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: 
 
 
 def expert_silu_fp8(x: torch.Tensor, w13: tuple, w2: tuple, out: torch.Tensor, split13: tuple[int, int],
-                    split2: tuple[int, int], amx: bool = False) -> torch.Tensor:
+                    split2: tuple[int, int], amx: bool = False, cols: int = 0) -> torch.Tensor:
     """`expert_silu_bf16` over fp8 weights: w13 = (codes [2I, H] uint8, scales [2I, H / g13] fp32, g13) with the gate
     rows then the up rows, w2 = (codes [H, I], scales [H, I / g2], g2), as `gemv_fp8` reads each (g = K: one scale a
     row); x [T, H] bf16 contiguous, T <= MAX_TOKENS; out [T, H] bf16 or fp32. The same bits as `gemv_fp8` twice with
-    torch's bf16 SiLU and product between (where libm's expf and torch's agree); `amx`: on AMX tiles."""
+    torch's bf16 SiLU and product between (where libm's expf and torch's agree); `amx`: on AMX tiles. `cols` > 0 (a
+    multiple of 32, and of g2 where w2 is group-wise): the intermediate columns [cols, I) only, as
+    `expert_silu_bf16`'s (the hybrid split's host part); split13 then counts the window's columns."""
     lib = _load()
     _amx_check(amx)
     if not _bf16:
@@ -1362,12 +1364,19 @@ def expert_silu_fp8(x: torch.Tensor, w13: tuple, w2: tuple, out: torch.Tensor, s
             or out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous() or tuple(out.shape) != (T, H)):
         raise ValueError(f"native fp8 expert: x [T, H] bf16 contiguous with T <= {MAX_TOKENS}, codes w13 [2I, H] and w2 "
                          "[H, I] uint8 with unit column strides and their fp32 scales [rows, K / group], out [T, H]")
-    (ga, sa), (gb, sb) = fp8_group(H, g13), fp8_group(I, g2)
+    per_channel = g2 == I
+    if cols % 32 or not 0 <= cols < I or (cols and not per_channel and cols % g2):
+        raise ValueError(f"native fp8 expert: cols {cols} must be a multiple of 32 below I = {I}"
+                         + ("" if per_channel else f" and of w2's group {g2}"))
+    n = I - cols  # the window's columns: gate rows [cols, I), up rows [I + cols, 2I), w2's columns [cols, I)
+    (ga, sa), (gb, sb) = fp8_group(H, g13), fp8_group(n, n if per_channel else g2)
     if amx and max(ga, gb) > FP8_AMX_GROUP:
         raise ValueError(f"native fp8 expert on AMX: groups of at most {FP8_AMX_GROUP}")
-    _check(lib.ferry_expert_silu_fp8(x.data_ptr(), T, H, I, q13.data_ptr(), q13.stride(0), I, s13.data_ptr(),
-                                     s13.stride(0), ga, sa, q2.data_ptr(), q2.stride(0), s2.data_ptr(), s2.stride(0), gb,
-                                     sb, _FP8_SUBNORMALS_BF16.data_ptr(), out.data_ptr(),
+    s2_at = s2.data_ptr() + (0 if per_channel else cols // g2 * 4)  # fp32 scales
+    _check(lib.ferry_expert_silu_fp8(x.data_ptr(), T, H, n, q13.data_ptr() + cols * q13.stride(0), q13.stride(0), I,
+                                     s13.data_ptr() + cols * s13.stride(0) * 4, s13.stride(0), ga, sa,
+                                     q2.data_ptr() + cols, q2.stride(0), s2_at, s2.stride(0), gb, sb,
+                                     _FP8_SUBNORMALS_BF16.data_ptr(), out.data_ptr(),
                                      int(out.dtype == torch.bfloat16), *split13, *split2, int(amx)),
            "expert (SiLU, fp8)")
     return out

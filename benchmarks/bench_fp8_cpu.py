@@ -7,6 +7,8 @@
 - "expert": fp8 host experts (Qwen3-30B-A3B shape, blocks of 128, `--experts` cycled so reads come from DRAM) whole
   in one native call (`host_native.expert_silu_fp8`) against its two GEMVs with torch's SiLU between, on AMX tiles
   and on the AVX512-BF16 kernel, and the same experts in bf16 (the fused native bf16 expert).
+- "window": hybrid decode's host part of a split fp8 expert (columns [I/3, I)) in one native call against the
+  window's three kernels with torch's ops between (session 25).
 
 Median ms of `--reps` timings. Writes benchmarks/results/fp8-cpu-<date>.json.
 
@@ -91,9 +93,38 @@ def case_expert(rows: list, a) -> None:
         C.native_fused_expert, C.native_fp8_amx = saved
 
 
+def case_window(rows: list, a) -> None:
+    """Hybrid decode's host part of a split fp8 expert, columns [c, I) at c = I / 3 rounded to the split unit
+    (`HostExperts._columns`): one native call (`HostExpert.fp8_window`) against the window's three kernels with
+    torch's SiLU and product between (`native_fused_expert` off), experts cycled from DRAM."""
+    torch.manual_seed(0)
+    E, H, I = a.experts, a.hidden, a.inter
+    w13 = ExpertWeights.stack([[Q.quantize_fp8(torch.randn(I, H) * .02, 128), Q.quantize_fp8(torch.randn(I, H) * .02, 128)]
+                               for _ in range(E)], torch.bfloat16)
+    w2 = ExpertWeights.stack([[Q.quantize_fp8(torch.randn(H, I) * .02, 128)] for _ in range(E)], torch.bfloat16)
+    he = HostExperts(w13, w2, F.silu)
+    c = max(he.split_unit, I // 3 // he.split_unit * he.split_unit)
+    C.row_blocks_gemm = "native"
+    saved = C.native_fused_expert
+    try:
+        for T in [t for t in a.tokens if t <= host_native.MAX_TOKENS]:
+            x = torch.randn(T, H, dtype=torch.bfloat16)
+            row = {"case": "window", "hidden": H, "inter": I, "cols_from": c, "experts_cycled": E, "tokens": T}
+            for fused in (True, False):
+                C.native_fused_expert = fused
+                row[f"fp8_window_{'fused' if fused else 'three_kernels'}_ms"] = median_ms(
+                    lambda: [he._columns(e, x, c) for e in range(E)], a.reps) / E
+            C.native_fused_expert = saved
+            row["fused_vs_three"] = row["fp8_window_three_kernels_ms"] / row["fp8_window_fused_ms"]
+            rows.append(row)
+            print(row, flush=True)
+    finally:
+        C.native_fused_expert = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", nargs="+", default=["linear", "expert"], choices=("linear", "expert"))
+    ap.add_argument("--cases", nargs="+", default=["linear", "expert", "window"], choices=("linear", "expert", "window"))
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 32])
     ap.add_argument("--in-features", type=int, default=2048)
     ap.add_argument("--out-features", type=int, default=4096)
@@ -107,7 +138,7 @@ def main() -> None:
         sys.exit(f"the native fp8 kernels do not run here: {host_native.why_unavailable() or 'no AVX512-BF16'}")
     rows: list = []
     for case in a.cases:
-        {"linear": case_linear, "expert": case_expert}[case](rows, a)
+        {"linear": case_linear, "expert": case_expert, "window": case_window}[case](rows, a)
     write_results("fp8-cpu", rows, out=a.out, threads=torch.get_num_threads(), amx=host_native.amx())
 
 

@@ -764,3 +764,21 @@ def test_tensor_parallel_ranks_count_quantized_weights_dense():
     assert any("--tp 2: each rank loads its slices of quantized weights dense" in n for n in q.notes)
     assert sum(make_plan(PlanOptions("Llama-3-8B", quant="nf4", **{**opts, "tp": 1})).weights_bytes.values()) < \
         0.5 * sum(dense.weights_bytes.values())
+
+
+def test_copy_path_prefill_runs_layer_by_layer():
+    """A prefill's MoE layers with experts in host memory (`StepCost.copy_layers`): each layer's copies start after
+    its router and its misses compute after their copies, so a layer takes max(copies, hits' work) + misses' work,
+    added up over the layers after the step-wide roof, never overlapped with each other."""
+    from ferrylm.plan import estimate
+
+    hbm, h2d, tfl = 3000.0, 50.0, 1000.0
+    layer = (500e6, 3e9, 3e9, 2e12, 2e12)  # 10 ms of copies; hits' and misses' work as their bytes or FLOPs bind
+    base = dict(hbm_bytes=6e9, pcie_bytes=0.0, flops=1e13, layers=4, tokens_per_expert=128.0)
+    alone = estimate.step_time(estimate.StepCost(**base), hbm, h2d, tfl)
+    laid = estimate.step_time(estimate.StepCost(**base, copy_layers=(layer,) * 4), hbm, h2d, tfl)
+    eff = hbm * 1e9 * estimate.moe_hbm_eff(128.0)
+    work = max(3e9 / eff, 2e12 / (tfl * 1e12 * estimate.moe_mfu(128.0)))
+    per_layer = max(500e6 / (h2d * 1e9), work) + work
+    assert laid.seconds == pytest.approx(alone.seconds + 4 * per_layer)
+    assert laid.parts["copy_layers"] == pytest.approx(4 * per_layer) and laid.binding == "pcie"

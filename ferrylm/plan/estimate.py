@@ -23,7 +23,8 @@ A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_
     t_launch  = layers * LAUNCH_S (eager) or LAUNCH_GRAPH_S (CUDA graphs), plus LAYER_EXTRA_S of the family
     t_comm    = 2 all-reduces per layer under TP (ALLREDUCE_S + ring bytes over NVLink or PCIe)
 Packed experts (int4 / int8 / NF4 / fp8) are read at `PACKED_TIME` of a dense expert's time, resident and in place.
-A prefill chunk of T tokens: max(2 * active params * T / (TFLOP/s * MFU), streamed bytes / H2D) + t_launch.
+A prefill chunk of T tokens: max(2 * active params * T / (TFLOP/s * MFU), streamed bytes / H2D) + t_launch, the
+MoE layers with experts in host memory layer by layer after it (`StepCost.copy_layers`).
 The constants marked "measured" come from one H200 session (docs/benchmarks.md); the others are assumptions
 until `ferry plan --check` / `benchmarks/bench_plan.py` measure them. Knows nothing about files or the engine.
 """
@@ -204,6 +205,14 @@ class StepCost:
     """A family's measured per-layer time beyond this model (`LAYER_EXTRA_S`), serial."""
     expert_flops: float = 0.0
     """FLOPs of the routed experts' grouped GEMMs (at `moe_mfu`)."""
+    copy_layers: tuple = ()
+    """Copy-path prefill, per MoE layer with experts in host memory: (bytes its misses copy, HBM bytes of its hits,
+    of its misses, FLOPs of its hits, of its misses), none of them in the step-wide terms. Such a layer cannot
+    start its copies before its router has run (the engine reads each layer's routing on the host), and a round of
+    misses computes once its copies land, in slots the next round's copies then wait for: a layer takes
+    max(its copies, its hits) + its misses' work, and the layers run one after another. Session 24's H100 run
+    (Mixtral 8L NF4 under 5 GiB, 512-token prompts) prefilled 3338 tok/s where copies overlapping everything
+    said 7580."""
 
 
 @dataclass(frozen=True)
@@ -228,6 +237,13 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
         layered = sum(q * full / eff + (1 - q) * max(full / eff, read / rate / (1 - q) + INPLACE_LAYER_S)
                       if q < 1 else full / eff for full, read, q in cost.mapped_layers)
         inplace = layered - experts  # what the in-place reads add to the experts' HBM time
+    mfu = moe_mfu(cost.tokens_per_expert)
+    h2d = h2d_gbs * 1e9
+
+    def work(hbm: float, flops: float) -> float:  # experts read from HBM and multiplied: the larger of the two
+        return max(hbm / eff, flops / (tflops * 1e12 * mfu))
+
+    laid = sum(max(c / h2d, work(hb, hf)) + work(mb, mf) for c, hb, mb, hf, mf in cost.copy_layers)
     parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF) + cost.kv_bytes / (hbm_gbs * 1e9 * KV_HBM_EFF)
              + (0.0 if cost.mapped else experts),
              "pcie": cost.pcie_bytes / (h2d_gbs * 1e9) if cost.pcie_bytes else 0.0,
@@ -237,16 +253,17 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
                                 max(experts, inplace, cost.host_experts_s)) if cost.mapped else 0.0,
              "host_experts": 0.0 if cost.mapped else cost.host_experts_s,
              "promotions": promote if cost.mapped else 0.0,
+             "copy_layers": laid,
              "host": cost.host_s,
              "launch": cost.layers * ((LAUNCH_GRAPH_S if cost.graphs else LAUNCH_S) + cost.layer_extra_s),
              "comm": cost.comm_s}
     roof = max(("hbm", "pcie", "compute", "host_experts"), key=parts.get)  # host experts beside the copies
-    seconds = (parts[roof] + parts["mapped_experts"] + parts["promotions"] + parts["host"] + parts["launch"]
-               + parts["comm"])
+    seconds = (parts[roof] + parts["mapped_experts"] + parts["promotions"] + parts["copy_layers"] + parts["host"]
+               + parts["launch"] + parts["comm"])
     by_resource = {"hbm": (parts["hbm"] if roof == "hbm" else 0.0) + (experts if cost.mapped and experts >= inplace else 0.0),
                    "compute": parts["compute"] if roof == "compute" else 0.0,
                    "pcie": (parts["pcie"] if roof == "pcie" else 0.0) + (inplace if cost.mapped and inplace > experts else 0.0)
-                   + parts["promotions"],
+                   + parts["promotions"] + sum(c / h2d for c, *_ in cost.copy_layers),
                    "host": (cost.host_experts_s if cost.mapped and cost.host_experts_s > max(experts, inplace) else 0.0)
                    + (parts["host_experts"] if roof == "host_experts" else 0.0),
                    "launch": parts["launch"] + parts["host"], "comm": parts["comm"]}

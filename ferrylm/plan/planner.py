@@ -391,7 +391,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         mapped = not prefill and mapped_tokens is not None and batch <= mapped_tokens
         out = dict(hbm=0.0, all=0.0, copy=0.0, inplace=0.0, inplace_equiv=0.0, host=0.0, host_experts_s=0.0, promote=0.0,
                    promotions=0.0,
-                   layers=[],
+                   layers=[], copy_layers=[],
                    mapped=mapped and bool(cached),
                    hit=sum(hit_of(l, batch, mapped) for l in cached) / len(cached) if cached else None)
         for l, m in moe.items():
@@ -421,6 +421,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             else:  # the copy path's host split (offload/cost_model.py) is counted as copies: measured, it gained
                 # 6% over copies alone (Mixtral 16L batch 1, docs/benchmarks.md "Hybrid CPU-GPU experts")
                 out["copy"] += misses * m["nbytes"]
+                if prefill:  # layer by layer (`StepCost.copy_layers`): its copies, then its hits' and misses' work
+                    out["copy_layers"].append((misses * m["nbytes"], hits * m["hbm_equiv"], misses * m["hbm_equiv"],
+                                               h, 1 - h))
                 # prefill copies its misses in rounds, one fused launch a round: no per-expert host cost
                 # (measured: <= 0.05 ms an expert, `estimate.CACHED_EXPERT_S`)
                 out["host"] += 0.0 if prefill else estimate.CACHED_EXPERT_S * d
@@ -451,12 +454,16 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
 
     chunk = max(1, min(opts.max_num_batched_tokens, opts.prompt_len))
     xp = experts_cost(chunk, prefill=True)
+    # cached layers' experts run layer by layer (`StepCost.copy_layers`): out of the step-wide terms
+    laid = xp["copy_layers"]
+    layer_flops = 2 * expert_active * chunk / ranks / max(len(moe), 1)  # one MoE layer's routed-expert FLOPs
     pre = estimate.step_time(estimate.StepCost(
-        hbm_bytes=dense_gpu + streamed_bytes, expert_hbm_bytes=xp["hbm"],
-        tokens_per_expert=tokens_per_expert(chunk), pcie_bytes=streamed_bytes + xp["copy"], host_s=xp["host"],
-        host_experts_s=xp["host_experts_s"],
+        hbm_bytes=dense_gpu + streamed_bytes, expert_hbm_bytes=xp["hbm"] - sum(hb + mb for _, hb, mb, _, _ in laid),
+        tokens_per_expert=tokens_per_expert(chunk), pcie_bytes=streamed_bytes + xp["copy"] - sum(c for c, *_ in laid),
+        host_s=xp["host"], host_experts_s=xp["host_experts_s"],
+        copy_layers=tuple((c, hb, mb, hf * layer_flops, mf * layer_flops) for c, hb, mb, hf, mf in laid),
         flops=(2 * body * chunk + 2 * vocab + 2 * mc.num_hidden_layers * chunk * chunk * mc.num_attention_heads
-               * mc.head_dim) / ranks, expert_flops=2 * expert_active * chunk / ranks,
+               * mc.head_dim) / ranks, expert_flops=2 * expert_active * chunk / ranks - len(laid) * layer_flops,
         layers=layers,
         comm_s=2 * layers * estimate.allreduce_s(opts.tp, chunk * mc.hidden_size * act_b, link)),
         gpu.hbm_gbs, gpu.h2d_gbs, tflops)

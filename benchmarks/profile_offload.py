@@ -8,7 +8,9 @@ One engine per `--experts` setting on the same random-weight Qwen3-30B-A3B shape
 fast at the hit rate it sees, docs/benchmarks.md session 8). Per setting: the decode step time and per layer,
 the expert hit rate, misses per layer, experts the host ran and the time the stream waited for it (`OffloadStats`),
 and ms per missed expert over the fastest setting; decode steps alone (a run of n + 1 tokens less a run of 1). `--profile` adds the top host-side and device ops
-per decode step (torch profiler; a run of 9 tokens less a run of 1, so the prefill drops out). The last line is JSON.
+per decode step (torch profiler; a run of 9 tokens less a run of 1, so the prefill drops out). `--prefill-tokens N`
+times a fresh N-token prefill too (with `--profile`: its copies' device time and GB/s against its kernels; session 25:
+the NF4 Mixtral's copy-path prefill runs ~2x the plan's layer-by-layer model). The last line is JSON.
 """
 
 import argparse
@@ -92,11 +94,52 @@ def run(experts: str, a, variant: str = "dueling:now") -> dict:
             print(f"{'op':60s} {title:>14s} {'calls':>8s}")
             for k, v in sorted(per.items(), key=lambda kv: -kv[1][i])[:20]:
                 print(f"{k[:60]:60s} {v[i]:14.1f} {v[1]:8.1f}")
+    if a.prefill_tokens and variant == a.variants[0]:
+        out["prefill"] = prefill_profile(llm, placed, a)
     llm.close()
     del llm
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def prefill_profile(llm, placed, a) -> dict:
+    """A fresh prompt of `--prefill-tokens` tokens (its prefill and first token), timed twice after one untimed:
+    tok/s, experts copied and bytes moved; with `--profile` the device's copies against its kernels (the copies'
+    own GB/s: do the copy-path rounds copy at the link's rate, and how much of the step do they fill?)."""
+    from ferrylm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times = []
+    for seed in (10, 11, 12):  # fresh prompts: the prefix cache must not serve them
+        placed.stats.reset()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompts(1, a.prefill_tokens, seed), params)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    st = placed.stats
+    res = dict(tokens=a.prefill_tokens, seconds=sorted(times[1:]), tok_s=a.prefill_tokens / min(times[1:]),
+               copied_experts=st.copied_experts, h2d_gb=st.h2d_bytes / 1e9,
+               h2d_gbs_over_step=st.h2d_bytes / min(times[1:]) / 1e9)
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        placed.stats.reset()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts(1, a.prefill_tokens, 13), params)
+            torch.cuda.synchronize()
+        ev = prof.key_averages()
+        copy_us = sum(e.self_device_time_total for e in ev if "Memcpy HtoD" in e.key)
+        res.update(copy_ms=copy_us / 1e3, copy_calls=sum(e.count for e in ev if "Memcpy HtoD" in e.key),
+                   copy_gbs=placed.stats.h2d_bytes / (copy_us * 1e-6) / 1e9 if copy_us else None)
+        print(f"prefill of {a.prefill_tokens} tokens (profiled): copies {copy_us / 1e3:.1f} ms of device time in "
+              f"{res['copy_calls']} calls, {res['copy_gbs'] or 0:.1f} GB/s of expert bytes over them", flush=True)
+        print(f"{'op':60s} {'self device us':>14s} {'calls':>8s}")
+        for e in sorted(ev, key=lambda e: -e.self_device_time_total)[:16]:
+            print(f"{e.key[:60]:60s} {e.self_device_time_total:14.1f} {e.count:8d}")
+    print(json.dumps({"prefill": res}), flush=True)
+    return res
 
 
 def main() -> None:
@@ -109,6 +152,9 @@ def main() -> None:
     ap.add_argument("--experts", nargs="+", default=["auto", "gpu", "cpu"], choices=["auto", "gpu", "cpu"])
     ap.add_argument("--profile", action="store_true", help="torch profiler tables of the first variant's steps")
     ap.add_argument("--warm", type=int, default=4, help="tokens decoded before timing (the tally's warm-up)")
+    ap.add_argument("--prefill-tokens", type=int, default=0,
+                    help="also time (and with --profile, profile) a fresh prefill of this many tokens: the copy path's "
+                         "rounds, their copies' own GB/s")
     ap.add_argument("--variants", nargs="+", default=["dueling:now"],
                     help="slot policy:landing pairs, each run per --experts (policy dueling | frequent | none | "
                          "frozen: dueling through the warm-up, no promotion after it; landing now | late; a third part "

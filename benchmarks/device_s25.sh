@@ -24,9 +24,10 @@ else
     PYTHONPATH=benchmarks:. timeout 200 python benchmarks/bench_plan.py --gpu local --cases moe-offload \
         --case-timeout 190 --time-budget 195 --out "$OUT/plan-check-s25.json" 2>&1 | grep -v '^{' | tail -24
     echo "plan done at $(( $(date +%s) - t0 )) s"
-    PYTHONPATH=benchmarks:. timeout $(( 470 - ($(date +%s) - t0) )) python benchmarks/profile_offload.py --experts gpu \
+    left() { local t=$(( $1 - ($(date +%s) - t0) )); echo $(( t < 30 ? 30 : t )); }
+    PYTHONPATH=benchmarks:. timeout "$(left 470)" python benchmarks/profile_offload.py --experts gpu \
         --warm 64 --profile 2>&1 | tail -48 | tee "$OUT/profile-offload-s25.txt" | tail -48
-    PYTHONPATH=benchmarks:. timeout $(( 570 - ($(date +%s) - t0) )) python benchmarks/profile_offload.py --experts gpu \
+    PYTHONPATH=benchmarks:. timeout "$(left 570)" python benchmarks/profile_offload.py --experts gpu \
         --shape mixtral --layers 8 --budget-gib 5 --expert-quant nf4 --tokens 4 --prefill-tokens 512 --profile \
         2>&1 | grep -A20 "prefill of" | tee "$OUT/profile-prefill-nf4-s25.txt"
 fi

@@ -220,6 +220,23 @@ def test_nvml_names_map_to_profiles():
     assert probe.profile_for("Tesla V100-SXM2-32GB") is None
 
 
+def test_local_gpus_take_cudas_view(monkeypatch):
+    """`--gpu local`: each GPU's memory as CUDA reports it (what the engine sizes from), matched to NVML's cards by
+    PCI address, only the cards this process sees and in CUDA's order (NVML lists every card in PCI order); NVML's
+    figures where no CUDA torch sees them."""
+    nvml = [GpuReadings(0, "NVIDIA H100 80GB HBM3", 85_520_809_984, bus_id="00000000:19:00.0"),
+            GpuReadings(1, "NVIDIA A800 80GB PCIe", 85_899_345_920, bus_id="00000000:3B:00.0")]
+    monkeypatch.setattr(probe, "read_gpus", lambda root="/": nvml)
+    monkeypatch.setattr(probe, "_cuda_totals", lambda: {})
+    assert [(g.name, g.memory_bytes) for g in probe.local_gpus()] == [(n.name, n.memory_total) for n in nvml]
+    monkeypatch.setattr(probe, "_cuda_totals", lambda: {(0, 0x3B, 0): 85_051_572_224})  # CUDA_VISIBLE_DEVICES=1
+    (g,) = probe.local_gpus()
+    assert g.name == "NVIDIA A800 80GB PCIe" and g.memory_bytes == 85_051_572_224 and g.hbm_gbs == 1935
+    monkeypatch.setattr(probe, "_cuda_totals", lambda: {(0, 0x3B, 0): 1, (0, 0x19, 0): 2})  # CUDA's own order
+    assert [g.memory_bytes for g in probe.local_gpus()] == [1, 2]
+    assert probe._pci("00000000:3B:00.0") == (0, 0x3B, 0) and probe._pci(None) is None
+
+
 def test_doctor_measure_on_this_machine(capsys):
     """`--measure` for real here: host memory read, and the per-node measurement (or why it ran once)."""
     from ferrylm.cli import main

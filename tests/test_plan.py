@@ -773,12 +773,15 @@ def test_copy_path_prefill_runs_layer_by_layer():
     from ferrylm.plan import estimate
 
     hbm, h2d, tfl = 3000.0, 50.0, 1000.0
-    layer = (500e6, 3e9, 3e9, 2e12, 2e12)  # 10 ms of copies; hits' and misses' work as their bytes or FLOPs bind
+    layer = (1e9, 3e9, 3e9, 2e12, 2e12)  # 20 ms of copies; hits' and misses' work (10 ms each: their FLOPs bind)
     base = dict(hbm_bytes=6e9, pcie_bytes=0.0, flops=1e13, layers=4, tokens_per_expert=128.0)
     alone = estimate.step_time(estimate.StepCost(**base), hbm, h2d, tfl)
     laid = estimate.step_time(estimate.StepCost(**base, copy_layers=(layer,) * 4), hbm, h2d, tfl)
     eff = hbm * 1e9 * estimate.moe_hbm_eff(128.0)
     work = max(3e9 / eff, 2e12 / (tfl * 1e12 * estimate.moe_mfu(128.0)))
-    per_layer = max(500e6 / (h2d * 1e9), work) + work
+    per_layer = max(1e9 / (h2d * 1e9), work) + work
     assert laid.seconds == pytest.approx(alone.seconds + 4 * per_layer)
     assert laid.parts["copy_layers"] == pytest.approx(4 * per_layer) and laid.binding == "pcie"
+    # hits' work longer than the copies: the compute side binds (the layers' work credited where it binds)
+    heavy = estimate.step_time(estimate.StepCost(**base, copy_layers=((1e8, 3e9, 3e9, 2e13, 2e13),) * 4), hbm, h2d, tfl)
+    assert heavy.binding == "compute"

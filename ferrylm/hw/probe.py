@@ -259,34 +259,54 @@ def _throttle_names(mask: int) -> list[str]:
 
 def local_gpus():
     """This machine's GPUs as planner `GpuProfile`s: the data-sheet profile whose name matches NVML's
-    (bandwidth, TFLOP/s), with the memory and PCIe link NVML reports."""
+    (bandwidth, TFLOP/s), with the memory CUDA reports (NVML's where no CUDA torch sees the card) and the PCIe
+    link NVML reports; where CUDA sees them, only the GPUs this process sees, in CUDA's order."""
     from dataclasses import replace
 
     from ferrylm.plan.hardware import GpuProfile
 
     out = []
-    for i, g in enumerate(read_gpus()):
+    gpus = read_gpus()
+    cuda = _cuda_totals()  # PCI address -> CUDA's total, in CUDA's order (the visible devices only)
+    if cuda and any(_pci(g.bus_id) in cuda for g in gpus):  # the devices this process sees, in CUDA's order
+        order = list(cuda)
+        gpus = sorted((g for g in gpus if _pci(g.bus_id) in cuda), key=lambda g: order.index(_pci(g.bus_id)))
+    for g in gpus:
         base = profile_for(g.name)
         if base is None:
             base = GpuProfile(g.name, 0, 1000, {"bf16": 100, "fp16": 100}, 4, source="guess")
-        total = _cuda_total(i) or g.memory_total
+        total = cuda.get(_pci(g.bus_id)) or g.memory_total
         out.append(replace(base, name=g.name, memory_gb=total / 1e9, memory_gib=total / 2**30,
                            pcie_gen=g.pcie_gen_max or base.pcie_gen, pcie_width=g.pcie_width or base.pcie_width,
                            source="NVML + " + base.source))
     return out
 
 
-def _cuda_total(index: int) -> int | None:
-    """The total memory CUDA reports for GPU `index` (what the engine sizes from; NVML's is ~0.5 GiB more on
-    an H100), None without a CUDA build of torch that sees it."""
+def _pci(bus_id: str | None) -> tuple[int, int, int] | None:
+    """NVML's "00000000:19:00.0" -> (domain, bus, device)."""
+    try:
+        dom, bus, dev = bus_id.split(":")
+        return int(dom, 16), int(bus, 16), int(dev.split(".")[0], 16)
+    except (AttributeError, ValueError):
+        return None
+
+
+def _cuda_totals() -> dict:
+    """(domain, bus, device) -> the total memory CUDA reports, for each GPU this process sees (CUDA's order,
+    after CUDA_VISIBLE_DEVICES): what the engine sizes from (NVML's total is ~0.5 GiB more on an H100, and
+    NVML's indices are not CUDA's). Empty without a CUDA build of torch that sees a GPU."""
     try:
         import torch
 
-        if torch.cuda.is_available() and index < torch.cuda.device_count():
-            return torch.cuda.get_device_properties(index).total_memory
-    except Exception:  # a broken driver: NVML's figure
-        return None
-    return None
+        if not torch.cuda.is_available():
+            return {}
+        out = {}
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            out[(p.pci_domain_id, p.pci_bus_id, p.pci_device_id)] = p.total_memory
+        return out
+    except Exception:  # a broken driver, or a torch without the PCI fields: NVML's figures
+        return {}
 
 
 def profile_for(nvml_name: str):

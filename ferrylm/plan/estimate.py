@@ -244,6 +244,18 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
         return max(hbm / eff, flops / (tflops * 1e12 * mfu))
 
     laid = sum(max(c / h2d, work(hb, hf)) + work(mb, mf) for c, hb, mb, hf, mf in cost.copy_layers)
+    laid_by = {"hbm": 0.0, "compute": 0.0, "pcie": 0.0}  # the laid layers' time by the resource that binds each part
+
+    def credit(hbm: float, flops: float) -> None:
+        t_h, t_f = hbm / eff, flops / (tflops * 1e12 * mfu)
+        laid_by["hbm" if t_h >= t_f else "compute"] += max(t_h, t_f)
+
+    for c, hb, mb, hf, mf in cost.copy_layers:
+        if c / h2d >= work(hb, hf):
+            laid_by["pcie"] += c / h2d
+        else:
+            credit(hb, hf)
+        credit(mb, mf)
     parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF) + cost.kv_bytes / (hbm_gbs * 1e9 * KV_HBM_EFF)
              + (0.0 if cost.mapped else experts),
              "pcie": cost.pcie_bytes / (h2d_gbs * 1e9) if cost.pcie_bytes else 0.0,
@@ -260,10 +272,11 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     roof = max(("hbm", "pcie", "compute", "host_experts"), key=parts.get)  # host experts beside the copies
     seconds = (parts[roof] + parts["mapped_experts"] + parts["promotions"] + parts["copy_layers"] + parts["host"]
                + parts["launch"] + parts["comm"])
-    by_resource = {"hbm": (parts["hbm"] if roof == "hbm" else 0.0) + (experts if cost.mapped and experts >= inplace else 0.0),
-                   "compute": parts["compute"] if roof == "compute" else 0.0,
+    by_resource = {"hbm": (parts["hbm"] if roof == "hbm" else 0.0) + (experts if cost.mapped and experts >= inplace else 0.0)
+                   + laid_by["hbm"],
+                   "compute": (parts["compute"] if roof == "compute" else 0.0) + laid_by["compute"],
                    "pcie": (parts["pcie"] if roof == "pcie" else 0.0) + (inplace if cost.mapped and inplace > experts else 0.0)
-                   + parts["promotions"] + sum(c / h2d for c, *_ in cost.copy_layers),
+                   + parts["promotions"] + laid_by["pcie"],
                    "host": (cost.host_experts_s if cost.mapped and cost.host_experts_s > max(experts, inplace) else 0.0)
                    + (parts["host_experts"] if roof == "host_experts" else 0.0),
                    "launch": parts["launch"] + parts["host"], "comm": parts["comm"]}

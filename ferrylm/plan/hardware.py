@@ -22,7 +22,7 @@ from ferrylm.errors import ConfigError
 class GpuProfile:
     name: str
     memory_gb: float
-    """HBM capacity, GB (10^9 bytes; an "80G" card is 80 GiB: see `memory_bytes`)."""
+    """HBM capacity, GB (10^9 bytes), the marketing figure; `memory_gib` (what CUDA reports) wins where set."""
     hbm_gbs: float
     """Peak memory bandwidth, GB/s."""
     tflops: dict

@@ -456,7 +456,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     xp = experts_cost(chunk, prefill=True)
     # cached layers' experts run layer by layer (`StepCost.copy_layers`): out of the step-wide terms
     laid = xp["copy_layers"]
-    layer_flops = 2 * expert_active * chunk / ranks / max(len(moe), 1)  # one MoE layer's routed-expert FLOPs
+    # one MoE layer's routed-expert FLOPs on a rank (`expert_active` counts the whole model's MoE layers)
+    layer_flops = 2 * expert_active * chunk / opts.tp / max(len({g.layer for g in groups if g.kind == "experts"}), 1)
     pre = estimate.step_time(estimate.StepCost(
         hbm_bytes=dense_gpu + streamed_bytes, expert_hbm_bytes=xp["hbm"] - sum(hb + mb for _, hb, mb, _, _ in laid),
         tokens_per_expert=tokens_per_expert(chunk), pcie_bytes=streamed_bytes + xp["copy"] - sum(c for c, *_ in laid),

@@ -19,6 +19,7 @@ from torch import nn
 
 from ferrylm.layers import fused_ops
 from ferrylm.layers.activation import get_act
+from ferrylm.layers.context import live_assignments, recording
 from ferrylm.layers.params import writable
 
 
@@ -167,8 +168,6 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_ids, topk_weights: [T, k] -> [T, H]
-        from ferrylm.layers.context import live_assignments, recording
-
         if self.routing_counts is not None and recording():  # device-side: profiling keeps graphs, adds no sync
             self.routing_counts.scatter_add_(0, topk_ids.flatten(), live_assignments(topk_ids))  # padded rows: 0
         if self.routing_trace is not None and recording() and topk_ids.shape[0] == 1:  # a one-token step

@@ -773,7 +773,7 @@ def test_copy_path_prefill_runs_layer_by_layer():
     from ferrylm.plan import estimate
 
     hbm, h2d, tfl = 3000.0, 50.0, 1000.0
-    layer = (1e9, 3e9, 3e9, 2e12, 2e12)  # 20 ms of copies; hits' and misses' work (10 ms each: their FLOPs bind)
+    layer = (1e9, 3e9, 3e9, 2e12, 2e12, 1e9)  # 20 ms of copies, all into free slots; hits' and misses' work 10 ms each
     base = dict(hbm_bytes=6e9, pcie_bytes=0.0, flops=1e13, layers=4, tokens_per_expert=128.0)
     alone = estimate.step_time(estimate.StepCost(**base), hbm, h2d, tfl)
     laid = estimate.step_time(estimate.StepCost(**base, copy_layers=(layer,) * 4), hbm, h2d, tfl)
@@ -783,5 +783,8 @@ def test_copy_path_prefill_runs_layer_by_layer():
     assert laid.seconds == pytest.approx(alone.seconds + 4 * per_layer)
     assert laid.parts["copy_layers"] == pytest.approx(4 * per_layer) and laid.binding == "pcie"
     # hits' work longer than the copies: the compute side binds (the layers' work credited where it binds)
-    heavy = estimate.step_time(estimate.StepCost(**base, copy_layers=((1e8, 3e9, 3e9, 2e13, 2e13),) * 4), hbm, h2d, tfl)
+    heavy = estimate.step_time(estimate.StepCost(**base, copy_layers=((1e8, 3e9, 3e9, 2e13, 2e13, 1e8),) * 4), hbm, h2d, tfl)
     assert heavy.binding == "compute"
+    # no free slot: the copies wait for the hits' slots, all serial
+    full = estimate.step_time(estimate.StepCost(**base, copy_layers=(layer[:5] + (0.0,),) * 4), hbm, h2d, tfl)
+    assert full.seconds == pytest.approx(alone.seconds + 4 * (1e9 / (h2d * 1e9) + 2 * work))

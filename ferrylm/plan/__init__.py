@@ -33,7 +33,7 @@ TODO (what is left of issue #14):
   tokens, more than the runs needed (`bench_offload.py` rows now carry `needed_per_layer` for that refit);
 - the packed offloaded prefill (decode-once path, session 9: 3762 tok/s) was predicted from the copies alone
   (+99%); session 25 runs copy-path layers one after another (copies, then the misses' work: `copy_layers`),
-  +87% on session 24's run: ~9 ms a layer is still unexplained (copies near 20 GB/s would explain it: profile); the offloaded prefill's copy rounds hold
+  +67% on session 24's run: ~7.5 ms a layer is still unexplained (copies near 25 GB/s would explain it: profile); the offloaded prefill's copy rounds hold
   12-16% more than `memory.step_activation_bytes` counts;
 - the hit rate: the routing tally's steady state is modelled as the hottest experts (its hysteresis makes that
   an upper estimate under weak skew; Mixtral 16L measured 0.29 at batch 1 against 0.32 uniform), and tokens

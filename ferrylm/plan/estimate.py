@@ -207,10 +207,12 @@ class StepCost:
     """FLOPs of the routed experts' grouped GEMMs (at `moe_mfu`)."""
     copy_layers: tuple = ()
     """Copy-path prefill, per MoE layer with experts in host memory: (bytes its misses copy, HBM bytes of its hits,
-    of its misses, FLOPs of its hits, of its misses), none of them in the step-wide terms. Such a layer cannot
-    start its copies before its router has run (the engine reads each layer's routing on the host), and a round of
-    misses computes once its copies land, in slots the next round's copies then wait for: a layer takes
-    max(its copies, its hits) + its misses' work, and the layers run one after another. Session 24's H100 run
+    of its misses, FLOPs of its hits, of its misses, of the copies the bytes that fit its free slots), none of
+    them in the step-wide terms. Such a layer cannot start its copies before its router has run (the engine reads
+    each layer's routing on the host); only copies into slots no hit holds overlap the hits' work (the rest wait
+    for the hits' slots), and a round of misses computes once its copies land, in slots the next round's copies
+    then wait for: a layer takes max(its free slots' copies, its hits) + its other copies + its misses' work, and
+    the layers run one after another. Session 24's H100 run
     (Mixtral 8L NF4 under 5 GiB, 512-token prompts) prefilled 3338 tok/s where copies overlapping everything
     said 7580."""
 
@@ -243,18 +245,19 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     def work(hbm: float, flops: float) -> float:  # experts read from HBM and multiplied: the larger of the two
         return max(hbm / eff, flops / (tflops * 1e12 * mfu))
 
-    laid = sum(max(c / h2d, work(hb, hf)) + work(mb, mf) for c, hb, mb, hf, mf in cost.copy_layers)
+    laid = sum(max(f / h2d, work(hb, hf)) + (c - f) / h2d + work(mb, mf) for c, hb, mb, hf, mf, f in cost.copy_layers)
     laid_by = {"hbm": 0.0, "compute": 0.0, "pcie": 0.0}  # the laid layers' time by the resource that binds each part
 
     def credit(hbm: float, flops: float) -> None:
         t_h, t_f = hbm / eff, flops / (tflops * 1e12 * mfu)
         laid_by["hbm" if t_h >= t_f else "compute"] += max(t_h, t_f)
 
-    for c, hb, mb, hf, mf in cost.copy_layers:
-        if c / h2d >= work(hb, hf):
-            laid_by["pcie"] += c / h2d
+    for c, hb, mb, hf, mf, f in cost.copy_layers:
+        if f / h2d >= work(hb, hf):
+            laid_by["pcie"] += f / h2d
         else:
             credit(hb, hf)
+        laid_by["pcie"] += (c - f) / h2d
         credit(mb, mf)
     parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF) + cost.kv_bytes / (hbm_gbs * 1e9 * KV_HBM_EFF)
              + (0.0 if cost.mapped else experts),

@@ -421,9 +421,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             else:  # the copy path's host split (offload/cost_model.py) is counted as copies: measured, it gained
                 # 6% over copies alone (Mixtral 16L batch 1, docs/benchmarks.md "Hybrid CPU-GPU experts")
                 out["copy"] += misses * m["nbytes"]
-                if prefill:  # layer by layer (`StepCost.copy_layers`): its copies, then its hits' and misses' work
+                if prefill:  # layer by layer (`StepCost.copy_layers`): its copies, then its hits' and misses' work;
+                    # the slots no hit holds take copies while the hits compute
+                    free = max(0.0, m["resident"] + slots.get(l, 0) - hits)
                     out["copy_layers"].append((misses * m["nbytes"], hits * m["hbm_equiv"], misses * m["hbm_equiv"],
-                                               h, 1 - h))
+                                               h, 1 - h, min(misses, free) * m["nbytes"]))
                 # prefill copies its misses in rounds, one fused launch a round: no per-expert host cost
                 # (measured: <= 0.05 ms an expert, `estimate.CACHED_EXPERT_S`)
                 out["host"] += 0.0 if prefill else estimate.CACHED_EXPERT_S * d
@@ -459,10 +461,10 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     # one MoE layer's routed-expert FLOPs on a rank (`expert_active` counts the whole model's MoE layers)
     layer_flops = 2 * expert_active * chunk / opts.tp / max(len({g.layer for g in groups if g.kind == "experts"}), 1)
     pre = estimate.step_time(estimate.StepCost(
-        hbm_bytes=dense_gpu + streamed_bytes, expert_hbm_bytes=xp["hbm"] - sum(hb + mb for _, hb, mb, _, _ in laid),
+        hbm_bytes=dense_gpu + streamed_bytes, expert_hbm_bytes=xp["hbm"] - sum(hb + mb for _, hb, mb, *_ in laid),
         tokens_per_expert=tokens_per_expert(chunk), pcie_bytes=streamed_bytes + xp["copy"] - sum(c for c, *_ in laid),
         host_s=xp["host"], host_experts_s=xp["host_experts_s"],
-        copy_layers=tuple((c, hb, mb, hf * layer_flops, mf * layer_flops) for c, hb, mb, hf, mf in laid),
+        copy_layers=tuple((c, hb, mb, hf * layer_flops, mf * layer_flops, f) for c, hb, mb, hf, mf, f in laid),
         flops=(2 * body * chunk + 2 * vocab + 2 * mc.num_hidden_layers * chunk * chunk * mc.num_attention_heads
                * mc.head_dim) / ranks, expert_flops=2 * expert_active * chunk / ranks - len(laid) * layer_flops,
         layers=layers,

@@ -540,7 +540,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         advice = ("" if opts.expert_hit_rate is not None or opts.expert_profile or opts.routing else
                   "; skewed routing raises it (the slots follow the routing): pass --expert-profile FILE (`ferry "
                   "profile`), --routing zipf:S or a measured --expert-hit-rate")
-        how = "" if opts.expert_hit_rate is not None else f"; {hit_rate.MODEL}"
+        how = "" if opts.expert_hit_rate is not None else f"; {hit_rate.MODEL}" + (
+            "; batch 1: the engine's slot policy replayed on the profile's decode trace" if route.traces else "")
         notes.append(f"experts: {path}; hit rate {a['expert_hit_rate']:.2f} at batch 1, {conc_hit:.2f} at batch "
                      f"{dn['batch']} ({hit_note}{how}){advice}")
         if share:

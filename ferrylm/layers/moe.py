@@ -172,7 +172,7 @@ class Experts(nn.Module):
             self.routing_counts.scatter_add_(0, topk_ids.flatten(), live_assignments(topk_ids))  # padded rows: 0
         if self.routing_trace is not None and recording() and topk_ids.shape[0] == 1:  # a one-token step
             row = torch.zeros(1, self.num_experts, dtype=torch.bool, device=self.routing_trace.device)
-            row[0, topk_ids[0].to(row.device)] = True
+            row.index_fill_(1, topk_ids[0].to(row.device), True)  # a Scalar fill: no host tensor inside a capture
             self.routing_trace.index_copy_(0, self.routing_trace_pos, row)  # device-side: graph-safe, no sync
             self.routing_trace_pos.add_(1).clamp_(max=self.routing_trace.shape[0] - 1)
         return self.backend.forward(self, x, topk_ids, topk_weights)

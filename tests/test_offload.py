@@ -277,6 +277,12 @@ def test_packed_prefill_decoded_once_per_expert_matches_the_reference(fmt, monke
     assert (grouped.float() - got.float()).abs().max().item() <= 1e-2 * ref.abs().max().item()
     monkeypatch.setattr(fused_moe, "PACKED_DENSE_MIN_ROWS", 1)
     assert torch.equal(fused_moe.expert_rows(x, p13, p2, ids, w, skip=True), got)
+    # counts the caller knows (the offload cache's rounds): nothing read back, the same rows; wrong ones refused
+    monkeypatch.setattr(fused_moe, "DEQUANT_BUFFER_BYTES", 1 << 30)
+    counts = torch.bincount(ids.flatten(), minlength=E + 1).tolist()
+    assert torch.equal(fused_moe.expert_rows(x, p13, p2, ids, w, skip=True, counts=counts), got)
+    with pytest.raises(ValueError, match="counts must give"):
+        fused_moe.dequant_rows(x, p13, p2, ids, w, skip=True, counts=counts[:-1] + [counts[-1] + 1])
 
 
 def test_fused_moe_alignment_matches_reference():
@@ -432,3 +438,21 @@ def test_llm_close_releases_while_held(ckpts):
     alive = [name for name, r in refs.items() if r() is not None and name not in ("runner", "placed")]
     assert not alive, f"still held after close(): {alive}"
     llm.close()
+
+
+def test_round_counts_equal_the_mapped_ids_bincount():
+    """The offload cache's fused rounds hand `dequant_rows` each slot's assignments (`expert_cache.round_counts`)
+    instead of reading them back from the device: exactly the bincount of the round's slot-mapped ids."""
+    from ferrylm.offload.expert_cache import round_counts
+
+    g = torch.Generator().manual_seed(3)
+    E, C, T, k = 16, 6, 40, 4
+    for _ in range(20):
+        topk = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        counts = torch.bincount(topk.flatten(), minlength=E).tolist()
+        round_experts = torch.randperm(E, generator=g)[:C].tolist()
+        slot = [C] * E
+        for s, e in enumerate(round_experts[:int(torch.randint(0, C + 1, (1,), generator=g))]):
+            slot[e] = s
+        ids = torch.tensor(slot)[topk]
+        assert round_counts(counts, slot, C) == torch.bincount(ids.flatten(), minlength=C + 1).tolist()

@@ -571,17 +571,23 @@ def decode_experts(w, experts: list[int], dtype: torch.dtype, out: torch.Tensor 
 
 
 def dequant_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 skip: bool = False) -> torch.Tensor:
+                 skip: bool = False, counts: list[int] | None = None) -> torch.Tensor:
     """`expert_rows`'s result for a packed bank (`ExpertWeights`, or a `WeightTable` over one: decoded where it
     lies), each expert it uses decoded once (`decode_experts`) in groups of at most `DEQUANT_BUFFER_BYTES` of
     dense weights, then per group the gate/up GEMM, silu(gate) * up and the down GEMM on that group's rows: torch's
     grouped GEMM where `grouped_mm_usable`, one matmul per expert else. With `skip`, ids equal to E are skipped
-    (their rows 0), as `expert_rows` skips them. One host read of the per-expert counts: not for captured steps."""
+    (their rows 0), as `expert_rows` skips them. One host read of the per-expert counts (not for captured steps),
+    unless the caller knows them: `counts`, the assignments of each id 0..E (E: skipped), as
+    `torch.bincount(topk_ids.flatten(), minlength=E + 1)` would count them (the offload cache's rounds: a host
+    read a round left the device idle while the host planned the next, ~30% of a packed prefill)."""
     T, k = topk_ids.shape
     E, two_i, H = w13.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [A]: by expert, skipped ids (E) last
-    counts = torch.bincount(flat, minlength=E + 1).tolist()
+    if counts is None:
+        counts = torch.bincount(flat, minlength=E + 1).tolist()
+    elif len(counts) != E + 1 or sum(counts) != flat.numel():
+        raise ValueError(f"dequant_rows: counts must give each of the {E + 1} ids' assignments ({flat.numel()} in all)")
     xs = x.index_select(0, order // k)  # [A, H]
     y = torch.zeros(flat.numel(), H, dtype=x.dtype, device=x.device)
     used = [e for e in range(E) if counts[e]]
@@ -630,7 +636,7 @@ def _weighted_unsorted(y: torch.Tensor, topk_weights: torch.Tensor, order: torch
 
 def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, skip: bool = False, inter: int | None = None,
-                decode=None, experts: int | None = None) -> torch.Tensor:
+                decode=None, experts: int | None = None, counts: list[int] | None = None) -> torch.Tensor:
     """The weighted expert output of every assignment: [A, H] in x's dtype, row t * k + j for token t's
     j-th expert. `w13`/`w2` are device banks or `WeightTable`s (the same bits either way: only the address
     arithmetic differs). With `skip`, ids equal to E (w13.shape[0]) are skipped and their rows are 0: the
@@ -642,7 +648,8 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
     `decode`: None takes the decode kernel where `fused_moe_decode.decode_config` says (T <= 16 tokens),
     False the plain kernel (the reference), a `DecodeConfig` the decode kernel with those tiles.
     `experts`: the model's expert count where the bank holds fewer (an offload cache's slots): the prefill path
-    (`prefill_path`) is chosen on it, so a resident and an offloaded run of a step take the same one."""
+    (`prefill_path`) is chosen on it, so a resident and an offloaded run of a step take the same one. `counts`:
+    each id's assignments where the caller knows them (`dequant_rows` then reads none back)."""
     from ferrylm.layers import fused_moe_decode as fmd
 
     like2 = w2.like if isinstance(w2, WeightTable) else w2
@@ -664,7 +671,7 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
         if path == "grouped" and not skip and grouped_mm_usable(x, w13, w2):
             return grouped_rows(x, w13, w2, topk_ids, topk_weights)
         if path == "dequant" and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return dequant_rows(x, w13, w2, topk_ids, topk_weights, skip)
+            return dequant_rows(x, w13, w2, topk_ids, topk_weights, skip, counts)
     up = two_i // 2
     I = up if inter is None else inter
     A = T * k

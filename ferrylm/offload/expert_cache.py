@@ -142,6 +142,16 @@ def _replay(trace: list[list[int]], capacity: int, initial, victim, on_step=None
     return hits, total
 
 
+def round_counts(counts: list[int], slot: list[int], capacity: int) -> list[int]:
+    """The assignments of each id of a round's slot-mapped routing (`slot[e]`: expert e's slot, `capacity` for
+    experts outside the round), from the layer's per-expert counts: what `torch.bincount(ids, minlength=capacity
+    + 1)` of the mapped ids gives, without reading the device."""
+    per = [0] * (capacity + 1)
+    for e, n in enumerate(counts):
+        per[slot[e]] += n
+    return per
+
+
 def simulate(trace: list[list[int]], capacity: int, policy: str, initial: list[int] = ()) -> tuple[int, int]:
     """(hits, accesses) of an eviction policy on a trace (all experts a step needs are touched together)."""
     pol = POLICIES[policy]()
@@ -519,7 +529,8 @@ class CachedExperts(ExpertBackend):
             for e in experts:
                 slot[e] = self.slot_of[e]
             ids = torch.tensor(slot, dtype=torch.long).to(x.device, non_blocking=True)[topk_ids]
-            rows = expert_rows(x, self.w13, self.w2, ids, topk_weights, skip=True, experts=E)
+            rows = expert_rows(x, self.w13, self.w2, ids, topk_weights, skip=True, experts=E,
+                               counts=round_counts(counts, slot, C))  # known here: nothing read back
             out = rows if out is None else out + rows
             for e in experts:
                 self.free[self.slot_of[e]].record(cur)

@@ -18,11 +18,12 @@ TODO (what is left of issue #14):
   (token-to-token repetition the independent-token model cannot see) and at that hit rate the plan is 2x fast:
   small experts' in-place reads and the promotions (5.8 a step, 0.8 a miss, not 0.55) cost more than modelled.
   Session 25: `ferry profile` records a decode trace and the plan replays the engine's slot policy on it at batch
-  1 (hit rate and promotions; `bench_plan` traces its own batch-1 run: check "@profile routing" on the GPU), and a
-  mapped layer with an in-place miss / a promotion cost INPLACE_LAYER_S / PROMOTION_S beyond their bytes (fitted
-  to session 14's device profile): that row at its measured hit is now +43% (replay), not +106%; ~2 ms a step
-  is left unexplained (profile it: `profile_offload.py --experts gpu --warm 64 --profile`), and the fit moved the
-  48-layer 8 GiB batch-1 row from +3% to -13%;
+  1 (hit rate and promotions; `bench_plan` traces its own batch-1 run), and a mapped layer with an in-place miss
+  / a promotion cost INPLACE_LAYER_S / PROMOTION_S beyond their bytes (fitted to session 14's device profile).
+  Session 25's H100 run (`plan-check-2026-12-06-s25-h100.json`): "@profile routing" batch 1 -5.9% (hit 0.868
+  replayed vs 0.942), but at the measured hit rate the step model is still +52% fast: the in-place reads of small
+  experts cost ~2x INPLACE_LAYER_S on that box (its profile: the fused kernel 4.0 ms a step); refit per box. The
+  fit moved the recorded 48-layer 8 GiB batch-1 row from +3% to -13%;
 - measured (sessions 8 and 9, `benchmarks/bench_plan.py --gpu 1xH200`, docs/benchmarks.md): resident dense and
   MoE meet every aim in both runs, and session 8's memory model held on session 9's run (weights within 0.15%,
   peak within 0.9%); offloaded decode does not (hybrid decode at batch 1 on small experts: the engine's cost

@@ -1365,3 +1365,30 @@ def test_decode_trace_recorded_inside_graphs_equals_eager(tmp_path_factory):
     for name in ("graphed", "mapped"):
         assert got[name]["decode_trace"] == trace, name
         assert got[name]["layers"] == got["eager"]["layers"], name
+
+
+def test_decode_trace_recorded_inside_bf16_graphs(tmp_path_factory):
+    """The same recording through bf16 decode graphs, resident and mapped (where session 25's H100 run caught the
+    trace's row write copying a host scalar inside a capture; the fp32 test above did not reach it): every traced
+    step holds top-k distinct experts, as many steps as decode steps ran, and the counts hold every assignment.
+    (bf16 routing may flip against eager on near ties: counted, not compared.)"""
+    from test_models_hf import build
+
+    from ferrylm.offload import expert_profile
+    from ferrylm.sampling_params import SamplingParams
+
+    path, _ = build(tmp_path_factory, "qwen3_moe")
+    prompts = [[5, 17, 42, 99, 3, 200, 7], [1, 2, 3, 4]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for kw in ({}, dict(place=("experts=cpu", "layers.0.experts.0-1=gpu"), experts="gpu")):
+        llm = LLM(path, device="cuda", dtype="bfloat16", **kw)
+        assert llm.engine.runner.graphs is not None
+        llm.generate([prompts[1]], params)  # graphs captured before: record captures them again, tracing
+        prof = expert_profile.record(llm, prompts, params, trace_steps=100)
+        llm.close()
+        trace = prof["decode_trace"]
+        assert all(len(v) == 2 * 11 for v in trace.values()), kw
+        assert all(len(step) == 2 and len(set(step)) == 2 for v in trace.values() for step in v), kw
+        # the counted run: 2 prompts (7 + 4 prompt tokens) and 11 decode steps each, top 2 per token
+        assert all(sum(v) == 2 * (7 + 4 + 2 * 11) for v in prof["layers"].values()), kw
+

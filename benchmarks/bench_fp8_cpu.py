@@ -62,12 +62,18 @@ def case_linear(rows: list, a) -> None:
         print(row, flush=True)
 
 
-def case_expert(rows: list, a) -> None:
+def fp8_banks(E: int, H: int, I: int) -> tuple:
+    """Seeded random fp8 expert banks (w13, w2) in blocks of 128, as an FP8 checkpoint's experts are held."""
     torch.manual_seed(0)
-    E, H, I = a.experts, a.hidden, a.inter
     w13 = ExpertWeights.stack([[Q.quantize_fp8(torch.randn(I, H) * .02, 128), Q.quantize_fp8(torch.randn(I, H) * .02, 128)]
                                for _ in range(E)], torch.bfloat16)
     w2 = ExpertWeights.stack([[Q.quantize_fp8(torch.randn(H, I) * .02, 128)] for _ in range(E)], torch.bfloat16)
+    return w13, w2
+
+
+def case_expert(rows: list, a) -> None:
+    E, H, I = a.experts, a.hidden, a.inter
+    w13, w2 = fp8_banks(E, H, I)
     fp8 = HostExperts(w13, w2, F.silu)
     bf16 = HostExperts(w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16), F.silu)
     C.row_blocks_gemm = C.dense_gemm = "native"
@@ -97,11 +103,8 @@ def case_window(rows: list, a) -> None:
     """Hybrid decode's host part of a split fp8 expert, columns [c, I) at c = I / 3 rounded to the split unit
     (`HostExperts._columns`): one native call (`HostExpert.fp8_window`) against the window's three kernels with
     torch's SiLU and product between (`native_fused_expert` off), experts cycled from DRAM."""
-    torch.manual_seed(0)
     E, H, I = a.experts, a.hidden, a.inter
-    w13 = ExpertWeights.stack([[Q.quantize_fp8(torch.randn(I, H) * .02, 128), Q.quantize_fp8(torch.randn(I, H) * .02, 128)]
-                               for _ in range(E)], torch.bfloat16)
-    w2 = ExpertWeights.stack([[Q.quantize_fp8(torch.randn(H, I) * .02, 128)] for _ in range(E)], torch.bfloat16)
+    w13, w2 = fp8_banks(E, H, I)
     he = HostExperts(w13, w2, F.silu)
     c = max(he.split_unit, I // 3 // he.split_unit * he.split_unit)
     C.row_blocks_gemm = "native"

@@ -321,17 +321,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
 
     hits: dict[tuple, float] = {}
 
-    replays: dict[int, dict] = {}
-
-    def replay_of(tokens: int) -> dict[int, tuple[float, float]] | None:
-        """Mapped batch-1 steps on a traced profile: layer -> (hit rate, promotions a step) by the engine's slot
-        policy (larger batches: the popularity model; the trace is one sequence at a time)."""
-        if route.traces is None:
-            return None
-        if tokens not in replays:
-            cached_layers = {l: (m["resident"], m["resident"] + slots.get(l, 0)) for l, m in moe.items() if m["host"]}
-            replays[tokens] = hit_rate.replayed(route, cached_layers, E) if cached_layers else {}
-        return replays[tokens]
+    # mapped batch-1 steps on a traced profile: layer -> (hit rate, promotions a step) by the engine's slot policy
+    # (larger batches: the popularity model; the trace is one sequence at a time)
+    cached_layers = {l: (m["resident"], m["resident"] + slots.get(l, 0)) for l, m in moe.items() if m["host"]}
+    replay = (hit_rate.replayed(route, cached_layers, E) if route.traces is not None and cached_layers
+              and opts.expert_hit_rate is None else None)
 
     def hit_of(l: int, tokens: int, mapped: bool) -> float:
         m = moe[l]
@@ -339,8 +333,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             return 1.0
         if opts.expert_hit_rate is not None:
             return opts.expert_hit_rate
-        if mapped and tokens == 1 and route.traces is not None:
-            return replay_of(tokens)[l][0]
+        if mapped and tokens == 1 and replay is not None:
+            return replay[l][0]
         key = (l, tokens, mapped)
         if key not in hits:
             hits[key] = hit_rate.hit_rate(route.of(l), m["experts"], k, m["resident"], m["resident"] + slots.get(l, 0),
@@ -409,9 +403,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 out["inplace"] += gpu_misses * m["nbytes"]
                 out["inplace_equiv"] += gpu_misses * m["inplace_equiv"]
                 if slots.get(l, 0):  # the tally promotes misses into the layer's slots, landing before the next step
-                    replay = replay_of(batch) if opts.expert_hit_rate is None and batch == 1 else None
-                    n = replay[l][1] if replay is not None else min(estimate.PROMOTIONS_PER_MISS * misses,
-                                                                     estimate.PROMOTIONS_PER_LAYER)
+                    n = replay[l][1] if replay is not None and batch == 1 else min(
+                        estimate.PROMOTIONS_PER_MISS * misses, estimate.PROMOTIONS_PER_LAYER)
                     out["promotions"] += n
                     out["promote"] += n * m["nbytes"]
                 # the host runs its share of every miss (split along the intermediate: one call each) or, at

@@ -8,6 +8,14 @@ is the routed experts' bytes over the time; the PCIe roofline is the copy engine
 
     PYTHONPATH=. python benchmarks/bench_mapped.py            # one JSON line at the end
     PYTHONPATH=. python benchmarks/bench_mapped.py --sweep    # the decode kernel's configurations (< 4 min)
+    PYTHONPATH=. python benchmarks/bench_mapped.py --mixed    # layers with a few misses among hits (< 2 min)
+
+`--mixed` times one MoE layer as the mapped offload cache runs it at decode: T tokens route to k experts each,
+m of the layer's routed experts read in place from mapped host memory and the rest from device slots, through
+one table (qwen3-30b: E 128, H 2048, I 768, k 8; mixtral too with `--shapes`). Per m: the plain kernel and the
+decode kernel over a few tile configurations and K splits; each row says ms, the floor (max of the hits' HBM
+time and the misses' bytes at the copy engine's rate) and ms over it: what a layer with a miss costs beyond its
+bytes (the planner's `INPLACE_LAYER_S`, 0.15 ms fitted on the H200's engine profile).
 
 `--sweep` times two routed Mixtral experts (a bank of 2, H 4096, I 14336) at 1 token (and the best
 configurations again at 8) for bf16, int8 per channel and NF4 g64, read in place from mapped host memory
@@ -76,6 +84,8 @@ def main() -> None:
     ap.add_argument("--pcie", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--where", default="", help="--sweep only the tile configurations with these fields, e.g. "
                     "'nf4_select=True,block_k=256'")
+    ap.add_argument("--mixed", action="store_true", help="layers with m of their experts in place (see above)")
+    ap.add_argument("--shapes", default="qwen3-30b", help="--mixed shapes (qwen3-30b, mixtral)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.sweep_one:
@@ -85,6 +95,10 @@ def main() -> None:
         return
     tier = HostTier(pin=True)
     pcie = h2d_rate(tier) if CUDA else None
+    if a.mixed:
+        rows = mixed(tier, pcie, a.shapes.split(","), a.budget_s, a.tiny)
+        write_results("mapped_mixed", rows, out=a.out, h2d_gb_s=pcie, gpu=torch.cuda.get_device_name() if CUDA else None)
+        return
     if a.sweep:
         tier.close()
         rows, best = sweep(pcie, a.formats.split(","), a.budget_s, a.tiny, a.where)
@@ -284,6 +298,72 @@ def sweep_one(fmt: str, pcie: float | None, budget_s: float, tiny: bool, rows_ou
         print(f"{fmt}: {skipped} cases skipped for the time budget", flush=True)
         rows.append({"format": fmt, "skipped_for_time": skipped})
     tier.close()
+    return rows
+
+
+MIXED_CONFIGS = [("plain", False), ("decode", fmd.DecodeConfig()), ("decode-n32", fmd.DecodeConfig(block_n=32)),
+                 ("decode-s4", fmd.DecodeConfig(split_k13=4, split_k2=4)),
+                 ("decode-s8", fmd.DecodeConfig(split_k13=8, split_k2=8)),
+                 ("decode-n32-s8", fmd.DecodeConfig(block_n=32, split_k13=8, split_k2=8)),
+                 ("fma-m1", fmd.DecodeConfig(block_m=1, dot=False, block_n=32, block_k=128))]
+"""(name, `expert_rows` decode argument) pairs `--mixed` times."""
+
+
+def mixed(tier: HostTier, pcie: float | None, shapes: list[str], budget_s: float, tiny: bool) -> list[dict]:
+    """`--mixed`: see the module docstring."""
+    start, rows = time.perf_counter(), []
+    dt = torch.bfloat16 if CUDA else torch.float32
+    for name in shapes:
+        E, H, I, k = (8, 64, 32, 4) if tiny else SHAPES[name]
+        d13 = (torch.randn(E, 2 * I, H, device=DEV) * 0.02).to(dt)
+        d2 = (torch.randn(E, H, I, device=DEV) * 0.02).to(dt)
+        h13, h2 = tier.empty(d13.shape, dt), tier.empty(d2.shape, dt)
+        for e in range(E):
+            h13[e].copy_(d13[e])
+            h2[e].copy_(d2[e])
+        per_expert = (d13[0].numel() + d2[0].numel()) * d13.element_size()
+        for T in (1, 4):
+            x = torch.randn(T, H, device=DEV).to(dt)
+            ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(T)])
+            w = torch.rand(T, k, device=DEV)
+            used = ids.unique().tolist()
+            want = expert_rows(x, d13, d2, ids, w, decode=False).float()
+            for m in (0, 1, 2, 4, len(used)):
+                if m > len(used) or (m == len(used) and m in (1, 2, 4)):
+                    continue
+                host_ids = set(used[:m])  # these read in place, every other expert from HBM
+                t13 = WeightTable(torch.tensor([(h13 if e in host_ids else d13)[e].data_ptr() for e in range(E)],
+                                               device=DEV), h13)
+                t2 = WeightTable(torch.tensor([(h2 if e in host_ids else d2)[e].data_ptr() for e in range(E)],
+                                              device=DEV), h2)
+                hbm_s = (len(used) - m) * per_expert / 4.0e12  # the hits at ~4 TB/s (HBM3/3e)
+                floor = max(hbm_s, m * per_expert / pcie / 1e9) if pcie else None
+                for kname, cfg in MIXED_CONFIGS:
+                    if time.perf_counter() - start > budget_s:
+                        break
+                    row = {"shape": name, "tokens": T, "experts": len(used), "in_place": m, "kernel": kname,
+                           "mb_in_place": m * per_expert / 1e6}
+                    try:
+                        got = expert_rows(x, t13, t2, ids, w, decode=cfg)
+                        t = timed_adaptive(lambda: expert_rows(x, t13, t2, ids, w, decode=cfg))
+                        row.update(ms=t * 1e3, rel_err_vs_plain=((got.float() - want).norm() / want.norm()).item(),
+                                   floor_ms=floor * 1e3 if floor else None,
+                                   over_floor_ms=(t - floor) * 1e3 if floor else None)
+                    except Exception as e:  # a configuration that cannot run is reported, not fatal
+                        row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        del d13, d2, h13, h2
+    by = {}
+    for r in rows:
+        if "ms" in r:
+            by.setdefault((r["shape"], r["tokens"], r["in_place"]), []).append(r)
+    for (name, T, m), rs in by.items():
+        best = min(rs, key=lambda r: r["ms"])
+        plain = next((r["ms"] for r in rs if r["kernel"] == "plain"), None)
+        print(f"{name} T={T} in place {m}: plain {plain:.3f} ms, best {best['kernel']} {best['ms']:.3f} ms"
+              + (f" (floor {best['floor_ms']:.3f}, over {best['over_floor_ms']:.3f})" if best.get("floor_ms") else ""),
+              flush=True)
     return rows
 
 

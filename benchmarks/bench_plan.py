@@ -106,8 +106,16 @@ def replay(path: str, a) -> list[dict]:
 
     with open(path) as f:
         old = json.load(f)
-    if old.get("gpu"):  # plan for the GPU that run measured (files before session 24 name none: the H200)
-        a = argparse.Namespace(**{**vars(a), "gpu": old["gpu"]})
+    gpu = old.get("gpu_profile") or old.get("gpu")  # files before session 24 name none: the H200
+    if gpu and gpu.strip().lower() == "local":  # session 25's file names the card only in its note
+        from ferrylm.hw.probe import profile_for
+
+        prof = profile_for(old.get("machine_note", ""))
+        if prof is None:
+            raise SystemExit(f"{path}: ran with --gpu local and names no GPU this planner knows; pass its profile")
+        gpu = f"1x{prof.name}"
+    if gpu:  # plan for the GPU that run measured
+        a = argparse.Namespace(**{**vars(a), "gpu": gpu})
     rows = []
     for case, info in old["cases"].items():
         if case not in CASES:
@@ -119,8 +127,10 @@ def replay(path: str, a) -> list[dict]:
             now = predicted(plan, cuda=True)
             for key, hit in (info.get("hit_rate_measured") or {}).items():
                 if hit is not None:  # the bandwidth model alone, at the hit rate the run saw
-                    now[f"{key} @measured hit"] = make_plan(replace(opts, expert_hit_rate=hit),
-                                                            advise=False).speed[key]["tok_s"]
+                    at = make_plan(replace(opts, expert_hit_rate=hit), advise=False).speed[key]
+                    now[f"{key} @measured hit"] = at["tok_s"]
+                    print(f"{case} {key} @measured hit {hit:.3f}: {at['tok_s']:.1f} tok/s, binding {at['binding']}, "
+                          f"parts ms { {p: round(v, 3) for p, v in at['parts_ms'].items() if v} }", flush=True)
         for r in old["rows"]:
             if r.get("case") == case and r.get("metric") in now:
                 rows.append(dict(case=case, metric=r["metric"], measured=r["measured"], predicted_then=r["predicted"],
@@ -301,8 +311,19 @@ def main() -> None:
             continue
         cases[case] = info
         print_case(case, got, info)
-    write_results("plan-check", rows, out=a.out, gpu=a.gpu, device=a.device, cases=cases,
+    write_results("plan-check", rows, out=a.out, gpu=a.gpu, gpu_profile=gpu_profile(a), device=a.device, cases=cases,
                   seconds=time.perf_counter() - start)
+
+
+def gpu_profile(a) -> str:
+    """The data-sheet profile the run planned with: `--gpu` as given, or for `local` the one NVML's name matches
+    (what `replay` plans with on a machine without that GPU)."""
+    if a.gpu.strip().lower() != "local" or a.device != "cuda":
+        return a.gpu
+    from ferrylm.hw.probe import profile_for
+
+    prof = profile_for(torch.cuda.get_device_name())
+    return f"1x{prof.name}" if prof else a.gpu
 
 
 if __name__ == "__main__":

@@ -160,6 +160,16 @@ def test_verdicts_and_advice():
     huge = make_plan(PlanOptions("DeepSeek-V3", gpu="1xRTX-4090", host="1xEPYC-9654,256GB", max_model_len=4096))
     assert huge.verdict == "cannot" and any("host memory" in n for n in huge.notes)
     assert any("quantize" in n for n in huge.notes)
+    # a budget far under the card: the advice counts cards at their whole memory and names the budget's count;
+    # NF4 counts the experts packed (the engine keeps them so): Qwen3-30B-A3B shrinks ~3.4x and fits one card
+    small = make_plan(PlanOptions("Qwen3-30B-A3B", gpu="1xA800-80G-PCIe", host="1xXeon-8480C,32GB",
+                                  gpu_memory_budget_gb=8))
+    resident = next(n for n in small.notes if n.startswith("to hold it resident"))
+    assert small.verdict == "cannot" and "about 1 x A800-80G-PCIe (" in resident, resident
+    assert "--gpu-memory-budget-gb 8 a GPU would need" in resident
+    nf4 = next(n for n in small.notes if n.startswith("or quantize"))
+    gib = float(nf4.split("take about ")[1].split(" GiB")[0])
+    assert 14 < gib < 20 and "resident on 1 x A800-80G-PCIe" in nf4, nf4
 
 
 def test_hardware_specs():

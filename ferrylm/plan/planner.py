@@ -519,7 +519,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                              f"of free memory): decode {more.speed['decode_batch1']['tok_s']:.1f} instead of "
                              f"{d1['tok_s']:.1f} tok/s at batch 1")
     if verdict == "cannot":
-        notes += _advice(groups, opts, gpu, budget or capacity, reserve, max_len * kv_per_token // ranks)
+        notes += _advice(groups, opts, gpu, budget, capacity - CUDA_CONTEXT_BYTES, reserve,
+                         max_len * kv_per_token // ranks)
     if verdict != "cannot" and kv_tokens < conc * seq_tokens:
         notes.append(f"KV holds {kv_tokens:,} tokens: {kv_tokens // max(seq_tokens, 1)} sequences of {seq_tokens} at "
                      f"once, fewer than the concurrency {conc} (the rest wait or are preempted)")
@@ -643,17 +644,27 @@ def _moe_layers(mine: list[TensorGroup], tier: dict, dense_of: dict, scheme: str
     return out
 
 
-def _advice(groups, opts, gpu, budget, reserve, min_kv) -> list[str]:
+def _advice(groups, opts, gpu, budget, card, reserve, min_kv) -> list[str]:
+    """What to change when the model cannot run: more GPUs (counted at the card's whole memory, `card` bytes past
+    the CUDA context; with a smaller explicit `budget`, what that budget alone would need), quantizing (experts
+    counted packed where the engine keeps them packed), a shorter context."""
     total = sum(g.nbytes for g in groups)
-    out = [f"to hold it resident: about {math.ceil(total / max(budget - reserve - min_kv, 1))} x {gpu.name} with TP "
-           f"(weights {_gb(total)})"]
+    room = max(card - reserve - min_kv, 1)
+    n = math.ceil(total / room)
+    out = [f"to hold it resident: about {n} x {gpu.name}{' with TP' if n > 1 else ''} (weights {_gb(total)})"]
+    by_budget = math.ceil(total / max((budget or card) - reserve - min_kv, 1))
+    if opts.gpu_memory_budget_gb is not None and by_budget > n:
+        out[0] += f"; --gpu-memory-budget-gb {opts.gpu_memory_budget_gb:g} a GPU would need {by_budget}"
     if not opts.quant:
+        from ferrylm.models.base import ENGINE_PACKED_FORMATS
+
         q = WeightFormat(opts.dtype, "nf4")
-        nf4 = sum(g.nbytes if g.kind in ("embed", "lm_head", "norm", "router", "experts")
+        packed = "nf4" in ENGINE_PACKED_FORMATS
+        nf4 = sum(g.nbytes if g.kind in ("embed", "lm_head", "norm", "router") or (g.kind == "experts" and not packed)
                   else q.param_bytes("x.weight", (g.nbytes // DTYPE_BYTES[opts.dtype] // 1024, 1024)) for g in groups)
-        dense = sum(g.nbytes for g in groups if g.kind == "experts")
+        n4 = math.ceil(nf4 / room)
         out.append(f"or quantize: with --quant nf4 (a ferry store) the weights take about {_gb(nf4)}"
-                   + (f" ({_gb(dense)} of experts are counted dense)" if dense else ""))
+                   + (f", resident on {n4} x {gpu.name}" if n4 <= 8 else ""))
     if opts.max_model_len is None or opts.max_model_len > 8192:
         out.append("or lower --max-model-len: one full-length sequence's KV must fit beside the weights")
     return out

@@ -12,10 +12,12 @@ is the routed experts' bytes over the time; the PCIe roofline is the copy engine
 
 `--mixed` times one MoE layer as the mapped offload cache runs it at decode: T tokens route to k experts each,
 m of the layer's routed experts read in place from mapped host memory and the rest from device slots, through
-one table (qwen3-30b: E 128, H 2048, I 768, k 8; mixtral too with `--shapes`). Per m: the plain kernel and the
-decode kernel over a few tile configurations and K splits; each row says ms, the floor (max of the hits' HBM
-time and the misses' bytes at the copy engine's rate) and ms over it: what a layer with a miss costs beyond its
-bytes (the planner's `INPLACE_LAYER_S`, 0.15 ms fitted on the H200's engine profile).
+one table (qwen3-30b: E 128, H 2048, I 768, k 8; mixtral too with `--shapes`), per expert format (bf16, fp8 per
+channel and in groups of 128 as block-wise FP8 checkpoints load, int8; `--mixed-formats`). Per m: the plain kernel
+and the decode kernel over a few tile configurations and K splits, each timed as device time of CUDA-graph replays
+(as the engine runs decode); each row says ms, the floor (max of the hits' HBM time and the misses' bytes at the
+copy engine's rate) and ms over it: what a layer with a miss costs beyond its bytes (the planner's
+`INPLACE_LAYER_S`, 0.15 ms fitted on the H200's engine profile).
 
 `--sweep` times two routed Mixtral experts (a bank of 2, H 4096, I 14336) at 1 token (and the best
 configurations again at 8) for bf16, int8 per channel and NF4 g64, read in place from mapped host memory
@@ -86,6 +88,7 @@ def main() -> None:
                     "'nf4_select=True,block_k=256'")
     ap.add_argument("--mixed", action="store_true", help="layers with m of their experts in place (see above)")
     ap.add_argument("--shapes", default="qwen3-30b", help="--mixed shapes (qwen3-30b, mixtral)")
+    ap.add_argument("--mixed-formats", default="bf16,fp8,fp8-g128,int8", help="--mixed formats (nf4 too)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.sweep_one:
@@ -96,7 +99,7 @@ def main() -> None:
     tier = HostTier(pin=True)
     pcie = h2d_rate(tier) if CUDA else None
     if a.mixed:
-        rows = mixed(tier, pcie, a.shapes.split(","), a.budget_s, a.tiny)
+        rows = mixed(tier, pcie, a.shapes.split(","), a.mixed_formats.split(","), a.budget_s, a.tiny)
         write_results("mapped_mixed", rows, out=a.out, h2d_gb_s=pcie, gpu=torch.cuda.get_device_name() if CUDA else None)
         return
     if a.sweep:
@@ -163,6 +166,8 @@ def random_packed(tier: HostTier, fmt: str, E: int, N: int, K: int, group: int):
     G = K // group
     q = torch.randint(-127 if fmt == "int8" else 0, 128 if fmt == "int8" else 256, (E, N, kq), device=DEV,
                       dtype=torch.int8 if fmt == "int8" else torch.uint8)
+    if fmt == "fp8":  # e4m3 codes without the two NaNs (0x7f, 0xff)
+        q = torch.where(q & 0x7F == 0x7F, q ^ 1, q)
     sc = torch.rand(E, N, G, device=DEV) * 1e-3
     dev = ExpertWeights(fmt, (E, N, K), group, q, sc)
     host = {k: tier.empty(v.shape, v.dtype) for k, v in dev.parts.items()}
@@ -309,62 +314,102 @@ MIXED_CONFIGS = [("plain", False), ("decode", fmd.DecodeConfig()), ("decode-n32"
 """(name, `expert_rows` decode argument) pairs `--mixed` times."""
 
 
-def mixed(tier: HostTier, pcie: float | None, shapes: list[str], budget_s: float, tiny: bool) -> list[dict]:
+def graphed_ms(fn, reps: int = 50) -> tuple[float, str]:
+    """Device milliseconds a call of `fn` takes, replayed from a CUDA graph (the engine graphs its decode steps:
+    eager timing would measure the host's launches); eager timing where the capture fails. -> (ms, how)."""
+    if not CUDA:
+        return timed(fn, 3) * 1e3, "eager"
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        sync()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        sync()
+        return start.elapsed_time(end) / reps, "graph"
+    except Exception as e:  # noqa: BLE001 - a call that cannot be captured is timed eagerly
+        print(f"graph capture failed ({type(e).__name__}: {str(e)[:120]}): timed eagerly", flush=True)
+        sync()
+        return timed_adaptive(fn) * 1e3, "eager"
+
+
+def mixed(tier: HostTier, pcie: float | None, shapes: list[str], formats: list[str], budget_s: float,
+          tiny: bool) -> list[dict]:
     """`--mixed`: see the module docstring."""
     start, rows = time.perf_counter(), []
-    dt = torch.bfloat16 if CUDA else torch.float32
     for name in shapes:
         E, H, I, k = (8, 64, 32, 4) if tiny else SHAPES[name]
-        d13 = (torch.randn(E, 2 * I, H, device=DEV) * 0.02).to(dt)
-        d2 = (torch.randn(E, H, I, device=DEV) * 0.02).to(dt)
-        h13, h2 = tier.empty(d13.shape, dt), tier.empty(d2.shape, dt)
-        for e in range(E):
-            h13[e].copy_(d13[e])
-            h2[e].copy_(d2[e])
-        per_expert = (d13[0].numel() + d2[0].numel()) * d13.element_size()
-        for T in (1, 4):
-            x = torch.randn(T, H, device=DEV).to(dt)
-            ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(T)])
-            w = torch.rand(T, k, device=DEV)
-            used = ids.unique().tolist()
-            want = expert_rows(x, d13, d2, ids, w, decode=False).float()
-            for m in (0, 1, 2, 4, len(used)):
-                if m > len(used) or (m == len(used) and m in (1, 2, 4)):
-                    continue
-                host_ids = set(used[:m])  # these read in place, every other expert from HBM
-                t13 = WeightTable(torch.tensor([(h13 if e in host_ids else d13)[e].data_ptr() for e in range(E)],
-                                               device=DEV), h13)
-                t2 = WeightTable(torch.tensor([(h2 if e in host_ids else d2)[e].data_ptr() for e in range(E)],
-                                              device=DEV), h2)
-                hbm_s = (len(used) - m) * per_expert / 4.0e12  # the hits at ~4 TB/s (HBM3/3e)
-                floor = max(hbm_s, m * per_expert / pcie / 1e9) if pcie else None
-                for kname, cfg in MIXED_CONFIGS:
-                    if time.perf_counter() - start > budget_s:
-                        break
-                    row = {"shape": name, "tokens": T, "experts": len(used), "in_place": m, "kernel": kname,
-                           "mb_in_place": m * per_expert / 1e6}
-                    try:
-                        got = expert_rows(x, t13, t2, ids, w, decode=cfg)
-                        t = timed_adaptive(lambda: expert_rows(x, t13, t2, ids, w, decode=cfg))
-                        row.update(ms=t * 1e3, rel_err_vs_plain=((got.float() - want).norm() / want.norm()).item(),
-                                   floor_ms=floor * 1e3 if floor else None,
-                                   over_floor_ms=(t - floor) * 1e3 if floor else None)
-                    except Exception as e:  # a configuration that cannot run is reported, not fatal
-                        row["error"] = f"{type(e).__name__}: {e}"[:300]
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-        del d13, d2, h13, h2
+        for fmt in formats:
+            group = {"nf4": 64, "fp8-g128": 128}.get(fmt)
+            base = fmt.split("-")[0]
+            d13, h13 = random_packed(tier, base, E, 2 * I, H, min(group or H, H))
+            d2, h2 = random_packed(tier, base, E, H, I, min(group or I, I))
+            per_expert = sum(b.numel() * b.element_size() if isinstance(b, torch.Tensor) else b.nbytes
+                             for b in (d13, d2)) // E
+            for T in (1, 4):
+                x = torch.randn(T, H, device=DEV).to(torch.bfloat16 if CUDA else torch.float32)
+                ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(T)])
+                w = torch.rand(T, k, device=DEV)
+                used = ids.unique().tolist()
+                want = expert_rows(x, d13, d2, ids, w, decode=False).float()
+                for m in (0, 1, 2, 4, len(used)):
+                    if m > len(used) or (m == len(used) and m in (1, 2, 4)):
+                        continue
+                    t13, t2 = mixed_table(d13, h13, used[:m]), mixed_table(d2, h2, used[:m])
+                    hbm_s = (len(used) - m) * per_expert / 3.0e12  # the hits at ~3 TB/s (HBM3 copy rate, ~ both cards)
+                    floor = max(hbm_s, m * per_expert / pcie / 1e9) if pcie else None
+                    for kname, cfg in MIXED_CONFIGS:
+                        if time.perf_counter() - start > budget_s:
+                            break
+                        row = {"shape": name, "format": fmt, "tokens": T, "experts": len(used), "in_place": m,
+                               "kernel": kname, "mb_in_place": m * per_expert / 1e6}
+                        try:
+                            got = expert_rows(x, t13, t2, ids, w, decode=cfg)
+                            ms, how = graphed_ms(lambda: expert_rows(x, t13, t2, ids, w, decode=cfg))
+                            row.update(ms=ms, timed=how,
+                                       rel_err_vs_plain=((got.float() - want).norm() / want.norm()).item(),
+                                       floor_ms=floor * 1e3 if floor else None,
+                                       over_floor_ms=ms - floor * 1e3 if floor else None)
+                        except Exception as e:  # a configuration that cannot run is reported, not fatal
+                            row["error"] = f"{type(e).__name__}: {e}"[:300]
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+            del d13, d2, h13, h2
     by = {}
     for r in rows:
         if "ms" in r:
-            by.setdefault((r["shape"], r["tokens"], r["in_place"]), []).append(r)
-    for (name, T, m), rs in by.items():
+            by.setdefault((r["shape"], r["format"], r["tokens"], r["in_place"]), []).append(r)
+    for (name, fmt, T, m), rs in by.items():
         best = min(rs, key=lambda r: r["ms"])
-        plain = next((r["ms"] for r in rs if r["kernel"] == "plain"), None)
-        print(f"{name} T={T} in place {m}: plain {plain:.3f} ms, best {best['kernel']} {best['ms']:.3f} ms"
+        plain = next((r["ms"] for r in rs if r["kernel"] == "plain"), float("nan"))
+        print(f"{name} {fmt} T={T} in place {m}: plain {plain:.3f} ms, best {best['kernel']} {best['ms']:.3f} ms"
               + (f" (floor {best['floor_ms']:.3f}, over {best['over_floor_ms']:.3f})" if best.get("floor_ms") else ""),
               flush=True)
     return rows
+
+
+def mixed_table(dev, host: WeightTable, in_place: list[int]) -> WeightTable:
+    """A table over bank `dev`'s experts whose experts `in_place` point at `host`'s rows (mapped memory)."""
+    E = host.shape[0]
+    dparts = {"q": dev} if isinstance(dev, torch.Tensor) else dev.parts
+    ptrs = {}
+    for key, hp in host.ptrs.items():
+        d = dparts[key]
+        dev_addr = torch.tensor(WeightTable.addresses(d), device=DEV)
+        pick = torch.zeros(E, dtype=torch.bool, device=DEV)
+        pick[list(in_place)] = True
+        ptrs[key] = torch.where(pick, hp, dev_addr)
+    return WeightTable(ptrs, host.like)
 
 
 def packed(tier: HostTier, pcie: float) -> list:

@@ -1389,6 +1389,8 @@ def test_decode_trace_recorded_inside_bf16_graphs(tmp_path_factory):
         trace = prof["decode_trace"]
         assert all(len(v) == 2 * 11 for v in trace.values()), kw
         assert all(len(step) == 2 and len(set(step)) == 2 for v in trace.values() for step in v), kw
-        # the counted run: 2 prompts (7 + 4 prompt tokens) and 11 decode steps each, top 2 per token
-        assert all(sum(v) == 2 * (7 + 4 + 2 * 11) for v in prof["layers"].values()), kw
+        # the counted run: 2 prompts and 11 decode steps each, top 2 per token; the model has no tokenizer, so
+        # `record` runs seeded random prompts of 32 tokens in place of these (its docstring)
+        assert llm.engine.tokenizer is None
+        assert all(sum(v) == 2 * (32 + 32 + 2 * 11) for v in prof["layers"].values()), (kw, prof["layers"])
 

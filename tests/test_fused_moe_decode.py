@@ -161,6 +161,33 @@ def test_nf4_select_tree_equals_table():
     assert torch.allclose(got[False], want[:, :16].T.float(), rtol=2 ** -10, atol=0)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-g64"])
+def test_fp8_takes_the_decode_kernel_by_format(fmt, weights, monkeypatch):
+    """fp8 banks at up to `BY_FORMAT_MAX_TOKENS["fp8"]` tokens take the decode kernel's fp8 tiles where the GPU
+    converts e4m3 itself (the plain kernel's table decode was 6-12x slower there), the plain kernel elsewhere and
+    above the bound; the tiles' result equals the fp64 dequantized reference, resident and through a table."""
+    b13, b2 = bank(fmt, *weights)
+    d13, d2 = b13.dequantize(DT), b2.dequantize(DT)
+    monkeypatch.setattr(fmd, "native_fp8", lambda: False)
+    assert fmd.decode_config(1, b13, b2) is None or fmd.DECODE_MAX_TOKENS > 0  # no e4m3 conversion: the table
+    monkeypatch.setattr(fmd, "native_fp8", lambda: True)
+    assert fmd.decode_config(1, b13, b2) == fmd.by_format_config("fp8", False, 1)
+    assert not fmd.decode_config(1, b13, b2).dot and fmd.decode_config(4, b13, b2).dot
+    bound = fmd.BY_FORMAT_MAX_TOKENS["fp8"]
+    assert fmd.decode_config(bound, b13, b2) is not None
+    assert fmd.decode_config(bound + 1, b13, b2) is None or fmd.DECODE_MAX_TOKENS > bound
+    for T in (1, 4):
+        x = torch.randn(T, H, device=DEV).to(DT)
+        ids, w = routing(T, seed=T)
+        got = expert_rows(x, b13, b2, ids, w)  # decode=None: the rule
+        assert torch.equal(got, expert_rows(x, b13, b2, ids, w, decode=fmd.by_format_config("fp8", False, T)))
+        assert torch.equal(expert_rows(x, table(b13), table(b2), ids, w), got)  # offloaded = resident, bit for bit
+        ref = reference(d13, d2, x, ids, w)
+        rel = ((sum_rows(got, K_TOP).double() - ref).norm() / ref.norm()).item()
+        print(f"{fmt} T={T} by format: rel err vs fp64 dequantized reference {rel:.2e}")
+        assert rel < REL
+
+
 def test_decode_rule(monkeypatch):
     assert fmd.decode_config(1, torch.zeros(E, 2 * I, H, device=DEV, dtype=DT),
                              torch.zeros(E, H, I, device=DEV, dtype=DT)) is None or fmd.DECODE_MAX_TOKENS > 0

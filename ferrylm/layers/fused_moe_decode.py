@@ -40,9 +40,13 @@ DECODE_MAX_TOKENS = 0
 """Batches of at most this many tokens take the decode kernel (`expert_rows(decode=None)`); 0 turns it off.
 Off until the H200 sweep (`benchmarks/bench_mapped.py --sweep`) shows it beating the plain kernel (16 is the
 intended bound); tests and the sweep select it explicitly."""
-BY_FORMAT_MAX_TOKENS = {"nf4": 32}
+BY_FORMAT_MAX_TOKENS = {"nf4": 32, "fp8": 32}
 """Formats that take the decode kernel at batches of at most this many tokens whatever `DECODE_MAX_TOKENS` says,
-with `by_format_config`'s tiles. The bound is on tokens, the kernel's cost on rows per expert (T * k / E routed
+with `by_format_config`'s tiles (fp8 only where the GPU converts e4m3 itself: `native_fp8`).
+fp8 joined in session 26: the plain kernel decodes e4m3 through a 256-entry table and loads a scale per element, and
+on the H100 it took 0.27 / 0.38 ms (per channel / groups of 128) for one Qwen3-30B-A3B layer at 1 token from HBM,
+where the decode kernel took 0.041 / 0.044 (1.19 against 0.096 at 4 tokens, g128); in place at the PCIe rate
+either way (`bench_mapped.py --mixed`, CUDA-graphed; results/mapped-mixed-2026-12-06-s26-h100-graphed.json). The bound is on tokens, the kernel's cost on rows per expert (T * k / E routed
 on average: 8 for Mixtral at 32 tokens, one block of `block_m` rows); the sweep below routes every token to both
 experts, so its 8-token figures are Mixtral's 32-token batch (session 12 raised the bound from 8 to 32 on them;
 the engine's batch-16/32 decode measures it, docs/benchmarks.md). Measured (H200, `bench_mapped.py --sweep`, two Mixtral experts, 198 MB packed):
@@ -120,7 +124,7 @@ def decode_config(T: int, w13, w2, cfg: DecodeConfig | None = None, inter: int |
     like = w2.like if isinstance(w2, WeightTable) else w2
     fmt = "dense" if isinstance(like, torch.Tensor) else like.fmt
     explicit = cfg is not None  # a config asked for by name skips the token bound
-    if not explicit and T <= BY_FORMAT_MAX_TOKENS.get(fmt, 0):
+    if not explicit and T <= BY_FORMAT_MAX_TOKENS.get(fmt, 0) and (fmt != "fp8" or native_fp8()):
         cfg = by_format_config(fmt, isinstance(w2, WeightTable), T)
     elif not explicit and T > DECODE_MAX_TOKENS:
         return None
@@ -132,12 +136,23 @@ def decode_config(T: int, w13, w2, cfg: DecodeConfig | None = None, inter: int |
     return cfg if readable(w13, cfg) is None and readable(w2, cfg) is None else None
 
 
+def native_fp8() -> bool:
+    """The current GPU converts e4m3 in hardware (compute capability 8.9+: Ada, Hopper and later); the decode kernel
+    reads fp8 codes that way, and elsewhere fp8 banks stay on the plain kernel's table."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
 def by_format_config(fmt: str, mapped: bool, T: int) -> DecodeConfig:
-    """The tiles `BY_FORMAT_MAX_TOKENS` formats take: wide K tiles, 8 warps, NF4 levels from the select tree, K split
+    """fp8: at one token FMA rows of one (block_m 1, 32 outputs a program), above it 16-row dot tiles of 32 outputs,
+    K split by the auto rule: within 3% of the best of `bench_mapped.py --mixed`'s configurations at 1 and 4 tokens,
+    from HBM and in place (H100, session 26; fp8 per channel and in groups of 128).
+    NF4: the tiles `BY_FORMAT_MAX_TOKENS` formats take: wide K tiles, 8 warps, NF4 levels from the select tree, K split
     2 / 4 ways (GEMM 1 / 2). Session 12's sweep (`bench_mapped.py --sweep --formats nf4 --where nf4_select=True`):
     the best read in place at 1 and 8 tokens (4.17 ms) and within 4% of the best from HBM (0.448 ms at 1 token
     against 0.432 for FMA rows of one, which take 12 ms in place). One configuration for both, so a bank read
     through a table (offloaded) sums in the order the resident bank does and the two stay equal bit for bit."""
+    if fmt == "fp8":
+        return DecodeConfig(block_m=1, dot=False, block_n=32, block_k=128) if T == 1 else DecodeConfig(block_n=32)
     return DecodeConfig(block_k=256, num_warps=8, split_k13=2, split_k2=4, nf4_select=True)
 
 

@@ -114,13 +114,14 @@ before the next step (`RoutingTally.land_now`). Measured (H200, Qwen3-30B-A3B sh
 capped by `PROMOTIONS_PER_LAYER` (batch 16: 5.0 a step at 1036 misses)."""
 PROMOTIONS_PER_LAYER = 0.35
 """Most promotion copies a mapped decode step makes per cached layer (see `PROMOTIONS_PER_MISS`)."""
-PACKED_TIME = {"nf4": (2.5, 0.30), "int4": (5.4, 0.92), "int8": (1.4, 0.50), "fp8": (1.4, 0.50)}
+PACKED_TIME = {"nf4": (2.5, 0.30), "int4": (5.4, 0.92), "int8": (1.4, 0.50), "fp8": (0.8, 0.51)}
 """Packed expert format -> (resident, in place) time to read one expert at decode, relative to the same expert
 dense in bf16. Measured on the H200, two Mixtral experts at one token (`bench_mapped.py --sweep`): NF4 g64 on the
 split-K decode kernel (`fused_moe_decode.by_format_config`, session 12) 0.45 ms resident and 4.17 in place
 against bf16's 0.18 / 13.8 (session 11's first NF4 kernel: (5.4, 0.92)); int8 per channel on the plain kernel
-0.26 / 6.92 (session 11); fp8 per channel (one byte a weight, decoded through a 256-entry table on the same plain
-kernel) is assumed equal to int8 until measured. int4 is not measured (the plain kernel, assumed as NF4 was on it). Still latency-bound
+0.26 / 6.92 (session 11); fp8 on the decode kernel's fp8 tiles (session 26, H100, one Qwen3-30B-A3B layer at one
+token, CUDA-graphed, `bench_mapped.py --mixed`): 8 experts 0.041 ms from HBM and 0.764 in place against bf16's 0.051
+/ 1.494 (on the plain kernel's table decode it had taken 0.27 from HBM: 5x bf16). int4 is not measured (the plain kernel, assumed as NF4 was on it). Still latency-bound
 resident (NF4 458 GB/s of packed bytes against ~4.2 TB/s), so 4-bit experts buy memory and PCIe bytes, not HBM
 time."""
 HOST_EXPERT_EFF = 0.27

@@ -98,8 +98,10 @@ INPLACE_EFF = 0.85
 """Measured: the fused MoE kernel reading dense experts in place from mapped host memory reaches 45-47 GB/s
 against the copy engine's 54.6 (H200, `benchmarks/bench_mapped.py`, 2026-12-01)."""
 INPLACE_LAYER_S = 0.15e-3
-"""Device time a mapped layer with at least one in-place miss spends beyond its bytes at INPLACE_EFF: reads over
-PCIe ramping up and the kernel's tail waiting on their latency, which a small expert does not hide. Fitted (H200,
+"""Device time a mapped layer with at least one in-place miss spends beyond its bytes at INPLACE_EFF, which a small
+expert does not hide. Not the kernel's own ramp: one Qwen3-30B-A3B layer at one token with 1 / 2 of its 8 experts in
+place takes 0.209 / 0.391 ms CUDA-graphed, 0.03-0.04 ms over its bytes at the copy engine's rate (H100, session 26,
+`bench_mapped.py --mixed`); in the engine the promotions' copies share the link with those reads. Fitted (H200,
 session 14's profile of the Qwen3-30B-A3B shape, 16 layers under 4 GiB, batch 1, `profile_offload.py --profile`):
 the fused kernel took 3.69 ms a step for 107 MB read in place (2.28 ms at 47 GB/s) and ~0.16 ms of hits, in ~8.4
 layers with a miss: 0.15 ms each (9.4 MB experts read at ~29 GB/s); whole Mixtral experts (352 MB) read at 47 GB/s,

@@ -1151,3 +1151,41 @@ def test_profile_under_decode_graphs_equals_eager(mixtral):
     eager, graphed = got
     assert len(eager["decode_trace"]["0"]) == 2 * 8
     assert graphed["decode_trace"] == eager["decode_trace"] and graphed["layers"] == eager["layers"]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4min-g64"])
+def test_mapped_table_points_every_part_in_one_column(fmt):
+    """A mapped cache's address tables (`CachedExperts.map`) are rows of one [parts, E] tensor: each expert's
+    entry of every part (codes and scales, both sides) points at its slot or at its host rows, and `_point`
+    moves all of them at once (one column copy), back and forth; the tables the kernels read are views of it."""
+    from ferrylm.layers.fused_moe import WeightTable
+    from ferrylm.layers.moe import Experts
+    from ferrylm.offload.expert_cache import CachedExperts, _parts
+    from ferrylm.offload.placed_weights import OffloadStats
+
+    E, H, I = 4, 64, 128
+    b13, b2, d13, d2 = _packed_bank(fmt, E, H, I)
+    bank = Experts(E, H, I)
+    cache = CachedExperts(bank, b13, b2, 2, [0], set(), "lru", torch.device("cpu"), None, OffloadStats(), 0)
+    cache.map(torch.zeros(E, dtype=torch.bool), torch.zeros(E), torch.zeros(E))
+    sides = ((cache.t13, cache.w13, cache.host_w13), (cache.t2, cache.w2, cache.host_w2))
+
+    def where(e: int) -> set:  # "slot s" / "host" per part and side of expert e
+        out = set()
+        for t, slots, host in sides:
+            for k, ptrs in t.ptrs.items():
+                a = int(ptrs[e])
+                s_addr, h_addr = WeightTable.addresses(_parts(slots)[k]), WeightTable.addresses(_parts(host)[k])
+                out.add(f"slot {s_addr.index(a)}" if a in s_addr else "host" if a == h_addr[e] else "elsewhere")
+        return out
+
+    parts = len(_parts(cache.host_w13))  # fp8: codes and scales; int4min: and mins
+    assert parts == (2 if fmt == "fp8" else 3) and cache.ptr_rows.shape == (2 * parts, E)
+    assert all(t.ptrs[k].data_ptr() == cache.ptr_rows[j].data_ptr() for j, (t, k) in
+               enumerate([(cache.t13, k) for k in cache.t13.ptrs] + [(cache.t2, k) for k in cache.t2.ptrs]))
+    assert where(0) == {"slot 0"} and where(1) == where(2) == {"host"}
+    assert bool(cache.in_slot[0]) and not bool(cache.in_slot[1])
+    cache._point(2, 1)
+    assert where(2) == {"slot 1"} and bool(cache.in_slot[2]) and bool(cache.resident[2])
+    cache._point(0, None)
+    assert where(0) == {"host"} and not bool(cache.in_slot[0]) and where(2) == {"slot 1"} and where(1) == {"host"}

@@ -259,12 +259,16 @@ class CachedExperts(ExpertBackend):
         self.host_addr = (addresses(self.host_w13), addresses(self.host_w2))
         self.slot_addr = (addresses(self.w13), addresses(self.w2))
         E = self.host_w13.shape[0]
-        tables = []
-        for i, side in enumerate((self.host_w13, self.host_w2)):
-            ptrs = {k: torch.tensor([self.slot_addr[i][k][self.slot_of[e]] if e in self.slot_of else host[e]
-                                     for e in range(E)], dtype=torch.long, device=self.device)
-                    for k, host in self.host_addr[i].items()}
-            tables.append(WeightTable(ptrs, side))
+        # every part's table is a row of one [P, E] tensor (P parts over both sides), so that pointing an expert
+        # elsewhere is one copy of a column, whatever the format's parts (fp8: codes and scales, 2 a side)
+        keys = [(i, k) for i in (0, 1) for k in self.host_addr[i]]
+        self.host_cols = torch.tensor([self.host_addr[i][k] for i, k in keys], dtype=torch.long, device=self.device)
+        self.slot_cols = torch.tensor([self.slot_addr[i][k] for i, k in keys], dtype=torch.long, device=self.device)
+        self.ptr_rows = self.host_cols.clone()
+        for e, s in self.slot_of.items():
+            self.ptr_rows[:, e] = self.slot_cols[:, s]
+        tables = [WeightTable({k: self.ptr_rows[j] for j, (i, k) in enumerate(keys) if i == side_i}, side)
+                  for side_i, side in enumerate((self.host_w13, self.host_w2))]
         self.t13, self.t2 = tables
         self.resident, self.counts, self.hits = resident_row, counts_row, hits_row
         for e in self.slot_of:
@@ -298,10 +302,9 @@ class CachedExperts(ExpertBackend):
             self.share.fill_(float(share))
 
     def _point(self, e: int, s: int | None) -> None:
-        """Table entry of expert e -> slot s, or its host rows (None); stream-ordered, no host sync."""
-        for i, t in enumerate((self.t13, self.t2)):
-            for k, ptrs in t.ptrs.items():
-                ptrs[e:e + 1].fill_(self.host_addr[i][k][e] if s is None else self.slot_addr[i][k][s])
+        """Table entries of expert e (every part, both sides) -> slot s, or its host rows (None): one column copy;
+        stream-ordered, no host sync."""
+        self.ptr_rows[:, e].copy_(self.host_cols[:, e] if s is None else self.slot_cols[:, s], non_blocking=True)
         self.resident[e] = s is not None
         if self.in_slot is not None:
             self.in_slot[e:e + 1].fill_(s is not None)

@@ -179,6 +179,7 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
                 concurrency=plan.speed["decode_concurrent"]["batch"],
                 cpu_share_planned=plan.speed["assumptions"].get("cpu_share"),
                 cpu_share_engine=runner.placed.cpu_share if cached else None,
+                engine_calibration=runner.placed.calibration if cached else None,  # what set that share
                 host_read_gbs=plan.speed["assumptions"].get("host_read_gbs"),
                 kv_tokens_range=plan.per_gpu["kv_tokens_range"], kv_tokens_planned=plan.per_gpu["kv_tokens_planned"],
                 step_activations_measured=runner.step_peak, step_activations_predicted=plan.per_gpu["step_activations"],

@@ -534,7 +534,7 @@ class CachedExperts(ExpertBackend):
             ids = torch.tensor(slot, dtype=torch.long).to(x.device, non_blocking=True)[topk_ids]
             rows = expert_rows(x, self.w13, self.w2, ids, topk_weights, skip=True, experts=E,
                                counts=round_counts(counts, slot, C))  # known here: nothing read back
-            out = rows if out is None else out + rows
+            out = rows if out is None else out.add_(rows)  # in place: a round holds one [A, H] sum, not three
             for e in experts:
                 self.free[self.slot_of[e]].record(cur)
 
@@ -568,7 +568,7 @@ class CachedExperts(ExpertBackend):
         if future is None:
             return out
         rows = self._join(future).to(x.device, non_blocking=True)  # [A, H]
-        return rows if out is None else out + rows
+        return rows if out is None else out.add_(rows)
 
     def start_trace(self) -> None:
         self.trace, self.trace_hits = [], 0

@@ -362,8 +362,8 @@ def mixed(tier: HostTier, pcie: float | None, shapes: list[str], formats: list[s
                 w = torch.rand(T, k, device=DEV)
                 used = ids.unique().tolist()
                 want = expert_rows(x, d13, d2, ids, w, decode=False).float()
-                for m in (0, 1, 2, 4, len(used)):
-                    if m > len(used) or (m == len(used) and m in (1, 2, 4)):
+                for m in sorted({0, 1, 2, 4, len(used)}):
+                    if m > len(used):
                         continue
                     t13, t2 = mixed_table(d13, h13, used[:m]), mixed_table(d2, h2, used[:m])
                     hbm_s = (len(used) - m) * per_expert / 3.0e12  # the hits at ~3 TB/s (HBM3 copy rate, ~ both cards)

@@ -1185,6 +1185,8 @@ def test_mapped_table_points_every_part_in_one_column(fmt):
                enumerate([(cache.t13, k) for k in cache.t13.ptrs] + [(cache.t2, k) for k in cache.t2.ptrs]))
     assert where(0) == {"slot 0"} and where(1) == where(2) == {"host"}
     assert bool(cache.in_slot[0]) and not bool(cache.in_slot[1])
+    if cache.in_slot.data_ptr() == cache.resident.data_ptr():  # on the CPU `.to(device)` is the same tensor
+        cache.in_slot = cache.resident.clone()  # keep them apart, so that `_point` must write both
     cache._point(2, 1)
     assert where(2) == {"slot 1"} and bool(cache.in_slot[2]) and bool(cache.resident[2])
     cache._point(0, None)

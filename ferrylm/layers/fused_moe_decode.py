@@ -45,15 +45,9 @@ BY_FORMAT_MAX_TOKENS = {"nf4": 32, "fp8": 32}
 with `by_format_config`'s tiles (fp8 only where the GPU converts e4m3 itself: `native_fp8`).
 fp8 joined in session 26: the plain kernel decodes e4m3 through a 256-entry table and loads a scale per element, and
 on the H100 it took 0.27 / 0.38 ms (per channel / groups of 128) for one Qwen3-30B-A3B layer at 1 token from HBM,
-where the decode kernel took 0.041 / 0.044 (1.19 against 0.096 at 4 tokens, g128); in place at the PCIe rate
-either way (`bench_mapped.py --mixed`, CUDA-graphed; results/mapped-mixed-2026-12-06-s26-h100-graphed.json). The bound is on tokens, the kernel's cost on rows per expert (T * k / E routed
-on average: 8 for Mixtral at 32 tokens, one block of `block_m` rows); the sweep below routes every token to both
-experts, so its 8-token figures are Mixtral's 32-token batch (session 12 raised the bound from 8 to 32 on them;
-the engine's batch-16/32 decode measures it, docs/benchmarks.md). Measured (H200, `bench_mapped.py --sweep`, two Mixtral experts, 198 MB packed):
-NF4 in place 4.17 ms at 1 token and at 8 (47.6 GB/s of packed bytes: the PCIe rate) against the plain kernel's
-8.19 / 8.70; from HBM 0.45 / 0.46 ms against 2.13 / 2.72 (session 12; session 11's tiles without the select
-tree took 0.70 / 0.96 from HBM). int8 and bf16 within +-5% of the plain kernel in place (1.13x / 0.79x from HBM
-at 8 / 1 token int8): they stay on it."""
+where the tiles `by_format_config` picks took 0.041 / 0.044 (at 4 tokens 0.47 / 1.19 against 0.097 / 0.105); in
+place at the PCIe rate either way (`bench_mapped.py --mixed`, CUDA-graphed;
+results/mapped-mixed-2026-12-06-s26-h100-graphed.json)."""
 TARGET_PROGRAMS = 1024
 """Auto split-K aims at about this many programs per GEMM (~8 per SM of an H100/H200)."""
 
@@ -143,16 +137,20 @@ def native_fp8() -> bool:
 
 
 def by_format_config(fmt: str, mapped: bool, T: int) -> DecodeConfig:
-    """fp8: at one token FMA rows of one (block_m 1, 32 outputs a program), above it 16-row dot tiles of 32 outputs,
-    K split by the auto rule: within 3% of the best of `bench_mapped.py --mixed`'s configurations at 1 and 4 tokens,
-    from HBM and in place (H100, session 26; fp8 per channel and in groups of 128).
+    """fp8: at one token FMA rows of one (block_m 1, 32 outputs a program; its auto K split depends on the
+    assignments alone, as rows of one pad nothing), above it the default dot tiles with K split 4 ways in both GEMMs:
+    fixed, because the auto rule counts the bank's padded row blocks, and an offload cache's slot bank (fewer
+    experts, a skip id) would then split K otherwise than the resident bank and sum in another order. Against the
+    best of `bench_mapped.py --mixed`'s configurations (H100, session 26; per channel and in groups of 128): the best
+    at one token, within 0-9% at 4 tokens.
     NF4: the tiles `BY_FORMAT_MAX_TOKENS` formats take: wide K tiles, 8 warps, NF4 levels from the select tree, K split
     2 / 4 ways (GEMM 1 / 2). Session 12's sweep (`bench_mapped.py --sweep --formats nf4 --where nf4_select=True`):
     the best read in place at 1 and 8 tokens (4.17 ms) and within 4% of the best from HBM (0.448 ms at 1 token
     against 0.432 for FMA rows of one, which take 12 ms in place). One configuration for both, so a bank read
     through a table (offloaded) sums in the order the resident bank does and the two stay equal bit for bit."""
     if fmt == "fp8":
-        return DecodeConfig(block_m=1, dot=False, block_n=32, block_k=128) if T == 1 else DecodeConfig(block_n=32)
+        return (DecodeConfig(block_m=1, dot=False, block_n=32, block_k=128) if T == 1
+                else DecodeConfig(split_k13=4, split_k2=4))
     return DecodeConfig(block_k=256, num_warps=8, split_k13=2, split_k2=4, nf4_select=True)
 
 

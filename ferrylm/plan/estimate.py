@@ -123,9 +123,21 @@ split-K decode kernel (`fused_moe_decode.by_format_config`, session 12) 0.45 ms 
 against bf16's 0.18 / 13.8 (session 11's first NF4 kernel: (5.4, 0.92)); int8 per channel on the plain kernel
 0.26 / 6.92 (session 11); fp8 on the decode kernel's fp8 tiles (session 26, H100, one Qwen3-30B-A3B layer at one
 token, CUDA-graphed, `bench_mapped.py --mixed`): 8 experts 0.041 ms from HBM and 0.764 in place against bf16's 0.051
-/ 1.494 (on the plain kernel's table decode it had taken 0.27 from HBM: 5x bf16). int4 is not measured (the plain kernel, assumed as NF4 was on it). Still latency-bound
+/ 1.494 (GPUs without FP8 conversion keep the plain kernel's table decode: `FP8_TABLE_TIME`). int4 is not measured (the plain kernel, assumed as NF4 was on it). Still latency-bound
 resident (NF4 458 GB/s of packed bytes against ~4.2 TB/s), so 4-bit experts buy memory and PCIe bytes, not HBM
 time."""
+FP8_TABLE_TIME = (5.3, 0.53)
+"""fp8 experts' (resident, in place) read time relative to bf16 on GPUs that do not convert e4m3 in hardware
+(compute capability below 8.9: A100/A800, A10, T4), where they stay on the plain kernel and decode through a
+256-entry table: measured on the H100 with that kernel, one Qwen3-30B-A3B layer at one token, 8 experts 0.269 ms
+from HBM and 0.802 in place against bf16's 0.051 / 1.501 (session 26, `bench_mapped.py --mixed`)."""
+
+
+def packed_time(scheme: str, native_fp8: bool) -> tuple[float, float]:
+    """`PACKED_TIME` of a packed expert format on a GPU with (`native_fp8`) or without FP8 conversion."""
+    return FP8_TABLE_TIME if scheme == "fp8" and not native_fp8 else PACKED_TIME.get(scheme, (1.0, 1.0))
+
+
 HOST_EXPERT_EFF = 0.27
 """Measured: bf16 experts computed on the host's cores while the GPU reads other experts in place reach 0.27 of
 the host's read rate as `hw/bandwidth.host_read_gbs` measures it (the rate the planner multiplies this by):

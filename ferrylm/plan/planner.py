@@ -309,7 +309,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     dense_gpu = sum(hbm_cost(g) for g in mine if tier[g.name] == GPU and g.kind not in ("experts", "embed"))
     dense_host = [g for g in mine if tier[g.name] == HOST and g.kind not in ("experts", "embed")]
     streamed_bytes = sum(g.nbytes for g in dense_host)
-    moe = _moe_layers(mine, tier, dense_of, fmt.experts_scheme)
+    moe = _moe_layers(mine, tier, dense_of, fmt.experts_scheme, gpu.fp8)
     profile = opts.expert_profile
     if profile is None and opts.routing is None and E:  # the engine's own choice: a `--profile-experts` profile
         from ferrylm.offload.expert_profile import saved
@@ -484,7 +484,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                                   host_expert_gbs=host_gbs if share else None,
                                   host_read_gbs=host.read_rate_gbs or None,
                                   packed_experts=packed,
-                                  packed_time=estimate.PACKED_TIME.get(packed) if packed else None))
+                                  packed_time=estimate.packed_time(packed, gpu.fp8) if packed else None))
 
     # -- placement summary and advice -----------------------------------------------------------------
     pl = dict(gpu_bytes=placement.bytes_on(GPU) if placement else 0, host_bytes=host_bytes // ranks,
@@ -565,11 +565,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                      "saves memory and PCIe bytes; its decode HBM time is counted as a dequantize pass until measured")
     if fmt.experts_scheme and E:
         if packed:
-            res, inplace = estimate.PACKED_TIME[packed]
+            res, inplace = estimate.packed_time(packed, gpu.fp8)
             notes.append(f"{packed} experts stay packed on the GPU and in host memory ({_gb(sum(g.nbytes for g in groups if g.kind == 'experts'))}"
                          f" instead of {_gb(sum(g.nbytes for g in dense_groups if g.kind == 'experts'))}); the packed "
                          f"kernel reads one in {res:.1f}x a bf16 expert's time resident and {inplace:.2f}x in place "
-                         "(measured, NF4 on the H200): fewer bytes buy more resident experts and faster in-place reads, "
+                         "(measured: NF4 on the H200, fp8 on the H100): fewer bytes buy more resident experts and faster in-place reads, "
                          "not faster resident ones")
         else:
             from ferrylm.models.base import ENGINE_PACKED_FORMATS
@@ -627,9 +627,11 @@ def _no_count(mc: ModelConfig):
     raise ConfigError(f"cannot plan {mc.architecture}: no model class and no analytical count")
 
 
-def _moe_layers(mine: list[TensorGroup], tier: dict, dense_of: dict, scheme: str | None) -> dict[int, dict]:
+def _moe_layers(mine: list[TensorGroup], tier: dict, dense_of: dict, scheme: str | None,
+                native_fp8: bool = True) -> dict[int, dict]:
     """Per MoE layer: experts, how many resident / in host memory, one expert's bytes, whether packed, and the
-    dense-equivalent bytes that time its reads resident (`hbm_equiv`) and in place (`inplace_equiv`)."""
+    dense-equivalent bytes that time its reads resident (`hbm_equiv`) and in place (`inplace_equiv`) on a GPU
+    with (`native_fp8`) or without FP8 conversion (`estimate.packed_time`)."""
     out: dict[int, dict] = {}
     for g in mine:
         if g.kind != "experts":
@@ -639,7 +641,7 @@ def _moe_layers(mine: list[TensorGroup], tier: dict, dense_of: dict, scheme: str
         m["resident" if tier[g.name] == GPU else "host"] += 1
         dense = dense_of[g.name]
         m["packed"] = g.nbytes < dense
-        res, inplace = estimate.PACKED_TIME.get(scheme, (1.0, 1.0)) if m["packed"] else (1.0, 1.0)
+        res, inplace = estimate.packed_time(scheme, native_fp8) if m["packed"] else (1.0, 1.0)
         m["hbm_equiv"], m["inplace_equiv"] = (dense * res, dense * inplace) if m["packed"] else (g.nbytes, g.nbytes)
     return out
 
@@ -651,10 +653,15 @@ def _advice(groups, opts, gpu, budget, card, reserve, min_kv) -> list[str]:
     total = sum(g.nbytes for g in groups)
     room = max(card - reserve - min_kv, 1)
     n = math.ceil(total / room)
-    out = [f"to hold it resident: about {n} x {gpu.name}{' with TP' if n > 1 else ''} (weights {_gb(total)})"]
-    by_budget = math.ceil(total / max((budget or card) - reserve - min_kv, 1))
-    if opts.gpu_memory_budget_gb is not None and by_budget > n:
-        out[0] += f"; --gpu-memory-budget-gb {opts.gpu_memory_budget_gb:g} a GPU would need {by_budget}"
+    out = [f"to hold it resident: about {n} x {gpu.name}{' with TP' if n > 1 else ''} (weights {_gb(total)}; each "
+           "card's whole memory: name --gpu-memory-budget-gb near it, the default budget is 90% of free memory)"]
+    if opts.gpu_memory_budget_gb is not None and budget is not None:
+        mine = budget - reserve - min_kv
+        if mine <= 0:
+            out[0] += (f"; --gpu-memory-budget-gb {opts.gpu_memory_budget_gb:g} does not hold even the activation "
+                       f"reserve and one sequence's KV ({_gb(reserve + min_kv)})")
+        elif math.ceil(total / mine) > n:
+            out[0] += f"; --gpu-memory-budget-gb {opts.gpu_memory_budget_gb:g} a GPU would need {math.ceil(total / mine)}"
     if not opts.quant:
         from ferrylm.models.base import ENGINE_PACKED_FORMATS
 

@@ -172,6 +172,23 @@ def test_verdicts_and_advice():
     assert 14 < gib < 20 and "resident on 1 x A800-80G-PCIe" in nf4, nf4
 
 
+def test_fp8_expert_times_follow_the_gpus_fp8_conversion():
+    """fp8 experts read at the decode kernel's times where the GPU converts e4m3 (H100) and at the plain kernel's
+    table decode elsewhere (A800): the plan's note says which, and the resident read costs more on the A800."""
+    from ferrylm.plan import estimate
+
+    assert estimate.packed_time("fp8", True) == estimate.PACKED_TIME["fp8"]
+    assert estimate.packed_time("fp8", False) == estimate.FP8_TABLE_TIME
+    assert estimate.packed_time("nf4", False) == estimate.PACKED_TIME["nf4"]
+    notes = {}
+    for gpu in ("1xH100-80G-SXM", "1xA800-80G-PCIe"):
+        p = make_plan(PlanOptions("Qwen3-30B-A3B", gpu=gpu, host=HOST, expert_quant="fp8", max_model_len=4096,
+                                  gpu_memory_budget_gb=12))
+        notes[gpu] = next(n for n in p.notes if n.startswith("fp8 experts stay packed"))
+    assert "0.8x a bf16 expert's time resident" in notes["1xH100-80G-SXM"]
+    assert "5.3x a bf16 expert's time resident" in notes["1xA800-80G-PCIe"]
+
+
 def test_hardware_specs():
     n, gpu = hardware.parse_gpu("4xA800-80G-PCIe")
     assert n == 4 and gpu.memory_bytes == int(79.2 * 2**30) and not gpu.fp8 and gpu.h2d_gbs == 25  # as CUDA reports it

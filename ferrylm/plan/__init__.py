@@ -23,7 +23,11 @@ TODO (what is left of issue #14):
   Session 25's H100 run (`plan-check-2026-12-06-s25-h100.json`): "@profile routing" batch 1 -5.9% (hit 0.868
   replayed vs 0.942), but at the measured hit rate the step model is still +52% fast: the in-place reads of small
   experts cost ~2x INPLACE_LAYER_S on that box (its profile: the fused kernel 4.0 ms a step); refit per box. The
-  fit moved the recorded 48-layer 8 GiB batch-1 row from +3% to -13%;
+  fit moved the recorded 48-layer 8 GiB batch-1 row from +3% to -13%. Session 26's H100 run (NF4 Mixtral 8L,
+  `plan-check-2026-12-06-s26-h100.json`): batch 1 @profile routing +21% because the engine ran it hybrid (host
+  share 0.17) while the plan never gives packed experts to the host (next: model the packed host rate from the
+  engine calibration `bench_plan` now records); KV +9.4% (since session 9: the copy-path prefill's rounds hold
+  ~95 MB more than the one-call count; rounds now add in place, unmeasured);
 - measured (sessions 8 and 9, `benchmarks/bench_plan.py --gpu 1xH200`, docs/benchmarks.md): resident dense and
   MoE meet every aim in both runs, and session 8's memory model held on session 9's run (weights within 0.15%,
   peak within 0.9%); offloaded decode does not (hybrid decode at batch 1 on small experts: the engine's cost

@@ -21,6 +21,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -789,6 +790,19 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name(), "commit": commit, "h2d_gb_s": h2d / 1e9,
               "hbm_copy_tb_s": hbm / 1e12, "cases": []}
     rows = result["cases"]
+
+    def save() -> None:  # temp then rename: a call cut short keeps the cases and batches done
+        if a.out:
+            with open(a.out + ".tmp", "w") as f:
+                json.dump(result, f, indent=1, default=str)
+            os.replace(a.out + ".tmp", a.out)
+
+    def stopped(signum, frame):  # `timeout` sends SIGTERM: keep the rows a case appended so far (each batch's)
+        result["stopped"] = f"signal {signum} during a case: its rows so far are kept"
+        save()
+        raise SystemExit(124)
+
+    signal.signal(signal.SIGTERM, stopped)
     for c in a.cases.split(","):
         try:
             case_resident(rows, hbm) if c == "resident" else CASES[c](rows, h2d)
@@ -799,10 +813,7 @@ def main() -> None:
             rows.append({"case": c, "error": repr(e)})
         gc.collect()
         torch.cuda.empty_cache()
-        if a.out:  # after every case, temp then rename: a call cut short by its time limit keeps the cases done
-            with open(a.out + ".tmp", "w") as f:
-                json.dump(result, f, indent=1)
-            os.replace(a.out + ".tmp", a.out)
+        save()
     print(json.dumps(result))
 
 

@@ -258,7 +258,6 @@ class CachedExperts(ExpertBackend):
 
         self.host_addr = (addresses(self.host_w13), addresses(self.host_w2))
         self.slot_addr = (addresses(self.w13), addresses(self.w2))
-        E = self.host_w13.shape[0]
         # every part's table is a row of one [P, E] tensor (P parts over both sides), so that pointing an expert
         # elsewhere is one copy of a column, whatever the format's parts (fp8: codes and scales, 2 a side)
         keys = [(i, k) for i in (0, 1) for k in self.host_addr[i]]

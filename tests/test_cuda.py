@@ -1150,6 +1150,37 @@ def _host_table(tier, bank):
     return WeightTable({k: torch.tensor(WeightTable.addresses(v), device="cuda") for k, v in host.items()}, bank)
 
 
+@pytest.mark.parametrize("scheme", ["fp8", "nf4"])
+def test_slot_bank_round_equals_resident_at_qwen3_shapes(scheme):
+    """An offload cache's copy-path round (`CachedExperts._forward_fused`: a bank of C slots, ids of experts not in
+    this round set to C and skipped) takes the same decode tiles and sums in the same order as the resident bank of
+    E experts, at Qwen3-30B-A3B's expert shapes and 2-32 tokens (the by-format tiles of fp8 and NF4): each row equal
+    bit for bit. (Session 26: tiles whose K split followed the bank's padded row blocks could differ.)"""
+    from ferrylm.layers import fused_moe_decode as fmd
+    from ferrylm.layers.fused_moe import ExpertWeights, expert_rows
+
+    if scheme == "fp8" and not fmd.native_fp8():
+        pytest.skip("fp8 takes the decode kernel only where the GPU converts e4m3")
+    torch.manual_seed(6)
+    E, H, I, k, C = 128, 2048, 768, 8, 16
+    b13, b2 = _mixtral_bank(scheme, E, H, I)
+    for T in (2, 4, 8, 32):
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
+        w = torch.rand(T, k, device="cuda")
+        held = ids.flatten().unique()[:C]  # this round's experts in slots 0..n-1 (at 2 tokens all of them)
+        n = held.numel()
+        s13, s2 = (ExpertWeights(b.fmt, (n, *b.shape[1:]), b.group, *(b.parts[p][held] for p in ("q", "scale")))
+                   for b in (b13, b2))
+        slot = torch.full((E,), n, dtype=torch.long, device="cuda")
+        slot[held] = torch.arange(n, device="cuda")
+        assert fmd.decode_config(T, s13, s2) == fmd.decode_config(T, b13, b2) is not None
+        got = expert_rows(x, s13, s2, slot[ids], w, skip=True, experts=E)
+        want = expert_rows(x, b13, b2, ids, w)
+        on = (slot[ids] < n).flatten()
+        assert torch.equal(got[on], want[on]) and not got[~on].any(), (scheme, T)
+
+
 @pytest.mark.parametrize("scheme", ["int8", "nf4", "int4", "fp8", "bf16"])
 def test_decode_kernel_at_mixtral_shapes(scheme, monkeypatch):
     """The decode kernel (layers/fused_moe_decode.py) at Mixtral-8x7B expert shapes, 4 experts: close to the

@@ -101,7 +101,7 @@ def case_expert(rows: list, a) -> None:
 
 def case_window(rows: list, a) -> None:
     """Hybrid decode's host part of a split fp8 expert, columns [c, I) at c = I / 3 rounded to the split unit
-    (`HostExperts._columns`): one native call (`HostExpert.fp8_window`) against the window's three kernels with
+    (`HostExperts._columns`): one native call (`HostExpert.window`) against the window's three kernels with
     torch's SiLU and product between (`native_fused_expert` off), experts cycled from DRAM."""
     E, H, I = a.experts, a.hidden, a.inter
     w13, w2 = fp8_banks(E, H, I)

@@ -7,10 +7,12 @@ only where `layers/host_native` builds. Prints one JSON object: per format and p
 GB/s of its bytes as held.
 
 `--threads 1 2 4 8 16` repeats every path at each torch thread count (the split pools sized to match): how each
-path scales with cores.
+path scales with cores. `--tokens 1 4 16` times each token count. "native/unfused" is "native" with
+`cpu_experts.native_fused_expert` off: a SiLU expert's two GEMVs with torch's ops between, where "native" runs it in
+one native call (bf16, fp8, NF4).
 
     PYTHONPATH=. python benchmarks/bench_host_rowblocks.py [--formats bf16 nf4 fp8 fp8-g128 int8-g64 int4 int8] [--experts 2]
-        [--threads N ...]"""
+        [--threads N ...] [--tokens T ...]"""
 
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=14336)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1])
     a = ap.parse_args()
     out = {"bench": "host-rowblocks", "threads": a.threads, "cpu": cpu_model(),
            "affinity_cpus": len(os.sched_getaffinity(0)), "hidden": a.hidden, "inter": a.inter,
@@ -69,33 +72,39 @@ def main() -> None:
         b13, b2 = bank(fmt, a.experts, a.hidden, a.inter)
         he = HostExperts(b13, b2, F.silu)
         experts = [he.expert(e) for e in range(a.experts)]
-        x = torch.randn(1, a.hidden, dtype=torch.bfloat16)
         nbytes = he.expert_bytes
         kind = type(experts[0].gate_up).__name__
         knob = {"RowBlocks": ("row_blocks_gemm", cpu_experts.ROW_BLOCKS_GEMMS),
                 "DenseGemm": ("dense_gemm", cpu_experts.DENSE_GEMMS)}.get(kind)
-        paths = cpu_experts.usable(knob[1]) if knob else ("default",)
+        paths = list(cpu_experts.usable(knob[1])) if knob else ["default"]
+        paths += ["native/unfused"] if "native" in paths else []
         before = getattr(cpu_experts, knob[0]) if knob else None
+        fused_before = cpu_experts.native_fused_expert
         for threads in a.threads:
             torch.set_num_threads(threads)
-            times: dict[str, list[float]] = {p: [] for p in paths}
-            for r in range(a.reps + 1):
+            for T in a.tokens:
+                x = torch.randn(T, a.hidden, dtype=torch.bfloat16)
+                times: dict[str, list[float]] = {p: [] for p in paths}
+                for r in range(a.reps + 1):
+                    for p in paths:
+                        if knob:
+                            setattr(cpu_experts, knob[0], p.split("/")[0])
+                        cpu_experts.native_fused_expert = p != "native/unfused"
+                        t = time.perf_counter()
+                        for ex in experts:
+                            ex(x)
+                        if r:
+                            times[p].append((time.perf_counter() - t) / a.experts)
+                if knob:
+                    setattr(cpu_experts, knob[0], before)
+                cpu_experts.native_fused_expert = fused_before
                 for p in paths:
-                    if knob:
-                        setattr(cpu_experts, knob[0], p)
-                    t = time.perf_counter()
-                    for ex in experts:
-                        ex(x)
-                    if r:
-                        times[p].append((time.perf_counter() - t) / a.experts)
-            if knob:
-                setattr(cpu_experts, knob[0], before)
-            for p in paths:
-                s = sorted(times[p])[len(times[p]) // 2]
-                key = f"{fmt} {p}" + (f" t={threads}" if len(a.threads) > 1 else "")
-                out["formats"][key] = {"ms": round(s * 1e3, 2), "gb_s": round(nbytes / s / 1e9, 2),
-                                       "expert_mb": round(nbytes / 1e6, 1), "kernel": kind}
-                print(key, out["formats"][key], flush=True)
+                    s = sorted(times[p])[len(times[p]) // 2]
+                    key = (f"{fmt} {p}" + (f" t={threads}" if len(a.threads) > 1 else "")
+                           + (f" T={T}" if len(a.tokens) > 1 else ""))
+                    out["formats"][key] = {"ms": round(s * 1e3, 3), "gb_s": round(nbytes / s / 1e9, 2),
+                                           "expert_mb": round(nbytes / 1e6, 1), "kernel": kind}
+                    print(key, out["formats"][key], flush=True)
         del he, experts, b13, b2
     print(json.dumps(out))
 

@@ -575,7 +575,7 @@ def test_fp8_host_expert_fused_equals_unfused(monkeypatch):
 @pytest.mark.parametrize("w2_group", [128, None])
 def test_fp8_split_window_in_one_call_equals_the_window_kernels(w2_group, monkeypatch):
     """Hybrid decode's host part of an fp8 expert (its intermediate columns [c, I)) runs in one native call
-    (`HostExpert.fp8_window`, `expert_silu_fp8(cols=c)`): the same bits as the window's own kernels (gate, up and
+    (`HostExpert.window`, `expert_silu_fp8(cols=c)`): the same bits as the window's own kernels (gate, up and
     down `RowBlocks` over the window, torch's SiLU between), group-wise and per-channel w2, on each fp8 path here;
     a window off w2's scale groups is refused by name."""
     from ferrylm.layers.fused_moe import ExpertWeights
@@ -602,6 +602,52 @@ def test_fp8_split_window_in_one_call_equals_the_window_kernels(w2_group, monkey
     if w2_group:  # 32 columns in: off w2's scale groups, refused by name
         whole = he.expert(0)
         x = torch.randn(1, H, dtype=torch.bfloat16)
-        assert not whole.fp8_window_fits(x, 32) and whole.fp8_window_fits(x, 128)
+        assert not whole.window_fits(x, 32) and whole.window_fits(x, 128)
         with pytest.raises(ValueError, match="group 128"):
             hn.expert_silu_fp8(x, whole.gate_up.fp8, whole.down.fp8, torch.empty(1, H), (1, 64), (1, 64), cols=32)
+
+
+@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
+def test_nf4_host_expert_in_one_call_equals_its_three_kernels(monkeypatch):
+    """A host expert over NF4 banks under "native" runs whole in one native call (`host_native.expert_silu_nf4`):
+    the same bits as its two native GEMVs with torch's SiLU and product between, at 1-16 tokens, to bf16 and fp32
+    outputs; and so does hybrid decode's host part, the intermediate columns [c, I) (`HostExperts._columns`); a
+    window off w2's groups is refused by name."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.offload.host_experts import HostExperts
+
+    torch.manual_seed(9)
+    E, H, I = 2, 256, 384
+    w13 = ExpertWeights.stack([[Q.quantize_nf4(torch.randn(I, H) * .05, 64), Q.quantize_nf4(torch.randn(I, H) * .05, 64)]
+                               for _ in range(E)], torch.bfloat16)
+    w2 = ExpertWeights.stack([[Q.quantize_nf4(torch.randn(H, I) * .05, 64)] for _ in range(E)], torch.bfloat16)
+    he = HostExperts(w13, w2, torch.nn.functional.silu)
+    monkeypatch.setattr(C, "row_blocks_gemm", "native")
+    for T in (1, 5, 16):
+        x = torch.randn(T, H, dtype=torch.bfloat16)
+        calls = _counting(monkeypatch, "expert_silu_nf4")
+        fused = he.expert(1)(x)
+        assert calls, T
+        monkeypatch.setattr(C, "native_fused_expert", False)
+        unfused = he.expert(1)(x)
+        monkeypatch.setattr(C, "native_fused_expert", True)
+        assert torch.equal(fused, unfused), T
+        whole = he.expert(1)
+        y32 = hn.expert_silu_nf4(hn.nf4_x(x, 64, bf16=True), whole.gate_up.nf4, whole.down.nf4, torch.empty(T, H),
+                                 (2, 96), (2, 64))
+        assert torch.equal(y32.to(torch.bfloat16), fused)
+    for T, c in ((1, 128), (4, 256)):
+        x = torch.randn(T, H, dtype=torch.bfloat16)
+        calls = _counting(monkeypatch, "expert_silu_nf4")
+        got = he._columns(0, x, c)
+        assert calls and got.shape == (T, H)
+        monkeypatch.setattr(C, "native_fused_expert", False)  # the window's three kernels, torch's ops between
+        want = he._columns(0, x, c)
+        monkeypatch.setattr(C, "native_fused_expert", True)
+        assert torch.equal(got, want), (T, c)
+    whole = he.expert(0)
+    x = torch.randn(1, H, dtype=torch.bfloat16)
+    assert not whole.window_fits(x, 32) and whole.window_fits(x, 128)
+    with pytest.raises(ValueError, match="group 64"):
+        hn.expert_silu_nf4(hn.nf4_x(x, 64, bf16=True), whole.gate_up.nf4, whole.down.nf4, torch.empty(1, H),
+                           (1, 64), (1, 64), cols=32)

@@ -584,7 +584,7 @@ class HostExpert:
         """Whether this call runs as one native call (`native_fused_expert`)."""
         g, d = self.gate_up, self.down
         if isinstance(g, RowBlocks) and isinstance(d, RowBlocks):
-            return self._fused_fp8(x)
+            return self._fused_fp8(x) or self._fused_nf4(x)
         return isinstance(g, DenseGemm) and isinstance(d, DenseGemm) and native_expert_fits(x, g.w, d.w, self.act)
 
     def _fused_fp8(self, x: torch.Tensor) -> bool:
@@ -594,28 +594,47 @@ class HostExpert:
                 and g.native_ok(x.shape[0]) and d.native_ok(x.shape[0])
                 and g.fp8_amx(x.shape[0]) == d.fp8_amx(x.shape[0]))
 
-    def fp8_window_fits(self, x: torch.Tensor, cols: int) -> bool:
-        """Whether this fp8 expert's intermediate columns [cols, I) run as one native call (`fp8_window`): the fused
-        fp8 path takes x, and the window starts on a 32-column and (group-wise w2) a scale-group boundary."""
-        if not (isinstance(self.gate_up, RowBlocks) and self._fused_fp8(x)):
-            return False
-        g2 = self.down.fp8[2]
-        return cols % 32 == 0 and 0 <= cols < self.inter and (g2 == self.inter or cols % g2 == 0)
+    def _fused_nf4(self, x: torch.Tensor) -> bool:
+        """An NF4 SiLU expert whose GEMVs run "native" on the AVX512-BF16 kernel (both sides' columns and groups
+        multiples of 64: `host_native.nf4_x`'s bf16 layout) takes one native call (`host_native.expert_silu_nf4`)."""
+        g, d = self.gate_up, self.down
+        return (native_fused_expert and g.nf4 is not None and d.nf4 is not None and self.act is F.silu
+                and native_c_threads and host_native.nf4_bf16()
+                and gemm_at("row_blocks_gemm", x.shape[0]).startswith("native")
+                and g.native_ok(x.shape[0]) and d.native_ok(x.shape[0])
+                and all(b.shape[1] % 64 == 0 and b.nf4[2] % 64 == 0 for b in (g, d)))
 
-    def fp8_window(self, x: torch.Tensor, cols: int = 0) -> torch.Tensor:
-        """Gate, up, SiLU and down of an fp8 expert (its intermediate columns [cols, I): the hybrid split's host
-        part) in one native call (`host_native.expert_silu_fp8`): [T, H] bf16."""
+    def window_fits(self, x: torch.Tensor, cols: int) -> bool:
+        """Whether this packed expert's intermediate columns [cols, I) run as one native call (`window`): its fused
+        fp8 or NF4 path takes x, and the window starts on 32 (fp8; NF4: 64) columns and on a scale group of w2."""
+        if not isinstance(self.gate_up, RowBlocks):
+            return False
+        if self._fused_fp8(x):
+            g2 = self.down.fp8[2]
+            return cols % 32 == 0 and 0 <= cols < self.inter and (g2 == self.inter or cols % g2 == 0)
+        if self._fused_nf4(x):
+            return cols % 64 == 0 and cols % self.down.nf4[2] == 0 and 0 <= cols < self.inter
+        return False
+
+    def window(self, x: torch.Tensor, cols: int = 0) -> torch.Tensor:
+        """Gate, up, SiLU and down of an fp8 or NF4 expert (its intermediate columns [cols, I): the hybrid split's
+        host part) in one native call (`host_native.expert_silu_fp8` / `expert_silu_nf4`): [T, H] bf16."""
         threads, T, H = torch.get_num_threads(), x.shape[0], self.hidden
         n = self.inter - cols
+        out = torch.empty(T, H, dtype=torch.bfloat16)
+        if self.gate_up.nf4 is not None:
+            return host_native.expert_silu_nf4(
+                host_native.nf4_x(x, self.gate_up.nf4[2], bf16=True), self.gate_up.nf4, self.down.nf4, out,
+                c_pool_split(n, H, threads), c_pool_split(H, n // 2, threads), cols=cols)
         return host_native.expert_silu_fp8(
-            x.to(torch.bfloat16).contiguous(), self.gate_up.fp8, self.down.fp8, torch.empty(T, H, dtype=torch.bfloat16),
+            x.to(torch.bfloat16).contiguous(), self.gate_up.fp8, self.down.fp8, out,
             c_pool_split(n, 2 * H, threads), c_pool_split(H, n, threads), amx=self.gate_up.fp8_amx(T), cols=cols)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H], in x's dtype; computed with `compute_dtype` activations
         if self.fused(x):
-            if isinstance(self.gate_up, RowBlocks):  # fp8: gate, up, SiLU and down in one native call
-                return self.fp8_window(x).to(x.dtype)
+            if isinstance(self.gate_up, RowBlocks):  # fp8 / NF4: gate, up, SiLU and down in one native call
+                return self.window(x).to(x.dtype)
             return native_expert(x, self.gate_up.w, self.down.w)
         xb = x.to(self.compute_dtype)
         h = self.gate_up(xb)  # [T, 2I]

@@ -1018,6 +1018,70 @@ int ferry_expert_silu_fp8(const uint16_t* x, int T, int H, int I, const uint8_t*
     free(buf);
     return 0;
 }
+/* The SiLU expert over NF4 weights (`ferry_gemv_nf4_bf16`'s rows: codes two a byte, an fp32 absmax a group of g
+   columns), as `ferry_expert_silu_fp8` is over fp8: x [T, H] bf16 in the kernel's layout (per 64 columns the 32 even
+   then the 32 odd, `nf4_x`); h is made in order (`silu_mul`), then laid out so for the down GEMV. */
+typedef struct {
+    const uint16_t* x; int T, H, I; const uint8_t* q13; int64_t ld13, up; const float* a13; int64_t lds13; int g13;
+    const uint8_t* q2; int64_t ld2; const float* a2; int64_t lds2; int g2;
+    const uint16_t* levels; uint16_t* h; float* y32; uint16_t* y16;
+} nf4_expert_args;
+static void nf4_expert_up_task(const void* p, int a, int c) {
+    const nf4_expert_args* e = (const nf4_expert_args*)p;
+    float g[MAXT * EXPERT_SUB], u[MAXT * EXPERT_SUB];
+    for (int j0 = a; j0 < a + c; j0 += EXPERT_SUB) {
+        const int m = a + c - j0 < EXPERT_SUB ? a + c - j0 : EXPERT_SUB;
+        ferry_gemv_nf4_bf16(e->x, e->T, e->H, e->q13 + (int64_t)j0 * e->ld13, e->ld13, e->a13 + (int64_t)j0 * e->lds13,
+                            e->lds13, e->g13, e->levels, m, g, EXPERT_SUB);
+        ferry_gemv_nf4_bf16(e->x, e->T, e->H, e->q13 + (e->up + j0) * e->ld13, e->ld13,
+                            e->a13 + (e->up + j0) * e->lds13, e->lds13, e->g13, e->levels, m, u, EXPERT_SUB);
+        silu_mul(g, u, e->T, m, e->h + j0, e->I);
+    }
+}
+static void nf4_expert_down_task(const void* p, int a, int c) {
+    const nf4_expert_args* e = (const nf4_expert_args*)p;
+    float y[MAXT * EXPERT_SUB];
+    for (int n0 = a; n0 < a + c; n0 += EXPERT_SUB) {
+        const int m = a + c - n0 < EXPERT_SUB ? a + c - n0 : EXPERT_SUB;
+        ferry_gemv_nf4_bf16(e->h, e->T, e->I, e->q2 + (int64_t)n0 * e->ld2, e->ld2, e->a2 + (int64_t)n0 * e->lds2,
+                            e->lds2, e->g2, e->levels, m, y, EXPERT_SUB);
+        for (int t = 0; t < e->T; t++)
+            for (int j = 0; j < m; j++) {
+                const float v = y[t * EXPERT_SUB + j];
+                if (e->y16) e->y16[(int64_t)t * e->H + n0 + j] = to_bf16(v);
+                else e->y32[(int64_t)t * e->H + n0 + j] = v;
+            }
+    }
+}
+/* x [T, H] bf16 in `nf4_x`'s layout; gate rows j of w13 at q13 + j * ld13 (absmax a13 + j * lds13), up rows at
+   up + j; w2 [H, I] codes q2 (ld2 bytes a row), absmax a2 (lds2); g13, g2: each side's group (multiples of 64,
+   dividing H and I); I a multiple of 64; out [T, H] bf16 (out_bf16) or fp32. 0, -1 on bad arguments, -3 without
+   memory. */
+int ferry_expert_silu_nf4(const uint16_t* x, int T, int H, int I, const uint8_t* q13, int64_t ld13, int64_t up,
+                          const float* a13, int64_t lds13, int g13, const uint8_t* q2, int64_t ld2, const float* a2,
+                          int64_t lds2, int g2, const uint16_t* levels32, void* out, int out_bf16, int threads13,
+                          int chunk13, int threads2, int chunk2) {
+    if (T < 1 || T > MAXT || H % 64 || I % 64 || g13 < 64 || g2 < 64 || g13 % 64 || g2 % 64 || H % g13 || I % g2
+        || threads13 < 1 || chunk13 < 1 || threads2 < 1 || chunk2 < 1 || up < I)
+        return -1;
+    const size_t hn = (size_t)T * I;
+    uint16_t* h = aligned_alloc(64, (2 * hn * 2 + 63) / 64 * 64);
+    if (!h) return -3;
+    uint16_t* hl = h + hn;
+    nf4_expert_args e = {x, T, H, I, q13, ld13, up, a13, lds13, g13, q2, ld2, a2, lds2, g2, levels32, h,
+                         out_bf16 ? NULL : (float*)out, out_bf16 ? (uint16_t*)out : NULL};
+    par_rows(nf4_expert_up_task, &e, I, threads13, chunk13);
+    for (int t = 0; t < T; t++)  /* h in the kernel's layout: per 64 columns the 32 even, then the 32 odd */
+        for (int b = 0; b < I; b += 64)
+            for (int i = 0; i < 32; i++) {
+                hl[(int64_t)t * I + b + i] = h[(int64_t)t * I + b + 2 * i];
+                hl[(int64_t)t * I + b + 32 + i] = h[(int64_t)t * I + b + 2 * i + 1];
+            }
+    e.h = hl;
+    par_rows(nf4_expert_down_task, &e, H, threads2, chunk2);
+    free(h);
+    return 0;
+}
 #pragma GCC pop_options
 int ferry_has_bf16(void) { return 1; }
 #else
@@ -1197,6 +1261,9 @@ def _load():
             lib.ferry_expert_silu_fp8.argtypes = [p, i32, i32, i32, p, i64, i64, p, i64, i32, i32, p, i64, p, i64, i32,
                                                   i32, p, p, i32, i32, i32, i32, i32, i32]
             lib.ferry_expert_silu_fp8.restype = i32
+            lib.ferry_expert_silu_nf4.argtypes = [p, i32, i32, i32, p, i64, i64, p, i64, i32, p, i64, p, i64, i32, p,
+                                                  p, i32, i32, i32, i32, i32]
+            lib.ferry_expert_silu_nf4.restype = i32
             lib.ferry_gemv_fp8.argtypes = [p, i32, i32, p, i64, p, i64, i32, i32, p, i32, p, i64]
             lib.ferry_gemv_fp8.restype = i32
             lib.ferry_gemv_fp8_mt.argtypes = [p, i32, i32, p, i64, p, i64, i32, i32, p, i32, p, i64, i32, i32, i32]
@@ -1485,6 +1552,41 @@ def gemv_fp8(xb: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
         _check(lib.ferry_gemv_fp8_mt(*args, threads, max(1, chunk), int(amx)), "fp8 GEMV (threads)")
     else:
         _check(lib.ferry_gemv_fp8(*args), "fp8 GEMV")
+    return out
+
+
+def expert_silu_nf4(x: torch.Tensor, w13: tuple, w2: tuple, out: torch.Tensor, split13: tuple[int, int],
+                    split2: tuple[int, int], cols: int = 0) -> torch.Tensor:
+    """`expert_silu_fp8` over NF4 weights on the AVX512-BF16 kernel: w13 = (codes [2I, H/2] uint8, absmax [2I, H / g13]
+    fp32, g13) with the gate rows then the up rows, w2 = (codes [H, I/2], absmax [H, I / g2], g2), as `gemv_nf4` reads
+    each; x [T, H] bf16 as `nf4_x` lays it (per 64 columns the 32 even, then the 32 odd), T <= MAX_TOKENS; out [T, H]
+    bf16 or fp32. The same bits as `gemv_nf4` twice with torch's bf16 SiLU and product between. `cols` > 0 (a multiple
+    of 64 and of g2): the intermediate columns [cols, I) only (the hybrid split's host part)."""
+    lib = _load()
+    if not _bf16:
+        raise ValueError("native NF4 expert: needs the AVX512-BF16 kernel (nf4_bf16() is False)")
+    (q13, a13, g13), (q2, a2, g2) = w13, w2
+    T, H = x.shape
+    I = q2.shape[1] * 2
+    if (x.dtype != torch.bfloat16 or not x.is_contiguous() or not 1 <= T <= MAX_TOKENS
+            or q13.dtype != torch.uint8 or q2.dtype != torch.uint8 or q13.stride(1) != 1 or q2.stride(1) != 1
+            or tuple(q13.shape) != (2 * I, H // 2) or q2.shape[0] != H or a13.dtype != torch.float32
+            or a2.dtype != torch.float32 or a13.stride(-1) != 1 or a2.stride(-1) != 1 or H % g13 or I % g2
+            or g13 % 64 or g2 % 64 or H % 64 or I % 64
+            or tuple(a13.shape) != (2 * I, H // g13) or tuple(a2.shape) != (H, I // g2)
+            or out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous() or tuple(out.shape) != (T, H)):
+        raise ValueError(f"native NF4 expert: x [T, H] bf16 contiguous with T <= {MAX_TOKENS}, codes w13 [2I, H/2] and "
+                         "w2 [H, I/2] uint8 with unit column strides, fp32 absmax [rows, K / group], groups and H, I "
+                         "multiples of 64, out [T, H]")
+    if cols % 64 or cols % g2 or not 0 <= cols < I:
+        raise ValueError(f"native NF4 expert: cols {cols} must be a multiple of 64 and of w2's group {g2} below I = {I}")
+    n = I - cols  # the window: gate rows [cols, I), up rows [I + cols, 2I), w2's columns [cols, I)
+    _check(lib.ferry_expert_silu_nf4(x.data_ptr(), T, H, n, q13.data_ptr() + cols * q13.stride(0), q13.stride(0), I,
+                                     a13.data_ptr() + cols * a13.stride(0) * 4, a13.stride(0), g13,
+                                     q2.data_ptr() + cols // 2, q2.stride(0), a2.data_ptr() + cols // g2 * 4,
+                                     a2.stride(0), g2, _levels_bf16().data_ptr(), out.data_ptr(),
+                                     int(out.dtype == torch.bfloat16), *split13, *split2),
+           "expert (SiLU, NF4)")
     return out
 
 

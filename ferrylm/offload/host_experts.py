@@ -309,14 +309,14 @@ class HostExperts:
         Views of the bank's rows; the strided w2 view costs BLAS nothing (its rows keep their stride); each
         GEMM by the path `layers/cpu_experts.dense_gemm` names (`dense_linear`), as whole experts are, or (bf16
         SiLU under "native") the whole window in one native call (`cpu_experts.native_expert`).
-        Packed banks: kernels over windows of the packed parts (`_column_expert`), bf16 activations; an fp8 SiLU
-        expert under "native" in one native call over the window (`HostExpert.fp8_window`)."""
+        Packed banks: kernels over windows of the packed parts (`_column_expert`), bf16 activations; an fp8 or NF4
+        SiLU expert under "native" in one native call over the window (`HostExpert.window`)."""
         if not isinstance(self.w13, torch.Tensor):
-            # fp8 SiLU under "native": the window in one native call over the whole expert's codes (fp8 kernels are
-            # views of the bank: building the whole expert copies nothing, where int4's would copy its codes)
-            whole = self.expert(e) if self.format.startswith("fp8/") else None
-            if whole is not None and whole.fp8_window_fits(x, c):
-                return whole.fp8_window(x, c).to(x.dtype)
+            # fp8 / NF4 SiLU under "native": the window in one native call over the whole expert's codes (their
+            # kernels are views of the bank: building the whole expert copies nothing, where int4's would copy)
+            whole = self.expert(e) if self.format.split("/")[0] in ("fp8", "nf4") else None
+            if whole is not None and whole.window_fits(x, c):
+                return whole.window(x, c).to(x.dtype)
             gate, up, down = self._column_expert(e, c)
             xb = x.to(torch.bfloat16)
             return down(self.act(gate(xb)).mul_(up(xb)))

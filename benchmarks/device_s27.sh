@@ -2,7 +2,8 @@
 # The next device call (written in session 26). On the H200 the issue-10 aims first (hybrid Mixtral 16L batch 16,
 # then batch 1: `device_s26.sh ... aims`). On any GPU then, most valuable first: the CUDA tests written after session
 # 26's last call (slot-bank rounds at Qwen3 shapes, fp8 and NF4); the fp8 offload cases again (tiles above one token
-# now split K 4 ways, a table point one copy); the fp8 batch-1 step per slot policy (promotions were 3.3 ms of it);
+# now split K 4 ways, a table point one copy); the fp8 and bf16 batch-1 steps per slot policy (promotions were 3.3 ms
+# of the fp8 one; `dueling-wX` weighs them in the duel);
 # the NF4 plan check (it now records the engine's calibration); the NF4 host expert in one call on the box's host.
 # Writes under $OUT. Each step gets at most its own limit and what is left of BUDGET seconds (skipped under 30).
 #
@@ -31,8 +32,14 @@ fi
 (cd benchmarks && PYTHONPATH=.. step 240 python bench_offload.py --cases qwen3-30b-fp8,qwen3-30b --commit "$commit" \
     --out "$OUT/offload-s27-fp8.json" 2>&1 | grep -E "tok/s" | cut -c1-200 | tail -16)
 echo "offload done at $(( $(date +%s) - t0 )) s"
-PYTHONPATH=benchmarks:. step 150 python benchmarks/profile_offload.py --experts gpu --expert-quant fp8-g128 --warm 64 \
-    --variants dueling:now frequent:now none:now 2>&1 | grep -E '^\{"experts"' | cut -c1-260 | tee "$OUT/profile-fp8-variants.txt"
+# slot policies on the batch-1 step: the duel with promotions weighed 2-3 in-place reads (`dueling-wX`) against
+# the plain duel and frequency alone, fp8 then bf16 (a policy to keep must not lose on either)
+PYTHONPATH=benchmarks:. step 170 python benchmarks/profile_offload.py --experts gpu --expert-quant fp8-g128 --warm 64 \
+    --variants dueling:now dueling-w2:now dueling-w3:now frequent:now 2>&1 | grep -E '^\{"experts"' | cut -c1-260 \
+    | tee "$OUT/profile-fp8-variants.txt"
+PYTHONPATH=benchmarks:. step 130 python benchmarks/profile_offload.py --experts gpu --warm 64 \
+    --variants dueling:now dueling-w2:now frequent:now 2>&1 | grep -E '^\{"experts"' | cut -c1-260 \
+    | tee "$OUT/profile-bf16-variants.txt"
 echo "variants done at $(( $(date +%s) - t0 )) s"
 PYTHONPATH=benchmarks:. step 200 python benchmarks/bench_plan.py --gpu local --cases moe-offload-nf4 \
     --case-timeout 190 --time-budget 195 --out "$OUT/plan-check-s27.json" 2>&1 | grep -v '^{' | tail -20

@@ -620,7 +620,8 @@ def test_nf4_host_expert_in_one_call_equals_its_three_kernels(monkeypatch):
     E, H, I = 2, 256, 384
     w13 = ExpertWeights.stack([[Q.quantize_nf4(torch.randn(I, H) * .05, 64), Q.quantize_nf4(torch.randn(I, H) * .05, 64)]
                                for _ in range(E)], torch.bfloat16)
-    w2 = ExpertWeights.stack([[Q.quantize_nf4(torch.randn(H, I) * .05, 64)] for _ in range(E)], torch.bfloat16)
+    # w2 in groups of 128, w13 of 64: a kernel that took one side's group for the other's fails
+    w2 = ExpertWeights.stack([[Q.quantize_nf4(torch.randn(H, I) * .05, 128)] for _ in range(E)], torch.bfloat16)
     he = HostExperts(w13, w2, torch.nn.functional.silu)
     monkeypatch.setattr(C, "row_blocks_gemm", "native")
     for T in (1, 5, 16):
@@ -648,6 +649,7 @@ def test_nf4_host_expert_in_one_call_equals_its_three_kernels(monkeypatch):
     whole = he.expert(0)
     x = torch.randn(1, H, dtype=torch.bfloat16)
     assert not whole.window_fits(x, 32) and whole.window_fits(x, 128)
-    with pytest.raises(ValueError, match="group 64"):
+    assert not whole.window_fits(x, 64)  # on 64 columns but off w2's groups of 128
+    with pytest.raises(ValueError, match="group 128"):
         hn.expert_silu_nf4(hn.nf4_x(x, 64, bf16=True), whole.gate_up.nf4, whole.down.nf4, torch.empty(1, H),
-                           (1, 64), (1, 64), cols=32)
+                           (1, 64), (1, 64), cols=64)

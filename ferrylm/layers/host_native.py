@@ -1568,6 +1568,8 @@ def expert_silu_nf4(x: torch.Tensor, w13: tuple, w2: tuple, out: torch.Tensor, s
     (q13, a13, g13), (q2, a2, g2) = w13, w2
     T, H = x.shape
     I = q2.shape[1] * 2
+    if g13 < 64 or g2 < 64:
+        raise ValueError(f"native NF4 expert: groups of {g13} / {g2} columns (multiples of 64)")
     if (x.dtype != torch.bfloat16 or not x.is_contiguous() or not 1 <= T <= MAX_TOKENS
             or q13.dtype != torch.uint8 or q2.dtype != torch.uint8 or q13.stride(1) != 1 or q2.stride(1) != 1
             or tuple(q13.shape) != (2 * I, H // 2) or q2.shape[0] != H or a13.dtype != torch.float32

@@ -19,6 +19,8 @@ as the kernel ran.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ferrylm.offload.slot_policy import DuelingPolicy, PromotionPolicy
@@ -62,7 +64,7 @@ class RoutingTally:
                 w = 1.0 if weight is None else float(weight)
             except ValueError:
                 w = -1.0
-            if not w > 0:
+            if not (math.isfinite(w) and w > 0):
                 raise ValueError(f"slot policy {name!r}: dueling-wX wants a positive weight X, e.g. dueling-w2")
             self.policy = DuelingPolicy(L, E, self.resident, self.pinned, self._empty(), promotion_weight=w)
         elif name == "frequent":

@@ -25,34 +25,10 @@ import torch
 from ferrylm.kv.cache import KVCache
 from ferrylm.layers.attention import PagedAttention
 from ferrylm.layers.context import ForwardContext, forward_context
+from gpu_timing import graphed_us  # benchmarks/gpu_timing.py (scripts run as python benchmarks/x.py)
 
 H, HK, D, PAGE = 32, 8, 128, 16
 DEV = torch.device("cuda")
-
-
-def graphed_us(fn, iters: int) -> float:
-    """Microseconds per call: `iters` calls captured in one CUDA graph, replayed and timed with events."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):  # compile, autotune caches, allocator
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(iters):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / iters)
-    return best
 
 
 def read_gb_s() -> float:

@@ -42,7 +42,8 @@ from ferrylm.layers import fused_moe as fm
 from ferrylm.layers import fused_moe_decode as fmd
 from ferrylm.layers.fused_moe import ExpertWeights, WeightTable, expert_rows
 from ferrylm.offload.host_tier import HostTier
-from results import write_results  # benchmarks/results.py (scripts run as python benchmarks/x.py)
+from gpu_timing import graphed_us  # benchmarks/gpu_timing.py (scripts run as python benchmarks/x.py)
+from results import write_results  # benchmarks/results.py
 
 SHAPES = {"mixtral": (8, 4096, 14336, 2), "qwen3-30b": (128, 2048, 768, 8)}  # E, H, I, k
 
@@ -314,29 +315,14 @@ MIXED_CONFIGS = [("plain", False), ("decode", fmd.DecodeConfig()), ("decode-n32"
 """(name, `expert_rows` decode argument) pairs `--mixed` times."""
 
 
-def graphed_ms(fn, reps: int = 50) -> tuple[float, str]:
-    """Device milliseconds a call of `fn` takes, replayed from a CUDA graph (the engine graphs its decode steps:
-    eager timing would measure the host's launches); eager timing where the capture fails. -> (ms, how)."""
+def graphed_ms(fn) -> tuple[float, str]:
+    """Device milliseconds a call of `fn` takes, replayed from a CUDA graph (`gpu_timing.graphed_us`: the engine
+    graphs its decode steps, and eager timing would measure the host's launches); eager timing where the capture
+    fails. -> (ms, how)."""
     if not CUDA:
         return timed(fn, 3) * 1e3, "eager"
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        g.replay()
-        sync()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        sync()
-        return start.elapsed_time(end) / reps, "graph"
+        return graphed_us(fn, 10) / 1e3, "graph"
     except Exception as e:  # noqa: BLE001 - a call that cannot be captured is timed eagerly
         print(f"graph capture failed ({type(e).__name__}: {str(e)[:120]}): timed eagerly", flush=True)
         sync()

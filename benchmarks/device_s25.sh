@@ -6,17 +6,9 @@
 #
 #   bash benchmarks/device_s25.sh COMMIT [BUDGET]
 set -u
-export TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1
 commit=${1:-unknown}
 budget=${2:-560}
-t0=$(date +%s)
-# left N: the seconds a step may take (at most N and what is left of the budget); 0 when under 30
-left() { local t=$(( budget - ($(date +%s) - t0) )); t=$(( t < $1 ? t : $1 )); echo $(( t < 30 ? 0 : t )); }
-step() {  # step N command...: run it under `timeout` when there is time for it
-    local t; t=$(left "$1"); shift
-    if [ "$t" -eq 0 ]; then echo "skipped (no time left): $*"; return; fi
-    timeout "$t" "$@"
-}
+source "$(dirname "$0")/device_steps.sh"  # t0, left, step
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "gpu: $gpu; $(lscpu | grep -m1 'Model name')"
 if [[ $gpu == *H200* ]]; then

@@ -7,17 +7,10 @@
 #   bash benchmarks/device_s26.sh COMMIT [BUDGET] [PARTS]
 # PARTS (default "aims checks fp8"): aims (H200 only), checks (tests, the mixed in-place layer, NF4 prefill), fp8.
 set -u
-export TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1
 commit=${1:-unknown}
 budget=${2:-560}
 parts=${3:-aims checks fp8}
-t0=$(date +%s)
-left() { local t=$(( budget - ($(date +%s) - t0) )); t=$(( t < $1 ? t : $1 )); echo $(( t < 30 ? 0 : t )); }
-step() {  # step N command...: run it under `timeout` when there is time for it
-    local t; t=$(left "$1"); shift
-    if [ "$t" -eq 0 ]; then echo "skipped (no time left): $*"; return; fi
-    timeout "$t" "$@"
-}
+source "$(dirname "$0")/device_steps.sh"  # t0, left, step
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "gpu: $gpu; $(lscpu | grep -m1 'Model name')"
 if [[ $gpu == *H200* && $parts == *aims* ]]; then

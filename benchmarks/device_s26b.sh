@@ -6,16 +6,9 @@
 #
 #   bash benchmarks/device_s26b.sh COMMIT [BUDGET]
 set -u
-export TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1
 commit=${1:-unknown}
 budget=${2:-560}
-t0=$(date +%s)
-left() { local t=$(( budget - ($(date +%s) - t0) )); t=$(( t < $1 ? t : $1 )); echo $(( t < 30 ? 0 : t )); }
-step() {  # step N command...: run it under `timeout` when there is time for it
-    local t; t=$(left "$1"); shift
-    if [ "$t" -eq 0 ]; then echo "skipped (no time left): $*"; return; fi
-    timeout "$t" "$@"
-}
+source "$(dirname "$0")/device_steps.sh"  # t0, left, step
 echo "gpu: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); commit $commit"
 PYTHONPATH=benchmarks:. step 200 python benchmarks/bench_mapped.py --mixed --budget-s 170 \
     --out "$OUT/mapped-mixed-graphed-s26.json" 2>&1 | grep -E "^qwen3|^mixtral|rror|failed" | tail -40

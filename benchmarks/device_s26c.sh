@@ -4,16 +4,9 @@
 #
 #   bash benchmarks/device_s26c.sh COMMIT [BUDGET]
 set -u
-export TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1
 commit=${1:-unknown}
 budget=${2:-500}
-t0=$(date +%s)
-left() { local t=$(( budget - ($(date +%s) - t0) )); t=$(( t < $1 ? t : $1 )); echo $(( t < 30 ? 0 : t )); }
-step() {  # step N command...: run it under `timeout` when there is time for it
-    local t; t=$(left "$1"); shift
-    if [ "$t" -eq 0 ]; then echo "skipped (no time left): $*"; return; fi
-    timeout "$t" "$@"
-}
+source "$(dirname "$0")/device_steps.sh"  # t0, left, step
 echo "gpu: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); commit $commit"
 (cd benchmarks && PYTHONPATH=.. step 280 python bench_offload.py --cases qwen3-30b-fp8,qwen3-30b,hybrid-qwen3-30b-fp8 \
     --commit "$commit" --out "$OUT/offload-s26-fp8-decode.json" 2>&1 | grep -E "tok/s|hybrid|calibrated" | cut -c1-400 | tail -24)

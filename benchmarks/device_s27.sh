@@ -10,18 +10,10 @@
 #
 #   bash benchmarks/device_s27.sh COMMIT [BUDGET] [PART]     PART: auto (default) | rest
 set -u
-export TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1
-exec 3>&1  # the call's own output: skip notices bypass the filters below
 commit=${1:-unknown}
 budget=${2:-560}
 part=${3:-auto}
-t0=$(date +%s)
-left() { local t=$(( budget - ($(date +%s) - t0) )); t=$(( t < $1 ? t : $1 )); echo $(( t < 30 ? 0 : t )); }
-step() {  # step N command...: run it under `timeout` when there is time for it
-    local t; t=$(left "$1"); shift
-    if [ "$t" -eq 0 ]; then echo "skipped (no time left): $*" >&3; return; fi
-    timeout "$t" "$@"
-}
+source "$(dirname "$0")/device_steps.sh"  # t0, left, step
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "gpu: $gpu; $(lscpu | grep -m1 'Model name'); commit $commit"
 if [[ $gpu == *H200* && $part == auto ]]; then

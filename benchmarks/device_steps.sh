@@ -1,0 +1,14 @@
+# Sourced by the device calls (benchmarks/device_s*.sh) once they have set `budget` (seconds): the environment of a
+# call, its start time, and the step helpers. Skip notices go to the call's own output (fd 3), past any filter a
+# step's output goes through.
+#   left N          the seconds a step may take: at most N and what is left of the budget; 0 when under 30
+#   step N cmd...   run cmd under `timeout` when there is time for it, else say it was skipped
+export TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1
+exec 3>&1
+t0=$(date +%s)
+left() { local t=$(( budget - ($(date +%s) - t0) )); t=$(( t < $1 ? t : $1 )); echo $(( t < 30 ? 0 : t )); }
+step() {
+    local t; t=$(left "$1"); shift
+    if [ "$t" -eq 0 ]; then echo "skipped (no time left): $*" >&3; return; fi
+    timeout "$t" "$@"
+}

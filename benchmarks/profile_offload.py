@@ -27,7 +27,7 @@ SHAPES = {"qwen3": QWEN3_30B, "mixtral": MIXTRAL}
 
 
 def run(experts: str, a, variant: str = "dueling:now") -> dict:
-    """variant: the mapped caches' slot policy (dueling | dueling-wX | frequent | none: no promotions), when a
+    """variant: the mapped caches' slot policy (dueling | frequent | none: no promotions), when a
     promotion lands (now: the next step waits for its copy | late: once the host sees it landed) and, with a
     third part "layer", when its copy starts (`CachedExperts.promote_after_layer`: once its layer of the queued
     step has run, not after the whole step)."""
@@ -158,8 +158,7 @@ def main() -> None:
                     help="also time (and with --profile, profile) a fresh prefill of this many tokens: the copy path's "
                          "rounds, their copies' own GB/s")
     ap.add_argument("--variants", nargs="+", default=["dueling:now"],
-                    help="slot policy:landing pairs, each run per --experts (policy dueling | dueling-wX (promotions "
-                         "weighed X in-place reads in the duel) | frequent | none | "
+                    help="slot policy:landing pairs, each run per --experts (policy dueling | frequent | none | "
                          "frozen: dueling through the warm-up, no promotion after it; landing now | late; a third part "
                          "'layer': copies start after their layer, e.g. dueling:now:layer)")
     a = ap.parse_args()

@@ -152,26 +152,6 @@ def test_dueling_shadow_books():
     assert pol.leader.tolist() == [1, 1]  # repeating routing: recency leads
 
 
-def test_dueling_weighs_promotions_when_told():
-    """With promotions weighed above in-place reads (`promotion_weight`, what a promotion's fixed costs make them
-    on small experts), the duel leans to the knob set that promotes less: on routing that repeats, recency (which
-    promotes at every change: ~8.5 promotions against frequency's ~5.5 in the tally's window here, for ~16 reads
-    against ~42) leads at weight 1 and loses the lead to frequency once a promotion counts 12 reads."""
-    resident = torch.zeros(2, E, dtype=torch.bool)
-    resident[:, :4] = True
-    pinned = torch.zeros(2, E, dtype=torch.bool)
-    leaders = {}
-    for w in (1.0, 12.0):
-        pol = DuelingPolicy(2, E, resident, pinned, [2, 2], promotion_weight=w)
-        for need in sticky(200, 4):
-            counts = torch.zeros(2, E)
-            counts[:, need] = 1.0
-            pol.observe(counts)
-        leaders[w] = pol.leader.tolist()
-        print(f"promotion weight {w}: leaders {leaders[w]}, tallies {pol.cost.tolist()}")
-    assert leaders[1.0] == [1, 1] and leaders[12.0] == [0, 0], leaders
-
-
 TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 512,
             "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 16, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 16, "num_experts": E, "num_experts_per_tok": K,
@@ -211,20 +191,17 @@ def test_policy_on_a_recorded_trace():
 
 
 def test_tally_policy_names():
-    """`RoutingTally.set_policy`: dueling, dueling-wX (promotions weighed X reads in the duel), frequent; anything
-    else is refused by name."""
+    """`RoutingTally.set_policy`: dueling, frequent; anything else is refused by name."""
     from types import SimpleNamespace
 
     from ferrylm.offload.routing_tally import RoutingTally
 
     tally = SimpleNamespace(resident=torch.zeros(2, E, dtype=torch.bool), pinned=torch.zeros(2, E, dtype=torch.bool),
                             _empty=lambda: [2, 2])
-    RoutingTally.set_policy(tally, "dueling-w2.5")
-    assert isinstance(tally.policy, DuelingPolicy) and tally.policy.promotion_weight == 2.5
     RoutingTally.set_policy(tally, "dueling")
-    assert tally.policy.promotion_weight == 1.0
+    assert isinstance(tally.policy, DuelingPolicy)
     RoutingTally.set_policy(tally, "frequent")
     assert isinstance(tally.policy, PromotionPolicy)
-    for bad in ("dueling-wx", "dueling-w0", "lru"):
+    for bad in ("dueling-w2", "lru"):
         with pytest.raises(ValueError, match="slot policy"):
             RoutingTally.set_policy(tally, bad)

@@ -19,7 +19,6 @@ as the kernel ran.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -58,19 +57,12 @@ class RoutingTally:
     def set_policy(self, name: str) -> None:
         """A fresh decision policy by name (between steps; benchmarks switch it on one engine)."""
         L, E = self.resident.shape
-        weight = name.removeprefix("dueling-w") if name.startswith("dueling-w") else None
-        if name == "dueling" or weight is not None:  # dueling-wX: promotions weigh X in-place reads in the duel
-            try:
-                w = 1.0 if weight is None else float(weight)
-            except ValueError:
-                w = -1.0
-            if not (math.isfinite(w) and w > 0):
-                raise ValueError(f"slot policy {name!r}: dueling-wX wants a positive weight X, e.g. dueling-w2")
-            self.policy = DuelingPolicy(L, E, self.resident, self.pinned, self._empty(), promotion_weight=w)
+        if name == "dueling":
+            self.policy = DuelingPolicy(L, E, self.resident, self.pinned, self._empty())
         elif name == "frequent":
             self.policy = PromotionPolicy(L, E)
         else:
-            raise ValueError(f"unknown slot policy {name!r} (dueling | dueling-wX | frequent)")
+            raise ValueError(f"unknown slot policy {name!r} (dueling | frequent)")
 
     def _empty(self) -> list[int]:
         return [c.owner.count(None) for c in self.caches]

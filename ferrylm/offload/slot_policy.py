@@ -77,17 +77,15 @@ class DuelingPolicy:
     over PCIe lately (in-place misses + promotions, an average over ~1/(1 - `memory`) steps). Neither knob
     set wins everywhere: frequency with hysteresis is best on skewed routing and harmless on uniform,
     recency on routing that repeats, where hysteresis costs a miss per step of lag (set dueling, as in
-    adaptive CPU cache insertion policies). `promotion_weight`: what a promotion counts in that tally against an
-    in-place read (1: both one expert over PCIe). A promotion also pays fixed costs a read does not (its copies
-    per part, the next step waiting for it): on the H100, fp8 Qwen3-30B-A3B experts took ~0.3 ms a promotion
-    against ~0.11 an in-place read, and "frequent" (fewer promotions) beat this duel there, 50.1 against 45.0
-    tok/s (session 26); `RoutingTally.set_policy("dueling-w2")` weighs promotions 2x, to be measured."""
+    adaptive CPU cache insertion policies). A promotion counts as one in-place read: weighing it 2-3 reads (for its
+    fixed costs: copies per part, the next step waiting) lost on the H100 to this plain duel on both fp8 and bf16
+    Qwen3-30B-A3B experts (16-layer batch-1 steps 6.26 / 6.60 against 6.16 ms fp8, 8.39 against 7.63 ms bf16;
+    session 27), so it was dropped."""
 
     memory = 0.95
 
     def __init__(self, layers: int, experts: int, resident: torch.Tensor, pinned: torch.Tensor, empty: list[int],
-                 candidates: tuple[dict, ...] = (FREQUENT, RECENT), delay: int = 2, promotion_weight: float = 1.0):
-        self.promotion_weight = promotion_weight
+                 candidates: tuple[dict, ...] = (FREQUENT, RECENT), delay: int = 2):
         self.policies = [PromotionPolicy(layers, experts, **c) for c in candidates]
         self.resident = [resident.clone() for _ in candidates]  # [L, E] each: the shadows' residents now
         self.past = [[resident.clone()] * delay for _ in candidates]  # the same, as the last `delay` decisions left them
@@ -106,7 +104,7 @@ class DuelingPolicy:
             chosen = pol.choose(res, self.pinned, [set() for _ in range(L)], self.empty[k])
             if chosen:
                 rows = torch.tensor([i for i, _, _ in chosen])
-                moved += self.promotion_weight * torch.bincount(rows, minlength=L).float()
+                moved += torch.bincount(rows, minlength=L).float()
                 res[rows, torch.tensor([e for _, e, _ in chosen])] = True
                 evicted = [(i, v) for i, _, v in chosen if v is not None]
                 if evicted:

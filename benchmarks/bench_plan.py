@@ -41,7 +41,7 @@ import torch
 
 from results import write_results  # benchmarks/results.py
 
-from ferrylm.plan.check import compare, engine_for, measure, predicted
+from ferrylm.plan.check import compare, engine_for, measure, predicted, record_routing, routing_rows
 from ferrylm.plan.planner import PlanOptions, make_plan
 
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
@@ -147,7 +147,6 @@ def replay(path: str, a) -> list[dict]:
 
 
 def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
-    from ferrylm.offload import expert_profile
     from ferrylm.weights.random_source import RandomSource
 
     cuda = device == "cuda"
@@ -161,13 +160,7 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
     load_s = time.perf_counter() - t
     runner = llm.engine.runner
     cached = bool(runner.placed.caches)
-    # the CPU engine caches nothing; its smoke run records the routing all the same (the code path, no figures)
-    moe = bool(expert_profile.banks(runner.model)) and (cached or not cuda)
-    if moe:  # record the routing of the runs below, as `ferry profile` does (device-side, graph-safe), and the
-        # trace of their one-token steps (the batch-1 decode run's)
-        expert_profile.start(runner.model)
-        expert_profile.start_trace(runner.model, 4096)
-        runner.recapture_graphs()
+    moe = record_routing(llm, cuda)
     got = measure(plan, llm, cuda, max_decode_tokens=tokens)
     rows = compare(predicted(plan, cuda), got)
     info = dict(verdict=plan.verdict, load_s=load_s, h2d_gbs=plan.speed["assumptions"]["h2d_gbs"],
@@ -190,27 +183,10 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
                 peak_phases=got.get("peak_phases"), peak_reserved=got.get("peak_reserved"),
                 step_peaks=got.get("step_peaks"),  # the untimed runs' steps with the highest peaks, one per shape
                 held_after=torch.cuda.memory_allocated() if cuda else None)
-    if moe:  # the hit rate predicted from the routing these runs saw (this engine pinned nothing)
-        prof = os.path.join(d, "routing.json")
-        recorded = expert_profile.collect(runner.model, llm.engine.model_config.architecture)
-        trace = expert_profile.collect_trace(runner.model)
-        info["traced_steps"] = len(next(iter(trace.values()), []))
-        if info["traced_steps"]:  # the CPU smoke run decodes nothing
-            recorded["decode_trace"] = trace
-        expert_profile.write(recorded, prof)
-        routed = make_plan(replace(opts, routing=prof), advise=False)
-        for key in ("decode_batch1", "decode_concurrent"):
-            hit = got.get(f"hit_rate_{key}")
-            if hit is None:
-                continue
-            for tag, p in (("uniform", plan), ("profile routing", routed)):
-                rows += compare({"hit_rate": p.speed[key]["expert_hit_rate"]}, {"hit_rate": hit}, names=["hit_rate"],
-                                suffix=f" {key} @{tag}")
-            rows += compare({key: routed.speed[key]["tok_s"]}, got, names=[key], suffix=" @profile routing")
-            # the bandwidth model alone: re-planned at the seen hit rate
-            again = make_plan(replace(opts, expert_hit_rate=hit), advise=False)
-            rows += compare({key: again.speed[key]["tok_s"]}, got, names=[key], suffix=" @measured hit")
-        info["hit_rate_from_profile"] = {k: routed.speed[k]["expert_hit_rate"] for k in ("decode_batch1", "decode_concurrent")}
+    if moe:  # the speeds and hit rates predicted from the routing these runs saw (this engine pinned nothing)
+        more, seen = routing_rows(plan, llm, got, os.path.join(d, "routing.json"))
+        rows += more
+        info.update(seen)
     for r in rows:
         r["case"] = case
     llm.close()  # its device memory, host registrations and threads, now

@@ -250,11 +250,76 @@ def compare(want: dict, got: dict, names=None, suffix: str = "") -> list[dict]:
     return rows
 
 
+def record_routing(llm, cuda: bool) -> bool:
+    """Start recording the routing of the runs that follow, as `ferry profile` does (device-side, graph-safe),
+    with the trace of their one-token steps, when the engine runs an offloaded MoE model (the CPU engine caches
+    nothing; it records all the same: the code path, no figures). Returns whether it records."""
+    from ferrylm.offload import expert_profile
+
+    runner = llm.engine.runner
+    if not expert_profile.banks(runner.model) or not (runner.placed.caches or not cuda):
+        return False
+    expert_profile.start(runner.model)
+    expert_profile.start_trace(runner.model, 4096)
+    runner.recapture_graphs()
+    return True
+
+
+def routing_rows(plan: Plan, llm, got: dict, path: str) -> tuple[list[dict], dict]:
+    """After `record_routing` and `measure`: the plan's decode speeds and hit rates again, predicted from the
+    routing the runs saw (written to `path` as a `ferry profile` file; its one-token trace replays the
+    token-to-token reuse a plan without a profile leaves out) and at the hit rate each run measured (the
+    bandwidth model alone). Rows suffixed " @profile routing" and " @measured hit"; info: the traced steps and
+    the replayed hit rates."""
+    from dataclasses import replace
+
+    from ferrylm.offload import expert_profile
+    from ferrylm.plan.planner import make_plan
+
+    runner, opts = llm.engine.runner, plan.options
+    recorded = expert_profile.collect(runner.model, llm.engine.model_config.architecture)
+    trace = expert_profile.collect_trace(runner.model)
+    info = {"traced_steps": len(next(iter(trace.values()), []))}
+    if info["traced_steps"]:  # the CPU smoke run decodes nothing
+        recorded["decode_trace"] = trace
+    expert_profile.write(recorded, path)
+    routed = make_plan(replace(opts, routing=path), advise=False)
+    rows = []
+    for key in ("decode_batch1", "decode_concurrent"):
+        hit = got.get(f"hit_rate_{key}")
+        if hit is None:
+            continue
+        for tag, p in (("uniform", plan), ("profile routing", routed)):
+            rows += compare({"hit_rate": p.speed[key]["expert_hit_rate"]}, {"hit_rate": hit}, names=["hit_rate"],
+                            suffix=f" {key} @{tag}")
+        rows += compare({key: routed.speed[key]["tok_s"]}, got, names=[key], suffix=" @profile routing")
+        again = make_plan(replace(opts, expert_hit_rate=hit), advise=False)
+        rows += compare({key: again.speed[key]["tok_s"]}, got, names=[key], suffix=" @measured hit")
+    info["hit_rate_from_profile"] = {k: routed.speed[k]["expert_hit_rate"] for k in ("decode_batch1", "decode_concurrent")}
+    return rows, info
+
+
 def run_check(plan: Plan, model, device: str) -> list[dict]:
+    """`ferry plan --check`: the plan's settings run briefly, predicted vs measured. An offloaded MoE model planned
+    without a routing profile also gets its speeds re-predicted from the routing the run saw (`routing_rows`):
+    the plan alone assumes independent, uniform routing, which real and random-weight models both beat."""
+    import os
+    import tempfile
+
     import torch
 
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    got = measure(plan, engine_for(plan, model, device), cuda)
-    return compare(predicted(plan, cuda), got)
+    llm = engine_for(plan, model, device)
+    o = plan.options
+    recording = o.expert_profile is None and o.routing is None and o.expert_hit_rate is None and record_routing(llm, cuda)
+    try:
+        got = measure(plan, llm, cuda)
+        rows = compare(predicted(plan, cuda), got)
+        if recording:
+            with tempfile.TemporaryDirectory() as d:
+                rows += routing_rows(plan, llm, got, os.path.join(d, "routing.json"))[0]
+    finally:
+        llm.close()
+    return rows

@@ -393,28 +393,6 @@ def test_c_thread_pool_under_concurrent_callers():
 
 
 @pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
-@pytest.mark.parametrize("spin", [0.0, 1e-6, 100e-6, 0.01])
-def test_c_thread_pool_spins_or_sleeps_alike(spin):
-    """However long the C pool's threads spin before they sleep (`set_pool_spin`: 0 sleeps at once, 1 us sleeps
-    between most calls, 100 us the default, 10 ms never between these calls), back-to-back calls and calls after an
-    idle gap, with thread counts and chunks that change from call to call (fewer workers than the pool holds too),
-    give the one-threaded call's bits and none hangs."""
-    N, K = 1000, 256
-    w = torch.randn(N, K).to(torch.bfloat16)
-    x = torch.randn(1, K, dtype=torch.bfloat16)
-    want = hn.gemv_bf16_bx(x, w, torch.empty(1, N))
-    hn.set_pool_spin(spin)
-    try:
-        for i in range(120):
-            if i % 10 == 9:
-                time.sleep(0.002)  # longer than the shorter spins: the workers are asleep at the next call
-            got = hn.gemv_bf16_bx_mt(x, w, torch.full((1, N), float("nan")), (2, 5, 3, 2, 4)[i % 5], 16 + (i % 3) * 100)
-            assert torch.equal(got, want), i
-    finally:
-        hn.set_pool_spin(100e-6)
-
-
-@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
 def test_fp8_gemv_reads_every_code_exactly():
     """`gemv_fp8` turns each of the 254 finite e4m3 codes into exactly its value (subnormals included); the two NaN
     codes read as +-480, as the host's `fp8_to_bf16` reads them."""

@@ -54,7 +54,6 @@ SOURCE = r"""
 #include <stdatomic.h>
 #include <unistd.h>
 #include <sys/syscall.h>
-#include <time.h>
 
 #define MAXT 16
 #define AMX_MAXT 64  /* the AMX kernel: tokens in blocks of 16, each block's x packed apart */
@@ -62,45 +61,18 @@ SOURCE = r"""
 
 /* A pool of worker threads in C for the row-parallel entry points (`*_mt`): one call from Python runs a whole
    matrix on `threads` threads (the caller and threads - 1 workers), each taking the next chunk of rows as it
-   comes free. The workers start on first use from the calling thread (they inherit its CPU binding) and live as
-   long as the process; one parallel call runs at a time. A call hands each of its workers a ticket (its own
-   word); after a call a worker spins on its ticket for `pool_spin_ns` (default 100 us), then sleeps on a
-   condition variable, and the caller spins the same while the last workers finish: the up and down matrices
-   of one expert, and a layer's experts, follow each other within microseconds, where waking sleeping threads
-   through the kernel cost ~75 us a call with one worker on the 2-core VM (session 27). */
+   comes free. The workers start on first use from the calling thread (they inherit its CPU binding), sleep on a
+   condition variable between calls and live as long as the process; one parallel call runs at a time. */
 typedef void (*ferry_task)(const void* args, int a, int c);  /* rows [a, a + c) */
-#define POOL_MAX 1024
 static struct {
     pthread_mutex_t mu, call;
     pthread_cond_t go, done;
-    int started, n, chunk;
+    int started, active, left, n, chunk;
     long gen;
     ferry_task fn;
     const void* args;
-    atomic_int next, left;
+    atomic_int next;
 } P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
-static struct { _Alignas(64) atomic_long ticket; long born; } W[POOL_MAX];  /* a worker's job number, its first */
-static atomic_long pool_spin_ns = 100000;
-
-void ferry_pool_set_spin(long ns) { atomic_store(&pool_spin_ns, ns < 0 ? 0 : ns); }
-
-static inline long now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1000000000L + t.tv_nsec;
-}
-
-/* spin (pause) while *w == v for up to `pool_spin_ns`; returns whether it changed */
-static inline int spin_while(atomic_long* w, long v) {
-    const long limit = atomic_load_explicit(&pool_spin_ns, memory_order_relaxed);
-    if (limit <= 0) return atomic_load_explicit(w, memory_order_acquire) != v;
-    const long t0 = now_ns();
-    for (int i = 1;; i++) {
-        if (atomic_load_explicit(w, memory_order_acquire) != v) return 1;
-        _mm_pause();
-        if ((i & 63) == 0 && now_ns() - t0 > limit) return atomic_load_explicit(w, memory_order_acquire) != v;
-    }
-}
 
 static void run_chunks(ferry_task fn, const void* args, int n, int chunk) {
     for (;;) {
@@ -110,23 +82,24 @@ static void run_chunks(ferry_task fn, const void* args, int n, int chunk) {
     }
 }
 
+#define POOL_MAX 1024
+static long pool_born[POOL_MAX];  /* the job count when each worker was started: it takes the jobs after it */
+
 static void* pool_worker(void* arg) {
     const int id = (int)(intptr_t)arg;
-    long seen = W[id].born;  /* (its first call may have ticketed it before it ran) */
+    long seen = pool_born[id];
+    pthread_mutex_lock(&P.mu);
     for (;;) {
-        if (!spin_while(&W[id].ticket, seen)) {
-            pthread_mutex_lock(&P.mu);
-            while (atomic_load(&W[id].ticket) == seen) pthread_cond_wait(&P.go, &P.mu);
-            pthread_mutex_unlock(&P.mu);
-        }
-        seen = atomic_load_explicit(&W[id].ticket, memory_order_acquire);
-        /* the call's fields were written before the ticket and stay until every worker it ticketed is done */
-        run_chunks(P.fn, P.args, P.n, P.chunk);
-        if (atomic_fetch_sub_explicit(&P.left, 1, memory_order_acq_rel) == 1) {
-            pthread_mutex_lock(&P.mu);
-            pthread_cond_signal(&P.done);
-            pthread_mutex_unlock(&P.mu);
-        }
+        while (P.gen == seen) pthread_cond_wait(&P.go, &P.mu);
+        seen = P.gen;
+        const int mine = id < P.active;
+        ferry_task fn = P.fn;
+        const void* args = P.args;
+        const int n = P.n, chunk = P.chunk;
+        pthread_mutex_unlock(&P.mu);
+        if (mine) run_chunks(fn, args, n, chunk);
+        pthread_mutex_lock(&P.mu);
+        if (mine && --P.left == 0) pthread_cond_signal(&P.done);
     }
     return NULL;
 }
@@ -155,37 +128,26 @@ static int par_rows(ferry_task fn, const void* args, int n, int threads, int chu
     if (threads > POOL_MAX) threads = POOL_MAX;
     while (P.started < threads - 1) {
         pthread_t t;
-        W[P.started].born = P.gen;  /* it takes the calls after this one's start */
-        atomic_store(&W[P.started].ticket, P.gen);
+        pool_born[P.started] = P.gen;  /* (gen changes only under P.call, held here) */
         if (pthread_create(&t, NULL, pool_worker, (void*)(intptr_t)P.started)) break;
         pthread_detach(t);
         P.started++;
     }
     const int workers = P.started < threads - 1 ? P.started : threads - 1;
+    pthread_mutex_lock(&P.mu);
     P.fn = fn;
     P.args = args;
     P.n = n;
     P.chunk = chunk;
     atomic_store(&P.next, 0);
-    atomic_store(&P.left, workers);
-    const long gen = ++P.gen;
-    for (int i = 0; i < workers; i++) atomic_store_explicit(&W[i].ticket, gen, memory_order_release);
-    pthread_mutex_lock(&P.mu);  /* wakes the workers that went to sleep (a sleeper checks its ticket under mu) */
+    P.active = P.left = workers;
+    P.gen++;
     pthread_cond_broadcast(&P.go);
     pthread_mutex_unlock(&P.mu);
     run_chunks(fn, args, n, chunk);
-    if (atomic_load_explicit(&P.left, memory_order_acquire)) {
-        const long limit = atomic_load_explicit(&pool_spin_ns, memory_order_relaxed), t0 = now_ns();
-        for (int i = 1; atomic_load_explicit(&P.left, memory_order_acquire); i++) {
-            _mm_pause();
-            if ((i & 63) == 0 && now_ns() - t0 > limit) {
-                pthread_mutex_lock(&P.mu);
-                while (atomic_load(&P.left)) pthread_cond_wait(&P.done, &P.mu);
-                pthread_mutex_unlock(&P.mu);
-                break;
-            }
-        }
-    }
+    pthread_mutex_lock(&P.mu);
+    while (P.left) pthread_cond_wait(&P.done, &P.mu);
+    pthread_mutex_unlock(&P.mu);
     pthread_mutex_unlock(&P.call);
     return workers == threads - 1 ? 0 : -1;
 }
@@ -1291,11 +1253,6 @@ def _load():
         lib.ferry_read_bf16_mt.restype = i32
         lib.ferry_gemv_nf4_mt.argtypes = [i32, p, i32, i32, p, i64, p, i64, i32, p, i32, p, i64, i32, i32]
         lib.ferry_gemv_nf4_mt.restype = i32
-        lib.ferry_pool_set_spin.argtypes = [ctypes.c_long]
-        lib.ferry_pool_set_spin.restype = None
-        spin = os.environ.get("FERRYLM_POOL_SPIN_US")
-        if spin:  # a benchmark's sweep (`set_pool_spin`'s default: 100 us)
-            lib.ferry_pool_set_spin(int(float(spin) * 1e3))
         global _bf16
         _bf16 = bool(lib.ferry_has_bf16()) and {"avx512bw", "avx512_bf16"} <= _cpu_flags()
         if _bf16:
@@ -1327,18 +1284,6 @@ def _load():
             _amx = False
         _lib = lib
         return lib
-
-
-def set_pool_spin(seconds: float) -> None:
-    """How long the C pool's threads spin after a call before they sleep (the workers for their next call, the
-    caller for the last workers): 0 sleeps at once (each call then wakes its workers through the kernel).
-    Default 100 us (or the environment's `FERRYLM_POOL_SPIN_US`, read when the kernels load). 2-core VM: a
-    one-worker call 75 -> 11 us back to back; Qwen3-30B-A3B experts from DRAM one after another 0.70 -> 0.54 ms.
-    A call after a longer idle still pays the wake."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"native kernels unavailable: {why_unavailable()}")
-    lib.ferry_pool_set_spin(int(seconds * 1e9))
 
 
 def available() -> bool:

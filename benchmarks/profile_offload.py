@@ -157,24 +157,17 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=0,
                     help="also time (and with --profile, profile) a fresh prefill of this many tokens: the copy path's "
                          "rounds, their copies' own GB/s")
-    ap.add_argument("--hits-together", action="store_true",
-                    help="a rounds-path step runs all its hits in one round before any copy can start (the engine's "
-                         "default runs its cheapest evictable hit first: `CachedExperts.free_hit_first`)")
     ap.add_argument("--variants", nargs="+", default=["dueling:now"],
                     help="slot policy:landing pairs, each run per --experts (policy dueling | frequent | none | "
                          "frozen: dueling through the warm-up, no promotion after it; landing now | late; a third part "
                          "'layer': copies start after their layer, e.g. dueling:now:layer)")
     a = ap.parse_args()
-    if a.hits_together:
-        from ferrylm.offload.expert_cache import CachedExperts
-
-        CachedExperts.free_hit_first = False
     rows = [run(e, a, v) for e in a.experts for v in a.variants]
     base = min(rows, key=lambda r: r["step_ms"])
     for r in rows:  # the extra time per missed expert against the fastest setting
         if r["misses_per_layer"]:
             r["ms_per_miss_over_best"] = (r["step_ms"] - base["step_ms"]) / (r["misses_per_layer"] * a.layers)
-    print(json.dumps({"bench": "profile-offload", "shape": a.shape, "expert_quant": a.expert_quant, "layers": a.layers, "budget_gib": a.budget_gib, "hits_together": a.hits_together, "rows": rows}))
+    print(json.dumps({"bench": "profile-offload", "shape": a.shape, "expert_quant": a.expert_quant, "layers": a.layers, "budget_gib": a.budget_gib, "rows": rows}))
 
 
 if __name__ == "__main__":

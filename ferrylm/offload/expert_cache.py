@@ -189,11 +189,6 @@ class CachedExperts(ExpertBackend):
     (H200, `benchmarks/bench_mapped.py`), and beside a 352 MB Mixtral expert the copy path's per-layer
     sync is small."""
     large_expert_bytes = 64 << 20
-    free_hit_first = True
-    """A step of the rounds path that needs every expert its slots hold (a prefill) runs its cheapest evictable hit
-    alone first, so the first miss's copy starts while the other hits compute, instead of after all of them (the
-    rows are the same bits: each assignment comes from one round). False: the hits in one round (the A/B of
-    `benchmarks/profile_offload.py --hits-together`)."""
     promote_after_layer = False
     """A promotion's copy starts once its layer of the last queued step has run (`layer_done`: an event recorded
     after every forward of this layer, inside decode graphs too, read when the engine builds it), not after
@@ -550,20 +545,9 @@ class CachedExperts(ExpertBackend):
             run(hits + [e for e, _ in inflight])
             return sum_rows(self._add_host_rows(out, futures, T * k, x), k)
         if hits:
-            first = []
-            if pending and not inflight and self.free_hit_first:  # every slot holds an expert this step needs:
-                # the copy engine idles until a hit's slot is free; the cheapest evictable hit runs alone first
-                first = sorted((e for e in hits if e not in self.pinned), key=lambda e: counts[e])[:1]
-            rest = [e for e in hits if e not in first]
-            if first and rest:
-                run(first)
-                avail.append(self.slot_of[first[0]])
-                issue()  # its copies fly while the other hits compute
-            else:
-                rest = hits
-            run(rest)
+            run(hits)
             if pending:
-                avail.extend(self.slot_of[e] for e in rest if e not in self.pinned)
+                avail.extend(self.slot_of[e] for e in hits if e not in self.pinned)
                 issue()
         while inflight:
             batch, inflight[:] = list(inflight), []

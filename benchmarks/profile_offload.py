@@ -17,6 +17,8 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
+import tempfile
 import time
 
 import torch
@@ -83,10 +85,17 @@ def run(experts: str, a, variant: str = "dueling:now") -> dict:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 llm.generate(prompts(1, 32, seed), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
                 torch.cuda.synchronize()
+            timelines.append(timeline(prof))
             return {e.key: [e.self_cpu_time_total, e.count, e.self_device_time_total] for e in prof.key_averages()}
 
         n = 8  # decode steps profiled: a run of n + 1 tokens less a run of 1 (its prefill and first token)
+        timelines: list[dict] = []
         one, more = ops(1, 4), ops(n + 1, 5)
+        if timelines[0] and timelines[1]:  # the decode steps' share: the longer run's less the shorter one's
+            step = {k: (timelines[1][k] - timelines[0][k]) / n for k in ("span_ms", "copy_ms", "kernel_ms", "both_ms",
+                                                                          "idle_ms")}
+            print(f"decode step timeline (ms a step): {json.dumps({k: round(v, 3) for k, v in step.items()})}; longest "
+                  f"idle gaps of the longer run: {json.dumps(timelines[1]['longest_gaps'][:5])}", flush=True)
         per = {k: [(v[i] - one.get(k, [0, 0, 0])[i]) / n for i in range(3)] for k, v in more.items()}
         print(f"per decode step (profiled, times inflated): host {sum(v[0] for v in per.values()) / 1e3:.2f} ms "
               f"self, device {sum(v[2] for v in per.values()) / 1e3:.2f} ms")
@@ -101,6 +110,68 @@ def run(experts: str, a, variant: str = "dueling:now") -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a0, a1 in sorted(spans):
+        if out and a0 <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], a1)
+        else:
+            out.append([a0, a1])
+    return [tuple(x) for x in out]
+
+
+def _length(spans) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _overlap(x, y) -> float:
+    """Total length where two sorted disjoint span lists overlap."""
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        total += max(0.0, hi - lo)
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def timeline(prof) -> dict:
+    """Where a profiled step's device time goes, from the trace's device events (ms): the span from the first to
+    the last device event, the pinned host-to-device copies' busy time, the kernels' (and other device ops'), both
+    at once, neither (the device idle), and the longest idle gaps with the host op that was running as each began
+    (what the device waited for)."""
+    from torch.autograd import DeviceType
+
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    copies = _union([(e.time_range.start, e.time_range.end) for e in events if "Pinned -> Device" in e.name])
+    work = _union([(e.time_range.start, e.time_range.end) for e in events if "Memcpy" not in e.name])
+    busy = _union(copies + work)
+    if not busy:
+        return {}
+    t0, t1 = busy[0][0], busy[-1][1]
+    gaps = sorted(((b[0] - a[1], a[1]) for a, b in zip(busy, busy[1:])), reverse=True)
+    host = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == DeviceType.CPU and e.time_range.end > e.time_range.start)
+
+    def host_at(t):  # the innermost host op open at time t
+        best = None
+        for a0, a1, name in host:
+            if a0 > t:
+                break
+            if a1 >= t and (best is None or a0 >= best[0]):
+                best = (a0, name)
+        return best[1] if best else None
+
+    return dict(span_ms=(t1 - t0) / 1e3, copy_ms=_length(copies) / 1e3, kernel_ms=_length(work) / 1e3,
+                both_ms=_overlap(copies, work) / 1e3, idle_ms=(t1 - t0 - _length(busy)) / 1e3,
+                idle_gaps=len(gaps), idle_over_100us=sum(1 for g, _ in gaps if g > 100),
+                longest_gaps=[dict(ms=round(g / 1e3, 3), at_ms=round((t - t0) / 1e3, 2), host=host_at(t))
+                              for g, t in gaps[:8]])
 
 
 def prefill_profile(llm, placed, a) -> dict:
@@ -140,6 +211,16 @@ def prefill_profile(llm, placed, a) -> dict:
         print(f"{'op':60s} {'self device us':>14s} {'calls':>8s}")
         for e in sorted(ev, key=lambda e: -e.self_device_time_total)[:16]:
             print(f"{e.key[:60]:60s} {e.self_device_time_total:14.1f} {e.count:8d}")
+        res["timeline"] = timeline(prof)
+        print(f"prefill timeline: {json.dumps(res['timeline'])}", flush=True)
+        if a.trace:
+            import gzip
+
+            with tempfile.TemporaryDirectory() as d:
+                raw = os.path.join(d, "trace.json")
+                prof.export_chrome_trace(raw)
+                with open(raw, "rb") as f, gzip.open(a.trace, "wb") as g:
+                    g.write(f.read())
     print(json.dumps({"prefill": res}), flush=True)
     return res
 
@@ -157,6 +238,8 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=0,
                     help="also time (and with --profile, profile) a fresh prefill of this many tokens: the copy path's "
                          "rounds, their copies' own GB/s")
+    ap.add_argument("--trace", default=None, metavar="FILE.json.gz",
+                    help="with --profile and --prefill-tokens: the prefill's torch profiler trace (chrome format, gzip)")
     ap.add_argument("--variants", nargs="+", default=["dueling:now"],
                     help="slot policy:landing pairs, each run per --experts (policy dueling | frequent | none | "
                          "frozen: dueling through the warm-up, no promotion after it; landing now | late; a third part "

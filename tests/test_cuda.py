@@ -1121,6 +1121,35 @@ def test_packed_prefill_decoded_once_equals_the_triton_kernel(fmt):
     assert err < 2e-2
 
 
+def test_packed_prefill_rounds_queue_without_a_stream_sync():
+    """A packed bank's prefill path as the offload cache's rounds call it (`dequant_rows` with the counts given,
+    skipped ids included) queues its work without one stream sync: torch's sync debug mode raises on a blocking
+    copy, `.item()` or `.tolist()` (session 27's trace: 128 blocking copies of grouped-GEMM offsets held the host
+    54 ms of a 120 ms NF4 prefill, the copies and kernels never overlapping)."""
+    from ferrylm.layers import fused_moe
+    from ferrylm.weights import quant
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    E, k, H, I, T = 4, 2, 512, 512, 300
+    make = lambda t: quant.quantize_nf4(t, 64)  # noqa: E731
+    w13 = torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.03
+    w2 = torch.randn(E, H, I, device="cuda", generator=g) * 0.03
+    p13 = fused_moe.ExpertWeights.stack([[make(w13[e, :I]), make(w13[e, I:])] for e in range(E)], torch.bfloat16)
+    p2 = fused_moe.ExpertWeights.stack([[make(w2[e])] for e in range(E)], torch.bfloat16)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    w, ids = torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1).topk(k, -1)
+    ids[::3, 1] = E
+    counts = torch.bincount(ids.flatten(), minlength=E + 1).tolist()
+    ref = fused_moe.dequant_rows(x, p13, p2, ids, w, skip=True, counts=counts)  # warm: kernels built, LUTs made
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = fused_moe.dequant_rows(x, p13, p2, ids, w, skip=True, counts=counts)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(got, ref)
+
+
 def _mixtral_bank(scheme: str, E: int, H: int, I: int):
     """A random bank of Mixtral-shaped experts, quantized on the device: (w13, w2) dense bf16 or `ExpertWeights`."""
     from ferrylm.layers.fused_moe import ExpertWeights

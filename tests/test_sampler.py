@@ -362,3 +362,18 @@ def test_allowed_mask_on_every_row():
         ref = logits[i].clone()
         ref[[t for t in range(V) if t not in a]] = NEG_INF
         assert out.token_ids[i] == ref.argmax().item()
+
+
+def test_to_device_keeps_values_and_dtypes():
+    """`layers/transfer.to_device`: a host list becomes a long tensor (or the dtype asked), a host tensor keeps
+    its dtype unless one is asked; on the CPU nothing is copied (the same tensor comes back)."""
+    from ferrylm.layers.transfer import to_device
+
+    cpu = torch.device("cpu")
+    t = to_device([3, 1, 2], cpu)
+    assert t.dtype == torch.long and t.tolist() == [3, 1, 2]
+    assert to_device([0.5, 2.0], cpu, torch.float32).tolist() == [0.5, 2.0]
+    rows = torch.randn(2, 3).bfloat16()
+    assert to_device(rows, cpu) is rows
+    assert to_device(torch.tensor([1, 2], dtype=torch.int32).cumsum(0, dtype=torch.int32), cpu, torch.int32).tolist() == [1, 3]
+    assert to_device(rows, cpu, torch.float32).dtype == torch.float32

@@ -26,6 +26,7 @@ from ferrylm.layers.attention import PagedAttention, resolve_backend
 from ferrylm.layers.context import ForwardContext, forward_context
 from ferrylm.layers.parallel_linear import kv_heads_per_rank
 from ferrylm.layers.rotary import RotaryEmbedding
+from ferrylm.layers.transfer import to_device
 from ferrylm.models.registry import model_class
 from ferrylm.offload.placed_weights import PlacedWeights
 from ferrylm.offload.memory import (activation_reserve, cublas_workspace_bytes, device_budget, fixed_kv_bytes,
@@ -483,7 +484,10 @@ class ModelRunner:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> embeddings [T, H] on the device (looked up on the host when the table lives there)."""
-        return self.model.embed(ids.cpu()).to(self.device) if self.embed_on_host else self.model.embed(ids)
+        if not self.embed_on_host:
+            return self.model.embed(ids)
+        # the ids come back first (a sync where they are the device's), the rows go over through pinned memory
+        return to_device(self.model.embed(ids.cpu()), self.device)
 
     def run_layers(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Embeddings [T, H] -> final hidden states [T, H] (a pipeline stage: its layers only)."""

@@ -17,6 +17,7 @@ import torch
 
 from ferrylm.layers import fused_ops
 from ferrylm.layers.moe import ExpertBackend
+from ferrylm.layers.transfer import to_device
 
 try:
     import triton
@@ -561,7 +562,7 @@ def decode_experts(w, experts: list[int], dtype: torch.dtype, out: torch.Tensor 
         dense = torch.cat([w.expert(e).dequantize(dtype) for e in experts])
         return dense if out is None else out.copy_(dense)
     out = torch.empty(len(experts), N, K, dtype=dtype, device=device) if out is None else out
-    ids = torch.tensor(experts, dtype=torch.long).to(device, non_blocking=True) if ids is None else ids
+    ids = to_device(experts, device) if ids is None else ids
     args = _weight_args(w, device)
     BN, BK = 64, 128
     _decode_experts[(len(experts), triton.cdiv(N, BN), triton.cdiv(K, BK))](
@@ -614,7 +615,7 @@ def _group_mm(rows: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Te
     """rows [n, K] in runs of `sizes` rows, run j times w[j] [N, K] transposed -> [n, N]: torch's grouped GEMM
     where `grouped_mm_usable`, a matmul per run else."""
     if grouped_mm_usable(rows, w, w):
-        offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(rows.device)
+        offs = to_device(torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32), rows.device, torch.int32)
         return torch._grouped_mm(rows, w.transpose(1, 2), offs=offs)
     return torch.cat([r @ w[j].t() for j, r in enumerate(rows.split(sizes))])
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ferrylm.layers.transfer import to_device
 from ferrylm.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -83,13 +84,6 @@ class SamplerOutput:
 def uses_penalties(p: SamplingParams) -> bool:
     """Repetition, presence or frequency penalty: the row's logits depend on its tokens so far."""
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A small host list as a device tensor without blocking: `torch.tensor(..., device="cuda")` copies from
-    pageable memory and waits for the whole stream (the step queued before it); a pinned copy does not."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _pad_ids(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 from ferrylm.engine.staging import download
 from ferrylm.layers.fused_moe import ExpertWeights
 from ferrylm.layers.moe import ExpertBackend, combine, dispatch, expert_mlp
+from ferrylm.layers.transfer import to_device
 from ferrylm.offload.cost_model import split_misses
 
 
@@ -530,7 +531,7 @@ class CachedExperts(ExpertBackend):
             slot = [C] * E
             for e in experts:
                 slot[e] = self.slot_of[e]
-            ids = torch.tensor(slot, dtype=torch.long).to(x.device, non_blocking=True)[topk_ids]
+            ids = to_device(slot, x.device)[topk_ids]
             rows = expert_rows(x, self.w13, self.w2, ids, topk_weights, skip=True, experts=E,
                                counts=round_counts(counts, slot, C))  # known here: nothing read back
             out = rows if out is None else out.add_(rows)  # in place: a round holds one [A, H] sum, not three

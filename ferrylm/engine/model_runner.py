@@ -659,7 +659,7 @@ class ModelRunner:
                 hidden = hidden.contiguous()
                 pending.append((d.send_next(hidden, mb), hidden))
             elif sub.sample_rows:
-                out = self.model.compute_logits(hidden[torch.tensor(sub.sample_rows, device=self.device)])
+                out = self.model.compute_logits(hidden[to_device(sub.sample_rows, self.device)])
                 logits.append(out)  # [n, V]
                 if d.tp.rank == 0 and d.rank != 0:
                     pending.append((d.send_logits(out.contiguous(), mb), out))
@@ -672,5 +672,5 @@ class ModelRunner:
                       for mb, (sub, _) in enumerate(mbs) if sub.sample_rows]
         out = torch.empty((len(step.sample_rows), V), dtype=torch.float32, device=self.device)
         for part, (_, where) in zip(logits, [m for m in mbs if m[0].sample_rows]):
-            out[torch.tensor(where, device=self.device)] = part
+            out[to_device(where, self.device)] = part
         return out

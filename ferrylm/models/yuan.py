@@ -58,6 +58,7 @@ from ferrylm.layers.parallel_experts import SKIP, ParallelExperts, expert_bank
 from ferrylm.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, StackedParallelLinear
 from ferrylm.layers.norm import RMSNorm
 from ferrylm.layers.rotary import RotaryEmbedding
+from ferrylm.layers.transfer import to_device
 from ferrylm.models.base import CausalLM
 from ferrylm.parallel.group import current_group
 
@@ -147,10 +148,10 @@ class LFBatch:
         if any(cont) and not has_pool:
             raise RuntimeError("Yuan: a step continues a sequence but the context has no filter state slot")
         return cls(
-            first=torch.tensor(qsl[:-1], dtype=torch.long, device=device),
-            last=torch.tensor(qsl[1:], dtype=torch.long, device=device) - 1,
-            cont=torch.tensor(cont, dtype=torch.bool, device=device)[:, None],
-            slots=torch.tensor(ctx.state_slots, dtype=torch.long, device=device) if has_pool else None,
+            first=to_device(qsl[:-1], device),  # through pinned memory: no stream sync at the step's start
+            last=to_device(qsl[1:], device) - 1,
+            cont=to_device(cont, device, torch.bool)[:, None],
+            slots=to_device(ctx.state_slots, device) if has_pool else None,
             state=ctx.state if has_pool else None,
         )
 

@@ -237,10 +237,18 @@ def test_resident_moe_fused_and_graphed(tmp_path_factory):
     assert token_ids(eager_out) == token_ids(g_out)
 
 
-def test_cached_experts_fused_rounds_equal_resident_fused(tmp_path_factory):
-    """Cached experts through the fused kernel in rounds (hits, then landed misses, then waves) give
-    exactly the resident fused result."""
+@pytest.mark.parametrize("one_a_round", [False, True])
+def test_cached_experts_fused_rounds_equal_resident_fused(one_a_round, tmp_path_factory, monkeypatch):
+    """Cached experts through the fused kernel in rounds (hits, then landed misses, then waves; with
+    `one_a_round`, every expert counted large: the misses one a round as they land) give exactly the resident
+    fused result."""
     from test_models_hf import build
+
+    from ferrylm.offload.expert_cache import CachedExperts
+
+    if one_a_round:
+        monkeypatch.setattr(CachedExperts, "one_large_a_round", True)
+        monkeypatch.setattr(CachedExperts, "large_expert_bytes", 0)
 
     path, _ = build(tmp_path_factory, "qwen3_moe")
     g = torch.Generator().manual_seed(11)

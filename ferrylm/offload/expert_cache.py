@@ -190,6 +190,13 @@ class CachedExperts(ExpertBackend):
     (H200, `benchmarks/bench_mapped.py`), and beside a 352 MB Mixtral expert the copy path's per-layer
     sync is small."""
     large_expert_bytes = 64 << 20
+    one_large_a_round = False
+    """True: the rounds path computes large experts (`large_expert_bytes`) one a round as they land, each freeing its
+    slot for the next copy, so the copy engine could stream a layer's misses while they compute (same bits: each
+    assignment comes from one round). Off until measured: on the H100 (session 27) it ran an 8-layer NF4 prefill at
+    3750 / 4590 tok/s against 4352 / 3791 in one round of all in flight, its gained overlap (12 ms) lost to the rounds'
+    host gaps, most of them stream syncs the grouped GEMM's blocking offsets copy forced then (since removed:
+    `layers/transfer.py`). TODO(issue 8): `benchmarks/profile_offload.py --one-large-a-round` against the default."""
     promote_after_layer = False
     """A promotion's copy starts once its layer of the last queued step has run (`layer_done`: an event recorded
     after every forward of this layer, inside decode graphs too, read when the engine builds it), not after
@@ -550,8 +557,12 @@ class CachedExperts(ExpertBackend):
             if pending:
                 avail.extend(self.slot_of[e] for e in hits if e not in self.pinned)
                 issue()
+        # large experts one a round: its slot frees for the next copy while the copies already queued land, so the
+        # copy engine streams the layer's misses back to back under their compute; small ones (copies shorter than
+        # a round's launches) a round of all in flight
+        one = self.one_large_a_round and self.expert_bytes >= self.large_expert_bytes
         while inflight:
-            batch, inflight[:] = list(inflight), []
+            batch, inflight[:] = (inflight[:1], inflight[1:]) if one else (list(inflight), [])
             for e, s in batch:
                 if not self.ready[s].query():
                     self.stats.weight_waits += 1

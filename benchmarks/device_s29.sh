@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The next device call (written in session 27). On the H200 only the issue-10 aims (hybrid Mixtral 16L batch 16,
+# then batch 1: `device_s26.sh ... aims`); call again with PART=rest. Elsewhere, most valuable first: the CUDA tests
+# of session 27's code (the copy-path prefill queues without a stream sync; one large expert a round equals the
+# resident bits; offloaded and Yuan runs after the embedding and LFBatch copies went through pinned memory); the NF4
+# copy-path prefill's device timeline now that its rounds no longer sync the stream (session 27: copies 50 ms and
+# kernels 33 ms of a 118 ms profiled prefill, overlapping 0.04 ms; idle 35 ms), then one large expert a round
+# against the default, twice each, alternating; the NF4 plan check (prefill was +59%). Writes under $OUT; each step
+# gets at most its own limit and what is left of BUDGET seconds (skipped under 30, said on the call's output).
+#
+#   bash benchmarks/device_s29.sh COMMIT [BUDGET] [PART]     PART: auto (default) | rest
+set -u
+commit=${1:-unknown}
+budget=${2:-560}
+part=${3:-auto}
+source "$(dirname "$0")/device_steps.sh"  # t0, left, step
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "gpu: $gpu; $(lscpu | grep -m1 'Model name'); commit $commit"
+if [[ $gpu == *H200* && $part == auto ]]; then
+    bash benchmarks/device_s26.sh "$commit" "$(left 550)" aims
+    echo "aims done at $(( $(date +%s) - t0 )) s; call again with PART=rest for the rest"
+    exit 0
+fi
+t=$(left 200)
+if [ "$t" -gt 60 ]; then
+    bash benchmarks/gpu_tests.sh "$OUT/tests.txt" $(( t * 2 / 3 )) \
+        "without_a_stream_sync or cached_experts_fused_rounds or packed_experts_resident_and_offloaded or offloaded_on_cuda_equals_resident" \
+        $(( t / 3 )) "yuan"
+    grep -E "passed|failed|^E " "$OUT/tests.txt" | grep -v "^\[.*passed" | head -12
+else
+    echo "skipped (no time left): the CUDA tests"
+fi
+nf4=(--experts gpu --shape mixtral --layers 8 --budget-gib 5 --expert-quant nf4 --tokens 4 --prefill-tokens 512)
+PYTHONPATH=benchmarks:. step 80 python benchmarks/profile_offload.py "${nf4[@]}" --profile \
+    > "$OUT/prefill-timeline.txt" 2>&1; grep "prefill timeline" "$OUT/prefill-timeline.txt" | cut -c1-420
+for v in "" --one-large-a-round "" --one-large-a-round; do
+    PYTHONPATH=benchmarks:. step 50 python benchmarks/profile_offload.py "${nf4[@]}" $v > "$OUT/ab$v.txt" 2>&1
+    echo "[$v] $(grep -E '^\{"prefill"' "$OUT/ab$v.txt" | cut -c1-150)"
+done
+PYTHONPATH=benchmarks:. step 200 python benchmarks/bench_plan.py --gpu local --cases moe-offload-nf4 \
+    --case-timeout 190 --time-budget 195 --out "$OUT/plan-check-s29.json" 2>&1 | grep -v '^{' | tail -16
+echo "all done at $(( $(date +%s) - t0 )) s"

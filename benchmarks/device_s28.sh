@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The device call of session 27: does the C pool's spin (`host_native.set_pool_spin`, FERRYLM_POOL_SPIN_US; 100 us
+# Session 27's second device call, kept as it ran (the spin it measured was reverted after it: no
+# `FERRYLM_POOL_SPIN_US` any more). Does the C pool's spin (`host_native.set_pool_spin`, FERRYLM_POOL_SPIN_US; 100 us
 # by default, 0 = the old sleep at once) shorten host experts on the 16-core host, and the hybrid steps that call
 # them? Then where the Qwen3-30B-A3B bf16 batch-1 mapped step goes (against a resident run of the same 16 layers),
 # and the NF4 copy-path prefill's profile. Writes under $OUT; each step gets at most its own limit and what is left

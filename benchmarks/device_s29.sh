@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The next device call (written in session 27). On the H200 only the issue-10 aims (hybrid Mixtral 16L batch 16,
 # then batch 1: `device_s26.sh ... aims`); call again with PART=rest. Elsewhere, most valuable first: the CUDA tests
-# of session 27's code (the copy-path prefill queues without a stream sync; one large expert a round equals the
-# resident bits; offloaded and Yuan runs after the embedding and LFBatch copies went through pinned memory); the NF4
-# copy-path prefill's device timeline now that its rounds no longer sync the stream (session 27: copies 50 ms and
-# kernels 33 ms of a 118 ms profiled prefill, overlapping 0.04 ms; idle 35 ms), then one large expert a round
-# against the default, twice each, alternating; the NF4 plan check (prefill was +59%). Writes under $OUT; each step
-# gets at most its own limit and what is left of BUDGET seconds (skipped under 30, said on the call's output).
+# of sessions 26-27's code (the fp8 decode kernel by format, whose group timed out in session 27's call; the
+# copy-path prefill queues without a stream sync; one large expert a round equals the resident bits; offloaded and
+# Yuan runs after the embedding and LFBatch copies went through pinned memory); the NF4 copy-path prefill's device
+# timeline now that its rounds no longer sync the stream (session 27: copies 50 ms and kernels 33 ms of a 118 ms
+# profiled prefill, overlapping 0.04 ms; idle 35 ms), then one large expert a round against the default, twice
+# each, alternating; the NF4 plan check (prefill was +59%). Writes under $OUT; each step gets at most its own limit
+# and what is left of BUDGET seconds (skipped under 30, said on the call's output).
 #
 #   bash benchmarks/device_s29.sh COMMIT [BUDGET] [PART]     PART: auto (default) | rest
 set -u
@@ -25,7 +26,7 @@ t=$(left 200)
 if [ "$t" -gt 60 ]; then
     bash benchmarks/gpu_tests.sh "$OUT/tests.txt" $(( t * 2 / 3 )) \
         "without_a_stream_sync or cached_experts_fused_rounds or packed_experts_resident_and_offloaded or offloaded_on_cuda_equals_resident" \
-        $(( t / 3 )) "yuan"
+        $(( t / 6 )) "yuan" $(( t / 6 )) "test_fused_moe_decode.py::fp8_takes_the_decode_kernel"
     grep -E "passed|failed|^E " "$OUT/tests.txt" | grep -v "^\[.*passed" | head -12
 else
     echo "skipped (no time left): the CUDA tests"

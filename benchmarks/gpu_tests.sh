@@ -9,7 +9,8 @@
 #
 # Each test's start, outcome and failure is printed as it happens (tests/conftest.py, FERRY_TEST_TRACE), and a
 # test still running 20 s before its group's timeout dumps every thread's stack (pytest's faulthandler_timeout).
-# A k expression that names a test file (ends in .py) runs that file instead of tests/test_cuda.py.
+# A k expression that names a test file (ends in .py) runs that file instead of tests/test_cuda.py; FILE.py::K runs
+# that file's tests matching -k K.
 set -u
 log=$1
 shift
@@ -18,7 +19,9 @@ while [ $# -ge 2 ]; do
     secs=$1 expr=$2
     shift 2
     echo "=== $expr (timeout ${secs}s) $(date -u +%H:%M:%S)" >>"$log"
-    if [[ $expr == *.py ]]; then
+    if [[ $expr == *.py::* ]]; then  # FILE.py::K: that file's tests matching -k K
+        target=(tests/"${expr%%::*}" -k "${expr#*::}")
+    elif [[ $expr == *.py ]]; then
         target=(tests/"$expr")
     else
         target=(tests/test_cuda.py -k "$expr")

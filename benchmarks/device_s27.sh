@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next device call (written in session 26). On the H200 only the issue-10 aims (hybrid Mixtral 16L batch 16,
+# Session 26's waiting call, run in session 27 (kept as it ran: `dueling-wX` was removed after it). On the H200 only the issue-10 aims (hybrid Mixtral 16L batch 16,
 # then batch 1: `device_s26.sh ... aims`); call again (`PART=rest`) for the rest. On any other GPU, most valuable
 # first: the CUDA tests written after session 26's last call (slot-bank rounds at Qwen3 shapes, fp8 and NF4); the
 # NF4 host expert in one call on the box's 14 threads (CPU only, ~1 min); the fp8 offload cases again (tiles above

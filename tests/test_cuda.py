@@ -268,6 +268,8 @@ def test_cached_experts_fused_rounds_equal_resident_fused(one_a_round, tmp_path_
 
     # The hybrid split (some misses computed on the host in fp32 math over bf16 weights) agrees within bf16
     # rounding, not bitwise: the host's matmul sums in another order.
+    if one_a_round:
+        return  # the host's half does not depend on the round order
     hybrid = LLM(path, place=("experts=cpu", "layers.0.experts.0=gpu"), experts="cpu", mapped_experts=False, **kw)
     _, mixed = sampled_rows(hybrid, prompts, 12)
     worst = max((a - b).abs().max().item() for a, b in zip(ref, mixed))
@@ -1131,9 +1133,10 @@ def test_packed_prefill_decoded_once_equals_the_triton_kernel(fmt):
 
 def test_packed_prefill_rounds_queue_without_a_stream_sync():
     """A packed bank's prefill path as the offload cache's rounds call it (`dequant_rows` with the counts given,
-    skipped ids included) queues its work without one stream sync: torch's sync debug mode raises on a blocking
+    skipped ids included) queues its work without a synchronizing call: torch's sync debug mode raises on a blocking
     copy, `.item()` or `.tolist()` (session 27's trace: 128 blocking copies of grouped-GEMM offsets held the host
-    54 ms of a 120 ms NF4 prefill, the copies and kernels never overlapping)."""
+    54 ms of a 120 ms NF4 prefill, the copies and kernels never overlapping). It does not see a non-blocking copy
+    from pageable memory; `layers/transfer.to_device` keeps those off this path too."""
     from ferrylm.layers import fused_moe
     from ferrylm.weights import quant
 

@@ -12,9 +12,15 @@ import torch
 
 def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A small host list (long unless `dtype` says) or host tensor (its own dtype unless `dtype` says) as a tensor
-    on `device`, through pinned memory on CUDA: no stream sync."""
+    on `device`, through pinned memory on CUDA: no stream sync. A tensor already on `device` comes back as it is (or
+    converted). A host tensor that is already pinned is copied from as it is: the caller must not change it until
+    the copy has run (a fresh tensor, as every caller passes, never is)."""
     if isinstance(values, torch.Tensor):
         t = values if dtype is None or values.dtype == dtype else values.to(dtype)
+        if t.device == device or t.device.type != "cpu":
+            return t.to(device)
     else:
         t = torch.tensor(values, dtype=dtype or torch.long)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    if device.type != "cuda":
+        return t
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)

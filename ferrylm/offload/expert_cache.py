@@ -516,7 +516,7 @@ class CachedExperts(ExpertBackend):
             mine = torch.zeros(E, dtype=torch.bool)
             mine[on_cpu] = True
             ids_cpu = torch.where(mine[ids_host], ids_host, -1)  # [T, k]
-            rows_host = torch.empty(T * k, x.shape[1], dtype=x.dtype)
+            rows_host = torch.empty(T * k, x.shape[1], dtype=x.dtype, pin_memory=x.is_cuda)  # crosses back async
 
             def host_rows():
                 self.host_experts.rows(x_host, ids_cpu, w_host, rows_host)
@@ -690,5 +690,5 @@ class CachedExperts(ExpertBackend):
         if pending:
             raise RuntimeError(f"expert cache of layer {self.layer}: no evictable slot for experts {list(pending)}")
         for e, y in (self._join(future) or {}).items():
-            outputs[e] = y.to(x.device, non_blocking=True)
+            outputs[e] = to_device(y, x.device)
         return combine(x, counts, rows, w_sorted, outputs)

@@ -19,7 +19,6 @@ as the kernel ran.
 
 from __future__ import annotations
 
-
 import torch
 
 from ferrylm.offload.slot_policy import DuelingPolicy, PromotionPolicy

@@ -301,7 +301,8 @@ def routing_rows(plan: Plan, llm, got: dict, path: str) -> tuple[list[dict], dic
 
 def run_check(plan: Plan, model, device: str) -> list[dict]:
     """`ferry plan --check`: the plan's settings run briefly, predicted vs measured. An offloaded MoE model planned
-    without a routing profile also gets its speeds re-predicted from the routing the run saw (`routing_rows`):
+    without a routing profile (none given, none saved beside the model) also gets its speeds re-predicted from the
+    routing the run saw (`routing_rows`):
     the plan alone assumes independent, uniform routing, which real and random-weight models both beat."""
     import os
     import tempfile
@@ -313,8 +314,12 @@ def run_check(plan: Plan, model, device: str) -> list[dict]:
         torch.cuda.reset_peak_memory_stats()
     llm = engine_for(plan, model, device)
     o = plan.options
-    recording = o.expert_profile is None and o.routing is None and o.expert_hit_rate is None and record_routing(llm, cuda)
     try:
+        from ferrylm.offload.expert_profile import saved
+
+        # planned from the routing alone: no profile given or saved beside the model (the engine would use it)
+        blind = o.expert_profile is None and o.routing is None and o.expert_hit_rate is None and saved(o.model) is None
+        recording = blind and record_routing(llm, cuda)
         got = measure(plan, llm, cuda)
         rows = compare(predicted(plan, cuda), got)
         if recording:

@@ -30,7 +30,8 @@ SHAPES = {"qwen3": QWEN3_30B, "mixtral": MIXTRAL}
 
 def run(experts: str, a, variant: str = "dueling:now") -> dict:
     """variant: the mapped caches' slot policy (dueling | frequent | none: no promotions), when a
-    promotion lands (now: the next step waits for its copy | late: once the host sees it landed) and, with a
+    promotion lands (now: the next step waits for its copy | late: once the host sees it landed | stream: the copy
+    stream points the table at it, nothing waits) and, with a
     third part "layer", when its copy starts (`CachedExperts.promote_after_layer`: once its layer of the queued
     step has run, not after the whole step)."""
     from ferrylm import LLM, SamplingParams
@@ -48,6 +49,7 @@ def run(experts: str, a, variant: str = "dueling:now") -> dict:
     placed = llm.engine.runner.placed
     if placed.tally is not None:
         placed.tally.land_now = land == "now"
+        placed.tally.land_on_copy_stream = land == "stream"
         if policy == "none":
             placed.tally._promote = lambda: None
         else:
@@ -266,7 +268,7 @@ def main() -> None:
                     help="with --profile and --prefill-tokens: the prefill's torch profiler trace (chrome format, gzip)")
     ap.add_argument("--variants", nargs="+", default=["dueling:now"],
                     help="slot policy:landing pairs, each run per --experts (policy dueling | frequent | none | "
-                         "frozen: dueling through the warm-up, no promotion after it; landing now | late; a third part "
+                         "frozen: dueling through the warm-up, no promotion after it; landing now | late | stream; a third part "
                          "'layer': copies start after their layer, e.g. dueling:now:layer)")
     a = ap.parse_args()
     if a.one_large_a_round:

@@ -355,6 +355,15 @@ def test_mapped_experts_equal_resident_fused_and_graphed(after_layer, tmp_path_f
             out, got = sampled_rows(llm, prompts, 24)
             assert max((a - b).abs().max().item() for a, b in zip(ref, got)) == 0.0
             slot_books(placed)
+        # promotions pointed at by the copy stream (`land_on_copy_stream`): nothing waits, the kernels read an
+        # expert in place until its copy lands, graphed steps too: the same bits
+        placed.tally.set_policy("dueling")
+        placed.tally.land_on_copy_stream = True
+        out, got = sampled_rows(llm, prompts, 24)
+        worst = max((a - b).abs().max().item() for a, b in zip(ref, got))
+        print(f"promotions landed on the copy stream (eager={eager}): max |logit diff| = {worst:.3e}, {placed.stats}")
+        assert token_ids(out) == token_ids(ref_out) and (worst == 0.0 if eager else worst < 1e-2)
+        slot_books(placed)
 
 
 def slot_books(placed):

@@ -316,9 +316,12 @@ class CachedExperts(ExpertBackend):
         if self.in_slot is not None:
             self.in_slot[e:e + 1].fill_(s is not None)
 
-    def promote(self, e: int, victim: int | None, land: bool = False) -> None:
+    def promote(self, e: int, victim: int | None, land: bool = False, on_copy_stream: bool = False) -> None:
         """Copy expert e into victim's slot (an empty one for None) behind the table (mapped decode path);
-        with `land` the current stream waits for the copy and the table points at the slot at once."""
+        with `land` the current stream waits for the copy and the table points at the slot at once. With
+        `on_copy_stream` nothing waits: the copy stream points the table at the slot once its copy has landed, so
+        the kernels before that read e in place and those after it from the slot (either holds e's weights, part
+        by part), and the host books the slot once it sees the copy landed (`land`; the copy road waits for it)."""
         cur = torch.cuda.current_stream(self.device)
         if victim is None:
             s = self.owner.index(None)
@@ -335,7 +338,11 @@ class CachedExperts(ExpertBackend):
             _copy(self.w2, s, self.host_w2, e, non_blocking=True)
             self._arrived(s, e)
             self.ready[s].record(self.stream)
-        if land:  # stream-ordered: the next kernel reads e from its slot, never in place as well
+            if on_copy_stream:
+                self._point(e, s)
+        if on_copy_stream:
+            self.landing.append((e, s))
+        elif land:  # stream-ordered: the next kernel reads e from its slot, never in place as well
             cur.wait_event(self.ready[s])
             self.slot_of[e] = s
             self._point(e, s)

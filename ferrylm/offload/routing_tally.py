@@ -28,6 +28,12 @@ class RoutingTally:
     depth = 4
     land_now = True
     """Promotions land stream-ordered: the next step waits for their copies (see the module docstring)."""
+    land_on_copy_stream = False
+    """Promotions land on the copy stream: it points the table at the slot after the copy, the step's kernels read
+    in place until then and nothing waits (`CachedExperts.promote(on_copy_stream=True)`; above `land_now`). Off until
+    measured: on the H100 a Qwen3-30B-A3B bf16 batch-1 step ran its promotion copies (2.4 ms) and its kernels
+    (5.4 ms) one after the other, never at once (session 27). TODO(issue 8): `benchmarks/profile_offload.py
+    --variants dueling:now dueling:stream` on bf16 and fp8."""
 
     policy_name = "dueling"
     """`DuelingPolicy`, or "frequent": `PromotionPolicy`'s frequency with hysteresis alone (the plain one)."""
@@ -124,4 +130,4 @@ class RoutingTally:
     def _promote(self) -> None:
         busy = [{e for e, _ in c.landing} for c in self.caches]
         for i, e, victim in self.policy.choose(self.resident, self.pinned, busy, self._empty()):
-            self.caches[i].promote(e, victim, land=self.land_now)
+            self.caches[i].promote(e, victim, land=self.land_now, on_copy_stream=self.land_on_copy_stream)

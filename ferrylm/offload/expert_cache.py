@@ -310,9 +310,13 @@ class CachedExperts(ExpertBackend):
 
     def _point(self, e: int, s: int | None) -> None:
         """Table entries of expert e (every part, both sides) -> slot s, or its host rows (None): one column copy;
-        stream-ordered, no host sync."""
-        self.ptr_rows[:, e].copy_(self.host_cols[:, e] if s is None else self.slot_cols[:, s], non_blocking=True)
+        stream-ordered, no host sync. The tally's host row follows at once."""
+        self._point_device(e, s)
         self.resident[e] = s is not None
+
+    def _point_device(self, e: int, s: int | None) -> None:
+        """`_point`'s device side alone (the table's column, `in_slot`), on the current stream."""
+        self.ptr_rows[:, e].copy_(self.host_cols[:, e] if s is None else self.slot_cols[:, s], non_blocking=True)
         if self.in_slot is not None:
             self.in_slot[e:e + 1].fill_(s is not None)
 
@@ -321,8 +325,11 @@ class CachedExperts(ExpertBackend):
         with `land` the current stream waits for the copy and the table points at the slot at once. With
         `on_copy_stream` nothing waits: the copy stream points the table at the slot once its copy has landed, so
         the kernels before that read e in place and those after it from the slot (either holds e's weights, part
-        by part), and the host books the slot once it sees the copy landed (`land`; the copy road waits for it)."""
+        by part), and the host books the slot once it sees the copy landed (`land`; the copy road waits for it).
+        Not with hybrid decode (it lands as `land` says)."""
         cur = torch.cuda.current_stream(self.device)
+        # hybrid decode reads `in_slot` twice a layer (the host's share, then the device's): it must not flip between
+        on_copy_stream = on_copy_stream and self.host_decode is None
         if victim is None:
             s = self.owner.index(None)
         else:
@@ -337,9 +344,10 @@ class CachedExperts(ExpertBackend):
             _copy(self.w13, s, self.host_w13, e, non_blocking=True)
             _copy(self.w2, s, self.host_w2, e, non_blocking=True)
             self._arrived(s, e)
+            if on_copy_stream:  # the device's table and flags only: the host books e in `land` (until then the
+                # slot policy must not see e resident, nor evict it), after `ready`, which orders this write too
+                self._point_device(e, s)
             self.ready[s].record(self.stream)
-            if on_copy_stream:
-                self._point(e, s)
         if on_copy_stream:
             self.landing.append((e, s))
         elif land:  # stream-ordered: the next kernel reads e from its slot, never in place as well

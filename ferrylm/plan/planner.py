@@ -239,7 +239,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     # on CUDA the engine then measures one step and re-sizes the pool (`offload/memory.py` kv_after_warmup)
     elt = DTYPE_BYTES[opts.dtype]
     packed = bool(mc.num_experts) and fmt.expert_bytes(mc.moe_intermediate_size or 1, mc.hidden_size) is not None
-    step, floor = step_activation_bytes(mc, opts.max_num_batched_tokens, opts.max_num_seqs, max_len, elt, packed)
+    experts_on_host = placement is not None and any(g.kind == "experts" and placement.tier[g.name] == HOST for g in mine)
+    step, floor = step_activation_bytes(mc, opts.max_num_batched_tokens, opts.max_num_seqs, max_len, elt, packed, experts_on_host)
     pool_tokens = graph_tokens(sc, graphs_planned, piecewise and placement is not None and placement.fully_resident)
     # what the engine holds once loaded: the placed weights, the RoPE tables and a cuBLAS workspace
     held = device_weights + rope_table_bytes(model, mc, max_len) + LOAD_WORKSPACE_BYTES if placement else 0

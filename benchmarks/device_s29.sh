@@ -50,9 +50,10 @@ PYTHONPATH=benchmarks:. step 80 python benchmarks/profile_offload.py "${nf4[@]}"
     > "$OUT/prefill-timeline.txt" 2>&1; grep "prefill timeline" "$OUT/prefill-timeline.txt" | cut -c1-420
 # the Qwen3 bf16 batch-1 step with promotions landed on the copy stream against landed now (session 27: the copies
 # and the kernels never ran at once), also with the copies started after their layer (`promote_after_layer`), then fp8
-PYTHONPATH=benchmarks:. step 130 python benchmarks/profile_offload.py --experts gpu --warm 64 \
-    --variants dueling:now dueling:stream dueling:stream:layer dueling:now dueling:stream 2>&1 | grep -E '^\{"experts"' \
+PYTHONPATH=benchmarks:. step 130 python benchmarks/profile_offload.py --experts gpu --warm 64 --prefill-tokens 512 \
+    --variants dueling:now dueling:stream dueling:stream:layer dueling:now dueling:stream 2>&1 | grep -E '^\{"(experts|prefill)"' \
     | cut -c1-200
+# (its first variant also timed a fresh 512-token copy-road prefill: 2051 tok/s in session 27, before `_repoint`)
 PYTHONPATH=benchmarks:. step 100 python benchmarks/profile_offload.py --experts gpu --warm 64 --expert-quant fp8-g128 \
     --variants dueling:now dueling:stream 2>&1 | grep -E '^\{"experts"' | cut -c1-200
 echo "done at $(( $(date +%s) - t0 )) s; call again with PART=later for the plan check and the round orders"

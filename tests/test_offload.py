@@ -456,3 +456,23 @@ def test_round_counts_equal_the_mapped_ids_bincount():
             slot[e] = s
         ids = torch.tensor(slot)[topk]
         assert round_counts(counts, slot, C) == torch.bincount(ids.flatten(), minlength=C + 1).tolist()
+
+
+def test_repoint_rebuilds_the_table_from_the_slots():
+    """`CachedExperts._repoint` (after a copy-road step, whose fetches leave the table alone): every expert's column
+    of the address table from its slot's addresses when it holds one, else from its host rows', and the device's
+    and the tally's in-slot rows alike."""
+    from types import SimpleNamespace
+
+    from ferrylm.offload.expert_cache import CachedExperts
+
+    E, C, P = 6, 3, 2
+    c = SimpleNamespace(ptr_rows=torch.zeros(P, E, dtype=torch.long), slot_cols=torch.arange(P * C).view(P, C) + 100,
+                        host_cols=torch.arange(P * E).view(P, E) + 1000, slot_of={4: 0, 1: 2},
+                        device=torch.device("cpu"), in_slot=torch.ones(E, dtype=torch.bool),
+                        resident=torch.ones(E, dtype=torch.bool))
+    CachedExperts._repoint(c)
+    want = c.host_cols.clone()
+    want[:, 4], want[:, 1] = c.slot_cols[:, 0], c.slot_cols[:, 2]
+    assert torch.equal(c.ptr_rows, want)
+    assert c.in_slot.tolist() == [False, True, False, False, True, False] and torch.equal(c.resident, c.in_slot)

@@ -314,6 +314,20 @@ class CachedExperts(ExpertBackend):
         self._point_device(e, s)
         self.resident[e] = s is not None
 
+    def _repoint(self) -> None:
+        """The whole table (and `in_slot`, the tally's row) from `slot_of`, in a few launches: after a copy-road
+        step, whose fetches moved experts in and out of slots without pointing the table (session 27: a 512-token
+        Qwen3-30B-A3B prefill through 16 mapped layers launched ~2000 column copies and fills for its 515 fetches,
+        its host the bottleneck)."""
+        E = self.ptr_rows.shape[1]
+        where = [self.slot_of.get(e, -1) for e in range(E)]  # [E] the slot of each expert, -1: its host rows
+        held = to_device(where, self.device)
+        in_slot = held >= 0
+        # [P, E]: each expert's column from its slot's, else from its host rows'
+        self.ptr_rows.copy_(torch.where(in_slot, self.slot_cols[:, held.clamp(min=0)], self.host_cols))
+        self.in_slot.copy_(in_slot)
+        self.resident.copy_(torch.tensor([w >= 0 for w in where]))
+
     def _point_device(self, e: int, s: int | None) -> None:
         """`_point`'s device side alone (the table's column, `in_slot`), on the current stream."""
         self.ptr_rows[:, e].copy_(self.host_cols[:, e] if s is None else self.slot_cols[:, s], non_blocking=True)
@@ -608,8 +622,7 @@ class CachedExperts(ExpertBackend):
         old = self.owner[s]
         if old is not None:
             del self.slot_of[old]
-            if self.mapped:  # the next mapped step reads it in place; the copy waits for this fill
-                self._point(old, None)
+            if self.mapped:  # (a copy-road step: its rounds read slots, not the table, which `_repoint` sets after)
                 self.free[s].record(torch.cuda.current_stream(self.device))
         self.owner[s], self.slot_of[e] = e, s
         self.stats.copied_experts += 1
@@ -656,11 +669,8 @@ class CachedExperts(ExpertBackend):
             # moved 14.2 GB a step here against a copy-only cache's 9.9 at a like hit rate). Not yet re-measured.
             self.copied_step = True
             self.land(wait=True)  # the rounds below treat slots as landed
-            fetched = [e for e in range(bank.num_experts) if e not in self.slot_of]
             out = self._forward_fused(bank, x, topk_ids, topk_weights)
-            for e in fetched:  # every copy of the step has been waited for by now
-                if e in self.slot_of:
-                    self._point(e, self.slot_of[e])
+            self._repoint()  # every copy of the step has been waited for by now
             return out
         if self.fused:
             return self._forward_fused(bank, x, topk_ids, topk_weights)

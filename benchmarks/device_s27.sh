@@ -13,14 +13,8 @@ set -u
 commit=${1:-unknown}
 budget=${2:-560}
 part=${3:-auto}
-source "$(dirname "$0")/device_steps.sh"  # t0, left, step
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-echo "gpu: $gpu; $(lscpu | grep -m1 'Model name'); commit $commit"
-if [[ $gpu == *H200* && $part == auto ]]; then
-    bash benchmarks/device_s26.sh "$commit" "$(left 550)" aims
-    echo "aims done at $(( $(date +%s) - t0 )) s; call again with PART=rest for the rest"
-    exit 0
-fi
+source "$(dirname "$0")/device_steps.sh"  # t0, left, step, h200_aims
+h200_aims
 t=$(left 130)
 if [ "$t" -gt 60 ]; then
     bash benchmarks/gpu_tests.sh "$OUT/tests.txt" $(( t / 2 )) slot_bank_round $(( t / 2 )) test_fused_moe_decode.py

@@ -16,14 +16,8 @@ set -u
 commit=${1:-unknown}
 budget=${2:-560}
 part=${3:-auto}
-source "$(dirname "$0")/device_steps.sh"  # t0, left, step
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-echo "gpu: $gpu; $(lscpu | grep -m1 'Model name'); commit $commit"
-if [[ $gpu == *H200* && $part == auto ]]; then
-    bash benchmarks/device_s26.sh "$commit" "$(left 550)" aims
-    echo "aims done at $(( $(date +%s) - t0 )) s; call again with PART=rest for the rest"
-    exit 0
-fi
+source "$(dirname "$0")/device_steps.sh"  # t0, left, step, h200_aims
+h200_aims
 nf4=(--experts gpu --shape mixtral --layers 8 --budget-gib 5 --expert-quant nf4 --tokens 4 --prefill-tokens 512)
 if [[ $part == later ]]; then
     PYTHONPATH=benchmarks:. step 200 python benchmarks/bench_plan.py --gpu local --cases moe-offload-nf4 \

@@ -1147,15 +1147,11 @@ def test_packed_prefill_rounds_queue_without_a_stream_sync():
     54 ms of a 120 ms NF4 prefill, the copies and kernels never overlapping). It does not see a non-blocking copy
     from pageable memory; `layers/transfer.to_device` keeps those off this path too."""
     from ferrylm.layers import fused_moe
-    from ferrylm.weights import quant
 
+    torch.manual_seed(7)
     g = torch.Generator(device="cuda").manual_seed(7)
     E, k, H, I, T = 4, 2, 512, 512, 300
-    make = lambda t: quant.quantize_nf4(t, 64)  # noqa: E731
-    w13 = torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.03
-    w2 = torch.randn(E, H, I, device="cuda", generator=g) * 0.03
-    p13 = fused_moe.ExpertWeights.stack([[make(w13[e, :I]), make(w13[e, I:])] for e in range(E)], torch.bfloat16)
-    p2 = fused_moe.ExpertWeights.stack([[make(w2[e])] for e in range(E)], torch.bfloat16)
+    p13, p2 = _mixtral_bank("nf4", E, H, I)
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
     w, ids = torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1).topk(k, -1)
     ids[::3, 1] = E

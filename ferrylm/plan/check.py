@@ -302,8 +302,8 @@ def routing_rows(plan: Plan, llm, got: dict, path: str) -> tuple[list[dict], dic
 def run_check(plan: Plan, model, device: str) -> list[dict]:
     """`ferry plan --check`: the plan's settings run briefly, predicted vs measured. An offloaded MoE model planned
     without a routing profile (none given, none saved beside the model) also gets its speeds re-predicted from the
-    routing the run saw (`routing_rows`):
-    the plan alone assumes independent, uniform routing, which real and random-weight models both beat."""
+    routing the run saw (`routing_rows`): the plan alone assumes independent, uniform routing, which real and
+    random-weight models both beat."""
     import os
     import tempfile
 

@@ -261,9 +261,10 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=0,
                     help="also time (and with --profile, profile) a fresh prefill of this many tokens: the copy path's "
                          "rounds, their copies' own GB/s")
-    ap.add_argument("--one-large-a-round", action="store_true",
-                    help="large experts' copy-path rounds one expert a round as it lands (`CachedExperts."
-                         "one_large_a_round`; the engine's default waits for every copy in flight)")
+    ap.add_argument("--rounds", choices=["each", "misses", "all"], default="each",
+                    help="large experts' copy-path rounds (`CachedExperts.one_large_a_round`, `free_hits_first`): "
+                         "each expert a round, the evictable hits first (the engine's default); misses: the hits in "
+                         "one round, the misses one a round; all: one round of every copy in flight")
     ap.add_argument("--trace", default=None, metavar="FILE.json.gz",
                     help="with --profile and --prefill-tokens: the prefill's torch profiler trace (chrome format, gzip)")
     ap.add_argument("--variants", nargs="+", default=["dueling:now"],
@@ -271,16 +272,15 @@ def main() -> None:
                          "frozen: dueling through the warm-up, no promotion after it; landing now | late | stream; a third part "
                          "'layer': copies start after their layer, e.g. dueling:now:layer)")
     a = ap.parse_args()
-    if a.one_large_a_round:
-        from ferrylm.offload.expert_cache import CachedExperts
+    from ferrylm.offload.expert_cache import CachedExperts
 
-        CachedExperts.one_large_a_round = True
+    CachedExperts.one_large_a_round, CachedExperts.free_hits_first = a.rounds != "all", a.rounds == "each"
     rows = [run(e, a, v) for e in a.experts for v in a.variants]
     base = min(rows, key=lambda r: r["step_ms"])
     for r in rows:  # the extra time per missed expert against the fastest setting
         if r["misses_per_layer"]:
             r["ms_per_miss_over_best"] = (r["step_ms"] - base["step_ms"]) / (r["misses_per_layer"] * a.layers)
-    print(json.dumps({"bench": "profile-offload", "shape": a.shape, "expert_quant": a.expert_quant, "layers": a.layers, "budget_gib": a.budget_gib, "one_large_a_round": a.one_large_a_round, "rows": rows}))
+    print(json.dumps({"bench": "profile-offload", "shape": a.shape, "expert_quant": a.expert_quant, "layers": a.layers, "budget_gib": a.budget_gib, "rounds": a.rounds, "rows": rows}))
 
 
 if __name__ == "__main__":

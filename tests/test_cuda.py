@@ -237,18 +237,18 @@ def test_resident_moe_fused_and_graphed(tmp_path_factory):
     assert token_ids(eager_out) == token_ids(g_out)
 
 
-@pytest.mark.parametrize("one_a_round", [False, True])
-def test_cached_experts_fused_rounds_equal_resident_fused(one_a_round, tmp_path_factory, monkeypatch):
-    """Cached experts through the fused kernel in rounds (hits, then landed misses, then waves; with
-    `one_a_round`, every expert counted large: the misses one a round as they land) give exactly the resident
-    fused result."""
+@pytest.mark.parametrize("rounds", ["each", "misses", "all"])
+def test_cached_experts_fused_rounds_equal_resident_fused(rounds, tmp_path_factory, monkeypatch):
+    """Cached experts through the fused kernel in rounds (every expert counted large: `each`, the evictable hits
+    one a round, each slot taking the next copy, then the misses one a round as they land; `misses`, the hits in
+    one round; `all`, one round of all in flight, then waves) give exactly the resident fused result."""
     from test_models_hf import build
 
     from ferrylm.offload.expert_cache import CachedExperts
 
-    if one_a_round:
-        monkeypatch.setattr(CachedExperts, "one_large_a_round", True)
-        monkeypatch.setattr(CachedExperts, "large_expert_bytes", 0)
+    monkeypatch.setattr(CachedExperts, "one_large_a_round", rounds != "all")
+    monkeypatch.setattr(CachedExperts, "free_hits_first", rounds == "each")
+    monkeypatch.setattr(CachedExperts, "large_expert_bytes", 0)
 
     path, _ = build(tmp_path_factory, "qwen3_moe")
     g = torch.Generator().manual_seed(11)
@@ -268,7 +268,7 @@ def test_cached_experts_fused_rounds_equal_resident_fused(one_a_round, tmp_path_
 
     # The hybrid split (some misses computed on the host in fp32 math over bf16 weights) agrees within bf16
     # rounding, not bitwise: the host's matmul sums in another order.
-    if one_a_round:
+    if rounds != "all":
         return  # the host's half does not depend on the round order
     hybrid = LLM(path, place=("experts=cpu", "layers.0.experts.0=gpu"), experts="cpu", mapped_experts=False, **kw)
     _, mixed = sampled_rows(hybrid, prompts, 12)

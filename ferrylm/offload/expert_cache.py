@@ -190,13 +190,17 @@ class CachedExperts(ExpertBackend):
     (H200, `benchmarks/bench_mapped.py`), and beside a 352 MB Mixtral expert the copy path's per-layer
     sync is small."""
     large_expert_bytes = 64 << 20
-    one_large_a_round = False
+    one_large_a_round = True
     """True: the rounds path computes large experts (`large_expert_bytes`) one a round as they land, each freeing its
-    slot for the next copy, so the copy engine could stream a layer's misses while they compute (same bits: each
-    assignment comes from one round). Off until measured: on the H100 (session 27) it ran an 8-layer NF4 prefill at
-    3750 / 4590 tok/s against 4352 / 3791 in one round of all in flight, its gained overlap (12 ms) lost to the rounds'
-    host gaps, most of them stream syncs the grouped GEMM's blocking offsets copy forced then (since removed:
-    `layers/transfer.py`). TODO(issue 8): `benchmarks/profile_offload.py --one-large-a-round` against the default."""
+    slot for the next copy, so the copy engine streams a layer's misses back to back under their compute (same
+    bits: each assignment comes from one round). Measured on the H100 (session 28, 8-layer NF4 Mixtral under 5 GiB,
+    512-token fresh prefills, alternating runs): 5967 / 5730 tok/s against 5196 / 5370 with one round of all in
+    flight (+7-15%); in session 27, before `layers/transfer.py` removed the rounds' stream syncs, it had lost."""
+    free_hits_first = True
+    """With `one_large_a_round`, when misses wait for a slot: the hits whose slots may be evicted run one a round
+    first, each slot taking the next copy at once, then the pinned hits in one round; False: all hits in one round,
+    the first copy waiting for all of them (session 28's timeline of that prefill: copies 50.8 ms and kernels
+    33.4 ms of 107, never at once). TODO(issue 8): `profile_offload.py --rounds` each | misses | all."""
     promote_after_layer = False
     """A promotion's copy starts once its layer of the last queued step has run (`layer_done`: an event recorded
     after every forward of this layer, inside decode graphs too, read when the engine builds it), not after
@@ -581,15 +585,23 @@ class CachedExperts(ExpertBackend):
                 cur.wait_event(self.ready[s])
             run(hits + [e for e, _ in inflight])
             return sum_rows(self._add_host_rows(out, futures, T * k, x), k)
+        # large experts one a round: its slot frees for the next copy while the copies already queued land, so the
+        # copy engine streams the layer's misses back to back under their compute; small ones (copies shorter than
+        # a round's launches) a round of all in flight
+        one = self.one_large_a_round and self.expert_bytes >= self.large_expert_bytes
+        if hits and one and self.free_hits_first and pending:
+            first = [e for e in hits if e not in self.pinned]
+            while first and pending:  # each computed hit's slot takes the next copy while the other hits compute
+                e = first.pop(0)
+                run([e])
+                avail.append(self.slot_of[e])
+                issue()
+            hits = first + [e for e in hits if e in self.pinned]
         if hits:
             run(hits)
             if pending:
                 avail.extend(self.slot_of[e] for e in hits if e not in self.pinned)
                 issue()
-        # large experts one a round: its slot frees for the next copy while the copies already queued land, so the
-        # copy engine streams the layer's misses back to back under their compute; small ones (copies shorter than
-        # a round's launches) a round of all in flight
-        one = self.one_large_a_round and self.expert_bytes >= self.large_expert_bytes
         while inflight:
             batch, inflight[:] = (inflight[:1], inflight[1:]) if one else (list(inflight), [])
             for e, s in batch:

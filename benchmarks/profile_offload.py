@@ -43,7 +43,7 @@ def run(experts: str, a, variant: str = "dueling:now") -> dict:
     try:
         llm = LLM(RandomSource({**SHAPES[a.shape], "num_hidden_layers": a.layers}, expert_quant=a.expert_quant),
                   device="cuda", dtype="bfloat16",
-                  max_num_seqs=1, max_model_len=1024, gpu_memory_budget=f"{a.budget_gib}GiB", experts=experts)
+                  max_num_seqs=1, max_model_len=max(1024, a.prefill_tokens + 8), gpu_memory_budget=f"{a.budget_gib}GiB", experts=experts)
     finally:
         CachedExperts.promote_after_layer = False
     placed = llm.engine.runner.placed

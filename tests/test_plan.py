@@ -521,7 +521,7 @@ def test_options_that_cost_speed_for_nothing_are_warned():
 def test_hybrid_decode_shares_misses_with_the_host(tmp_path):
     """Dense cached experts on the mapped path: by default the host computes a share of the misses beside the
     kernel's in-place reads, balanced as the engine balances it (host rate / (host + in-place rate)); --experts
-    gpu turns it off, --cpu-share fixes it, packed experts never have it, and an unknown host rate says so."""
+    gpu turns it off, --cpu-share fixes it, and an unknown host rate says so (packed experts: the next test)."""
     from ferrylm.plan import estimate
 
     gpu_only = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1, experts="gpu")
@@ -547,10 +547,83 @@ def test_hybrid_decode_shares_misses_with_the_host(tmp_path):
     unknown = _shape_plan(tmp_path, QWEN3_SHAPE, 8, 2, 1, host="local")
     if not hardware.parse_host("local").read_rate_gbs:
         assert unknown.speed["assumptions"]["cpu_share"] == 0 and any("read rate is unknown" in n for n in unknown.notes)
-    nf4 = _shape_plan(tmp_path, MIXTRAL_SHAPE, 32, 16, 1, expert_quant="nf4")
-    assert nf4.speed["assumptions"]["cpu_share"] == 0
     with pytest.raises(ConfigError, match="--experts"):
         make_plan(PlanOptions("Mixtral-8x7B", host=HOST, experts="npu"))
+
+
+def _engine_costs(scheme, h2d_gbs, read_gbs):
+    """The `cost_model.Costs` of one Mixtral expert packed as `scheme`, as the engine's calibration would find them
+    if the plan's figures held: its packed bytes, read in place at the packed kernel's `PACKED_TIME` of a bf16
+    expert's time, computed on the host at the format's rate (`HOST_PACKED_EFF`), a hand-off and a call's cost."""
+    from ferrylm.offload.cost_model import Costs
+    from ferrylm.plan import estimate
+    from ferrylm.plan.memory import packed_expert_bytes
+
+    I, H = MIXTRAL_SHAPE["intermediate_size"], MIXTRAL_SHAPE["hidden_size"]
+    nb, dense = packed_expert_bytes(I, H, scheme), 3 * I * H * 2
+    host_gbs = estimate.HOST_PACKED_EFF[scheme] * read_gbs
+    inplace_s = dense * estimate.PACKED_TIME[scheme][1] / (estimate.INPLACE_EFF * h2d_gbs * 1e9)
+    return Costs(copy_s=nb / (h2d_gbs * 1e9), cpu_s=lambda n: nb / (host_gbs * 1e9) * (
+        1 + estimate.HOST_PACKED_TOKEN[scheme] * (n - 1)) + estimate.HOST_EXPERT_CALL_S, expert_bytes=nb,
+                 inplace_gbs=nb / inplace_s / 1e9, handoff_s=estimate.HANDOFF_S, call_s=estimate.HOST_EXPERT_CALL_S)
+
+
+@pytest.mark.parametrize("scheme", ["nf4", "int4"])
+def test_packed_hybrid_share_is_the_engines_own(scheme, tmp_path):
+    """Packed cached experts (session 27: the engine ran NF4 at share 0.34 where the plan said 0): the plan's host
+    share is what the engine's own `cost_model.cpu_share` returns (`PlacedWeights._balanced_share`) for the inputs
+    the engine would calibrate if the plan's figures held, at the misses uniform routing leaves a layer (its start);
+    a re-balance on the misses it then sees moves it only by `REBALANCE_MIN_CHANGE` or to 0; the notes say the share
+    and why; the copy road's steps send a packed bank's misses to the host as `split_misses` does."""
+    from ferrylm.offload.cost_model import cpu_share, split_misses
+    from ferrylm.offload.placed_weights import REBALANCE_MIN_CHANGE
+
+    read = hardware.parse_host(HOST).read_rate_gbs
+    costs = _engine_costs(scheme, 54.6, read)  # _shape_plan's measured copy rate
+    p = _shape_plan(tmp_path, MIXTRAL_SHAPE, 32, 16, 1, expert_quant=scheme)
+    a = p.speed["assumptions"]
+    misses = 2 * (1 - a["expert_hit_rate"])  # uniform routing: k (1 - slots / E), the engine's start
+    engine = cpu_share(costs, misses=misses, split=True)
+    print(f"{scheme}: plan share {a['cpu_share']:.4f}, the engine's function {engine:.4f} at {misses:.3f} misses a layer")
+    assert engine > 0.1 and a["cpu_share"] == pytest.approx(engine, rel=1e-9)
+    assert a["host_expert_gbs"] == pytest.approx(costs.expert_bytes / (costs.cpu_s(1) - costs.call_s) / 1e9)
+    note = next(n for n in p.notes if n.startswith("hybrid decode: the host's cores compute"))
+    assert f"{a['cpu_share']:.0%}" in note and f"{scheme} codes" in note and "cpu_share" in note and "misses a layer" in note
+    gpu_only = _shape_plan(tmp_path, MIXTRAL_SHAPE, 32, 16, 1, expert_quant=scheme, experts="gpu")
+    assert gpu_only.speed["assumptions"]["cpu_share"] == 0
+    assert p.speed["decode_batch1"]["tok_s"] > gpu_only.speed["decode_batch1"]["tok_s"]  # the host's share pays
+    # the routing the engine then sees: a skew within REBALANCE_MIN_CHANGE keeps the start, more moves it, a
+    # routing the slots hold turns it off
+    kinds = set()
+    for hit in (a["expert_hit_rate"] + 0.05, 0.75, 0.9, 0.97):
+        seen = cpu_share(costs, misses=2 * (1 - hit), split=True)
+        want = seen if abs(seen - engine) >= REBALANCE_MIN_CHANGE or seen <= 0 else engine
+        kinds.add("kept" if want == engine else "moved" if want else "off")
+        got = _shape_plan(tmp_path, MIXTRAL_SHAPE, 32, 16, 1, hit, scheme).speed["assumptions"]["cpu_share"]
+        print(f"  hit {hit:.2f}: re-balanced {seen:.3f}, plan {got:.3f}")
+        assert got == pytest.approx(want, rel=1e-9)
+    assert kinds == {"kept", "moved", "off"}
+    # the copy road (99 MB experts are read in place at one token only): batch 16's misses split by `split_misses`
+    b16 = _shape_plan(tmp_path, MIXTRAL_SHAPE, 32, 16, 16, 0.5, scheme).speed["decode_concurrent"]
+    d = 8 * (1 - (1 - 2 / 8) ** 16)  # distinct experts a layer at uniform routing
+    n, t = d * 0.5, round(16 * 2 / d)
+    lo = int(n)
+    on = [len(split_misses(dict.fromkeys(range(c), t), costs, "auto")[1]) for c in (lo, lo + 1)]
+    assert b16["experts_path"] == "copy"
+    assert b16["host_miss_share"] == pytest.approx(((1 - (n - lo)) * on[0] + (n - lo) * on[1]) / n, rel=1e-6)
+    assert 0 < b16["host_miss_share"] < 1
+
+
+def test_packed_hybrid_without_a_host_rate_says_so(tmp_path):
+    """A packed format with no measured host rate (fp8, int8) or NF4 on a host without AVX-512 (torch's decode,
+    ~0.7 GB/s of codes): no share is predicted, and the notes say why; dense experts keep their copy-road copies."""
+    for scheme, host, why in (("fp8", HOST, "no host rate is measured for fp8"),
+                              ("nf4", "2xEPYC-7763,1TB", "native AVX-512 host kernel")):
+        p = _shape_plan(tmp_path, MIXTRAL_SHAPE, 32, 16, 1, expert_quant=scheme, host=host)
+        assert p.speed["assumptions"]["cpu_share"] == 0
+        assert any(n.startswith("hybrid decode not predicted") and why in n for n in p.notes), p.notes
+    dense = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 16, 0.5).speed["decode_concurrent"]
+    assert dense["experts_path"] == "copy" and dense["host_miss_share"] is None
 
 
 def test_plan_states_the_kv_the_cuda_engine_ends_with():

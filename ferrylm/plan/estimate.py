@@ -11,15 +11,18 @@ A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_
                 the routed experts' share at `moe_mfu` (rows an expert)
     t_mapped  = decode steps of up to `CachedExperts.mapped_tokens` tokens with experts in host memory: one
                 fused launch reads the hits from HBM and the misses in place from mapped host memory at
-                pinned H2D GB/s * INPLACE_EFF, side by side, while (hybrid decode, the engine's default for
-                dense experts) the host's cores compute a share of the misses at HOST_EXPERT_EFF of the host's
-                read rate, the share balanced as the engine balances it: max(hits, GPU misses, host misses)
+                pinned H2D GB/s * INPLACE_EFF, side by side, while (hybrid decode, the engine's default) the
+                host's cores compute a share of the misses at HOST_EXPERT_EFF of the host's read rate (packed
+                experts: HOST_PACKED_EFF of their format), the share balanced as the engine balances it
+                (`offload/cost_model.cpu_share` on these figures): max(hits, GPU misses, host misses)
                 (hits at least every expert's resident time: a miss never speeds the kernel up),
                 serial with the other kernels (and then not in t_hbm); plus the routing tally's promotion
                 copies (`PROMOTIONS_PER_MISS`), which the next step waits for (they land at once) and which
                 share the link with the in-place reads; a layer with an in-place miss adds INPLACE_LAYER_S, a
                 promotion PROMOTION_S (latencies small experts do not hide)
-    t_host    = copy-path MoE layers (larger steps, or a mapped path off): CACHED_EXPERT_S per expert touched
+    t_host    = copy-path MoE layers (larger steps, or a mapped path off): CACHED_EXPERT_S per expert touched;
+                packed experts' misses split between copies and the host's cores as the engine splits them
+                (`offload/cost_model.split_misses`), the host's part a term of the roofline's max
     t_launch  = layers * LAUNCH_S (eager) or LAUNCH_GRAPH_S (CUDA graphs), plus LAYER_EXTRA_S of the family
     t_comm    = 2 all-reduces per layer under TP (ALLREDUCE_S + ring bytes over NVLink or PCIe)
 Packed experts (int4 / int8 / NF4 / fp8) are read at `PACKED_TIME` of a dense expert's time, resident and in place.
@@ -116,14 +119,19 @@ before the next step (`RoutingTally.land_now`). Measured (H200, Qwen3-30B-A3B sh
 capped by `PROMOTIONS_PER_LAYER` (batch 16: 5.0 a step at 1036 misses)."""
 PROMOTIONS_PER_LAYER = 0.35
 """Most promotion copies a mapped decode step makes per cached layer (see `PROMOTIONS_PER_MISS`)."""
-PACKED_TIME = {"nf4": (2.5, 0.30), "int4": (5.4, 0.92), "int8": (1.4, 0.50), "fp8": (0.8, 0.51)}
+PACKED_TIME = {"nf4": (2.5, 0.30), "int4": (5.4, 0.33), "int8": (1.4, 0.50), "fp8": (0.8, 0.51)}
 """Packed expert format -> (resident, in place) time to read one expert at decode, relative to the same expert
 dense in bf16. Measured on the H200, two Mixtral experts at one token (`bench_mapped.py --sweep`): NF4 g64 on the
 split-K decode kernel (`fused_moe_decode.by_format_config`, session 12) 0.45 ms resident and 4.17 in place
 against bf16's 0.18 / 13.8 (session 11's first NF4 kernel: (5.4, 0.92)); int8 per channel on the plain kernel
 0.26 / 6.92 (session 11); fp8 on the decode kernel's fp8 tiles (session 26, H100, one Qwen3-30B-A3B layer at one
 token, CUDA-graphed, `bench_mapped.py --mixed`): 8 experts 0.041 ms from HBM and 0.764 in place against bf16's 0.051
-/ 1.494 (GPUs without FP8 conversion keep the plain kernel's table decode: `FP8_TABLE_TIME`). int4 is not measured (the plain kernel, assumed as NF4 was on it). Still latency-bound
+/ 1.494 (GPUs without FP8 conversion keep the plain kernel's table decode: `FP8_TABLE_TIME`). int4 in place: the
+engine's calibration (`calibration.inplace_read_gbs`: the fused kernel reading one expert in place at one token) read a
+Mixtral int4/32 expert's 99.1 MB at 43.3 GB/s on the H200 (session 16, `offload-2026-12-03-s16-hybrid32-int4-c-off.json`):
+2.29 ms against bf16's 6.9 above (was 0.92, assumed from session 11's first NF4 kernel, which put the host's balanced
+share of int4 misses at twice the engine's); int4 resident is not measured (the plain kernel, assumed as NF4 was on
+it). Still latency-bound
 resident (NF4 458 GB/s of packed bytes against ~4.2 TB/s), so 4-bit experts buy memory and PCIe bytes, not HBM
 time."""
 FP8_TABLE_TIME = (5.3, 0.53)
@@ -145,6 +153,45 @@ the host's read rate as `hw/bandwidth.host_read_gbs` measures it (the rate the p
 keeps 45.4 GB/s beside it), against 124 GB/s that function measured on the same host (first `bench_plan` run).
 Was 0.37: 33.4 GB/s over another tool's read figure (90.7 GB/s, `bench_cpu_experts.py`), which the planner's own
 124 GB/s then turned into 46 GB/s."""
+HOST_PACKED_EFF = {"nf4": 0.52, "int4": 0.36}
+"""Packed experts on the host's cores (the host computes them packed, `offload/host_experts.py`): the packed bytes a
+second of one expert at one token beyond `HOST_EXPERT_CALL_S`, as a share of the host's read rate (as
+`HOST_EXPERT_EFF` for dense ones). NF4, the native AVX-512 kernel (one call an expert, `host_native`): a Mixtral
+expert's 99.1 MB of codes in 2.73 ms at one token on 14 threads of the H100 host (docs/benchmarks.md, Session 27,
+`bench_host_rowblocks.py --formats nf4`), 2.43 ms beyond the call: 40.8 GB/s against the 78.9 GB/s read rate
+`bench_plan` measured on that host the same session (the engine's calibration there: 2.87 ms beside copies on 16
+threads). int4, torch's int4pack kernel: the engine's calibration of a Mixtral int4/32 expert beside copies, 2.55 ms
+at one token on 15 threads of the H200 host (`offload-2026-12-03-s16-hybrid32-int4-c-off.json`), 2.25 ms beyond the
+call: 44 GB/s against that host's 124 GB/s. Other packed formats (int8, fp8, int4min) have no measured host rate
+here: no host share is predicted for them (the engine calibrates its own)."""
+HOST_PACKED_TOKEN = {"nf4": 0.25, "int4": 0.21}
+"""Each token an expert takes beyond the first adds this share of its one-token host time (packed experts decode
+their codes per token: compute-bound where dense ones stay bound by their bytes). NF4: 4.75 ms at 4 tokens against
+2.73 at one (Session 27, the same run): (4.75 / 2.73 - 1) / 3. int4: the same calibration's 13.2 ms at 16 tokens
+against 3.14 at one (alone): (13.2 / 3.14 - 1) / 15."""
+NATIVE_HOST_FORMATS = {"nf4"}
+"""Packed formats the host computes only through `layers/host_native`'s AVX-512 kernels: without AVX-512 they run
+torch's decode at ~0.7 GB/s of codes (Session 15: 149 ms an NF4 Mixtral expert), which never earns a share."""
+
+
+def host_expert_eff(scheme: str | None, avx512: bool = True) -> float:
+    """Share of the host's read rate at which it computes one expert of the bank's format (None: dense) at one
+    token; 0 where no rate is known (no share is predicted)."""
+    if scheme is None:
+        return HOST_EXPERT_EFF
+    if scheme in NATIVE_HOST_FORMATS and not avx512:
+        return 0.0
+    return HOST_PACKED_EFF.get(scheme, 0.0)
+
+
+def host_expert_s(nbytes: float, scheme: str | None, host_gbs: float, tokens: float = 1.0) -> float:
+    """Host seconds for one expert of `nbytes` (its format's bytes) at `tokens` tokens, beyond HOST_EXPERT_CALL_S:
+    its bytes at `host_gbs` (`host_expert_eff` of the read rate), packed formats growing with the tokens
+    (`HOST_PACKED_TOKEN`)."""
+    grow = HOST_PACKED_TOKEN.get(scheme, 0.0) if scheme else 0.0
+    return nbytes / (host_gbs * 1e9) * (1 + grow * max(tokens - 1, 0.0))
+
+
 HOST_EXPERT_CALL_S = 0.3e-3
 """Host time per expert the hybrid path's worker runs in a decode step, beyond its bytes: a Python loop of ~8
 torch ops per expert (`HostExperts.rows`), each a fork/join of the thread team beside the GPU's reads.

@@ -356,23 +356,60 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     mapped_tokens = min((1 if moe[l]["nbytes"] > CachedExperts.large_expert_bytes else CachedExperts.mapped_tokens
                          for l in cached), default=None) if fused_moe else None
     graph_base = graphs_family and not opts.enforce_eager and ranks == 1 and placement is not None
-    # hybrid decode (offload/placed_weights.py `_start_host_decode`): dense cached experts, experts != gpu; the
-    # engine balances the host's expert rate against the in-place read rate unless a share is given
-    host_gbs = estimate.HOST_EXPERT_EFF * host.read_rate_gbs
-    packed_any = any(m["packed"] for m in moe.values())
-    share = 0.0
-    if cached and mapped_tokens is not None and not packed_any and opts.experts != "gpu" and host_gbs > 0:
-        from ferrylm.offload.cost_model import balanced_share
+    # hybrid decode (offload/placed_weights.py `_start_host_decode`): cached experts on the mapped path, experts !=
+    # gpu, in any format the host has a rate for (dense, or packed: `estimate.host_expert_eff`); unless a share is
+    # given the engine balances the host's expert rate against the in-place read rate by `cost_model.cpu_share`, which
+    # the plan calls too, on its own figures for the engine's calibrated ones
+    from ferrylm.offload.cost_model import Costs, cpu_share, split_misses
 
-        inplace_gbs = estimate.INPLACE_EFF * gpu.h2d_gbs
-        # as the engine balances it (`cost_model.cpu_share`): a batch-1 step's misses a layer, their bytes in
-        # place against the host's, beyond a hand-off and a call per split miss
-        m1 = sum(distinct(l, 1) * (1 - hit_of(l, 1, True)) for l in cached) / len(cached)
+    packed_any = any(m["packed"] for m in moe.values())
+    scheme = fmt.experts_scheme if packed_any else None  # the host bank's format (None: dense)
+    host_gbs = estimate.host_expert_eff(scheme, host.avx512) * host.read_rate_gbs
+    costs = None
+    if cached and host_gbs > 0:
         nb = sum(moe[l]["nbytes"] for l in cached) / len(cached)
-        share = opts.cpu_share if opts.cpu_share is not None else (
-            1.0 if opts.experts == "cpu" else balanced_share(
-                m1 * nb / (inplace_gbs * 1e9), estimate.HANDOFF_S + m1 * estimate.HOST_EXPERT_CALL_S,
-                m1 * nb / (host_gbs * 1e9)))
+        equiv = sum(moe[l]["inplace_equiv"] for l in cached) / len(cached)
+        call = estimate.HOST_EXPERT_CALL_S
+        # what the engine's calibration measures (`offload/calibration.costs_from`; the hand-off and a call's cost
+        # timed through the real hand-off): one expert's copy, its host time at n tokens (the call's cost in it), its
+        # bytes read in place (packed ones at their `PACKED_TIME`, in bytes a second of the packed expert)
+        costs = Costs(copy_s=nb / (gpu.h2d_gbs * 1e9),
+                      cpu_s=lambda n: estimate.host_expert_s(nb, scheme, host_gbs, n) + call,
+                      expert_bytes=int(nb), inplace_gbs=estimate.INPLACE_EFF * gpu.h2d_gbs * nb / equiv,
+                      handoff_s=estimate.HANDOFF_S, call_s=call)
+    from ferrylm.offload.placed_weights import REBALANCE_MIN_CHANGE
+
+    share = start = seen = m0 = m1 = 0.0
+    if cached and mapped_tokens is not None and opts.experts != "gpu" and costs is not None:
+        # a batch-1 step's misses a layer, as the plan predicts them
+        m1 = sum(distinct(l, 1) * (1 - hit_of(l, 1, True)) for l in cached) / len(cached)
+        if opts.cpu_share is not None or opts.experts == "cpu":
+            share = opts.cpu_share if opts.cpu_share is not None else 1.0
+        else:
+            # the engine's start (`PlacedWeights._balanced_share`): uniform routing, k * (1 - slots / E) misses a
+            # layer, every miss split along its intermediate (`hybrid_split`, every bank format); at 0 it stays off
+            m0 = sum(k * (1 - min(cached_layers[l][1], moe[l]["experts"]) / moe[l]["experts"])
+                     for l in cached) / len(cached)
+            start = cpu_share(costs, misses=m0, split=True)
+            # then, once (`_maybe_rebalance`), the misses its first mapped steps see: the plan's, applied when the
+            # share moves by REBALANCE_MIN_CHANGE or to 0 (the share tuner's climb on step times is not modelled)
+            seen = cpu_share(costs, misses=m1, split=True) if start > 0 else 0.0
+            share = seen if start > 0 and (abs(seen - start) >= REBALANCE_MIN_CHANGE or seen <= 0) else start
+    # the copy road (steps over `mapped_tokens`) sends a packed bank's misses to the host as the engine's
+    # `split_misses` does (its kernels built in the background once seen: `HostExperts.build_later`, ready in the
+    # steady state timed here); a dense bank's split is counted as copies: measured, it gained 6% over copies alone
+    # (Mixtral 16L batch 1, docs/benchmarks.md "Hybrid CPU-GPU experts")
+    road_split = costs is not None and scheme is not None and opts.experts != "gpu"
+
+    def host_takes(misses: float, tokens: float) -> float:
+        """Expected misses of a copy-road layer the engine computes on the host: `split_misses` on the whole
+        numbers of misses either side of `misses`, `tokens` each, weighed by the fraction."""
+        t, lo = max(1, round(tokens)), int(misses)
+
+        def on_host(n: int) -> int:
+            return len(split_misses(dict.fromkeys(range(n), t), costs, opts.experts)[1]) if n else 0
+
+        return (1 - (misses - lo)) * on_host(lo) + (misses - lo) * on_host(lo + 1)
 
     # the routed experts' parameters one token touches: their GEMMs run in the fused kernel (at `estimate.moe_mfu`)
     expert_active = count.experts * count.top_k // count.num_experts if count.num_experts and fused_moe else 0
@@ -385,7 +422,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         """HBM (time-equivalent) bytes of hits, copied and in-place miss bytes, host seconds of one step."""
         mapped = not prefill and mapped_tokens is not None and batch <= mapped_tokens
         out = dict(hbm=0.0, all=0.0, copy=0.0, inplace=0.0, inplace_equiv=0.0, host=0.0, host_experts_s=0.0, promote=0.0,
-                   promotions=0.0,
+                   promotions=0.0, road_host=0.0, road_misses=0.0,
                    layers=[], copy_layers=[],
                    mapped=mapped and bool(cached),
                    hit=sum(hit_of(l, batch, mapped) for l in cached) / len(cached) if cached else None)
@@ -410,11 +447,16 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                     out["promote"] += n * m["nbytes"]
                 # the host runs its share of every miss (split along the intermediate: one call each) or, at
                 # share 1, every miss whole
-                out["host_experts_s"] += (misses * share * m["nbytes"] / (host_gbs * 1e9) + estimate.HANDOFF_S
-                                          + misses * estimate.HOST_EXPERT_CALL_S) if share else 0.0
-            else:  # the copy path's host split (offload/cost_model.py) is counted as copies: measured, it gained
-                # 6% over copies alone (Mixtral 16L batch 1, docs/benchmarks.md "Hybrid CPU-GPU experts")
-                out["copy"] += misses * m["nbytes"]
+                out["host_experts_s"] += (misses * share * estimate.host_expert_s(
+                    m["nbytes"], scheme, host_gbs, batch * k / d) + estimate.HANDOFF_S
+                    + misses * estimate.HOST_EXPERT_CALL_S) if share else 0.0
+            else:  # the copy road: a packed bank's misses split between copies and the host (`road_split`)
+                on_host = host_takes(misses, batch * k / d) if road_split and not prefill else 0.0
+                out["copy"] += (misses - on_host) * m["nbytes"]
+                out["hbm"] -= on_host * m["hbm_equiv"]  # computed where they lie, not from a slot
+                out["host_experts_s"] += on_host * costs.cpu_s(batch * k / d) if on_host else 0.0
+                out["road_host"] += on_host
+                out["road_misses"] += misses
                 if prefill:  # layer by layer (`StepCost.copy_layers`): its copies, then its hits' and misses' work;
                     # the slots no hit holds take copies while the hits compute
                     free = max(0.0, m["resident"] + slots.get(l, 0) - hits)
@@ -445,6 +487,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         return dict(batch=batch, tok_s=batch / seconds, step_ms=seconds * 1e3, binding=t.binding,
                     pcie_bytes_per_step=streamed_bytes + x["copy"] + x["inplace"] + x["promote"], cuda_graphs=graphs,
                     experts_path="resident" if not cached else "mapped" if x["mapped"] else "copy",
+                    # the copy road's misses the host computes (`road_split`), a share of them
+                    host_miss_share=x["road_host"] / x["road_misses"] if road_split and x["road_misses"] else None,
                     expert_hit_rate=x["hit"],
                     parts_ms={p: v * 1e3 for p, v in t.parts.items()})
 
@@ -543,27 +587,50 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             "; batch 1: the engine's slot policy replayed on the profile's decode trace" if route.traces else "")
         notes.append(f"experts: {path}; hit rate {a['expert_hit_rate']:.2f} at batch 1, {conc_hit:.2f} at batch "
                      f"{dn['batch']} ({hit_note}{how}){advice}")
+        rate = (f"{host_gbs:.0f} GB/s{f' of {scheme} codes' if scheme else ''}: "
+                f"{estimate.host_expert_eff(scheme, host.avx512):.0%} of the host's "
+                f"{'measured' if host.read_gbs else 'assumed'} {host.read_rate_gbs:.0f} GB/s read rate")
         if share:
+            if opts.cpu_share is not None or opts.experts == "cpu":
+                chosen = "given (--cpu-share)" if opts.cpu_share is not None else "every miss (--experts cpu)"
+            elif share == start:
+                chosen = "balanced as the engine balances it at start (`cost_model.cpu_share`, uniform routing): " + \
+                    _share_why(costs, m0) + ("" if abs(seen - start) < 0.005 else
+                                             f"; its re-balance on the {m1:.2f} misses a layer it should see says "
+                                             f"{seen:.2f}, a move under {REBALANCE_MIN_CHANGE}: kept")
+            else:
+                chosen = (f"as the engine re-balances it (`cost_model.cpu_share`) on the misses it sees, from {start:.2f} "
+                          f"at start (uniform routing, {m0:.2f} misses a layer): {_share_why(costs, m1)}")
             notes.append(f"hybrid decode: the host's cores compute {share:.0%} of the misses beside the kernel's "
-                         f"in-place reads ({host_gbs:.0f} GB/s: {estimate.HOST_EXPERT_EFF:.0%} of the host's "
-                         f"{'measured' if host.read_gbs else 'assumed'} {host.read_rate_gbs:.0f} GB/s read rate); "
-                         f"each host expert costs {estimate.HOST_EXPERT_CALL_S * 1e3:.1f} ms beyond its bytes, a layer's "
-                         f"hand-off {estimate.HANDOFF_S * 1e3:.2f} ms; the copy "
-                         "path's split (larger steps, prefill) is counted as copies (it gained 6% over copies alone "
-                         "when measured)")
+                         f"in-place reads ({rate}), {chosen}; each host expert costs "
+                         f"{estimate.HOST_EXPERT_CALL_S * 1e3:.1f} ms beyond its bytes, a layer's hand-off "
+                         f"{estimate.HANDOFF_S * 1e3:.2f} ms"
+                         + ("" if road_split else "; the copy path's split (larger steps, prefill) is counted as "
+                            "copies (it gained 6% over copies alone when measured)"))
             alone = make_plan(replace(opts, experts="gpu"), advise=False) if advise and opts.experts == "auto" else None
             if alone is not None and alone.speed["decode_batch1"]["tok_s"] > 1.05 * d1["tok_s"]:
                 notes.append(f"warning: hybrid decode costs speed here (small experts: the host's per-expert cost "
                              f"outweighs their bytes): --experts gpu decodes {alone.speed['decode_batch1']['tok_s']:.1f} "
                              f"instead of {d1['tok_s']:.1f} tok/s at batch 1")
-        elif cached and mapped_tokens and not packed_any and opts.experts == "auto" and host_gbs > 0:
-            notes.append(f"hybrid decode off (share 0, as the engine chooses it): a batch-1 step's misses take the "
-                         f"device less time in place than a hand-off ({estimate.HANDOFF_S * 1e3:.2f} ms) and a host "
-                         f"call per miss ({estimate.HOST_EXPERT_CALL_S * 1e3:.2f} ms) would cost the host; --cpu-share "
-                         "S forces it")
-        elif mapped_tokens and not packed_any and opts.experts != "gpu" and host_gbs == 0:
-            notes.append("hybrid decode not predicted: this host's memory read rate is unknown (--host local without "
-                         "--measure-bandwidth); the engine will also compute a share of the misses on the host")
+        elif cached and mapped_tokens and opts.experts == "auto" and costs is not None:
+            notes.append(f"hybrid decode off (share 0, as the engine chooses it by `cost_model.cpu_share`; host {rate}): "
+                         + (f"at start (uniform routing) {_share_why(costs, m0)}" if start <= 0 else
+                            f"it starts at {start:.2f} (uniform routing, {m0:.2f} misses a layer) and its re-balance on "
+                            f"the misses it sees turns it off: {_share_why(costs, m1)}")
+                         + "; --cpu-share S forces it")
+        elif mapped_tokens and opts.experts != "gpu" and host_gbs == 0:
+            notes.append("hybrid decode not predicted: " + (
+                "this host's memory read rate is unknown (--host local without --measure-bandwidth)"
+                if not host.read_rate_gbs else
+                f"{scheme} experts need the native AVX-512 host kernel, which this host lacks"
+                if scheme in estimate.NATIVE_HOST_FORMATS and not host.avx512 else
+                f"no host rate is measured for {scheme} experts (`estimate.HOST_PACKED_EFF`)")
+                + "; the engine will also compute a share of the misses on the host where its calibration finds one pays")
+        if road_split and dn["host_miss_share"]:
+            notes.append(f"the copy road (steps over {mapped_tokens or 0} token(s), prefill apart) sends "
+                         f"{dn['host_miss_share']:.0%} of batch {dn['batch']}'s misses to the host's cores, as the engine "
+                         f"splits them (`cost_model.split_misses`: the host takes a miss where it finishes before the "
+                         f"copy queue, {costs.copy_s * 1e3:.2f} ms an expert); the rest are copied")
     if opts.quant:
         notes.append(f"--quant {opts.quant}: Linear weights stay packed on the GPU and in host memory (streamed layers "
                      "cross PCIe packed) and are computed packed by a Triton kernel (`layers/packed_linear.py`): it "
@@ -622,6 +689,24 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                      "(memory.analytical_groups); the engine cannot run it")
     return Plan(opts, name, mc.architecture, n_gpu, gpu.name, host.name, count.total, count.active,
                 summarize(groups), per_gpu, verdict, pl, speed, notes, counted, qual)
+
+
+def _share_why(costs, misses: float) -> str:
+    """Why `cost_model.cpu_share` gives a layer's `misses` the share it does (the engine logs the same at start,
+    `PlacedWeights._balanced_share`), on the plan's figures."""
+    from ferrylm.offload.cost_model import MIN_SHARE, cpu_share
+
+    dev = misses * costs.expert_bytes / (costs.inplace_gbs * 1e9)
+    fixed = costs.handoff_s + misses * costs.call_s
+    host = costs.cpu_s(1) - costs.call_s
+    share = cpu_share(costs, misses=misses, split=True)
+    why = (f"~{misses:.2f} misses a layer take the device {dev * 1e3:.2f} ms in place, the host {host * 1e3:.2f} ms "
+           f"an expert's bytes beyond a hand-off and a call per miss ({fixed * 1e3:.2f} ms)")
+    if share:
+        return f"{why}: share {share:.2f}"
+    if dev <= fixed:
+        return f"{why}: the fixed costs alone exceed the device's time"
+    return f"{why}: balanced at {(dev - fixed) / (dev + misses * host):.2f}, under the engine's MIN_SHARE {MIN_SHARE}"
 
 
 def _analytical(cfg: dict) -> bool:

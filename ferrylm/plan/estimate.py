@@ -342,7 +342,10 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
                    "compute": (parts["compute"] if roof == "compute" else 0.0) + laid_by["compute"],
                    "pcie": (parts["pcie"] if roof == "pcie" else 0.0) + (inplace if cost.mapped and inplace > experts else 0.0)
                    + parts["promotions"] + laid_by["pcie"],
-                   "host": (cost.host_experts_s if cost.mapped and cost.host_experts_s > max(experts, inplace) else 0.0)
+                   # the host binds a mapped step where it outlasts the kernel (`mapped_experts`: layer by layer, the
+                   # in-place reads add to the hits' time)
+                   "host": (cost.host_experts_s if cost.mapped and cost.host_experts_s > (
+                       experts + inplace if cost.mapped_layers else max(experts, inplace)) else 0.0)
                    + (parts["host_experts"] if roof == "host_experts" else 0.0),
                    "launch": parts["launch"] + parts["host"], "comm": parts["comm"]}
     return StepTime(seconds, max(by_resource, key=by_resource.get), parts)

@@ -55,6 +55,10 @@ def _copy(dst, s: int, src, e: int, non_blocking: bool = False) -> None:
         t[s].copy_(src_parts[k][e], non_blocking=non_blocking)
 
 
+LENT = -1
+"""A slot's owner while the next layer stages one of its experts there (`CachedExperts.lend_slots`)."""
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A device tensor on the host (`engine/staging.download`: pinned, behind a blocking event, so the wait
     sleeps rather than spins: CUDA spins a core while it waits by default, and host experts need every core)."""
@@ -201,6 +205,14 @@ class CachedExperts(ExpertBackend):
     first, each slot taking the next copy at once, then the pinned hits in one round; False: all hits in one round,
     the first copy waiting for all of them (session 28's timeline of that prefill: copies 50.8 ms and kernels
     33.4 ms of 107, never at once). TODO(issue 8): `profile_offload.py --rounds` each | misses | all."""
+    lend_slots = 2
+    """With `one_large_a_round`, a copy-road step whose tokens leave almost no expert unrouted (`_lends`): up to this
+    many of a layer's slots, each freed by its last miss's round once no miss waits, are lent to the next cached layer,
+    which stages there the experts it lacks before its routing is known; the copy engine then streams from one layer's
+    misses into the next's instead of idling through the next layer's attention, routing and first hit (session 28's
+    2k prefill of the 32-layer NF4 Mixtral under 16 GiB: 0.68 of the copy floor). The next layer computes a staged
+    expert it needs in a round of its own from the lender's slot (same bits) and gives the slot back empty; 0: off.
+    TODO(issue 8): measured by `profile_offload.py --lend`."""
     promote_after_layer = False
     """A promotion's copy starts once its layer of the last queued step has run (`layer_done`: an event recorded
     after every forward of this layer, inside decode graphs too, read when the engine builds it), not after
@@ -255,6 +267,11 @@ class CachedExperts(ExpertBackend):
         """Hybrid decode (`offload/host_decode.py`): CPU-class experts the table points at the host are
         computed by the host's cores while the kernel reads the others in place."""
         self.cpu_class: torch.Tensor | None = None  # [E] bool, host: experts the CPU takes first while not in a slot
+        self.next: CachedExperts | None = None
+        """The next layer's cache when its slots take this one's experts (`lend_slots`; `link` sets it)."""
+        self.borrowed: list[tuple[int, CachedExperts, int]] = []
+        """Experts staged for this layer's next step in a previous layer's lent slots: (expert, lender, slot)."""
+        self.last_counts: list[int] = []  # the last step's assignments per expert (`_plan`)
         self.in_slot: torch.Tensor | None = None  # [E] bool, device: the table points at a slot, stream-ordered
         self.split_cols: int | None = None  # hybrid decode split along the intermediate: the GPU's columns
         self.prefer: torch.Tensor | None = None  # [E] long, device: hybrid decode's host preference order
@@ -450,13 +467,14 @@ class CachedExperts(ExpertBackend):
             self._host_experts = HostExperts(self.host_w13, self.host_w2, self.act)
         return self._host_experts
 
-    def _arrived(self, s: int, e: int) -> None:
-        """Expert e just copied into slot s (enqueued): if the host keeps it in its own int4 layout
-        (`HostExperts.lay`), re-lay the slot's copy into the store's, on the same stream."""
-        he = self._host_experts
+    def _arrived(self, s: int, e: int, into=None) -> None:
+        """Expert e just copied into slot s (enqueued) of this cache's slots (or `into`'s, a lender's): if the host
+        keeps it in its own int4 layout (`HostExperts.lay`), re-lay the slot's copy into the store's, on the same
+        stream."""
+        he, into = self._host_experts, into or self
         if he is not None and e in he.laid:
-            he.arrived(self.w13, s, e)
-            he.arrived(self.w2, s, e)
+            he.arrived(into.w13, s, e)
+            he.arrived(into.w2, s, e)
 
     def host_parts(self) -> list[torch.Tensor]:
         return [*_parts(self.host_w13).values(), *_parts(self.host_w2).values()]
@@ -495,7 +513,9 @@ class CachedExperts(ExpertBackend):
         if misses or on_cpu:
             self.stats.cpu_share = len(on_cpu) / (len(misses) + len(on_cpu))
         self.policy.touch(needed)
-        cands = [s for s in range(self.capacity) if self.owner[s] not in need and self.owner[s] not in self.pinned]
+        self.last_counts = counts
+        cands = [s for s in range(self.capacity)
+                 if self.owner[s] not in need and self.owner[s] not in self.pinned and self.owner[s] != LENT]
         empty = [s for s in cands if self.owner[s] is None]
         avail = deque(empty + [self.slot_of[e] for e in self.policy.victims(
             [self.owner[s] for s in cands if self.owner[s] is not None])])
@@ -535,13 +555,16 @@ class CachedExperts(ExpertBackend):
         flying), then each batch of landed misses. Rows add up to exactly the resident fused result."""
         from ferrylm.layers.fused_moe import expert_rows, sum_rows
 
-        E, C = bank.num_experts, self.capacity
+        E = bank.num_experts
         T, k = topk_ids.shape
         if self.landing:  # promotions still flying own their slots but are not in slot_of yet: the plan below
             self.land(wait=True)  # would hand those slots to this step's misses (stream-ordered, no host wait)
         ids_host = _to_host(topk_ids)  # the layer's one host sync
         counts = torch.bincount(ids_host.flatten(), minlength=E).tolist()
         hits, pending, avail, on_cpu = self._plan(counts)
+        staged = [(e, lender, s) for e, lender, s in self.borrowed if e in pending and lender.owner[s] == LENT]
+        for e, _, _ in staged:  # copied already, into the previous layer's lent slots (`lend_slots`)
+            pending.remove(e)
         inflight: list[tuple[int, int]] = []
         futures = None
         if on_cpu:  # one job: the host experts' weighted rows in the kernel's layout, the rest 0
@@ -566,20 +589,22 @@ class CachedExperts(ExpertBackend):
         out = None
         cur = torch.cuda.current_stream(self.device)
 
-        def run(experts: list[int]):
+        def run(experts: list[int], src: CachedExperts = self, at: dict[int, int] | None = None):
+            """One round: `experts` from `src`'s slots (`at`: expert -> slot there; default this cache's)."""
             nonlocal out
-            slot = [C] * E
+            at, Cs = at or self.slot_of, src.capacity
+            slot = [Cs] * E
             for e in experts:
-                slot[e] = self.slot_of[e]
+                slot[e] = at[e]
             ids = to_device(slot, x.device)[topk_ids]
-            rows = expert_rows(x, self.w13, self.w2, ids, topk_weights, skip=True, experts=E,
-                               counts=round_counts(counts, slot, C))  # known here: nothing read back
+            rows = expert_rows(x, src.w13, src.w2, ids, topk_weights, skip=True, experts=E,
+                               counts=round_counts(counts, slot, Cs))  # known here: nothing read back
             out = rows if out is None else out.add_(rows)  # in place: a round holds one [A, H] sum, not three
             for e in experts:
-                self.free[self.slot_of[e]].record(cur)
+                src.free[at[e]].record(cur)
 
         issue()
-        if hits and not pending and inflight and topk_ids.shape[0] <= self.single_round_tokens:
+        if hits and not pending and inflight and not staged and topk_ids.shape[0] <= self.single_round_tokens:
             # few tokens: the hits' compute is too short to hide anything; one round costs half the launches
             for e, s in inflight:
                 cur.wait_event(self.ready[s])
@@ -597,6 +622,12 @@ class CachedExperts(ExpertBackend):
                 avail.append(self.slot_of[e])
                 issue()
             hits = first + [e for e in hits if e in self.pinned]
+        for e, lender, s in staged:  # copied during the previous layer's last rounds: landed first
+            if not lender.ready[s].query():
+                self.stats.weight_waits += 1
+            cur.wait_event(lender.ready[s])
+            run([e], lender, {e: s})
+        self._give_back()
         if hits:
             run(hits)
             if pending:
@@ -612,9 +643,63 @@ class CachedExperts(ExpertBackend):
             if pending:
                 avail.extend(s for _, s in batch)
                 issue()
+            elif one and self._lends(T, k, E):
+                self._lend([s for _, s in batch])
         if pending:
             raise RuntimeError(f"expert cache of layer {self.layer}: no evictable slot for experts {list(pending)}")
         return sum_rows(self._add_host_rows(out, futures, T * k, x), k)
+
+    def link(self, nxt: CachedExperts) -> None:
+        """`nxt`, the next cached layer, may stage its experts in this layer's slots (`lend_slots`) when their
+        parts have the same shapes and types."""
+        def like(c):
+            return [(t.shape[1:], t.dtype) for side in (c.w13, c.w2) for t in _parts(side).values()]
+
+        if like(self) == like(nxt) and type(self.host_w13) is type(nxt.host_w13):
+            self.next = nxt
+
+    def _lends(self, T: int, k: int, E: int) -> bool:
+        """Whether this step lends slots to the next layer: a next cache, a copy stream, and so many tokens that
+        an expert is left unrouted with probability under 2% (uniform routing: (1 - k/E)^T; Mixtral from 14 tokens)."""
+        return bool(self.next is not None and self.lend_slots and self.stream is not None
+                    and len(self.next.borrowed) < self.lend_slots and (1 - k / E) ** T < 0.02)
+
+    def _lend(self, slots: list[int]) -> None:
+        """Slots whose last miss has just computed (no miss of this step waits) -> the next layer: each takes one of
+        the experts it lacks, the most routed in its last step first (at these token counts all are routed)."""
+        nxt = self.next
+        for s in slots:
+            have = set(nxt.slot_of) | {e for e, _, _ in nxt.borrowed}
+            E = nxt.host_w13.shape[0]
+            want = [e for e in range(E) if e not in have]
+            if not want or len(nxt.borrowed) >= self.lend_slots:
+                return
+            last = nxt.last_counts or [0] * E
+            e = min(want, key=lambda e: (-last[e], e))
+            del self.slot_of[self.owner[s]]
+            self.owner[s] = LENT
+            self.stream.wait_event(self.free[s])  # its last round has read it
+            with torch.cuda.stream(self.stream):
+                _copy(self.w13, s, nxt.host_w13, e, non_blocking=True)
+                _copy(self.w2, s, nxt.host_w2, e, non_blocking=True)
+                nxt._arrived(s, e, into=self)
+                self.ready[s].record(self.stream)
+            nxt.borrowed.append((e, self, s))
+            self.stats.add(staged_experts=1, h2d_bytes=self.expert_bytes, copied_experts=1)
+
+    def _give_back(self) -> None:
+        """The lent slots this layer holds go back to their lender, empty (a staged expert this step did not route
+        to was copied for nothing: `staged_unused`); reads queued before now finish first (`free`)."""
+        if not self.borrowed:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        for e, lender, s in self.borrowed:
+            if lender.owner[s] == LENT:
+                lender.owner[s] = None
+                lender.free[s].record(cur)
+        used = sum(n > 0 for n in (self.last_counts[e] for e, _, _ in self.borrowed)) if self.last_counts else 0
+        self.stats.add(staged_unused=len(self.borrowed) - used)
+        self.borrowed = []
 
     def _add_host_rows(self, out, future, A: int, x):
         if future is None:
@@ -624,7 +709,7 @@ class CachedExperts(ExpertBackend):
 
     def start_trace(self) -> None:
         self.trace, self.trace_hits = [], 0
-        self.trace_initial = [e for e in self.owner if e is not None]
+        self.trace_initial = [e for e in self.owner if e is not None and e != LENT]
 
     @property
     def capacity(self) -> int:
@@ -673,6 +758,14 @@ class CachedExperts(ExpertBackend):
         return out
 
     def _forward(self, bank, x, topk_ids, topk_weights):
+        if self.next is not None and self.next.borrowed:  # lent in an earlier pass the next layer never ran
+            self.next._give_back()
+        try:
+            return self._forward_road(bank, x, topk_ids, topk_weights)
+        finally:
+            self._give_back()  # staged experts this step's road did not compute
+
+    def _forward_road(self, bank, x, topk_ids, topk_weights):
         if self.mapped:
             if topk_ids.shape[0] <= self.mapped_tokens:
                 return self._forward_mapped(x, topk_ids, topk_weights)

@@ -51,6 +51,11 @@ class OffloadStats:
     """Seconds the step waited for CPU expert results after its device work was enqueued."""
     copied_experts: int = 0
     """Misses copied into a device slot before they computed (the copy path)."""
+    staged_experts: int = 0
+    """Experts copied ahead of their layer's routing into slots the layer before lent (`CachedExperts.lend_slots`;
+    counted in `copied_experts` too)."""
+    staged_unused: int = 0
+    """Staged experts their layer's step did not route to (copied for nothing)."""
     mapped_experts: int = 0
     """Misses the device read in place from mapped host memory (mapped decode steps)."""
     cpu_share: float = 0.0
@@ -239,6 +244,9 @@ class PlacedWeights:
                                          self.device, self.copy_stream, self.stats, layer,
                                          use_fused=self.moe_backend == "auto")
             self.caches[layer] = bank.backend
+        order = sorted(self.caches)
+        for a, b in zip(order, order[1:]):
+            self.caches[a].link(self.caches[b])
         if moved:
             self.profile_note = (f"expert profile {self.profile_path}: the hottest experts of each layer are resident "
                                  f"and pinned ({sum(m for m, _ in moved)} changed from the default choice); they took "

@@ -267,9 +267,9 @@ def main() -> None:
                     help="large experts' copy-path rounds (`CachedExperts.one_large_a_round`, `free_hits_first`): "
                          "each expert a round, the evictable hits first (the engine's default); misses: the hits in "
                          "one round, the misses one a round; all: one round of every copy in flight")
-    ap.add_argument("--lend", type=int, default=None,
-                    help="slots a copy-road layer lends the next to stage its experts in (`CachedExperts.lend_slots`; "
-                         "0: off; default: the engine's)")
+    ap.add_argument("--staging", type=int, default=None,
+                    help="staging slots the cached layers share to copy the next layer's experts ahead of its routing "
+                         "on a copy-road step (`CachedExperts.staging_slots`; 0: off; default: the engine's)")
     ap.add_argument("--trace", default=None, metavar="FILE.json.gz",
                     help="with --profile and --prefill-tokens: the prefill's torch profiler trace (chrome format, gzip)")
     ap.add_argument("--variants", nargs="+", default=["dueling:now"],
@@ -280,14 +280,14 @@ def main() -> None:
     from ferrylm.offload.expert_cache import CachedExperts
 
     CachedExperts.one_large_a_round, CachedExperts.free_hits_first = a.rounds != "all", a.rounds == "each"
-    if a.lend is not None:
-        CachedExperts.lend_slots = a.lend
+    if a.staging is not None:
+        CachedExperts.staging_slots = a.staging
     rows = [run(e, a, v) for e in a.experts for v in a.variants]
     base = min(rows, key=lambda r: r["step_ms"])
     for r in rows:  # the extra time per missed expert against the fastest setting
         if r["misses_per_layer"]:
             r["ms_per_miss_over_best"] = (r["step_ms"] - base["step_ms"]) / (r["misses_per_layer"] * a.layers)
-    print(json.dumps({"bench": "profile-offload", "shape": a.shape, "expert_quant": a.expert_quant, "layers": a.layers, "budget_gib": a.budget_gib, "rounds": a.rounds, "lend": CachedExperts.lend_slots, "rows": rows}))
+    print(json.dumps({"bench": "profile-offload", "shape": a.shape, "expert_quant": a.expert_quant, "layers": a.layers, "budget_gib": a.budget_gib, "rounds": a.rounds, "staging": CachedExperts.staging_slots, "rows": rows}))
 
 
 if __name__ == "__main__":

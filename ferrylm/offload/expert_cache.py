@@ -55,10 +55,6 @@ def _copy(dst, s: int, src, e: int, non_blocking: bool = False) -> None:
         t[s].copy_(src_parts[k][e], non_blocking=non_blocking)
 
 
-LENT = -1
-"""A slot's owner while the next layer stages one of its experts there (`CachedExperts.lend_slots`)."""
-
-
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A device tensor on the host (`engine/staging.download`: pinned, behind a blocking event, so the wait
     sleeps rather than spins: CUDA spins a core while it waits by default, and host experts need every core)."""
@@ -184,6 +180,29 @@ def belady_hits(trace: list[list[int]], capacity: int, initial: list[int] = (), 
     return _replay(trace, capacity, initial, victim)
 
 
+class StagingSlots:
+    """Device slots the cached layers of a model share (taken from their cache slots: the budget is unchanged): on a
+    copy-road step, once a layer has queued its last miss, it copies experts the next layer lacks into the free
+    ones, before that layer's routing is known; the copy engine then streams from one layer's misses into the
+    next's instead of idling through the next layer's attention, routing and first hit. The next layer computes
+    a staged expert it routes to in a round of its own from here (same bits) and frees the slot
+    (`CachedExperts.staging_slots`)."""
+
+    def __init__(self, like: CachedExperts, n: int):
+        self.w13, self.w2 = _slots(like.host_w13, n, like.device), _slots(like.host_w2, n, like.device)
+        self.owner: list[tuple[int, int] | None] = [None] * n  # (layer, expert) staged in each slot
+        self.ready = [torch.cuda.Event() for _ in range(n)]
+        self.free = [torch.cuda.Event() for _ in range(n)]
+
+    @property
+    def capacity(self) -> int:
+        return len(self.owner)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for side in (self.w13, self.w2) for t in _parts(side).values())
+
+
 class CachedExperts(ExpertBackend):
     single_round_tokens = 64
     """Up to this many tokens the fused path waits for the misses and runs hits and misses in one launch."""
@@ -205,14 +224,16 @@ class CachedExperts(ExpertBackend):
     first, each slot taking the next copy at once, then the pinned hits in one round; False: all hits in one round,
     the first copy waiting for all of them (session 28's timeline of that prefill: copies 50.8 ms and kernels
     33.4 ms of 107, never at once). TODO(issue 8): `profile_offload.py --rounds` each | misses | all."""
-    lend_slots = 2
-    """With `one_large_a_round`, a copy-road step whose tokens leave almost no expert unrouted (`_lends`): up to this
-    many of a layer's slots, each freed by its last miss's round once no miss waits, are lent to the next cached layer,
-    which stages there the experts it lacks before its routing is known; the copy engine then streams from one layer's
-    misses into the next's instead of idling through the next layer's attention, routing and first hit (session 28's
-    2k prefill of the 32-layer NF4 Mixtral under 16 GiB: 0.68 of the copy floor). The next layer computes a staged
-    expert it needs in a round of its own from the lender's slot (same bits) and gives the slot back empty; 0: off.
-    TODO(issue 8): measured by `profile_offload.py --lend`."""
+    staging_slots = 2
+    """With `one_large_a_round` on CUDA: slots the model's cached layers share (`StagingSlots`, taken from the layers
+    with the most cache slots) to stage the next layer's experts on a copy-road step whose tokens leave almost no
+    expert unrouted (`_stages`). Session 28's 2k prefill of the 32-layer NF4 Mixtral under 16 GiB ran at 0.68 of the
+    copy floor without; lending each layer's own freed slots to the next instead cost as many extra copies as it
+    staged (the lender's experts, needed again next step, were dropped): 5920-5970 against 6396 tok/s. 0: off.
+    TODO(issue 8): measured by `profile_offload.py --staging`."""
+    staging_keeps = 2
+    """A layer gives a slot to staging only while it keeps at least this many a miss may take (those of resident
+    experts not pinned by a profile count)."""
     promote_after_layer = False
     """A promotion's copy starts once its layer of the last queued step has run (`layer_done`: an event recorded
     after every forward of this layer, inside decode graphs too, read when the engine builds it), not after
@@ -268,9 +289,10 @@ class CachedExperts(ExpertBackend):
         computed by the host's cores while the kernel reads the others in place."""
         self.cpu_class: torch.Tensor | None = None  # [E] bool, host: experts the CPU takes first while not in a slot
         self.next: CachedExperts | None = None
-        """The next layer's cache when its slots take this one's experts (`lend_slots`; `link` sets it)."""
-        self.borrowed: list[tuple[int, CachedExperts, int]] = []
-        """Experts staged for this layer's next step in a previous layer's lent slots: (expert, lender, slot)."""
+        self.staging: StagingSlots | None = None
+        """The next cached layer and the slots this layer stages its experts in (`staging_slots`; `link`)."""
+        self.borrowed: list[tuple[int, int]] = []
+        """Experts staged for this layer's next step: (expert, staging slot)."""
         self.last_counts: list[int] = []  # the last step's assignments per expert (`_plan`)
         self.in_slot: torch.Tensor | None = None  # [E] bool, device: the table points at a slot, stream-ordered
         self.split_cols: int | None = None  # hybrid decode split along the intermediate: the GPU's columns
@@ -468,7 +490,7 @@ class CachedExperts(ExpertBackend):
         return self._host_experts
 
     def _arrived(self, s: int, e: int, into=None) -> None:
-        """Expert e just copied into slot s (enqueued) of this cache's slots (or `into`'s, a lender's): if the host
+        """Expert e just copied into slot s (enqueued) of this cache's slots (or `into`'s, the staging slots): if the host
         keeps it in its own int4 layout (`HostExperts.lay`), re-lay the slot's copy into the store's, on the same
         stream."""
         he, into = self._host_experts, into or self
@@ -514,8 +536,7 @@ class CachedExperts(ExpertBackend):
             self.stats.cpu_share = len(on_cpu) / (len(misses) + len(on_cpu))
         self.policy.touch(needed)
         self.last_counts = counts
-        cands = [s for s in range(self.capacity)
-                 if self.owner[s] not in need and self.owner[s] not in self.pinned and self.owner[s] != LENT]
+        cands = [s for s in range(self.capacity) if self.owner[s] not in need and self.owner[s] not in self.pinned]
         empty = [s for s in cands if self.owner[s] is None]
         avail = deque(empty + [self.slot_of[e] for e in self.policy.victims(
             [self.owner[s] for s in cands if self.owner[s] is not None])])
@@ -562,9 +583,11 @@ class CachedExperts(ExpertBackend):
         ids_host = _to_host(topk_ids)  # the layer's one host sync
         counts = torch.bincount(ids_host.flatten(), minlength=E).tolist()
         hits, pending, avail, on_cpu = self._plan(counts)
-        staged = [(e, lender, s) for e, lender, s in self.borrowed if e in pending and lender.owner[s] == LENT]
-        for e, _, _ in staged:  # copied already, into the previous layer's lent slots (`lend_slots`)
+        ring = self.staging
+        staged = [(e, s) for e, s in self.borrowed if e in pending and ring.owner[s] == (self.layer, e)]
+        for e, _ in staged:  # copied already, into the staging slots, by the layer before (`staging_slots`)
             pending.remove(e)
+        one = self.one_large_a_round and self.expert_bytes >= self.large_expert_bytes
         inflight: list[tuple[int, int]] = []
         futures = None
         if on_cpu:  # one job: the host experts' weighted rows in the kernel's layout, the rest 0
@@ -585,12 +608,15 @@ class CachedExperts(ExpertBackend):
                 e, s = pending.popleft(), avail.popleft()
                 self._fetch(e, s)
                 inflight.append((e, s))
+            if not pending and one and self._stages(T, k, E):  # this layer's last copy is queued
+                self._stage_next()
 
         out = None
         cur = torch.cuda.current_stream(self.device)
 
-        def run(experts: list[int], src: CachedExperts = self, at: dict[int, int] | None = None):
-            """One round: `experts` from `src`'s slots (`at`: expert -> slot there; default this cache's)."""
+        def run(experts: list[int], src=self, at: dict[int, int] | None = None):
+            """One round: `experts` from `src`'s slots (the staging slots; `at`: expert -> slot; default this
+            cache's)."""
             nonlocal out
             at, Cs = at or self.slot_of, src.capacity
             slot = [Cs] * E
@@ -613,7 +639,6 @@ class CachedExperts(ExpertBackend):
         # large experts one a round: its slot frees for the next copy while the copies already queued land, so the
         # copy engine streams the layer's misses back to back under their compute; small ones (copies shorter than
         # a round's launches) a round of all in flight
-        one = self.one_large_a_round and self.expert_bytes >= self.large_expert_bytes
         if hits and one and self.free_hits_first and pending:
             first = [e for e in hits if e not in self.pinned]
             while first and pending:  # each computed hit's slot takes the next copy while the other hits compute
@@ -622,12 +647,14 @@ class CachedExperts(ExpertBackend):
                 avail.append(self.slot_of[e])
                 issue()
             hits = first + [e for e in hits if e in self.pinned]
-        for e, lender, s in staged:  # copied during the previous layer's last rounds: landed first
-            if not lender.ready[s].query():
+        for e, s in staged:  # copied while the layer before computed its last misses: landed first
+            if not ring.ready[s].query():
                 self.stats.weight_waits += 1
-            cur.wait_event(lender.ready[s])
-            run([e], lender, {e: s})
-        self._give_back()
+            cur.wait_event(ring.ready[s])
+            run([e], ring, {e: s})
+        if self.borrowed:
+            self._give_back()
+            issue()  # the freed staging slots may take the next layer's experts now
         if hits:
             run(hits)
             if pending:
@@ -643,62 +670,63 @@ class CachedExperts(ExpertBackend):
             if pending:
                 avail.extend(s for _, s in batch)
                 issue()
-            elif one and self._lends(T, k, E):
-                self._lend([s for _, s in batch])
         if pending:
             raise RuntimeError(f"expert cache of layer {self.layer}: no evictable slot for experts {list(pending)}")
         return sum_rows(self._add_host_rows(out, futures, T * k, x), k)
 
-    def link(self, nxt: CachedExperts) -> None:
-        """`nxt`, the next cached layer, may stage its experts in this layer's slots (`lend_slots`) when their
+    def link(self, nxt: CachedExperts, staging: StagingSlots) -> None:
+        """On copy-road steps this layer stages experts of `nxt`, the next cached layer, in `staging` when their
         parts have the same shapes and types."""
         def like(c):
             return [(t.shape[1:], t.dtype) for side in (c.w13, c.w2) for t in _parts(side).values()]
 
-        if like(self) == like(nxt) and type(self.host_w13) is type(nxt.host_w13):
-            self.next = nxt
+        if like(self) == like(nxt) == like(staging) and type(self.host_w13) is type(nxt.host_w13):
+            self.next, self.staging = nxt, staging
+            nxt.staging = staging
 
-    def _lends(self, T: int, k: int, E: int) -> bool:
-        """Whether this step lends slots to the next layer: a next cache, a copy stream, and so many tokens that
-        an expert is left unrouted with probability under 2% (uniform routing: (1 - k/E)^T; Mixtral from 14 tokens)."""
-        return bool(self.next is not None and self.lend_slots and self.stream is not None
-                    and len(self.next.borrowed) < self.lend_slots and (1 - k / E) ** T < 0.02)
+    def _stages(self, T: int, k: int, E: int) -> bool:
+        """Whether this step stages the next layer's experts: linked, a copy stream, a free staging slot, and so many
+        tokens that an expert is left unrouted with probability under 2% (uniform routing: (1 - k/E)^T; Mixtral
+        from 14 tokens)."""
+        return bool(self.next is not None and self.stream is not None and None in self.staging.owner
+                    and (1 - k / E) ** T < 0.02)
 
-    def _lend(self, slots: list[int]) -> None:
-        """Slots whose last miss has just computed (no miss of this step waits) -> the next layer: each takes one of
-        the experts it lacks, the most routed in its last step first (at these token counts all are routed)."""
-        nxt = self.next
-        for s in slots:
-            have = set(nxt.slot_of) | {e for e, _, _ in nxt.borrowed}
-            E = nxt.host_w13.shape[0]
+    def _stage_next(self) -> None:
+        """The free staging slots <- experts the next layer lacks, the most routed in its last step first (at these
+        token counts all are routed); queued on the copy stream behind this layer's misses."""
+        nxt, ring = self.next, self.staging
+        E = nxt.host_w13.shape[0]
+        last = nxt.last_counts or [0] * E
+        for s in range(ring.capacity):
+            if ring.owner[s] is not None:
+                continue
+            have = set(nxt.slot_of) | {e for e, _ in nxt.borrowed}
             want = [e for e in range(E) if e not in have]
-            if not want or len(nxt.borrowed) >= self.lend_slots:
+            if not want:
                 return
-            last = nxt.last_counts or [0] * E
             e = min(want, key=lambda e: (-last[e], e))
-            del self.slot_of[self.owner[s]]
-            self.owner[s] = LENT
-            self.stream.wait_event(self.free[s])  # its last round has read it
+            ring.owner[s] = (nxt.layer, e)
+            self.stream.wait_event(ring.free[s])  # its last round has read it
             with torch.cuda.stream(self.stream):
-                _copy(self.w13, s, nxt.host_w13, e, non_blocking=True)
-                _copy(self.w2, s, nxt.host_w2, e, non_blocking=True)
-                nxt._arrived(s, e, into=self)
-                self.ready[s].record(self.stream)
-            nxt.borrowed.append((e, self, s))
-            self.stats.add(staged_experts=1, h2d_bytes=self.expert_bytes, copied_experts=1)
+                _copy(ring.w13, s, nxt.host_w13, e, non_blocking=True)
+                _copy(ring.w2, s, nxt.host_w2, e, non_blocking=True)
+                nxt._arrived(s, e, into=ring)
+                ring.ready[s].record(self.stream)
+            nxt.borrowed.append((e, s))
+            self.stats.add(staged_experts=1, h2d_bytes=nxt.expert_bytes, copied_experts=1)
 
     def _give_back(self) -> None:
-        """The lent slots this layer holds go back to their lender, empty (a staged expert this step did not route
-        to was copied for nothing: `staged_unused`); reads queued before now finish first (`free`)."""
+        """This layer's staging slots free again (a staged expert this step did not route to was copied for
+        nothing: `staged_unused`); reads queued before now finish first (`free`)."""
         if not self.borrowed:
             return
-        cur = torch.cuda.current_stream(self.device)
-        for e, lender, s in self.borrowed:
-            if lender.owner[s] == LENT:
-                lender.owner[s] = None
-                lender.free[s].record(cur)
-        used = sum(n > 0 for n in (self.last_counts[e] for e, _, _ in self.borrowed)) if self.last_counts else 0
-        self.stats.add(staged_unused=len(self.borrowed) - used)
+        cur, ring = torch.cuda.current_stream(self.device), self.staging
+        for e, s in self.borrowed:
+            if ring.owner[s] == (self.layer, e):
+                ring.owner[s] = None
+                ring.free[s].record(cur)
+        routed = sum(self.last_counts[e] > 0 for e, _ in self.borrowed) if self.last_counts else 0
+        self.stats.add(staged_unused=len(self.borrowed) - routed)
         self.borrowed = []
 
     def _add_host_rows(self, out, future, A: int, x):
@@ -709,7 +737,7 @@ class CachedExperts(ExpertBackend):
 
     def start_trace(self) -> None:
         self.trace, self.trace_hits = [], 0
-        self.trace_initial = [e for e in self.owner if e is not None and e != LENT]
+        self.trace_initial = [e for e in self.owner if e is not None]
 
     @property
     def capacity(self) -> int:
@@ -758,7 +786,7 @@ class CachedExperts(ExpertBackend):
         return out
 
     def _forward(self, bank, x, topk_ids, topk_weights):
-        if self.next is not None and self.next.borrowed:  # lent in an earlier pass the next layer never ran
+        if self.next is not None and self.next.borrowed:  # staged in an earlier pass the next layer never ran
             self.next._give_back()
         try:
             return self._forward_road(bank, x, topk_ids, topk_weights)

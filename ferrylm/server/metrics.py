@@ -94,7 +94,7 @@ class _EngineCollector:
         "cpu_wait_s": "Seconds steps waited for host expert results.",
         "copied_experts": "Expert misses copied into a device slot.",
         "mapped_experts": "Expert misses the device read in place from host memory.",
-        "staged_experts": "Experts copied into a slot the previous layer lent, ahead of their layer's routing.",
+        "staged_experts": "Experts copied into a staging slot ahead of their layer's routing.",
         "staged_unused": "Staged experts their layer's step did not route to.",
         "steps": "Steps run by the offload engine.",
         "step_s": "Seconds the offload engine's steps took (the CPU busy share is cpu_busy_s over this).",

@@ -30,10 +30,11 @@ FAMILIES = {
 }
 
 
-def build(tmp_path_factory, family: str) -> str:
+def build(tmp_path_factory, family: str, **over) -> str:
+    """A random `family` checkpoint (config `over` COMMON and the family's own) saved by transformers."""
     cfg_name, cls_name, extra = FAMILIES[family]
     torch.manual_seed(0)
-    cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra})
+    cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra, **over})
     model = getattr(transformers, cls_name)(cfg).eval()
     with torch.no_grad():  # random init is tiny; widen it so differences in the math would show
         for p in model.parameters():

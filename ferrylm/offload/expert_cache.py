@@ -180,27 +180,67 @@ def belady_hits(trace: list[list[int]], capacity: int, initial: list[int] = (), 
     return _replay(trace, capacity, initial, victim)
 
 
+LENT = -1
+"""A cache slot's owner while `StagingSlots` holds it."""
+
+
 class StagingSlots:
-    """Device slots the cached layers of a model share (taken from their cache slots: the budget is unchanged): on a
-    copy-road step, once a layer has queued its last miss, it copies experts the next layer lacks into the free
-    ones, before that layer's routing is known; the copy engine then streams from one layer's misses into the
-    next's instead of idling through the next layer's attention, routing and first hit. The next layer computes
-    a staged expert it routes to in a round of its own from here (same bits) and frees the slot
-    (`CachedExperts.staging_slots`)."""
+    """Up to n slots of one cached layer, the donor (the first: it has run when the others stage), that the model's
+    cached layers share on a copy-road step: once a layer has queued its last miss, it copies experts the next layer
+    lacks into them, before that layer's routing is known; the copy engine then streams from one layer's misses into
+    the next's instead of idling through the next layer's attention, routing and first hit. The next layer computes
+    a staged expert it routes to in a round of its own from the donor's slot (same bits) and frees it for the next
+    stage; the step's last cached layer gives the slots back to the donor, empty. No memory beyond the cache's: a
+    large step costs the donor up to n cached experts, which decode steps promote again (`staging_slots`)."""
 
-    def __init__(self, like: CachedExperts, n: int):
-        self.w13, self.w2 = _slots(like.host_w13, n, like.device), _slots(like.host_w2, n, like.device)
-        self.owner: list[tuple[int, int] | None] = [None] * n  # (layer, expert) staged in each slot
-        self.ready = [torch.cuda.Event() for _ in range(n)]
-        self.free = [torch.cuda.Event() for _ in range(n)]
+    def __init__(self, donor: CachedExperts, n: int):
+        self.donor, self.n = donor, n
+        self.taken: list[int] = []  # donor slots held this step
+        self.owner: dict[int, tuple[int, int] | None] = {}  # donor slot -> (layer, expert) staged there
 
-    @property
-    def capacity(self) -> int:
-        return len(self.owner)
+    w13 = property(lambda self: self.donor.w13)
+    w2 = property(lambda self: self.donor.w2)
+    ready = property(lambda self: self.donor.ready)
+    free = property(lambda self: self.donor.free)
+    capacity = property(lambda self: self.donor.capacity)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for side in (self.w13, self.w2) for t in _parts(side).values())
+    def can_stage(self) -> bool:
+        return len(self.taken) < self.n or None in self.owner.values()
+
+    def slot(self) -> int | None:
+        """A held slot with nothing staged, else one more taken from the donor (an empty one first, then the
+        donor policy's victim; never a pinned or landing expert's), else None."""
+        for s in self.taken:
+            if self.owner[s] is None:
+                return s
+        d = self.donor
+        if len(self.taken) >= self.n:
+            return None
+        empty = [s for s in range(d.capacity) if d.owner[s] is None]
+        held = [e for e in d.owner if e is not None and e != LENT and e in d.slot_of and e not in d.pinned]
+        cands = empty + [d.slot_of[e] for e in d.policy.victims(held)]
+        if not cands:
+            return None
+        s, old = cands[0], d.owner[cands[0]]
+        cur = torch.cuda.current_stream(d.device)
+        if old is not None:  # the donor's expert leaves its slot: its table (mapped) reads it from the host now
+            del d.slot_of[old]
+            if d.mapped:
+                d._point(old, None)
+        d.owner[s] = LENT
+        d.free[s].record(cur)  # every read of the slot queued so far finishes before a stage overwrites it
+        self.taken.append(s)
+        self.owner[s] = None
+        return s
+
+    def release(self) -> None:
+        """The held slots back to the donor, empty (after the reads queued so far)."""
+        d = self.donor
+        cur = torch.cuda.current_stream(d.device)
+        for s in self.taken:
+            d.owner[s] = None
+            d.free[s].record(cur)
+        self.taken, self.owner = [], {}
 
 
 class CachedExperts(ExpertBackend):
@@ -225,15 +265,15 @@ class CachedExperts(ExpertBackend):
     the first copy waiting for all of them (session 28's timeline of that prefill: copies 50.8 ms and kernels
     33.4 ms of 107, never at once). TODO(issue 8): `profile_offload.py --rounds` each | misses | all."""
     staging_slots = 2
-    """With `one_large_a_round` on CUDA: slots the model's cached layers share (`StagingSlots`, taken from the layers
-    with the most cache slots) to stage the next layer's experts on a copy-road step whose tokens leave almost no
-    expert unrouted (`_stages`). Session 28's 2k prefill of the 32-layer NF4 Mixtral under 16 GiB ran at 0.68 of the
-    copy floor without; lending each layer's own freed slots to the next instead cost as many extra copies as it
-    staged (the lender's experts, needed again next step, were dropped): 5920-5970 against 6396 tok/s. 0: off.
-    TODO(issue 8): measured by `profile_offload.py --staging`."""
-    staging_keeps = 2
-    """A layer gives a slot to staging only while it keeps at least this many a miss may take (those of resident
-    experts not pinned by a profile count)."""
+    """With `one_large_a_round` on CUDA: slots of the first cached layer the others share (`StagingSlots`) to stage the
+    next layer's experts on a copy-road step whose tokens leave almost no expert unrouted (`_stages`). Measured on the
+    H100 (session 28; 2 slots, then shared slots taken from the layers' caches, alternating runs): the 2k prefill of
+    the 32-layer NF4 Mixtral under 16 GiB 6728 / 6786 tok/s against 5076 / 5481 without (0.76 of the copy floor),
+    the 8-layer NF4 512-token prefill 8684 against 7302 (0.92), the 16-layer bf16 2k prefill 3564 against 3344
+    (1.00); but slots taken from the caches for good cost batch-1 decode under a tight budget (8 layers under 5 GiB:
+    10.7 against 9.3 ms a step, hit rate 0.88 against 0.92), hence a donor's slots held only during a large step.
+    Lending each layer's own freed slots to the next instead cost as many extra copies as it staged (the lender's
+    experts, needed again next step, were dropped). 0: off."""
     promote_after_layer = False
     """A promotion's copy starts once its layer of the last queued step has run (`layer_done`: an event recorded
     after every forward of this layer, inside decode graphs too, read when the engine builds it), not after
@@ -584,7 +624,7 @@ class CachedExperts(ExpertBackend):
         counts = torch.bincount(ids_host.flatten(), minlength=E).tolist()
         hits, pending, avail, on_cpu = self._plan(counts)
         ring = self.staging
-        staged = [(e, s) for e, s in self.borrowed if e in pending and ring.owner[s] == (self.layer, e)]
+        staged = [(e, s) for e, s in self.borrowed if e in pending and ring.owner.get(s) == (self.layer, e)]
         for e, _ in staged:  # copied already, into the staging slots, by the layer before (`staging_slots`)
             pending.remove(e)
         one = self.one_large_a_round and self.expert_bytes >= self.large_expert_bytes
@@ -676,33 +716,32 @@ class CachedExperts(ExpertBackend):
 
     def link(self, nxt: CachedExperts, staging: StagingSlots) -> None:
         """On copy-road steps this layer stages experts of `nxt`, the next cached layer, in `staging` when their
-        parts have the same shapes and types."""
+        parts have the same shapes and types (the donor stages for none: its slots are taken after it ran)."""
         def like(c):
             return [(t.shape[1:], t.dtype) for side in (c.w13, c.w2) for t in _parts(side).values()]
 
-        if like(self) == like(nxt) == like(staging) and type(self.host_w13) is type(nxt.host_w13):
+        if like(self) == like(nxt) == like(staging.donor) and type(self.host_w13) is type(nxt.host_w13):
             self.next, self.staging = nxt, staging
             nxt.staging = staging
 
     def _stages(self, T: int, k: int, E: int) -> bool:
-        """Whether this step stages the next layer's experts: linked, a copy stream, a free staging slot, and so many
-        tokens that an expert is left unrouted with probability under 2% (uniform routing: (1 - k/E)^T; Mixtral
-        from 14 tokens)."""
-        return bool(self.next is not None and self.stream is not None and None in self.staging.owner
-                    and (1 - k / E) ** T < 0.02)
+        """Whether this step stages the next layer's experts: linked, not the donor, a copy stream, a slot to stage
+        in, and so many tokens that an expert is left unrouted with probability under 2% (uniform routing:
+        (1 - k/E)^T; Mixtral from 14 tokens)."""
+        return bool(self.next is not None and self.stream is not None and self is not self.staging.donor
+                    and self.staging.can_stage() and (1 - k / E) ** T < 0.02)
 
     def _stage_next(self) -> None:
-        """The free staging slots <- experts the next layer lacks, the most routed in its last step first (at these
-        token counts all are routed); queued on the copy stream behind this layer's misses."""
+        """Staging slots <- experts the next layer lacks, the most routed in its last step first (at these token
+        counts all are routed); queued on the copy stream behind this layer's misses."""
         nxt, ring = self.next, self.staging
         E = nxt.host_w13.shape[0]
         last = nxt.last_counts or [0] * E
-        for s in range(ring.capacity):
-            if ring.owner[s] is not None:
-                continue
+        while True:
             have = set(nxt.slot_of) | {e for e, _ in nxt.borrowed}
             want = [e for e in range(E) if e not in have]
-            if not want:
+            s = ring.slot() if want else None
+            if s is None:
                 return
             e = min(want, key=lambda e: (-last[e], e))
             ring.owner[s] = (nxt.layer, e)
@@ -722,7 +761,7 @@ class CachedExperts(ExpertBackend):
             return
         cur, ring = torch.cuda.current_stream(self.device), self.staging
         for e, s in self.borrowed:
-            if ring.owner[s] == (self.layer, e):
+            if ring.owner.get(s) == (self.layer, e):
                 ring.owner[s] = None
                 ring.free[s].record(cur)
         routed = sum(self.last_counts[e] > 0 for e, _ in self.borrowed) if self.last_counts else 0
@@ -786,12 +825,23 @@ class CachedExperts(ExpertBackend):
         return out
 
     def _forward(self, bank, x, topk_ids, topk_weights):
-        if self.next is not None and self.next.borrowed:  # staged in an earlier pass the next layer never ran
-            self.next._give_back()
+        ring = self.staging
+        if ring is not None and ring.donor is self and ring.taken:  # held since a pass that stopped midway
+            for c in self._linked():
+                c.borrowed = []
+            ring.release()
         try:
             return self._forward_road(bank, x, topk_ids, topk_weights)
         finally:
             self._give_back()  # staged experts this step's road did not compute
+            if ring is not None and self.next is None:  # the step's last cached layer
+                ring.release()
+
+    def _linked(self):
+        c = self
+        while c is not None:
+            yield c
+            c = c.next
 
     def _forward_road(self, bank, x, topk_ids, topk_weights):
         if self.mapped:

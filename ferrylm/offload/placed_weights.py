@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ferrylm.layers.moe import Experts
-from ferrylm.offload.expert_cache import CachedExperts, StagingSlots, _parts
+from ferrylm.offload.expert_cache import CachedExperts, StagingSlots
 from ferrylm.offload.host_tier import HostTier
 from ferrylm.offload.placement import GPU, Placement
 from ferrylm.offload.routing_tally import RoutingTally
@@ -52,7 +52,7 @@ class OffloadStats:
     copied_experts: int = 0
     """Misses copied into a device slot before they computed (the copy path)."""
     staged_experts: int = 0
-    """Experts copied ahead of their layer's routing into the staging slots (`expert_cache.StagingSlots`; counted in
+    """Experts copied ahead of their layer's routing into staging slots (`expert_cache.StagingSlots`; counted in
     `copied_experts` too)."""
     staged_unused: int = 0
     """Staged experts their layer's step did not route to (copied for nothing)."""
@@ -222,7 +222,7 @@ class PlacedWeights:
         if self.profile_path and moe:
             E = next(iter(moe.values())).num_experts
             profile = expert_profile.read(self.profile_path, self.model.config.architecture, E, sorted(moe))
-        moved, built = [], []
+        moved = []
         for name, bank in self.model.named_modules():
             if not isinstance(bank, Experts):
                 continue
@@ -233,6 +233,7 @@ class PlacedWeights:
                 continue
             groups = [g for g in self.placement.groups if g.kind == "experts" and g.layer == layer]
             resident = [g.expert for g in groups if self.placement.tier[g.name] == GPU]
+            capacity = len(resident) + self.placement.expert_slots.get(layer, 0)
             pinned: set[int] = set()
             if profile is not None:
                 counts = profile[layer]
@@ -240,21 +241,12 @@ class PlacedWeights:
                 covered = sum(counts[e] for e in hot) / max(sum(counts), 1)
                 moved.append((len(set(hot) - set(resident)), covered))
                 resident, pinned = hot, set(hot)
-            built.append([bank, layer, resident, pinned, len(resident) + self.placement.expert_slots.get(layer, 0)])
-        staging = self._staging_slots(built)
-        for bank, layer, resident, pinned, capacity in built:
             host_w13, host_w2 = bank.packed or (bank.w13.data, bank.w2.data)
             bank.backend = CachedExperts(bank, host_w13, host_w2, capacity, resident, pinned, self.policy,
                                          self.device, self.copy_stream, self.stats, layer,
                                          use_fused=self.moe_backend == "auto")
             self.caches[layer] = bank.backend
-        order = sorted(self.caches)
-        if staging:
-            self.staging = StagingSlots(self.caches[order[0]], staging)
-            log.info("copy-road staging: %d expert slots (%.1f MiB) shared by the cached layers, taken from those with "
-                     "the most cache slots", staging, self.staging.nbytes / 2**20)
-            for a, b in zip(order, order[1:]):
-                self.caches[a].link(self.caches[b], self.staging)
+        self._link_staging()
         if moved:
             self.profile_note = (f"expert profile {self.profile_path}: the hottest experts of each layer are resident "
                                  f"and pinned ({sum(m for m, _ in moved)} changed from the default choice); they took "
@@ -270,28 +262,22 @@ class PlacedWeights:
         if self.caches and self.experts == "cpu" and self.host_decode is None:  # no copies, no in-place reads:
             self._lay_host_experts(list(range(next(iter(self.caches.values())).host_w13.shape[0])))  # one int4 copy
 
-    def _staging_slots(self, built: list[list]) -> int:
-        """How many expert slots the copy-road layers share as staging (`expert_cache.StagingSlots`): up to
-        `CachedExperts.staging_slots` on CUDA for large experts (`large_expert_bytes`, one a round), each taken from
-        the layer with the most slots a miss may take (resident experts not pinned by a profile count) so long as
-        it keeps at least `staging_keeps` (`built`'s capacities drop by one each): the budget is unchanged and at
-        most that many cached experts are lost."""
-        n = CachedExperts.staging_slots if CachedExperts.one_large_a_round else 0
-        if not n or self.device.type != "cuda" or len(built) < 2:
-            return 0
-        bank = built[0][0]
-        sides = bank.packed or (bank.w13.data, bank.w2.data)
-        if sum(t[0].numel() * t.element_size() for side in sides for t in _parts(side).values()) \
-                < CachedExperts.large_expert_bytes:
-            return 0
-        took = 0
-        for _ in range(n):
-            b = max(built, key=lambda b: (b[4] - len(b[3]), -b[1]))  # slots not pinned by a profile
-            if b[4] - len(b[3]) <= CachedExperts.staging_keeps:
-                break
-            b[4] -= 1
-            took += 1
-        return took
+    def _link_staging(self) -> None:
+        """Copy-road staging (`expert_cache.StagingSlots`): on CUDA, for large experts computed one a round, up to
+        `CachedExperts.staging_slots` slots of the first cached layer (not its pinned experts') that the others
+        share to stage the next layer's experts; no memory beyond the caches'."""
+        order = sorted(self.caches)
+        if not order:
+            return
+        donor = self.caches[order[0]]
+        n = min(CachedExperts.staging_slots, donor.capacity - len(donor.pinned))
+        if (n <= 0 or len(order) < 3 or self.device.type != "cuda" or not CachedExperts.one_large_a_round
+                or donor.expert_bytes < CachedExperts.large_expert_bytes):
+            return
+        self.staging = donor.staging = StagingSlots(donor, n)
+        for a, b in zip(order[1:], order[2:]):  # the donor stages for none: its slots are taken after it ran
+            self.caches[a].link(self.caches[b], self.staging)
+        log.info("copy-road staging: %d slots of layer %d's expert cache, shared by the cached layers", n, order[0])
 
     def _start_host_decode(self) -> None:
         """Hybrid decode: a share of each layer's missed experts is computed by the host while not in a slot

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 28's last device call: the donor's staging with its experts copied back (`StagingSlots.release`): the
+# Session 28's last device call (not run: the budget was spent; run it next, then the 32-layer 2k prefill,
+# `device_s33.sh`'s middle step, alternating): the donor's staging with its experts copied back (`StagingSlots.release`): the
 # rounds test, then the 8-layer NF4 512-token prefill and batch-1 decode (32 tokens after 16), staging 2 | 0
 # alternating, until the budget ends.
 #   bash benchmarks/device_s34.sh COMMIT [BUDGET]

@@ -250,6 +250,7 @@ def test_cached_experts_fused_rounds_equal_resident_fused(rounds, tmp_path_facto
     monkeypatch.setattr(CachedExperts, "one_large_a_round", rounds != "all")
     monkeypatch.setattr(CachedExperts, "free_hits_first", rounds == "each")
     monkeypatch.setattr(CachedExperts, "large_expert_bytes", 0)
+    monkeypatch.setattr(CachedExperts, "staging_slots", 2)
 
     path, _ = build(tmp_path_factory, "qwen3_moe", num_hidden_layers=4)  # staging: a donor and two layers beside it
     g = torch.Generator().manual_seed(11)

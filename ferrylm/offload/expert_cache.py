@@ -277,16 +277,18 @@ class CachedExperts(ExpertBackend):
     first, each slot taking the next copy at once, then the pinned hits in one round; False: all hits in one round,
     the first copy waiting for all of them (session 28's timeline of that prefill: copies 50.8 ms and kernels
     33.4 ms of 107, never at once). TODO(issue 8): `profile_offload.py --rounds` each | misses | all."""
-    staging_slots = 2
+    staging_slots = 0
     """With `one_large_a_round` on CUDA: slots of the first cached layer the others share (`StagingSlots`) to stage the
-    next layer's experts on a copy-road step whose tokens leave almost no expert unrouted (`_stages`). Measured on the
-    H100 (session 28; 2 slots, then shared slots taken from the layers' caches, alternating runs): the 2k prefill of
-    the 32-layer NF4 Mixtral under 16 GiB 6728 / 6786 tok/s against 5076 / 5481 without (0.76 of the copy floor),
-    the 8-layer NF4 512-token prefill 8684 against 7302 (0.92), the 16-layer bf16 2k prefill 3564 against 3344
-    (1.00); but slots taken from the caches for good cost batch-1 decode under a tight budget (8 layers under 5 GiB:
-    10.7 against 9.3 ms a step, hit rate 0.88 against 0.92), hence a donor's slots held only during a large step.
-    Lending each layer's own freed slots to the next instead cost as many extra copies as it staged (the lender's
-    experts, needed again next step, were dropped). 0: off."""
+    next layer's experts on a copy-road step whose tokens leave almost no expert unrouted (`_stages`); 0: off. Off
+    until the donor form is measured. Measured on the H100 in session 28, alternating runs, 2 slots: shared slots taken
+    from the layers' caches for good ran the 2k prefill of the 32-layer NF4 Mixtral under 16 GiB at 6728 / 6786 tok/s
+    against 5076 / 5481 without (0.76 of the copy floor), the 8-layer NF4 512-token prefill at 8684 against 7302
+    (0.92), the 16-layer bf16 2k prefill at 3564 against 3344 (1.00), but cost 8-layer NF4 batch-1 decode under 5 GiB
+    10.7 against 9.3 ms a step (hit rate 0.88 against 0.92; 32 layers: equal); the donor's slots held during the step
+    only (its experts not yet copied back) ran one 32-layer prefill at 4838 against 5869 and decode 11.0 against 9.6
+    ms. Lending each layer's own freed slots to the next cost as many extra copies as it staged (the lender's
+    experts, needed again next step, were dropped): 5920-5970 against 6396. TODO(issue 8): `benchmarks/device_s34.sh`
+    (the donor with its experts copied back, `StagingSlots.release`) and the 32-layer 2k prefill, alternating."""
     promote_after_layer = False
     """A promotion's copy starts once its layer of the last queued step has run (`layer_done`: an event recorded
     after every forward of this layer, inside decode graphs too, read when the engine builds it), not after

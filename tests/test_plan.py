@@ -888,3 +888,12 @@ def test_copy_path_prefill_runs_layer_by_layer():
     # no free slot: the copies wait for the hits' slots, all serial
     full = estimate.step_time(estimate.StepCost(**base, copy_layers=(layer[:5] + (0.0,),) * 4), hbm, h2d, tfl)
     assert full.seconds == pytest.approx(alone.seconds + 4 * (1e9 / (h2d * 1e9) + 2 * work))
+    # large experts one a round (a seventh element, hits and misses: `CachedExperts.one_large_a_round`): the first
+    # copy waits for one hit's work, the copies stream under the other hits' and the misses' work, the last miss
+    # computes after its copy lands
+    one = estimate.step_time(estimate.StepCost(**base, copy_layers=(layer[:5] + (0.0, (4.0, 4.0)),) * 4), hbm, h2d, tfl)
+    assert one.seconds == pytest.approx(alone.seconds + 4 * (work / 4 + max(1e9 / (h2d * 1e9), 2 * work - work / 2)
+                                                             + work / 4))
+    assert one.seconds < full.seconds and one.binding == "pcie"
+    free = estimate.step_time(estimate.StepCost(**base, copy_layers=(layer + ((4.0, 4.0),),) * 4), hbm, h2d, tfl)
+    assert free.seconds == pytest.approx(one.seconds - 4 * work / 4)  # a free slot: no hit's wait before the copies

@@ -460,8 +460,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 if prefill:  # layer by layer (`StepCost.copy_layers`): its copies, then its hits' and misses' work;
                     # the slots no hit holds take copies while the hits compute
                     free = max(0.0, m["resident"] + slots.get(l, 0) - hits)
+                    one = CachedExperts.one_large_a_round and m["nbytes"] >= CachedExperts.large_expert_bytes
                     out["copy_layers"].append((misses * m["nbytes"], hits * m["hbm_equiv"], misses * m["hbm_equiv"],
-                                               h, 1 - h, min(misses, free) * m["nbytes"]))
+                                               h, 1 - h, min(misses, free) * m["nbytes"], (hits, misses) if one else None))
                 # prefill copies its misses in rounds, one fused launch a round: no per-expert host cost
                 # (measured: <= 0.05 ms an expert, `estimate.CACHED_EXPERT_S`)
                 out["host"] += 0.0 if prefill else estimate.CACHED_EXPERT_S * d
@@ -502,7 +503,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         hbm_bytes=dense_gpu + streamed_bytes, expert_hbm_bytes=xp["hbm"] - sum(hb + mb for _, hb, mb, *_ in laid),
         tokens_per_expert=tokens_per_expert(chunk), pcie_bytes=streamed_bytes + xp["copy"] - sum(c for c, *_ in laid),
         host_s=xp["host"], host_experts_s=xp["host_experts_s"],
-        copy_layers=tuple((c, hb, mb, hf * layer_flops, mf * layer_flops, f) for c, hb, mb, hf, mf, f in laid),
+        copy_layers=tuple((c, hb, mb, hf * layer_flops, mf * layer_flops, f, one) for c, hb, mb, hf, mf, f, one in laid),
         flops=(2 * body * chunk + 2 * vocab + 2 * mc.num_hidden_layers * chunk * chunk * mc.num_attention_heads
                * mc.head_dim) / ranks, expert_flops=2 * expert_active * chunk / ranks - len(laid) * layer_flops,
         layers=layers,

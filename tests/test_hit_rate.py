@@ -272,3 +272,19 @@ def test_a_decode_trace_replays_the_slot_policy(tmp_path):
                      decode_trace={str(l): [] for l in range(8)})
     with pytest.raises(ConfigError, match="empty-trace.json: its decode_trace holds no steps"):
         _plan(tmp_path, routing=empty)
+
+
+def test_a_plan_reads_its_profile_once(tmp_path, monkeypatch):
+    """The counts and the decode trace come from one read of the file, and the advice's sub-plans read it no more;
+    a file rewritten since is read again."""
+    path = _traced(tmp_path, QWEN3, 0.5, "once.json", steps=40)
+    real, calls = expert_profile.load, []
+    monkeypatch.setattr(expert_profile, "load", lambda p: calls.append(p) or real(p))
+    plan = make_plan(PlanOptions(_config(tmp_path, QWEN3), gpu="1xH200", host=HOST, max_model_len=4096,
+                                 max_num_seqs=16, concurrency=16, prompt_len=64, output_len=64,
+                                 gpu_memory_budget_gb=4, routing=path), advise=True)
+    assert "decode trace of 40 steps" in plan.speed["assumptions"]["expert_hit_rate_from"]
+    assert calls == [path]
+    _traced(tmp_path, QWEN3, 0.5, "once.json", steps=48)
+    assert "decode trace of 48 steps" in _plan(tmp_path, routing=path).speed["assumptions"]["expert_hit_rate_from"]
+    assert calls == [path, path]

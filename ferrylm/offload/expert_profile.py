@@ -180,16 +180,23 @@ def write(profile: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
-def parse(path: str, architecture: str, num_experts: int, moe_layers: list[int]) -> dict[int, list[int]]:
-    """Per-layer counts; raises `ValueError` naming what is wrong (unreadable, not this format, recorded for
-    another model). `ferry plan --expert-profile` reports it as an error; the engine's `read` warns."""
+def load(path: str) -> object:
+    """The file's JSON; raises `ValueError` naming what is wrong (unreadable, not JSON)."""
     try:
         with open(path) as f:
-            data = json.load(f)
+            return json.load(f)
     except OSError as e:
         raise ValueError(f"cannot read it ({e.strerror or e})") from None
     except ValueError as e:
         raise ValueError(f"cannot read it: not JSON ({e})") from None
+
+
+def parse(path: str, architecture: str, num_experts: int, moe_layers: list[int], data=None) -> dict[int, list[int]]:
+    """Per-layer counts (from `data`, the file's JSON, when the caller has `load`ed it); raises `ValueError` naming
+    what is wrong (unreadable, not this format, recorded for another model). `ferry plan --expert-profile` reports it
+    as an error; the engine's `read` warns."""
+    if data is None:
+        data = load(path)
     try:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} file")
@@ -206,11 +213,12 @@ def parse(path: str, architecture: str, num_experts: int, moe_layers: list[int])
     return layers
 
 
-def parse_trace(path: str, num_experts: int, moe_layers: list[int]) -> dict[int, list[list[int]]] | None:
-    """The profile's `decode_trace` (layer -> experts of each step), None when it has none; raises
-    `ValueError` naming what is wrong. Call after `parse` accepted the file."""
-    with open(path) as f:
-        data = json.load(f)
+def parse_trace(path: str, num_experts: int, moe_layers: list[int], data=None) -> dict[int, list[list[int]]] | None:
+    """The profile's `decode_trace` (layer -> experts of each step; from `data`, the file's JSON, when the caller
+    has `load`ed it), None when it has none; raises `ValueError` naming what is wrong. Call after `parse` accepted
+    the file."""
+    if data is None:
+        data = load(path)
     raw = data.get("decode_trace")
     if not raw:
         return None

@@ -26,6 +26,8 @@ Knows nothing about bytes, hardware or speed.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass
 
@@ -95,7 +97,7 @@ def _profile_shares(path: str, flag: str, architecture: str, num_experts: int, t
     from ferrylm.offload import expert_profile
 
     try:
-        counts = expert_profile.parse(path, architecture, num_experts, moe_layers)
+        counts = expert_profile.parse(path, architecture, num_experts, moe_layers, _loaded(path))
     except ValueError as e:
         raise ConfigError(f"{flag} {path}: {e}") from None
     if not any(sum(v) for v in counts.values()):
@@ -109,9 +111,28 @@ def _profile_traces(path: str, flag: str, num_experts: int, moe_layers: list[int
     from ferrylm.offload import expert_profile
 
     try:
-        return expert_profile.parse_trace(path, num_experts, moe_layers)
+        return expert_profile.parse_trace(path, num_experts, moe_layers, _loaded(path))
     except ValueError as e:
         raise ConfigError(f"{flag} {path}: {e}") from None
+
+
+def _loaded(path: str):
+    """A profile's JSON, read once per version of the file (a plan reads it for the shares and the trace, and again
+    in each sub-plan of its advice)."""
+    import os
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # `parse` names the error
+    return _load_cached(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(path: str, mtime_ns: int, size: int):
+    from ferrylm.offload import expert_profile
+
+    return expert_profile.load(path)
 
 
 def _traced(traces: dict | None) -> str:

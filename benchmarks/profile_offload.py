@@ -77,7 +77,9 @@ def run(experts: str, a, variant: str = "dueling:now") -> dict:
                hit_rate=d["expert_hits"] / seen if seen else None, misses_per_layer=d["expert_misses"] / steps / a.layers,
                cpu_experts_per_step=d["cpu_experts"] / steps, cpu_wait_ms_per_step=d["cpu_wait_s"] / steps * 1e3,
                cpu_busy_ms_per_step=d["cpu_busy_s"] / steps * 1e3, mapped_per_step=d["mapped_experts"] / steps,
-               copied_per_step=d["copied_experts"] / steps, cpu_share=sn["cpu_share"], calibration=placed.calibration)
+               copied_per_step=d["copied_experts"] / steps, cpu_share=sn["cpu_share"],
+               staging=placed.staging.n if placed.staging else 0,  # 0 where it does not apply, whatever --staging says
+               calibration=placed.calibration)
     print(json.dumps({k: v for k, v in out.items() if k != "calibration"}), flush=True)
     if a.profile and variant == a.variants[0]:
         from torch.profiler import ProfilerActivity, profile
@@ -287,7 +289,7 @@ def main() -> None:
     for r in rows:  # the extra time per missed expert against the fastest setting
         if r["misses_per_layer"]:
             r["ms_per_miss_over_best"] = (r["step_ms"] - base["step_ms"]) / (r["misses_per_layer"] * a.layers)
-    print(json.dumps({"bench": "profile-offload", "shape": a.shape, "expert_quant": a.expert_quant, "layers": a.layers, "budget_gib": a.budget_gib, "rounds": a.rounds, "staging": CachedExperts.staging_slots, "rows": rows}))
+    print(json.dumps({"bench": "profile-offload", "shape": a.shape, "expert_quant": a.expert_quant, "layers": a.layers, "budget_gib": a.budget_gib, "rounds": a.rounds, "staging_slots": CachedExperts.staging_slots, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -198,6 +198,8 @@ class StagingSlots:
         self.taken: list[int] = []  # donor slots held this step
         self.owner: dict[int, tuple[int, int] | None] = {}  # donor slot -> (layer, expert) staged there
         self.evicted: dict[int, int] = {}  # donor slot -> the donor's expert it held when taken
+        self.linked: set[CachedExperts] = set()  # the caches that stage or are staged for (`CachedExperts.link`)
+        self.restored: list[int] = []  # donor slots whose expert `release` copied back, not yet waited for
 
     w13 = property(lambda self: self.donor.w13)
     w2 = property(lambda self: self.donor.w2)
@@ -239,21 +241,32 @@ class StagingSlots:
         """The held slots back to the donor (after the reads queued so far), each with the expert it held copied
         back: the donor's cache is as if nothing was staged, so decode steps after a large one lose no hits (slots
         taken from the caches for good had cost 8-layer NF4 batch-1 decode 10.7 against 9.3 ms a step). A mapped
-        donor's copies land as promotions do (`CachedExperts.land`); the others' before the next kernel."""
+        donor's copies land as promotions do (`CachedExperts.land`); the others' before the donor's next forward."""
         d = self.donor
         cur = torch.cuda.current_stream(d.device)
         for s in self.taken:
             d.owner[s] = None
             d.free[s].record(cur)
+            # every later copy waits for the staged rounds' reads (a promotion may wait only for its layer's
+            # `layer_done`, recorded before them)
+            d.stream.wait_event(d.free[s])
         back = [self.evicted[s] for s in self.taken if s in self.evicted]
         self.taken, self.owner, self.evicted = [], {}, {}
         for e in back:
             if d.mapped:
                 d.promote(e, None)
-            else:
+            else:  # waited for at the donor's next forward (`wait_restored`), not by this step's last kernels
                 s = d.owner.index(None)
                 d._fetch(e, s)
-                cur.wait_event(d.ready[s])
+                self.restored.append(s)
+
+    def wait_restored(self) -> None:
+        """The donor's stream waits for the copies `release` queued into its slots (a non-mapped donor's rounds
+        read its hits without waiting)."""
+        cur = torch.cuda.current_stream(self.donor.device)
+        for s in self.restored:
+            cur.wait_event(self.donor.ready[s])
+        self.restored = []
 
 
 class CachedExperts(ExpertBackend):
@@ -560,15 +573,16 @@ class CachedExperts(ExpertBackend):
     def slot_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for side in (self.w13, self.w2) for t in _parts(side).values())
 
-    def _plan(self, counts: list[int]):
-        """Hits, the copied misses' queue, the slots free to take a miss now (policy order), host misses."""
+    def _plan(self, counts: list[int], staged: set[int] = frozenset()):
+        """Hits, the copied misses' queue, the slots free to take a miss now (policy order), host misses. `staged`
+        experts (copied into staging slots already) are misses neither queued nor given to the host."""
         needed = [e for e, n in enumerate(counts) if n]
         need = set(needed)
         hits = [e for e in needed if e in self.slot_of]
         if self.trace is not None:
             self.trace.append(needed)
             self.trace_hits += len(hits)
-        misses = [e for e in needed if e not in self.slot_of]
+        misses = [e for e in needed if e not in self.slot_of and e not in staged]
         on_cpu: list[int] = []
         if misses and self.cpu_mode != "gpu":
             misses, on_cpu = split_misses({e: counts[e] for e in misses}, self.costs, self.cpu_mode)
@@ -585,7 +599,7 @@ class CachedExperts(ExpertBackend):
                 misses = sorted(misses + unbuilt)
         pending = deque(misses)
         self.stats.expert_hits += len(hits)
-        self.stats.expert_misses += len(pending) + len(on_cpu)
+        self.stats.expert_misses += len(pending) + len(on_cpu) + sum(counts[e] > 0 for e in staged)
         self.stats.add(cpu_experts=len(on_cpu))  # the host workers count too
         if misses or on_cpu:
             self.stats.cpu_share = len(on_cpu) / (len(misses) + len(on_cpu))
@@ -637,11 +651,10 @@ class CachedExperts(ExpertBackend):
             self.land(wait=True)  # would hand those slots to this step's misses (stream-ordered, no host wait)
         ids_host = _to_host(topk_ids)  # the layer's one host sync
         counts = torch.bincount(ids_host.flatten(), minlength=E).tolist()
-        hits, pending, avail, on_cpu = self._plan(counts)
         ring = self.staging
-        staged = [(e, s) for e, s in self.borrowed if e in pending and ring.owner.get(s) == (self.layer, e)]
-        for e, _ in staged:  # copied already, into the staging slots, by the layer before (`staging_slots`)
-            pending.remove(e)
+        # copied already, into the staging slots, by the layer before (`staging_slots`)
+        staged = [(e, s) for e, s in self.borrowed if counts[e] and ring.owner.get(s) == (self.layer, e)]
+        hits, pending, avail, on_cpu = self._plan(counts, {e for e, _ in staged})
         one = self.one_large_a_round and self.expert_bytes >= self.large_expert_bytes
         inflight: list[tuple[int, int]] = []
         futures = None
@@ -732,19 +745,21 @@ class CachedExperts(ExpertBackend):
     def link(self, nxt: CachedExperts, staging: StagingSlots) -> None:
         """On copy-road steps this layer stages experts of `nxt`, the next cached layer, in `staging` when their
         parts have the same shapes and types (the donor stages for none: its slots are taken after it ran)."""
-        def like(c):
-            return [(t.shape[1:], t.dtype) for side in (c.w13, c.w2) for t in _parts(side).values()]
+        def like(c):  # every part's shape and type, and a packed side's format and group
+            return [(getattr(side, "fmt", None), getattr(side, "group", None),
+                     [(t.shape[1:], t.dtype) for t in _parts(side).values()]) for side in (c.w13, c.w2)]
 
         if like(self) == like(nxt) == like(staging.donor) and type(self.host_w13) is type(nxt.host_w13):
             self.next, self.staging = nxt, staging
             nxt.staging = staging
+            staging.linked.update((self, nxt))
 
     def _stages(self, T: int, k: int, E: int) -> bool:
-        """Whether this step stages the next layer's experts: linked, not the donor, a copy stream, a slot to stage
-        in, and so many tokens that an expert is left unrouted with probability under 2% (uniform routing:
+        """Whether this step stages the next layer's experts: linked, not the donor, a copy stream, a next layer
+        that copies its misses (not `experts=cpu`), a slot to stage in, and so many tokens that an expert is left unrouted with probability under 2% (uniform routing:
         (1 - k/E)^T; Mixtral from 14 tokens)."""
         return bool(self.next is not None and self.stream is not None and self is not self.staging.donor
-                    and self.staging.can_stage() and (1 - k / E) ** T < 0.02)
+                    and self.next.cpu_mode != "cpu" and self.staging.can_stage() and (1 - k / E) ** T < 0.02)
 
     def _stage_next(self) -> None:
         """Staging slots <- experts the next layer lacks, the most routed in its last step first (at these token
@@ -841,10 +856,12 @@ class CachedExperts(ExpertBackend):
 
     def _forward(self, bank, x, topk_ids, topk_weights):
         ring = self.staging
-        if ring is not None and ring.donor is self and ring.taken:  # held since a pass that stopped midway
-            for c in self._linked():
-                c.borrowed = []
-            ring.release()
+        if ring is not None and ring.donor is self:
+            if ring.taken:  # held since a pass that stopped midway
+                for c in ring.linked:
+                    c.borrowed = []
+                ring.release()
+            ring.wait_restored()  # the copies back into this layer's slots land before its rounds read them
         try:
             return self._forward_road(bank, x, topk_ids, topk_weights)
         finally:
@@ -852,11 +869,6 @@ class CachedExperts(ExpertBackend):
             if ring is not None and self.next is None:  # the step's last cached layer
                 ring.release()
 
-    def _linked(self):
-        c = self
-        while c is not None:
-            yield c
-            c = c.next
 
     def _forward_road(self, bank, x, topk_ids, topk_weights):
         if self.mapped:

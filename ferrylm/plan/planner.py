@@ -613,7 +613,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 notes.append(f"warning: hybrid decode costs speed here (small experts: the host's per-expert cost "
                              f"outweighs their bytes): --experts gpu decodes {alone.speed['decode_batch1']['tok_s']:.1f} "
                              f"instead of {d1['tok_s']:.1f} tok/s at batch 1")
-        elif cached and mapped_tokens and opts.experts == "auto" and costs is not None:
+        elif cached and mapped_tokens and opts.experts == "auto" and costs is not None and opts.cpu_share is None:
             notes.append(f"hybrid decode off (share 0, as the engine chooses it by `cost_model.cpu_share`; host {rate}): "
                          + (f"at start (uniform routing) {_share_why(costs, m0)}" if start <= 0 else
                             f"it starts at {start:.2f} (uniform routing, {m0:.2f} misses a layer) and its re-balance on "

@@ -476,3 +476,33 @@ def test_repoint_rebuilds_the_table_from_the_slots():
     want[:, 4], want[:, 1] = c.slot_cols[:, 0], c.slot_cols[:, 2]
     assert torch.equal(c.ptr_rows, want)
     assert c.in_slot.tolist() == [False, True, False, False, True, False] and torch.equal(c.resident, c.in_slot)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_staged_experts_equal_resident(slots, tmp_path_factory, monkeypatch):
+    """Copy-road staging (`expert_cache.StagingSlots`, every expert counted large): on a prefill each cached layer
+    copies experts the next one lacks into slots of the first layer's cache before the next layer routes; the next
+    layer computes them from there. The logits equal the resident run's bit for bit, the staged experts are all
+    routed, and the first layer gets its slots back holding the experts it would hold without staging."""
+    from ferrylm.offload.expert_cache import LENT
+
+    monkeypatch.setattr(CachedExperts, "large_expert_bytes", 0)
+    path, _ = build(tmp_path_factory, "qwen3_moe", num_hidden_layers=4)
+    _, ref_tokens, ref_logits = run(path)
+    plain, _, _ = run(path, place=("experts=cpu",))
+    monkeypatch.setattr(CachedExperts, "staging_slots", slots)
+    llm, tokens, logits = run(path, place=("experts=cpu",))
+    placed = llm.engine.runner.placed
+    stats = placed.stats
+    print(f"staging {slots}: {stats}")
+    assert placed.staging is not None and placed.staging.n == slots
+    assert stats.staged_experts > 0 and stats.staged_unused == 0
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+    donor = placed.staging.donor
+    assert not placed.staging.taken and LENT not in donor.owner
+    assert donor.slot_of == plain.engine.runner.placed.caches[donor.layer].slot_of
+    assert all(not c.borrowed for c in placed.caches.values())
+    # staging adds at most its slots' copies a prefill over the plain run (the first layer's experts copied back)
+    assert stats.copied_experts <= plain.engine.runner.placed.stats.copied_experts + 2 * slots

@@ -225,14 +225,14 @@ class StagingSlots:
         if not cands:
             return None
         s, old = cands[0], d.owner[cands[0]]
-        cur = torch.cuda.current_stream(d.device)
         if old is not None:  # the donor's expert leaves its slot: its table (mapped) reads it from the host now
             del d.slot_of[old]
             if d.mapped:
                 d._point(old, None)
             self.evicted[s] = old
         d.owner[s] = LENT
-        d.free[s].record(cur)  # every read of the slot queued so far finishes before a stage overwrites it
+        if d.stream is not None:  # every read of the slot queued so far finishes before a stage overwrites it
+            d.free[s].record(torch.cuda.current_stream(d.device))
         self.taken.append(s)
         self.owner[s] = None
         return s
@@ -243,13 +243,13 @@ class StagingSlots:
         taken from the caches for good had cost 8-layer NF4 batch-1 decode 10.7 against 9.3 ms a step). A mapped
         donor's copies land as promotions do (`CachedExperts.land`); the others' before the donor's next forward."""
         d = self.donor
-        cur = torch.cuda.current_stream(d.device)
         for s in self.taken:
             d.owner[s] = None
-            d.free[s].record(cur)
-            # every later copy waits for the staged rounds' reads (a promotion may wait only for its layer's
-            # `layer_done`, recorded before them)
-            d.stream.wait_event(d.free[s])
+            if d.stream is not None:
+                d.free[s].record(torch.cuda.current_stream(d.device))
+                # every later copy waits for the staged rounds' reads (a promotion may wait only for its layer's
+                # `layer_done`, recorded before them)
+                d.stream.wait_event(d.free[s])
         back = [self.evicted[s] for s in self.taken if s in self.evicted]
         self.taken, self.owner, self.evicted = [], {}, {}
         for e in back:
@@ -258,14 +258,14 @@ class StagingSlots:
             else:  # waited for at the donor's next forward (`wait_restored`), not by this step's last kernels
                 s = d.owner.index(None)
                 d._fetch(e, s)
-                self.restored.append(s)
+                if d.stream is not None:
+                    self.restored.append(s)
 
     def wait_restored(self) -> None:
         """The donor's stream waits for the copies `release` queued into its slots (a non-mapped donor's rounds
         read its hits without waiting)."""
-        cur = torch.cuda.current_stream(self.donor.device)
         for s in self.restored:
-            cur.wait_event(self.donor.ready[s])
+            torch.cuda.current_stream(self.donor.device).wait_event(self.donor.ready[s])
         self.restored = []
 
 
@@ -300,8 +300,9 @@ class CachedExperts(ExpertBackend):
     10.7 against 9.3 ms a step (hit rate 0.88 against 0.92; 32 layers: equal); the donor's slots held during the step
     only (its experts not yet copied back) ran one 32-layer prefill at 4838 against 5869 and decode 11.0 against 9.6
     ms. Lending each layer's own freed slots to the next cost as many extra copies as it staged (the lender's
-    experts, needed again next step, were dropped): 5920-5970 against 6396. TODO(issue 8): `benchmarks/device_s34.sh`
-    (the donor with its experts copied back, `StagingSlots.release`) and the 32-layer 2k prefill, alternating."""
+    experts, needed again next step, were dropped): 5920-5970 against 6396. The CPU engine stages too (copies at
+    once: the bookkeeping in CI, `tests/test_offload.py`). TODO(issue 8): `benchmarks/device_s34.sh` (the donor with
+    its experts copied back, `StagingSlots.release`) and the 32-layer 2k prefill, alternating."""
     promote_after_layer = False
     """A promotion's copy starts once its layer of the last queued step has run (`layer_done`: an event recorded
     after every forward of this layer, inside decode graphs too, read when the engine builds it), not after
@@ -755,11 +756,11 @@ class CachedExperts(ExpertBackend):
             staging.linked.update((self, nxt))
 
     def _stages(self, T: int, k: int, E: int) -> bool:
-        """Whether this step stages the next layer's experts: linked, not the donor, a copy stream, a next layer
-        that copies its misses (not `experts=cpu`), a slot to stage in, and so many tokens that an expert is left unrouted with probability under 2% (uniform routing:
+        """Whether this step stages the next layer's experts: linked, not the donor, a next layer that copies its
+        misses (not `experts=cpu`), a slot to stage in, and so many tokens that an expert is left unrouted with probability under 2% (uniform routing:
         (1 - k/E)^T; Mixtral from 14 tokens)."""
-        return bool(self.next is not None and self.stream is not None and self is not self.staging.donor
-                    and self.next.cpu_mode != "cpu" and self.staging.can_stage() and (1 - k / E) ** T < 0.02)
+        return bool(self.next is not None and self is not self.staging.donor and self.next.cpu_mode != "cpu"
+                    and self.staging.can_stage() and (1 - k / E) ** T < 0.02)
 
     def _stage_next(self) -> None:
         """Staging slots <- experts the next layer lacks, the most routed in its last step first (at these token
@@ -775,12 +776,17 @@ class CachedExperts(ExpertBackend):
                 return
             e = min(want, key=lambda e: (-last[e], e))
             ring.owner[s] = (nxt.layer, e)
-            self.stream.wait_event(ring.free[s])  # its last round has read it
-            with torch.cuda.stream(self.stream):
-                _copy(ring.w13, s, nxt.host_w13, e, non_blocking=True)
-                _copy(ring.w2, s, nxt.host_w2, e, non_blocking=True)
+            if self.stream is None:  # the CPU engine: the "device" tier is host memory, copied at once
+                _copy(ring.w13, s, nxt.host_w13, e)
+                _copy(ring.w2, s, nxt.host_w2, e)
                 nxt._arrived(s, e, into=ring)
-                ring.ready[s].record(self.stream)
+            else:
+                self.stream.wait_event(ring.free[s])  # its last round has read it
+                with torch.cuda.stream(self.stream):
+                    _copy(ring.w13, s, nxt.host_w13, e, non_blocking=True)
+                    _copy(ring.w2, s, nxt.host_w2, e, non_blocking=True)
+                    nxt._arrived(s, e, into=ring)
+                    ring.ready[s].record(self.stream)
             nxt.borrowed.append((e, s))
             self.stats.add(staged_experts=1, h2d_bytes=nxt.expert_bytes, copied_experts=1)
 
@@ -789,11 +795,12 @@ class CachedExperts(ExpertBackend):
         nothing: `staged_unused`); reads queued before now finish first (`free`)."""
         if not self.borrowed:
             return
-        cur, ring = torch.cuda.current_stream(self.device), self.staging
+        ring = self.staging
         for e, s in self.borrowed:
             if ring.owner.get(s) == (self.layer, e):
                 ring.owner[s] = None
-                ring.free[s].record(cur)
+                if self.stream is not None:
+                    ring.free[s].record(torch.cuda.current_stream(self.device))
         routed = sum(self.last_counts[e] > 0 for e, _ in self.borrowed) if self.last_counts else 0
         self.stats.add(staged_unused=len(self.borrowed) - routed)
         self.borrowed = []
@@ -833,19 +840,21 @@ class CachedExperts(ExpertBackend):
                 self.ready[s].record(self.stream)
         self.stats.h2d_bytes += self.expert_bytes
 
-    def _compute(self, bank, x, e: int, rows: torch.Tensor, s: int, wait: bool) -> torch.Tensor:
+    def _compute(self, bank, x, e: int, rows: torch.Tensor, s: int, wait: bool, src=None) -> torch.Tensor:
+        """Expert e over `rows` of x from slot s of this cache (or of `src`, the staging slots)."""
+        src = src or self
         if wait and self.stream is not None:
             cur = torch.cuda.current_stream(self.device)
-            if not self.ready[s].query():
+            if not src.ready[s].query():
                 self.stats.weight_waits += 1
-            cur.wait_event(self.ready[s])
+            cur.wait_event(src.ready[s])
         if self.packed:  # the plain path: slot s decoded (fused_moe's reference dequantizers)
-            w13, w2 = (side.expert(s).dequantize(x.dtype)[0] for side in (self.w13, self.w2))
+            w13, w2 = (side.expert(s).dequantize(x.dtype)[0] for side in (src.w13, src.w2))
         else:
-            w13, w2 = self.w13[s], self.w2[s]
+            w13, w2 = src.w13[s], src.w2[s]
         y = expert_mlp(x[rows], w13, w2, bank.act)
         if self.stream is not None:
-            self.free[s].record(torch.cuda.current_stream(self.device))
+            src.free[s].record(torch.cuda.current_stream(self.device))
         return y
 
     def forward(self, bank, x, topk_ids, topk_weights):
@@ -890,7 +899,9 @@ class CachedExperts(ExpertBackend):
         for n in counts:
             starts.append(acc)
             acc += n
-        hits, pending, avail, on_cpu = self._plan(counts)
+        ring, (T, k), E = self.staging, topk_ids.shape, bank.num_experts
+        staged = [(e, s) for e, s in self.borrowed if counts[e] and ring.owner.get(s) == (self.layer, e)]
+        hits, pending, avail, on_cpu = self._plan(counts, {e for e, _ in staged})
         inflight: deque[tuple[int, int]] = deque()
         future = None
         if on_cpu:  # per expert, unweighted: `combine` weighs and adds them in expert order like every backend
@@ -904,12 +915,19 @@ class CachedExperts(ExpertBackend):
                 e, s = pending.popleft(), avail.popleft()
                 self._fetch(e, s)
                 inflight.append((e, s))
+            if not pending and self.expert_bytes >= self.large_expert_bytes and self._stages(T, k, E):
+                self._stage_next()
 
         def rows_of(e):
             return rows[starts[e]:starts[e] + counts[e]]
 
         issue()
         outputs = {}
+        for e, s in staged:  # copied by the layer before, into the staging slots
+            outputs[e] = self._compute(bank, x, e, rows_of(e), s, wait=True, src=ring)
+        if self.borrowed:
+            self._give_back()
+            issue()  # the freed staging slots may take the next layer's experts now
         for e in hits:
             s = self.slot_of[e]
             outputs[e] = self._compute(bank, x, e, rows_of(e), s, wait=False)

@@ -263,7 +263,7 @@ class PlacedWeights:
             self._lay_host_experts(list(range(next(iter(self.caches.values())).host_w13.shape[0])))  # one int4 copy
 
     def _link_staging(self) -> None:
-        """Copy-road staging (`expert_cache.StagingSlots`): on CUDA, for large experts computed one a round, up to
+        """Copy-road staging (`expert_cache.StagingSlots`): for large experts computed one a round, up to
         `CachedExperts.staging_slots` slots of the first cached layer (not its pinned experts') that the others
         share to stage the next layer's experts; no memory beyond the caches'."""
         order = sorted(self.caches)
@@ -271,7 +271,7 @@ class PlacedWeights:
             return
         donor = self.caches[order[0]]
         n = min(CachedExperts.staging_slots, donor.capacity - len(donor.pinned))
-        if (n <= 0 or len(order) < 3 or self.device.type != "cuda" or not CachedExperts.one_large_a_round
+        if (n <= 0 or len(order) < 3 or not CachedExperts.one_large_a_round
                 or donor.expert_bytes < CachedExperts.large_expert_bytes):
             return
         self.staging = donor.staging = StagingSlots(donor, n)

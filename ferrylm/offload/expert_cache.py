@@ -559,9 +559,9 @@ class CachedExperts(ExpertBackend):
         return self._host_experts
 
     def _arrived(self, s: int, e: int, into=None) -> None:
-        """Expert e just copied into slot s (enqueued) of this cache's slots (or `into`'s, the staging slots): if the host
-        keeps it in its own int4 layout (`HostExperts.lay`), re-lay the slot's copy into the store's, on the same
-        stream."""
+        """Expert e just copied into slot s (enqueued) of this cache's slots (or `into`'s, the staging slots): if the
+        host keeps it in its own int4 layout (`HostExperts.lay`), re-lay the slot's copy into the store's, on the
+        same stream."""
         he, into = self._host_experts, into or self
         if he is not None and e in he.laid:
             he.arrived(into.w13, s, e)
@@ -757,8 +757,8 @@ class CachedExperts(ExpertBackend):
 
     def _stages(self, T: int, k: int, E: int) -> bool:
         """Whether this step stages the next layer's experts: linked, not the donor, a next layer that copies its
-        misses (not `experts=cpu`), a slot to stage in, and so many tokens that an expert is left unrouted with probability under 2% (uniform routing:
-        (1 - k/E)^T; Mixtral from 14 tokens)."""
+        misses (not `experts=cpu`), a slot to stage in, and so many tokens that an expert is left unrouted with
+        probability under 2% (uniform routing: (1 - k/E)^T; Mixtral from 14 tokens)."""
         return bool(self.next is not None and self is not self.staging.donor and self.next.cpu_mode != "cpu"
                     and self.staging.can_stage() and (1 - k / E) ** T < 0.02)
 

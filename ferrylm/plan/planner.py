@@ -462,7 +462,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                     free = max(0.0, m["resident"] + slots.get(l, 0) - hits)
                     one = CachedExperts.one_large_a_round and m["nbytes"] >= CachedExperts.large_expert_bytes
                     out["copy_layers"].append((misses * m["nbytes"], hits * m["hbm_equiv"], misses * m["hbm_equiv"],
-                                               h, 1 - h, min(misses, free) * m["nbytes"], (hits, misses) if one else None))
+                                               h, 1 - h, min(misses, free) * m["nbytes"],
+                                               (hits, misses) if one else None))
                 # prefill copies its misses in rounds, one fused launch a round: no per-expert host cost
                 # (measured: <= 0.05 ms an expert, `estimate.CACHED_EXPERT_S`)
                 out["host"] += 0.0 if prefill else estimate.CACHED_EXPERT_S * d

@@ -552,10 +552,14 @@ def test_hybrid_decode_shares_misses_with_the_host(tmp_path):
 
 
 def _engine_costs(scheme, h2d_gbs, read_gbs):
-    """The `cost_model.Costs` of one Mixtral expert packed as `scheme`, as the engine's calibration would find them
-    if the plan's figures held: its packed bytes, read in place at the packed kernel's `PACKED_TIME` of a bf16
-    expert's time, computed on the host at the format's rate (`HOST_PACKED_EFF`), a hand-off and a call's cost."""
-    from ferrylm.offload.cost_model import Costs
+    """The `cost_model.Costs` of one Mixtral expert packed as `scheme` as the engine builds them from a calibration
+    (`calibration.costs_from` on its measurements, then the hand-off and call costs as `PlacedWeights` sets them), fed
+    the measurements the plan's figures say it would take: its packed bytes, read in place at the packed kernel's
+    `PACKED_TIME` of a bf16 expert's time, computed on the host at the format's rate (`HOST_PACKED_EFF`) at 1 and 16
+    tokens. (What a real machine measures differs; `bench_plan.py --gpu local` compares the two.)"""
+    import dataclasses
+
+    from ferrylm.offload.calibration import costs_from
     from ferrylm.plan import estimate
     from ferrylm.plan.memory import packed_expert_bytes
 
@@ -563,9 +567,13 @@ def _engine_costs(scheme, h2d_gbs, read_gbs):
     nb, dense = packed_expert_bytes(I, H, scheme), 3 * I * H * 2
     host_gbs = estimate.HOST_PACKED_EFF[scheme] * read_gbs
     inplace_s = dense * estimate.PACKED_TIME[scheme][1] / (estimate.INPLACE_EFF * h2d_gbs * 1e9)
-    return Costs(copy_s=nb / (h2d_gbs * 1e9), cpu_s=lambda n: nb / (host_gbs * 1e9) * (
-        1 + estimate.HOST_PACKED_TOKEN[scheme] * (n - 1)) + estimate.HOST_EXPERT_CALL_S, expert_bytes=nb,
-                 inplace_gbs=nb / inplace_s / 1e9, handoff_s=estimate.HANDOFF_S, call_s=estimate.HOST_EXPERT_CALL_S)
+
+    def host_s(n):
+        return nb / (host_gbs * 1e9) * (1 + estimate.HOST_PACKED_TOKEN[scheme] * (n - 1)) + estimate.HOST_EXPERT_CALL_S
+
+    measured = {"copy_s": nb / (h2d_gbs * 1e9), "cpu_s": {"1": host_s(1), "16": host_s(16)}, "expert_bytes": nb,
+                "inplace_gbs": nb / inplace_s / 1e9}
+    return dataclasses.replace(costs_from(measured), handoff_s=estimate.HANDOFF_S, call_s=estimate.HOST_EXPERT_CALL_S)
 
 
 @pytest.mark.parametrize("scheme", ["nf4", "int4"])

@@ -652,9 +652,7 @@ class CachedExperts(ExpertBackend):
             self.land(wait=True)  # would hand those slots to this step's misses (stream-ordered, no host wait)
         ids_host = _to_host(topk_ids)  # the layer's one host sync
         counts = torch.bincount(ids_host.flatten(), minlength=E).tolist()
-        ring = self.staging
-        # copied already, into the staging slots, by the layer before (`staging_slots`)
-        staged = [(e, s) for e, s in self.borrowed if counts[e] and ring.owner.get(s) == (self.layer, e)]
+        ring, staged = self.staging, self._staged(counts)
         hits, pending, avail, on_cpu = self._plan(counts, {e for e, _ in staged})
         one = self.one_large_a_round and self.expert_bytes >= self.large_expert_bytes
         inflight: list[tuple[int, int]] = []
@@ -677,7 +675,7 @@ class CachedExperts(ExpertBackend):
                 e, s = pending.popleft(), avail.popleft()
                 self._fetch(e, s)
                 inflight.append((e, s))
-            if not pending and one and self._stages(T, k, E):  # this layer's last copy is queued
+            if not pending and self._stages(T, k, E):  # this layer's last copy is queued
                 self._stage_next()
 
         out = None
@@ -755,8 +753,12 @@ class CachedExperts(ExpertBackend):
             nxt.staging = staging
             staging.linked.update((self, nxt))
 
+    def _staged(self, counts: list[int]) -> list[tuple[int, int]]:
+        """(expert, staging slot) of the experts the layer before copied for this step that it routes to."""
+        return [(e, s) for e, s in self.borrowed if counts[e] and self.staging.owner.get(s) == (self.layer, e)]
+
     def _stages(self, T: int, k: int, E: int) -> bool:
-        """Whether this step stages the next layer's experts: linked, not the donor, a next layer that copies its
+        """Whether this step stages the next layer's experts: linked (large experts: `link`), not the donor, a next layer that copies its
         misses (not `experts=cpu`), a slot to stage in, and so many tokens that an expert is left unrouted with
         probability under 2% (uniform routing: (1 - k/E)^T; Mixtral from 14 tokens)."""
         return bool(self.next is not None and self is not self.staging.donor and self.next.cpu_mode != "cpu"
@@ -899,8 +901,7 @@ class CachedExperts(ExpertBackend):
         for n in counts:
             starts.append(acc)
             acc += n
-        ring, (T, k), E = self.staging, topk_ids.shape, bank.num_experts
-        staged = [(e, s) for e, s in self.borrowed if counts[e] and ring.owner.get(s) == (self.layer, e)]
+        ring, staged, (T, k), E = self.staging, self._staged(counts), topk_ids.shape, bank.num_experts
         hits, pending, avail, on_cpu = self._plan(counts, {e for e, _ in staged})
         inflight: deque[tuple[int, int]] = deque()
         future = None
@@ -915,7 +916,7 @@ class CachedExperts(ExpertBackend):
                 e, s = pending.popleft(), avail.popleft()
                 self._fetch(e, s)
                 inflight.append((e, s))
-            if not pending and self.expert_bytes >= self.large_expert_bytes and self._stages(T, k, E):
+            if not pending and self._stages(T, k, E):
                 self._stage_next()
 
         def rows_of(e):

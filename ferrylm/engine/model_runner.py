@@ -23,7 +23,7 @@ from ferrylm.engine.staging import upload
 from ferrylm.errors import ConfigError
 from ferrylm.kv.cache import KV_DTYPES, KVCache, SequenceStatePool
 from ferrylm.layers.attention import PagedAttention, resolve_backend
-from ferrylm.layers.context import ForwardContext, forward_context
+from ferrylm.layers.context import ForwardContext, costliest_routing, forward_context
 from ferrylm.layers.parallel_linear import kv_heads_per_rank
 from ferrylm.layers.rotary import RotaryEmbedding
 from ferrylm.layers.transfer import to_device
@@ -271,8 +271,9 @@ class ModelRunner:
 
     def _warmup_peak(self) -> int:
         """Device bytes one step at the token budget allocates beyond the weights, measured: a dummy
-        prefill of `max_num_batched_tokens` tokens (K/V written to a scratch pool) and the logits of
-        `max_num_seqs` rows (`warmup_activations` adds the sampler's work tensors)."""
+        prefill of `max_num_batched_tokens` tokens (K/V written to a scratch pool; the experts routed as the
+        costliest prompt would route them) and the logits of `max_num_seqs` rows (`warmup_activations` adds the
+        sampler's work tensors)."""
         cfg, sc = self.model_config, self.config.scheduler
         T = min(sc.max_num_batched_tokens, self.max_model_len)
         # a real table over T tokens of scratch KV: the Triton prefill reads the chunk back from the cache
@@ -289,7 +290,8 @@ class ModelRunner:
         # the reset below forgets the build's peak (placement, loading, calibration): kept for `ferry plan --check`
         self.load_peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        with torch.inference_mode(), forward_context(ctx):
+        # routed as the costliest prompt would be (`context.costliest_routing`): no prompt's routing takes more
+        with torch.inference_mode(), forward_context(ctx), costliest_routing():
             x_in = None if not self.pipelined or self.dist.first_stage else \
                 torch.randn(T, cfg.hidden_size, dtype=self.dtype, device=self.device)  # no neighbours in the warm-up
             hidden = self.forward(ids, torch.arange(T, device=self.device), x_in)

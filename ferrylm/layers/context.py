@@ -99,6 +99,7 @@ def forward_context(ctx: ForwardContext):
 
 
 _recording = True
+_costliest = False
 
 
 @contextlib.contextmanager
@@ -136,3 +137,20 @@ def live_assignments(topk_ids: torch.Tensor) -> torch.Tensor:
     if live is None:
         return torch.ones_like(flat)
     return (torch.arange(flat.numel(), device=flat.device) < live * topk_ids.shape[1]).to(flat.dtype)
+
+
+@contextlib.contextmanager
+def costliest_routing():
+    """Every expert bank routes as the costliest prompt would for its memory (`layers/moe.costliest_ids`)
+    meanwhile: the runner's warm-up step (`ModelRunner._warmup_peak`), whose measured peak sizes the KV pool, so
+    no real prompt's routing takes more than it measured."""
+    global _costliest
+    prev, _costliest = _costliest, True
+    try:
+        yield
+    finally:
+        _costliest = prev
+
+
+def costliest_routing_on() -> bool:
+    return _costliest

@@ -19,7 +19,7 @@ from torch import nn
 
 from ferrylm.layers import fused_ops
 from ferrylm.layers.activation import get_act
-from ferrylm.layers.context import live_assignments, recording
+from ferrylm.layers.context import costliest_routing_on, live_assignments, recording
 from ferrylm.layers.params import writable
 
 
@@ -75,6 +75,20 @@ def route_sigmoid_biased(router_logits: torch.Tensor, correction_bias: torch.Ten
     if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale, ids
+
+
+def costliest_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routing [T, k] for the warm-up step that sizes the KV pool (`context.costliest_routing`): the assignments
+    spread evenly over half the experts (every other one, so each expert-parallel rank gets its share), each
+    taking twice the uniform share of rows, distinct within a token. That is the most the packed prefill path
+    holds at once whatever the prompt (`fused_moe.dequant_row_cap`: an expert routed more is computed in pieces
+    of that many rows), while random tokens through a random or trained router stay near the uniform share.
+    Paths whose buffers do not depend on the routing (the Triton kernel's padded rows, the grouped GEMM) hold
+    the same either way."""
+    T, k = topk_ids.shape
+    m = max(k, num_experts // 2)
+    i = torch.arange(T * k, device=topk_ids.device) % m
+    return (i * num_experts // m).reshape(T, k).to(topk_ids.dtype)
 
 
 class Experts(nn.Module):
@@ -168,6 +182,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_ids, topk_weights: [T, k] -> [T, H]
+        if costliest_routing_on():
+            topk_ids = costliest_ids(topk_ids, self.num_experts)
         if self.routing_counts is not None and recording():  # device-side: profiling keeps graphs, adds no sync
             self.routing_counts.scatter_add_(0, topk_ids.flatten(), live_assignments(topk_ids))  # padded rows: 0
         if self.routing_trace is not None and recording() and topk_ids.shape[0] == 1:  # a one-token step

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ferrylm.layers.moe import Experts
+from ferrylm.layers.context import costliest_routing_on
+from ferrylm.layers.moe import Experts, costliest_ids
 from ferrylm.parallel.group import current_group
 
 SKIP = "skip"
@@ -64,6 +65,8 @@ class ParallelExperts(Experts):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_ids, topk_weights: [T, k] (global expert ids) -> [T, H]
+        if costliest_routing_on():  # before the ranks take their assignments: every rank sees its share
+            topk_ids = costliest_ids(topk_ids, self.num_experts * (self.tp.size if self.ep else 1))
         if self.tp.size == 1:
             return super().forward(x, topk_ids, topk_weights)
         if not self.ep:

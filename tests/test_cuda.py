@@ -1298,13 +1298,17 @@ QWEN3_MOE_4L = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_m
 """Qwen3-30B-A3B's shape with 4 layers (~6 GB bf16): bench_plan's moe-offload case, smaller."""
 
 
-def test_offloaded_moe_peak_stays_within_the_budget():
+@pytest.mark.parametrize("expert_quant", [None, "nf4"])
+def test_offloaded_moe_peak_stays_within_the_budget(expert_quant):
     """Issue #8 part 7, the budget covers everything ferrylm allocates: a Qwen3-30B-A3B-shaped MoE offloaded under
-    a tight budget (mapped experts, hybrid decode, decode graphs; the embeddings on the host) through prefills
-    of a full-length prompt (one step at the token budget, then chunked), a batch of 16 prompts (mixed
+    a tight budget (mapped experts, hybrid decode, decode graphs; the embeddings on the host), bf16 or NF4
+    experts (whose prefill decodes them for dense GEMMs), through prefills of a full-length prompt (one step at
+    the token budget, then chunked), the same length of one token repeated (every token routed to the same
+    experts: the costliest routing, which the warm-up measures in its stead), a batch of 16 prompts (mixed
     prefill + decode steps), graphed decode at 16 and at 1: the device's peak allocation from the engine's
-    start, its build included (`ModelRunner.load_peak`), stays within the budget. The message names each
-    phase's peak above the engine at rest. Then `close()` gives the memory back at once."""
+    start, its build included (`ModelRunner.load_peak`), stays within the budget, and no step takes more over
+    the engine at rest than the activations it kept. The message names each phase's peak above the engine at
+    rest. Then `close()` gives the memory back at once."""
     from ferrylm.weights.random_source import RandomSource
 
     budget = 2 * 2**30
@@ -1312,8 +1316,8 @@ def test_offloaded_moe_peak_stays_within_the_budget():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    llm = LLM(RandomSource(QWEN3_MOE_4L), device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=2048,
-              gpu_memory_budget=budget)
+    llm = LLM(RandomSource(QWEN3_MOE_4L, expert_quant=expert_quant), device="cuda", dtype="bfloat16",
+              max_num_seqs=16, max_model_len=2048, gpu_memory_budget=budget)
     runner = llm.engine.runner
     assert not runner.placement.fully_resident and runner.graphs is not None
     print(f"hybrid decode: {runner.placed.host_decode is not None} (share {runner.placed.cpu_share})")
@@ -1336,6 +1340,7 @@ def test_offloaded_moe_peak_stays_within_the_budget():
 
     phase("prefill 2040", [prompt(2040)], 1)  # a step at the token budget (2048) as the warm-up's
     phase("prefill 2040 again", [prompt(2040)], 2)
+    phase("one token x 2040", [[123] * 2040], 1)
     phase("16 x 512, decode 16", [prompt(512) for _ in range(16)], 24)  # mixed steps, then graphed decode
     phase("16 x 512 again", [prompt(512) for _ in range(16)], 24)
     phase("1 x 512, decode 1", [prompt(512)], 24)
@@ -1345,7 +1350,7 @@ def test_offloaded_moe_peak_stays_within_the_budget():
            f"{runner.step_peak / 2**20:.0f} MiB, activations kept {runner.activation_bytes / 2**20:.0f} MiB); "
            + ", ".join(f"{k} {(v - rest) / 2**20:+.0f} MiB over rest" for k, v in phases.items()))
     print(msg)
-    assert worst <= budget, msg
+    assert worst <= budget and max(phases.values()) - rest <= runner.activation_bytes, msg
     llm.close()
     torch.cuda.synchronize()
     left = torch.cuda.memory_allocated() - base

@@ -285,6 +285,89 @@ def test_packed_prefill_decoded_once_per_expert_matches_the_reference(fmt, monke
         fused_moe.dequant_rows(x, p13, p2, ids, w, skip=True, counts=counts[:-1] + [counts[-1] + 1])
 
 
+def test_packed_prefill_holds_at_most_twice_the_uniform_share_an_expert(monkeypatch):
+    """A skewed prompt (every token routed to the same two experts) through `fused_moe.dequant_rows`: each GEMM
+    sees at most `dequant_row_cap` rows of one expert and a decode group at most that many per expert in it (the
+    transient `prefill_bytes` counts, whatever the routing), and the rows still match the per-expert reference."""
+    from ferrylm.layers import fused_moe
+    from ferrylm.layers.fused_moe import ExpertWeights
+    from ferrylm.layers.moe import expert_mlp
+    from ferrylm.weights import quant
+
+    g = torch.Generator().manual_seed(5)
+    E, H, I, T, k = 5, 64, 64, 40, 2
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    p13 = ExpertWeights.stack([[quant.quantize_nf4(w13[e, :I], 64), quant.quantize_nf4(w13[e, I:], 64)]
+                               for e in range(E)], torch.bfloat16)
+    p2 = ExpertWeights.stack([[quant.quantize_nf4(w2[e], 64)] for e in range(E)], torch.bfloat16)
+    d13, d2 = p13.dequantize(torch.float32), p2.dequantize(torch.float32)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.tensor([[1, 3]] * T)
+    ids[:3] = torch.tensor([[0, 4]] * 3)
+    w = torch.rand(T, k, generator=g)
+    cap = fused_moe.dequant_row_cap(T * k, E)
+    assert cap == 32  # experts 1 and 3 take 37 rows each: two pieces apiece
+    seen = []
+    real = fused_moe._group_mm
+    monkeypatch.setattr(fused_moe, "_group_mm", lambda rows, a, sizes: seen.append(list(sizes)) or real(rows, a, sizes))
+    for per in (1, 2):
+        seen.clear()
+        monkeypatch.setattr(fused_moe, "DEQUANT_BUFFER_BYTES", per * 3 * I * H * 2)
+        got = fused_moe.dequant_rows(x, p13, p2, ids, w)
+        ref = torch.stack([expert_mlp(x[t:t + 1].float(), d13[e], d2[e], torch.nn.functional.silu)[0] * w[t, j]
+                           for t in range(T) for j, e in enumerate(ids[t].tolist())])
+        err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+        print(f"skewed packed prefill, {per} expert(s) a group, pieces {seen[::2]}: max error {err:.2e}")
+        assert err < 2e-2
+        assert all(len(s) <= per and max(s) <= cap for s in seen) and sum(map(sum, seen)) == 2 * T * k
+        assert max(map(sum, seen)) <= per * cap and sum(s.count(cap) for s in seen) == 2 * 2  # both GEMMs a piece
+
+
+def test_decode_groups_split_an_expert_past_the_cap():
+    """`fused_moe._decode_groups`: the experts in the rows' sorted order, at most `per` a group, each once in a
+    group and at most `cap` rows; the pieces in order give back each expert's count."""
+    from ferrylm.layers.fused_moe import _decode_groups
+
+    counts, per, cap = [5, 0, 12, 3, 1], 2, 4
+    groups = _decode_groups(counts, per, cap)
+    assert groups == [([0], [4]), ([0, 2], [1, 4]), ([2], [4]), ([2, 3], [4, 3]), ([4], [1])]
+    for experts, sizes in groups:
+        assert len(experts) <= per and len(set(experts)) == len(experts) and max(sizes) <= cap
+    flat = [(e, r) for experts, sizes in groups for e, r in zip(experts, sizes)]
+    assert [sum(r for e2, r in flat if e2 == e) for e in range(len(counts))] == counts
+    assert _decode_groups([3, 2], 4, 8) == [([0, 1], [3, 2])]  # under the cap: one group as before
+
+
+def test_warmup_routing_is_the_costliest():
+    """Inside `context.costliest_routing` (the runner's warm-up step) a bank computes `moe.costliest_ids`: half
+    the experts, every other one, at most `dequant_row_cap` rows each, distinct within a token; outside it the
+    router's own ids."""
+    from ferrylm.layers.context import costliest_routing
+    from ferrylm.layers.fused_moe import dequant_row_cap
+    from ferrylm.layers.moe import costliest_ids
+
+    for T, k, E in ((7, 2, 8), (64, 8, 128), (5, 2, 2), (3, 4, 6)):
+        ids = costliest_ids(torch.zeros(T, k, dtype=torch.long), E)
+        counts = torch.bincount(ids.flatten(), minlength=E)
+        assert ids.shape == (T, k) and all(len(set(r)) == k for r in ids.tolist()), (T, k, E)
+        assert counts.max().item() <= dequant_row_cap(T * k, E) and (counts > 0).sum().item() == min(T * k, max(k, E // 2))
+    assert costliest_ids(torch.zeros(7, 2, dtype=torch.long), 8).unique().tolist() == [0, 2, 4, 6]
+    torch.manual_seed(0)
+    E, H, I, T, k = 8, 16, 24, 12, 2
+    bank = Experts(E, H, I)
+    for e in range(E):
+        bank.load(e, "gate_up", torch.randn(2 * I, H) * 0.2)
+        bank.load(e, "down", torch.randn(H, I) * 0.2)
+    bank.routing_counts = torch.zeros(E, dtype=torch.long)
+    x, ids, w = torch.randn(T, H), torch.zeros(T, k, dtype=torch.long), torch.rand(T, k)
+    ids[:, 1] = 1
+    plain = bank(x, ids, w)
+    assert bank.routing_counts.tolist() == [T, T] + [0] * 6
+    with costliest_routing():
+        out = bank(x, ids, w)
+    assert bank.routing_counts.tolist() == [T + 6, T, 6, 0, 6, 0, 6, 0] and not torch.equal(out, plain)
+
+
 def test_fused_moe_alignment_matches_reference():
     """The Triton kernel's index plumbing, emulated with torch on the CPU: each padded row block holds
     one expert's assignments, padding points past the end, and the gather undoes the sort."""

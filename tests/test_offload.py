@@ -243,6 +243,28 @@ def test_prefill_path_follows_the_measured_thresholds():
         assert sizes == sorted(sizes) and sizes[0] > 0, (packed, sizes)
 
 
+def test_captured_steps_stop_where_a_packed_bank_leaves_the_kernel():
+    """`fused_moe.graph_token_limit`: the most tokens a CUDA-graph-captured step holds over a packed bank is the
+    last count whose eager step takes the kernel path too (past it `dequant_rows` reads counts on the host, which a
+    capture cannot, and the captured step would fall back to the in-tile decode); dense banks are not bounded.
+    `offload/memory.graph_tokens` (the graph pools the engine and the plan reserve) takes the bound."""
+    from ferrylm.config import ModelConfig, SchedulerConfig
+    from ferrylm.layers import fused_moe as fm
+    from ferrylm.offload.memory import graph_token_limit, graph_tokens
+
+    for E, k in ((8, 2), (128, 8), (32, 2), (64, 6)):
+        n = fm.graph_token_limit(E, k, True)
+        assert fm.prefill_path(n * k, E, 768, True) == "kernel" and fm.prefill_path((n + 1) * k, E, 768, True) == "dequant"
+        assert fm.graph_token_limit(E, k, False) is None
+    mixtral = ModelConfig.from_hf({"architectures": ["MixtralForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+                                   "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                                   "vocab_size": 256, "num_local_experts": 8, "num_experts_per_tok": 2})
+    assert graph_token_limit(mixtral, True) == 127 and graph_token_limit(mixtral, False) is None
+    sc = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=4096)
+    assert graph_tokens(sc, True, True, 127) == 127 and graph_tokens(sc, True, False, 127) == 127
+    assert graph_tokens(sc, True, True, None) == 2048 and graph_tokens(sc, False, True, 127) == 0
+
+
 @pytest.mark.parametrize("fmt", ["nf4", "int4", "int8", "fp8"])
 def test_packed_prefill_decoded_once_per_expert_matches_the_reference(fmt, monkeypatch):
     """`fused_moe.dequant_rows` (a packed bank's experts each decoded once into dense weights, then dense GEMMs on

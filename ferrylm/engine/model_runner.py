@@ -30,7 +30,8 @@ from ferrylm.layers.transfer import to_device
 from ferrylm.models.registry import model_class
 from ferrylm.offload.placed_weights import PlacedWeights
 from ferrylm.offload.memory import (activation_reserve, cublas_workspace_bytes, device_budget, fixed_kv_bytes,
-                                   graph_tokens, kv_after_warmup, size_memory, warmup_activations)
+                                   graph_token_limit, graph_tokens, kv_after_warmup, size_memory,
+                                   warmup_activations)
 from ferrylm.offload.placement import describe, group_tensors
 from ferrylm.parallel.group import SINGLE, building
 
@@ -170,12 +171,15 @@ class ModelRunner:
         self.model.eval()
         from ferrylm.layers import fused_moe
 
+        packed = []
         # one process only: tensor-parallel ranks read their expert slices dense (parallel/ and models/base.py)
         if (self.device.type == "cuda" and config.moe_backend == "auto" and fused_moe.triton is not None
                 and self.dtype in (torch.bfloat16, torch.float16) and config.parallel.world_size == 1):
             packed = self.model.pack_experts(source)  # the fused kernel reads them packed: placed at that size
             if packed:
                 log.info("experts kept packed in %d banks (read by the fused MoE kernel)", len(packed))
+        self._graph_limit = graph_token_limit(model_config, bool(packed))
+        """The most tokens a captured step may hold (packed expert banks: their prefill path is not capturable)."""
         if self.device.type == "cuda":  # packed Linear weights are placed (and streamed) at their packed size
             self.model.note_packed_linears(source)
         for m in self.model.modules():
@@ -224,8 +228,7 @@ class ModelRunner:
 
             self.graphs = self.decode_graphs()
             if self.model.piecewise and placement.fully_resident:
-                self.piecewise = PiecewiseGraphs(self.model, config.scheduler.max_num_batched_tokens, self.dtype,
-                                                 self.device)
+                self.piecewise = PiecewiseGraphs(self.model, self._graph_tokens(True), self.dtype, self.device)
 
     def decode_graphs(self):
         """`DecodeGraphs` over this runner's eager step, cache and state pool (off CUDA: the same inputs and
@@ -233,7 +236,8 @@ class ModelRunner:
         from ferrylm.engine.cuda_graph import DecodeGraphs
 
         sc, cfg = self.config.scheduler, self.model_config
-        max_batch = min(sc.max_num_seqs, self.placed.graph_tokens or sc.max_num_seqs)
+        max_batch = min(sc.max_num_seqs, self.placed.graph_tokens or sc.max_num_seqs,
+                        self._graph_limit or sc.max_num_seqs)
         # the graphs hold the runner weakly: a runner <-> graphs cycle would keep a dropped engine's device
         # memory (graph pools, KV, weights) until the collector ran
         return DecodeGraphs(_weakly(self.embed), _weakly(self._logits_of),
@@ -267,7 +271,7 @@ class ModelRunner:
         """Tokens of the largest graph-captured step (`offload/memory.py` graph_tokens): piecewise prefill graphs
         only for fully resident models."""
         graphs = self.device.type == "cuda" and not self.config.enforce_eager
-        return graph_tokens(self.config.scheduler, graphs, resident and self.model.piecewise)
+        return graph_tokens(self.config.scheduler, graphs, resident and self.model.piecewise, self._graph_limit)
 
     def _warmup_peak(self) -> int:
         """Device bytes one step at the token budget allocates beyond the weights, measured: a dummy

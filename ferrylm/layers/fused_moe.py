@@ -93,6 +93,17 @@ def prefill_path(A: int, E: int, inter: int, packed: bool) -> str:
     return "kernel"
 
 
+def graph_token_limit(E: int, k: int, packed: bool) -> int | None:
+    """The most tokens a CUDA-graph-captured step (decode graphs, piecewise prefill graphs) may hold over a bank of
+    E experts, k a token, and still compute it on the path an eager step takes: a packed bank's `dequant_rows`
+    reads its counts on the host, which a capture cannot, so a captured step past `PACKED_DENSE_MIN_ROWS` an
+    expert would fall back to the kernel's in-tile decode (Mixtral NF4 resident, 2k-token prefill on an H100:
+    450 tok/s in graphs, the same layers offloaded and eager ~6000). None: no bound."""
+    if not packed or PACKED_DENSE_MIN_ROWS is None:
+        return None
+    return max(0, (PACKED_DENSE_MIN_ROWS * E - 1) // max(k, 1))
+
+
 def prefill_bytes(A: int, E: int, hidden: int, inter: int, elt: int, packed: bool) -> int:
     """Device bytes `expert_rows` holds at its peak for A assignments (beside its input), on the path
     `prefill_path` takes; `plan/memory.step_activation_bytes` counts the MoE layer with it. kernel: the gated

@@ -32,10 +32,22 @@ def step_bound(cfg: ModelConfig, sc: SchedulerConfig, elt: int) -> int:
     return T * width * elt + sc.max_num_seqs * cfg.vocab_size * 4 + (256 << 20)
 
 
-def graph_tokens(sc: SchedulerConfig, graphs: bool, piecewise: bool) -> int:
+def graph_tokens(sc: SchedulerConfig, graphs: bool, piecewise: bool, limit: int | None = None) -> int:
     """Tokens of the largest step CUDA graphs capture: the token budget with piecewise prefill graphs (fully
-    resident models), `max_num_seqs` with decode graphs only (offloaded ones), 0 eager."""
-    return 0 if not graphs else sc.max_num_batched_tokens if piecewise else sc.max_num_seqs
+    resident models), `max_num_seqs` with decode graphs only (offloaded ones), 0 eager; at most `limit`
+    (`graph_token_limit`: packed expert banks)."""
+    n = 0 if not graphs else sc.max_num_batched_tokens if piecewise else sc.max_num_seqs
+    return n if limit is None else min(n, limit)
+
+
+def graph_token_limit(cfg: ModelConfig, packed_experts: bool) -> int | None:
+    """The most tokens a captured step of this model may hold (`layers/fused_moe.graph_token_limit`: a packed
+    expert bank's prefill path cannot be captured); None: no bound. Steps past it run eagerly."""
+    if not cfg.num_experts or not packed_experts:
+        return None
+    from ferrylm.layers.fused_moe import graph_token_limit as bank_limit
+
+    return bank_limit(cfg.num_experts, cfg.num_experts_per_tok, True)
 
 
 def activation_reserve(cfg: ModelConfig, sc: SchedulerConfig, elt: int, graph_tokens: int = 0,

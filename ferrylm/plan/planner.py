@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field, replace
 from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig
 from ferrylm.errors import ConfigError, UnsupportedArchitectureError
 from ferrylm.offload.memory import (activation_reserve, cublas_workspace_bytes, device_budget, fixed_kv_bytes,
-                                   graph_tokens, kv_after_warmup, size_memory, step_bound, warmup_activations)
+                                   graph_token_limit, graph_tokens, kv_after_warmup, size_memory, step_bound,
+                                   warmup_activations)
 from ferrylm.offload.placement import GPU, HOST, TensorGroup
 from ferrylm.plan import catalog, estimate, hardware, hit_rate, quality
 from ferrylm.plan.memory import (DTYPE_BYTES, LOAD_WORKSPACE_BYTES, QUANT_SCHEMES, WeightFormat, analytical_groups,
@@ -223,9 +224,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     graphs_planned = not opts.enforce_eager  # `ModelRunner._graph_tokens`: what graph pools hold beside the step
     # the graphs' side stream's cuBLAS workspace: 32 MiB from Hopper on (the profiles with fp8), 8 MiB before
     ws = cublas_workspace_bytes(9 if gpu.fp8 else 8)
-    reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype], graph_tokens(sc, graphs_planned, False), ws)
-    resident_reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype], graph_tokens(sc, graphs_planned, piecewise),
-                                          ws)
+    packed = bool(mc.num_experts) and fmt.expert_bytes(mc.moe_intermediate_size or 1, mc.hidden_size) is not None
+    limit = graph_token_limit(mc, packed)  # packed expert banks: captured steps stop where their prefill path begins
+    reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype], graph_tokens(sc, graphs_planned, False, limit), ws)
+    resident_reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype],
+                                          graph_tokens(sc, graphs_planned, piecewise, limit), ws)
     # per-sequence state (Yuan's filter) is whole on every rank; one more row is the graphs' scratch row
     state = state_per_seq * (opts.max_num_seqs + 1) if state_per_seq else 0
     notes: list[str] = []
@@ -238,10 +241,10 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     device_weights = placement.device_bytes() if placement else 0
     # on CUDA the engine then measures one step and re-sizes the pool (`offload/memory.py` kv_after_warmup)
     elt = DTYPE_BYTES[opts.dtype]
-    packed = bool(mc.num_experts) and fmt.expert_bytes(mc.moe_intermediate_size or 1, mc.hidden_size) is not None
     experts_on_host = placement is not None and any(g.kind == "experts" and placement.tier[g.name] == HOST for g in mine)
     step, floor = step_activation_bytes(mc, opts.max_num_batched_tokens, opts.max_num_seqs, max_len, elt, packed, experts_on_host)
-    pool_tokens = graph_tokens(sc, graphs_planned, piecewise and placement is not None and placement.fully_resident)
+    pool_tokens = graph_tokens(sc, graphs_planned, piecewise and placement is not None and placement.fully_resident,
+                               limit)
     # what the engine holds once loaded: the placed weights, the RoPE tables and a cuBLAS workspace
     held = device_weights + rope_table_bytes(model, mc, max_len) + LOAD_WORKSPACE_BYTES if placement else 0
 
@@ -556,7 +559,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         else:  # the engine's default budget is at most 90% of free memory; an explicit budget may go higher
             # the placement leaves the reserve for activations; the warm-up then takes what it measured
             need = (per_gpu["weights_all"] + max(resident_reserve, warmup_activations(
-                step, sc, mc.vocab_size, graph_tokens(sc, graphs_planned, piecewise), ws)) + held - device_weights
+                step, sc, mc.vocab_size, graph_tokens(sc, graphs_planned, piecewise, limit), ws)) + held - device_weights
                     + (-(-max_len // opts.block_size) + 2) * per_block)
             gib = math.ceil(need / 2**30)
             more = (make_plan(replace(opts, gpu_memory_budget_gb=gib * 2**30 / 1e9), advise=False)

@@ -292,8 +292,8 @@ class CachedExperts(ExpertBackend):
     33.4 ms of 107, never at once). TODO(issue 8): `profile_offload.py --rounds` each | misses | all."""
     staging_slots = 0
     """With `one_large_a_round` on CUDA: slots of the first cached layer the others share (`StagingSlots`) to stage the
-    next layer's experts on a copy-road step whose tokens leave almost no expert unrouted (`_stages`); 0: off. Off
-    until the donor form is measured. Measured on the H100 in session 28, alternating runs, 2 slots: shared slots taken
+    next layer's experts on a copy-road step whose tokens leave almost no expert unrouted (`_stages`); 0: off.
+    Measured on the H100 in session 28, alternating runs, 2 slots: shared slots taken
     from the layers' caches for good ran the 2k prefill of the 32-layer NF4 Mixtral under 16 GiB at 6728 / 6786 tok/s
     against 5076 / 5481 without (0.76 of the copy floor), the 8-layer NF4 512-token prefill at 8684 against 7302
     (0.92), the 16-layer bf16 2k prefill at 3564 against 3344 (1.00), but cost 8-layer NF4 batch-1 decode under 5 GiB
@@ -301,8 +301,12 @@ class CachedExperts(ExpertBackend):
     only (its experts not yet copied back) ran one 32-layer prefill at 4838 against 5869 and decode 11.0 against 9.6
     ms. Lending each layer's own freed slots to the next cost as many extra copies as it staged (the lender's
     experts, needed again next step, were dropped): 5920-5970 against 6396. The CPU engine stages too (copies at
-    once: the bookkeeping in CI, `tests/test_offload.py`). TODO(issue 8): `benchmarks/device_s34.sh` (the donor with
-    its experts copied back, `StagingSlots.release`) and the 32-layer 2k prefill, alternating."""
+    once: the bookkeeping in CI, `tests/test_offload.py`). The donor with its experts copied back at the step's end
+    (`StagingSlots.release`; session 29, `benchmarks/device_s34.sh`, alternating): 32-layer 2k prefill 6400 / 5710
+    against 6031 / 6131 tok/s, 8-layer 512 6300 against 6276, 8-layer batch-1 decode 10.45 / 10.34 against 9.59 /
+    9.32 ms (hit 0.896 against 0.918): no prefill gain and a decode loss, so it stays off. The 32-layer NF4 prefill's
+    other side is its compute: the same model resident prefills 2k tokens at 7206 / 7487 tok/s on that box, and
+    the offloaded run's 5866 is 0.80 of that."""
     promote_after_layer = False
     """A promotion's copy starts once its layer of the last queued step has run (`layer_done`: an event recorded
     after every forward of this layer, inside decode graphs too, read when the engine builds it), not after

@@ -12,6 +12,13 @@ the CUDA engine ends with after its measured warm-up (`offload/memory.py` kv_aft
 and the planned figure.
 
 TODO (what is left of issue #14):
+- session 29 (`plan-check-2026-12-06-s29-h100.json`, NF4 Mixtral 8L under 5 GiB, H100): weights -0.1%, KV +0.5%,
+  peak -0.4%, step activations -0.0% since the warm-up routes as the costliest prompt and a packed prefill computes
+  an expert at most `fused_moe.dequant_row_cap` rows at once (before: KV +5.8%, activations -10%: the warm-up's
+  random routing was skewed past the count); decode batch 1 -11% (+10% at the measured hit), batch 16 -13%, prefill
+  +20% (the round order modelled). Open: batch 1 "@profile routing" +68% while the same hit rate given alone is
+  +10%: the replayed trace's promotions are the suspect; `check.routing_rows` now records each prediction's parts
+  (`parts_ms` in the result) for the next run;
 - session 24 (`plan-check-2026-12-06-s24-h100.json`, an H100): resident dense and MoE within +-20% on a GPU the
   constants were not fitted on; KV tokens after the warm-up 1.1-1.4% high there (the start-up figure within 0.2%);
   offloaded decode with the run's own routing within 13% in 3 of 4 rows, but Qwen3 batch 1 caught 94% in its slots

@@ -269,8 +269,8 @@ def routing_rows(plan: Plan, llm, got: dict, path: str) -> tuple[list[dict], dic
     """After `record_routing` and `measure`: the plan's decode speeds and hit rates again, predicted from the
     routing the runs saw (written to `path` as a `ferry profile` file; its one-token trace replays the
     token-to-token reuse a plan without a profile leaves out) and at the hit rate each run measured (the
-    bandwidth model alone). Rows suffixed " @profile routing" and " @measured hit"; info: the traced steps and
-    the replayed hit rates."""
+    bandwidth model alone). Rows suffixed " @profile routing" and " @measured hit"; info: the traced steps, the
+    replayed hit rates and each prediction's parts (ms a step)."""
     from dataclasses import replace
 
     from ferrylm.offload import expert_profile
@@ -295,6 +295,12 @@ def routing_rows(plan: Plan, llm, got: dict, path: str) -> tuple[list[dict], dic
         rows += compare({key: routed.speed[key]["tok_s"]}, got, names=[key], suffix=" @profile routing")
         again = make_plan(replace(opts, expert_hit_rate=hit), advise=False)
         rows += compare({key: again.speed[key]["tok_s"]}, got, names=[key], suffix=" @measured hit")
+        # each prediction's parts, so a row that misses says which part differs (session 29: batch 1 @profile
+        # routing +68% where the same hit rate given alone was +10%)
+        info.setdefault("parts_ms", {}).update({f"{key} @{tag}": {part: round(v, 4) for part, v in
+                                                                 p.speed[key]["parts_ms"].items() if v}
+                                                for tag, p in (("uniform", plan), ("profile routing", routed),
+                                                               ("measured hit", again))})
     info["hit_rate_from_profile"] = {k: routed.speed[k]["expert_hit_rate"] for k in ("decode_batch1", "decode_concurrent")}
     return rows, info
 

@@ -863,6 +863,24 @@ def test_memory_model_reproduces_the_h200_plan_check(tmp_path):
     assert abs(rows["dense", "prefill"]) < 0.10
 
 
+@pytest.mark.parametrize("run,case,act,kv", [("s25", "moe-offload", 0.05, 0.02), ("s29", "moe-offload-nf4", 0.01, 0.01)])
+def test_memory_model_reproduces_the_offloaded_h100_checks(run, case, act, kv, tmp_path):
+    """The offloaded prefill's rounds as `plan/memory.step_activation_bytes` counts them, replayed on the H100
+    plan checks (benchmarks/results/plan-check-2026-12-06-sNN-h100.json): Qwen3-30B-A3B bf16 under 4 GiB (the
+    kernel path's rounds pad their rows over the cache's bank, `Placement.largest_cache`, beside the running sum;
+    -11.6% before that was counted) and the NF4 Mixtral under 5 GiB (session 29, the warm-up on the costliest
+    routing); the KV pool the engine sized from its warm-up within `kv`."""
+    root = os.path.dirname(os.path.dirname(__file__))
+    path = os.path.join(root, "benchmarks", "results", f"plan-check-2026-12-06-{run}-h100.json")
+    env = {**os.environ, "PYTHONPATH": root}
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_plan.py"), "--replay", path,
+                        "--out", str(tmp_path / "replay.json")], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {(x["case"], x["metric"]): x["rel_error_now"] for x in json.loads(r.stdout.strip().splitlines()[-1])["rows"]}
+    print(f"{run} {case}: step activations {rows[case, 'step_activations']:+.1%}, KV {rows[case, 'kv']:+.1%}")
+    assert abs(rows[case, "step_activations"]) < act and abs(rows[case, "kv"]) < kv
+
+
 def test_tensor_parallel_ranks_count_quantized_weights_dense():
     """Under --tp the engine's ranks read their slices of a quantized store dense (packed pieces are not sliced):
     the plan counts the same bytes as unquantized and says why."""

@@ -583,7 +583,7 @@ def decode_experts(w, experts: list[int], dtype: torch.dtype, out: torch.Tensor 
 
 
 def dequant_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 skip: bool = False, counts: list[int] | None = None) -> torch.Tensor:
+                 skip: bool = False, counts: list[int] | None = None, experts: int | None = None) -> torch.Tensor:
     """`expert_rows`'s result for a packed bank (`ExpertWeights`, or a `WeightTable` over one: decoded where it
     lies), each expert it uses decoded once (`decode_experts`) in groups of at most `DEQUANT_BUFFER_BYTES` of
     dense weights, then per group the gate/up GEMM, silu(gate) * up and the down GEMM on that group's rows: torch's
@@ -591,7 +591,9 @@ def dequant_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights:
     (their rows 0), as `expert_rows` skips them. One host read of the per-expert counts (not for captured steps),
     unless the caller knows them: `counts`, the assignments of each id 0..E (E: skipped), as
     `torch.bincount(topk_ids.flatten(), minlength=E + 1)` would count them (the offload cache's rounds: a host
-    read a round left the device idle while the host planned the next, ~30% of a packed prefill)."""
+    read a round left the device idle while the host planned the next, ~30% of a packed prefill). `experts`: the
+    model's expert count where the bank holds fewer (an offload cache's slots): the row cap is taken on it, so a
+    round splits an expert as the resident step does and holds no more than the warm-up measured."""
     T, k = topk_ids.shape
     E, two_i, H = w13.shape
     flat = topk_ids.reshape(-1)
@@ -604,7 +606,7 @@ def dequant_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights:
     y = torch.zeros(flat.numel(), H, dtype=x.dtype, device=x.device)
     per = max(1, DEQUANT_BUFFER_BYTES // (3 * two_i // 2 * H * x.element_size()))
     start, h = 0, None
-    for group, sizes in _decode_groups(counts[:E], per, dequant_row_cap(flat.numel(), E)):
+    for group, sizes in _decode_groups(counts[:E], per, dequant_row_cap(flat.numel(), experts or E)):
         n = sum(sizes)
         rows, out = xs[start:start + n], y[start:start + n]
         # one side decoded at a time (w13's freed before w2's is made): the transient is the larger side's
@@ -705,7 +707,7 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
         if path == "grouped" and not skip and grouped_mm_usable(x, w13, w2):
             return grouped_rows(x, w13, w2, topk_ids, topk_weights)
         if path == "dequant" and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return dequant_rows(x, w13, w2, topk_ids, topk_weights, skip, counts)
+            return dequant_rows(x, w13, w2, topk_ids, topk_weights, skip, counts, experts)
     up = two_i // 2
     I = up if inter is None else inter
     A = T * k

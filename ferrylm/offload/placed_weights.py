@@ -233,7 +233,7 @@ class PlacedWeights:
                 continue
             groups = [g for g in self.placement.groups if g.kind == "experts" and g.layer == layer]
             resident = [g.expert for g in groups if self.placement.tier[g.name] == GPU]
-            capacity = len(resident) + self.placement.expert_slots.get(layer, 0)
+            capacity = self.placement.cache_capacity(layer)
             pinned: set[int] = set()
             if profile is not None:
                 counts = profile[layer]

@@ -178,6 +178,17 @@ class Placement:
         slot_bytes = sum(n * self._expert_bytes(layer) for layer, n in self.expert_slots.items())
         return self.bytes_on(GPU) + self.stream_buffer_bytes + slot_bytes
 
+    def cache_capacity(self, layer: int) -> int:
+        """Experts a cached MoE layer's device bank holds (`offload/expert_cache.CachedExperts`): its resident
+        experts and its copy slots."""
+        resident = sum(1 for g in self.groups if g.kind == "experts" and g.layer == layer and self.tier[g.name] == GPU)
+        return resident + self.expert_slots.get(layer, 0)
+
+    def largest_cache(self) -> int | None:
+        """The largest `cache_capacity` of a layer with experts in host memory; None when no layer has any."""
+        layers = {g.layer for g in self.groups if g.kind == "experts" and self.tier[g.name] == HOST}
+        return max((self.cache_capacity(layer) for layer in layers), default=None)
+
     def _expert_bytes(self, layer: int) -> int:
         return next(g.nbytes for g in self.groups if g.kind == "experts" and g.layer == layer)
 

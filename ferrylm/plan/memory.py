@@ -292,15 +292,17 @@ def rope_table_bytes(model: nn.Module | None, cfg: ModelConfig, max_model_len: i
 
 
 def step_activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                          elt: int, packed_experts: bool = False, cached_experts: bool = False) -> tuple[int, int]:
+                          elt: int, packed_experts: bool = False, cached_experts: bool = False,
+                          round_bank: int | None = None) -> tuple[int, int]:
     """(estimate, floor) of the device bytes `ModelRunner._warmup_peak` measures: a prefill of the token budget
     T and the logits of min(T, max_num_seqs) rows. The peak is the widest block's live tensors on top of the
     residual stream and the block's normed input: attention (qkv, its rotated q / k, the output), a dense MLP
     (gate_up [T, 2I], act(gate) and its product with up: 4I), fused MoE (`layers/fused_moe.prefill_bytes`, on the
     path `expert_rows` takes for the bank, `packed_experts` or dense, beside the layer's input and attention
     output, which the layer's `post` still holds; router logits fp32; with `cached_experts` (experts in host memory,
-    computed in rounds: `offload/expert_cache.CachedExperts._forward_fused`) on the dequantizing path, the running
-    sum of the rounds before [T * k, H] beside a round's buffers), shared experts as a dense MLP; or the logits (lm_head
+    computed in rounds: `offload/expert_cache.CachedExperts._forward_fused`) the running sum of the rounds before
+    [T * k, H] beside a round's buffers, which on the kernel path pad the rows over the cache's bank, `round_bank`
+    experts (`Placement.largest_cache`) and the skipped id), shared experts as a dense MLP; or the logits (lm_head
     output and its fp32 copy); plus
     `CUBLAS_WORKSPACE_BYTES`. The floor counts only what must coexist: the widest GEMM's input and output (or
     the logits). `benchmarks/bench_plan.py` prints the measured figure beside it (H200, session 8: dense +2.9%,
@@ -316,14 +318,16 @@ def step_activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num
     if dense_layers:
         widths.append((4 * cfg.intermediate_size, 2 * cfg.intermediate_size))
     if moe_layers:
-        from ferrylm.layers.fused_moe import prefill_bytes, prefill_path
+        from ferrylm.layers.fused_moe import padded_rows, prefill_bytes, prefill_path
 
         k, E, I = max(cfg.num_experts_per_tok, 1), cfg.num_experts, cfg.moe_intermediate_size
-        # offloaded rounds on the dequantizing path hold the running sum [T * k, H] beside a round's full-size
-        # buffers; the kernel path's rounds pad only their own experts' rows, less than the count above holds
-        rounds = cached_experts and prefill_path(T * k, E, I, packed_experts) == "dequant"
-        widths.append((2 * H + prefill_bytes(T * k, E, H, I, elt, packed_experts) // (T * elt) + E * 4 // elt
-                       + (k * H if rounds else 0), k * I))
+        A = T * k
+        if cached_experts and prefill_path(A, E, I, packed_experts) != "dequant":  # (a round never takes "grouped")
+            # a round on the kernel: its rows padded over the cache's bank and the skipped id, the running sum beside
+            moe = (padded_rows(A, (round_bank or E) + 1) * (I + H) + 2 * A * H) * elt
+        else:  # resident, or rounds decoding each expert once: their running sum [T * k, H] beside a round's buffers
+            moe = prefill_bytes(A, E, H, I, elt, packed_experts) + (A * H * elt if cached_experts else 0)
+        widths.append((2 * H + moe // (T * elt) + E * 4 // elt, k * I))
     if cfg.shared_expert_intermediate_size:
         widths.append((4 * cfg.shared_expert_intermediate_size, 2 * cfg.shared_expert_intermediate_size))
     logits = S * cfg.vocab_size * (elt + 4)

@@ -306,7 +306,8 @@ def step_activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num
     output and its fp32 copy); plus
     `CUBLAS_WORKSPACE_BYTES`. The floor counts only what must coexist: the widest GEMM's input and output (or
     the logits). `benchmarks/bench_plan.py` prints the measured figure beside it (H200, session 8: dense +2.9%,
-    resident MoE within 0.1% of this count; the offloaded prefill's rounds hold more, -10% / -12%)."""
+    resident MoE within 0.1% of this count; H100, sessions 25 and 29 replayed: offloaded Qwen3 bf16 -3.0%, NF4 Mixtral
+    -0.0%, `tests/test_plan.py`)."""
     T = min(max_num_batched_tokens, max_model_len)
     S = min(T, max_num_seqs)
     H, D, h, hk = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, max(1, cfg.num_key_value_heads)

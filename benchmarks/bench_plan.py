@@ -13,7 +13,9 @@ compared with the plan's estimate of it (`step_activations`). Cases on CUDA:
 - moe-offload: Qwen3-30B-A3B shape, 16 layers (~20 GB) under `--gpu-memory-budget 4 GiB` (128 experts of
   9.4 MB: misses read in place at decode up to 64 tokens);
 - moe-offload-nf4: Mixtral-8x7B shape, 8 layers, NF4 experts (packed, ~6.3 GB) under 5 GiB (99 MB experts:
-  read in place only at one token, copied at 16).
+  read in place only at one token, copied at 16);
+- moe-nf4: the same NF4 Mixtral resident (its prefill past `fused_moe.graph_token_limit` tokens runs eagerly on
+  `dequant_rows`; decode graphed on the NF4 decode kernel).
 `--device cpu` (or no CUDA): a smoke run of the same script on tiny shapes (byte counts only; the offload
 cases force experts to host memory with `--place experts=cpu`). Aims: weights +-1%, peak +-5%, decode +-20%.
 Each case runs in a process of its own under a time limit (`--case-timeout`, and what is left of `--time-budget`),
@@ -65,6 +67,7 @@ CASES = {
     "moe": (MIXTRAL, 8, None, None, 64),
     "moe-offload": (QWEN3_30B, 16, 4, None, 32),
     "moe-offload-nf4": (MIXTRAL, 8, 5, "nf4", 32),
+    "moe-nf4": (MIXTRAL, 8, None, "nf4", 64),
 }
 
 

@@ -17,7 +17,7 @@ from ferrylm.config import ModelConfig
 from ferrylm.errors import ConfigError
 from ferrylm.kv.cache import KVCache
 from ferrylm.layers.fused_moe import align
-from ferrylm.layers.moe import Experts, TorchExperts
+from ferrylm.layers.moe import Experts, TorchExperts, expert_mlp, expert_row_cap
 from ferrylm.models.registry import model_class
 from ferrylm.offload.expert_cache import CachedExperts, belady_hits, simulate
 from ferrylm.offload.placed_weights import OffloadStats
@@ -171,6 +171,8 @@ def test_cached_experts_equal_reference_at_every_capacity():
         bank.load(e, "gate_up", torch.randn(2 * I, H) * 0.1)
         bank.load(e, "down", torch.randn(H, I) * 0.1)
     steps = [torch.randint(0, E, (T, 2)) for T in (1, 3, 40, 2, 64)]
+    steps.append(torch.full((64, 2), 1))  # every token on experts 1 and 3: 64 rows each, past the cap, in pieces
+    assert expert_row_cap(64 * 2, E) < 64
     for capacity in (2, 3, 5, 6):
         cache = CachedExperts(bank, bank.w13.data, bank.w2.data, capacity, list(range(capacity - 2)), {0},
                               "lru", torch.device("cpu"), None, OffloadStats(), 0)
@@ -181,6 +183,10 @@ def test_cached_experts_equal_reference_at_every_capacity():
             assert torch.equal(cache.forward(bank, x, ids, w), TorchExperts().forward(bank, x, ids, w))
             assert len(cache.slot_of) <= capacity and 0 in cache.slot_of  # pinned stays
             assert all(cache.owner[s] == e for e, s in cache.slot_of.items())
+    # the pieces against one GEMM over all 64 rows: the same values within float rounding
+    x, ids, w = torch.randn(64, H), torch.tensor([[1, 3]] * 64), torch.rand(64, 2).softmax(-1)
+    whole = sum(expert_mlp(x, *bank.expert_weights(e), bank.act) * w[:, j:j + 1] for j, e in enumerate((1, 3)))
+    assert torch.allclose(TorchExperts().forward(bank, x, ids, w), whole, atol=1e-5, rtol=1e-5)
 
 
 def test_policies_on_traces():
@@ -309,7 +315,7 @@ def test_packed_prefill_decoded_once_per_expert_matches_the_reference(fmt, monke
 
 def test_packed_prefill_holds_at_most_twice_the_uniform_share_an_expert(monkeypatch):
     """A skewed prompt (every token routed to the same two experts) through `fused_moe.dequant_rows`: each GEMM
-    sees at most `dequant_row_cap` rows of one expert and a decode group at most that many per expert in it (the
+    sees at most `moe.expert_row_cap` rows of one expert and a decode group at most that many per expert in it (the
     transient `prefill_bytes` counts, whatever the routing), and the rows still match the per-expert reference."""
     from ferrylm.layers import fused_moe
     from ferrylm.layers.fused_moe import ExpertWeights
@@ -327,7 +333,7 @@ def test_packed_prefill_holds_at_most_twice_the_uniform_share_an_expert(monkeypa
     ids = torch.tensor([[1, 3]] * T)
     ids[:3] = torch.tensor([[0, 4]] * 3)
     w = torch.rand(T, k, generator=g)
-    cap = fused_moe.dequant_row_cap(T * k, E)
+    cap = fused_moe.expert_row_cap(T * k, E)
     assert cap == 32  # experts 1 and 3 take 37 rows each: two pieces apiece
     seen = []
     real = fused_moe._group_mm
@@ -345,7 +351,7 @@ def test_packed_prefill_holds_at_most_twice_the_uniform_share_an_expert(monkeypa
         assert max(map(sum, seen)) <= per * cap and sum(s.count(cap) for s in seen) == 2 * 2  # both GEMMs a piece
     # an offload round's bank holds fewer experts than the model: the cap is the model's (`experts`), as resident
     seen.clear()
-    small = fused_moe.dequant_row_cap(T * k, 2 * E)
+    small = fused_moe.expert_row_cap(T * k, 2 * E)
     again = fused_moe.dequant_rows(x, p13, p2, ids, w, experts=2 * E)
     assert max(map(max, seen)) == small < cap and (again.float() - got.float()).abs().max() <= 1e-2 * ref.abs().max()
 
@@ -367,17 +373,17 @@ def test_decode_groups_split_an_expert_past_the_cap():
 
 def test_warmup_routing_is_the_costliest():
     """Inside `context.costliest_routing` (the runner's warm-up step) a bank computes `moe.costliest_ids`: half
-    the experts, every other one, at most `dequant_row_cap` rows each, distinct within a token; outside it the
+    the experts, every other one, at most `moe.expert_row_cap` rows each, distinct within a token; outside it the
     router's own ids."""
     from ferrylm.layers.context import costliest_routing
-    from ferrylm.layers.fused_moe import dequant_row_cap
+    from ferrylm.layers.moe import expert_row_cap
     from ferrylm.layers.moe import costliest_ids
 
     for T, k, E in ((7, 2, 8), (64, 8, 128), (5, 2, 2), (3, 4, 6)):
         ids = costliest_ids(torch.zeros(T, k, dtype=torch.long), E)
         counts = torch.bincount(ids.flatten(), minlength=E)
         assert ids.shape == (T, k) and all(len(set(r)) == k for r in ids.tolist()), (T, k, E)
-        assert counts.max().item() <= dequant_row_cap(T * k, E) and (counts > 0).sum().item() == min(T * k, max(k, E // 2))
+        assert counts.max().item() <= expert_row_cap(T * k, E) and (counts > 0).sum().item() == min(T * k, max(k, E // 2))
     assert costliest_ids(torch.zeros(7, 2, dtype=torch.long), 8).unique().tolist() == [0, 2, 4, 6]
     torch.manual_seed(0)
     E, H, I, T, k = 8, 16, 24, 12, 2

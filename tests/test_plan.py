@@ -863,6 +863,32 @@ def test_memory_model_reproduces_the_h200_plan_check(tmp_path):
     assert abs(rows["dense", "prefill"]) < 0.10
 
 
+def test_step_count_of_offloaded_rounds_and_of_layers_held_whole():
+    """`plan/memory.step_activation_bytes` for experts in host memory: a round on the kernel path pads its rows over
+    the cache's bank (`round_bank` experts and the skipped id) and holds the running sum beside, so it grows with the
+    bank and exceeds the resident count on Qwen3-30B-A3B's small experts; a placement that also holds some MoE
+    layer whole (`resident_experts`) counts the larger of the two (Mixtral's wide experts take the grouped GEMM
+    resident, which holds more than a round)."""
+    from ferrylm.config import ModelConfig
+    from ferrylm.plan.memory import step_activation_bytes
+
+    qwen3 = ModelConfig.from_hf(catalog.lookup("Qwen3-30B-A3B")[1])
+    mixtral = ModelConfig.from_hf(catalog.lookup("Mixtral-8x7B")[1])
+    args = (2048, 16, 4096, 2)
+    for mc in (qwen3, mixtral):
+        resident = step_activation_bytes(mc, *args)[0]
+        rounds = [step_activation_bytes(mc, *args, cached_experts=True, round_bank=b, resident_experts=False)[0]
+                  for b in (4, 16, 64)]
+        both = step_activation_bytes(mc, *args, cached_experts=True, round_bank=4, resident_experts=True)[0]
+        print(f"{mc.architecture}: resident {resident / 2**20:.0f} MiB, rounds over 4/16/64 slots "
+              f"{[round(r / 2**20) for r in rounds]} MiB, with a layer held whole {both / 2**20:.0f} MiB")
+        assert rounds == sorted(rounds) and both == max(rounds[0], resident)
+    assert step_activation_bytes(qwen3, *args, cached_experts=True, round_bank=16, resident_experts=False)[0] > \
+        step_activation_bytes(qwen3, *args)[0]
+    assert step_activation_bytes(mixtral, *args, cached_experts=True, round_bank=4, resident_experts=False)[0] < \
+        step_activation_bytes(mixtral, *args)[0]
+
+
 @pytest.mark.parametrize("run,case,act,kv", [("s25", "moe-offload", 0.05, 0.02), ("s29", "moe-offload-nf4", 0.01, 0.01)])
 def test_memory_model_reproduces_the_offloaded_h100_checks(run, case, act, kv, tmp_path):
     """The offloaded prefill's rounds as `plan/memory.step_activation_bytes` counts them, replayed on the H100

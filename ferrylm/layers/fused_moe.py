@@ -16,7 +16,7 @@ import os
 import torch
 
 from ferrylm.layers import fused_ops
-from ferrylm.layers.moe import ExpertBackend
+from ferrylm.layers.moe import ExpertBackend, expert_row_cap
 from ferrylm.layers.transfer import to_device
 
 try:
@@ -111,7 +111,7 @@ def prefill_bytes(A: int, E: int, hidden: int, inter: int, elt: int, packed: boo
     gathered input [H] and gate/up [2I], then gate/up and their product [I], then the product beside the output
     [H] and the weighting's fp32 rows (8 bytes an element at the multiply). dequant:
     the sorted input and the zeroed output [2H] throughout, and per decode group (`DEQUANT_BUFFER_BYTES`; at
-    most `dequant_row_cap` rows an expert, whatever the routing) the decoded w13 beside gate/up and product, then
+    most `expert_row_cap` rows an expert, whatever the routing) the decoded w13 beside gate/up and product, then
     w2 beside product and output; then the weighting."""
     H, I = hidden, inter
     weighting = A * H * (8 + 2 * elt)
@@ -121,7 +121,7 @@ def prefill_bytes(A: int, E: int, hidden: int, inter: int, elt: int, packed: boo
     if path == "grouped":  # the gathered input is freed once gate/up exist; the product lives to the end
         return max(A * (H + 2 * I) * elt, 3 * A * I * elt, A * (I + H) * elt + A * H * 8)
     g = min(E, max(1, DEQUANT_BUFFER_BYTES // (3 * I * H * elt)))
-    n = min(A, g * dequant_row_cap(A, E))
+    n = min(A, g * expert_row_cap(A, E))
     group = max(g * 2 * I * H + n * 3 * I, g * H * I + n * (I + H)) * elt
     return max(2 * A * H * elt + group, A * H * elt + weighting)
 
@@ -606,7 +606,7 @@ def dequant_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights:
     y = torch.zeros(flat.numel(), H, dtype=x.dtype, device=x.device)
     per = max(1, DEQUANT_BUFFER_BYTES // (3 * two_i // 2 * H * x.element_size()))
     start, h = 0, None
-    for group, sizes in _decode_groups(counts[:E], per, dequant_row_cap(flat.numel(), experts or E)):
+    for group, sizes in _decode_groups(counts[:E], per, expert_row_cap(flat.numel(), experts or E)):
         n = sum(sizes)
         rows, out = xs[start:start + n], y[start:start + n]
         # one side decoded at a time (w13's freed before w2's is made): the transient is the larger side's
@@ -619,15 +619,6 @@ def dequant_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights:
     del xs
     rows = h = None  # the last group's rows: not held through the weighting
     return _weighted_unsorted(y, topk_weights, order)
-
-
-def dequant_row_cap(A: int, E: int) -> int:
-    """Rows of one expert `dequant_rows` computes at once for A assignments over E experts: twice the uniform
-    share. An expert routed more rows (a skewed prompt: one token repeated) is computed in pieces of this many, its
-    weights decoded again for each, so a step's transient never depends on its routing: the warm-up's random
-    tokens measure the most any prompt takes, and `prefill_bytes` counts it exactly. The pieces depend on A and E
-    only, so an offload round (its skipped ids counted in A) splits an expert as the resident step does."""
-    return max(1, -(-2 * A // E))
 
 
 def _decode_groups(counts: list[int], per: int, cap: int) -> list[tuple[list[int], list[int]]]:

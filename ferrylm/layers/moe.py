@@ -79,12 +79,13 @@ def route_sigmoid_biased(router_logits: torch.Tensor, correction_bias: torch.Ten
 
 def costliest_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Routing [T, k] for the warm-up step that sizes the KV pool (`context.costliest_routing`): the assignments
-    spread evenly over half the experts (every other one, so each expert-parallel rank gets its share), each
-    taking twice the uniform share of rows, distinct within a token. That is the most the packed prefill path
-    holds at once whatever the prompt (`fused_moe.dequant_row_cap`: an expert routed more is computed in pieces
-    of that many rows), while random tokens through a random or trained router stay near the uniform share.
-    Paths whose buffers do not depend on the routing (the Triton kernel's padded rows, the grouped GEMM) hold
-    the same either way."""
+    spread evenly over half the experts (every other one), each taking `expert_row_cap` rows, the most any backend
+    computes of one expert at once whatever the prompt (more are computed in pieces), distinct within a token;
+    random tokens through a random or trained router stay near the uniform share. Paths whose buffers do not
+    depend on the routing (the Triton kernel's padded rows, the grouped GEMM) hold the same either way. Under
+    expert parallelism each rank routes every assignment to its own experts (`ParallelExperts`). Not the most for a
+    packed bank whose decode group (`fused_moe.DEQUANT_BUFFER_BYTES`) holds more than half the experts: its
+    decoded weights; tiny shapes only (below ~45M weights a layer)."""
     T, k = topk_ids.shape
     m = max(k, num_experts // 2)
     i = torch.arange(T * k, device=topk_ids.device) % m
@@ -214,8 +215,22 @@ def dispatch(topk_ids: torch.Tensor, num_experts: int):
     return counts, order // k, order
 
 
-def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act) -> torch.Tensor:
-    # x: [n, H]; w13: [2I, H]; w2: [H, I] -> [n, H]
+def expert_row_cap(A: int, E: int) -> int:
+    """Rows of one expert computed at once for A assignments over E experts (the model's count): twice the uniform
+    share. An expert routed more rows (a skewed prompt: one token repeated) is computed in pieces of this many, so a
+    step's transient is bounded whatever its routing, and the warm-up that sizes the KV pool measures that bound
+    (`context.costliest_routing`). Every backend splits an expert into the same pieces (they depend on A and E
+    only; an offload round counts its skipped ids in A), so their bits stay equal."""
+    return max(1, -(-2 * A // E))
+
+
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act, cap: int | None = None) -> torch.Tensor:
+    # x: [n, H]; w13: [2I, H]; w2: [H, I] -> [n, H]; at most `cap` rows at once (`expert_row_cap`)
+    if cap is not None and x.shape[0] > cap:
+        out = torch.empty(x.shape[0], w2.shape[0], dtype=x.dtype, device=x.device)
+        for i in range(0, x.shape[0], cap):
+            out[i:i + cap] = expert_mlp(x[i:i + cap], w13, w2, act)
+        return out
     gate, up = (x @ w13.t()).chunk(2, dim=-1)  # [n, I] each
     return (act(gate) * up) @ w2.t()
 
@@ -239,9 +254,9 @@ class TorchExperts(ExpertBackend):
     def forward(self, bank, x, topk_ids, topk_weights):
         counts, rows, order = dispatch(topk_ids, bank.num_experts)
         w_sorted = topk_weights.flatten()[order].to(x.dtype)
-        outputs, start = {}, 0
+        outputs, start, cap = {}, 0, expert_row_cap(topk_ids.numel(), bank.num_experts)
         for e, n in enumerate(counts):
             if n:
-                outputs[e] = expert_mlp(x[rows[start:start + n]], *bank.expert_weights(e), bank.act)
+                outputs[e] = expert_mlp(x[rows[start:start + n]], *bank.expert_weights(e), bank.act, cap)
             start += n
         return combine(x, counts, rows, w_sorted, outputs)

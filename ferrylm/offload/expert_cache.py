@@ -31,7 +31,7 @@ import torch
 
 from ferrylm.engine.staging import download
 from ferrylm.layers.fused_moe import ExpertWeights
-from ferrylm.layers.moe import ExpertBackend, combine, dispatch, expert_mlp
+from ferrylm.layers.moe import ExpertBackend, combine, dispatch, expert_mlp, expert_row_cap
 from ferrylm.layers.transfer import to_device
 from ferrylm.offload.cost_model import split_misses
 
@@ -846,8 +846,10 @@ class CachedExperts(ExpertBackend):
                 self.ready[s].record(self.stream)
         self.stats.h2d_bytes += self.expert_bytes
 
-    def _compute(self, bank, x, e: int, rows: torch.Tensor, s: int, wait: bool, src=None) -> torch.Tensor:
-        """Expert e over `rows` of x from slot s of this cache (or of `src`, the staging slots)."""
+    def _compute(self, bank, x, e: int, rows: torch.Tensor, s: int, wait: bool, src=None,
+                 cap: int | None = None) -> torch.Tensor:
+        """Expert e over `rows` of x from slot s of this cache (or of `src`, the staging slots), at most `cap` rows
+        at once (`moe.expert_row_cap`, as the resident backends split)."""
         src = src or self
         if wait and self.stream is not None:
             cur = torch.cuda.current_stream(self.device)
@@ -858,7 +860,7 @@ class CachedExperts(ExpertBackend):
             w13, w2 = (side.expert(s).dequantize(x.dtype)[0] for side in (src.w13, src.w2))
         else:
             w13, w2 = src.w13[s], src.w2[s]
-        y = expert_mlp(x[rows], w13, w2, bank.act)
+        y = expert_mlp(x[rows], w13, w2, bank.act, cap)
         if self.stream is not None:
             src.free[s].record(torch.cuda.current_stream(self.device))
         return y
@@ -906,6 +908,7 @@ class CachedExperts(ExpertBackend):
             starts.append(acc)
             acc += n
         ring, staged, (T, k), E = self.staging, self._staged(counts), topk_ids.shape, bank.num_experts
+        cap = expert_row_cap(T * k, E)
         hits, pending, avail, on_cpu = self._plan(counts, {e for e, _ in staged})
         inflight: deque[tuple[int, int]] = deque()
         future = None
@@ -929,19 +932,19 @@ class CachedExperts(ExpertBackend):
         issue()
         outputs = {}
         for e, s in staged:  # copied by the layer before, into the staging slots
-            outputs[e] = self._compute(bank, x, e, rows_of(e), s, wait=True, src=ring)
+            outputs[e] = self._compute(bank, x, e, rows_of(e), s, wait=True, src=ring, cap=cap)
         if self.borrowed:
             self._give_back()
             issue()  # the freed staging slots may take the next layer's experts now
         for e in hits:
             s = self.slot_of[e]
-            outputs[e] = self._compute(bank, x, e, rows_of(e), s, wait=False)
+            outputs[e] = self._compute(bank, x, e, rows_of(e), s, wait=False, cap=cap)
             if pending and e not in self.pinned:  # waves: a computed expert's slot takes the next miss
                 avail.append(s)
                 issue()
         while inflight:
             e, s = inflight.popleft()
-            outputs[e] = self._compute(bank, x, e, rows_of(e), s, wait=True)
+            outputs[e] = self._compute(bank, x, e, rows_of(e), s, wait=True, cap=cap)
             if pending:
                 avail.append(s)
                 issue()

@@ -14,7 +14,7 @@ and the planned figure.
 TODO (what is left of issue #14):
 - session 29 (`plan-check-2026-12-06-s29-h100.json`, NF4 Mixtral 8L under 5 GiB, H100): weights -0.1%, KV +0.5%,
   peak -0.4%, step activations -0.0% since the warm-up routes as the costliest prompt and a packed prefill computes
-  an expert at most `fused_moe.dequant_row_cap` rows at once (before: KV +5.8%, activations -10%: the warm-up's
+  an expert at most `moe.expert_row_cap` rows at once (before: KV +5.8%, activations -10%: the warm-up's
   random routing was skewed past the count); decode batch 1 -11% (+10% at the measured hit), batch 16 -13%, prefill
   +20% (the round order modelled). Open: batch 1 "@profile routing" +68% while the same hit rate given alone is
   +10%: the replayed trace's promotions are the suspect; `check.routing_rows` now records each prediction's parts

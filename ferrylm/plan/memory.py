@@ -293,7 +293,7 @@ def rope_table_bytes(model: nn.Module | None, cfg: ModelConfig, max_model_len: i
 
 def step_activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                           elt: int, packed_experts: bool = False, cached_experts: bool = False,
-                          round_bank: int | None = None) -> tuple[int, int]:
+                          round_bank: int | None = None, resident_experts: bool = True) -> tuple[int, int]:
     """(estimate, floor) of the device bytes `ModelRunner._warmup_peak` measures: a prefill of the token budget
     T and the logits of min(T, max_num_seqs) rows. The peak is the widest block's live tensors on top of the
     residual stream and the block's normed input: attention (qkv, its rotated q / k, the output), a dense MLP
@@ -302,7 +302,9 @@ def step_activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num
     output, which the layer's `post` still holds; router logits fp32; with `cached_experts` (experts in host memory,
     computed in rounds: `offload/expert_cache.CachedExperts._forward_fused`) the running sum of the rounds before
     [T * k, H] beside a round's buffers, which on the kernel path pad the rows over the cache's bank, `round_bank`
-    experts (`Placement.largest_cache`) and the skipped id), shared experts as a dense MLP; or the logits (lm_head
+    experts (`Placement.largest_cache`) and the skipped id; the larger of that and a resident layer's count while
+    `resident_experts`: some MoE layer holds all its experts on the device), shared experts as a dense MLP; or the
+    logits (lm_head
     output and its fp32 copy); plus
     `CUBLAS_WORKSPACE_BYTES`. The floor counts only what must coexist: the widest GEMM's input and output (or
     the logits). `benchmarks/bench_plan.py` prints the measured figure beside it (H200, session 8: dense +2.9%,
@@ -323,11 +325,16 @@ def step_activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num
 
         k, E, I = max(cfg.num_experts_per_tok, 1), cfg.num_experts, cfg.moe_intermediate_size
         A = T * k
-        if cached_experts and prefill_path(A, E, I, packed_experts) != "dequant":  # (a round never takes "grouped")
+        resident = prefill_bytes(A, E, H, I, elt, packed_experts)
+        if not cached_experts:
+            moe = resident
+        elif prefill_path(A, E, I, packed_experts) != "dequant":  # (a round never takes "grouped")
             # a round on the kernel: its rows padded over the cache's bank and the skipped id, the running sum beside
             moe = (padded_rows(A, (round_bank or E) + 1) * (I + H) + 2 * A * H) * elt
-        else:  # resident, or rounds decoding each expert once: their running sum [T * k, H] beside a round's buffers
-            moe = prefill_bytes(A, E, H, I, elt, packed_experts) + (A * H * elt if cached_experts else 0)
+        else:  # rounds decoding each expert once: their running sum [T * k, H] beside a round's buffers
+            moe = resident + A * H * elt
+        if cached_experts and resident_experts:  # a layer held whole runs the resident path in the same step
+            moe = max(moe, resident)
         widths.append((2 * H + moe // (T * elt) + E * 4 // elt, k * I))
     if cfg.shared_expert_intermediate_size:
         widths.append((4 * cfg.shared_expert_intermediate_size, 2 * cfg.shared_expert_intermediate_size))

@@ -242,8 +242,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     # on CUDA the engine then measures one step and re-sizes the pool (`offload/memory.py` kv_after_warmup)
     elt = DTYPE_BYTES[opts.dtype]
     experts_on_host = placement is not None and any(g.kind == "experts" and placement.tier[g.name] == HOST for g in mine)
+    moe_layers = {g.layer for g in mine if g.kind == "experts"}
+    host_layers = {g.layer for g in mine if g.kind == "experts" and placement and placement.tier[g.name] == HOST}
+    held_whole = placement is not None and bool(moe_layers - host_layers)  # a MoE layer with every expert on the GPU
     step, floor = step_activation_bytes(mc, opts.max_num_batched_tokens, opts.max_num_seqs, max_len, elt, packed,
-                                        experts_on_host, placement.largest_cache() if placement else None)
+                                        experts_on_host, placement.largest_cache() if placement else None, held_whole)
     pool_tokens = graph_tokens(sc, graphs_planned, piecewise and placement is not None and placement.fully_resident,
                                limit)
     # what the engine holds once loaded: the placed weights, the RoPE tables and a cuBLAS workspace

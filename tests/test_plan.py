@@ -907,6 +907,18 @@ def test_memory_model_reproduces_the_offloaded_h100_checks(run, case, act, kv, t
     assert abs(rows[case, "step_activations"]) < act and abs(rows[case, "kv"]) < kv
 
 
+def test_packed_experts_are_counted_dense_where_the_engine_dequantizes_them():
+    """The engine packs a store's experts for bf16 / fp16 activations only (the fused kernel's; `ModelRunner`), in
+    one process or a pipeline stage alike: an fp32 plan counts NF4 experts dense and says why, a pipelined one
+    packed."""
+    opts = dict(gpu="2xH100-80G-SXM", host=HOST, max_model_len=4096, max_num_seqs=8, quant="nf4")
+    one, staged = (make_plan(PlanOptions("Mixtral-8x7B", pp=pp, **opts), advise=False) for pp in (1, 2))
+    fp32 = make_plan(PlanOptions("Mixtral-8x7B", dtype="float32", **opts), advise=False)
+    assert one.weights_bytes["experts"] == staged.weights_bytes["experts"]
+    assert fp32.weights_bytes["experts"] > 6 * one.weights_bytes["experts"]  # 4 bytes a weight against ~0.56
+    assert any("not --dtype float32" in n for n in fp32.notes)
+
+
 def test_tensor_parallel_ranks_count_quantized_weights_dense():
     """Under --tp the engine's ranks read their slices of a quantized store dense (packed pieces are not sliced):
     the plan counts the same bytes as unquantized and says why."""

@@ -172,9 +172,10 @@ class ModelRunner:
         from ferrylm.layers import fused_moe
 
         packed = []
-        # one process only: tensor-parallel ranks read their expert slices dense (parallel/ and models/base.py)
+        # tensor-parallel ranks read their expert slices dense (parallel/ and models/base.py); a pipeline stage
+        # holds whole layers and packs its banks as one process does
         if (self.device.type == "cuda" and config.moe_backend == "auto" and fused_moe.triton is not None
-                and self.dtype in (torch.bfloat16, torch.float16) and config.parallel.world_size == 1):
+                and self.dtype in (torch.bfloat16, torch.float16) and config.parallel.tensor_parallel_size == 1):
             packed = self.model.pack_experts(source)  # the fused kernel reads them packed: placed at that size
             if packed:
                 log.info("experts kept packed in %d banks (read by the fused MoE kernel)", len(packed))

@@ -90,6 +90,10 @@ class WeightFormat:
     weights load as fp8 row groups of that many with an fp32 scale each (`weights/quant.from_fp8_blocks`); a
     weight whose rows are no multiple of it is dequantized at load."""
 
+    experts_packed: bool = True
+    """False: the engine dequantizes the experts at load whatever their scheme (`ModelRunner` packs expert banks
+    for a half-precision dtype only: the fused kernel's activations)."""
+
     @property
     def experts_scheme(self) -> str | None:
         return self.expert_quant or self.quant
@@ -107,6 +111,8 @@ class WeightFormat:
     def expert_bytes(self, inter: int, hidden: int) -> int | None:
         """Bytes of one packed expert, None: the engine holds this bank dense."""
         s = self.experts_scheme
+        if not self.experts_packed:
+            return None
         if s == "fp8" and self.fp8_block:
             parts = [fp8_blocks_nbytes(shape, self.fp8_block) for shape in ((inter, hidden), (inter, hidden), (hidden, inter))]
             return None if None in parts else sum(parts)

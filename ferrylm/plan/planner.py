@@ -175,6 +175,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     tp_dense = opts.tp > 1 and (fmt.quant or fmt.expert_quant)
     if tp_dense:  # tensor-parallel ranks read their slices dense (`CausalLM._tp_part`: packed pieces are not sliced)
         fmt = WeightFormat(opts.dtype)
+    unpacked = fmt.experts_scheme is not None and opts.dtype not in ("bfloat16", "float16")
+    if unpacked:  # the engine packs expert banks for a half-precision dtype only (`ModelRunner`: the fused kernel's)
+        fmt = replace(fmt, experts_packed=False)
     graphs_family = piecewise = False
     fused_moe = opts.dtype in ("bfloat16", "float16")  # `FusedExperts.supports_tensors` on a CUDA device
     try:
@@ -655,8 +658,10 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         else:
             from ferrylm.models.base import ENGINE_PACKED_FORMATS
 
-            notes.append(f"{fmt.experts_scheme} experts are dequantized at load (the engine keeps only "
-                         f"{' / '.join(sorted(ENGINE_PACKED_FORMATS))} experts packed): counted dense")
+            notes.append(f"{fmt.experts_scheme} experts are dequantized at load (" + (
+                f"the fused kernel reads packed experts with bf16 / fp16 activations, not --dtype {opts.dtype}"
+                if unpacked else f"the engine keeps only {' / '.join(sorted(ENGINE_PACKED_FORMATS))} experts packed")
+                + "): counted dense")
     if tp_dense:
         notes.append(f"--tp {opts.tp}: each rank loads its slices of quantized weights dense (packed pieces are not "
                      f"sliced yet), so they are counted in {opts.dtype}")

@@ -385,6 +385,10 @@ def test_warmup_routing_is_the_costliest():
         assert ids.shape == (T, k) and all(len(set(r)) == k for r in ids.tolist()), (T, k, E)
         assert counts.max().item() <= expert_row_cap(T * k, E) and (counts > 0).sum().item() == min(T * k, max(k, E // 2))
     assert costliest_ids(torch.zeros(7, 2, dtype=torch.long), 8).unique().tolist() == [0, 2, 4, 6]
+    # an offload cache's experts first (`ExpertBackend.warm_experts`), then every other one
+    ids = costliest_ids(torch.zeros(16, 2, dtype=torch.long), 8, [5, 1, 5, 9])
+    assert ids.unique().tolist() == [0, 1, 2, 5] and all(len(set(r)) == 2 for r in ids.tolist())
+    assert torch.bincount(ids.flatten()).max().item() <= expert_row_cap(32, 8)
     torch.manual_seed(0)
     E, H, I, T, k = 8, 16, 24, 12, 2
     bank = Experts(E, H, I)
@@ -399,6 +403,14 @@ def test_warmup_routing_is_the_costliest():
     with costliest_routing():
         out = bank(x, ids, w)
     assert bank.routing_counts.tolist() == [T + 6, T, 6, 0, 6, 0, 6, 0] and not torch.equal(out, plain)
+    cache = CachedExperts(bank, bank.w13.data, bank.w2.data, 4, [3, 7], set(), "lru", torch.device("cpu"), None,
+                          OffloadStats(), 0)
+    bank.backend = cache
+    bank.routing_counts.zero_()
+    assert cache.warm_experts() == [3, 7]  # its resident experts; the slots are empty
+    with costliest_routing():
+        bank(x, ids, w)
+    assert bank.routing_counts.tolist() == [6, 0, 6, 6, 0, 0, 0, 6]
 
 
 def test_fused_moe_alignment_matches_reference():

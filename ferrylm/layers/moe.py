@@ -77,19 +77,25 @@ def route_sigmoid_biased(router_logits: torch.Tensor, correction_bias: torch.Ten
     return weights * scale, ids
 
 
-def costliest_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+def costliest_ids(topk_ids: torch.Tensor, num_experts: int, first: list[int] = ()) -> torch.Tensor:
     """Routing [T, k] for the warm-up step that sizes the KV pool (`context.costliest_routing`): the assignments
     spread evenly over half the experts (every other one), each taking `expert_row_cap` rows, the most any backend
     computes of one expert at once whatever the prompt (more are computed in pieces), distinct within a token;
     random tokens through a random or trained router stay near the uniform share. Paths whose buffers do not
     depend on the routing (the Triton kernel's padded rows, the grouped GEMM) hold the same either way. Under
-    expert parallelism each rank routes every assignment to its own experts (`ParallelExperts`). Not the most for a
-    packed bank whose decode group (`fused_moe.DEQUANT_BUFFER_BYTES`) holds more than half the experts: its
-    decoded weights; tiny shapes only (below ~45M weights a layer)."""
+    expert parallelism each rank routes every assignment to its own experts (`ParallelExperts`). `first`: experts
+    taken before the others (`ExpertBackend.warm_experts`: an offload cache's, whose hits compute in one round,
+    each decoded group as full as a real prompt's can be). Not the most for a packed bank whose decode group
+    (`fused_moe.DEQUANT_BUFFER_BYTES`) holds more than half the experts: its decoded weights; tiny shapes only
+    (below ~45M weights a layer)."""
     T, k = topk_ids.shape
     m = max(k, num_experts // 2)
+    chosen: list[int] = []
+    for e in [*first, *(j * num_experts // m for j in range(m)), *range(num_experts)]:  # then every other expert
+        if len(chosen) < m and 0 <= e < num_experts and e not in chosen:
+            chosen.append(e)
     i = torch.arange(T * k, device=topk_ids.device) % m
-    return (i * num_experts // m).reshape(T, k).to(topk_ids.dtype)
+    return torch.tensor(chosen, dtype=topk_ids.dtype, device=topk_ids.device)[i].reshape(T, k)
 
 
 class Experts(nn.Module):
@@ -184,7 +190,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_ids, topk_weights: [T, k] -> [T, H]
         if costliest_routing_on():
-            topk_ids = costliest_ids(topk_ids, self.num_experts)
+            topk_ids = costliest_ids(topk_ids, self.num_experts, self.backend.warm_experts())
         if self.routing_counts is not None and recording():  # device-side: profiling keeps graphs, adds no sync
             self.routing_counts.scatter_add_(0, topk_ids.flatten(), live_assignments(topk_ids))  # padded rows: 0
         if self.routing_trace is not None and recording() and topk_ids.shape[0] == 1:  # a one-token step
@@ -203,6 +209,11 @@ class ExpertBackend:
     def forward(self, bank: Experts, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def warm_experts(self) -> list[int]:
+        """Experts the warm-up's costliest routing takes first (`costliest_ids`): an offload cache's (its hits then
+        compute together, as a real prompt's may); none for a bank that holds every expert alike."""
+        return []
 
 
 def dispatch(topk_ids: torch.Tensor, num_experts: int):

@@ -67,7 +67,7 @@ class ParallelExperts(Experts):
         # x: [T, H]; topk_ids, topk_weights: [T, k] (global expert ids) -> [T, H]
         if costliest_routing_on():  # the warm-up: each rank measures the most a prompt can route to it
             if self.ep and topk_ids.shape[1] <= self.num_experts:  # every assignment on this rank's own experts
-                topk_ids = self.first_expert + costliest_ids(topk_ids, self.num_experts)
+                topk_ids = self.first_expert + costliest_ids(topk_ids, self.num_experts, self.backend.warm_experts())
             else:
                 topk_ids = costliest_ids(topk_ids, self.num_experts * (self.tp.size if self.ep else 1))
         if self.tp.size == 1:

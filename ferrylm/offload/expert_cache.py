@@ -865,6 +865,9 @@ class CachedExperts(ExpertBackend):
             src.free[s].record(torch.cuda.current_stream(self.device))
         return y
 
+    def warm_experts(self) -> list[int]:
+        return list(self.slot_of)  # the experts on the device: a warm-up's hits round as full as it can be
+
     def forward(self, bank, x, topk_ids, topk_weights):
         out = self._forward(bank, x, topk_ids, topk_weights)
         if self.layer_done is not None:  # every road: a promotion's copy waits for this record

@@ -749,6 +749,13 @@ CASES = {
     "mixtral-32L-nf4": lambda rows, h2d: case_offload(rows, h2d, "mixtral-32L-nf4-experts",
                                                       {**MIXTRAL, "num_hidden_layers": 32}, 16, (1, 16),
                                                       None, expert_quant="nf4"),
+    # its batch 64 with a 2k prefill, and batch 1 under Zipf routing (the issue's "same cases"; session 29: unrun)
+    "mixtral-32L-nf4-b64": lambda rows, h2d: case_offload(rows, h2d, "mixtral-32L-nf4-experts",
+                                                          {**MIXTRAL, "num_hidden_layers": 32}, 16, (64,), 2048,
+                                                          expert_quant="nf4"),
+    "mixtral-32L-nf4-zipf": lambda rows, h2d: case_offload(rows, h2d, "mixtral-32L-nf4-experts",
+                                                           {**MIXTRAL, "num_hidden_layers": 32}, 16, (1,), None,
+                                                           routing="zipf1.2", expert_quant="nf4"),
     "qwen3-30b-nf4": lambda rows, h2d: case_offload(rows, h2d, "qwen3-30b-a3b-nf4-experts", QWEN3_30B, 8, (1, 64),
                                                     None, expert_quant="nf4"),
     # Qwen3-30B-A3B-FP8's layout (experts as block-wise FP8 loads them: e4m3 + a scale per row and 128 columns), 8 GiB;

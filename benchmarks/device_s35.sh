@@ -4,14 +4,21 @@
 # count: the rounds tests, bits equal to the resident run; the peak test with NF4 experts and a one-token prompt;
 # graphs bounded by `fused_moe.graph_token_limit`), then the plan checks: the NF4 Mixtral offloaded and resident
 # (`moe-nf4`, new) and the Qwen3 bf16 offload (the kernel path's rounds now counted; each prediction's parts
-# recorded for the batch-1 "@profile routing" row, +68% in session 29).
-#   bash benchmarks/device_s35.sh COMMIT [BUDGET]
+# recorded for the batch-1 "@profile routing" row, +68% in session 29). PART=cases (a second call): the issue-8
+# 32-layer NF4 cases never run (batch 64 with a 2k prefill, batch 1 under Zipf routing).
+#   bash benchmarks/device_s35.sh COMMIT [BUDGET]; PART=cases bash benchmarks/device_s35.sh COMMIT
 set -u
 commit=${1:-unknown}
 budget=${2:-560}
 part=${PART:-auto}
 source "$(dirname "$0")/device_steps.sh"  # t0, left, step, h200_aims
 h200_aims
+if [[ $part == cases ]]; then
+    (cd benchmarks && PYTHONPATH=.. step 540 python bench_offload.py --cases mixtral-32L-nf4-b64,mixtral-32L-nf4-zipf \
+        --commit "$commit" --out "$OUT/offload-s35-32L-nf4.json" 2>&1 | grep -v '^{' | tail -30)
+    echo "cases done at $(( $(date +%s) - t0 )) s"
+    exit 0
+fi
 bash benchmarks/gpu_tests.sh "$OUT/tests.txt" "$(left 200)" \
     "cached_experts_fused_rounds or slot_bank or peak_stays_within_the_budget or piecewise or dequant or packed_prefill"
 grep -E "passed|failed|^E |assert" "$OUT/tests.txt" | grep -v "^\[.*passed" | head -8

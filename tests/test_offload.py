@@ -163,7 +163,12 @@ def test_yuan_m32_offloaded_equals_resident():
         assert torch.equal(a, b)
 
 
-def test_cached_experts_equal_reference_at_every_capacity():
+def test_cached_experts_equal_reference_at_every_capacity(monkeypatch):
+    """The offload cache's plain path against `TorchExperts`, bit for bit, at every capacity, with an expert's rows
+    capped as on CUDA (`moe.ROW_CAP_DEVICES`: the CPU engine keeps its GEMMs whole) and a skewed step past the cap."""
+    from ferrylm.layers import moe
+
+    monkeypatch.setattr(moe, "ROW_CAP_DEVICES", ("cuda", "cpu"))
     torch.manual_seed(0)
     E, H, I = 6, 32, 48
     bank = Experts(E, H, I)
@@ -383,9 +388,12 @@ def test_warmup_routing_is_the_costliest():
         ids = costliest_ids(torch.zeros(T, k, dtype=torch.long), E)
         counts = torch.bincount(ids.flatten(), minlength=E)
         assert ids.shape == (T, k) and all(len(set(r)) == k for r in ids.tolist()), (T, k, E)
-        assert counts.max().item() <= expert_row_cap(T * k, E) and (counts > 0).sum().item() == min(T * k, max(k, E // 2))
+        assert counts.max().item() <= expert_row_cap(T * k, E) and (counts > 0).sum().item() == min(T * k, max(k, (E + 1) // 2))
     assert costliest_ids(torch.zeros(7, 2, dtype=torch.long), 8).unique().tolist() == [0, 2, 4, 6]
     # an offload cache's experts first (`ExpertBackend.warm_experts`), then every other one
+    for T, k, E in ((7, 1, 3), (10, 1, 7), (33, 2, 15)):  # odd counts: still at most the cap each
+        counts = torch.bincount(costliest_ids(torch.zeros(T, k, dtype=torch.long), E).flatten())
+        assert counts.max().item() <= expert_row_cap(T * k, E), (T, k, E)
     ids = costliest_ids(torch.zeros(16, 2, dtype=torch.long), 8, [5, 1, 5, 9])
     assert ids.unique().tolist() == [0, 1, 2, 5] and all(len(set(r)) == 2 for r in ids.tolist())
     assert torch.bincount(ids.flatten()).max().item() <= expert_row_cap(32, 8)

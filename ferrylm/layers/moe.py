@@ -79,8 +79,9 @@ def route_sigmoid_biased(router_logits: torch.Tensor, correction_bias: torch.Ten
 
 def costliest_ids(topk_ids: torch.Tensor, num_experts: int, first: list[int] = ()) -> torch.Tensor:
     """Routing [T, k] for the warm-up step that sizes the KV pool (`context.costliest_routing`): the assignments
-    spread evenly over half the experts (every other one), each taking `expert_row_cap` rows, the most any backend
-    computes of one expert at once whatever the prompt (more are computed in pieces), distinct within a token;
+    spread evenly over half the experts (every other one; half rounded up), each taking at most `expert_row_cap`
+    rows, the most any backend computes of one expert at once whatever the prompt (more are computed in pieces),
+    distinct within a token;
     random tokens through a random or trained router stay near the uniform share. Paths whose buffers do not
     depend on the routing (the Triton kernel's padded rows, the grouped GEMM) hold the same either way. Under
     expert parallelism each rank routes every assignment to its own experts (`ParallelExperts`). `first`: experts
@@ -89,7 +90,7 @@ def costliest_ids(topk_ids: torch.Tensor, num_experts: int, first: list[int] = (
     (`fused_moe.DEQUANT_BUFFER_BYTES`) holds more than half the experts: its decoded weights; tiny shapes only
     (below ~45M weights a layer)."""
     T, k = topk_ids.shape
-    m = max(k, num_experts // 2)
+    m = max(k, (num_experts + 1) // 2)  # an odd count: each at most the cap
     chosen: list[int] = []
     for e in [*first, *(j * num_experts // m for j in range(m)), *range(num_experts)]:  # then every other expert
         if len(chosen) < m and 0 <= e < num_experts and e not in chosen:
@@ -230,9 +231,20 @@ def expert_row_cap(A: int, E: int) -> int:
     """Rows of one expert computed at once for A assignments over E experts (the model's count): twice the uniform
     share. An expert routed more rows (a skewed prompt: one token repeated) is computed in pieces of this many, so a
     step's transient is bounded whatever its routing, and the warm-up that sizes the KV pool measures that bound
-    (`context.costliest_routing`). Every backend splits an expert into the same pieces (they depend on A and E
-    only; an offload round counts its skipped ids in A), so their bits stay equal."""
+    (`context.costliest_routing`). Every device backend splits an expert into the same pieces (they depend on A and
+    E only; an offload round counts its skipped ids in A), so their bits stay equal; the host's expert jobs (hybrid)
+    compute theirs whole, in host memory."""
     return max(1, -(-2 * A // E))
+
+
+ROW_CAP_DEVICES = ("cuda",)
+"""Devices whose steps cap an expert's rows (`row_cap`): where a measured warm-up sizes the KV pool. The CPU engine's
+memory is the host's, so its GEMMs stay whole (and its bits as before)."""
+
+
+def row_cap(x: torch.Tensor, A: int, E: int) -> int | None:
+    """`expert_row_cap` for a step on x's device, None where `ROW_CAP_DEVICES` leaves it out."""
+    return expert_row_cap(A, E) if x.device.type in ROW_CAP_DEVICES else None
 
 
 def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act, cap: int | None = None) -> torch.Tensor:
@@ -265,7 +277,7 @@ class TorchExperts(ExpertBackend):
     def forward(self, bank, x, topk_ids, topk_weights):
         counts, rows, order = dispatch(topk_ids, bank.num_experts)
         w_sorted = topk_weights.flatten()[order].to(x.dtype)
-        outputs, start, cap = {}, 0, expert_row_cap(topk_ids.numel(), bank.num_experts)
+        outputs, start, cap = {}, 0, row_cap(x, topk_ids.numel(), bank.num_experts)
         for e, n in enumerate(counts):
             if n:
                 outputs[e] = expert_mlp(x[rows[start:start + n]], *bank.expert_weights(e), bank.act, cap)

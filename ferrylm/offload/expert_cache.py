@@ -31,7 +31,7 @@ import torch
 
 from ferrylm.engine.staging import download
 from ferrylm.layers.fused_moe import ExpertWeights
-from ferrylm.layers.moe import ExpertBackend, combine, dispatch, expert_mlp, expert_row_cap
+from ferrylm.layers.moe import ExpertBackend, combine, dispatch, expert_mlp, row_cap
 from ferrylm.layers.transfer import to_device
 from ferrylm.offload.cost_model import split_misses
 
@@ -911,7 +911,7 @@ class CachedExperts(ExpertBackend):
             starts.append(acc)
             acc += n
         ring, staged, (T, k), E = self.staging, self._staged(counts), topk_ids.shape, bank.num_experts
-        cap = expert_row_cap(T * k, E)
+        cap = row_cap(x, T * k, E)
         hits, pending, avail, on_cpu = self._plan(counts, {e for e, _ in staged})
         inflight: deque[tuple[int, int]] = deque()
         future = None

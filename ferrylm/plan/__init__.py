@@ -18,7 +18,11 @@ TODO (what is left of issue #14):
   random routing was skewed past the count); decode batch 1 -11% (+10% at the measured hit), batch 16 -13%, prefill
   +20% (the round order modelled). Open: batch 1 "@profile routing" +68% while the same hit rate given alone is
   +10%: the replayed trace's promotions are the suspect; `check.routing_rows` now records each prediction's parts
-  (`parts_ms` in the result) for the next run;
+  (`parts_ms` in the result) for the next run. What the engine's own counters of that run say (`offload_per_step`,
+  batch 1): 0.94 promotion copies a step where the model at the measured hit counts ~2.8 (5.4 ms), and the host busy
+  8.84 ms a step for 5.06 split misses at share 0.36 (~1.8 experts' columns): ~4.1 ms an NF4 expert beyond the calls,
+  against `estimate.HOST_PACKED_EFF`'s 2.43 ms measured alone (the host's reads beside the in-place ones: refit
+  from the next run's parts, not from this one);
 - session 24 (`plan-check-2026-12-06-s24-h100.json`, an H100): resident dense and MoE within +-20% on a GPU the
   constants were not fitted on; KV tokens after the warm-up 1.1-1.4% high there (the start-up figure within 0.2%);
   offloaded decode with the run's own routing within 13% in 3 of 4 rows, but Qwen3 batch 1 caught 94% in its slots

@@ -120,6 +120,42 @@ def test_tp2_batched_with_preemption_equals_one_process_alone(llama, llama_tp):
     assert llama_tp.engine.runner.kv_cache.k.shape[-2] == 1
 
 
+@pytest.mark.parametrize("quant", ["int8", "nf4"])
+def test_tp2_keeps_a_quantized_stores_linears_packed(quant, llama, engines, tmp_path_factory):
+    """A ferry store with packed Linear weights under TP=2: each rank keeps its slice of a Linear packed
+    (`QuantizedTensor.narrow`: rows of a column-parallel weight, whole groups of columns of a row-parallel one),
+    where before every slice was read dense; a slice that would cut a group (NF4's 64 columns against o_proj's 32
+    and down_proj's 48 a rank) is read dense. NF4's logits equal one process's on the same store within the partial
+    sums' rounding; int8's CPU kernel quantizes each row of activations over the columns it holds
+    (`layers/qmatmul.py`), so a rank's half gets its own scale: its prefill logits agree within that quantization
+    (one process against the dense checkpoint differs by ~0.025 here), and so does the first token unless its top
+    two logits are that close."""
+    from ferrylm.weights.convert import ConvertOptions, convert
+
+    store = str(tmp_path_factory.mktemp(f"tp-{quant}") / "s")
+    convert(llama, store, ConvertOptions(quant=quant))
+    byte_tokenizer(store)
+    ps = prompts([37, 5, 23])
+    ref = run(LLM(store, dtype="float32", max_num_seqs=4, enable_prefix_caching=False), ps, 8)
+    tp = engines(store, tensor_parallel_size=2, max_num_seqs=4, enable_prefix_caching=False)
+    layer = tp.engine.runner.model.model.layers[0]
+    packed = {n: bool(m.kernels) for n, m in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                                              ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj))}
+    print(f"{quant} TP=2, rank 0's layer 0 packed: {packed}")
+    assert packed["qkv"] and packed["gate_up"] and packed["o"] == packed["down"] == (quant == "int8")
+    got = run(tp, ps, 8)
+    if quant == "nf4":
+        compare(f"{quant} store TP=2 vs one process", ([t for r in ref[0] for t in r], ref[1]),
+                ([t for r in got[0] for t in r], got[1]))
+        return
+    diff = max((a[0] - b[0]).abs().max().item() for a, b in zip(ref[1], got[1]))
+    print(f"{quant} store TP=2 vs one process: max |prefill logit diff| = {diff:.3e}")
+    assert diff < 0.05
+    for a, t_ref, t_got in zip(ref[1], ref[0], got[0]):  # the first token agrees unless the top two are that close
+        top = a[0].topk(2).values
+        assert t_ref[0] == t_got[0] or (top[0] - top[1]).item() < 2 * diff
+
+
 def test_tp2_tied_replicated_kv_padded_vocab_qkv_bias(tmp_path_factory, engines):
     """Qwen2 (qkv bias), tied embeddings, 1 KV head (replicated on both ranks), a vocabulary of 251 (the
     second rank's table shard is padded)."""

@@ -919,15 +919,18 @@ def test_packed_experts_are_counted_dense_where_the_engine_dequantizes_them():
     assert any("not --dtype float32" in n for n in fp32.notes)
 
 
-def test_tensor_parallel_ranks_count_quantized_weights_dense():
-    """Under --tp the engine's ranks read their slices of a quantized store dense (packed pieces are not sliced):
-    the plan counts the same bytes as unquantized and says why."""
+def test_tensor_parallel_ranks_keep_linears_packed_and_read_experts_dense():
+    """Under --tp the engine's ranks keep their slices of a quantized store's Linear weights packed
+    (`QuantizedTensor.narrow`) and read expert slices dense: a dense model's NF4 plan counts about half its bf16
+    bytes a rank, as one process's does; an MoE's experts are counted dense, and the note says so."""
     opts = dict(gpu="2xH200", host=HOST, max_model_len=4096, max_num_seqs=8, tp=2)
     q, dense = make_plan(PlanOptions("Llama-3-8B", quant="nf4", **opts)), make_plan(PlanOptions("Llama-3-8B", **opts))
-    assert q.weights_bytes == dense.weights_bytes
-    assert any("--tp 2: each rank loads its slices of quantized weights dense" in n for n in q.notes)
-    assert sum(make_plan(PlanOptions("Llama-3-8B", quant="nf4", **{**opts, "tp": 1})).weights_bytes.values()) < \
-        0.5 * sum(dense.weights_bytes.values())
+    assert sum(q.weights_bytes.values()) < 0.5 * sum(dense.weights_bytes.values())
+    moe = make_plan(PlanOptions("Mixtral-8x7B", quant="nf4", **opts), advise=False)
+    moe_dense = make_plan(PlanOptions("Mixtral-8x7B", **opts), advise=False)
+    assert moe.weights_bytes["experts"] == moe_dense.weights_bytes["experts"]
+    assert moe.weights_bytes["attention"] < 0.5 * moe_dense.weights_bytes["attention"]
+    assert any("--tp 2: each rank keeps its slices of packed Linear weights packed" in n for n in moe.notes)
 
 
 def test_copy_path_prefill_runs_layer_by_layer():

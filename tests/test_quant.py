@@ -218,3 +218,25 @@ def test_fp8_blocks_read_as_row_groups_exactly():
     assert qt.dequantize().dtype == torch.bfloat16 and qt.nbytes == 40 * 64 + 40 * 4 * 4
     assert Q.from_fp8_blocks(codes[:, :40], s[:, :3], (16, 16), torch.bfloat16) is None  # 40 % 16
     assert Q.from_fp8_blocks(codes, s[:2], (16, 16), torch.bfloat16) is None
+
+
+SLICEABLE = {"nf4": lambda w: Q.quantize_nf4(w, 64), "nf4-dq": lambda w: Q.quantize(w, "nf4", 64, double_quant=True),
+             "int4min": lambda w: Q.quantize_int4(w, 32, "min"), "int4sym": lambda w: Q.quantize_int4(w, 32, "sym"),
+             "int8": Q.quantize_int8, "int8-g32": lambda w: Q.quantize_int8(w, group_size=32), "fp8": Q.quantize_fp8}
+
+
+@pytest.mark.parametrize("make", list(SLICEABLE.values()), ids=list(SLICEABLE))
+def test_a_tensor_parallel_slice_stays_packed_and_exact(make):
+    """`QuantizedTensor.narrow` (a tensor-parallel rank's slice of a Linear weight): rows, or columns in whole scale
+    groups and code bytes, still packed, dequantizing to exactly the whole tensor's slice at a share of its bytes; a
+    slice that would cut a group gives None (the loader reads it dense)."""
+    torch.manual_seed(0)
+    qt = make(torch.randn(96, 256))
+    full = qt.dequantize(torch.float32)
+    for dim, start, length in ((0, 32, 32), (0, 48, 48), (1, 128, 128), (1, 64, 64)):
+        part = qt.narrow(dim, start, length)
+        assert part is not None and torch.equal(part.dequantize(torch.float32), full.narrow(dim, start, length))
+        assert part.nbytes < 0.6 * qt.nbytes
+    grouped = "scale" not in qt.parts or qt.parts["scale"].dim() == 2
+    assert (qt.narrow(1, 8, 40) is None) == grouped  # a per-channel scale covers any columns
+    assert qt.narrow(1, 250, 10) is None  # past the end

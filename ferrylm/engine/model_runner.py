@@ -172,7 +172,7 @@ class ModelRunner:
         from ferrylm.layers import fused_moe
 
         packed = []
-        # tensor-parallel ranks read their expert slices dense (parallel/ and models/base.py); a pipeline stage
+        # tensor-parallel ranks read their expert slices dense (parallel/, models/base.py); a pipeline stage
         # holds whole layers and packs its banks as one process does
         if (self.device.type == "cuda" and config.moe_backend == "auto" and fused_moe.triton is not None
                 and self.dtype in (torch.bfloat16, torch.float16) and config.parallel.tensor_parallel_size == 1):

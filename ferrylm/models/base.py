@@ -12,6 +12,7 @@ packed (see `layers/linear.py`). Everything else - experts included - arrives de
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -139,9 +140,11 @@ class CausalLM(nn.Module):
                 continue
             try:
                 qt = get_quantized(name) if get_quantized and part is None else None
-                if part is not None:  # a sharded layer's slice (dense; packed pieces are not sliced)
-                    get_part = getattr(source, "get_part", None)
-                    tensor = get_part(name, *part) if get_part else source.get(name).narrow(*part)
+                if part is not None:  # a sharded layer's slice: a Linear's still packed where it tiles, else dense
+                    tensor = self._packed_slice(name, get_quantized, part, params)
+                    if tensor is None:
+                        get_part = getattr(source, "get_part", None)
+                        tensor = get_part(name, *part) if get_part else source.get(name).narrow(*part)
                 elif qt is None:
                     tensor = source.get(name)
                 else:  # kept packed where a Linear or a packing expert bank takes it, else dequantized here
@@ -212,6 +215,14 @@ class CausalLM(nn.Module):
             missing.append(pname)
         return missing
 
+    def _packed_slice(self, name: str, get_quantized, part, params) -> QuantizedTensor | None:
+        """A tensor-parallel rank's slice `part` of a Linear's packed weight, still packed (`QuantizedTensor.narrow`:
+        whole scale groups and code bytes), or None: the slice is read dense."""
+        if get_quantized is None or not name.endswith(".weight") or _EXPERT.match(name):
+            return None
+        qt = get_quantized(name)
+        return self._quantized_for_linear(name, qt.narrow(*part) if qt is not None else None, params)
+
     def _quantized_for_linear(self, name: str, qt: QuantizedTensor | None, params) -> QuantizedTensor | None:
         """`qt` when `name` lands on a Linear's weight (or one shard of it) of the same shape, else None."""
         if qt is None or not name.endswith(".weight") or _EXPERT.match(name):
@@ -254,7 +265,15 @@ class CausalLM(nn.Module):
         for name in source.keys():
             if not name.endswith(".weight") or _EXPERT.match(name) or self.skips(name):  # never a Linear's packed weight
                 continue
-            qt = self._quantized_for_linear(name, get_quantized(name), params)
+            info, part = get_quantized(name), self._tp_part(name, params)
+            if part is not None and info is not None:  # a tensor-parallel rank's slice, as the load takes it
+                if isinstance(info, QuantizedTensor):
+                    info = info.narrow(*part)
+                else:  # header facts only: the slice's share of the bytes
+                    dim, _, length = part
+                    shape = tuple(length if d == dim else size for d, size in enumerate(info.shape))
+                    info = SimpleNamespace(shape=shape, nbytes=info.nbytes * length // info.shape[dim])
+            qt = self._quantized_for_linear(name, info, params)
             if qt is None:
                 continue
             m = _SHARD.match(name)

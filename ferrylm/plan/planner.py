@@ -172,9 +172,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     block = fp8_block(name, cfg)  # a block-wise FP8 checkpoint: counted as it loads, unless planned as a store
     fmt = (WeightFormat(opts.dtype, "fp8", expert_quant=opts.expert_quant, fp8_block=block[1])
            if block and not opts.quant else WeightFormat(opts.dtype, opts.quant, expert_quant=opts.expert_quant))
-    tp_dense = opts.tp > 1 and (fmt.quant or fmt.expert_quant)
-    if tp_dense:  # tensor-parallel ranks read their slices dense (`CausalLM._tp_part`: packed pieces are not sliced)
-        fmt = WeightFormat(opts.dtype)
+    tp_dense = opts.tp > 1 and fmt.experts_scheme is not None
+    if tp_dense:  # tensor-parallel ranks read their expert slices dense (a Linear's slice stays packed where it tiles:
+        fmt = replace(fmt, experts_packed=False)  # `QuantizedTensor.narrow`; expert banks pack in one rank only)
     unpacked = fmt.experts_scheme is not None and opts.dtype not in ("bfloat16", "float16")
     if unpacked:  # the engine packs expert banks for a half-precision dtype only (`ModelRunner`: the fused kernel's)
         fmt = replace(fmt, experts_packed=False)
@@ -663,8 +663,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 if unpacked else f"the engine keeps only {' / '.join(sorted(ENGINE_PACKED_FORMATS))} experts packed")
                 + "): counted dense")
     if tp_dense:
-        notes.append(f"--tp {opts.tp}: each rank loads its slices of quantized weights dense (packed pieces are not "
-                     f"sliced yet), so they are counted in {opts.dtype}")
+        notes.append(f"--tp {opts.tp}: each rank keeps its slices of packed Linear weights packed (whole groups of "
+                     f"columns; a slice that would cut a group is read dense) but reads its expert slices dense, so "
+                     f"experts are counted in {opts.dtype}")
     if fmt.fp8_block:
         notes.append(f"block-wise FP8 checkpoint (blocks of {block[0]} x {block[1]}): its FP8 weights stay packed as "
                      f"they load (e4m3 codes plus an fp32 scale per row and {block[1]} columns, 3% over the codes; "

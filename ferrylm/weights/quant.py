@@ -119,6 +119,48 @@ class QuantizedTensor:
         parts = {k: v.index_select(0, idx) for k, v in self.parts.items()}
         return QuantizedTensor(self.scheme, (idx.numel(), self.shape[1]), parts, dict(self.params), self.dtype)
 
+    def narrow(self, dim: int, start: int, length: int) -> "QuantizedTensor | None":
+        """Rows (dim 0) or columns (dim 1) [start, start + length) of a 2-D weight, still packed: a tensor-parallel
+        rank's slice (`CausalLM._tp_part`). None where the slice would cut a scale group or a byte of two codes, or
+        for a layout that does not lie by rows (the caller reads that slice dense). NF4 is viewed by rows when its
+        groups tile the rows (K a multiple of the group size); a double-quantized absmax is kept as the fp32
+        values it decodes to, so the slice dequantizes to exactly the whole tensor's values."""
+        if len(self.shape) != 2 or dim not in (0, 1) or not 0 <= start < start + length <= self.shape[dim]:
+            return None
+        N, K = self.shape
+        params = dict(self.params)
+        if self.scheme == "nf4":
+            gs = params["group_size"]
+            if K % gs:
+                return None
+            parts = {"q": self.parts["q"][: N * K // 2].view(N, K // 2),
+                     "absmax": nf4_absmax(self)[: N * K // gs].view(N, K // gs)}
+            params["double_quant"] = False
+        elif self.row_wise:
+            parts = dict(self.parts)
+        else:
+            return None
+        out = {}
+        for name, t in parts.items():
+            if t.shape[0] != N:
+                return None
+            if dim == 0:
+                out[name] = t.narrow(0, start, length)
+                continue
+            if t.dim() == 1:  # one scale a row: every column's
+                out[name] = t
+                continue
+            unit = K // t.shape[1]  # weight columns per column of this part (codes a byte, a scale's group)
+            if unit * t.shape[1] != K or start % unit or length % unit:
+                return None
+            out[name] = t.narrow(1, start // unit, length // unit)
+        shape = (length, K) if dim == 0 else (N, length)
+        if self.scheme == "nf4":
+            out = {k: v.contiguous().view(-1) for k, v in out.items()}
+        else:
+            out = {k: v.contiguous() for k, v in out.items()}
+        return QuantizedTensor(self.scheme, shape, out, params, self.dtype)
+
     @staticmethod
     def cat(pieces: list["QuantizedTensor"]) -> "QuantizedTensor":
         """Row-wise tensors of one scheme stacked along the rows (fused qkv / gate_up pieces)."""

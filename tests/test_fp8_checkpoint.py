@@ -205,9 +205,9 @@ def test_bf16_scales_load_as_their_values(tmp_path_factory):
 def test_plan_counts_an_fp8_checkpoint_as_the_engine_loads_it(tmp_path_factory):
     """`ferry plan` on a block-wise FP8 directory: every tensor group's bytes (codes plus fp32 row-group scales;
     K = 24 rows dequantized) equal what the engine sizes for placement after noting packed Linears and packing
-    experts, about half the dense model's; and the plan says so."""
+    experts (bf16 activations: the engine packs experts for a half dtype only), well under the bf16 model's; and
+    the plan says so."""
     from ferrylm.config import ModelConfig
-    from ferrylm.models.registry import model_class
     from ferrylm.offload.placement import group_tensors
     from ferrylm.plan.memory import WeightFormat, meta_model, weight_groups
     from ferrylm.plan.planner import PlanOptions, make_plan
@@ -215,18 +215,17 @@ def test_plan_counts_an_fp8_checkpoint_as_the_engine_loads_it(tmp_path_factory):
     fp8, deq, _ = fp8_pair(tmp_path_factory, "deepseek_v3")
     src = open_source(fp8)
     cfg = ModelConfig.from_hf(src.config)
-    with torch.device("meta"):
-        engine = model_class(cfg)(cfg)
+    engine = meta_model(cfg, "bfloat16")  # the model runner's build on meta
     assert engine.pack_experts(src) and engine.note_packed_linears(src) > 0
     want = {g.name: g.nbytes for g in group_tensors(engine)}
-    fmt = WeightFormat("float32", "fp8", fp8_block=BLOCK[1])
-    got = {g.name: g.nbytes for g in weight_groups(meta_model(cfg, "float32"), fmt)}
+    fmt = WeightFormat("bfloat16", "fp8", fp8_block=BLOCK[1])
+    got = {g.name: g.nbytes for g in weight_groups(meta_model(cfg, "bfloat16"), fmt)}
     assert got == want
-    opts = dict(gpu="1xH200", host="2xXeon-8480C,1TB", dtype="float32", max_model_len=64, max_num_seqs=2)
+    opts = dict(gpu="1xH200", host="2xXeon-8480C,1TB", dtype="bfloat16", max_model_len=64, max_num_seqs=2)
     plan, dense = make_plan(PlanOptions(fp8, **opts)), make_plan(PlanOptions(deq, **opts))
     total, dense_total = sum(plan.weights_bytes.values()), sum(dense.weights_bytes.values())
     print(f"plan: FP8 checkpoint {total} B, dequantized {dense_total} B")
-    assert total == sum(want.values()) and total < 0.6 * dense_total
+    assert total == sum(want.values()) and total < 0.8 * dense_total  # 0.72 at these shapes: embeddings stay bf16
     assert any("block-wise FP8 checkpoint" in n for n in plan.notes)
 
 

@@ -141,13 +141,16 @@ def weight_groups(model: nn.Module, fmt: WeightFormat | None = None) -> list[Ten
     groups = group_tensors(model)
     if fmt is None or (fmt.quant is None and fmt.expert_quant is None):
         return groups
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
     dense = getattr(model, "dense_linears", ())  # held dense whatever the source (`CausalLM.dense_linears`)
 
     def nbytes(n: str) -> int:
+        held = params[n].numel() * params[n].element_size()  # as built (a router the model keeps in fp32)
         if dense and n.rsplit(".", 2)[-2] in dense:
-            return math.prod(shapes[n]) * DTYPE_BYTES[fmt.dtype]
-        return fmt.param_bytes(n, shapes[n])
+            return held
+        packed = fmt.param_bytes(n, shapes[n])
+        return held if packed == math.prod(shapes[n]) * DTYPE_BYTES[fmt.dtype] else packed
 
     out = []
     for g in groups:

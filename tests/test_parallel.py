@@ -156,6 +156,26 @@ def test_tp2_keeps_a_quantized_stores_linears_packed(quant, llama, engines, tmp_
         assert t_ref[0] == t_got[0] or (top[0] - top[1]).item() < 2 * diff
 
 
+def test_tp3_on_the_embedded_gguf_keeps_its_linears_packed_and_its_table_dense(engines):
+    """The embedded default model (SmolLM2-135M, a Q4_1 / Q8_0 GGUF) over three ranks: each rank keeps its slices
+    of the packed Linear weights packed (GGUF blocks load as group-32 int4 / int8: 576 / 3 columns tile them) while
+    its vocabulary slice of the packed table is read dense (a rank's lookup reads dense rows); the greedy answer
+    equals one process's."""
+    ask = ["The capital of France is"]
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    one = LLM(None, dtype="float32", max_num_seqs=2, max_model_len=256)
+    want = one.generate(ask, sp)[0].outputs[0].token_ids
+    one.close()
+    tp = engines(None, tensor_parallel_size=3, max_num_seqs=2, max_model_len=256)
+    model = tp.engine.runner.model.model
+    layer = model.layers[0]
+    assert not model.embed_tokens.kernels and model.embed_tokens.weight.dim() == 2
+    assert layer.self_attn.o_proj.kernels and layer.mlp.down_proj.kernels and layer.mlp.gate_up_proj.kernels
+    got = tp.generate(ask, sp)[0].outputs[0].token_ids
+    print(f"TP=3 on the embedded GGUF: {got} against one process's {want}")
+    assert got == want
+
+
 def test_tp2_tied_replicated_kv_padded_vocab_qkv_bias(tmp_path_factory, engines):
     """Qwen2 (qkv bias), tied embeddings, 1 KV head (replicated on both ranks), a vocabulary of 251 (the
     second rank's table shard is padded)."""

@@ -933,6 +933,19 @@ def test_tensor_parallel_ranks_keep_linears_packed_and_read_experts_dense():
     assert any("--tp 2: each rank keeps its slices of packed Linear weights packed" in n for n in moe.notes)
 
 
+def test_tensor_parallel_slices_that_cut_a_group_are_counted_dense():
+    """Qwen2-72B's down_proj has 29568 input columns: 7392 a rank at --tp 4, which cut NF4's 64-column groups, so the
+    engine reads those slices dense (`QuantizedTensor.narrow` gives None) and the plan counts them dense
+    (`plan/memory.tp_dense_params`, by the converter's own quantizer) and says which group size keeps them packed;
+    at --tp 2 (14784 a rank) every slice tiles."""
+    opts = dict(gpu="4xA800-80G-PCIe", host=HOST, max_model_len=4096, max_num_seqs=8, quant="nf4")
+    two, four = (make_plan(PlanOptions("Qwen2-72B", tp=tp, **opts), advise=False) for tp in (2, 4))
+    note = [n for n in four.notes if "row-parallel" in n]
+    assert note and "down_proj" in note[0] and "7392 columns" in note[0] and "--group-size 32" in note[0]
+    assert not any("row-parallel" in n for n in two.notes)
+    assert sum(four.weights_bytes.values()) > 1.5 * sum(two.weights_bytes.values())  # 80 dense down_projs
+
+
 def test_copy_path_prefill_runs_layer_by_layer():
     """A prefill's MoE layers with experts in host memory (`StepCost.copy_layers`): each layer's copies start after
     its router and its misses compute after their copies, so a layer takes max(copies, hits' work) + misses' work,

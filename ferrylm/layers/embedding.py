@@ -80,6 +80,9 @@ class ParallelVocabEmbedding(VocabEmbedding):
     zeros the others, and sums over the group; its logits are gathered (padding cut off). With a group of
     size 1 it is `VocabEmbedding`."""
 
+    packed_slice = False
+    """A rank's lookup reads its rows of the dense table (`forward`): its slice of a packed table is read dense."""
+
     def __init__(self, vocab_size: int, hidden_size: int):
         from ferrylm.parallel.group import current_group
 
@@ -115,6 +118,8 @@ class ParallelVocabEmbedding(VocabEmbedding):
 
 class ParallelLMHead(ParallelVocabEmbedding):
     """An untied LM head split by vocabulary rows like the table (`ParallelVocabEmbedding`'s logits)."""
+
+    packed_slice = True  # its logits go through the Linear's kernels
 
     def __init__(self, hidden_size: int, vocab_size: int):
         super().__init__(vocab_size, hidden_size)

@@ -36,6 +36,21 @@ flipped near-tie."""
 _SHARD = re.compile(r"^(.*)\.(q|k|v|gate|up)_proj\.(weight|bias)$")
 
 
+
+HEADER_SLICE_UNIT = 256
+"""Columns a header-only slice (`quantized_info`: GGUF blocks of 32, FP8 row groups of 128) must start and end on
+for `note_packed_linears` to count it packed: a multiple of every such group; one that is not is counted dense
+(the load keeps it packed where its own groups tile it: placement errs on the side of more room)."""
+
+
+def _header_slice(info, dim: int, start: int, length: int):
+    """A tensor-parallel rank's share of a header-only quantized tensor (shape and bytes), or None where the slice
+    may cut a group (`HEADER_SLICE_UNIT`)."""
+    if dim == 1 and (start % HEADER_SLICE_UNIT or length % HEADER_SLICE_UNIT):
+        return None
+    shape = tuple(length if d == dim else size for d, size in enumerate(info.shape))
+    return SimpleNamespace(shape=shape, nbytes=info.nbytes * length // info.shape[dim])
+
 class CausalLM(nn.Module):
     """Base: subclasses build `self.model` (with `embed_tokens`, `layers`, `norm`) and `self.lm_head`.
 
@@ -218,10 +233,18 @@ class CausalLM(nn.Module):
     def _packed_slice(self, name: str, get_quantized, part, params) -> QuantizedTensor | None:
         """A tensor-parallel rank's slice `part` of a Linear's packed weight, still packed (`QuantizedTensor.narrow`:
         whole scale groups and code bytes), or None: the slice is read dense."""
-        if get_quantized is None or not name.endswith(".weight") or _EXPERT.match(name):
+        if (get_quantized is None or not name.endswith(".weight") or _EXPERT.match(name)
+                or not self._sliceable(name, params)):
             return None
         qt = get_quantized(name)
         return self._quantized_for_linear(name, qt.narrow(*part) if qt is not None else None, params)
+
+    def _sliceable(self, name: str, params) -> bool:
+        """Whether the module `name` loads into computes from a packed slice (a vocabulary-parallel table's lookup
+        reads its dense rows: `ParallelVocabEmbedding.packed_slice`)."""
+        if name not in params:
+            return True
+        return getattr(self.get_submodule(name[: -len(".weight")]), "packed_slice", True)
 
     def _quantized_for_linear(self, name: str, qt: QuantizedTensor | None, params) -> QuantizedTensor | None:
         """`qt` when `name` lands on a Linear's weight (or one shard of it) of the same shape, else None."""
@@ -265,14 +288,13 @@ class CausalLM(nn.Module):
         for name in source.keys():
             if not name.endswith(".weight") or _EXPERT.match(name) or self.skips(name):  # never a Linear's packed weight
                 continue
-            info, part = get_quantized(name), self._tp_part(name, params)
+            part = self._tp_part(name, params)
+            if part == SKIP or (part is not None and not self._sliceable(name, params)):  # not read / read dense
+                continue
+            info = get_quantized(name)
             if part is not None and info is not None:  # a tensor-parallel rank's slice, as the load takes it
-                if isinstance(info, QuantizedTensor):
-                    info = info.narrow(*part)
-                else:  # header facts only: the slice's share of the bytes
-                    dim, _, length = part
-                    shape = tuple(length if d == dim else size for d, size in enumerate(info.shape))
-                    info = SimpleNamespace(shape=shape, nbytes=info.nbytes * length // info.shape[dim])
+                info = (info.narrow(*part, contiguous=False) if isinstance(info, QuantizedTensor)
+                        else _header_slice(info, *part))
             qt = self._quantized_for_linear(name, info, params)
             if qt is None:
                 continue

@@ -90,6 +90,9 @@ class WeightFormat:
     weights load as fp8 row groups of that many with an fp32 scale each (`weights/quant.from_fp8_blocks`); a
     weight whose rows are no multiple of it is dequantized at load."""
 
+    dense_params: frozenset = frozenset()
+    """Parameter names held dense whatever the store (`tp_dense_params`: a tensor-parallel rank's slice that would
+    cut a scale group)."""
     experts_packed: bool = True
     """False: the engine dequantizes the experts at load whatever their scheme (`ModelRunner` packs expert banks
     for a half-precision dtype only: the fused kernel's activations)."""
@@ -101,7 +104,7 @@ class WeightFormat:
     def param_bytes(self, name: str, shape: tuple[int, ...]) -> int:
         """Bytes of one (non-expert) parameter as the engine keeps it: packed where the store quantized it."""
         dense = math.prod(shape) * DTYPE_BYTES[self.dtype]
-        if self.quant is None or len(shape) < 2:
+        if self.quant is None or len(shape) < 2 or name in self.dense_params:
             return dense
         n = stored_bytes(name, tuple(shape), self.quant, self.group_size)
         if n is not None and self.fp8_block and self.quant == "fp8":
@@ -117,6 +120,34 @@ class WeightFormat:
             parts = [fp8_blocks_nbytes(shape, self.fp8_block) for shape in ((inter, hidden), (inter, hidden), (hidden, inter))]
             return None if None in parts else sum(parts)
         return None if s is None else packed_expert_bytes(inter, hidden, s, self.group_size)
+
+
+def tp_dense_params(cfg: ModelConfig, fmt: WeightFormat, tp: int, dtype: str = "bfloat16") -> frozenset:
+    """Weights a tensor-parallel rank reads dense from a `fmt` store: a row-parallel Linear's whose rank slice of
+    columns would cut a scale group (`QuantizedTensor.narrow` of the converter's own quantizer on `meta` says None;
+    e.g. Qwen2-72B's down_proj at --tp 4: 7392 columns a rank, NF4 groups of 64). Empty for a model that refuses TP."""
+    from ferrylm.errors import ConfigError
+    from ferrylm.layers.parallel_linear import RowParallelLinear
+    from ferrylm.parallel.group import TPGroup, building
+    from ferrylm.weights.convert import ConvertOptions, quantize_stored, stored_scheme
+
+    if tp == 1 or fmt.quant is None:
+        return frozenset()
+    try:
+        with building(TPGroup(0, tp)):
+            model = meta_model(cfg, dtype)
+    except ConfigError:
+        return frozenset()
+    opts = ConvertOptions(quant=fmt.quant, group_size=fmt.group_size)
+    out = set()
+    for name, mod in model.named_modules():
+        if not isinstance(mod, RowParallelLinear):
+            continue
+        t = torch.empty(mod.out_features, mod.in_features * tp, device="meta")
+        chosen = stored_scheme(f"{name}.weight", t, opts)
+        if chosen is not None and quantize_stored(t, chosen, opts).narrow(1, 0, mod.in_features, False) is None:
+            out.add(f"{name}.weight")
+    return frozenset(out)
 
 
 def meta_model(cfg: ModelConfig | dict, dtype: str = "bfloat16") -> nn.Module:

@@ -22,7 +22,7 @@ from ferrylm.plan import catalog, estimate, hardware, hit_rate, quality
 from ferrylm.plan.memory import (DTYPE_BYTES, LOAD_WORKSPACE_BYTES, QUANT_SCHEMES, WeightFormat, analytical_groups,
                                  analytical_kv_bytes_per_token, kv_bytes_per_block, kv_pool, meta_model, param_count,
                                  rope_table_bytes, state_bytes_per_seq, step_activation_bytes, summarize,
-                                 weight_groups)
+                                 tp_dense_params, weight_groups)
 from ferrylm.weights.source import fp8_block
 
 CUDA_CONTEXT_BYTES = 600 * 2**20
@@ -175,6 +175,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     tp_dense = opts.tp > 1 and fmt.experts_scheme is not None
     if tp_dense:  # tensor-parallel ranks read their expert slices dense (a Linear's slice stays packed where it tiles:
         fmt = replace(fmt, experts_packed=False)  # `QuantizedTensor.narrow`; expert banks pack in one rank only)
+    if opts.tp > 1 and fmt.quant and not block:  # and a row-parallel slice that would cut a group dense
+        fmt = replace(fmt, dense_params=tp_dense_params(mc, fmt, opts.tp, opts.dtype))
     unpacked = fmt.experts_scheme is not None and opts.dtype not in ("bfloat16", "float16")
     if unpacked:  # the engine packs expert banks for a half-precision dtype only (`ModelRunner`: the fused kernel's)
         fmt = replace(fmt, experts_packed=False)
@@ -666,6 +668,14 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         notes.append(f"--tp {opts.tp}: each rank keeps its slices of packed Linear weights packed (whole groups of "
                      f"columns; a slice that would cut a group is read dense) but reads its expert slices dense, so "
                      f"experts are counted in {opts.dtype}")
+    if fmt.dense_params and model is not None:
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        cols = sorted({shapes[n][1] // opts.tp for n in fmt.dense_params if n in shapes})
+        fits = [g for g in (128, 64, 32, 16) if g < fmt.group_size and all(c % g == 0 for c in cols)]
+        kinds = sorted({n.rsplit(".", 2)[-2] for n in fmt.dense_params})
+        notes.append(f"--tp {opts.tp}: {len(fmt.dense_params)} row-parallel weights ({', '.join(kinds)}) are read dense: "
+                     f"a rank's {', '.join(map(str, cols))} columns cut the store's {fmt.group_size}-column groups"
+                     + (f"; a store converted with --group-size {fits[0]} keeps them packed" if fits else ""))
     if fmt.fp8_block:
         notes.append(f"block-wise FP8 checkpoint (blocks of {block[0]} x {block[1]}): its FP8 weights stay packed as "
                      f"they load (e4m3 codes plus an fp32 scale per row and {block[1]} columns, 3% over the codes; "

@@ -119,12 +119,13 @@ class QuantizedTensor:
         parts = {k: v.index_select(0, idx) for k, v in self.parts.items()}
         return QuantizedTensor(self.scheme, (idx.numel(), self.shape[1]), parts, dict(self.params), self.dtype)
 
-    def narrow(self, dim: int, start: int, length: int) -> "QuantizedTensor | None":
+    def narrow(self, dim: int, start: int, length: int, contiguous: bool = True) -> "QuantizedTensor | None":
         """Rows (dim 0) or columns (dim 1) [start, start + length) of a 2-D weight, still packed: a tensor-parallel
         rank's slice (`CausalLM._tp_part`). None where the slice would cut a scale group or a byte of two codes, or
         for a layout that does not lie by rows (the caller reads that slice dense). NF4 is viewed by rows when its
         groups tile the rows (K a multiple of the group size); a double-quantized absmax is kept as the fp32
-        values it decodes to, so the slice dequantizes to exactly the whole tensor's values."""
+        values it decodes to, so the slice dequantizes to exactly the whole tensor's values. `contiguous=False`:
+        views where they can be (its shape and bytes, without copying the slice)."""
         if len(self.shape) != 2 or dim not in (0, 1) or not 0 <= start < start + length <= self.shape[dim]:
             return None
         N, K = self.shape
@@ -155,9 +156,9 @@ class QuantizedTensor:
                 return None
             out[name] = t.narrow(1, start // unit, length // unit)
         shape = (length, K) if dim == 0 else (N, length)
-        if self.scheme == "nf4":
+        if self.scheme == "nf4" and contiguous:
             out = {k: v.contiguous().view(-1) for k, v in out.items()}
-        else:
+        elif contiguous:  # (not: views, NF4's by rows; the bytes are the same)
             out = {k: v.contiguous() for k, v in out.items()}
         return QuantizedTensor(self.scheme, shape, out, params, self.dtype)
 

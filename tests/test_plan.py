@@ -944,6 +944,9 @@ def test_tensor_parallel_slices_that_cut_a_group_are_counted_dense():
     assert note and "down_proj" in note[0] and "7392 columns" in note[0] and "--group-size 32" in note[0]
     assert not any("row-parallel" in n for n in two.notes)
     assert sum(four.weights_bytes.values()) > 1.5 * sum(two.weights_bytes.values())  # 80 dense down_projs
+    g32 = make_plan(PlanOptions("Qwen2-72B", tp=4, group_size=32, **opts), advise=False)  # the note's advice taken
+    assert not any("row-parallel" in n for n in g32.notes)
+    assert sum(g32.weights_bytes.values()) < 0.7 * sum(four.weights_bytes.values())
 
 
 def test_copy_path_prefill_runs_layer_by_layer():

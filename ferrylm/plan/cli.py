@@ -13,6 +13,7 @@ _HELP = {
     "host": 'SOCKETSxCPU[,MEMORY], e.g. "2xXeon-8480C,1TB", or local (/proc, /sys)',
     "quant": "int8 | fp8 | nf4 | int4 | q8_0 (a ferry store converted with --quant; int4 / nf4 experts stay packed)",
     "expert_quant": "the experts' scheme when it differs from --quant (e.g. nf4 experts, the rest bf16)",
+    "group_size": "NF4 / int4 columns a scale covers, as the store was converted (ferry convert --group-size)",
     "expert_hit_rate": "share of routed experts found on the GPU (e.g. measured); default: predicted from the routing",
     "expert_profile": "the engine's --expert-profile FILE (ferry profile): hottest experts pinned; predicts the hit rate",
     "routing": "routing that predicts the hit rate without a profile: uniform, zipf:S (e.g. zipf:1.2) or a profile FILE",

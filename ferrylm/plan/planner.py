@@ -45,6 +45,8 @@ class PlanOptions:
     packed where the engine keeps them packed: int4, nf4)."""
     expert_quant: str | None = None
     """The experts' scheme when it differs from --quant (e.g. nf4 experts, the rest bf16); None: --quant's."""
+    group_size: int = 64
+    """NF4 / int4 group size the store was converted with (`ferry convert --group-size`)."""
     expert_hit_rate: float | None = None
     """Share of routed experts found on the device, e.g. measured by a run; None: predicted from the routing
     (`plan/hit_rate.py`: `expert_profile`, `routing`, else uniform)."""
@@ -148,6 +150,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     for flag, q in (("--quant", opts.quant), ("--expert-quant", opts.expert_quant)):
         if q is not None and q not in QUANT_SCHEMES:
             raise ConfigError(f"{flag} {q!r}: choose one of {', '.join(QUANT_SCHEMES)}")
+    if opts.group_size < 2 or opts.group_size % 2:
+        raise ConfigError(f"--group-size {opts.group_size}: an even number of columns, e.g. 32, 64 or 128")
     if opts.expert_hit_rate is not None and not 0 <= opts.expert_hit_rate <= 1:
         raise ConfigError(f"--expert-hit-rate {opts.expert_hit_rate}: a share between 0 and 1")
     quant_kv = opts.kv_cache_dtype in ("fp8", "int8")  # 1-byte codes + a 4-byte scale per token and head
@@ -171,8 +175,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         raise ConfigError(f"--cpu-share {opts.cpu_share}: a share between 0 and 1")
     block = fp8_block(name, cfg)  # a block-wise FP8 checkpoint: counted as it loads, unless planned as a store
     fmt = (WeightFormat(opts.dtype, "fp8", expert_quant=opts.expert_quant, fp8_block=block[1])
-           if block and not opts.quant else WeightFormat(opts.dtype, opts.quant, expert_quant=opts.expert_quant))
-    tp_dense = opts.tp > 1 and fmt.experts_scheme is not None
+           if block and not opts.quant else WeightFormat(opts.dtype, opts.quant, opts.group_size, opts.expert_quant))
+    tp_dense = opts.tp > 1 and fmt.experts_scheme is not None and bool(mc.num_experts)
     if tp_dense:  # tensor-parallel ranks read their expert slices dense (a Linear's slice stays packed where it tiles:
         fmt = replace(fmt, experts_packed=False)  # `QuantizedTensor.narrow`; expert banks pack in one rank only)
     if opts.tp > 1 and fmt.quant and not block:  # and a row-parallel slice that would cut a group dense

@@ -68,8 +68,9 @@ class ParallelExperts(Experts):
         if costliest_routing_on():  # the warm-up: each rank measures the most a prompt can route to it
             if self.ep and topk_ids.shape[1] <= self.num_experts:  # every assignment on this rank's own experts
                 topk_ids = self.first_expert + costliest_ids(topk_ids, self.num_experts, self.backend.warm_experts())
-            else:
-                topk_ids = costliest_ids(topk_ids, self.num_experts * (self.tp.size if self.ep else 1))
+            else:  # every rank holds every expert (its share of the columns): an offload cache's experts first
+                topk_ids = costliest_ids(topk_ids, self.num_experts * (self.tp.size if self.ep else 1),
+                                         () if self.ep else self.backend.warm_experts())
         if self.tp.size == 1:
             return super().forward(x, topk_ids, topk_weights)
         if not self.ep:

@@ -629,7 +629,7 @@ def _decode_groups(counts: list[int], per: int, cap: int) -> list[tuple[list[int
     for e, c in enumerate(counts):
         while c > 0:
             r = min(c, cap)
-            if not groups or len(groups[-1][0]) == per or e in groups[-1][0]:
+            if not groups or len(groups[-1][0]) == per or groups[-1][0][-1] == e:  # a piece of the same expert
                 groups.append(([], []))
             groups[-1][0].append(e)
             groups[-1][1].append(r)

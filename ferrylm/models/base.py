@@ -36,7 +36,6 @@ flipped near-tie."""
 _SHARD = re.compile(r"^(.*)\.(q|k|v|gate|up)_proj\.(weight|bias)$")
 
 
-
 HEADER_SLICE_UNIT = 256
 """Columns a header-only slice (`quantized_info`: GGUF blocks of 32, FP8 row groups of 128) must start and end on
 for `note_packed_linears` to count it packed: a multiple of every such group; one that is not is counted dense
@@ -50,6 +49,7 @@ def _header_slice(info, dim: int, start: int, length: int):
         return None
     shape = tuple(length if d == dim else size for d, size in enumerate(info.shape))
     return SimpleNamespace(shape=shape, nbytes=info.nbytes * length // info.shape[dim])
+
 
 class CausalLM(nn.Module):
     """Base: subclasses build `self.model` (with `embed_tokens`, `layers`, `norm`) and `self.lm_head`.

@@ -51,6 +51,9 @@ def main() -> None:
     ap.add_argument("--packed", choices=["nf4", "int4", "int8"],
                     help="a packed bank instead: the Triton kernel's in-tile decode against `dequant_rows` (each "
                          "expert decoded once, dense GEMMs): the value for `fused_moe.PACKED_DENSE_MIN_ROWS`")
+    ap.add_argument("--decode-kernel", action="store_true",
+                    help="with --packed: also time `fused_moe_decode`'s kernel with its by-format tiles at every "
+                         "token count (its bound: `BY_FORMAT_MAX_TOKENS`)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, the grouped (or dequant) path only")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -105,6 +108,16 @@ def main() -> None:
                 row["triton_share_of_gemm"] = row["triton_tflops"] / peak
                 ref = triton_().float()
                 row["max_rel_diff"] = ((grouped().float() - ref).abs().max() / ref.abs().max()).item()
+                if a.packed and a.decode_kernel:  # the decode kernel with its by-format tiles, past its token bound
+                    from ferrylm.layers import fused_moe_decode as fmd
+
+                    cfg = fmd.by_format_config(a.packed, False, T)
+                    if fmd.readable(w13, cfg) is None and fmd.readable(w2, cfg) is None:
+                        dec = lambda: fused_moe.expert_rows(x, w13, w2, ids, w, decode=cfg)  # noqa: E731
+                        row["decode_ms"] = time_ms(dec, a.iters, cuda)
+                        row["decode_vs_triton"] = row["triton_ms"] / row["decode_ms"]
+                        row["decode_vs_grouped"] = row["grouped_ms"] / row["decode_ms"]
+                        row["decode_max_rel_diff"] = ((dec().float() - ref).abs().max() / ref.abs().max()).item()
             rows.append(row)
             print({k_: round(v, 3) if isinstance(v, float) else v for k_, v in row.items()}, flush=True)
         del w13, w2

@@ -1,36 +1,34 @@
 #!/usr/bin/env bash
-# Session 28's device call: the copy-path round orders (`CachedExperts.one_large_a_round`, `free_hits_first`).
-# The CUDA rounds test for every order (bits equal to the resident run), then 512-token fresh NF4 prefills of the
-# 8-layer Mixtral under 5 GiB alternating each | misses | all, the timeline of `each` (session 28's `all` timeline:
-# copies 50.8 ms and kernels 33.4 ms of 107, never at once), and a 2k prefill of the 16-layer bf16 Mixtral under
-# 16 GiB (copies 352 MB an expert: the orders should tie there) each against all.
-#
-#   [PART=big] bash benchmarks/device_s30.sh COMMIT [BUDGET]     PART=big: only the 2k prefills (16L bf16, 32L NF4)
+# Session 30's call: where the NF4 decode kernel beats the plain kernel's in-tile decode and `dequant_rows` past its
+# token bound (32: `fused_moe_decode.BY_FORMAT_MAX_TOKENS`), then the 32-layer NF4 Mixtral's batch 64 under 16 GiB with
+# the bound at 127 (session 30's first call: 96.2 tok/s against a 300.5 PCIe floor with the plain kernel).
+#   bash benchmarks/device_s30.sh COMMIT [BUDGET]
 set -u
 commit=${1:-unknown}
 budget=${2:-560}
-part=rest
-source "$(dirname "$0")/device_steps.sh"  # t0, left, step, h200_aims
+part=none
+source "$(dirname "$0")/device_steps.sh"
 h200_aims
-if [[ ${PART:-} != big ]]; then
-bash benchmarks/gpu_tests.sh "$OUT/tests.txt" "$(left 90)" "cached_experts_fused_rounds or packed_experts_resident_and_offloaded"
-grep -E "passed|failed|^E " "$OUT/tests.txt" | grep -v "^\[.*passed" | head -12
-nf4=(--experts gpu --shape mixtral --layers 8 --budget-gib 5 --expert-quant nf4 --tokens 4 --prefill-tokens 512)
-for r in each misses all each misses all; do
-    PYTHONPATH=benchmarks:. step 45 python benchmarks/profile_offload.py "${nf4[@]}" --rounds $r > "$OUT/nf4-$r.txt" 2>&1
-    echo "[$r] $(grep -E '^\{"prefill"' "$OUT/nf4-$r.txt" | cut -c1-150)"
-done
-PYTHONPATH=benchmarks:. step 60 python benchmarks/profile_offload.py "${nf4[@]}" --rounds each --profile \
-    > "$OUT/prefill-timeline-each.txt" 2>&1; grep "prefill timeline" "$OUT/prefill-timeline-each.txt" | cut -c1-300
-fi
-bf16=(--experts gpu --shape mixtral --layers 16 --budget-gib 16 --tokens 2 --warm 2 --prefill-tokens 2048)
-for r in each all; do
-    PYTHONPATH=benchmarks:. step 120 python benchmarks/profile_offload.py "${bf16[@]}" --rounds $r > "$OUT/bf16-$r.txt" 2>&1
-    echo "[bf16 $r] $(grep -E '^\{"prefill"' "$OUT/bf16-$r.txt" | cut -c1-180)"
-done
-nf4_32=(--experts gpu --shape mixtral --layers 32 --budget-gib 16 --expert-quant nf4 --tokens 2 --warm 2 --prefill-tokens 2048)
-for r in each all; do
-    PYTHONPATH=benchmarks:. step 120 python benchmarks/profile_offload.py "${nf4_32[@]}" --rounds $r > "$OUT/nf4-32-$r.txt" 2>&1
-    echo "[nf4 32L $r] $(grep -E '^\{"prefill"' "$OUT/nf4-32-$r.txt" | cut -c1-180)"
-done
+PYTHONPATH=. step 200 python benchmarks/bench_moe_prefill.py --packed nf4 --decode-kernel --iters 10 \
+    --shapes mixtral-8x7b qwen3-30b-a3b yuan2-m32 --tokens 16 32 64 96 128 256 --out "$OUT/moe-nf4-window.json" 2>&1 \
+    | python -c "
+import sys, ast
+for line in sys.stdin:
+    if line.startswith('{'):
+        r = ast.literal_eval(line)
+        print(r['shape'], r['tokens'], 'rows/e', r['rows_per_expert'], 'dequant', r['grouped_ms'], 'plain', r.get('triton_ms'),
+              'decode', r.get('decode_ms'), 'diff', r.get('decode_max_rel_diff'))
+    else:
+        print(line.rstrip())
+"
+echo "kernels done at $(( $(date +%s) - t0 )) s"
+bound=${BOUND:-127}
+(cd benchmarks && PYTHONPATH=.. step 300 python -c "
+import sys
+from ferrylm.layers import fused_moe_decode as f
+f.BY_FORMAT_MAX_TOKENS['nf4'] = $bound
+sys.argv = ['bench_offload.py', '--cases', 'mixtral-32L-nf4-b64', '--commit', '$commit', '--out', '$OUT/offload-b64-bound$bound.json']
+import bench_offload
+bench_offload.main()
+" 2>&1 | grep -v '^{' | grep -E "tok/s|Error|error" | tail -12)
 echo "done at $(( $(date +%s) - t0 )) s"

@@ -128,6 +128,8 @@ def replay(path: str, a) -> list[dict]:
                 mock.patch.object(hardware, "measured_host_read_gbs", lambda: info["host_read_gbs"]):
             plan = make_plan(opts)
             now = predicted(plan, cuda=True)
+            print(f"{case} prefill: {plan.speed['prefill_tok_s']:.1f} tok/s, binding {plan.speed['prefill_binding']}, "
+                  f"parts ms { {p: round(v, 3) for p, v in plan.speed['prefill_parts_ms'].items()} }", flush=True)
             for key, hit in (info.get("hit_rate_measured") or {}).items():
                 if hit is not None:  # the bandwidth model alone, at the hit rate the run saw
                     at = make_plan(replace(opts, expert_hit_rate=hit), advise=False).speed[key]

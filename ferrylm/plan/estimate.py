@@ -141,6 +141,33 @@ FP8_TABLE_TIME = (5.3, 0.53)
 from HBM and 0.802 in place against bf16's 0.051 / 1.501 (session 26, `bench_mapped.py --mixed`)."""
 
 
+PACKED_DECODE_GBS = {"nf4": 450.0}
+"""Packed bytes a second at which the decode kernel (`layers/fused_moe_decode`, its by-format tiles) reads resident
+experts of this format at one token an expert, whatever the GPU's HBM rate: its in-tile decode binds, not HBM, so a
+time relative to bf16 (`PACKED_TIME`'s first figure, which scales with the HBM rate) predicted the H100 24% to 74%
+slow. Measured: two NF4 g64 Mixtral experts (99.1 MB each) at one token 0.448 ms on the H200 (442 GB/s, session 12,
+`bench_mapped.py --sweep`); the resident 8-layer NF4 Mixtral on the H100 (session 30, `bench_plan.py --cases
+moe-nf4`): batch 1 at 246 tok/s, 4.06 ms a step, of which the attention, LM head and launches take ~0.56 ms at the
+model's other rates: 16 experts in 3.5 ms (452 GB/s); batch 16 (4 tokens an expert) 1434 tok/s, 64 experts in
+~10.6 ms (600 GB/s: `PACKED_DECODE_GROWTH`). Formats not listed keep `PACKED_TIME`."""
+PACKED_DECODE_GROWTH = 0.2
+"""`PACKED_DECODE_GBS` grows as tokens an expert to this power (more rows a decoded tile: session 30's 600 against 452
+GB/s at 4 against 1), up to HBM_EFF of the HBM rate."""
+
+
+def packed_hbm_equiv(nbytes: float, dense: float, scheme: str, native_fp8: bool, hbm_gbs: float,
+                     tokens_per_expert: float) -> float:
+    """Dense-equivalent bytes that time one resident packed expert of `nbytes` (`dense` in bf16) at
+    `tokens_per_expert`: read at `moe_hbm_eff` of `hbm_gbs` (as `step_time` reads every expert's equivalent bytes)
+    they take the time its packed bytes take at `PACKED_DECODE_GBS`; a format without that rate, `PACKED_TIME`."""
+    rate = PACKED_DECODE_GBS.get(scheme)
+    if rate is None or not hbm_gbs:
+        return dense * packed_time(scheme, native_fp8)[0]
+    t = max(tokens_per_expert, 1.0)
+    gbs = min(rate * t ** PACKED_DECODE_GROWTH, hbm_gbs * HBM_EFF)
+    return nbytes * hbm_gbs * moe_hbm_eff(t) / gbs
+
+
 def packed_time(scheme: str, native_fp8: bool) -> tuple[float, float]:
     """`PACKED_TIME` of a packed expert format on a GPU with (`native_fp8`) or without FP8 conversion."""
     return FP8_TABLE_TIME if scheme == "fp8" and not native_fp8 else PACKED_TIME.get(scheme, (1.0, 1.0))
@@ -267,6 +294,12 @@ class StepCost:
     """A family's measured per-layer time beyond this model (`LAYER_EXTRA_S`), serial."""
     expert_flops: float = 0.0
     """FLOPs of the routed experts' grouped GEMMs (at `moe_mfu`)."""
+    dequant_bytes: float = 0.0
+    """HBM bytes of packed experts' decode pass into dense weights before their dense GEMMs (`fused_moe.dequant_rows`,
+    eager steps of at least `PACKED_DENSE_MIN_ROWS` rows an expert on average): each expert's packed bytes read and its
+    dense weights written, at HBM_EFF, serial with the GEMMs (which then read the dense weights). Session 30's H100 check
+    of the resident 8-layer NF4 Mixtral (`bench_plan.py --cases moe-nf4`, 512-token chunks, 64 experts decoded a
+    chunk): prefill 12.2k tok/s measured where the GEMMs alone predicted 20.0k."""
     copy_layers: tuple = ()
     """Copy-path prefill, per MoE layer with experts in host memory: (bytes its misses copy, HBM bytes of its hits,
     of its misses, FLOPs of its hits, of its misses, of the copies the bytes that fit its free slots), none of
@@ -280,7 +313,8 @@ class StepCost:
     (`CachedExperts.one_large_a_round`, `free_hits_first`): the first copy waits for one hit's work (none with a free
     slot), the copies then stream back to back under the other hits' and the misses' work, the last miss computes
     after its copy: first hit + max(copies, the rest of the work) + last miss (session 28, the same 8L prefill: 7181
-    / 7247 tok/s in that order against 5403 / 5419 in one round of all in flight)."""
+    / 7247 tok/s in that order against 5403 / 5419 in one round of all in flight). An eighth element (hits', misses'
+    bytes) is their decode pass where they take one (`dequant_bytes`), serial with their work."""
 
 
 @dataclass(frozen=True)
@@ -308,8 +342,11 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     mfu = moe_mfu(cost.tokens_per_expert)
     h2d = h2d_gbs * 1e9
 
-    def work(hbm: float, flops: float) -> float:  # experts read from HBM and multiplied: the larger of the two
-        return max(hbm / eff, flops / (tflops * 1e12 * mfu))
+    dq_rate = hbm_gbs * 1e9 * HBM_EFF
+
+    def work(hbm: float, flops: float, dq: float = 0.0) -> float:  # experts read from HBM and multiplied: the
+        # larger of the two, after their decode pass where they take one (`StepCost.dequant_bytes`)
+        return max(hbm / eff, flops / (tflops * 1e12 * mfu)) + dq / dq_rate
 
     laid_by = {"hbm": 0.0, "compute": 0.0, "pcie": 0.0}  # the laid layers' time by the resource that binds each part
 
@@ -318,22 +355,24 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
         laid_by["hbm" if t_h >= t_f else "compute"] += max(t_h, t_f) if t is None else t
 
     laid = 0.0
-    for c, hb, mb, hf, mf, f, *stream in cost.copy_layers:
-        if stream and stream[0]:  # one expert a round (see StepCost.copy_layers)
-            hits, misses = stream[0]
-            wh, wm = work(hb, hf), work(mb, mf)
+    for c, hb, mb, hf, mf, f, *more in cost.copy_layers:
+        stream, (hd, md) = (more + [None])[0], (more[1] if len(more) > 1 else (0.0, 0.0))
+        laid_by["hbm"] += (hd + md) / dq_rate
+        if stream:  # one expert a round (see StepCost.copy_layers)
+            hits, misses = stream
+            wh, wm = work(hb, hf, hd), work(mb, mf, md)
             first = wh / hits if hits >= 1 and f <= 0 else 0.0
             last = wm / max(misses, 1.0)
             rest = max(0.0, wh + wm - first - last)
             laid += first + max(c / h2d, rest) + last
-            credit(hb + mb, hf + mf, first + last)
+            credit(hb + mb, hf + mf, max(0.0, first + last - (hd + md) / dq_rate))
             if c / h2d >= rest:
                 laid_by["pcie"] += c / h2d
             else:
                 credit(hb + mb, hf + mf, rest)
             continue
-        laid += max(f / h2d, work(hb, hf)) + (c - f) / h2d + work(mb, mf)
-        if f / h2d >= work(hb, hf):
+        laid += max(f / h2d, work(hb, hf, hd)) + (c - f) / h2d + work(mb, mf, md)
+        if f / h2d >= work(hb, hf, hd):
             laid_by["pcie"] += f / h2d
         else:
             credit(hb, hf)
@@ -349,14 +388,16 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
              "host_experts": 0.0 if cost.mapped else cost.host_experts_s,
              "promotions": promote if cost.mapped else 0.0,
              "copy_layers": laid,
+             "dequant": cost.dequant_bytes / dq_rate,
              "host": cost.host_s,
              "launch": cost.layers * ((LAUNCH_GRAPH_S if cost.graphs else LAUNCH_S) + cost.layer_extra_s),
              "comm": cost.comm_s}
     roof = max(("hbm", "pcie", "compute", "host_experts"), key=parts.get)  # host experts beside the copies
-    seconds = (parts[roof] + parts["mapped_experts"] + parts["promotions"] + parts["copy_layers"] + parts["host"]
+    seconds = (parts[roof] + parts["mapped_experts"] + parts["promotions"] + parts["copy_layers"] + parts["dequant"]
+               + parts["host"]
                + parts["launch"] + parts["comm"])
     by_resource = {"hbm": (parts["hbm"] if roof == "hbm" else 0.0) + (experts if cost.mapped and experts >= inplace else 0.0)
-                   + laid_by["hbm"],
+                   + laid_by["hbm"] + parts["dequant"],
                    "compute": (parts["compute"] if roof == "compute" else 0.0) + laid_by["compute"],
                    "pcie": (parts["pcie"] if roof == "pcie" else 0.0) + (inplace if cost.mapped and inplace > experts else 0.0)
                    + parts["promotions"] + laid_by["pcie"],

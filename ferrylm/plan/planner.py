@@ -367,6 +367,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         return tokens * k / (sum(distinct(l, tokens) for l in moe) / len(moe))
 
     cached = [l for l, m in moe.items() if m["host"]]
+    from ferrylm.layers.fused_moe import prefill_path
     from ferrylm.offload.expert_cache import CachedExperts
 
     mapped_tokens = min((1 if moe[l]["nbytes"] > CachedExperts.large_expert_bytes else CachedExperts.mapped_tokens
@@ -442,8 +443,20 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                    layers=[], copy_layers=[],
                    mapped=mapped and bool(cached),
                    hit=sum(hit_of(l, batch, mapped) for l in cached) / len(cached) if cached else None)
+        tpe = tokens_per_expert(batch)
+        # a packed bank's eager steps of PACKED_DENSE_MIN_ROWS rows an expert on average decode each expert they use
+        # into dense weights first (`fused_moe.prefill_path`, on the model's expert count)
+        dequant = prefill and fused_moe and prefill_path(batch * k, E, 1, True) == "dequant"
+        out["dequant"] = 0.0
         for l, m in moe.items():
             d, h = distinct(l, batch), hit_of(l, batch, mapped)
+            dq = m["nbytes"] + m["dense"] if m["packed"] and dequant else 0.0
+            if dq:  # its dense GEMMs then read the dense weights
+                m = {**m, "hbm_equiv": m["dense"]}
+            elif m["packed"]:  # the kernel's in-tile decode, at its rate for this many rows an expert
+                m = {**m, "hbm_equiv": estimate.packed_hbm_equiv(m["nbytes"], m["dense"], fmt.experts_scheme, gpu.fp8,
+                                                                 gpu.hbm_gbs, tpe)}
+            out["dequant"] += d * dq
             hits, misses = d * h, d * (1 - h)
             # hits are read from HBM; so are copied misses once in their slots (in-place misses are not)
             out["hbm"] += (hits if mapped and m["host"] else d) * m["hbm_equiv"]
@@ -477,9 +490,10 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                     # the slots no hit holds take copies while the hits compute
                     free = max(0.0, m["resident"] + slots.get(l, 0) - hits)
                     one = CachedExperts.one_large_a_round and m["nbytes"] >= CachedExperts.large_expert_bytes
+                    out["dequant"] -= d * dq  # in the layer's own terms
                     out["copy_layers"].append((misses * m["nbytes"], hits * m["hbm_equiv"], misses * m["hbm_equiv"],
                                                h, 1 - h, min(misses, free) * m["nbytes"],
-                                               (hits, misses) if one else None))
+                                               (hits, misses) if one else None, (hits * dq, misses * dq)))
                 # prefill copies its misses in rounds, one fused launch a round: no per-expert host cost
                 # (measured: <= 0.05 ms an expert, `estimate.CACHED_EXPERT_S`)
                 out["host"] += 0.0 if prefill else estimate.CACHED_EXPERT_S * d
@@ -520,7 +534,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         hbm_bytes=dense_gpu + streamed_bytes, expert_hbm_bytes=xp["hbm"] - sum(hb + mb for _, hb, mb, *_ in laid),
         tokens_per_expert=tokens_per_expert(chunk), pcie_bytes=streamed_bytes + xp["copy"] - sum(c for c, *_ in laid),
         host_s=xp["host"], host_experts_s=xp["host_experts_s"],
-        copy_layers=tuple((c, hb, mb, hf * layer_flops, mf * layer_flops, f, one) for c, hb, mb, hf, mf, f, one in laid),
+        copy_layers=tuple((c, hb, mb, hf * layer_flops, mf * layer_flops, f, *more) for c, hb, mb, hf, mf, f, *more in laid),
+        dequant_bytes=xp["dequant"],
         flops=(2 * body * chunk + 2 * vocab + 2 * mc.num_hidden_layers * chunk * chunk * mc.num_attention_heads
                * mc.head_dim) / ranks, expert_flops=2 * expert_active * chunk / ranks - len(laid) * layer_flops,
         layers=layers,
@@ -532,7 +547,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     mean_hit = d1["expert_hit_rate"] if cached else 1.0
     packed = fmt.experts_scheme if any(m["packed"] for m in moe.values()) else None
     speed = dict(decode_batch1=d1, decode_concurrent=dn, prefill_tok_s=chunk / (pre.seconds * opts.pp),
-                 prefill_binding=pre.binding,
+                 prefill_binding=pre.binding, prefill_parts_ms={p: v * 1e3 for p, v in pre.parts.items() if v},
                  ttft_s=math.ceil(opts.prompt_len / chunk) * pre.seconds * opts.pp + d1["step_ms"] / 1e3,
                  cuda_graphs=d1["cuda_graphs"],
                  assumptions=dict(hbm_eff=estimate.HBM_EFF, moe_hbm_eff=estimate.MOE_HBM_EFF if E else None,
@@ -762,6 +777,7 @@ def _moe_layers(mine: list[TensorGroup], tier: dict, dense_of: dict, scheme: str
         m["packed"] = g.nbytes < dense
         res, inplace = estimate.packed_time(scheme, native_fp8) if m["packed"] else (1.0, 1.0)
         m["hbm_equiv"], m["inplace_equiv"] = (dense * res, dense * inplace) if m["packed"] else (g.nbytes, g.nbytes)
+        m["dense"] = dense
     return out
 
 

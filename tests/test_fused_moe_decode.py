@@ -206,6 +206,35 @@ def test_fp8_takes_the_decode_kernel_by_format(fmt, weights, monkeypatch):
         assert on.any() and torch.equal(got[on], want[on]) and not got[~on].any(), T
 
 
+def test_nf4_takes_the_decode_kernel_below_the_dequant_path(weights):
+    """NF4 banks take the decode kernel's by-format tiles at every batch below `dequant_rows`' rows an expert
+    (`BY_FORMAT_MAX_TOKENS["nf4"]` None; until session 30 the plain kernel's in-tile decode past 32 tokens): past 32
+    tokens too the rule's result equals the tiles asked for by name, bit for bit, and the same bank read through a
+    table (offloaded = resident); it stays within REL of the fp64 reference; at `PACKED_DENSE_MIN_ROWS` rows an
+    expert `dequant_rows` takes over."""
+    from ferrylm.layers import fused_moe
+
+    b13, b2 = bank("nf4-g64", *weights)
+    d13, d2 = b13.dequantize(DT), b2.dequantize(DT)
+    cfg = fmd.by_format_config("nf4", False, 1)
+    dequant_from = fused_moe.PACKED_DENSE_MIN_ROWS * E // K_TOP  # tokens
+    for T in (33, dequant_from - 1):
+        assert fmd.decode_config(T, b13, b2) == cfg
+        x = torch.randn(T, H, device=DEV).to(DT)
+        ids, w = routing(T, seed=T)
+        got = expert_rows(x, b13, b2, ids, w)
+        assert torch.equal(got, expert_rows(x, b13, b2, ids, w, decode=cfg))
+        assert torch.equal(expert_rows(x, table(b13), table(b2), ids, w), got)
+        ref = reference(d13, d2, x, ids, w)
+        rel = ((sum_rows(got, K_TOP).double() - ref).norm() / ref.norm()).item()
+        print(f"nf4 T={T}: decode kernel by format, rel err vs fp64 dequantized reference {rel:.2e}")
+        assert rel < REL
+    T = dequant_from
+    x = torch.randn(T, H, device=DEV).to(DT)
+    ids, w = routing(T, seed=5)
+    assert torch.equal(expert_rows(x, b13, b2, ids, w), fused_moe.dequant_rows(x, b13, b2, ids, w))
+
+
 def test_decode_rule(monkeypatch):
     assert fmd.decode_config(1, torch.zeros(E, 2 * I, H, device=DEV, dtype=DT),
                              torch.zeros(E, H, I, device=DEV, dtype=DT)) is None or fmd.DECODE_MAX_TOKENS > 0

@@ -276,6 +276,36 @@ def test_captured_steps_stop_where_a_packed_bank_leaves_the_kernel():
     assert graph_tokens(sc, True, True, None) == 2048 and graph_tokens(sc, False, True, 127) == 0
 
 
+def test_a_captured_nf4_step_reserves_the_decode_kernels_partials():
+    """NF4 banks take the decode kernel at every batch below `dequant_rows` (`BY_FORMAT_MAX_TOKENS["nf4"]` None), whose
+    fp32 split-K partials a captured step keeps in its graph pool: `graph_step_floor` counts them
+    (`fused_moe_decode.decode_bytes`, by hand here for Mixtral's 64-token step: GEMM 1's [2, 128, 28672] fp32 beside
+    the gated rows, then GEMM 2's [4, 128, 4096] beside rows and output), the engine's and the plan's pool takes at
+    least that (`warmup_activations`), and a dense or int4 bank adds nothing."""
+    from ferrylm.config import ModelConfig, SchedulerConfig
+    from ferrylm.layers import fused_moe_decode as fmd
+    from ferrylm.offload.memory import graph_step_floor, warmup_activations
+
+    assert fmd.BY_FORMAT_MAX_TOKENS["nf4"] is None and fmd.taken_by_format("nf4", 127)
+    assert fmd.taken_by_format("fp8", 32) and not fmd.taken_by_format("fp8", 33) and not fmd.taken_by_format("int4", 1)
+    mixtral = ModelConfig.from_hf({"architectures": ["MixtralForCausalLM"], "hidden_size": 4096,
+                                   "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                   "num_hidden_layers": 2, "vocab_size": 32000, "num_local_experts": 8,
+                                   "num_experts_per_tok": 2})
+    A, I, H = 128, 14336, 4096
+    by_hand = max(4 * 2 * A * 2 * I + 2 * A * I, 2 * A * I + 4 * 4 * A * H + 2 * A * H)
+    assert graph_step_floor(mixtral, 64, 2, "nf4") == by_hand
+    assert graph_step_floor(mixtral, 64, 2, None) == graph_step_floor(mixtral, 64, 2, "int4") == 0
+    assert graph_step_floor(mixtral, 0, 2, "nf4") == 0
+    assert graph_step_floor(mixtral, 64, 2, "fp8") == graph_step_floor(mixtral, 32, 2, "fp8") > 0  # fp8: 32 tokens
+    sc = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=4096)
+    step = 500 << 20
+    share = warmup_activations(step, sc, 32000, 64)
+    assert share - (step + 2 * 64 * 32000 * 4) < by_hand  # the share alone would not hold the partials
+    assert warmup_activations(step, sc, 32000, 64, 0, by_hand) == step + 2 * 64 * 32000 * 4 + by_hand
+    assert warmup_activations(step, sc, 32000, 0, 0, by_hand) == step + 2 * 64 * 32000 * 4  # no graphs, no pool
+
+
 @pytest.mark.parametrize("fmt", ["nf4", "int4", "int8", "fp8"])
 def test_packed_prefill_decoded_once_per_expert_matches_the_reference(fmt, monkeypatch):
     """`fused_moe.dequant_rows` (a packed bank's experts each decoded once into dense weights, then dense GEMMs on

@@ -24,13 +24,14 @@ from ferrylm.errors import ConfigError
 from ferrylm.kv.cache import KV_DTYPES, KVCache, SequenceStatePool
 from ferrylm.layers.attention import PagedAttention, resolve_backend
 from ferrylm.layers.context import ForwardContext, costliest_routing, forward_context
+from ferrylm.layers.moe import Experts
 from ferrylm.layers.parallel_linear import kv_heads_per_rank
 from ferrylm.layers.rotary import RotaryEmbedding
 from ferrylm.layers.transfer import to_device
 from ferrylm.models.registry import model_class
 from ferrylm.offload.placed_weights import PlacedWeights
 from ferrylm.offload.memory import (activation_reserve, cublas_workspace_bytes, device_budget, fixed_kv_bytes,
-                                   graph_token_limit, graph_tokens, kv_after_warmup, size_memory,
+                                   graph_step_floor, graph_token_limit, graph_tokens, kv_after_warmup, size_memory,
                                    warmup_activations)
 from ferrylm.offload.placement import describe, group_tensors
 from ferrylm.parallel.group import SINGLE, building
@@ -180,6 +181,9 @@ class ModelRunner:
             if packed:
                 log.info("experts kept packed in %d banks (read by the fused MoE kernel)", len(packed))
         self._graph_limit = graph_token_limit(model_config, bool(packed))
+        self._experts_format = next((m.packed_format for m in self.model.modules()
+                                     if isinstance(m, Experts) and m.packing), None)
+        """The packed expert banks' kernel format (None: dense): a captured step's floor (`graph_step_floor`)."""
         """The most tokens a captured step may hold (packed expert banks: their prefill path is not capturable)."""
         if self.device.type == "cuda":  # packed Linear weights are placed (and streamed) at their packed size
             self.model.note_packed_linears(source)
@@ -261,7 +265,7 @@ class ModelRunner:
         """The planned activation reserve (`offload/memory.py`); on CUDA the warm-up measures the real one."""
         elt = torch.empty(0, dtype=self.dtype).element_size()
         return activation_reserve(self.model_config, self.config.scheduler, elt, self._graph_tokens(resident),
-                                  self._workspace())
+                                  self._workspace(), self._experts_format)
 
     def _workspace(self) -> int:
         """cuBLAS's workspace for the graphs' side stream on this device (`offload/memory.py`)."""
@@ -312,8 +316,11 @@ class ModelRunner:
         """The KV pool from what is left of the budget once the weights sit where they are and one step's
         activations are measured (`offload/memory.py`, the rule `ferry plan` predicts with)."""
         self.step_peak = self._warmup_peak()
+        tokens = self._graph_tokens(self.placement.fully_resident)
+        elt = torch.empty(0, dtype=self.dtype).element_size()
         self.activation_bytes = warmup_activations(self.step_peak, self.config.scheduler, self.model_config.vocab_size,
-                                                   self._graph_tokens(self.placement.fully_resident), self._workspace())
+                                                   tokens, self._workspace(),
+                                                   graph_step_floor(self.model_config, tokens, elt, self._experts_format))
         used = torch.cuda.memory_allocated(self.device) - self._mem_base
         self.weights_allocated = used  # measured: what the placed weights take (`ferry plan --check`)
         kv, left = kv_after_warmup(self._budget, used, self.activation_bytes, self._fixed_kv,

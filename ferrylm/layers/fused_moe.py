@@ -104,7 +104,8 @@ def graph_token_limit(E: int, k: int, packed: bool) -> int | None:
     return max(0, (PACKED_DENSE_MIN_ROWS * E - 1) // max(k, 1))
 
 
-def prefill_bytes(A: int, E: int, hidden: int, inter: int, elt: int, packed: bool) -> int:
+def prefill_bytes(A: int, E: int, hidden: int, inter: int, elt: int, packed: bool, fmt: str | None = None,
+                  k: int = 1) -> int:
     """Device bytes `expert_rows` holds at its peak for A assignments (beside its input), on the path
     `prefill_path` takes; `plan/memory.step_activation_bytes` counts the MoE layer with it. kernel: the gated
     rows [I] and output [H] over the padded rows, then the gathered copy [H] of each assignment. grouped: the
@@ -112,10 +113,15 @@ def prefill_bytes(A: int, E: int, hidden: int, inter: int, elt: int, packed: boo
     [H] and the weighting's fp32 rows (8 bytes an element at the multiply). dequant:
     the sorted input and the zeroed output [2H] throughout, and per decode group (`DEQUANT_BUFFER_BYTES`; at
     most `expert_row_cap` rows an expert, whatever the routing) the decoded w13 beside gate/up and product, then
-    w2 beside product and output; then the weighting."""
+    w2 beside product and output; then the weighting. A packed bank of kernel format `fmt` whose steps of A / k
+    tokens take the decode kernel (`fused_moe_decode.taken_by_format`) holds its partials instead (`decode_bytes`)."""
+    from ferrylm.layers import fused_moe_decode as fmd
+
     H, I = hidden, inter
     weighting = A * H * (8 + 2 * elt)
     path = prefill_path(A, E, I, packed)
+    if path == "kernel" and packed and fmd.taken_by_format(fmt, A // k):
+        return fmd.decode_bytes(A, E, H, I, fmd.by_format_config(fmt, False, A // k), elt)
     if path == "kernel":
         return (padded_rows(A, E) * (I + H) + A * H) * elt
     if path == "grouped":  # the gathered input is freed once gate/up exist; the product lives to the end
@@ -683,6 +689,13 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
     if inter is not None and not (0 < inter <= w2.shape[2] and (isinstance(like2, torch.Tensor) or inter % 2 == 0
                                                                 or like2.fmt in ("int8", "fp8"))):
         raise ValueError(f"expert_rows: inter={inter} of {w2.shape[2]} columns (positive; even for two codes a byte)")
+    T, k = topk_ids.shape
+    E, two_i, H = w13.shape
+    path = prefill_path(T * k, experts or E, two_i // 2, all(type(w) is ExpertWeights for w in (w13, w2))) \
+        if decode is None and inter is None else "kernel"
+    eager = not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    if path == "dequant" and eager:  # before the decode kernel, whose NF4 tiles take any batch below it
+        return dequant_rows(x, w13, w2, topk_ids, topk_weights, skip, counts, experts)
     if decode is not False:
         cfg = fmd.decode_config(topk_ids.shape[0], w13, w2, decode if isinstance(decode, fmd.DecodeConfig) else None,
                                 inter)
@@ -691,14 +704,8 @@ def expert_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor,
                              f"{fmd.readable(w13, decode) or fmd.readable(w2, decode) or 'inter not whole words'}")
         if cfg is not None:
             return fmd.decode_rows(x, w13, w2, topk_ids, topk_weights, skip, cfg, inter)
-    T, k = topk_ids.shape
-    E, two_i, H = w13.shape
-    if decode is None and inter is None:
-        path = prefill_path(T * k, experts or E, two_i // 2, all(type(w) is ExpertWeights for w in (w13, w2)))
-        if path == "grouped" and not skip and grouped_mm_usable(x, w13, w2):
-            return grouped_rows(x, w13, w2, topk_ids, topk_weights)
-        if path == "dequant" and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return dequant_rows(x, w13, w2, topk_ids, topk_weights, skip, counts, experts)
+    if path == "grouped" and not skip and grouped_mm_usable(x, w13, w2):
+        return grouped_rows(x, w13, w2, topk_ids, topk_weights)
     up = two_i // 2
     I = up if inter is None else inter
     A = T * k

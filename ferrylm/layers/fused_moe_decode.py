@@ -40,9 +40,14 @@ DECODE_MAX_TOKENS = 0
 """Batches of at most this many tokens take the decode kernel (`expert_rows(decode=None)`); 0 turns it off.
 Off until the H200 sweep (`benchmarks/bench_mapped.py --sweep`) shows it beating the plain kernel (16 is the
 intended bound); tests and the sweep select it explicitly."""
-BY_FORMAT_MAX_TOKENS = {"nf4": 32, "fp8": 32}
+BY_FORMAT_MAX_TOKENS = {"nf4": None, "fp8": 32}
 """Formats that take the decode kernel at batches of at most this many tokens whatever `DECODE_MAX_TOKENS` says,
-with `by_format_config`'s tiles (fp8 only where the GPU converts e4m3 itself: `native_fp8`).
+with `by_format_config`'s tiles (fp8 only where the GPU converts e4m3 itself: `native_fp8`); None: at any batch
+`fused_moe.expert_rows` does not give to `dequant_rows` (fewer than `PACKED_DENSE_MIN_ROWS` rows an expert, or a
+graph capture).
+NF4 lost its bound of 32 in session 30: between it and `dequant_rows` (Mixtral 33-127 tokens, Qwen3-30B-A3B 33-511)
+the plain kernel decoded NF4 tiles at ~10 TFLOP/s, and the 32-layer NF4 Mixtral's batch 64 under 16 GiB ran at 0.32 of
+its PCIe floor (96 tok/s, ~280 ms a step of expert work).
 fp8 joined in session 26: the plain kernel decodes e4m3 through a 256-entry table and loads a scale per element, and
 on the H100 it took 0.27 / 0.38 ms (per channel / groups of 128) for one Qwen3-30B-A3B layer at 1 token from HBM,
 where the tiles `by_format_config` picks took 0.041 / 0.044 (at 4 tokens 0.47 / 1.19 against 0.097 / 0.105); in
@@ -118,7 +123,8 @@ def decode_config(T: int, w13, w2, cfg: DecodeConfig | None = None, inter: int |
     like = w2.like if isinstance(w2, WeightTable) else w2
     fmt = "dense" if isinstance(like, torch.Tensor) else like.fmt
     explicit = cfg is not None  # a config asked for by name skips the token bound
-    if not explicit and T <= BY_FORMAT_MAX_TOKENS.get(fmt, 0) and (fmt != "fp8" or native_fp8()):
+    bound = BY_FORMAT_MAX_TOKENS.get(fmt, 0)
+    if not explicit and (bound is None or T <= bound) and fmt in BY_FORMAT_MAX_TOKENS and (fmt != "fp8" or native_fp8()):
         cfg = by_format_config(fmt, isinstance(w2, WeightTable), T)
     elif not explicit and T > DECODE_MAX_TOKENS:
         return None
@@ -367,6 +373,26 @@ def _reduce(p: torch.Tensor, N: int, dtype, scale, ids, E: int, gated: bool, ski
     _decode_reduce[(A, triton.cdiv(N, BLOCK))](p, out, scale, ids, N, S, p.stride(0), E, GATED=gated,
                                                SCALE=not gated, SKIP=skip, BLOCK=BLOCK)
     return out
+
+
+def taken_by_format(fmt: str | None, T: int) -> bool:
+    """A bank of kernel format `fmt` at T tokens takes the decode kernel's by-format tiles (`BY_FORMAT_MAX_TOKENS`;
+    fp8 counted whether or not this GPU converts e4m3: a plan's upper estimate)."""
+    if fmt not in BY_FORMAT_MAX_TOKENS:
+        return False
+    bound = BY_FORMAT_MAX_TOKENS[fmt]
+    return bound is None or T <= bound
+
+
+def decode_bytes(A: int, E: int, hidden: int, inter: int, cfg: DecodeConfig, elt: int = 2) -> int:
+    """Device bytes `decode_rows` holds at its peak for A assignments over a bank of E experts (beside its input):
+    the fp32 partials of GEMM 1 [S1, A, 2I] beside the gated rows [A, I], then those rows beside GEMM 2's partials
+    [S2, A, H] and the output [A, H]. A captured step keeps them in its graph pool (`offload/memory.py`
+    `graph_step_floor`). Auto splits are bounded by the most row blocks A assignments can fill."""
+    blocks = min(A, -(-A // cfg.block_m) + E)
+    s1 = cfg.splits(cfg.split_k13, blocks, 2 * inter, hidden)
+    s2 = cfg.splits(cfg.split_k2, blocks, hidden, inter)
+    return max(4 * s1 * A * 2 * inter + elt * A * inter, elt * A * inter + 4 * s2 * A * hidden + elt * A * hidden)
 
 
 def decode_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -122,6 +122,8 @@ class Experts(nn.Module):
         """(w13, w2) as `ExpertWeights` when the bank holds packed experts; w13/w2 are then empty."""
         self.packed_nbytes: int | None = None
         """Bytes of one packed expert (set with `packing`, before placement)."""
+        self.packed_format: str | None = None
+        """The fused kernel's format of its packed experts (`fused_moe.FORMATS`; set with `packing`)."""
         self._sides: dict[str, object] = {}  # w13 / w2 -> the packed bank being filled
 
     def load(self, expert: int, part: str, tensor) -> None:

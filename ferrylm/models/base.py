@@ -329,7 +329,7 @@ class CausalLM(nn.Module):
             if len(fmts) != 1 or not fmts <= ENGINE_PACKED_FORMATS:
                 continue
             bank = banks[bname]
-            bank.packing, bank.packed_nbytes = True, sum(q.nbytes for q in qts)
+            bank.packing, bank.packed_nbytes, bank.packed_format = True, sum(q.nbytes for q in qts), fmts.pop()
             packed.append(bname)
         return packed
 

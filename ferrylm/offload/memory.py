@@ -50,13 +50,39 @@ def graph_token_limit(cfg: ModelConfig, packed_experts: bool) -> int | None:
     return bank_limit(cfg.num_experts, cfg.num_experts_per_tok, True)
 
 
+def graph_step_floor(cfg: ModelConfig, graph_tokens: int, elt: int, experts_format: str | None) -> int:
+    """Device bytes a captured step of `graph_tokens` tokens holds at least in its graph pool, whatever share of the
+    warm-up step `warmup_activations` gives it: an expert bank of `experts_format` that the decode kernel computes at
+    that many tokens (`layers/fused_moe_decode.BY_FORMAT_MAX_TOKENS`: NF4 at any captured batch) keeps its fp32 split-K
+    partials there (`decode_bytes`), which a prefill-sized warm-up step (on `dequant_rows`) does not hold in
+    proportion: Mixtral's 64-token graph step ~33 MB against ~16 MB of a 2048-token step's 500 MB. 0 otherwise."""
+    if not graph_tokens or not cfg.num_experts or experts_format is None:
+        return 0
+    from ferrylm.layers import fused_moe_decode as fmd
+
+    fmt = kernel_format(experts_format)
+    if fmt not in fmd.BY_FORMAT_MAX_TOKENS:
+        return 0
+    bound = fmd.BY_FORMAT_MAX_TOKENS[fmt]
+    T = graph_tokens if bound is None else min(graph_tokens, bound)
+    return fmd.decode_bytes(T * cfg.num_experts_per_tok, cfg.num_experts, cfg.hidden_size,
+                            cfg.moe_intermediate_size or cfg.intermediate_size, fmd.by_format_config(fmt, False, T), elt)
+
+
+def kernel_format(scheme: str | None) -> str | None:
+    """The fused kernel's format name (`layers/fused_moe.FORMATS`) of a weight scheme as stores and plans spell it
+    ("nf4", "fp8-g128", "int4/32": the part before any group suffix)."""
+    return None if scheme is None else scheme.split("/")[0].split("-")[0]
+
+
 def activation_reserve(cfg: ModelConfig, sc: SchedulerConfig, elt: int, graph_tokens: int = 0,
-                       workspace: int = 0) -> int:
+                       workspace: int = 0, experts_format: str | None = None) -> int:
     """Device bytes the placement keeps free for activations: `warmup_activations` of `step_bound`, the rule
     the CUDA engine re-sizes its KV pool with after measuring the step. One rule for both, so a setup the
     placement accepts at the minimum KV is one the warm-up keeps (unless the measured step exceeds the
     bound): a reserve of one step against a warm-up that counted graph pools as a second step refused it."""
-    return warmup_activations(step_bound(cfg, sc, elt), sc, cfg.vocab_size, graph_tokens, workspace)
+    return warmup_activations(step_bound(cfg, sc, elt), sc, cfg.vocab_size, graph_tokens, workspace,
+                              graph_step_floor(cfg, graph_tokens, elt, experts_format))
 
 
 def fixed_kv_bytes(cc: CacheConfig, per_block: int) -> int | None:
@@ -118,14 +144,16 @@ def cublas_workspace_bytes(major: int) -> int:
 
 
 def warmup_activations(step_peak: int, sc: SchedulerConfig, vocab_size: int, graph_tokens: int,
-                       workspace: int = 0) -> int:
+                       workspace: int = 0, graph_floor: int = 0) -> int:
     """Device bytes the KV pool leaves for activations after the warm-up: one step's peak at the token budget
     (measured by the runner) plus the sampler's two [max_num_seqs, V] fp32 work tensors, and again the share of
     that a captured step of `graph_tokens` tokens holds in the graphs' private pools (`graph_tokens`: a whole
     step with piecewise prefill graphs, `max_num_seqs` rows of it with decode graphs only) plus, with graphs,
-    `workspace`: their side stream's cuBLAS workspace (`cublas_workspace_bytes`)."""
+    `workspace`: their side stream's cuBLAS workspace (`cublas_workspace_bytes`); the graphs' share at least
+    `graph_floor` (`graph_step_floor`)."""
     one = step_peak + 2 * sc.max_num_seqs * vocab_size * 4
     graphs = one * min(graph_tokens, sc.max_num_batched_tokens) // sc.max_num_batched_tokens
+    graphs = max(graphs, graph_floor) if graph_tokens else 0
     return one + graphs + (workspace if graph_tokens else 0)
 
 

@@ -333,7 +333,8 @@ def rope_table_bytes(model: nn.Module | None, cfg: ModelConfig, max_model_len: i
 
 def step_activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                           elt: int, packed_experts: bool = False, cached_experts: bool = False,
-                          round_bank: int | None = None, resident_experts: bool = True) -> tuple[int, int]:
+                          round_bank: int | None = None, resident_experts: bool = True,
+                          experts_format: str | None = None) -> tuple[int, int]:
     """(estimate, floor) of the device bytes `ModelRunner._warmup_peak` measures: a prefill of the token budget
     T and the logits of min(T, max_num_seqs) rows. The peak is the widest block's live tensors on top of the
     residual stream and the block's normed input: attention (qkv, its rotated q / k, the output), a dense MLP
@@ -343,7 +344,9 @@ def step_activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num
     computed in rounds: `offload/expert_cache.CachedExperts._forward_fused`) the running sum of the rounds before
     [T * k, H] beside a round's buffers, which on the kernel path pad the rows over the cache's bank, `round_bank`
     experts (`Placement.largest_cache`) and the skipped id; the larger of that and a resident layer's count while
-    `resident_experts`: some MoE layer holds all its experts on the device), shared experts as a dense MLP; or the
+    `resident_experts`: some MoE layer holds all its experts on the device; a packed bank of `experts_format` that
+    the decode kernel computes at this size holds its partials, `fused_moe_decode.decode_bytes`), shared experts as a
+    dense MLP; or the
     logits (lm_head
     output and its fp32 copy); plus
     `CUBLAS_WORKSPACE_BYTES`. The floor counts only what must coexist: the widest GEMM's input and output (or
@@ -362,12 +365,17 @@ def step_activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num
         widths.append((4 * cfg.intermediate_size, 2 * cfg.intermediate_size))
     if moe_layers:
         from ferrylm.layers.fused_moe import padded_rows, prefill_bytes, prefill_path
+        from ferrylm.layers.fused_moe_decode import taken_by_format
+        from ferrylm.offload.memory import kernel_format
 
         k, E, I = max(cfg.num_experts_per_tok, 1), cfg.num_experts, cfg.moe_intermediate_size
         A = T * k
-        resident = prefill_bytes(A, E, H, I, elt, packed_experts)
+        fmt = kernel_format(experts_format) if packed_experts else None
+        resident = prefill_bytes(A, E, H, I, elt, packed_experts, fmt, k)
         if not cached_experts:
             moe = resident
+        elif fmt is not None and prefill_path(A, E, I, True) != "dequant" and taken_by_format(fmt, T):
+            moe = resident + A * H * elt  # a round's partials over every assignment, the running sum beside
         elif prefill_path(A, E, I, packed_experts) != "dequant":  # (a round never takes "grouped")
             # a round on the kernel: its rows padded over the cache's bank and the skipped id, the running sum beside
             moe = (padded_rows(A, (round_bank or E) + 1) * (I + H) + 2 * A * H) * elt

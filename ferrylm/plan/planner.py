@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field, replace
 from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig
 from ferrylm.errors import ConfigError, UnsupportedArchitectureError
 from ferrylm.offload.memory import (activation_reserve, cublas_workspace_bytes, device_budget, fixed_kv_bytes,
-                                   graph_token_limit, graph_tokens, kv_after_warmup, size_memory, step_bound,
-                                   warmup_activations)
+                                   graph_step_floor, graph_token_limit, graph_tokens, kv_after_warmup, size_memory,
+                                   step_bound, warmup_activations)
 from ferrylm.offload.placement import GPU, HOST, TensorGroup
 from ferrylm.plan import catalog, estimate, hardware, hit_rate, quality
 from ferrylm.plan.memory import (DTYPE_BYTES, LOAD_WORKSPACE_BYTES, QUANT_SCHEMES, WeightFormat, analytical_groups,
@@ -235,9 +235,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     ws = cublas_workspace_bytes(9 if gpu.fp8 else 8)
     packed = bool(mc.num_experts) and fmt.expert_bytes(mc.moe_intermediate_size or 1, mc.hidden_size) is not None
     limit = graph_token_limit(mc, packed)  # packed expert banks: captured steps stop where their prefill path begins
-    reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype], graph_tokens(sc, graphs_planned, False, limit), ws)
+    xfmt = fmt.experts_scheme if packed else None  # a captured step's floor (`graph_step_floor`): the decode kernel's
+    reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype], graph_tokens(sc, graphs_planned, False, limit), ws,
+                                 xfmt)
     resident_reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype],
-                                          graph_tokens(sc, graphs_planned, piecewise, limit), ws)
+                                          graph_tokens(sc, graphs_planned, piecewise, limit), ws, xfmt)
     # per-sequence state (Yuan's filter) is whole on every rank; one more row is the graphs' scratch row
     state = state_per_seq * (opts.max_num_seqs + 1) if state_per_seq else 0
     notes: list[str] = []
@@ -255,14 +257,16 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     host_layers = {g.layer for g in mine if g.kind == "experts" and placement and placement.tier[g.name] == HOST}
     held_whole = placement is not None and bool(moe_layers - host_layers)  # a MoE layer with every expert on the GPU
     step, floor = step_activation_bytes(mc, opts.max_num_batched_tokens, opts.max_num_seqs, max_len, elt, packed,
-                                        experts_on_host, placement.largest_cache() if placement else None, held_whole)
+                                        experts_on_host, placement.largest_cache() if placement else None, held_whole,
+                                        xfmt)
     pool_tokens = graph_tokens(sc, graphs_planned, piecewise and placement is not None and placement.fully_resident,
                                limit)
+    pool_floor = graph_step_floor(mc, pool_tokens, elt, xfmt)
     # what the engine holds once loaded: the placed weights, the RoPE tables and a cuBLAS workspace
     held = device_weights + rope_table_bytes(model, mc, max_len) + LOAD_WORKSPACE_BYTES if placement else 0
 
     def after_warmup(step_peak: int) -> int:
-        return kv_after_warmup(budget, held, warmup_activations(step_peak, sc, mc.vocab_size, pool_tokens, ws),
+        return kv_after_warmup(budget, held, warmup_activations(step_peak, sc, mc.vocab_size, pool_tokens, ws, pool_floor),
                                fixed_kv_bytes(cc, per_block), per_block, max_len, opts.block_size)[0]
 
     kv_range = (0, 0)
@@ -298,7 +302,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     per_gpu = dict(weights=device_weights, held=held if placement else 0, weights_all=sum(g.nbytes for g in mine), kv=kv,
                    kv_planned=kv_planned, kv_tokens_planned=kv_tokens_planned, kv_tokens_range=kv_range,
                    step_activations=step,
-                   warmup_activations=warmup_activations(step, sc, mc.vocab_size, pool_tokens, ws),
+                   warmup_activations=warmup_activations(step, sc, mc.vocab_size, pool_tokens, ws, pool_floor),
                    kv_bytes_per_token=kv_per_token, kv_tokens=kv_tokens, state=state, activations=reserve,
                    cuda_context=CUDA_CONTEXT_BYTES,
                    peak=held + kv + state + step + 2 * opts.max_num_seqs * mc.vocab_size * 4 + CUDA_CONTEXT_BYTES
@@ -587,7 +591,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         else:  # the engine's default budget is at most 90% of free memory; an explicit budget may go higher
             # the placement leaves the reserve for activations; the warm-up then takes what it measured
             need = (per_gpu["weights_all"] + max(resident_reserve, warmup_activations(
-                step, sc, mc.vocab_size, graph_tokens(sc, graphs_planned, piecewise, limit), ws)) + held - device_weights
+                step, sc, mc.vocab_size, graph_tokens(sc, graphs_planned, piecewise, limit), ws,
+                graph_step_floor(mc, graph_tokens(sc, graphs_planned, piecewise, limit), elt, xfmt)))
+                    + held - device_weights
                     + (-(-max_len // opts.block_size) + 2) * per_block)
             gib = math.ceil(need / 2**30)
             more = (make_plan(replace(opts, gpu_memory_budget_gb=gib * 2**30 / 1e9), advise=False)

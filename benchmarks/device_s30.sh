@@ -31,7 +31,7 @@ PYTHONPATH=. step 200 python benchmarks/bench_moe_prefill.py --packed nf4 --deco
     | python -c "
 import sys, ast
 for line in sys.stdin:
-    if line.startswith('{'):
+    if line.startswith("{'shape"):
         r = ast.literal_eval(line)
         print(r['shape'], r['tokens'], 'rows/e', r['rows_per_expert'], 'dequant', r['grouped_ms'], 'plain', r.get('triton_ms'),
               'decode', r.get('decode_ms'), 'diff', r.get('decode_max_rel_diff'))

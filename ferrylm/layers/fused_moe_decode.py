@@ -416,6 +416,7 @@ def decode_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: 
     ids = topk_ids.flatten().contiguous()  # [A]
     p1 = _gemm(x, w13, rows, block_expert, used, nblocks, A, k, cfg.split_k13, cfg, inter, gated=True)  # [S1, A, 2I]
     h = _reduce(p1, I, x.dtype, scale, ids, E, gated=True, skip=skip)  # [A, I]
+    del p1  # GEMM 2's partials may take its memory (`decode_bytes` counts the two apart)
     p2 = _gemm(h, w2, rows, block_expert, used, nblocks, A, 1, cfg.split_k2, cfg, inter)  # [S2, A, H]
     return _reduce(p2, H, x.dtype, scale, ids, E, gated=False, skip=skip)  # [A, H]
 

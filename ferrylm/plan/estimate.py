@@ -151,21 +151,29 @@ moe-nf4`): batch 1 at 246 tok/s, 4.06 ms a step, of which the attention, LM head
 model's other rates: 16 experts in 3.5 ms (452 GB/s); batch 16 (4 tokens an expert) 1434 tok/s, 64 experts in
 ~10.6 ms (600 GB/s: `PACKED_DECODE_GROWTH`). Formats not listed keep `PACKED_TIME`."""
 PACKED_DECODE_GROWTH = 0.2
-"""`PACKED_DECODE_GBS` grows as tokens an expert to this power (more rows a decoded tile: session 30's 600 against 452
-GB/s at 4 against 1), up to HBM_EFF of the HBM rate."""
+"""`PACKED_DECODE_GBS` grows as tokens an expert to this power up to `PACKED_DECODE_GROWTH_ROWS` (more rows a decoded
+tile: session 30's 600 against 452 GB/s at 4 against 1), and at most HBM_EFF of the HBM rate."""
+PACKED_DECODE_GROWTH_ROWS = 4.0
+PACKED_DECODE_TFLOPS = {"nf4": 20.0}
+"""FLOP/s (in TFLOP/s) of the decode kernel's tiles on an expert's rows, which bind past ~8 rows an expert: one NF4
+Mixtral layer (8 experts, uniform routing) took 1.65 / 1.69 / 2.62 / 3.57 / 4.50 ms at 4 / 8 / 16 / 24 / 32 rows an
+expert on the H100 (session 30, `bench_moe_prefill.py --packed nf4 --decode-kernel`): 17-25 TFLOP/s from 16 rows on
+(16-row blocks: 24 rows pay for 32), the bytes' rate below."""
 
 
 def packed_hbm_equiv(nbytes: float, dense: float, scheme: str, native_fp8: bool, hbm_gbs: float,
                      tokens_per_expert: float) -> float:
     """Dense-equivalent bytes that time one resident packed expert of `nbytes` (`dense` in bf16) at
     `tokens_per_expert`: read at `moe_hbm_eff` of `hbm_gbs` (as `step_time` reads every expert's equivalent bytes)
-    they take the time its packed bytes take at `PACKED_DECODE_GBS`; a format without that rate, `PACKED_TIME`."""
+    they take the longer of its packed bytes at `PACKED_DECODE_GBS` and its rows' FLOPs (2 x its bf16 parameters a
+    row, `dense` bytes) at `PACKED_DECODE_TFLOPS`; a format without those rates, `PACKED_TIME`."""
     rate = PACKED_DECODE_GBS.get(scheme)
     if rate is None or not hbm_gbs:
         return dense * packed_time(scheme, native_fp8)[0]
     t = max(tokens_per_expert, 1.0)
-    gbs = min(rate * t ** PACKED_DECODE_GROWTH, hbm_gbs * HBM_EFF)
-    return nbytes * hbm_gbs * moe_hbm_eff(t) / gbs
+    gbs = min(rate * min(t, PACKED_DECODE_GROWTH_ROWS) ** PACKED_DECODE_GROWTH, hbm_gbs * HBM_EFF)
+    seconds = max(nbytes / (gbs * 1e9), t * dense / (PACKED_DECODE_TFLOPS[scheme] * 1e12))
+    return seconds * hbm_gbs * 1e9 * moe_hbm_eff(t)
 
 
 def packed_time(scheme: str, native_fp8: bool) -> tuple[float, float]:

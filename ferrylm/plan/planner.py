@@ -449,8 +449,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                    hit=sum(hit_of(l, batch, mapped) for l in cached) / len(cached) if cached else None)
         tpe = tokens_per_expert(batch)
         # a packed bank's eager steps of PACKED_DENSE_MIN_ROWS rows an expert on average decode each expert they use
-        # into dense weights first (`fused_moe.prefill_path`, on the model's expert count)
-        dequant = prefill and fused_moe and prefill_path(batch * k, E, 1, True) == "dequant"
+        # into dense weights first (`fused_moe.prefill_path`, on the model's expert count): prefill chunks, and decode
+        # batches past the graphs' bound (`graph_token_limit`: below it, never), mapped steps (tables) never
+        dequant = not mapped and fused_moe and prefill_path(batch * k, E, 1, True) == "dequant"
         out["dequant"] = 0.0
         for l, m in moe.items():
             d, h = distinct(l, batch), hit_of(l, batch, mapped)
@@ -513,7 +514,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], promotion_bytes=x["promote"],
             promotions=x["promotions"],
             mapped_layers=tuple(x["layers"]) if x["mapped"] else (), host_s=x["host"], mapped=x["mapped"],
-            host_experts_s=x["host_experts_s"],
+            host_experts_s=x["host_experts_s"], dequant_bytes=x["dequant"],
             flops=2 * (body + vocab) * batch / ranks, expert_flops=2 * expert_active * batch / ranks,
             layers=layers, graphs=graphs,
             layer_extra_s=estimate.LAYER_EXTRA_S.get(mc.model_type + ("-moe" if E else ""), 0.0) if graphs else 0.0,

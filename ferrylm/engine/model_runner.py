@@ -181,10 +181,10 @@ class ModelRunner:
             if packed:
                 log.info("experts kept packed in %d banks (read by the fused MoE kernel)", len(packed))
         self._graph_limit = graph_token_limit(model_config, bool(packed))
+        """The most tokens a captured step may hold (packed expert banks: their prefill path is not capturable)."""
         self._experts_format = next((m.packed_format for m in self.model.modules()
                                      if isinstance(m, Experts) and m.packing), None)
         """The packed expert banks' kernel format (None: dense): a captured step's floor (`graph_step_floor`)."""
-        """The most tokens a captured step may hold (packed expert banks: their prefill path is not capturable)."""
         if self.device.type == "cuda":  # packed Linear weights are placed (and streamed) at their packed size
             self.model.note_packed_linears(source)
         for m in self.model.modules():

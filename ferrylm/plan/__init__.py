@@ -12,6 +12,15 @@ the CUDA engine ends with after its measured warm-up (`offload/memory.py` kv_aft
 and the planned figure.
 
 TODO (what is left of issue #14):
+- session 30 (`plan-check-2026-12-06-s30-h100.json`, H100): the resident NF4 Mixtral's first check missed decode by
+  -41% / -54% (packed experts timed relative to bf16's HBM time, which scales with the HBM rate, where the decode
+  kernel's in-tile decode binds at ~450 GB/s of codes on both cards): now `estimate.PACKED_DECODE_GBS` /
+  `PACKED_DECODE_TFLOPS` (replayed -0.7% / -1.1%, fitted on that run: an unseen run should confirm them); a packed
+  prefill's decode pass is serial (`StepCost.dequant_bytes`; resident NF4 prefill +64% -> +46%, ~1.7 ms a layer at
+  512 tokens unexplained); graph pools reserve the decode kernel's partials (`offload/memory.graph_step_floor`;
+  offloaded NF4 KV +0.5% -> +0.1% replayed). Open: the offloaded NF4 batch-1 "@profile routing" row +60% (the hybrid
+  step ~0.75 ms a layer beyond the model; the replayed trace predicts 0.64 ms of promotions where the engine copied
+  0.84 experts a step, 1.6 ms), Qwen3 bf16 at its measured hit +38.5%, and the offloaded prefills (NF4 +75%);
 - session 29 (`plan-check-2026-12-06-s29-h100.json`, NF4 Mixtral 8L under 5 GiB, H100): weights -0.1%, KV +0.5%,
   peak -0.4%, step activations -0.0% since the warm-up routes as the costliest prompt and a packed prefill computes
   an expert at most `moe.expert_row_cap` rows at once (before: KV +5.8%, activations -10%: the warm-up's

@@ -980,3 +980,31 @@ def test_copy_path_prefill_runs_layer_by_layer():
     assert one.seconds < full.seconds and one.binding == "pcie"
     free = estimate.step_time(estimate.StepCost(**base, copy_layers=(layer + ((4.0, 4.0),),) * 4), hbm, h2d, tfl)
     assert free.seconds == pytest.approx(one.seconds - 4 * work / 4)  # a free slot: no hit's wait before the copies
+
+
+def test_resident_nf4_experts_are_timed_at_the_decode_kernels_rate_and_big_batches_run_eager():
+    """Resident NF4 experts read at the decode kernel's own rate (`estimate.PACKED_DECODE_GBS`, not a multiple of the
+    GPU's HBM time: the same on an H100 and an H200, where bf16 experts speed up with the HBM), FLOP-bound past a few
+    rows an expert (`PACKED_DECODE_TFLOPS`); a decode batch past the graphs' bound (`graph_token_limit`, 127 tokens for
+    Mixtral) runs eagerly and pays `dequant_rows`' decode pass, one inside it does not."""
+    from ferrylm.plan import estimate
+
+    def plan(gpu, seqs, quant="nf4"):
+        return make_plan(PlanOptions("Mixtral-8x7B", gpu=gpu, host=HOST, max_model_len=4096, max_num_seqs=seqs,
+                                     expert_quant=quant, max_num_batched_tokens=2048))
+
+    from ferrylm.plan.hardware import parse_gpu
+
+    h100, h200 = plan("1xH100-80G-SXM", 1), plan("1xH200", 1)
+    assert h100.verdict == h200.verdict == "fits"
+    t100, t200 = (p.speed["decode_batch1"]["parts_ms"]["hbm"] for p in (h100, h200))
+    hbm = parse_gpu("1xH200")[1].hbm_gbs / parse_gpu("1xH100-80G-SXM")[1].hbm_gbs
+    print(f"batch-1 HBM part, ms: NF4 {t100:.2f} (H100) / {t200:.2f} (H200); the HBM rates {hbm:.2f}x apart")
+    assert t100 / t200 < hbm - 0.25  # NF4's decode binds on both cards (the rest of the step follows HBM)
+    experts_ms = 32 * 2 * 99.1e6 / (estimate.PACKED_DECODE_GBS["nf4"] * 1e9) * 1e3  # 32 layers, 2 experts, 99 MB
+    assert experts_ms < t100 < experts_ms * 1.3
+    inside, past = plan("1xH100-80G-SXM", 64), plan("1xH100-80G-SXM", 256)
+    for p, eager in ((inside, False), (past, True)):
+        d = p.speed["decode_concurrent"]
+        print(f"batch {d['batch']}: graphs {d['cuda_graphs']}, parts {d['parts_ms']}")
+        assert d["cuda_graphs"] is not eager and (d["parts_ms"]["dequant"] > 0) is eager

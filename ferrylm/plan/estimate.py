@@ -365,7 +365,6 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     laid = 0.0
     for c, hb, mb, hf, mf, f, *more in cost.copy_layers:
         stream, (hd, md) = (more + [None])[0], (more[1] if len(more) > 1 else (0.0, 0.0))
-        laid_by["hbm"] += (hd + md) / dq_rate
         if stream:  # one expert a round (see StepCost.copy_layers)
             hits, misses = stream
             wh, wm = work(hb, hf, hd), work(mb, mf, md)
@@ -373,7 +372,7 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
             last = wm / max(misses, 1.0)
             rest = max(0.0, wh + wm - first - last)
             laid += first + max(c / h2d, rest) + last
-            credit(hb + mb, hf + mf, max(0.0, first + last - (hd + md) / dq_rate))
+            credit(hb + mb, hf + mf, first + last)  # (their decode passes inside: labelled as their work binds)
             if c / h2d >= rest:
                 laid_by["pcie"] += c / h2d
             else:
@@ -384,8 +383,10 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
             laid_by["pcie"] += f / h2d
         else:
             credit(hb, hf)
+            laid_by["hbm"] += hd / dq_rate
         laid_by["pcie"] += (c - f) / h2d
         credit(mb, mf)
+        laid_by["hbm"] += md / dq_rate
     parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF) + cost.kv_bytes / (hbm_gbs * 1e9 * KV_HBM_EFF)
              + (0.0 if cost.mapped else experts),
              "pcie": cost.pcie_bytes / (h2d_gbs * 1e9) if cost.pcie_bytes else 0.0,

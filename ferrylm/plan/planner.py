@@ -461,12 +461,12 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             elif m["packed"]:  # the kernel's in-tile decode, at its rate for this many rows an expert
                 m = {**m, "hbm_equiv": estimate.packed_hbm_equiv(m["nbytes"], m["dense"], fmt.experts_scheme, gpu.fp8,
                                                                  gpu.hbm_gbs, tpe)}
-            out["dequant"] += d * dq
             hits, misses = d * h, d * (1 - h)
             # hits are read from HBM; so are copied misses once in their slots (in-place misses are not)
             out["hbm"] += (hits if mapped and m["host"] else d) * m["hbm_equiv"]
             out["all"] += d * m["hbm_equiv"]
             if not m["host"]:
+                out["dequant"] += d * dq
                 out["layers"].append((d * m["hbm_equiv"], 0.0, 1.0))
                 continue
             if mapped:
@@ -491,11 +491,12 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 out["host_experts_s"] += on_host * costs.cpu_s(batch * k / d) if on_host else 0.0
                 out["road_host"] += on_host
                 out["road_misses"] += misses
+                if not prefill:  # the host's misses are computed where they lie, never decoded on the GPU
+                    out["dequant"] += (d - on_host) * dq
                 if prefill:  # layer by layer (`StepCost.copy_layers`): its copies, then its hits' and misses' work;
                     # the slots no hit holds take copies while the hits compute
                     free = max(0.0, m["resident"] + slots.get(l, 0) - hits)
                     one = CachedExperts.one_large_a_round and m["nbytes"] >= CachedExperts.large_expert_bytes
-                    out["dequant"] -= d * dq  # in the layer's own terms
                     out["copy_layers"].append((misses * m["nbytes"], hits * m["hbm_equiv"], misses * m["hbm_equiv"],
                                                h, 1 - h, min(misses, free) * m["nbytes"],
                                                (hits, misses) if one else None, (hits * dq, misses * dq)))
@@ -506,7 +507,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
 
     def decode(batch: int) -> dict:
         x = experts_cost(batch)
-        graphs = graph_base and (verdict == "fits" or (not dense_host and (not cached or x["mapped"])))
+        # steps past the captured bound (`graph_token_limit`: packed banks) run eagerly
+        graphs = graph_base and (limit is None or batch <= limit) and (
+            verdict == "fits" or (not dense_host and (not cached or x["mapped"])))
         cost = estimate.StepCost(
             hbm_bytes=dense_gpu + streamed_bytes, kv_bytes=batch * ctx * kv_per_token / ranks, expert_hbm_bytes=x["hbm"],
             expert_all_bytes=x["all"],

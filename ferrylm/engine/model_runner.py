@@ -317,10 +317,9 @@ class ModelRunner:
         activations are measured (`offload/memory.py`, the rule `ferry plan` predicts with)."""
         self.step_peak = self._warmup_peak()
         tokens = self._graph_tokens(self.placement.fully_resident)
-        elt = torch.empty(0, dtype=self.dtype).element_size()
+        floor = graph_step_floor(self.model_config, tokens, self.dtype.itemsize, self._experts_format)
         self.activation_bytes = warmup_activations(self.step_peak, self.config.scheduler, self.model_config.vocab_size,
-                                                   tokens, self._workspace(),
-                                                   graph_step_floor(self.model_config, tokens, elt, self._experts_format))
+                                                   tokens, self._workspace(), floor)
         used = torch.cuda.memory_allocated(self.device) - self._mem_base
         self.weights_allocated = used  # measured: what the placed weights take (`ferry plan --check`)
         kv, left = kv_after_warmup(self._budget, used, self.activation_bytes, self._fixed_kv,

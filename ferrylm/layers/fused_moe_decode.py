@@ -123,8 +123,7 @@ def decode_config(T: int, w13, w2, cfg: DecodeConfig | None = None, inter: int |
     like = w2.like if isinstance(w2, WeightTable) else w2
     fmt = "dense" if isinstance(like, torch.Tensor) else like.fmt
     explicit = cfg is not None  # a config asked for by name skips the token bound
-    bound = BY_FORMAT_MAX_TOKENS.get(fmt, 0)
-    if not explicit and (bound is None or T <= bound) and fmt in BY_FORMAT_MAX_TOKENS and (fmt != "fp8" or native_fp8()):
+    if not explicit and taken_by_format(fmt, T) and (fmt != "fp8" or native_fp8()):
         cfg = by_format_config(fmt, isinstance(w2, WeightTable), T)
     elif not explicit and T > DECODE_MAX_TOKENS:
         return None

@@ -63,8 +63,7 @@ def graph_step_floor(cfg: ModelConfig, graph_tokens: int, elt: int, experts_form
     fmt = kernel_format(experts_format)
     if fmt not in fmd.BY_FORMAT_MAX_TOKENS:
         return 0
-    bound = fmd.BY_FORMAT_MAX_TOKENS[fmt]
-    T = graph_tokens if bound is None else min(graph_tokens, bound)
+    T = graph_tokens if fmd.taken_by_format(fmt, graph_tokens) else fmd.BY_FORMAT_MAX_TOKENS[fmt]
     return fmd.decode_bytes(T * cfg.num_experts_per_tok, cfg.num_experts, cfg.hidden_size,
                             cfg.moe_intermediate_size or cfg.intermediate_size, fmd.by_format_config(fmt, False, T), elt)
 

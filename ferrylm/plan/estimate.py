@@ -364,7 +364,8 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
 
     laid = 0.0
     for c, hb, mb, hf, mf, f, *more in cost.copy_layers:
-        stream, (hd, md) = (more + [None])[0], (more[1] if len(more) > 1 else (0.0, 0.0))
+        stream = more[0] if more else None
+        hd, md = more[1] if len(more) > 1 else (0.0, 0.0)
         if stream:  # one expert a round (see StepCost.copy_layers)
             hits, misses = stream
             wh, wm = work(hb, hf, hd), work(mb, mf, md)
@@ -403,8 +404,7 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
              "comm": cost.comm_s}
     roof = max(("hbm", "pcie", "compute", "host_experts"), key=parts.get)  # host experts beside the copies
     seconds = (parts[roof] + parts["mapped_experts"] + parts["promotions"] + parts["copy_layers"] + parts["dequant"]
-               + parts["host"]
-               + parts["launch"] + parts["comm"])
+               + parts["host"] + parts["launch"] + parts["comm"])
     by_resource = {"hbm": (parts["hbm"] if roof == "hbm" else 0.0) + (experts if cost.mapped and experts >= inplace else 0.0)
                    + laid_by["hbm"] + parts["dequant"],
                    "compute": (parts["compute"] if roof == "compute" else 0.0) + laid_by["compute"],

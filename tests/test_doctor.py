@@ -10,7 +10,7 @@ import os
 import pytest
 
 from ferrylm.hw import doctor, probe
-from ferrylm.hw.probe import GpuReadings, HostReadings
+from ferrylm.hw.probe import GpuReadings
 
 
 def _tree(root, files: dict[str, str]) -> str:
@@ -249,3 +249,35 @@ def test_doctor_measure_on_this_machine(capsys):
         assert checks["numa_bandwidth"]["status"] == "skip" and "measured once" in checks["numa_bandwidth"]["value"]
     else:
         assert any(n.startswith("node") and n.endswith("_memory_read") for n in checks)
+
+
+@pytest.mark.parametrize("where", ["missing folder", "a folder"])
+def test_write_fixes_to_a_bad_path_is_one_line(tmp_path, capsys, monkeypatch, where):
+    """A path that cannot be written says so in one line and exits 2, before any check runs."""
+    from ferrylm.cli import main
+    from ferrylm.hw import cli
+
+    monkeypatch.setattr(cli, "run_checks", lambda a: pytest.fail("the checks ran before the path was checked"))
+    target = tmp_path / "nonexistent" / "f.sh" if where == "missing folder" else tmp_path
+    assert main(["doctor", "--write-fixes", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ferry: error: --write-fixes")
+    assert ("does not exist" if where == "missing folder" else "is a directory") in err
+
+
+def test_write_fixes_replaces_the_file_whole(tmp_path, monkeypatch):
+    """Written to a temporary file beside it and renamed: a failed write leaves the old script and no debris."""
+    from ferrylm.errors import FerryError
+    from ferrylm.hw import cli
+
+    f = tmp_path / "fixes.sh"
+    f.write_text("old\n")
+    cli.write_atomic(str(f), "#!/bin/sh\nnew\n")
+    assert f.read_text() == "#!/bin/sh\nnew\n" and os.listdir(tmp_path) == ["fixes.sh"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert f.stat().st_mode & 0o777 == 0o666 & ~umask
+    monkeypatch.setattr(os, "replace", lambda a, b: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(FerryError, match="No space left"):
+        cli.write_atomic(str(f), "newer\n")
+    assert f.read_text() == "#!/bin/sh\nnew\n" and os.listdir(tmp_path) == ["fixes.sh"]

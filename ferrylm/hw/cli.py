@@ -4,9 +4,13 @@ or as a script of fixes. Exit status 1 when a check fails."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
+
+from ferrylm.errors import FerryError
 
 
 def add_doctor_parser(sub) -> None:
@@ -17,7 +21,8 @@ def add_doctor_parser(sub) -> None:
                    help="host memory the plan keeps pinned, GB (ferry plan's placement host bytes)")
     p.add_argument("--measure", action="store_true", help="also measure memory and PCIe bandwidth (takes seconds)")
     p.add_argument("--json", action="store_true", help="one JSON object")
-    p.add_argument("--write-fixes", metavar="FILE", default=None, help="write the fix commands into a reviewable script")
+    p.add_argument("--write-fixes", metavar="FILE", default=None,
+                   help="write the fix commands into a shell script for review (replaced whole, never half-written)")
     p.set_defaults(func=cmd_doctor)
 
 
@@ -52,10 +57,11 @@ def run_checks(a: argparse.Namespace) -> list:
 def cmd_doctor(a: argparse.Namespace) -> None:
     from ferrylm.hw import doctor
 
+    if a.write_fixes:
+        fixes_target(a.write_fixes)  # a bad path fails before the checks (and --measure) take their time
     checks = run_checks(a)
     if a.write_fixes:
-        with open(a.write_fixes, "w", encoding="utf-8") as f:
-            f.write(doctor.fixes_script(checks))
+        write_atomic(a.write_fixes, doctor.fixes_script(checks))
     if a.json:
         print(json.dumps({"checks": [c.to_dict() for c in checks], "summary": doctor.summary(checks)}))
     else:
@@ -74,3 +80,42 @@ def cmd_doctor(a: argparse.Namespace) -> None:
         print(", ".join(f"{n} {k}" for k, n in s.items()))
     if any(c.status == "fail" for c in checks):
         sys.exit(1)
+
+
+def fixes_target(path: str) -> str:
+    """`--write-fixes FILE` as an absolute path, or a `FerryError` saying why it cannot be written: FILE a folder,
+    its folder missing or not writable."""
+    p = os.path.abspath(path)
+    if os.path.isdir(p):
+        raise FerryError(f"--write-fixes {path}: is a directory; name a file, e.g. {os.path.join(path, 'fixes.sh')}")
+    folder = os.path.dirname(p)
+    if not os.path.isdir(folder):
+        raise FerryError(f"--write-fixes {path}: directory {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise FerryError(f"--write-fixes {path}: directory {folder} is not writable")
+    return p
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Writes `text` to a temporary file beside `path` and renames it over `path`: a reader (or a crash) sees the
+    old file or the whole new one. The file gets the mode a plain `open(path, "w")` would (0666 less the umask)."""
+    p = fixes_target(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(p)}.", suffix=".tmp", dir=os.path.dirname(p))
+    except OSError as e:
+        raise FerryError(f"--write-fixes {path}: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, p)
+    except BaseException as e:  # an interrupt too: no temporary file left behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise FerryError(f"--write-fixes {path}: {e.strerror}") from None
+        raise

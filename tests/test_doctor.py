@@ -281,3 +281,13 @@ def test_write_fixes_replaces_the_file_whole(tmp_path, monkeypatch):
     with pytest.raises(FerryError, match="No space left"):
         cli.write_atomic(str(f), "newer\n")
     assert f.read_text() == "#!/bin/sh\nnew\n" and os.listdir(tmp_path) == ["fixes.sh"]
+
+
+@pytest.mark.parametrize("gb", ["-5", "nan", "inf", "lots"])
+def test_plan_host_gb_must_be_a_size(capsys, gb):
+    from ferrylm.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", "--plan-host-gb", gb])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument --plan-host-gb: '{gb}' is not a size in GB" in err

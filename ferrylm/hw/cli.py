@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -17,13 +18,24 @@ def add_doctor_parser(sub) -> None:
     p = sub.add_parser("doctor", help="read this machine and say what to fix for serving (changes nothing)")
     p.add_argument("--model-path", default=None, help="model directory or store whose disk to check")
     p.add_argument("--log-path", default=".", help="where logs go (disk and inodes checked)")
-    p.add_argument("--plan-host-gb", type=float, default=0.0,
-                   help="host memory the plan keeps pinned, GB (ferry plan's placement host bytes)")
+    p.add_argument("--plan-host-gb", type=_gb, default=0.0,
+                   help="host memory the plan keeps pinned, GB (ferry plan's placement host bytes; 0: not known)")
     p.add_argument("--measure", action="store_true", help="also measure memory and PCIe bandwidth (takes seconds)")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("--write-fixes", metavar="FILE", default=None,
                    help="write the fix commands into a shell script for review (replaced whole, never half-written)")
     p.set_defaults(func=cmd_doctor)
+
+
+def _gb(text: str) -> float:
+    """A --plan-host-gb value: a finite number of GB, 0 or more."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GB (a number >= 0; 0: not known)")
+    return v
 
 
 def run_checks(a: argparse.Namespace) -> list:

@@ -291,3 +291,15 @@ def test_plan_host_gb_must_be_a_size(capsys, gb):
         main(["doctor", "--plan-host-gb", gb])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"argument --plan-host-gb: '{gb}' is not a size in GB" in err
+
+
+def test_disk_check_says_a_missing_path(tmp_path):
+    """A model path that does not exist warns (it said "ok" for / before), naming the parent whose disk is judged."""
+    d = probe.disk_usage(str(tmp_path / "no" / "model"))
+    assert d["path"] == str(tmp_path) and d["asked"] == str(tmp_path / "no" / "model") and not d["exists"]
+    (c,) = doctor.disk_checks({"model": {**d, "bytes_free": 500 * 2**30, "inodes_free": 10**6, "inodes_total": 10**6}})
+    assert c.status == "warn" and c.value.startswith(f"{tmp_path}/no/model does not exist; 500.0 GiB")
+    assert c.value.endswith(f"on {tmp_path}, its nearest existing parent") and "does not exist" in c.fix
+    (c,) = doctor.disk_checks({"model": {**d, "inodes_free": 5, "inodes_total": 10**6}})  # and its parent is full
+    assert c.status == "fail" and "does not exist" in c.fix and "df -i" in c.fix
+    assert probe.disk_usage(str(tmp_path))["exists"]

@@ -136,19 +136,26 @@ def host_checks(h: HostReadings, need_host_bytes: int = 0) -> list[Check]:
 
 
 def disk_checks(paths: dict[str, dict | None], need_bytes: int = 0) -> list[Check]:
-    """`paths`: label -> `probe.disk_usage()` result."""
+    """`paths`: label -> `probe.disk_usage()` result. A path that does not exist warns, and its nearest existing
+    parent's file system is judged in its place (said so)."""
     out = []
     for label, d in paths.items():
         if d is None:
             out.append(Check(f"disk_{label}", SKIP, "cannot stat"))
             continue
         low_inodes = d["inodes_total"] and d["inodes_free"] < max(10000, d["inodes_total"] // 20)
-        status = FAIL if low_inodes or d["bytes_free"] < need_bytes else WARN if d["bytes_free"] < 10 * 2**30 else OK
-        out.append(Check(f"disk_{label}", status,
-                         f"{_gib(d['bytes_free'])} and {d['inodes_free']:,} inodes free on {d['path']}",
-                         f">= {_gib(max(need_bytes, 10 * 2**30))} and >= 5% inodes free",
-                         "a full disk or exhausted inodes fails conversion, logging and checkpoints in odd ways",
-                         "" if status == OK else f"# free space on {d['path']} (df -h; df -i)"))
+        full = low_inodes or d["bytes_free"] < need_bytes
+        status = FAIL if full else WARN if d["bytes_free"] < 10 * 2**30 else OK
+        free = f"{_gib(d['bytes_free'])} and {d['inodes_free']:,} inodes free on {d['path']}"
+        fix = "" if status == OK else f"# free space on {d['path']} (df -h; df -i)"
+        why = "a full disk or exhausted inodes fails conversion, logging and checkpoints in odd ways"
+        if not d.get("exists", True):
+            why = "a path that does not exist is a typo or not made yet: nothing there to load or log into; " + why
+            status = FAIL if full else WARN
+            free = f"{d['asked']} does not exist; {free}, its nearest existing parent"
+            fix = f"# {d['asked']} does not exist: check the path" + (f"; {fix[2:]}" if fix else "")
+        out.append(Check(f"disk_{label}", status, free,
+                         f"an existing path, >= {_gib(max(need_bytes, 10 * 2**30))} and >= 5% inodes free", why, fix))
     return out
 
 

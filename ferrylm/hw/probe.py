@@ -144,15 +144,17 @@ def _cgroup_memory_max(root: str) -> int | None:
 
 
 def disk_usage(path: str) -> dict | None:
-    """Bytes and inodes free on the file system holding `path` (its nearest existing parent)."""
-    p = os.path.abspath(path)
+    """Bytes and inodes free on the file system holding `path`: `asked` is the path, `exists` whether it does, and
+    `path` the folder measured (the path itself, or its nearest existing parent when it does not exist)."""
+    asked = p = os.path.abspath(path)
     while not os.path.exists(p):
         p = os.path.dirname(p)
     try:
         st = os.statvfs(p)
     except OSError:
         return None
-    return {"path": p, "bytes_free": shutil.disk_usage(p).free, "inodes_free": st.f_favail, "inodes_total": st.f_files}
+    return {"path": p, "asked": asked, "exists": p == asked, "bytes_free": shutil.disk_usage(p).free,
+            "inodes_free": st.f_favail, "inodes_total": st.f_files}
 
 
 # -- GPUs through NVML ----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -204,7 +205,8 @@ def cmd_profile(a: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferry", description="ferrylm: LLM inference engine and server")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help=f"log what the engine does (INFO; ${LOG_LEVEL_ENV} sets the level, -v lowers it to INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
@@ -258,11 +260,27 @@ def _torchrun_rank() -> int:
     return int(env["RANK"]) if env else 0
 
 
+LOG_LEVEL_ENV = "FERRY_LOG_LEVEL"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(verbose: bool, env: dict | None = None) -> int:
+    """The level `ferry` logs at: $FERRY_LOG_LEVEL (a name of LOG_LEVELS, any case; WARNING when unset or empty),
+    lowered to INFO by -v. A name that is not a level is a `ConfigError`."""
+    from ferrylm.errors import ConfigError
+
+    raw = (os.environ if env is None else env).get(LOG_LEVEL_ENV, "")
+    name = raw.strip().upper() or "WARNING"
+    if name not in LOG_LEVELS:
+        raise ConfigError(f"{LOG_LEVEL_ENV}={raw!r}: choose one of {', '.join(LOG_LEVELS)}")
+    level = getattr(logging, name)
+    return min(level, logging.INFO) if verbose else level
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
     try:
+        logging.basicConfig(level=log_level(args.verbose), format="%(levelname)s %(name)s: %(message)s")
         if hasattr(args, "tensor_parallel_size") and _torchrun_rank() > 0:  # a worker: serves rank 0's steps
             from ferrylm.config import engine_config
             from ferrylm.parallel.launch import torchrun_worker

@@ -77,7 +77,6 @@ def test_disk_and_log_checks():
     got = {c.name: c.status for c in doctor.disk_checks({"model": full, "logs": roomy, "x": None}, need_bytes=2**30)}
     assert got == {"disk_model": "fail", "disk_logs": "ok", "disk_x": "skip"}  # inodes, not bytes, ran out
     assert doctor.disk_checks({"m": roomy}, need_bytes=600 * 2**30)[0].status == "fail"
-    assert doctor.log_level_check("debug").status == "warn" and doctor.log_level_check(None).status == "ok"
     assert doctor.host_kernels_check(None).status == "ok"
     assert "AVX512-BF16" in doctor.host_kernels_check(None, nf4_bf16=True).value
     assert "AMX" in doctor.host_kernels_check(None, True, amx=True, cpu_has_amx=True).value
@@ -303,3 +302,33 @@ def test_disk_check_says_a_missing_path(tmp_path):
     (c,) = doctor.disk_checks({"model": {**d, "inodes_free": 5, "inodes_total": 10**6}})  # and its parent is full
     assert c.status == "fail" and "does not exist" in c.fix and "df -i" in c.fix
     assert probe.disk_usage(str(tmp_path))["exists"]
+
+
+def test_log_level_is_what_ferry_logs_at(monkeypatch, capsys):
+    """$FERRY_LOG_LEVEL sets the level `ferry` logs at (-v lowers it to INFO); doctor judges the same function, and
+    its fix (unset it) brings back the default."""
+    import logging
+
+    from ferrylm import cli
+    from ferrylm.errors import ConfigError
+    from ferrylm.hw import cli as doctor_cli
+
+    env = cli.LOG_LEVEL_ENV
+    assert cli.log_level(False, {}) == logging.WARNING and cli.log_level(True, {}) == logging.INFO
+    assert cli.log_level(False, {env: "debug"}) == logging.DEBUG and cli.log_level(True, {env: "DEBUG"}) == logging.DEBUG
+    assert cli.log_level(True, {env: "error"}) == logging.INFO and cli.log_level(False, {env: " "}) == logging.WARNING
+    with pytest.raises(ConfigError, match="FERRY_LOG_LEVEL='loud'"):
+        cli.log_level(False, {env: "loud"})
+    seen = []
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: seen.append(kw["level"]))
+    monkeypatch.setattr(doctor_cli, "cmd_doctor", lambda a: None)
+    monkeypatch.setenv(env, "error")
+    assert cli.main(["doctor"]) == 0 and cli.main(["-v", "doctor"]) == 0 and seen == [logging.ERROR, logging.INFO]
+    monkeypatch.setenv(env, "loud")
+    assert cli.main(["doctor"]) == 2
+    assert capsys.readouterr().err == "ferry: error: FERRY_LOG_LEVEL='loud': choose one of DEBUG, INFO, WARNING, ERROR, CRITICAL\n"
+
+    debug = doctor.log_level_check("debug")
+    assert debug.status == "warn" and debug.value.startswith("DEBUG (FERRY_LOG_LEVEL=debug")
+    assert debug.fix.startswith(f"unset {env}") and doctor.log_level_check(None).status == "ok"
+    assert doctor.log_level_check("error").value.startswith("ERROR") and doctor.log_level_check("loud").status == "fail"

@@ -39,6 +39,7 @@ def _gb(text: str) -> float:
 
 
 def run_checks(a: argparse.Namespace) -> list:
+    from ferrylm.cli import LOG_LEVEL_ENV
     from ferrylm.hw import doctor, probe
 
     need = int(a.plan_host_gb * 1e9)
@@ -48,7 +49,7 @@ def run_checks(a: argparse.Namespace) -> list:
     if a.model_path:
         paths["model"] = probe.disk_usage(a.model_path)
     checks += doctor.disk_checks(paths)
-    checks.append(doctor.log_level_check(os.environ.get("FERRY_LOG_LEVEL")))
+    checks.append(doctor.log_level_check(os.environ.get(LOG_LEVEL_ENV)))
     from ferrylm.layers import host_native
 
     checks.append(doctor.host_kernels_check(host_native.why_unavailable(), host_native.nf4_bf16(), host_native.amx(),

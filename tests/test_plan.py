@@ -1008,3 +1008,40 @@ def test_resident_nf4_experts_are_timed_at_the_decode_kernels_rate_and_big_batch
         d = p.speed["decode_concurrent"]
         print(f"batch {d['batch']}: graphs {d['cuda_graphs']}, parts {d['parts_ms']}")
         assert d["cuda_graphs"] is not eager and (d["parts_ms"]["dequant"] > 0) is eager
+
+
+def _plan_cli(capsys, *args) -> tuple[int, str, str]:
+    """`ferry plan ARGS` through the real entry point in this process: (exit code, stdout, stderr)."""
+    from ferrylm.cli import main
+
+    try:
+        rc = main(["plan", *args])
+    except SystemExit as e:  # argparse's own refusals exit
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("args,names", [
+    (["--block-size", "0"], "--block-size 0"), (["--prompt-len", "0"], "--prompt-len 0"),
+    (["--output-len", "-1"], "--output-len -1"), (["--concurrency", "0"], "--concurrency 0"),
+    (["--max-model-len", "0"], "--max-model-len 0"), (["--max-model-len", "100"], "--prompt-len 512"),
+    (["--host", "2xXeon-8480C,0GB"], "memory must be more than 0"), (["--gpu", "-1xH200"], "count must be at least 1"),
+    (["--gpu", "0xH200"], "count must be at least 1"), (["--block-size", "x"], "--block-size"),
+    (["--tp", "0"], "--tp 0")])
+def test_bad_values_are_one_line_errors(args, names, capsys):
+    """A bad value is refused with one line naming it and a nonzero exit: never a traceback (--block-size 0 divided
+    by zero), never a silent default (--concurrency 0 planned 64, --max-model-len 0 the model's context), never
+    argparse's usage dump (--gpu -1xH200 read as an unknown flag)."""
+    rc, out, err = _plan_cli(capsys, "Llama-3-8B", "--host", HOST, *args)
+    print(err)
+    assert rc == 2 and out == "" and names in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "usage:" not in err
+
+
+def test_workload_longer_than_the_context_is_warned():
+    p = make_plan(PlanOptions("Llama-3-8B", host=HOST, max_model_len=600, prompt_len=512, output_len=256,
+                              concurrency=100, max_num_seqs=8), advise=False)
+    assert any("a sequence stops at 600 (88 generated)" in n for n in p.notes)
+    assert any("--concurrency 100 is over --max-num-seqs 8" in n for n in p.notes)
+    assert p.speed["decode_concurrent"]["batch"] == 8

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 
 from ferrylm.plan.planner import PlanOptions
@@ -28,6 +29,11 @@ _HELP = {
 
 def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="what fits where and how fast, before launch (no GPU needed)")
+    # a value that starts with a minus and a digit ("--gpu -1xH200") is a value, which the planner then names,
+    # not an unknown flag (argparse's own rule takes plain negative numbers only)
+    p._negative_number_matcher = re.compile(r"^-\d")
+    # a bad value is one line naming it (as the planner's own errors print), not a usage dump
+    p.error = lambda message: p.exit(2, f"ferry plan: error: {message} (ferry plan --help)\n")
     p.add_argument("model", nargs="?", help="catalog name (e.g. Qwen2-72B), config.json, model directory, .gguf or ferry store")
     for f in dataclasses.fields(PlanOptions):
         if f.name == "model":

@@ -133,7 +133,7 @@ def _norm(s: str) -> str:
 
 
 def _count(spec: str) -> tuple[int, str]:
-    m = re.match(r"^\s*(\d+)\s*[x*]\s*(.+)$", spec, re.I)
+    m = re.match(r"^\s*(-?\d+)\s*[x*]\s*(.+)$", spec, re.I)
     return (int(m[1]), m[2].strip()) if m else (1, spec.strip())
 
 
@@ -170,6 +170,8 @@ def parse_host(spec: str) -> HostProfile:
         host = local_host()
     else:
         n, cpu = _count(name)
+        if n < 1:
+            raise ConfigError(f"--host {spec!r}: the socket count must be at least 1")
         base = _find(HOSTS, cpu, "host CPU")
         host = replace(base, name=f"{n}x{base.name}", sockets=n, memory_gb=base.memory_gb * n)
     if mem.strip():
@@ -178,6 +180,8 @@ def parse_host(spec: str) -> HostProfile:
             raise ConfigError(f"--host {spec!r}: memory must look like 512GB or 1TB")
         unit = m[2].upper()
         gb = float(m[1]) * {"TB": 1e3, "T": 1e3, "GB": 1, "G": 1, "TIB": 2**40 / 1e9, "GIB": 2**30 / 1e9}[unit]
+        if not gb > 0:
+            raise ConfigError(f"--host {spec!r}: the host's memory must be more than 0")
         host = replace(host, memory_gb=gb)
     return host
 

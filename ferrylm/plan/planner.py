@@ -143,8 +143,7 @@ def _stage_groups(groups: list[TensorGroup], layers: int, tp: int, pp: int) -> l
 
 def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     """`advise`: also try the alternatives the notes suggest (a plan of its own each, without advice)."""
-    if opts.tp < 1 or opts.pp < 1:
-        raise ConfigError("--tp and --pp must be at least 1")
+    _check_counts(opts)
     if opts.dtype not in DTYPE_BYTES:
         raise ConfigError(f"--dtype {opts.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
     for flag, q in (("--quant", opts.quant), ("--expert-quant", opts.expert_quant)):
@@ -208,8 +207,19 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         graphs_family = model.cuda_graphs and (not banks or fused_moe)
         piecewise = model.piecewise
     max_len = opts.max_model_len or mc.max_position_embeddings
+    if opts.prompt_len >= max_len:  # the engine refuses such a prompt (`LLMEngine`: no room to generate)
+        raise ConfigError(f"--prompt-len {opts.prompt_len}: the engine refuses prompts of the context length "
+                          f"({max_len} tokens, {'--max-model-len' if opts.max_model_len else 'the model'}'s) or longer")
     conc = opts.concurrency or opts.max_num_seqs
     seq_tokens = min(max_len, opts.prompt_len + opts.output_len)
+    early: list[str] = []  # notes on the workload, placed after the verdict's
+    if opts.prompt_len + opts.output_len > max_len:
+        early.append(f"warning: --prompt-len {opts.prompt_len} + --output-len {opts.output_len} exceeds the context "
+                     f"of {max_len} tokens: a sequence stops at {max_len} ({max_len - opts.prompt_len} generated)")
+    if conc > opts.max_num_seqs:
+        early.append(f"warning: --concurrency {conc} is over --max-num-seqs {opts.max_num_seqs}: the engine decodes at "
+                     f"most {opts.max_num_seqs} together (the rest wait); predicted at {opts.max_num_seqs}")
+        conc = opts.max_num_seqs
     ranks = opts.tp * opts.pp
 
     # -- memory of the heaviest GPU, decided as the engine decides ----------------------------------
@@ -609,6 +619,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     if verdict == "cannot":
         notes += _advice(groups, opts, gpu, budget, capacity - CUDA_CONTEXT_BYTES, reserve,
                          max_len * kv_per_token // ranks)
+    notes += early
     if verdict != "cannot" and kv_tokens < conc * seq_tokens:
         notes.append(f"KV holds {kv_tokens:,} tokens: {kv_tokens // max(seq_tokens, 1)} sequences of {seq_tokens} at "
                      f"once, fewer than the concurrency {conc} (the rest wait or are preempted)")
@@ -743,6 +754,17 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                      "(memory.analytical_groups); the engine cannot run it")
     return Plan(opts, name, mc.architecture, n_gpu, gpu.name, host.name, count.total, count.active,
                 summarize(groups), per_gpu, verdict, pl, speed, notes, counted, qual)
+
+
+def _check_counts(opts: PlanOptions) -> None:
+    """Counts and lengths the engine (or the workload) needs positive: refused by name, before any arithmetic."""
+    for flag, v, least in (("--tp", opts.tp, 1), ("--pp", opts.pp, 1), ("--block-size", opts.block_size, 1),
+                           ("--max-num-seqs", opts.max_num_seqs, 1),
+                           ("--max-num-batched-tokens", opts.max_num_batched_tokens, 1),
+                           ("--max-model-len", opts.max_model_len, 1), ("--prompt-len", opts.prompt_len, 1),
+                           ("--output-len", opts.output_len, 0), ("--concurrency", opts.concurrency, 1)):
+        if v is not None and v < least:
+            raise ConfigError(f"{flag} {v}: must be at least {least}")
 
 
 def _share_why(costs, misses: float) -> str:

@@ -7,7 +7,9 @@ Times fresh prompts of `--tokens` tokens (prefill and one sampled token; the pre
 seed each), then profiles one and prints the top device ops by self device time, summed by kernel name, and the
 timeline (`profile_offload.timeline`: copies, kernels, both, idle). With no `--budget-gib` the model is resident.
 Written for the plan's resident NF4 prefill, predicted 58% too fast on the H100 (session 31: 11,275 tok/s measured,
-17,856 predicted from compute 15.2 ms, expert decode 12.3 ms and launches 1.2 ms for 512 tokens over 8 layers).
+17,856 predicted from compute 15.2 ms, expert decode 12.3 ms and launches 1.2 ms for 512 tokens over 8 layers); its
+first run there: `_decode_experts` 19.8 ms, the grouped GEMMs 14.8, the device idle 25.2 ms of a 62.7 ms span in 1179
+gaps (host-bound: `dequant_rows` launched per expert). Also prints the top host ops by self host time.
 The last line is JSON.
 """
 
@@ -66,12 +68,18 @@ def main() -> None:
     for e in ops[:a.top]:
         print(f"{e.key[:70]:70s} {e.self_device_time_total / 1e3:14.3f} {e.count:7d}")
         top.append(dict(op=e.key, device_ms=e.self_device_time_total / 1e3, calls=e.count))
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    print(f"host time {sum(e.self_cpu_time_total for e in host) / 1e3:.1f} ms (profiled, self)\n"
+          f"{'op':70s} {'self host ms':>14s} {'calls':>7s}")
+    for e in host[:a.top]:
+        print(f"{e.key[:70]:70s} {e.self_cpu_time_total / 1e3:14.3f} {e.count:7d}")
     line = timeline(prof)
     print(f"timeline: {json.dumps({k: v for k, v in line.items() if k != 'longest_gaps'})}", flush=True)
     llm.close()
     print(json.dumps({"bench": "profile-prefill", "shape": a.shape, "layers": a.layers, "expert_quant": a.expert_quant,
                       "budget_gib": a.budget_gib, "tokens": a.tokens, "seconds": seconds, "tok_s": a.tokens / best,
-                      "device_ms": total / 1e3, "top": top, "timeline": line}))
+                      "device_ms": total / 1e3, "top": top,
+                      "host_top": [dict(op=e.key, host_ms=e.self_cpu_time_total / 1e3, calls=e.count) for e in host[:a.top]], "timeline": line}))
 
 
 if __name__ == "__main__":

@@ -68,15 +68,22 @@ def test_packed_experts_equal_dequantized(fmt):
         assert rel < (2e-2 if DT == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("tile", ["4bit", "plain"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_decoded_experts_equal_the_reference_dequantize(fmt):
-    """`fused_moe.decode_experts` (the packed prefill's decode-once step: one launch through the fused kernel's
-    own tile decode) gives exactly `ExpertWeights.dequantize`'s values for the experts asked, in their order,
-    read directly and through a `WeightTable`; shapes not whole tiles on either axis."""
+def test_decoded_experts_equal_the_reference_dequantize(fmt, tile, monkeypatch):
+    """`fused_moe.decode_experts` (the packed prefill's decode-once step: one launch) gives exactly
+    `ExpertWeights.dequantize`'s values for the experts asked, in their order, read directly and through a
+    `WeightTable`; shapes not whole tiles on either axis; two codes a byte through their own kernel
+    (`DECODE_4BIT_TILE`, "4bit") and through the fused kernel's tile decode ("plain")."""
+    from ferrylm.layers import fused_moe
     from ferrylm.layers.fused_moe import decode_experts
 
+    if tile == "plain":
+        monkeypatch.setattr(fused_moe, "DECODE_4BIT_TILE", None)
+    elif not fmt.startswith(("int4", "nf4")):
+        pytest.skip("one byte a code: the plain tile decode only")
     torch.manual_seed(3)
-    E, H, I = 5, 192, 320  # K (H or I) a multiple of every group, not of the 128-column tile
+    E, H, I = 5, 192, 320  # K (H or I) a multiple of every group, not of the 128- or 256-column tile
     w13, w2 = torch.randn(E, 2 * I, H) * 0.05, torch.randn(E, H, I) * 0.05
     b13, b2 = bank(fmt, w13, w2)
     for b in (b13, b2):

@@ -372,7 +372,8 @@ def test_packed_prefill_holds_at_most_twice_the_uniform_share_an_expert(monkeypa
     assert cap == 32  # experts 1 and 3 take 37 rows each: two pieces apiece
     seen = []
     real = fused_moe._group_mm
-    monkeypatch.setattr(fused_moe, "_group_mm", lambda rows, a, sizes: seen.append(list(sizes)) or real(rows, a, sizes))
+    monkeypatch.setattr(fused_moe, "_group_mm",
+                        lambda rows, a, sizes, offs=None: seen.append(list(sizes)) or real(rows, a, sizes, offs))
     for per in (1, 2):
         seen.clear()
         monkeypatch.setattr(fused_moe, "DEQUANT_BUFFER_BYTES", per * 3 * I * H * 2)

@@ -11,6 +11,7 @@ Notation: T tokens, k experts per token, A = T * k assignments, E experts, H hid
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -226,6 +227,25 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _nf4_select(c):
+        # c: int32 codes 0..15 -> NF4 level (fp32), a binary tree of selects on the code's bits (the levels
+        # are weights/quant.py's NF4_LEVELS, checked equal to the table by tests/test_fused_moe_decode.py)
+        b0 = (c & 1) != 0
+        b1 = (c & 2) != 0
+        b2 = (c & 4) != 0
+        p0 = tl.where(b0, -0.6961928009986877, -1.0)
+        p1 = tl.where(b0, -0.39491748809814453, -0.5250730514526367)
+        p2 = tl.where(b0, -0.18477343022823334, -0.28444138169288635)
+        p3 = tl.where(b0, 0.0, -0.09105003625154495)
+        p4 = tl.where(b0, 0.16093020141124725, 0.07958029955625534)
+        p5 = tl.where(b0, 0.33791524171829224, 0.24611230194568634)
+        p6 = tl.where(b0, 0.5626170039176941, 0.44070982933044434)
+        p7 = tl.where(b0, 1.0, 0.7229568362236023)
+        lo = tl.where(b2, tl.where(b1, p3, p2), tl.where(b1, p1, p0))
+        hi = tl.where(b2, tl.where(b1, p7, p6), tl.where(b1, p5, p4))
+        return tl.where((c & 8) != 0, hi, lo)
+
+    @triton.jit
     def _expert_bases(w_ptr, ws_ptr, wm_ptr, e, stride_we, stride_se, MAPPED: tl.constexpr, ALIGN: tl.constexpr,
                       W_T: tl.constexpr, S_T: tl.constexpr):
         # expert e's codes, scales and mins (both kernels): a bank's rows, or with MAPPED each part's pointer
@@ -301,6 +321,63 @@ if triton is not None:
                          stride_sn, FMT, GS, PER_ROW, BLOCK_K, BLOCK_N)  # [BK, BN]
         out = out_ptr + j * stride_oe + offs_n[:, None].to(tl.int64) * stride_on + (k0 + offs_k)[None, :]
         tl.store(out, tl.trans(w).to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & (offs_k < K - k0)[None, :])
+
+
+    @triton.jit
+    def _decode_experts_4bit(ids_ptr, w_ptr, ws_ptr, wm_ptr, out_ptr, N, K, stride_we, stride_wn, stride_se,
+                             stride_sn, stride_oe, stride_on, MAPPED: tl.constexpr, FMT: tl.constexpr,
+                             GS: tl.constexpr, PER_ROW: tl.constexpr, W_T: tl.constexpr, S_T: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN: tl.constexpr = 1):
+        # out[j] <- expert ids[j] dense [N, K] for two codes a byte: the bytes read along K as stored, one scale
+        # (and min) a group broadcast over its codes, NF4 levels by the select tree, the two nibbles of a byte
+        # interleaved in registers and written along K: no transposed tile (`_decode_experts`), no table loads.
+        # The same fp32 values as `_weight_tile`'s (level or code times the scale, plus the min), rounded once.
+        j = tl.program_id(0)
+        e = tl.load(ids_ptr + j).to(tl.int64)
+        w_base, s_base, m_base = _expert_bases(w_ptr, ws_ptr, wm_ptr, e, stride_we, stride_se, MAPPED, ALIGN, W_T, S_T)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        rows = offs_n.to(tl.int64)
+        k0 = tl.program_id(2) * BLOCK_K
+        HB: tl.constexpr = BLOCK_K // 2
+        offs_b = tl.arange(0, HB)
+        mask = n_ok[:, None] & (k0 + 2 * offs_b < K)[None, :]
+        q = tl.load(w_base + rows[:, None] * stride_wn + (k0 // 2 + offs_b)[None, :], mask=mask,
+                    other=0).to(tl.int32)  # [BN, HB]
+        lo = q & 15
+        hi = (q >> 4) & 15
+        if FMT == 5:
+            vlo, vhi = _nf4_select(lo), _nf4_select(hi)
+        elif FMT == 3:
+            vlo, vhi = (lo - 8).to(tl.float32), (hi - 8).to(tl.float32)
+        else:
+            vlo, vhi = lo.to(tl.float32), hi.to(tl.float32)
+        G: tl.constexpr = 1 if PER_ROW or GS >= BLOCK_K else BLOCK_K // GS  # groups a tile (GS | BLOCK_K or BLOCK_K | GS)
+        if PER_ROW:  # one group a row (GS >= K)
+            offs_g = tl.arange(0, G)
+            g_ok = n_ok[:, None]
+        else:
+            offs_g = k0 // GS + tl.arange(0, G)
+            g_ok = n_ok[:, None] & (offs_g * GS < K)[None, :]
+        s_ptrs = rows[:, None] * stride_sn + offs_g[None, :]
+        s = tl.load(s_base + s_ptrs, mask=g_ok, other=0.0).to(tl.float32)  # [BN, G]
+        if G == 1:
+            wlo, whi = vlo * s, vhi * s
+            if FMT == 4:
+                m = tl.load(m_base + s_ptrs, mask=g_ok, other=0.0).to(tl.float32)
+                wlo, whi = wlo + m, whi + m
+        else:  # each group's GS / 2 bytes times its scale
+            s3 = s[:, :, None]
+            wlo = tl.reshape(tl.reshape(vlo, (BLOCK_N, G, HB // G)) * s3, (BLOCK_N, HB))
+            whi = tl.reshape(tl.reshape(vhi, (BLOCK_N, G, HB // G)) * s3, (BLOCK_N, HB))
+            if FMT == 4:
+                m3 = tl.load(m_base + s_ptrs, mask=g_ok, other=0.0).to(tl.float32)[:, :, None]
+                wlo = tl.reshape(tl.reshape(wlo, (BLOCK_N, G, HB // G)) + m3, (BLOCK_N, HB))
+                whi = tl.reshape(tl.reshape(whi, (BLOCK_N, G, HB // G)) + m3, (BLOCK_N, HB))
+        w = tl.reshape(tl.join(wlo, whi), (BLOCK_N, BLOCK_K))  # column 2i + t: byte i's nibble t
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        out = out_ptr + j * stride_oe + rows[:, None] * stride_on + offs_k[None, :]
+        tl.store(out, w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & (offs_k < K)[None, :])
 
 
 def _blocks(A: int) -> tuple[int, int, int]:
@@ -564,26 +641,48 @@ expert a group): one decode launch and one grouped GEMM per group, so a bank of 
 128 of 9.4 MB) costs a few launches, while the transient stays bounded (the warm-up profile measures it)."""
 
 
+DECODE_4BIT_TILE: tuple[int, int] | None = (32, 256)
+"""(BLOCK_N, BLOCK_K) of `decode_experts`' kernel for two codes a byte (int4, int4min, NF4: `_decode_experts_4bit`,
+bytes along K, a scale a group, NF4 by the select tree); None: those formats too take `_decode_experts`, whose
+`_weight_tile` reads a transposed tile, two table loads and a scale load a byte (session 31, H100: the resident
+8-layer NF4 Mixtral's 512-token prefill spent 19.8 ms of its 37.5 ms of kernels there, 1.1 TB/s of dense output)."""
+
+
+def _triton_decodes(device: torch.device) -> bool:
+    """`decode_experts` runs its Triton kernel here (CUDA, or the Triton interpreter); else the reference."""
+    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def decode_experts(w, experts: list[int], dtype: torch.dtype, out: torch.Tensor | None = None,
-                   ids: torch.Tensor | None = None) -> torch.Tensor:
+                   ids: torch.Tensor | None = None, args: dict | None = None) -> torch.Tensor:
     """Experts `experts` of a packed bank (`ExpertWeights` or a `WeightTable` over one) dense: [n, N, K] in
     `dtype` (into `out` when given). On CUDA one Triton launch through the fused kernel's own tile decode
     (`_weight_tile`), the same fp32 values rounded once; elsewhere `ExpertWeights.dequantize` (the reference),
-    expert by expert. `ids`: `experts` already as a device tensor (no host-to-device copy: graph-capturable)."""
+    expert by expert. `ids`: `experts` already as a device tensor (no host-to-device copy: graph-capturable);
+    `args`: `_weight_args(w, device)` where the caller made them already."""
     like = w.like if isinstance(w, WeightTable) else w
     _, N, K = like.shape
     device = w.ptrs["q"].device if isinstance(w, WeightTable) else w.parts["q"].device
-    if not (triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")):
+    if not _triton_decodes(device):
         if isinstance(w, WeightTable):
             raise ValueError("decode_experts: a WeightTable's experts decode on CUDA (or the Triton interpreter) only")
         dense = torch.cat([w.expert(e).dequantize(dtype) for e in experts])
         return dense if out is None else out.copy_(dense)
     out = torch.empty(len(experts), N, K, dtype=dtype, device=device) if out is None else out
     ids = to_device(experts, device) if ids is None else ids
-    args = _weight_args(w, device)
+    args = _weight_args(w, device) if args is None else args
+    gs = args["GS"]
+    if DECODE_4BIT_TILE is not None and args["FMT"] in (3, 4, 5) and gs % 2 == 0:
+        BN, BK = DECODE_4BIT_TILE
+        if gs >= K or gs % BK == 0 or BK % gs == 0:  # a tile's groups whole (or one a row)
+            kw = {k: v for k, v in args.items() if k != "lut_ptr"}
+            _decode_experts_4bit[(len(experts), triton.cdiv(N, BN), triton.cdiv(K, BK))](
+                ids, out_ptr=out, N=N, K=K, stride_oe=out.stride(0), stride_on=out.stride(1), PER_ROW=gs >= K,
+                BLOCK_N=BN, BLOCK_K=BK, **kw)
+            return out
     BN, BK = 64, 128
     _decode_experts[(len(experts), triton.cdiv(N, BN), triton.cdiv(K, BK))](
-        ids, out_ptr=out, N=N, K=K, stride_oe=out.stride(0), stride_on=out.stride(1), PER_ROW=args["GS"] >= K,
+        ids, out_ptr=out, N=N, K=K, stride_oe=out.stride(0), stride_on=out.stride(1), PER_ROW=gs >= K,
         BLOCK_N=BN, BLOCK_K=BK, **args)
     return out
 
@@ -611,17 +710,29 @@ def dequant_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights:
     xs = x.index_select(0, order // k)  # [A, H]
     y = torch.zeros(flat.numel(), H, dtype=x.dtype, device=x.device)
     per = max(1, DEQUANT_BUFFER_BYTES // (3 * two_i // 2 * H * x.element_size()))
-    start, h = 0, None
-    for group, sizes in _decode_groups(counts[:E], per, expert_row_cap(flat.numel(), experts or E)):
-        n = sum(sizes)
+    groups = _decode_groups(counts[:E], per, expert_row_cap(flat.numel(), experts or E))
+    # every group's expert ids and its GEMMs' row offsets cross in one copy each, and each side's kernel arguments
+    # are made once: per group they cost the host more than the device's decode and GEMMs (a resident 512-token
+    # NF4 Mixtral prefill left the H100 idle 25 ms of 63, in ~1200 gaps: session 31, `profile_prefill.py`)
+    ids = to_device([e for g, _ in groups for e in g], x.device)
+    offs = to_device([c for _, sizes in groups for c in itertools.accumulate(sizes)], x.device, torch.int32)
+    on_triton = _triton_decodes(x.device)
+    args13, args2 = (_weight_args(w13, x.device), _weight_args(w2, x.device)) if on_triton else (None, None)
+    start = first = 0
+    h = None
+    for group, sizes in groups:
+        n, g = sum(sizes), len(group)
         rows, out = xs[start:start + n], y[start:start + n]
+        gids, goffs = ids[first:first + g], offs[first:first + g]
         # one side decoded at a time (w13's freed before w2's is made): the transient is the larger side's
         h = None  # the previous group's product: freed before this group's decode
-        a13 = decode_experts(w13, group, x.dtype)  # [g, 2I, H]
-        h = _silu_mul(_group_mm(rows, a13, sizes))  # [n, I]
+        a13 = decode_experts(w13, group, x.dtype, ids=gids, args=args13)  # [g, 2I, H]
+        h = _silu_mul(_group_mm(rows, a13, sizes, goffs))  # [n, I]
         del a13
-        out.copy_(_group_mm(h, decode_experts(w2, group, x.dtype), sizes))  # [g, H, I] -> [n, H]
-        start += n
+        a2 = decode_experts(w2, group, x.dtype, ids=gids, args=args2)
+        out.copy_(_group_mm(h, a2, sizes, goffs))  # [g, H, I] -> [n, H]
+        del a2
+        start, first = start + n, first + g
     del xs
     rows = h = None  # the last group's rows: not held through the weighting
     return _weighted_unsorted(y, topk_weights, order)
@@ -643,11 +754,13 @@ def _decode_groups(counts: list[int], per: int, cap: int) -> list[tuple[list[int
     return groups
 
 
-def _group_mm(rows: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+def _group_mm(rows: torch.Tensor, w: torch.Tensor, sizes: list[int], offs: torch.Tensor | None = None) -> torch.Tensor:
     """rows [n, K] in runs of `sizes` rows, run j times w[j] [N, K] transposed -> [n, N]: torch's grouped GEMM
-    where `grouped_mm_usable`, a matmul per run else."""
+    where `grouped_mm_usable`, a matmul per run else. `offs`: the runs' ends (int32 cumulative sizes) on the
+    device where the caller has them."""
     if grouped_mm_usable(rows, w, w):
-        offs = to_device(torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32), rows.device, torch.int32)
+        if offs is None:
+            offs = to_device(list(itertools.accumulate(sizes)), rows.device, torch.int32)
         return torch._grouped_mm(rows, w.transpose(1, 2), offs=offs)
     return torch.cat([r @ w[j].t() for j, r in enumerate(rows.split(sizes))])
 

@@ -160,27 +160,9 @@ def by_format_config(fmt: str, mapped: bool, T: int) -> DecodeConfig:
 
 
 if triton is not None:
-    from ferrylm.layers.fused_moe import _expert_bases  # the per-expert addresses, shared with the plain kernel
+    # the per-expert addresses, shared with the plain kernel; NF4 levels by a select tree, shared with `decode_experts`
+    from ferrylm.layers.fused_moe import _expert_bases, _nf4_select
 
-
-    @triton.jit
-    def _nf4_select(c):
-        # c: int32 codes 0..15 -> NF4 level (fp32), a binary tree of selects on the code's bits (the levels
-        # are weights/quant.py's NF4_LEVELS, checked equal to the table by tests/test_fused_moe_decode.py)
-        b0 = (c & 1) != 0
-        b1 = (c & 2) != 0
-        b2 = (c & 4) != 0
-        p0 = tl.where(b0, -0.6961928009986877, -1.0)
-        p1 = tl.where(b0, -0.39491748809814453, -0.5250730514526367)
-        p2 = tl.where(b0, -0.18477343022823334, -0.28444138169288635)
-        p3 = tl.where(b0, 0.0, -0.09105003625154495)
-        p4 = tl.where(b0, 0.16093020141124725, 0.07958029955625534)
-        p5 = tl.where(b0, 0.33791524171829224, 0.24611230194568634)
-        p6 = tl.where(b0, 0.5626170039176941, 0.44070982933044434)
-        p7 = tl.where(b0, 1.0, 0.7229568362236023)
-        lo = tl.where(b2, tl.where(b1, p3, p2), tl.where(b1, p1, p0))
-        hi = tl.where(b2, tl.where(b1, p7, p6), tl.where(b1, p5, p4))
-        return tl.where((c & 8) != 0, hi, lo)
 
     @triton.jit
     def _code(words, lut_ptr, J: tl.constexpr, FMT: tl.constexpr, NF4_SELECT: tl.constexpr):

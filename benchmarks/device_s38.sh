@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The third device call of session 31: the packed prefill's host and kernel fixes (b6e23cf) against the tree before
+# them (313d69c, `git archive`), alternating. First the CUDA tests of `decode_experts`' 4-bit kernel and the packed
+# prefill; `decode_experts` alone (old tile decode / 4-bit kernel) on eight NF4 Mixtral experts; then the resident
+# 8-layer NF4 Mixtral's 512-token prefill (`profile_prefill.py`: session 31's first call 49.9 ms, `_decode_experts`
+# 19.8 ms, the device idle 25 ms of 63) old / new / new with the plain tile decode; the same under 5 GiB; the 32-layer
+# NF4 Mixtral under 16 GiB (batch 64, 2k prefill) on the new tree.
+#   bash benchmarks/device_s38.sh COMMIT [BUDGET]
+set -u
+commit=${1:-unknown}
+budget=${2:-480}
+part=${PART:-rest}  # no issue-10 aims in this call, whatever the GPU
+source "$(dirname "$0")/device_steps.sh"  # t0, left, step, h200_aims
+h200_aims
+bash benchmarks/gpu_tests.sh "$OUT/tests.txt" 90 "test_fused_moe_formats.py::decoded_experts or packed_experts_equal" \
+    70 "test_offload.py::packed_prefill"
+grep -E "passed|failed|^E |assert" "$OUT/tests.txt" | grep -v "^\[.*passed" | head -12
+PYTHONPATH=. step 60 python -c "
+import torch, time
+from ferrylm.layers import fused_moe as F
+from ferrylm.weights import quant
+torch.manual_seed(0)
+E, H, I = 8, 4096, 14336
+b = F.ExpertWeights.stack([[quant.quantize_nf4(torch.randn(2 * I, H, device='cuda') * 0.02, 64)] for _ in range(E)],
+                          torch.bfloat16)
+out = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device='cuda')
+ids = torch.arange(E, device='cuda')
+res = {}
+for tile in ((32, 256), (64, 256), (32, 128), (16, 512), None):
+    F.DECODE_4BIT_TILE = tile
+    F.decode_experts(b, list(range(E)), torch.bfloat16, out=out, ids=ids)
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(5):
+        F.decode_experts(b, list(range(E)), torch.bfloat16, out=out, ids=ids)
+    torch.cuda.synchronize(); s = (time.perf_counter() - t) / 5
+    res[tile] = out.clone() if tile in ((32, 256), None) else None
+    print(f'decode_experts NF4 w13 x {E} tile {tile}: {s * 1e3:.2f} ms, {out.numel() * 2 / s / 1e12:.2f} TB/s of bf16 out')
+print('4-bit kernel equals the tile decode:', torch.equal(res[(32, 256)], res[None]))
+" 2>&1 | tail -7
+old=/tmp/old313
+mkdir -p $old && git archive 313d69c | tar -x -C $old && cp benchmarks/profile_prefill.py $old/benchmarks/ || echo "no old tree"
+prof() {  # label dir args...
+    local label=$1 dir=$2; shift 2
+    (cd "$dir/benchmarks" && PYTHONPATH=.. step 80 python profile_prefill.py --layers 8 --expert-quant nf4 --top 8 "$@" \
+        > "$OUT/prefill-$label.txt" 2>&1)
+    grep -v '^{' "$OUT/prefill-$label.txt" | grep -E "prefill|device time|host time|timeline|^_|^aten::_grouped|^aten::copy_|^cuda|^aten::to|^aten::pin" \
+        | head -16 | sed "s/^/$label: /"
+    echo "$label done at $(( $(date +%s) - t0 )) s"
+}
+prof old-a $old --tokens 512
+prof new-a . --tokens 512
+prof old-b $old --tokens 512
+prof new-b . --tokens 512
+(cd benchmarks && PYTHONPATH=.. step 60 python -c "
+import sys
+from ferrylm.layers import fused_moe
+fused_moe.DECODE_4BIT_TILE = None
+import profile_prefill
+sys.argv = ['profile_prefill.py', '--layers', '8', '--expert-quant', 'nf4', '--tokens', '512', '--top', '8']
+profile_prefill.main()
+" 2>&1 | grep -E "prefill|timeline" | head -3 | sed "s/^/new, tile decode: /")
+prof old-5gib $old --tokens 512 --budget-gib 5
+prof new-5gib . --tokens 512 --budget-gib 5
+(cd benchmarks && PYTHONPATH=.. step 100 python bench_offload.py --cases mixtral-32L-nf4-b64 --commit "$commit" \
+    --out "$OUT/offload-32L-nf4-b64-new.json" 2>&1 | grep -v '^{' | grep -E "tok/s|Error|error" | sed "s/^/32L new: /" | tail -4)
+echo "done at $(( $(date +%s) - t0 )) s"

@@ -192,8 +192,9 @@ def test_doctor_on_this_machine(tmp_path, capsys):
     d = json.loads(capsys.readouterr().out)
     assert set(d) == {"checks", "summary"} and sum(d["summary"].values()) == len(d["checks"])
     for c in d["checks"]:
-        assert set(c) == {"name", "status", "value", "expected", "why", "fix"}
+        assert set(c) == {"name", "status", "value", "expected", "why", "fix", "scope", "persist"}
         assert c["status"] in ("ok", "warn", "fail", "skip")
+        assert c["scope"] in (("machine", "shell", "note") if c["fix"] else ("",))
     names = {c["name"]: c for c in d["checks"]}
     assert {"numa", "cpu_isa", "locale", "disk_model", "disk_logs"} <= set(names)
     if not probe.read_gpus():
@@ -332,3 +333,69 @@ def test_log_level_is_what_ferry_logs_at(monkeypatch, capsys):
     assert debug.status == "warn" and debug.value.startswith("DEBUG (FERRY_LOG_LEVEL=debug")
     assert debug.fix.startswith(f"unset {env}") and doctor.log_level_check(None).status == "ok"
     assert doctor.log_level_check("error").value.startswith("ERROR") and doctor.log_level_check("loud").status == "fail"
+
+
+def _script_parts(script: str) -> dict[str, list[str]]:
+    """The script's commands (not comments) by part: "top" before the root guard, "1", "2", "3", "notes"."""
+    parts, part = {}, "top"
+    for line in script.splitlines():
+        for mark, name in (("-- part 1", "1"), ("-- part 2", "2"), ("-- part 3", "3"), ("-- notes", "notes")):
+            if mark in line:
+                part = name
+        if line.strip() and not line.lstrip().startswith("#"):
+            parts.setdefault(part, []).append(line)
+    return parts
+
+
+def test_fixes_script_says_where_each_fix_acts(tmp_path):
+    """Kernel settings run as root and last until reboot, their /etc form only with --persist; limits and
+    environment sit in the part sourced by the shell that starts ferry; notes are never commands."""
+    import subprocess
+
+    h = probe.read_host(_tree(tmp_path, _host_files(bad=True)), env={"LC_ALL": "C", "LANG": "en_US.UTF-8"})
+    h.memlock, h.nofile = (2**20, 2**20), (1024, 4096)
+    checks = doctor.host_checks(h, need_host_bytes=100 * 2**30)
+    checks += doctor.bandwidth_checks({"host_read_gbs": 20.0, "gpus": {}, "nodes": {
+        0: {"cpus": 2, "host_read_gbs": 20.0}, 1: {"cpus": 2, "host_read_gbs": 5.0}}}, gpu=False)
+    got = {c.name: c for c in checks}
+    assert got["swappiness"].scope == "machine" and got["open_files_limit"].scope == "shell"
+    assert got["locale"].fix == "export LC_ALL=C.UTF-8"  # LC_ALL decides here: exporting LANG would change nothing
+    assert got["open_files_limit"].fix.startswith("ulimit -Sn 65536  # fails until the hard limit (4096) is raised")
+    script = doctor.fixes_script(checks)
+    f = tmp_path / "fixes.sh"
+    f.write_text(script)
+    assert subprocess.run(["sh", "-n", str(f)]).returncode == 0  # parsed only: this may run as root
+    parts = _script_parts(script)
+    assert parts["top"] == ['if [ "$(id -u)" -ne 0 ]; then',
+                            '    echo "ferry doctor fixes: not root: parts 1 and 2 (this machine\'s settings) skipped" >&2',
+                            "else"]
+    assert "sysctl -w vm.swappiness=1" in parts["1"] and "sysctl -w kernel.numa_balancing=0" in parts["1"]
+    assert "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled" in parts["1"]
+    assert parts["1"][-1] == 'if [ "${1-}" = --persist ]; then'
+    assert "echo 'vm.swappiness = 1' > /etc/sysctl.d/90-ferrylm-vm.swappiness.conf" in parts["2"]
+    assert ("echo 'w /sys/kernel/mm/transparent_hugepage/enabled - - - - madvise' > /etc/tmpfiles.d/ferrylm-thp.conf"
+            in parts["2"])
+    assert any(ln.startswith("printf '%s\\n' '* soft nofile 65536' '* hard nofile 65536' > "
+                             "/etc/security/limits.d/90-ferrylm-nofile.conf") for ln in parts["2"])
+    assert parts["2"][-2:] == ["fi", "fi"]
+    shell = {c.fix for c in checks if c.scope == "shell" and c.status in ("warn", "fail")}
+    assert set(parts["3"]) == shell and {"export LC_ALL=C.UTF-8", "echo -500 > /proc/$$/oom_score_adj  # lowering it "
+                                         "needs root (CAP_SYS_RESOURCE)"} <= shell
+    assert "notes" not in parts and "# node1_memory_read: 5.0 GB/s (one thread on 2 CPUs) (expected >= 80% of node " \
+        "0's 20.0)" in script and "# numactl --cpunodebind=0 --membind=0 ferry serve ..." in script
+    assert "nothing to fix" in doctor.fixes_script([]) and "if [" not in doctor.fixes_script([])
+
+
+def test_fixes_scripts_shell_part_reaches_the_shell_that_sources_it(tmp_path):
+    """What part 3 says is so: sourced, a limit reaches the shell that starts ferry; run with sh, it does not."""
+    import resource
+    import subprocess
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    f = tmp_path / "fixes.sh"
+    f.write_text(doctor.fixes_script([doctor.Check("open_files_limit", "warn", str(soft), fix=f"ulimit -Sn {soft - 1}",
+                                                   scope="shell")]))
+    assert "if [" not in f.read_text()  # no root part: safe to run here
+    sourced = subprocess.run(["sh", "-c", f". {f}; ulimit -Sn"], capture_output=True, text=True)
+    run = subprocess.run(["sh", "-c", f"sh {f}; ulimit -Sn"], capture_output=True, text=True)
+    assert sourced.stdout.split() == [str(soft - 1)] and run.stdout.split() == [str(soft)]

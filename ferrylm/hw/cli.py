@@ -79,6 +79,7 @@ def cmd_doctor(a: argparse.Namespace) -> None:
         print(json.dumps({"checks": [c.to_dict() for c in checks], "summary": doctor.summary(checks)}))
     else:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
 
         colour = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
@@ -86,7 +87,8 @@ def cmd_doctor(a: argparse.Namespace) -> None:
         for col in ("check", "status", "found", "expected", "why / fix"):
             t.add_column(col)
         for c in checks:
-            note = c.why + (f"\n[bold]{c.fix}[/]" if c.fix and c.status != "ok" else "")
+            where = " [dim](in the shell that starts ferry)[/]" if c.scope == doctor.SHELL else ""
+            note = c.why + (f"\n[bold]{escape(c.fix)}[/]{where}" if c.fix and c.status != "ok" else "")
             t.add_row(c.name, f"[{colour[c.status]}]{c.status}[/]", c.value, c.expected, note)
         Console(file=sys.stdout, width=160).print(t)
         s = doctor.summary(checks)

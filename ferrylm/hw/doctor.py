@@ -2,7 +2,9 @@
 
 Each check gives ok / warn / fail / skip, the value found, what is expected, why it matters and the
 command that fixes it. Checks are pure functions of readings, so tests judge fixture readings; doctor
-changes nothing itself (`--write-fixes` writes the commands into a script for a person to review).
+changes nothing itself (`--write-fixes` writes the commands into a script for a person to review). A fix says
+where it acts (`Check.scope`: the machine until reboot, the shell that starts ferry, or a note for a person) and,
+where it does not last by itself, its lasting form (`Check.persist`), so the script says what each line changes.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import asdict, dataclass
 from ferrylm.hw.probe import GpuReadings, HostReadings
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
+MACHINE, SHELL, NOTE = "machine", "shell", "note"
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,19 @@ class Check:
     why: str = ""
     fix: str = ""
     """A shell command (or a note starting with '#') that fixes it; empty when nothing to do."""
+    scope: str = ""
+    """Where `fix` acts. MACHINE: a kernel or device setting, as root, from now until reboot. SHELL: a limit or
+    variable of the shell that runs it and of what that shell starts, so it must run in the shell that starts ferry
+    (for a service: the unit's setting that `persist` names). NOTE: something for a person to do or to start ferry
+    with; never run by the script. Left empty: NOTE for a fix starting with '#', MACHINE for another; "" without
+    a fix."""
+    persist: str = ""
+    """The lasting form of a fix that ends at reboot or with its shell: a command writing an /etc file (as root),
+    or a note ('#') saying where the setting goes (a unit, the kernel command line); empty when there is none."""
+
+    def __post_init__(self):
+        scope = "" if not self.fix else self.scope or (NOTE if self.fix.startswith("#") else MACHINE)
+        object.__setattr__(self, "scope", scope)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -30,6 +46,28 @@ class Check:
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _sysctl(key: str, value) -> dict:
+    """A sysctl's fix (now, until reboot) and its lasting form (a file systemd-sysctl reads at boot)."""
+    return dict(fix=f"sysctl -w {key}={value}", persist=f"echo '{key} = {value}' > /etc/sysctl.d/90-ferrylm-{key}.conf")
+
+
+def _sysfs(path: str, value: str, name: str, now: str | None = None) -> dict:
+    """A /sys setting's fix (now, until reboot) and its lasting form (a line systemd-tmpfiles writes at boot; its
+    `w` lines take globs)."""
+    return dict(fix=now or f"echo {value} > {path}", persist=f"echo 'w {path} - - - - {value}' > /etc/tmpfiles.d/ferrylm-{name}.conf")
+
+
+def _limit(item: str, flag: str, value: str, hard, unit: str, shown=str) -> dict:
+    """An RLIMIT's fix: the soft limit of the shell that starts ferry (the hard one bounds it without root), and its
+    lasting form for new logins (PAM's limits.d; `*` does not cover root) or a service's unit."""
+    raised = hard is not None and (hard < 0 or hard >= 2**62 or value != "unlimited" and hard >= int(value))
+    return dict(fix=f"ulimit -S{flag} {value}" + ("" if raised else f"  # fails until the hard limit ({shown(hard)}) is "
+                                                   "raised: part 2 and a new login, or the unit's setting"),
+                scope=SHELL,
+                persist=(f"printf '%s\\n' '* soft {item} {value}' '* hard {item} {value}' > "
+                         f"/etc/security/limits.d/90-ferrylm-{item}.conf  # new logins; a systemd service: {unit}"))
 
 
 # -- host ----------------------------------------------------------------------------------------------
@@ -47,16 +85,17 @@ def host_checks(h: HostReadings, need_host_bytes: int = 0) -> list[Check]:
                          "and the Python step loop"))
     else:
         good = h.governor == "performance"
+        fix = _sysfs("/sys/devices/system/cpu/cpu*/cpufreq/scaling_governor", "performance", "governor",
+                     now="cpupower frequency-set -g performance")
         out.append(Check("cpu_governor", OK if good else WARN, h.governor, "performance",
-                         "a power-saving governor slows CPU experts and the Python step loop",
-                         "" if good else "cpupower frequency-set -g performance"))
+                         "a power-saving governor slows CPU experts and the Python step loop", **({} if good else fix)))
     if h.no_turbo is not None or h.boost is not None:
         off = h.no_turbo == 1 or h.boost == 0
-        fix = ("echo 0 > /sys/devices/system/cpu/intel_pstate/no_turbo" if h.no_turbo == 1
-               else "echo 1 > /sys/devices/system/cpu/cpufreq/boost")
+        fix = (_sysfs("/sys/devices/system/cpu/intel_pstate/no_turbo", "0", "turbo") if h.no_turbo == 1
+               else _sysfs("/sys/devices/system/cpu/cpufreq/boost", "1", "turbo"))
         out.append(Check("cpu_turbo", WARN if off else OK, "off" if off else "on", "on",
                          "turbo off caps single-thread speed: the step loop and CPU experts run slower",
-                         fix if off else ""))
+                         **(fix if off else {})))
     else:
         out.append(Check("cpu_turbo", SKIP, "not exposed", "on"))
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in h.flags]
@@ -67,24 +106,24 @@ def host_checks(h: HostReadings, need_host_bytes: int = 0) -> list[Check]:
     thp_ok = h.thp in (None, "madvise", "never")
     out.append(Check("transparent_hugepages", OK if thp_ok else WARN, h.thp or "unknown", "madvise",
                      "'always' lets khugepaged compact memory under a running server: latency spikes",
-                     "" if thp_ok else "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled"))
+                     **({} if thp_ok else _sysfs("/sys/kernel/mm/transparent_hugepage/enabled", "madvise", "thp"))))
     out.append(Check("hugepages", OK, str(h.hugepages_total or 0), "", "reserved huge pages are memory the server "
                      "cannot use for weights or pinned staging unless it asks for them", ""))
     if h.swappiness is not None:
         good = h.swappiness <= 10
         out.append(Check("swappiness", OK if good else WARN, str(h.swappiness), "<= 10",
                          "swapping out a memory-mapped store or host-resident weights stalls decode for seconds",
-                         "" if good else "sysctl -w vm.swappiness=1"))
+                         **({} if good else _sysctl("vm.swappiness", 1))))
     if h.overcommit is not None:
         good = h.overcommit != 2
         out.append(Check("overcommit", OK if good else WARN, str(h.overcommit), "0 or 1",
                          "strict overcommit (2) refuses the large reservations of pinned pools and mapped stores",
-                         "" if good else "sysctl -w vm.overcommit_memory=0"))
+                         **({} if good else _sysctl("vm.overcommit_memory", 0))))
     if h.numa_balancing is not None:
         bad = h.numa_balancing == 1 and nodes > 1
         out.append(Check("numa_balancing", WARN if bad else OK, str(h.numa_balancing), "0 on multi-node hosts",
                          "automatic NUMA balancing migrates hot pages (host-resident weights) while they are read",
-                         "sysctl -w kernel.numa_balancing=0" if bad else ""))
+                         **(_sysctl("kernel.numa_balancing", 0) if bad else {})))
     if h.memlock is not None:
         soft = h.memlock[0]
         unlimited = soft < 0 or soft >= 2**62
@@ -92,27 +131,29 @@ def host_checks(h: HostReadings, need_host_bytes: int = 0) -> list[Check]:
         out.append(Check("memlock_limit", WARN if short else OK, "unlimited" if unlimited else _gib(soft),
                          f">= {_gib(need_host_bytes)}" if need_host_bytes else "what the plan pins (--plan-host-gb)",
                          "pinning host memory with mlock/cudaHostRegister (and RDMA) is capped by RLIMIT_MEMLOCK",
-                         "ulimit -l unlimited  # and memlock unlimited in /etc/security/limits.conf" if short else ""))
+                         **(_limit("memlock", "l", "unlimited", h.memlock[1], "LimitMEMLOCK=infinity", _gib) if short else {})))
     if h.nofile is not None:
         good = h.nofile[0] >= 65536
         out.append(Check("open_files_limit", OK if good else WARN, str(h.nofile[0]), ">= 65536",
                          "each client connection and each store shard takes a file descriptor",
-                         "" if good else "ulimit -n 65536"))
+                         **({} if good else _limit("nofile", "n", "65536", h.nofile[1], "LimitNOFILE=65536"))))
     if h.max_map_count is not None:
         good = h.max_map_count >= 262144
         out.append(Check("max_map_count", OK if good else WARN, str(h.max_map_count), ">= 262144",
                          "memory-mapped weights need one mapping per region; at the limit mmap fails",
-                         "" if good else "sysctl -w vm.max_map_count=1048576"))
+                         **({} if good else _sysctl("vm.max_map_count", 1048576))))
     if h.aspm is not None:
         bad = h.aspm in ("powersave", "powersupersave")
         out.append(Check("pcie_aspm", WARN if bad else OK, h.aspm, "default or performance",
                          "ASPM power states add latency to every small PCIe transfer (expert copies)",
-                         "echo performance > /sys/module/pcie_aspm/parameters/policy" if bad else ""))
+                         **(_sysfs("/sys/module/pcie_aspm/parameters/policy", "performance", "aspm") if bad else {})))
     if h.oom_score_adj is not None:
         bad = h.oom_score_adj > 0
         out.append(Check("oom_score", WARN if bad else OK, str(h.oom_score_adj), "<= 0",
                          "a positive score makes the server the first process the OOM killer picks",
-                         "echo -500 > /proc/self/oom_score_adj  # for the server process" if bad else ""))
+                         **(dict(fix="echo -500 > /proc/$$/oom_score_adj  # lowering it needs root (CAP_SYS_RESOURCE)",
+                                 scope=SHELL, persist="# a systemd service: OOMScoreAdjust=-500 in its unit")
+                            if bad else {})))
     limit = h.cgroup_memory_max
     if limit is None:
         out.append(Check("cgroup_memory", OK, "unlimited", f">= {_gib(need_host_bytes)}" if need_host_bytes else ""))
@@ -129,9 +170,12 @@ def host_checks(h: HostReadings, need_host_bytes: int = 0) -> list[Check]:
                          "# free memory, add RAM, or quantize (ferry convert --quant)" if short else ""))
     enc = (h.locale or "").lower()
     utf8 = "utf-8" in enc or "utf8" in enc
-    out.append(Check("locale", OK if utf8 else WARN, h.locale or "unset (C)", "a UTF-8 locale",
+    var = h.locale_var or "LANG"  # the variable that decides: LC_ALL over LC_CTYPE over LANG
+    out.append(Check("locale", OK if utf8 else WARN, f"{var}={h.locale}" if h.locale else "unset (C)", "a UTF-8 locale",
                      "a non-UTF-8 locale garbles CJK text in logs and terminal output (Yuan, Qwen)",
-                     "" if utf8 else "export LANG=C.UTF-8"))
+                     **({} if utf8 else dict(fix=f"export {var}=C.UTF-8", scope=SHELL,
+                                             persist=f"# a systemd service: Environment={var}=C.UTF-8; a login: "
+                                                     "~/.profile"))))
     return out
 
 
@@ -181,7 +225,7 @@ def host_kernels_check(why_unavailable: str | None, nf4_bf16: bool = False, amx:
         fix = "" if "AVX-512" in why_unavailable else "unset FERRYLM_NO_NATIVE"
         return Check("host_kernels", WARN, why_unavailable, "built",
                      "host experts fall back to torch's paths (bf16 ~0.6x, NF4 ~0.05x the native rate): "
-                     "hybrid decode gains less or turns off", fix)
+                     "hybrid decode gains less or turns off", fix, scope=SHELL)
     return Check("host_kernels", WARN, why_unavailable, "built",
                  "the native host kernels are compiled at first use with the system's C compiler; without them "
                  "host experts fall back to torch's paths (NF4 hybrid decode stays off)",
@@ -204,10 +248,10 @@ def log_level_check(env_value: str | None) -> Check:
         level = log_level(False, {} if env_value is None else {LOG_LEVEL_ENV: env_value})
     except ConfigError as e:
         return Check("log_level", FAIL, f"{where}: not a level", "INFO or quieter",
-                     f"every ferry command stops at start-up on it ({e})", fix)
+                     f"every ferry command stops at start-up on it ({e})", fix, scope=SHELL)
     bad = level < logging.INFO
     return Check("log_level", WARN if bad else OK, f"{logging.getLevelName(level)} ({where})",
-                 "INFO or quieter", why, fix if bad else "")
+                 "INFO or quieter", why, fix if bad else "", scope=SHELL)
 
 
 # -- GPUs ----------------------------------------------------------------------------------------------
@@ -231,12 +275,16 @@ def gpu_checks(gpus: list[GpuReadings], nvml_present: bool) -> list[Check]:
         if g.persistence is not None:
             out.append(Check(f"{p}_persistence", OK if g.persistence else WARN, "on" if g.persistence else "off", "on",
                              "without persistence mode the driver re-initialises the GPU for each process (seconds)",
-                             "" if g.persistence else f"nvidia-smi -i {g.index} -pm 1"))
+                             **({} if g.persistence else dict(
+                                 fix=f"nvidia-smi -i {g.index} -pm 1",
+                                 persist="systemctl enable nvidia-persistenced  # the driver's daemon keeps it on "
+                                         "from boot (where the driver package ships it)"))))
         if g.ecc is not None:
             errs = g.ecc_uncorrected or 0
             out.append(Check(f"{p}_ecc", FAIL if errs else OK, f"{'on' if g.ecc else 'off'}, {errs} uncorrected",
                              "0 uncorrected", "uncorrected ECC errors corrupt results silently or crash kernels",
-                             f"nvidia-smi -i {g.index} -r  # after draining; replace the GPU if they recur" if errs else ""))
+                             f"# drain GPU {g.index}, then reset it (nvidia-smi -i {g.index} -r); replace it if they "
+                             "recur" if errs else ""))
         if g.temperature_c is not None:
             hot = g.temperature_c >= 85
             clocks = (f", SM clock {g.sm_clock} of {g.sm_clock_max} MHz" if g.sm_clock is not None and g.sm_clock_max
@@ -309,7 +357,7 @@ def _node_checks(m: dict, gpu: bool) -> list[Check]:
         out.append(Check(f"node{n}_memory_read", WARN if slow else OK, f"{r['host_read_gbs']:.1f} GB/s (one thread on {r['cpus']} CPUs)",
                          f">= {NODE_SLOW:.0%} of node {best}'s {nodes[best]['host_read_gbs']:.1f}",
                          "host experts and copies read the memory of the node the server's threads run on",
-                         f"numactl --cpunodebind={best} --membind={best} ferry serve ..." if slow else ""))
+                         f"numactl --cpunodebind={best} --membind={best} ferry serve ..." if slow else "", scope=NOTE))
     for i, g in (m.get("gpus") or {}).items() if gpu else ():
         rates = {n: r["gpus"][i]["pinned_h2d_gbs"] for n, r in nodes.items() if i in r.get("gpus", {})}
         if not rates:
@@ -323,7 +371,8 @@ def _node_checks(m: dict, gpu: bool) -> list[Check]:
                          f"every node >= {NODE_SLOW:.0%} of the best" + (f" (GPU {i} hangs off node {home})"
                                                                           if home is not None else ""),
                          "offloaded weights cross from the memory of the node they were pinned on",
-                         f"numactl --cpunodebind={target} --membind={target} ferry serve ..." if slow else ""))
+                         f"numactl --cpunodebind={target} --membind={target} ferry serve ..." if slow else "",
+                         scope=NOTE))
     return out
 
 
@@ -331,10 +380,52 @@ def summary(checks: list[Check]) -> dict:
     return {s: sum(1 for c in checks if c.status == s) for s in (OK, WARN, FAIL, SKIP)}
 
 
+FIXES_HEADER = """\
+#!/bin/sh
+# Written by `ferry doctor --write-fixes`; doctor changed nothing. Review every line before running any.
+# Where a fix acts decides how to run it:
+#   sudo sh FILE            part 1: kernel and device settings, from now until reboot
+#   sudo sh FILE --persist  part 1, and part 2: those settings and the limits of part 3 written to /etc, to last
+#                           across reboots (a file for the same setting that sorts later overrides them)
+#   . FILE                  part 3, in the shell that starts ferry: limits and environment last only in the shell
+#                           that sets them and what it starts (`sh FILE` sets them in a shell that ends with the
+#                           script); for a service, put the unit settings named beside them in its unit
+# Notes at the end are for a person: nothing here runs them.
+"""
+
+
 def fixes_script(checks: list[Check]) -> str:
-    """The fix commands of every non-ok check, commented, for a person to review before running."""
-    lines = ["#!/bin/sh", "# Written by `ferry doctor --write-fixes`: review each line before running it.", ""]
-    for c in checks:
-        if c.status in (WARN, FAIL) and c.fix:
-            lines += [f"# {c.name}: {c.value} (expected {c.expected}): {c.why}", c.fix, ""]
-    return "\n".join(lines)
+    """The fixes of every warn and fail check as a POSIX shell script for a person to review, in parts by where a
+    fix acts (FIXES_HEADER says how to run each). Parts 1 and 2 run only as root, part 2 only with --persist."""
+    todo = [c for c in checks if c.status in (WARN, FAIL) and c.fix]
+
+    def block(c: Check, *lines: str) -> list[str]:
+        return [f"# {c.name}: {c.value} (expected {c.expected})", *(ln for ln in lines if ln), ""]
+
+    def note(text: str) -> str:
+        return text if text.startswith("#") else f"# {text}"
+
+    machine = [ln for c in todo if c.scope == MACHINE
+               for ln in block(c, c.fix, c.persist if c.persist.startswith("#") else "")]
+    lasting = [ln for c in todo if c.persist and not c.persist.startswith("#") for ln in block(c, c.persist)]
+    shell = [ln for c in todo if c.scope == SHELL for ln in block(c, c.fix, c.persist if c.persist.startswith("#")
+                                                                   else "# to last: part 2, then a new login" if c.persist else "")]
+    notes = [ln for c in todo if c.scope == NOTE for ln in block(c, note(c.fix), note(c.why))]
+    out = [FIXES_HEADER]
+    if machine or lasting:
+        out += ['if [ "$(id -u)" -ne 0 ]; then',
+                '    echo "ferry doctor fixes: not root: parts 1 and 2 (this machine\'s settings) skipped" >&2',
+                "else", "", "# -- part 1: this machine, from now until reboot (as root) --", ""]
+        out += machine or ["# (nothing)", ""]
+        if lasting:
+            out += ['if [ "${1-}" = --persist ]; then', "",
+                    "# -- part 2: the same at every boot: files systemd-sysctl (/etc/sysctl.d), systemd-tmpfiles",
+                    "# (/etc/tmpfiles.d) and PAM at login (/etc/security/limits.d) read --", "", *lasting, "fi"]
+        out += ["fi", ""]
+    if shell:
+        out += ["# -- part 3: the shell that starts ferry (source this file there: . FILE) --", "", *shell]
+    if notes:
+        out += ["# -- notes: for a person to do; nothing runs them --", "", *notes]
+    if not (machine or lasting or shell or notes):
+        out += ["# nothing to fix", ""]
+    return "\n".join(out)

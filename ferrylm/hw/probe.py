@@ -80,6 +80,9 @@ class HostReadings:
     memlock: tuple | None = None
     nofile: tuple | None = None
     locale: str | None = None
+    """The character encoding's locale: LC_ALL, else LC_CTYPE, else LANG (the first set and not empty)."""
+    locale_var: str | None = None
+    """Which of those variables `locale` came from (None: none set)."""
 
 
 def _bracketed(s: str | None) -> str | None:
@@ -128,7 +131,8 @@ def read_host(root: str = "/", env: dict | None = None) -> HostReadings:
     if root == "/":
         h.memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         h.nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
-    h.locale = env.get("LC_ALL") or env.get("LC_CTYPE") or env.get("LANG")
+    h.locale_var = next((v for v in ("LC_ALL", "LC_CTYPE", "LANG") if env.get(v)), None)
+    h.locale = env[h.locale_var] if h.locale_var else None
     return h
 
 

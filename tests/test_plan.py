@@ -1025,7 +1025,7 @@ def _plan_cli(capsys, *args) -> tuple[int, str, str]:
 @pytest.mark.parametrize("args,names", [
     (["--block-size", "0"], "--block-size 0"), (["--prompt-len", "0"], "--prompt-len 0"),
     (["--output-len", "-1"], "--output-len -1"), (["--concurrency", "0"], "--concurrency 0"),
-    (["--max-model-len", "0"], "--max-model-len 0"), (["--max-model-len", "100"], "--prompt-len 512"),
+    (["--max-model-len", "0"], "--max-model-len 0"),
     (["--host", "2xXeon-8480C,0GB"], "memory must be more than 0"), (["--gpu", "-1xH200"], "count must be at least 1"),
     (["--gpu", "0xH200"], "count must be at least 1"), (["--block-size", "x"], "--block-size"),
     (["--tp", "0"], "--tp 0")])
@@ -1045,3 +1045,7 @@ def test_workload_longer_than_the_context_is_warned():
     assert any("a sequence stops at 600 (88 generated)" in n for n in p.notes)
     assert any("--concurrency 100 is over --max-num-seqs 8" in n for n in p.notes)
     assert p.speed["decode_concurrent"]["batch"] == 8
+    # a prompt the engine would refuse: said, and predicted at the longest prompt it takes
+    short = make_plan(PlanOptions("Llama-3-8B", host=HOST, max_model_len=100, prompt_len=512), advise=False)
+    assert any("--prompt-len 512 does not fit the context of 100 tokens (--max-model-len)" in n for n in short.notes)
+    assert short.speed["prompt_len"] == 99

@@ -207,15 +207,19 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         graphs_family = model.cuda_graphs and (not banks or fused_moe)
         piecewise = model.piecewise
     max_len = opts.max_model_len or mc.max_position_embeddings
-    if opts.prompt_len >= max_len:  # the engine refuses such a prompt (`LLMEngine`: no room to generate)
-        raise ConfigError(f"--prompt-len {opts.prompt_len}: the engine refuses prompts of the context length "
-                          f"({max_len} tokens, {'--max-model-len' if opts.max_model_len else 'the model'}'s) or longer")
     conc = opts.concurrency or opts.max_num_seqs
-    seq_tokens = min(max_len, opts.prompt_len + opts.output_len)
     early: list[str] = []  # notes on the workload, placed after the verdict's
-    if opts.prompt_len + opts.output_len > max_len:
-        early.append(f"warning: --prompt-len {opts.prompt_len} + --output-len {opts.output_len} exceeds the context "
-                     f"of {max_len} tokens: a sequence stops at {max_len} ({max_len - opts.prompt_len} generated)")
+    # the workload as the engine can run it: it refuses a prompt of the context's length or longer (`LLMEngine`: no
+    # room to generate) and stops a sequence at the context
+    prompt_len = min(opts.prompt_len, max_len - 1)
+    where = f"the context of {max_len} tokens (" + ("--max-model-len)" if opts.max_model_len else "the model's)")
+    if prompt_len < opts.prompt_len:
+        early.append(f"warning: --prompt-len {opts.prompt_len} does not fit {where}: the engine refuses such prompts; "
+                      f"predicted for {prompt_len}-token prompts")
+    elif opts.prompt_len + opts.output_len > max_len:
+        early.append(f"warning: --prompt-len {opts.prompt_len} + --output-len {opts.output_len} exceeds {where}: a "
+                     f"sequence stops at {max_len} ({max_len - prompt_len} generated)")
+    seq_tokens = min(max_len, prompt_len + opts.output_len)
     if conc > opts.max_num_seqs:
         early.append(f"warning: --concurrency {conc} is over --max-num-seqs {opts.max_num_seqs}: the engine decodes at "
                      f"most {opts.max_num_seqs} together (the rest wait); predicted at {opts.max_num_seqs}")
@@ -326,7 +330,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         tflops /= 8  # no fp32 tensor cores: TF32 at best
     layers = math.ceil(mc.num_hidden_layers / opts.pp)
     act_b, link = DTYPE_BYTES[opts.dtype], gpu.nvlink_gbs or gpu.h2d_gbs
-    ctx = opts.prompt_len + opts.output_len / 2
+    ctx = prompt_len + (seq_tokens - prompt_len) / 2
     dense_of = {g.name: g.nbytes for g in _stage_groups(dense_groups, mc.num_hidden_layers, opts.tp, opts.pp)}
     tier = placement.tier if placement else {g.name: GPU for g in mine}
 
@@ -542,7 +546,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                     expert_hit_rate=x["hit"],
                     parts_ms={p: v * 1e3 for p, v in t.parts.items()})
 
-    chunk = max(1, min(opts.max_num_batched_tokens, opts.prompt_len))
+    chunk = max(1, min(opts.max_num_batched_tokens, prompt_len))
     xp = experts_cost(chunk, prefill=True)
     # cached layers' experts run layer by layer (`StepCost.copy_layers`): out of the step-wide terms
     laid = xp["copy_layers"]
@@ -566,7 +570,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     packed = fmt.experts_scheme if any(m["packed"] for m in moe.values()) else None
     speed = dict(decode_batch1=d1, decode_concurrent=dn, prefill_tok_s=chunk / (pre.seconds * opts.pp),
                  prefill_binding=pre.binding, prefill_parts_ms={p: v * 1e3 for p, v in pre.parts.items() if v},
-                 ttft_s=math.ceil(opts.prompt_len / chunk) * pre.seconds * opts.pp + d1["step_ms"] / 1e3,
+                 ttft_s=math.ceil(prompt_len / chunk) * pre.seconds * opts.pp + d1["step_ms"] / 1e3,
+                 prompt_len=prompt_len,
                  cuda_graphs=d1["cuda_graphs"],
                  assumptions=dict(hbm_eff=estimate.HBM_EFF, moe_hbm_eff=estimate.MOE_HBM_EFF if E else None,
                                   mfu=estimate.MFU, moe_mfu=estimate.moe_mfu(tokens_per_expert(chunk)) if expert_active else None, h2d_gbs=gpu.h2d_gbs,

@@ -69,7 +69,7 @@ def render(plan: Plan, console: Console) -> None:
             f", experts {d['experts_path']} (hit {d['expert_hit_rate']:.2f})"
         t.add_row(f"decode, batch {d['batch']}", f"{d['tok_s']:,.1f}", f"{d['step_ms']:.2f} ms",
                   d["binding"] + path + (", graphs" if d.get("cuda_graphs") else ""))
-    t.add_row(f"prefill ({o.prompt_len}-token prompt)", f"{s['prefill_tok_s']:,.0f}", f"TTFT {s['ttft_s']:.3f} s",
+    t.add_row(f"prefill ({s.get('prompt_len', o.prompt_len)}-token prompt)", f"{s['prefill_tok_s']:,.0f}", f"TTFT {s['ttft_s']:.3f} s",
               s["prefill_binding"])
     console.print(t)
     a = s["assumptions"]

@@ -106,8 +106,8 @@ def test_gpu_checks_judge_nvml_readings():
     assert got["gpu0_pcie_link"].status == "warn" and got["gpu0_pcie_link"].value == "gen 5 x8"
     assert got["gpu0_persistence"].fix == "nvidia-smi -i 0 -pm 1"
     assert got["gpu0_ecc"].status == "fail" and got["gpu0_temperature"].status == "warn"
-    assert got["gpu0_temperature"].value == "90 C, SM clock 1200 of 1980 MHz"
-    assert got["gpu0_throttle"].status == "warn" and got["gpu1_numa"].value == "node 1"
+    assert got["gpu0_temperature"].value == "90 C"
+    assert got["gpu0_clocks"].status == "fail" and got["gpu1_numa"].value == "node 1"
     assert got["gpu_topology"].status == "warn" and "0-1 across sockets" in got["gpu_topology"].value
     # NVML's -1 (the lent H200, one node): said as such, not as a node called -1
     (numa,) = [c for c in doctor.gpu_checks([_gpu(0, numa_node=-1)], True) if c.name == "gpu0_numa"]
@@ -399,3 +399,96 @@ def test_fixes_scripts_shell_part_reaches_the_shell_that_sources_it(tmp_path):
     sourced = subprocess.run(["sh", "-c", f". {f}; ulimit -Sn"], capture_output=True, text=True)
     run = subprocess.run(["sh", "-c", f"sh {f}; ulimit -Sn"], capture_output=True, text=True)
     assert sourced.stdout.split() == [str(soft - 1)] and run.stdout.split() == [str(soft)]
+
+
+def test_clock_checks_judge_reasons_and_settings():
+    """Clocks with NVML's event reasons: the GPU's own slowdown fails, a thermal one warns, idle and a power cap at
+    the default limit are said and pass; a power limit or applications clocks below the default warn with the
+    command that restores the default."""
+    def clocks(**kw):
+        return {c.name: c for c in doctor.clock_checks(_gpu(0, sm_clock=345, sm_clock_max=1980, mem_clock=2619,
+                                                              mem_clock_max=2619, **kw))}
+
+    idle = clocks(throttle=["idle"], power_limit_w=700.0, power_limit_default_w=700.0, app_sm_clock=1980,
+                  app_sm_clock_default=1980)
+    assert [c.status for c in idle.values()] == ["ok", "ok", "ok"]
+    assert idle["gpu0_clocks"].value == "SM 345 of 1980 MHz; memory 2619 of 2619 MHz; reasons: idle"
+    assert "under load" in idle["gpu0_clocks"].why
+    hot = clocks(throttle=["hw thermal", "sw thermal"])["gpu0_clocks"]
+    assert hot.status == "fail" and hot.scope == "note" and "cooling" in hot.fix
+    assert clocks(throttle=["power brake"])["gpu0_clocks"].status == "fail"
+    assert clocks(throttle=["sw thermal"])["gpu0_clocks"].status == "warn"
+    assert clocks(throttle=None)["gpu0_clocks"].value.endswith("reasons: not reported")
+    capped = clocks(throttle=["power cap"], power_limit_w=400.0, power_limit_default_w=700.0)
+    assert capped["gpu0_clocks"].status == "ok" and "normal under full load" in capped["gpu0_clocks"].why
+    pl = capped["gpu0_power_limit"]
+    assert pl.status == "warn" and pl.fix == "nvidia-smi -i 0 -pl 700" and pl.scope == "machine"
+    assert pl.persist.startswith("# nvidia-smi -pl lasts until reboot")
+    assert clocks(power_limit_w=699.0, power_limit_default_w=700.0)["gpu0_power_limit"].status == "ok"  # rounding
+    app = clocks(app_sm_clock=1410, app_sm_clock_default=1980)["gpu0_app_clocks"]
+    assert app.status == "warn" and app.fix == "nvidia-smi -i 0 -rac"
+    assert set(clocks()) == {"gpu0_clocks"}  # no power or applications-clock readings: no checks for them
+
+
+class FakeNvml:
+    """pynvml as `probe.read_gpus` calls it, for two GPUs (index 1 throttled, a lowered power limit); a call it
+    does not define raises, as a function the driver lacks does."""
+
+    def __init__(self, topology=50, p2p=None):
+        self.topology, self.p2p = topology, p2p or {}
+
+    def __getattr__(self, name):
+        if name.startswith("nvml"):
+            def unsupported(*a):
+                raise RuntimeError(f"{name}: not supported")
+            return unsupported
+        raise AttributeError(name)
+
+    def nvmlDeviceGetCount(self):
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetName(self, h):
+        return b"NVIDIA H100 80GB HBM3"
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return type("Mem", (), {"total": 80 * 2**30})
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return type("Pci", (), {"busId": f"00000000:{0x19 + h:02X}:00.0".encode()})
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        return 0x1 if h == 0 else 0x4 | 0x40
+
+    def nvmlDeviceGetClockInfo(self, h, kind):
+        return {1: 1980 if h == 0 else 1100, 2: 2619}[kind]
+
+    def nvmlDeviceGetMaxClockInfo(self, h, kind):
+        return {1: 1980, 2: 2619}[kind]
+
+    def nvmlDeviceGetPowerManagementLimit(self, h):
+        return 700_000 if h == 0 else 350_000
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, h):
+        return 700_000
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a, b):
+        return self.topology
+
+    def nvmlDeviceGetP2PStatus(self, a, b, index):
+        return self.p2p.get((min(a, b), max(a, b), index), 0)
+
+
+def test_read_gpus_through_a_fake_nvml(monkeypatch):
+    """The NVML reader on fake readings: clock event reasons named (idle kept), clocks and power limits in their
+    units, a call the driver lacks read as unknown; the judgement follows."""
+    monkeypatch.setattr(probe, "nvml", lambda: FakeNvml())
+    g0, g1 = probe.read_gpus()
+    assert (g0.name, g0.bus_id, g0.throttle, g1.throttle) == ("NVIDIA H100 80GB HBM3", "00000000:19:00.0", ["idle"],
+                                                              ["power cap", "hw thermal"])
+    assert (g1.sm_clock, g1.mem_clock, g1.power_limit_w, g1.power_limit_default_w) == (1100, 2619, 350.0, 700.0)
+    assert g0.app_sm_clock is None and g0.temperature_c is None and g0.persistence is None  # unknown, not 0 or off
+    got = {c.name: c.status for c in doctor.gpu_checks([g0, g1], True)}
+    assert (got["gpu0_clocks"], got["gpu1_clocks"], got["gpu1_power_limit"]) == ("ok", "fail", "warn")

@@ -287,14 +287,9 @@ def gpu_checks(gpus: list[GpuReadings], nvml_present: bool) -> list[Check]:
                              "recur" if errs else ""))
         if g.temperature_c is not None:
             hot = g.temperature_c >= 85
-            clocks = (f", SM clock {g.sm_clock} of {g.sm_clock_max} MHz" if g.sm_clock is not None and g.sm_clock_max
-                      else "")
-            out.append(Check(f"{p}_temperature", WARN if hot else OK, f"{g.temperature_c} C{clocks}", "< 85 C",
+            out.append(Check(f"{p}_temperature", WARN if hot else OK, f"{g.temperature_c} C", "< 85 C",
                              "hot GPUs throttle clocks", "# check airflow and fan settings" if hot else ""))
-        if g.throttle:
-            out.append(Check(f"{p}_throttle", WARN, ", ".join(g.throttle), "none",
-                             "active throttling lowers clocks below what the plan assumes",
-                             "nvidia-smi -q -d PERFORMANCE  # to see why"))
+        out += clock_checks(g)
         node = ("unknown" if g.numa_node is None else f"node {g.numa_node}" if g.numa_node >= 0
                 else "no NUMA affinity reported (-1: one node, or firmware that does not say)")
         out.append(Check(f"{p}_numa", OK, node, "", "pin the server's CPU threads and host memory to this node"))
@@ -305,6 +300,57 @@ def gpu_checks(gpus: list[GpuReadings], nvml_present: bool) -> list[Check]:
                          "TP groups of GPUs that share a PCIe switch or NVLink",
                          "tensor-parallel all-reduces between GPUs on different sockets cross the CPU interconnect",
                          "# choose TP groups within one node (CUDA_VISIBLE_DEVICES)" if far else ""))
+    return out
+
+
+HW_SLOWDOWN = ("hw slowdown", "hw thermal", "power brake")
+"""Clock event reasons where the GPU's own protection cuts the clocks (by half or more): a fault, not a setting."""
+
+
+def clock_checks(g: GpuReadings) -> list[Check]:
+    """The clocks and why they are where they are (NVML's clock event reasons), then the two settings that lower
+    them: a power limit below the default and applications clocks below the default."""
+    p = f"gpu{g.index}"
+    parts = [f"{n} {now} of {top} MHz" for n, now, top in (("SM", g.sm_clock, g.sm_clock_max),
+                                                         ("memory", g.mem_clock, g.mem_clock_max))
+             if now is not None and top]
+    reasons = g.throttle
+    parts.append("reasons: " + ("not reported" if reasons is None else ", ".join(reasons) or "none"))
+    hw = [r for r in reasons or () if r in HW_SLOWDOWN]
+    expected = "no hardware or thermal slowdown"
+    if hw:
+        out = [Check(f"{p}_clocks", FAIL, "; ".join(parts), expected,
+                     "the GPU's own protection cuts its clocks by half or more (overheating, or a power supply or "
+                     "board that signals it cannot deliver): it runs at a fraction of the rate the plan assumes",
+                     f"# check GPU {g.index}'s cooling and power feed: nvidia-smi -i {g.index} -q -d "
+                     "PERFORMANCE,TEMPERATURE,POWER and the BMC's event log")]
+    elif "sw thermal" in (reasons or ()):
+        out = [Check(f"{p}_clocks", WARN, "; ".join(parts), expected,
+                     "the driver lowers the clocks to keep the GPU under its temperature limit",
+                     "# check airflow, fans and the inlet temperature")]
+    else:
+        notes = {"idle": "idle: clocks drop at rest, so read them again under load (while ferry serves)",
+                 "power cap": "power cap at the board's limit: normal under full load",
+                 "applications clocks": "held at the applications clocks (see the applications-clock check)"}
+        why = "; ".join(notes[r] for r in reasons or () if r in notes)
+        out = [Check(f"{p}_clocks", OK, "; ".join(parts), expected,
+                     why or "the plan assumes the data sheet's clocks; slowdown reasons say when a GPU runs below them")]
+    if g.power_limit_w and g.power_limit_default_w:
+        low = g.power_limit_w < 0.98 * g.power_limit_default_w  # the driver rounds: a watt or two off is the default
+        out.append(Check(f"{p}_power_limit", WARN if low else OK,
+                         f"{g.power_limit_w:.0f} W", f"the default {g.power_limit_default_w:.0f} W",
+                         "a power limit below the default caps the clocks under load (reason 'power cap'): decode "
+                         "and prefill run below the rate the plan assumes",
+                         **(dict(fix=f"nvidia-smi -i {g.index} -pl {g.power_limit_default_w:.0f}",
+                                 persist="# nvidia-smi -pl lasts until reboot or a driver reload: run it from a "
+                                         "boot unit (after nvidia-persistenced), or remove whatever lowers it")
+                            if low else {})))
+    if g.app_sm_clock and g.app_sm_clock_default:
+        low = g.app_sm_clock < g.app_sm_clock_default
+        out.append(Check(f"{p}_app_clocks", WARN if low else OK, f"SM {g.app_sm_clock} MHz",
+                         f"the default {g.app_sm_clock_default} MHz",
+                         "applications clocks set below the default hold the GPU below its boost under load",
+                         f"nvidia-smi -i {g.index} -rac" if low else ""))
     return out
 
 

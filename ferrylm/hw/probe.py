@@ -180,8 +180,16 @@ class GpuReadings:
     temperature_c: int | None = None
     sm_clock: int | None = None
     sm_clock_max: int | None = None
-    throttle: list = field(default_factory=list)
-    """Active clock throttle reasons other than idle."""
+    mem_clock: int | None = None
+    mem_clock_max: int | None = None
+    app_sm_clock: int | None = None
+    """The applications clock set for the SM (MHz): what the GPU boosts to under load."""
+    app_sm_clock_default: int | None = None
+    power_limit_w: float | None = None
+    power_limit_default_w: float | None = None
+    throttle: list | None = field(default_factory=list)
+    """NVML's active clock event ("throttle") reasons, named as `_THROTTLE` names them, idle included; None when
+    the driver does not say."""
     numa_node: int | None = None
     bus_id: str | None = None
     p2p: dict = field(default_factory=dict)
@@ -224,7 +232,11 @@ def read_gpus(root: str = "/") -> list[GpuReadings]:
             pci = q(nv.nvmlDeviceGetPciInfo, hd)
             bus = (pci.busId.decode() if isinstance(pci.busId, bytes) else pci.busId) if pci else None
             ecc = q(nv.nvmlDeviceGetEccMode, hd)
-            reasons = q(nv.nvmlDeviceGetCurrentClocksThrottleReasons, hd) or 0
+            reasons = q(getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)  # NVML >= 12.2's name
+                        or getattr(nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None), hd)
+            persistence = q(nv.nvmlDeviceGetPersistenceMode, hd)
+            power, power_default = q(nv.nvmlDeviceGetPowerManagementLimit, hd), q(
+                nv.nvmlDeviceGetPowerManagementDefaultLimit, hd)  # mW
             g = GpuReadings(
                 i, name.decode() if isinstance(name, bytes) else str(name), mem.total if mem else 0,
                 driver=driver.decode() if isinstance(driver, bytes) else driver,
@@ -233,12 +245,17 @@ def read_gpus(root: str = "/") -> list[GpuReadings]:
                 pcie_gen_max=q(nv.nvmlDeviceGetMaxPcieLinkGeneration, hd),
                 pcie_width=q(nv.nvmlDeviceGetCurrPcieLinkWidth, hd),
                 pcie_width_max=q(nv.nvmlDeviceGetMaxPcieLinkWidth, hd),
-                persistence=(q(nv.nvmlDeviceGetPersistenceMode, hd) == 1),
+                persistence=None if persistence is None else persistence == 1,
                 ecc=None if ecc is None else bool(ecc[0]),
                 ecc_uncorrected=q(nv.nvmlDeviceGetTotalEccErrors, hd, 1, 1),  # uncorrected, volatile
                 temperature_c=q(nv.nvmlDeviceGetTemperature, hd, 0),
                 sm_clock=q(nv.nvmlDeviceGetClockInfo, hd, 1), sm_clock_max=q(nv.nvmlDeviceGetMaxClockInfo, hd, 1),
-                throttle=_throttle_names(reasons), bus_id=bus)
+                mem_clock=q(nv.nvmlDeviceGetClockInfo, hd, 2), mem_clock_max=q(nv.nvmlDeviceGetMaxClockInfo, hd, 2),
+                app_sm_clock=q(nv.nvmlDeviceGetApplicationsClock, hd, 1),
+                app_sm_clock_default=q(nv.nvmlDeviceGetDefaultApplicationsClock, hd, 1),
+                power_limit_w=power / 1000 if power else None,
+                power_limit_default_w=power_default / 1000 if power_default else None,
+                throttle=None if reasons is None else _throttle_names(reasons), bus_id=bus)
             if bus:
                 g.numa_node = _int(read(root, f"/sys/bus/pci/devices/{bus.lower()[-12:]}/numa_node"))
             out.append(g)
@@ -253,8 +270,9 @@ def read_gpus(root: str = "/") -> list[GpuReadings]:
 
 
 _TOPO = {0: "INTERNAL", 10: "SINGLE", 20: "MULTIPLE", 30: "HOSTBRIDGE", 40: "NODE", 50: "SYSTEM"}
-_THROTTLE = {0x2: "applications clocks", 0x4: "power cap", 0x8: "hw slowdown", 0x20: "sw thermal",
-             0x40: "hw thermal", 0x80: "power brake"}
+_THROTTLE = {0x1: "idle", 0x2: "applications clocks", 0x4: "power cap", 0x8: "hw slowdown", 0x10: "sync boost",
+             0x20: "sw thermal", 0x40: "hw thermal", 0x80: "power brake", 0x100: "display clocks"}
+"""NVML's clock event reason bits (nvmlClocksEventReason*, formerly nvmlClocksThrottleReason*)."""
 
 
 def _throttle_names(mask: int) -> list[str]:

@@ -237,19 +237,25 @@ def test_cli_plan_json_and_errors(capsys):
     assert "needs offload" in out and "decode, batch 1" in out and "experts" in out
 
 
-def test_cli_plan_check_on_cpu(tmp_path, capsys):
-    """`--check` runs the engine with the planned settings: on the CPU the byte counts are compared."""
-    from ferrylm.cli import main
+def test_cli_plan_check_refuses_what_it_cannot_compare(tmp_path, capsys):
+    """`--check` runs the CUDA engine against the plan: on the CPU (a GPU profile's plan beside a CPU run: weights
+    0.00 GiB measured, +382741%) and for a config without weights it says why in one line, before planning; without
+    a GPU it says it needs one (it raised torch's AttributeError). bench_plan's CPU smoke still runs the check's code."""
+    import torch
 
     path = _yuan_dir(tmp_path, "yuan2-m32-tiny")
-    assert main(["plan", path, "--check", "--device", "cpu", "--dtype", "float32", "--host", HOST,
-                 "--max-model-len", "64", "--max-num-seqs", "2", "--kv-cache-memory-gb", "0.005",
-                 "--prompt-len", "32", "--output-len", "8", "--json"]) == 0
-    rows = {r["metric"]: r for r in json.loads(capsys.readouterr().out)["check"]}
-    assert set(rows) == {"weights", "kv", "kv_tokens"}
-    for r in rows.values():
-        print(r)
-        assert r["within"] and r["rel_error"] == 0
+    rc, out, err = _plan_cli(capsys, path, "--check", "--device", "cpu", "--host", HOST, "--max-model-len", "64")
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--check runs the engine: it needs a CUDA device, not --device cpu" in err
+    rc, out, err = _plan_cli(capsys, "Qwen2-72B", "--check", "--device", "cpu")
+    assert rc == 2 and "and a model with weights" in err and "'Qwen2-72B' is a built-in catalog config, without weights" in err
+    if torch.cuda.is_available():
+        return
+    for model in (path, "Qwen2-72B"):
+        rc, out, err = _plan_cli(capsys, model, "--check", "--host", HOST, "--max-model-len", "64")
+        print(err)
+        assert rc == 2 and "a CUDA GPU, and torch finds none on this machine" in err and "Traceback" not in err
+        assert ("without weights" in err) == (model == "Qwen2-72B")
 
 
 @pytest.mark.parametrize("scheme,group,inter", [("int4", 32, 192), ("nf4", 64, 192), ("nf4", 64, 96), ("int8", 64, 192),

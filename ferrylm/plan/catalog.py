@@ -80,6 +80,18 @@ def lookup(name: str) -> tuple[str, dict] | None:
     return None
 
 
+def has_weights(spec: str) -> bool:
+    """Whether `spec` names weights the engine can load (a .gguf, a ferry store, a directory of safetensors or one
+    .gguf), not a config alone (a catalog name, a config.json, a directory holding only config.json)."""
+    path = os.path.expanduser(spec)
+    if os.path.isfile(path):
+        return path.endswith(".gguf")
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    return "ferry.json" in names or any(n.endswith((".safetensors", ".gguf")) for n in names)
+
+
 def resolve_model(spec: str) -> tuple[str, dict]:
     """A catalog name, a config.json file, or anything `open_source` reads -> (display name, config dict)."""
     path = os.path.expanduser(spec)

@@ -6,13 +6,15 @@ On CUDA, weights are what the device's allocator held once the weights were plac
 weights_allocated`: resident groups, stream buffers, expert slots, with the RoPE tables and a cuBLAS workspace:
 the plan's `per_gpu["held"]`), and peak device memory is
 `torch.cuda.max_memory_allocated` over the whole run plus the plan's CUDA-context allowance (the allocator
-cannot see the context). On the CPU only the byte counts are compared (the plan's speeds are for its GPU
-profile), and weights are every parameter's bytes (the CPU engine holds them all). Aims (issue #14):
-weights +-1%, peak +-5%, decode +-20%.
+cannot see the context). `ferry plan --check` runs on a CUDA GPU only (`refusal`: a CPU run against a GPU
+profile's plan compares nothing honest); the CPU path stays for `benchmarks/bench_plan.py`'s smoke run of the same
+code on tiny shapes with a fixed KV pool, where only the byte counts are compared and weights are every
+parameter's bytes (the CPU engine holds them all). Aims (issue #14): weights +-1%, peak +-5%, decode +-20%.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -22,6 +24,27 @@ AIMS = {"weights": 0.01, "kv": 0.01, "peak": 0.05, "kv_tokens": 0.01, "step_acti
         "decode_concurrent": 0.2, "prefill": 0.3, "hit_rate": 0.2}
 """Issue #14's aims; step_activations (the warm-up step's peak, which sizes the KV pool on CUDA) and hit_rate
 (the expert cache's predicted hit rate, offloaded MoE) are not the issue's: their aims are first bounds."""
+
+
+def refusal(model, device: str) -> str | None:
+    """Why `--check` cannot run `model` on `device` here, in one line; None where it can. It needs the CUDA engine
+    (the plan's figures are a GPU profile's: the CPU engine sizes its KV pool and holds packed weights its own way,
+    so a CPU run has nothing honest to compare) and weights to load."""
+    import torch
+
+    from ferrylm.plan.catalog import has_weights, lookup
+
+    why = []
+    if not device.startswith("cuda"):
+        why.append(f"a CUDA device, not --device {device} (the plan is for a GPU profile; the CPU engine sizes its KV "
+                   "pool and holds weights its own way)")
+    elif not torch.cuda.is_available():
+        why.append("a CUDA GPU, and torch finds none on this machine")
+    if isinstance(model, str) and not has_weights(model):
+        what = "a built-in catalog config" if not os.path.exists(os.path.expanduser(model)) and lookup(model) else \
+            "a config"
+        why.append(f"a model with weights (a model directory, .gguf or ferry store): {model!r} is {what}, without weights")
+    return "--check runs the engine: it needs " + "; and ".join(why) if why else None
 
 
 def engine_for(plan: Plan, model, device: str):
@@ -310,11 +333,15 @@ def run_check(plan: Plan, model, device: str) -> list[dict]:
     without a routing profile (none given, none saved beside the model) also gets its speeds re-predicted from the
     routing the run saw (`routing_rows`): the plan alone assumes independent, uniform routing, which real and
     random-weight models both beat."""
-    import os
     import tempfile
 
     import torch
 
+    from ferrylm.errors import ConfigError
+
+    why = refusal(model, device)
+    if why:
+        raise ConfigError(why)
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -53,7 +53,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--check", action="store_true",
                    help="run the engine briefly with these settings (MODEL must hold weights) and print predicted "
                         "vs measured")
-    p.add_argument("--device", default="cuda", help="device for --check (default cuda)")
+    p.add_argument("--device", default="cuda", help="CUDA device for --check (default cuda)")
     p.set_defaults(func=cmd_plan)
 
 
@@ -75,6 +75,13 @@ def cmd_plan(a: argparse.Namespace) -> None:
         from ferrylm.errors import ConfigError
 
         raise ConfigError("ferry plan needs a MODEL (a catalog name, config.json, directory, .gguf or store; --list)")
+    if a.check:  # before planning: a check that cannot run here says so at once
+        from ferrylm.errors import ConfigError
+        from ferrylm.plan.check import refusal
+
+        why = refusal(a.model, a.device)
+        if why:
+            raise ConfigError(why)
     values = {f.name: getattr(a, f.name) for f in dataclasses.fields(PlanOptions)}
     opts = PlanOptions(**{**values, "place": tuple(values["place"])})
     plan = make_plan(opts)

@@ -1055,3 +1055,47 @@ def test_workload_longer_than_the_context_is_warned():
     short = make_plan(PlanOptions("Llama-3-8B", host=HOST, max_model_len=100, prompt_len=512), advise=False)
     assert any("--prompt-len 512 does not fit the context of 100 tokens (--max-model-len)" in n for n in short.notes)
     assert short.speed["prompt_len"] == 99
+
+
+def test_a_quantized_store_is_planned_as_converted(tiny_llama, tmp_path):
+    """`ferry plan DIR` on a `ferry convert --quant` store plans the scheme and group size its ferry.json records
+    (it was planned in bf16); a --quant or --group-size that contradicts the store is refused, --quant on an
+    unquantized store plans that conversion and says so."""
+    from ferrylm.weights.convert import ConvertOptions, convert
+
+    cfg = os.path.join(tiny_llama, "config.json")
+    opts = dict(host=HOST, max_model_len=128, max_num_seqs=2)
+    for scheme, group in (("int8", 64), ("int4", 32)):
+        store = str(tmp_path / scheme)
+        convert(tiny_llama, store, ConvertOptions(quant=scheme, group_size=group))
+        p = make_plan(PlanOptions(store, **opts), advise=False)
+        want = make_plan(PlanOptions(cfg, quant=scheme, group_size=group, **opts), advise=False)
+        dense = make_plan(PlanOptions(cfg, **opts), advise=False)
+        print(scheme, p.weights_bytes, dense.weights_bytes)
+        assert p.options.quant == scheme and p.weights_bytes == want.weights_bytes
+        assert sum(p.weights_bytes.values()) < sum(dense.weights_bytes.values())
+        assert any(f"the store's own quantization (its ferry.json): --quant {scheme}" in n for n in p.notes)
+    assert make_plan(PlanOptions(str(tmp_path / "int4"), **opts), advise=False).options.group_size == 32
+    with pytest.raises(ConfigError, match="converted with --quant int8"):
+        make_plan(PlanOptions(str(tmp_path / "int8"), quant="nf4", **opts))
+    with pytest.raises(ConfigError, match="--group-size 64: the store .* was converted with --group-size 32"):
+        make_plan(PlanOptions(str(tmp_path / "int4"), group_size=64, **opts))
+    plain = str(tmp_path / "plain")
+    convert(tiny_llama, plain, ConvertOptions())
+    asked = make_plan(PlanOptions(plain, quant="int8", **opts), advise=False)
+    assert asked.weights_bytes == make_plan(PlanOptions(cfg, quant="int8", **opts), advise=False).weights_bytes
+    assert any("converted without --quant (its ferry.json): planned as a store converted with --quant int8" in n
+               for n in asked.notes)
+
+
+def test_a_directory_with_only_config_json_is_planned(tiny_llama, tmp_path, capsys):
+    """A plan needs the config alone: a directory holding only config.json is planned (it was refused: "no
+    *.safetensors files"), as its config.json is; --check on it needs weights and says so."""
+    d = tmp_path / "config-only"
+    d.mkdir()
+    (d / "config.json").write_text(open(os.path.join(tiny_llama, "config.json")).read())
+    opts = dict(host=HOST, max_model_len=128, max_num_seqs=2)
+    p = make_plan(PlanOptions(str(d), **opts), advise=False)
+    assert p.weights_bytes == make_plan(PlanOptions(tiny_llama, **opts), advise=False).weights_bytes
+    rc, out, err = _plan_cli(capsys, str(d), "--check", "--device", "cpu")
+    assert rc == 2 and "is a config, without weights" in err

@@ -92,9 +92,26 @@ def has_weights(spec: str) -> bool:
     return "ferry.json" in names or any(n.endswith((".safetensors", ".gguf")) for n in names)
 
 
-def resolve_model(spec: str) -> tuple[str, dict]:
-    """A catalog name, a config.json file, or anything `open_source` reads -> (display name, config dict)."""
+def store_quantization(spec: str) -> dict | None:
+    """A ferry store's quantization as its ferry.json records it (`ferry convert`: scheme, group_size, double_quant,
+    keep_high_precision), with `packed_from`: the sources whose packed blocks it kept as they were (a GGUF's, with
+    --quant none). None when `spec` is no ferry store."""
     path = os.path.expanduser(spec)
+    if not os.path.isfile(os.path.join(path, "ferry.json")):
+        return None
+    from ferrylm.weights.store import read_manifest
+
+    manifest = read_manifest(path)
+    return dict(manifest.get("quantization") or {},
+                packed_from={t["packed_from"] for t in manifest["tensors"] if t.get("packed_from")})
+
+
+def resolve_model(spec: str) -> tuple[str, dict]:
+    """A catalog name, a config.json file (or a directory holding one and no weights: a plan needs the config
+    alone), or anything `open_source` reads -> (display name, config dict)."""
+    path = os.path.expanduser(spec)
+    if os.path.isdir(path) and not has_weights(path) and os.path.isfile(os.path.join(path, "config.json")):
+        path = os.path.join(path, "config.json")
     if os.path.isfile(path) and path.endswith(".json"):
         try:
             with open(path, encoding="utf-8") as f:

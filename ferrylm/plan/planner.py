@@ -45,8 +45,9 @@ class PlanOptions:
     packed where the engine keeps them packed: int4, nf4)."""
     expert_quant: str | None = None
     """The experts' scheme when it differs from --quant (e.g. nf4 experts, the rest bf16); None: --quant's."""
-    group_size: int = 64
-    """NF4 / int4 group size the store was converted with (`ferry convert --group-size`)."""
+    group_size: int | None = None
+    """NF4 / int4 group size the store was converted with (`ferry convert --group-size`); None: a ferry store's own
+    (its ferry.json), else 64."""
     expert_hit_rate: float | None = None
     """Share of routed experts found on the device, e.g. measured by a run; None: predicted from the routing
     (`plan/hit_rate.py`: `expert_profile`, `routing`, else uniform)."""
@@ -144,6 +145,7 @@ def _stage_groups(groups: list[TensorGroup], layers: int, tp: int, pp: int) -> l
 def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     """`advise`: also try the alternatives the notes suggest (a plan of its own each, without advice)."""
     _check_counts(opts)
+    opts, store_notes = _store_quant(opts, catalog.store_quantization(opts.model))
     if opts.dtype not in DTYPE_BYTES:
         raise ConfigError(f"--dtype {opts.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
     for flag, q in (("--quant", opts.quant), ("--expert-quant", opts.expert_quant)):
@@ -208,7 +210,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         piecewise = model.piecewise
     max_len = opts.max_model_len or mc.max_position_embeddings
     conc = opts.concurrency or opts.max_num_seqs
-    early: list[str] = []  # notes on the workload, placed after the verdict's
+    early = list(store_notes)  # notes on the model's store and the workload, placed after the verdict's
     # the workload as the engine can run it: it refuses a prompt of the context's length or longer (`LLMEngine`: no
     # room to generate) and stops a sequence at the context
     prompt_len = min(opts.prompt_len, max_len - 1)
@@ -759,6 +761,45 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                      "(memory.analytical_groups); the engine cannot run it")
     return Plan(opts, name, mc.architecture, n_gpu, gpu.name, host.name, count.total, count.active,
                 summarize(groups), per_gpu, verdict, pl, speed, notes, counted, qual)
+
+
+def _store_quant(opts: PlanOptions, stored: dict | None) -> tuple[PlanOptions, list[str]]:
+    """The options a model's own quantization implies (`stored`: a ferry store's ferry.json "quantization", None for
+    anything else): a quantized store is planned as converted (the engine loads it so), whatever --quant says (a
+    different --quant or --group-size is refused); --quant on an unquantized store plans that conversion, and says
+    so. Returns (options, notes)."""
+    group = opts.group_size or 64
+    if stored is None:
+        return replace(opts, group_size=group), []
+    scheme, groups = stored.get("scheme") or "none", ("int4", "nf4")
+    if scheme == "none":
+        notes = []
+        if stored.get("packed_from"):
+            notes.append(f"the store keeps its source's packed blocks ({', '.join(sorted(stored['packed_from']))}, "
+                         f"converted without --quant), counted here in {opts.dtype}: an upper bound")
+        if opts.quant:
+            notes.append(f"the store was converted without --quant (its ferry.json): planned as a store converted with "
+                         f"--quant {opts.quant} would be (`ferry convert SRC DIR --quant {opts.quant}`), not as this one "
+                         "loads")
+        return replace(opts, group_size=group), notes
+    for flag, given in (("--quant", opts.quant), ("--expert-quant", opts.expert_quant)):
+        if given and given != scheme:
+            raise ConfigError(f"{flag} {given}: the store {opts.model} was converted with --quant {scheme} (its "
+                              f"ferry.json), which the engine loads as it is; drop {flag}, or plan another store")
+    if scheme in groups and opts.group_size and opts.group_size != stored.get("group_size", 64):
+        raise ConfigError(f"--group-size {opts.group_size}: the store {opts.model} was converted with --group-size "
+                          f"{stored.get('group_size', 64)} (its ferry.json); drop --group-size")
+    group = stored.get("group_size", 64) if scheme in groups else group
+    note = (f"planned with the store's own quantization (its ferry.json): --quant {scheme}"
+            + (f", --group-size {group}" if scheme in groups else ""))
+    if stored.get("double_quant"):
+        note += "; its NF4 absmaxes are int8 (--double-quant), counted as fp32: a little over"
+    from ferrylm.weights.convert import HIGH_PRECISION
+
+    extra = [p for p in stored.get("keep_high_precision", ()) if p not in HIGH_PRECISION]
+    if extra:
+        note += f"; its own --keep-high-precision {' '.join(extra)} is not counted (those weights counted packed)"
+    return replace(opts, quant=scheme, expert_quant=None, group_size=group), [note]
 
 
 def _check_counts(opts: PlanOptions) -> None:

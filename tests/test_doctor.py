@@ -97,7 +97,7 @@ def _gpu(i, **kw) -> GpuReadings:
 def test_gpu_checks_judge_nvml_readings():
     assert [(c.name, c.status) for c in doctor.gpu_checks([], nvml_present=False)] == [("gpu", "skip")]
     good = {c.name: c.status for c in doctor.gpu_checks([_gpu(0, p2p={1: "NODE"}), _gpu(1, p2p={0: "NODE"})], True)}
-    assert all(s == "ok" for s in good.values()) and good["gpu_topology"] == "ok"
+    assert all(s == "ok" for s in good.values()) and good["gpu_topology"] == good["gpu_tp_groups"] == "ok"
     bad = doctor.gpu_checks([_gpu(0, pcie_width=8, persistence=False, ecc_uncorrected=3, temperature_c=90,
                                   throttle=["hw thermal"], p2p={1: "SYSTEM"}, sm_clock=1200, sm_clock_max=1980),
                              _gpu(1, numa_node=1, p2p={0: "SYSTEM"})],
@@ -108,7 +108,8 @@ def test_gpu_checks_judge_nvml_readings():
     assert got["gpu0_ecc"].status == "fail" and got["gpu0_temperature"].status == "warn"
     assert got["gpu0_temperature"].value == "90 C"
     assert got["gpu0_clocks"].status == "fail" and got["gpu1_numa"].value == "node 1"
-    assert got["gpu_topology"].status == "warn" and "0-1 across sockets" in got["gpu_topology"].value
+    assert got["gpu_topology"].value == "SYSTEM: 0-1" and got["gpu_tp_groups"].status == "warn"
+    assert "--pipeline-parallel-size 2" in got["gpu_tp_groups"].fix
     # NVML's -1 (the lent H200, one node): said as such, not as a node called -1
     (numa,) = [c for c in doctor.gpu_checks([_gpu(0, numa_node=-1)], True) if c.name == "gpu0_numa"]
     assert numa.status == "ok" and numa.value.startswith("no NUMA affinity reported")
@@ -478,7 +479,7 @@ class FakeNvml:
         return self.topology
 
     def nvmlDeviceGetP2PStatus(self, a, b, index):
-        return self.p2p.get((min(a, b), max(a, b), index), 0)
+        return self.p2p.get((min(a, b), max(a, b), index), 0 if index == 0 else 5)  # P2P reads OK; NVLink not
 
 
 def test_read_gpus_through_a_fake_nvml(monkeypatch):
@@ -492,3 +493,84 @@ def test_read_gpus_through_a_fake_nvml(monkeypatch):
     assert g0.app_sm_clock is None and g0.temperature_c is None and g0.persistence is None  # unknown, not 0 or off
     got = {c.name: c.status for c in doctor.gpu_checks([g0, g1], True)}
     assert (got["gpu0_clocks"], got["gpu1_clocks"], got["gpu1_power_limit"]) == ("ok", "fail", "warn")
+
+
+def _machine(n: int, link) -> list[GpuReadings]:
+    """`n` fake GPUs whose pair (a, b) is linked by `link(a, b)`: a level name, or (level, False) for no P2P."""
+    def pair(a, b):
+        x = link(min(a, b), max(a, b))
+        return x if isinstance(x, tuple) else (x, True)
+
+    return [_gpu(i, p2p={j: pair(i, j)[0] for j in range(n) if j != i},
+                 p2p_read={j: pair(i, j)[1] for j in range(n) if j != i}) for i in range(n)]
+
+
+def _tp(gpus) -> dict[str, str]:
+    return {c.name: c for c in doctor.topology_checks(gpus)}
+
+
+def test_tp_groups_follow_the_topology():
+    """Which GPUs make a TP group, on fake NVML topologies: a two-socket PCIe box (pairs under a switch), the same
+    with its GPUs numbered across the sockets, NVLink-bridged pairs, an NVSwitch box, and three GPUs."""
+    def two_socket(node, switch):
+        return lambda a, b: "SINGLE" if switch(a) == switch(b) else "NODE" if node(a) == node(b) else "SYSTEM"
+
+    pcie = _machine(8, two_socket(lambda i: i // 4, lambda i: i // 2))
+    assert doctor.tp_groups(pcie, 2) == ([[0, 1], [2, 3], [4, 5], [6, 7]], doctor.LINKS.index("SINGLE"))
+    assert doctor.tp_groups(pcie, 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], doctor.LINKS.index("NODE"))
+    c = _tp(pcie)["gpu_tp_groups"]
+    assert c.status == "ok" and c.value == ("TP 2: [0,1] [2,3] [4,5] [6,7] over SINGLE; TP 4: [0,1,2,3] [4,5,6,7] "
+                                            "over NODE; TP 8: [0,1,2,3,4,5,6,7] over SYSTEM")
+    assert "TP up to 4 keeps each group on one socket" in c.why and "TP 4 x PP 2" in c.why
+    assert "TP 4 group: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=0,1,2,3 " in c.why
+    assert _tp(pcie)["gpu_topology"].value == "SINGLE: 0-1, 2-3, 4-5, 6-7; NODE: 8 pairs; SYSTEM: 16 pairs"
+    # numbered across the sockets: 0,1,4,5 on one, switch pairs 0+4, 1+5, ...: in-order groups would cross sockets
+    mixed = _machine(8, two_socket(lambda i: (i // 2) % 2, lambda i: i % 4))
+    assert doctor.tp_groups(mixed, 2)[0] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert doctor.tp_groups(mixed, 4) == ([[0, 1, 4, 5], [2, 3, 6, 7]], doctor.LINKS.index("NODE"))
+    bridged = _machine(4, lambda a, b: "NVLINK" if a // 2 == b // 2 else "NODE")
+    assert doctor.tp_groups(bridged, 2) == ([[0, 1], [2, 3]], 0)
+    nvswitch = _machine(8, lambda a, b: "NVLINK")
+    assert _tp(nvswitch)["gpu_tp_groups"].value.endswith("TP 8: [0,1,2,3,4,5,6,7] over NVLINK")
+    assert "TP up to 8" in _tp(nvswitch)["gpu_tp_groups"].why and "PP" not in _tp(nvswitch)["gpu_tp_groups"].why
+    three = _machine(3, lambda a, b: "SINGLE" if {a, b} == {1, 2} else "NODE")
+    assert _tp(three)["gpu_tp_groups"].value == "TP 2: [1,2] over SINGLE (GPU 0 spare)"
+    assert doctor.tp_groups(three, 4) is None
+
+
+def test_topology_without_p2p():
+    """P2P off between GPUs under one switch warns (all-reduces through host memory) and ranks the pair as far as
+    the node; across sockets alone it is no news. No topology at all: the groups say skip."""
+    off = _machine(4, lambda a, b: ("SINGLE", False) if (a, b) == (0, 1) else "SINGLE" if (a, b) == (2, 3) else "NODE")
+    topo = _tp(off)["gpu_topology"]
+    assert topo.status == "warn" and "no P2P between 0-1" in topo.why and topo.scope == "note"
+    assert topo.value == "SINGLE: 2-3; SINGLE, no P2P: 0-1; NODE: 0-2, 0-3, 1-2, 1-3"
+    assert doctor.tp_groups(off, 2) == ([[0, 1], [2, 3]], doctor.LINKS.index("NODE"))
+    apart = _machine(2, lambda a, b: ("SYSTEM", False))
+    assert _tp(apart)["gpu_topology"].status == "ok" and _tp(apart)["gpu_tp_groups"].status == "warn"
+    unknown = _tp([_gpu(0), _gpu(1)])
+    assert unknown["gpu_tp_groups"].status == "skip" and unknown["gpu_topology"].value == "unknown: 0-1"
+
+
+def test_read_gpus_links_through_a_fake_nvml(monkeypatch):
+    """NVML's NVLink P2P status makes a pair NVLINK over its PCIe level; a P2P read status other than OK is no P2P."""
+    monkeypatch.setattr(probe, "nvml", lambda: FakeNvml(topology=10, p2p={(0, 1, 2): 0}))
+    g0, g1 = probe.read_gpus()
+    assert (g0.p2p, g1.p2p, g0.p2p_read) == ({1: "NVLINK"}, {0: "NVLINK"}, {1: True})
+    monkeypatch.setattr(probe, "nvml", lambda: FakeNvml(topology=40, p2p={(0, 1, 0): 4}))
+    g0, g1 = probe.read_gpus()
+    assert (g0.p2p, g0.p2p_read, g1.p2p_read) == ({1: "NODE"}, {1: False}, {0: False})
+
+
+def test_table_prints_values_verbatim(monkeypatch, capsys):
+    """Brackets in a value ("[0,1]", "[bold]") are text, not rich markup; a shell fix says where it runs."""
+    from ferrylm.cli import main
+    from ferrylm.hw import cli
+
+    checks = doctor.topology_checks(_machine(2, lambda a, b: "SYSTEM")) + [doctor.log_level_check("debug"),
+                                                                          doctor.log_level_check("[bold]")]
+    monkeypatch.setattr(cli, "run_checks", lambda a: checks)
+    with pytest.raises(SystemExit):  # the bad level fails
+        main(["doctor"])
+    out = capsys.readouterr().out
+    assert "[0,1]" in out and "=[bold]" in out and "(in the shell" in out  # (columns wrap elsewhere)

@@ -88,8 +88,8 @@ def cmd_doctor(a: argparse.Namespace) -> None:
             t.add_column(col)
         for c in checks:
             where = " [dim](in the shell that starts ferry)[/]" if c.scope == doctor.SHELL else ""
-            note = c.why + (f"\n[bold]{escape(c.fix)}[/]{where}" if c.fix and c.status != "ok" else "")
-            t.add_row(c.name, f"[{colour[c.status]}]{c.status}[/]", c.value, c.expected, note)
+            note = escape(c.why) + (f"\n[bold]{escape(c.fix)}[/]{where}" if c.fix and c.status != "ok" else "")
+            t.add_row(c.name, f"[{colour[c.status]}]{c.status}[/]", escape(c.value), escape(c.expected), note)
         Console(file=sys.stdout, width=160).print(t)
         s = doctor.summary(checks)
         print(", ".join(f"{n} {k}" for k, n in s.items()))

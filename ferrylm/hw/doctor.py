@@ -293,13 +293,118 @@ def gpu_checks(gpus: list[GpuReadings], nvml_present: bool) -> list[Check]:
         node = ("unknown" if g.numa_node is None else f"node {g.numa_node}" if g.numa_node >= 0
                 else "no NUMA affinity reported (-1: one node, or firmware that does not say)")
         out.append(Check(f"{p}_numa", OK, node, "", "pin the server's CPU threads and host memory to this node"))
-    far = sorted({tuple(sorted((g.index, j))) for g in gpus for j, lvl in g.p2p.items() if lvl == "SYSTEM"})
     if len(gpus) > 1:
-        out.append(Check("gpu_topology", WARN if far else OK,
-                         "; ".join(f"{a}-{b} across sockets" for a, b in far) or "all pairs under one node",
-                         "TP groups of GPUs that share a PCIe switch or NVLink",
-                         "tensor-parallel all-reduces between GPUs on different sockets cross the CPU interconnect",
-                         "# choose TP groups within one node (CUDA_VISIBLE_DEVICES)" if far else ""))
+        out += topology_checks(gpus)
+    return out
+
+
+# -- between GPUs: links and tensor-parallel groups ---------------------------------------------------
+
+LINKS = ("NVLINK", "INTERNAL", "SINGLE", "MULTIPLE", "HOSTBRIDGE", "NODE", "SYSTEM")
+"""The links between two GPUs, closest first: NVLink, then NVML's topology levels (one board, one PCIe switch,
+several switches, one host bridge, one NUMA node, across the CPU sockets' interconnect)."""
+CROSS_SOCKET = LINKS.index("SYSTEM")
+
+
+def link_rank(gpus: list[GpuReadings], a: int, b: int) -> int:
+    """How far apart GPUs `a` and `b` are: the position of their link in LINKS (len(LINKS) when unknown); without
+    P2P, at least NODE's (NCCL then copies through host memory)."""
+    g = next(g for g in gpus if g.index == a)
+    lvl = g.p2p.get(b)
+    rank = LINKS.index(lvl) if lvl in LINKS else len(LINKS)
+    return max(rank, LINKS.index("NODE")) if g.p2p_read.get(b) is False else rank
+
+
+def _link_name(rank: int) -> str:
+    return LINKS[rank] if rank < len(LINKS) else "unknown"
+
+
+def tp_groups(gpus: list[GpuReadings], size: int) -> tuple[list[list[int]], int] | None:
+    """The GPUs in groups of `size` for tensor parallelism, and the rank of the farthest link inside a group (-1 for
+    groups of one); None when there are fewer GPUs. GPUs are joined into clusters link by link, closest first,
+    until the clusters hold n // size whole groups; each cluster is cut into groups in an order that keeps closer
+    GPUs together (the clusters of each closer link in turn). On a tree of PCIe switches and sockets (and NVLink
+    pairs or all-to-all NVLink) this keeps the farthest link inside any group as close as any grouping can; GPUs
+    left over when `size` does not divide their number are not in a group."""
+    idx = sorted(g.index for g in gpus)
+    n = len(idx)
+    if not 1 <= size <= n:
+        return None
+    rank = {(a, b): link_rank(gpus, a, b) for a in idx for b in idx if a != b}
+    levels = sorted(set(rank.values())) or [0]
+    label = {}  # link rank -> GPU -> the lowest GPU of its cluster when GPUs at that rank or closer are joined
+    for t in levels:
+        lab = {i: i for i in idx}
+        for _ in idx:  # spread the lowest label through every link <= t (n rounds reach every cluster member)
+            for (a, b), r in rank.items():
+                if r <= t and lab[b] < lab[a]:
+                    lab[a] = lab[b]
+        label[t] = lab
+    for k, t in enumerate(levels):
+        clusters: dict[int, list[int]] = {}
+        for i in idx:
+            clusters.setdefault(label[t][i], []).append(i)
+        if sum(len(c) // size for c in clusters.values()) < n // size:
+            continue
+        groups = []
+        for c in clusters.values():
+            c = sorted(c, key=lambda i: tuple(label[lv][i] for lv in reversed(levels[:k])) + (i,))
+            groups += [sorted(c[j:j + size]) for j in range(0, len(c) // size * size, size)]
+        worst = max((rank[a, b] for g in groups for a in g for b in g if a != b), default=-1)
+        return groups, worst
+    return None  # not reached: at the farthest level every GPU is in one cluster
+
+
+def topology_checks(gpus: list[GpuReadings]) -> list[Check]:
+    """The links between the GPUs, and the tensor-parallel groups they make (each power-of-two size)."""
+    idx = sorted(g.index for g in gpus)
+    pairs: dict[str, list[str]] = {}
+    for a in idx:
+        for b in idx:
+            if a < b:
+                g = next(g for g in gpus if g.index == a)
+                name = g.p2p.get(b) or "unknown"
+                pairs.setdefault(name + (", no P2P" if g.p2p_read.get(b) is False else ""), []).append(f"{a}-{b}")
+    order = {name: (LINKS.index(name.split(",")[0]) if name.split(",")[0] in LINKS else len(LINKS), name)
+             for name in pairs}
+    value = "; ".join(f"{name}: " + (", ".join(p) if len(p) <= 4 else f"{len(p)} pairs")
+                      for name, p in sorted(pairs.items(), key=lambda kv: order[kv[0]]))
+    blocked = [p for name, ps in pairs.items() if name.endswith("no P2P") and order[name][0] < CROSS_SOCKET
+               for p in ps]
+    out = [Check("gpu_topology", WARN if blocked else OK, value, "P2P between GPUs on one socket",
+                 "tensor-parallel all-reduces run every layer over these links; without P2P they go through host "
+                 "memory" + (f" (no P2P between {', '.join(blocked)} on one socket)" if blocked else ""),
+                 "# P2P off on one socket: check ACS in the BIOS (or a VM's PCIe passthrough) and "
+                 "`nvidia-smi topo -p2p r`" if blocked else "")]
+    if all(name == "unknown" for name in pairs):
+        out.append(Check("gpu_tp_groups", SKIP, "NVML did not report the topology", "TP groups on one socket, with P2P"))
+        return out
+    lines, fits = [], 1
+    size = 2
+    while size <= len(idx):
+        groups, worst = tp_groups(gpus, size)
+        spare = sorted(set(idx) - {i for g in groups for i in g})
+        lines.append(f"TP {size}: " + " ".join("[" + ",".join(map(str, g)) + "]" for g in groups)
+                     + f" over {_link_name(worst)}" + (f" (GPU {','.join(map(str, spare))} spare)" if spare else ""))
+        if worst < CROSS_SOCKET:
+            fits = size
+        size *= 2
+    if fits == 1:
+        status, why = WARN, ("no two GPUs share a socket with P2P: every tensor-parallel all-reduce crosses the "
+                             "socket link or host memory; pipeline stages (one transfer per step) cross it cheaper")
+        fix = (f"# split the model by layers across them: --pipeline-parallel-size {len(idx)} "
+               "(--tensor-parallel-size 1), or one server per GPU")
+    else:
+        status = OK
+        why = (f"TP up to {fits} keeps each group on one socket"
+               + (f"; beyond it, pipeline stages cross the sockets cheaper (TP {fits} x PP {len(idx) // fits})"
+                  if fits < len(idx) else "")
+               + f". One TP {fits} group: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES="
+               f"{','.join(map(str, tp_groups(gpus, fits)[0][0]))} "
+               "(NVML's indices are PCI order; CUDA's default order may differ); all GPUs: --tp-groups auto (the "
+               "default: groups by NUMA node and PCIe switch)")
+        fix = ""
+    out.append(Check("gpu_tp_groups", status, "; ".join(lines), "TP groups on one socket, with P2P", why, fix))
     return out
 
 

@@ -193,7 +193,10 @@ class GpuReadings:
     numa_node: int | None = None
     bus_id: str | None = None
     p2p: dict = field(default_factory=dict)
-    """other GPU index -> topology level (NVLINK, SYSTEM, NODE, HOSTBRIDGE, MULTIPLE, SINGLE, INTERNAL)."""
+    """other GPU index -> the link between them: NVLINK where NVML's P2P status says NVLink, else NVML's topology
+    level (INTERNAL, SINGLE, MULTIPLE, HOSTBRIDGE, NODE, SYSTEM; "unknown" when it does not answer)."""
+    p2p_read: dict = field(default_factory=dict)
+    """other GPU index -> whether NVML says peer-to-peer reads work between them (None: it does not say)."""
 
 
 def nvml():
@@ -263,7 +266,10 @@ def read_gpus(root: str = "/") -> list[GpuReadings]:
             for j, hj in enumerate(handles):
                 if i != j:
                     lvl = q(nv.nvmlDeviceGetTopologyCommonAncestor, hi, hj)
-                    out[i].p2p[j] = _TOPO.get(lvl, str(lvl))
+                    nvlink = q(nv.nvmlDeviceGetP2PStatus, hi, hj, 2)  # NVML_P2P_CAPS_INDEX_NVLINK; 0: STATUS_OK
+                    p2p_read = q(nv.nvmlDeviceGetP2PStatus, hi, hj, 0)  # NVML_P2P_CAPS_INDEX_READ
+                    out[i].p2p[j] = "NVLINK" if nvlink == 0 else _TOPO.get(lvl, "unknown" if lvl is None else str(lvl))
+                    out[i].p2p_read[j] = None if p2p_read is None else p2p_read == 0
     finally:
         q(nv.nvmlShutdown)
     return out

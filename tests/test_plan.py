@@ -1099,3 +1099,17 @@ def test_a_directory_with_only_config_json_is_planned(tiny_llama, tmp_path, caps
     assert p.weights_bytes == make_plan(PlanOptions(tiny_llama, **opts), advise=False).weights_bytes
     rc, out, err = _plan_cli(capsys, str(d), "--check", "--device", "cpu")
     assert rc == 2 and "is a config, without weights" in err
+
+
+def test_a_plan_that_cannot_run_predicts_no_speed(capsys):
+    """"cannot run" printed a speed table (its decode row twice: the batch the KV had room for was 1) and JSON
+    speeds for a placement that does not exist: now no table, a line saying so, and `speed` null; a workload of one
+    sequence prints its decode row once."""
+    args = ["Mixtral-8x22B", "--gpu", "1xA800-80G-PCIe", "--host", "2xXeon-8480C,64GB"]
+    rc, out, _ = _plan_cli(capsys, *args, "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["verdict"] == "cannot" and d["speed"] is None
+    rc, out, _ = _plan_cli(capsys, *args)
+    assert rc == 0 and "decode, batch" not in out and "speed: not predicted" in out and "cannot run" in out
+    rc, out, _ = _plan_cli(capsys, "Llama-3-8B", "--host", HOST, "--concurrency", "1")
+    assert rc == 0 and out.count("decode, batch 1 ") == 1 and "fits resident" in out

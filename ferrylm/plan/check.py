@@ -342,6 +342,9 @@ def run_check(plan: Plan, model, device: str) -> list[dict]:
     why = refusal(model, device)
     if why:
         raise ConfigError(why)
+    if plan.verdict == "cannot":
+        raise ConfigError("--check: the plan says it cannot run with these settings (its notes say what would): "
+                          "nothing to measure")
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()

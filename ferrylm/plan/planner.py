@@ -112,7 +112,9 @@ class Plan:
     placement: dict
     """gpu_bytes, host_bytes, host_groups, streamed_layers, expert_slots, resident_experts (cached MoE layer ->
     experts resident), pcie_bytes_per_decode_token."""
-    speed: dict
+    speed: dict | None
+    """decode_batch1, decode_concurrent, prefill_tok_s, ttft_s, ... and the assumptions; None when the verdict is
+    cannot (nothing runs, so no speed is predicted)."""
     notes: list[str] = field(default_factory=list)
     """Verdict, warnings and advice, most important first."""
     counted_from: str = "model"
@@ -596,7 +598,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
               stream_buffer_bytes=placement.stream_buffer_bytes if placement else 0,
               expert_slots=max(placement.expert_slots.values(), default=0) if placement else 0,
               resident_experts={l: moe[l]["resident"] for l in cached},
-              pcie_bytes_per_decode_token=d1["pcie_bytes_per_step"])
+              pcie_bytes_per_decode_token=d1["pcie_bytes_per_step"] if verdict != "cannot" else 0)
     if verdict == "fits":
         notes.append("offload unnecessary: every weight stays on the GPU")
     elif verdict == "offload":
@@ -669,7 +671,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                          + ("" if road_split else "; the copy path's split (larger steps, prefill) is counted as "
                             "copies (it gained 6% over copies alone when measured)"))
             alone = make_plan(replace(opts, experts="gpu"), advise=False) if advise and opts.experts == "auto" else None
-            if alone is not None and alone.speed["decode_batch1"]["tok_s"] > 1.05 * d1["tok_s"]:
+            if alone is not None and alone.speed and alone.speed["decode_batch1"]["tok_s"] > 1.05 * d1["tok_s"]:
                 notes.append(f"warning: hybrid decode costs speed here (small experts: the host's per-expert cost "
                              f"outweighs their bytes): --experts gpu decodes {alone.speed['decode_batch1']['tok_s']:.1f} "
                              f"instead of {d1['tok_s']:.1f} tok/s at batch 1")
@@ -742,7 +744,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                      "GPTQ / AWQ, ferrylm's int4 / nf4 are round-to-nearest)")
     if advise and verdict != "cannot" and opts.enforce_eager and graphs_family and ranks == 1:
         graphed = make_plan(replace(opts, enforce_eager=False), advise=False)
-        if graphed.speed["decode_batch1"]["tok_s"] > 1.1 * d1["tok_s"]:
+        if graphed.speed and graphed.speed["decode_batch1"]["tok_s"] > 1.1 * d1["tok_s"]:
             notes.append(f"warning: --enforce-eager costs decode speed: {d1['tok_s']:.1f} instead of "
                          f"{graphed.speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1 with CUDA graphs")
     if advise and quant_kv and verdict != "cannot":
@@ -759,6 +761,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     if counted == "config":
         notes.append(f"{mc.architecture} has no model class in ferrylm yet: counted from config.json "
                      "(memory.analytical_groups); the engine cannot run it")
+    if verdict == "cannot":  # a plan that cannot run predicts no speed (its steps were priced on no placement)
+        speed = None
     return Plan(opts, name, mc.architecture, n_gpu, gpu.name, host.name, count.total, count.active,
                 summarize(groups), per_gpu, verdict, pl, speed, notes, counted, qual)
 

@@ -58,12 +58,18 @@ def render(plan: Plan, console: Console) -> None:
                       f"{gib(p['stream_buffer_bytes'])} of buffers; {p['expert_slots']} expert cache slots per MoE "
                       f"layer; PCIe {gib(p['pcie_bytes_per_decode_token'])} per decode token at batch 1")
     s = plan.speed
+    if s is None:
+        console.print("speed: not predicted (it cannot run as planned; see below for what would)")
+        for n in plan.notes:
+            console.print(f"- {n}")
+        return
     t = Table(title="predicted speed (roofline; see assumptions)")
     t.add_column("")
     t.add_column("tok/s", justify="right")
     t.add_column("step", justify="right")
     t.add_column("binds")
-    for key in ("decode_batch1", "decode_concurrent"):
+    rows = ("decode_batch1",) + (("decode_concurrent",) if s["decode_concurrent"]["batch"] > 1 else ())
+    for key in rows:  # a workload of one sequence (or room for one) is the batch-1 row already
         d = s[key]
         path = "" if d.get("experts_path") in (None, "resident") else \
             f", experts {d['experts_path']} (hit {d['expert_hit_rate']:.2f})"

@@ -9,6 +9,7 @@ where it does not last by itself, its lasting form (`Check.persist`), so the scr
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass
 
 from ferrylm.hw.probe import GpuReadings, HostReadings
@@ -320,39 +321,75 @@ def _link_name(rank: int) -> str:
 
 
 def tp_groups(gpus: list[GpuReadings], size: int) -> tuple[list[list[int]], int] | None:
-    """The GPUs in groups of `size` for tensor parallelism, and the rank of the farthest link inside a group (-1 for
-    groups of one); None when there are fewer GPUs. GPUs are joined into clusters link by link, closest first,
-    until the clusters hold n // size whole groups; each cluster is cut into groups in an order that keeps closer
-    GPUs together (the clusters of each closer link in turn). On a tree of PCIe switches and sockets (and NVLink
-    pairs or all-to-all NVLink) this keeps the farthest link inside any group as close as any grouping can; GPUs
-    left over when `size` does not divide their number are not in a group."""
+    """The GPUs in groups of `size` for tensor parallelism, and the rank of the farthest link inside any group (-1
+    for groups of one); None when there are fewer GPUs. The farthest link is as close as any grouping allows
+    (each link rank is tried, closest first, until the GPUs split into n // size groups using no farther link);
+    among those groupings, the one whose groups' own farthest links add up least (so most groups sit on close
+    links), searched exhaustively up to `_SEARCH_VISITS` steps. GPUs left over when `size` does not divide their
+    number are in no group."""
     idx = sorted(g.index for g in gpus)
     n = len(idx)
     if not 1 <= size <= n:
         return None
     rank = {(a, b): link_rank(gpus, a, b) for a in idx for b in idx if a != b}
-    levels = sorted(set(rank.values())) or [0]
-    label = {}  # link rank -> GPU -> the lowest GPU of its cluster when GPUs at that rank or closer are joined
-    for t in levels:
-        lab = {i: i for i in idx}
-        for _ in idx:  # spread the lowest label through every link <= t (n rounds reach every cluster member)
-            for (a, b), r in rank.items():
-                if r <= t and lab[b] < lab[a]:
-                    lab[a] = lab[b]
-        label[t] = lab
-    for k, t in enumerate(levels):
-        clusters: dict[int, list[int]] = {}
-        for i in idx:
-            clusters.setdefault(label[t][i], []).append(i)
-        if sum(len(c) // size for c in clusters.values()) < n // size:
-            continue
-        groups = []
-        for c in clusters.values():
-            c = sorted(c, key=lambda i: tuple(label[lv][i] for lv in reversed(levels[:k])) + (i,))
-            groups += [sorted(c[j:j + size]) for j in range(0, len(c) // size * size, size)]
-        worst = max((rank[a, b] for g in groups for a in g for b in g if a != b), default=-1)
-        return groups, worst
-    return None  # not reached: at the farthest level every GPU is in one cluster
+    for t in sorted(set(rank.values())) or [0]:
+        if sum(len(c) // size for c in _clusters(idx, rank, t)) < n // size:
+            continue  # too few GPUs joined by links this close: no grouping (and no search through them)
+        groups = _closest_groups(idx, size, rank, t)
+        if groups is not None:
+            return groups, max(_farthest(g, rank) for g in groups)
+    return None  # not reached: at the farthest rank any grouping will do
+
+
+_SEARCH_VISITS = 20000
+"""Steps `_closest_groups` takes past its first grouping in search of a closer one (8 GPUs need a few hundred)."""
+
+
+def _clusters(idx: list[int], rank: dict, t: int) -> list[list[int]]:
+    """The GPUs joined by links of rank <= t (connected components)."""
+    seen, out = set(), []
+    for i in idx:
+        if i not in seen:
+            todo, c = [i], []
+            seen.add(i)
+            while todo:
+                a = todo.pop()
+                c.append(a)
+                for b in idx:
+                    if b not in seen and rank[a, b] <= t:
+                        seen.add(b)
+                        todo.append(b)
+            out.append(c)
+    return out
+
+
+def _farthest(group, rank) -> int:
+    return max((rank[a, b] for a, b in itertools.combinations(group, 2)), default=-1)
+
+
+def _closest_groups(idx: list[int], size: int, rank: dict, t: int) -> list[list[int]] | None:
+    """`len(idx) // size` groups of `size` GPUs whose links are all of rank <= t, with the least sum of each group's
+    farthest link (branch and bound; each GPU's closest partners tried first); None when there are none."""
+    need, best, visits = len(idx) // size, [None, None], [0]
+
+    def search(free: list[int], groups: list, cost: int, spares: int) -> None:
+        if best[0] is not None and (cost >= best[0] or visits[0] > _SEARCH_VISITS):
+            return
+        if len(groups) == need:
+            best[:] = [cost, groups]
+            return
+        visits[0] += 1
+        first, rest = free[0], free[1:]
+        near = sorted((j for j in rest if rank[first, j] <= t), key=lambda j: (rank[first, j], j))
+        for others in itertools.combinations(near, size - 1):
+            far = _farthest((first, *others), rank)
+            if far <= t:
+                search([j for j in rest if j not in others], groups + [sorted((first, *others))], cost + far, spares)
+        if spares:  # or leave `first` out of every group
+            search(rest, groups, cost, spares - 1)
+
+    search(idx, [], 0, len(idx) - need * size)
+    return best[1]
 
 
 def topology_checks(gpus: list[GpuReadings]) -> list[Check]:

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from ferrylm.hw import doctor, probe
-from ferrylm.hw.probe import GpuReadings
+from ferrylm.hw.probe import GpuReadings, HostReadings
 
 
 def _tree(root, files: dict[str, str]) -> str:
@@ -621,3 +621,19 @@ def test_tp_groups_match_a_brute_force_search():
         m = _machine(n, link)
         for k in (2, 4) if n % 4 == 0 else (2,):
             check(m, k)
+
+
+def test_limit_fixes_follow_the_hard_limits():
+    """A soft limit is raised up to what the hard one allows without root, and the lasting form writes a hard line
+    only where the hard limit is too low (never lowering a higher one)."""
+    h = HostReadings(memlock=(2**20, 200 * 2**30), nofile=(1024, 1048576))
+    got = {c.name: c for c in doctor.host_checks(h, need_host_bytes=100 * 2**30)}
+    assert got["open_files_limit"].fix == "ulimit -Sn 65536"
+    assert got["open_files_limit"].persist.startswith("printf '%s\\n' '* soft nofile 65536' > ")
+    assert got["memlock_limit"].fix == f"ulimit -Sl {200 * 2**20}"  # KiB: the hard limit, which covers the plan
+    assert "'* hard" not in got["memlock_limit"].persist
+    h = HostReadings(memlock=(2**20, 2**30), nofile=(1024, 4096))
+    got = {c.name: c for c in doctor.host_checks(h, need_host_bytes=100 * 2**30)}
+    assert got["memlock_limit"].fix.startswith("ulimit -Sl unlimited  # fails until the hard limit (1.0 GiB)")
+    assert "'* soft memlock unlimited' '* hard memlock unlimited'" in got["memlock_limit"].persist
+    assert "'* hard nofile 65536'" in got["open_files_limit"].persist

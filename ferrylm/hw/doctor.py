@@ -60,15 +60,21 @@ def _sysfs(path: str, value: str, name: str, now: str | None = None) -> dict:
     return dict(fix=now or f"echo {value} > {path}", persist=f"echo 'w {path} - - - - {value}' > /etc/tmpfiles.d/ferrylm-{name}.conf")
 
 
-def _limit(item: str, flag: str, value: str, hard, unit: str, shown=str) -> dict:
-    """An RLIMIT's fix: the soft limit of the shell that starts ferry (the hard one bounds it without root), and its
-    lasting form for new logins (PAM's limits.d; `*` does not cover root) or a service's unit."""
-    raised = hard is not None and (hard < 0 or hard >= 2**62 or value != "unlimited" and hard >= int(value))
-    return dict(fix=f"ulimit -S{flag} {value}" + ("" if raised else f"  # fails until the hard limit ({shown(hard)}) is "
-                                                   "raised: part 2 and a new login, or the unit's setting"),
+def _unlimited(n) -> bool:
+    return n is None or n < 0 or n >= 2**62
+
+
+def _limit(item: str, flag: str, value: str, hard_ok: bool, hard: str, unit: str) -> dict:
+    """An RLIMIT's fix: raise the soft limit of the shell that starts ferry to `value` (in ulimit's and limits.conf's
+    unit), which works without root when the hard limit allows it (`hard_ok`; `hard` is the hard limit as said),
+    and its lasting form for new logins (PAM's limits.d, the hard line only where the hard limit is too low, so a
+    higher one is not lowered; `*` does not cover root) or a service's unit."""
+    lines = [f"'* soft {item} {value}'"] + ([] if hard_ok else [f"'* hard {item} {value}'"])
+    return dict(fix=f"ulimit -S{flag} {value}" + ("" if hard_ok else f"  # fails until the hard limit ({hard}) is "
+                                                    "raised: part 2 and a new login, or the unit's setting"),
                 scope=SHELL,
-                persist=(f"printf '%s\\n' '* soft {item} {value}' '* hard {item} {value}' > "
-                         f"/etc/security/limits.d/90-ferrylm-{item}.conf  # new logins; a systemd service: {unit}"))
+                persist=(f"printf '%s\\n' {' '.join(lines)} > /etc/security/limits.d/90-ferrylm-{item}.conf  "
+                         f"# new logins; a systemd service: {unit}"))
 
 
 # -- host ----------------------------------------------------------------------------------------------
@@ -126,18 +132,23 @@ def host_checks(h: HostReadings, need_host_bytes: int = 0) -> list[Check]:
                          "automatic NUMA balancing migrates hot pages (host-resident weights) while they are read",
                          **(_sysctl("kernel.numa_balancing", 0) if bad else {})))
     if h.memlock is not None:
-        soft = h.memlock[0]
-        unlimited = soft < 0 or soft >= 2**62
+        soft, hard = h.memlock
+        unlimited = _unlimited(soft)
         short = not unlimited and need_host_bytes > soft
+        # up to a hard limit that covers the plan (ulimit -l counts KiB), else unlimited (which needs it raised)
+        fix = (_limit("memlock", "l", "unlimited", True, "", "LimitMEMLOCK=infinity") if _unlimited(hard) else
+               _limit("memlock", "l", str(hard // 1024), True, "", f"LimitMEMLOCK={hard}") if hard >= need_host_bytes
+               else _limit("memlock", "l", "unlimited", False, _gib(hard), "LimitMEMLOCK=infinity"))
         out.append(Check("memlock_limit", WARN if short else OK, "unlimited" if unlimited else _gib(soft),
                          f">= {_gib(need_host_bytes)}" if need_host_bytes else "what the plan pins (--plan-host-gb)",
                          "pinning host memory with mlock/cudaHostRegister (and RDMA) is capped by RLIMIT_MEMLOCK",
-                         **(_limit("memlock", "l", "unlimited", h.memlock[1], "LimitMEMLOCK=infinity", _gib) if short else {})))
+                         **(fix if short else {})))
     if h.nofile is not None:
         good = h.nofile[0] >= 65536
         out.append(Check("open_files_limit", OK if good else WARN, str(h.nofile[0]), ">= 65536",
                          "each client connection and each store shard takes a file descriptor",
-                         **({} if good else _limit("nofile", "n", "65536", h.nofile[1], "LimitNOFILE=65536"))))
+                         **({} if good else _limit("nofile", "n", "65536", _unlimited(h.nofile[1]) or h.nofile[1] >= 65536,
+                                                   str(h.nofile[1]), "LimitNOFILE=65536"))))
     if h.max_map_count is not None:
         good = h.max_map_count >= 262144
         out.append(Check("max_map_count", OK if good else WARN, str(h.max_map_count), ">= 262144",

@@ -421,7 +421,9 @@ def test_clock_checks_judge_reasons_and_settings():
     assert clocks(throttle=["sw thermal"])["gpu0_clocks"].status == "warn"
     assert clocks(throttle=None)["gpu0_clocks"].value.endswith("reasons: not reported")
     capped = clocks(throttle=["power cap"], power_limit_w=400.0, power_limit_default_w=700.0)
-    assert capped["gpu0_clocks"].status == "ok" and "normal under full load" in capped["gpu0_clocks"].why
+    assert capped["gpu0_clocks"].status == "ok" and "lowered limit (see gpu0_power_limit)" in capped["gpu0_clocks"].why
+    at_default = clocks(throttle=["power cap"], power_limit_w=700.0, power_limit_default_w=700.0)["gpu0_clocks"]
+    assert at_default.status == "ok" and "normal under full load" in at_default.why
     pl = capped["gpu0_power_limit"]
     assert pl.status == "warn" and pl.fix == "nvidia-smi -i 0 -pl 700" and pl.scope == "machine"
     assert pl.persist.startswith("# nvidia-smi -pl lasts until reboot")

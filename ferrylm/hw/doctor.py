@@ -471,6 +471,8 @@ def clock_checks(g: GpuReadings) -> list[Check]:
     parts.append("reasons: " + ("not reported" if reasons is None else ", ".join(reasons) or "none"))
     hw = [r for r in reasons or () if r in HW_SLOWDOWN]
     expected = "no hardware or thermal slowdown"
+    power_low = bool(g.power_limit_w and g.power_limit_default_w
+                     and g.power_limit_w < 0.98 * g.power_limit_default_w)  # the driver rounds: a watt or two is it
     if hw:
         out = [Check(f"{p}_clocks", FAIL, "; ".join(parts), expected,
                      "the GPU's own protection cuts its clocks by half or more (overheating, or a power supply or "
@@ -483,21 +485,21 @@ def clock_checks(g: GpuReadings) -> list[Check]:
                      "# check airflow, fans and the inlet temperature")]
     else:
         notes = {"idle": "idle: clocks drop at rest, so read them again under load (while ferry serves)",
-                 "power cap": "power cap at the board's limit: normal under full load",
+                 "power cap": (f"power cap at a lowered limit (see {p}_power_limit)" if power_low
+                               else "power cap at the default limit: normal under full load"),
                  "applications clocks": "held at the applications clocks (see the applications-clock check)"}
         why = "; ".join(notes[r] for r in reasons or () if r in notes)
         out = [Check(f"{p}_clocks", OK, "; ".join(parts), expected,
                      why or "the plan assumes the data sheet's clocks; slowdown reasons say when a GPU runs below them")]
     if g.power_limit_w and g.power_limit_default_w:
-        low = g.power_limit_w < 0.98 * g.power_limit_default_w  # the driver rounds: a watt or two off is the default
-        out.append(Check(f"{p}_power_limit", WARN if low else OK,
+        out.append(Check(f"{p}_power_limit", WARN if power_low else OK,
                          f"{g.power_limit_w:.0f} W", f"the default {g.power_limit_default_w:.0f} W",
                          "a power limit below the default caps the clocks under load (reason 'power cap'): decode "
                          "and prefill run below the rate the plan assumes",
                          **(dict(fix=f"nvidia-smi -i {g.index} -pl {g.power_limit_default_w:.0f}",
                                  persist="# nvidia-smi -pl lasts until reboot or a driver reload: run it from a "
                                          "boot unit (after nvidia-persistenced), or remove whatever lowers it")
-                            if low else {})))
+                            if power_low else {})))
     if g.app_sm_clock and g.app_sm_clock_default:
         low = g.app_sm_clock < g.app_sm_clock_default
         out.append(Check(f"{p}_app_clocks", WARN if low else OK, f"SM {g.app_sm_clock} MHz",

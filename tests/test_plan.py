@@ -165,11 +165,11 @@ def test_verdicts_and_advice():
     small = make_plan(PlanOptions("Qwen3-30B-A3B", gpu="1xA800-80G-PCIe", host="1xXeon-8480C,32GB",
                                   gpu_memory_budget_gb=8))
     resident = next(n for n in small.notes if n.startswith("to hold it resident"))
-    assert small.verdict == "cannot" and "about 1 x A800-80G-PCIe (" in resident, resident
+    assert small.verdict == "cannot" and "to hold it resident: --gpu 1xA800-80G-PCIe (planned so" in resident, resident
     assert "--gpu-memory-budget-gb 8 a GPU would need" in resident
     nf4 = next(n for n in small.notes if n.startswith("or quantize"))
     gib = float(nf4.split("take about ")[1].split(" GiB")[0])
-    assert 14 < gib < 20 and "resident on 1 x A800-80G-PCIe" in nf4, nf4
+    assert 14 < gib < 20 and "resident with --gpu 1xA800-80G-PCIe (planned so" in nf4, nf4
 
 
 def test_fp8_expert_times_follow_the_gpus_fp8_conversion():
@@ -213,7 +213,7 @@ def test_deepseek_v3_analytical_count_equals_the_module():
     assert sum(g.nbytes for g in groups) == 2 * count.total
     assert len([g for g in groups if g.kind == "experts"]) == 256 * (61 - 3)
     assert summarize(groups)["mlp"] == 3 * 3 * 7168 * 18432 * 2  # three dense layers
-    p = make_plan(PlanOptions("DeepSeek-V3", gpu="8xH200", host=HOST, tp=8, max_model_len=4096))
+    p = make_plan(PlanOptions("DeepSeek-V3", gpu="1xH200", host=HOST, max_model_len=4096), advise=False)
     assert p.per_gpu["kv_bytes_per_token"] == 61 * (512 + 64) * 2  # MLA: the latent and the rope key
 
 
@@ -1113,3 +1113,44 @@ def test_a_plan_that_cannot_run_predicts_no_speed(capsys):
     assert rc == 0 and "decode, batch" not in out and "speed: not predicted" in out and "cannot run" in out
     rc, out, _ = _plan_cli(capsys, "Llama-3-8B", "--host", HOST, "--concurrency", "1")
     assert rc == 0 and out.count("decode, batch 1 ") == 1 and "fits resident" in out
+
+
+def _advised(note: str, flag: str = "--gpu") -> dict:
+    """The layout an advice note names, as PlanOptions fields."""
+    import re
+
+    m = re.search(r"(?:--gpu (\S+) ?)?(?:--tp (\d+) ?)?(?:--pp (\d+))? (?:it fits|\(planned so)", note)
+    assert m and any(m.groups()), note
+    return {k: v for k, v in (("gpu", m[1]), ("tp", int(m[2] or 1)), ("pp", int(m[3] or 1))) if v}
+
+
+def test_advice_names_layouts_the_engine_takes_and_that_fit_when_planned():
+    """Advice proposed "about 5 x A800 with TP" for Mixtral-8x22B, whose 8 KV heads refuse --tp 5, and NF4 on 2 cards,
+    which only PP holds (TP ranks read experts dense); idle GPUs were only "idle" while the model was offloaded at
+    0.3 tok/s. Now each advised layout passes the engine's own TP / PP checks and fits when planned."""
+    from ferrylm.plan.planner import layout_error
+
+    host = "2xXeon-8480C,64GB"
+    p = make_plan(PlanOptions("Mixtral-8x22B", gpu="1xA800-80G-PCIe", host=host))
+    assert p.verdict == "cannot"
+    for prefix, extra in (("to hold it resident", {}), ("or quantize", {"quant": "nf4"})):
+        note = next(n for n in p.notes if n.startswith(prefix))
+        layout = _advised(note)
+        print(note, layout)
+        again = make_plan(PlanOptions("Mixtral-8x22B", host=host, **layout, **extra), advise=False)
+        assert again.verdict == "fits" and again.speed["decode_batch1"]["tok_s"] > 0
+    with pytest.raises(ConfigError, match=r"not divisible by tensor_parallel_size 5 \(its --tp up to 8: 1, 2, 4, 8\)"):
+        make_plan(PlanOptions("Mixtral-8x22B", gpu="8xA800-80G-PCIe", tp=5))
+    # DeepSeek-V3's model class has no sharded layers: the engine refuses any TP / PP (it took --tp 6 of 128 heads)
+    for tp, pp in ((6, 1), (8, 1), (1, 2)):
+        with pytest.raises(ConfigError, match="does not support tensor or pipeline parallelism"):
+            make_plan(PlanOptions("DeepSeek-V3", gpu="8xA800-80G-PCIe", tp=tp, pp=pp))
+    from ferrylm.config import ModelConfig
+
+    assert layout_error(ModelConfig.from_hf(catalog.CATALOG["Qwen2-72B"]), 4, 1) is None
+    # GPUs at hand left idle while the model is offloaded: the layout that holds it, planned
+    q = make_plan(PlanOptions("Qwen2-72B", gpu="4xA800-80G-PCIe", host=HOST))
+    note = next(n for n in q.notes if n.startswith("4 GPUs but TP x PP = 1"))
+    assert q.verdict == "offload" and "it fits resident" in note, note
+    held = make_plan(PlanOptions("Qwen2-72B", gpu="4xA800-80G-PCIe", host=HOST, **_advised(note)), advise=False)
+    assert held.verdict == "fits" and held.speed["decode_batch1"]["tok_s"] > 10 * q.speed["decode_batch1"]["tok_s"]

@@ -165,6 +165,12 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     name, cfg = catalog.resolve_model(opts.model)
     mc = ModelConfig.from_hf(cfg)
     n_gpu, gpu = hardware.parse_gpu(opts.gpu)
+    refused_layout = layout_error(mc, opts.tp, opts.pp, opts.dtype)
+    if refused_layout:
+        takes = [t for t in range(1, max(n_gpu, opts.tp) + 1) if not layout_error(mc, t, 1, opts.dtype)]
+        raise ConfigError(f"--tp {opts.tp} --pp {opts.pp}: the engine refuses it: {refused_layout}"
+                          + (f" (its --tp up to {max(n_gpu, opts.tp)}: {', '.join(map(str, takes))})"
+                             if opts.tp > 1 else ""))
     if opts.measure_bandwidth:
         gpu = hardware.with_measured_h2d(gpu)
     if opts.tp * opts.pp > n_gpu:
@@ -626,8 +632,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                              f"of free memory): decode {more.speed['decode_batch1']['tok_s']:.1f} instead of "
                              f"{d1['tok_s']:.1f} tok/s at batch 1")
     if verdict == "cannot":
-        notes += _advice(groups, opts, gpu, budget, capacity - CUDA_CONTEXT_BYTES, reserve,
-                         max_len * kv_per_token // ranks)
+        notes += _advice(groups, opts, gpu, mc, budget, capacity - CUDA_CONTEXT_BYTES, reserve,
+                         max_len * kv_per_token // ranks, advise)
     notes += early
     if verdict != "cannot" and kv_tokens < conc * seq_tokens:
         notes.append(f"KV holds {kv_tokens:,} tokens: {kv_tokens // max(seq_tokens, 1)} sequences of {seq_tokens} at "
@@ -757,7 +763,17 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     if ranks > 1:
         notes.append("TP / PP: the figures are the heaviest rank's; parallel layouts run without CUDA graphs")
     if n_gpu > ranks:
-        notes.append(f"{n_gpu} GPUs but TP x PP = {ranks}: the others are idle (or run replicas)")
+        # the GPUs at hand: the most of them first, TP first (decode fastest), then fewer
+        found = (_fitting_layout(opts, gpu, mc, range(n_gpu, ranks, -1))
+                 if advise and verdict != "fits" else None)
+        if found:
+            n, tp, pp, better = found
+            notes.append(f"{n_gpu} GPUs but TP x PP = {ranks}: with {_flags(tp, pp)} it fits resident on "
+                         f"{'all ' + str(n) if n == n_gpu else str(n) + ' of them'} "
+                         f"(planned so: decode {better.speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1"
+                         + (f" instead of {d1['tok_s']:.1f})" if verdict == "offload" else ")"))
+        else:
+            notes.append(f"{n_gpu} GPUs but TP x PP = {ranks}: the others are idle (or run replicas)")
     if counted == "config":
         notes.append(f"{mc.architecture} has no model class in ferrylm yet: counted from config.json "
                      "(memory.analytical_groups); the engine cannot run it")
@@ -863,15 +879,89 @@ def _moe_layers(mine: list[TensorGroup], tier: dict, dense_of: dict, scheme: str
     return out
 
 
-def _advice(groups, opts, gpu, budget, card, reserve, min_kv) -> list[str]:
-    """What to change when the model cannot run: more GPUs (counted at the card's whole memory, `card` bytes past
-    the CUDA context; with a smaller explicit `budget`, what that budget alone would need), quantizing (experts
-    counted packed where the engine keeps them packed), a shorter context."""
+def layout_error(mc: ModelConfig, tp: int, pp: int, dtype: str = "bfloat16") -> str | None:
+    """Why the engine refuses `tp` x `pp` for this model, None where it takes it (or has no model class: the plan
+    says so apart). The engine's own checks: the start-up refusals of `parallel/launch.py` (a model class without
+    sharded layers, heads or KV heads that do not split, fewer layers than stages) and the sharded layers' splits
+    as a rank builds them (`TPGroup.split`, on meta)."""
+    if tp * pp == 1:
+        return None
+    from ferrylm.config import EngineConfig, ParallelConfig
+    from ferrylm.parallel.group import TPGroup, building
+    from ferrylm.parallel.launch import _check  # the checks `start_runner` makes before any process starts
+
+    try:
+        _check(EngineConfig(device="cpu", parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp)),
+               mc)
+        if tp > 1:
+            with building(TPGroup(rank=0, size=tp)):
+                meta_model(mc, dtype)
+    except UnsupportedArchitectureError:
+        return None
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+LAYOUT_TRIES = 10
+"""Layouts (GPU count, TP, PP) the advice plans at most before it gives up naming one."""
+
+
+def _layouts(mc: ModelConfig, n: int, dtype: str):
+    """(tp, pp) over `n` GPUs that the engine takes, TP first (decode faster), then TP x PP, then PP alone."""
+    for tp in sorted((t for t in range(1, n + 1) if n % t == 0), reverse=True):
+        if not layout_error(mc, tp, n // tp, dtype):
+            yield tp, n // tp
+
+
+def _fitting_layout(opts: PlanOptions, gpu, mc: ModelConfig, counts, **change):
+    """The first layout over `counts` GPUs of the profile `gpu` that the engine takes and that fits resident when
+    planned (at the engine's default budget; `change`: other options, e.g. quant): (GPUs, TP, PP, its plan), or
+    None within LAYOUT_TRIES."""
+    tries = 0
+    for n in counts:
+        for tp, pp in _layouts(mc, n, opts.dtype):
+            if tries == LAYOUT_TRIES:
+                return None
+            tries += 1
+            try:
+                p = make_plan(replace(opts, gpu=f"{n}x{gpu.name}", tp=tp, pp=pp, gpu_memory_budget_gb=None,
+                                      concurrency=None if opts.concurrency and opts.concurrency > opts.max_num_seqs
+                                      else opts.concurrency, **change), advise=False)
+            except ConfigError:
+                continue
+            if p.verdict == "fits":
+                return n, tp, pp, p
+    return None
+
+
+def _flags(tp: int, pp: int, n: int = 0, gpu=None) -> str:
+    """A layout as plan's (and the engine's) flags; with `gpu`, its --gpu too."""
+    return " ".join(([f"--gpu {n}x{gpu.name}"] if gpu else []) + ([f"--tp {tp}"] if tp > 1 else [])
+                    + ([f"--pp {pp}"] if pp > 1 else [])) or "--tp 1"
+
+
+def _advice(groups, opts, gpu, mc, budget, card, reserve, min_kv, advise=True) -> list[str]:
+    """What to change when the model cannot run: more GPUs, in a layout the engine takes that fits when planned
+    (from the count of cards of whole memory, `card` bytes past the CUDA context, the weights need; with a smaller
+    explicit `budget`, what that budget alone would need), quantizing (experts counted packed where the engine keeps
+    them packed; its layout planned too), a shorter context. `advise` False: counts only, nothing planned."""
     total = sum(g.nbytes for g in groups)
     room = max(card - reserve - min_kv, 1)
     n = math.ceil(total / room)
-    out = [f"to hold it resident: about {n} x {gpu.name}{' with TP' if n > 1 else ''} (weights {_gb(total)}; each "
-           "card's whole memory: name --gpu-memory-budget-gb near it, the default budget is 90% of free memory)"]
+    spread = layout_error(mc, 2, 1, opts.dtype) and layout_error(mc, 1, 2, opts.dtype)  # one process only
+    found = _fitting_layout(opts, gpu, mc, range(n, n + LAYOUT_TRIES)) if advise and not (spread and n > 1) else None
+    default = " at the engine's default budget" if opts.gpu_memory_budget_gb is not None else ""
+    if found:
+        out = [f"to hold it resident: {_flags(*found[1:3], found[0], gpu)} (planned so{default}: decode "
+               f"{found[3].speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1; weights {_gb(total)})"]
+    elif spread and n > 1:
+        out = [f"it cannot be held resident: the weights take {_gb(total)}, over one {gpu.name}, and the engine runs "
+               f"this model in one process only: {spread}"]
+    else:
+        out = [f"to hold it resident: about {n} x {gpu.name} (weights {_gb(total)}; counted at each card's whole "
+               "memory" + ("" if not advise else f", no layout of {n}-{n + LAYOUT_TRIES - 1} GPUs planned to fit")
+               + ")"]
     if opts.gpu_memory_budget_gb is not None and budget is not None:
         mine = budget - reserve - min_kv
         if mine <= 0:
@@ -887,8 +977,11 @@ def _advice(groups, opts, gpu, budget, card, reserve, min_kv) -> list[str]:
         nf4 = sum(g.nbytes if g.kind in ("embed", "lm_head", "norm", "router") or (g.kind == "experts" and not packed)
                   else q.param_bytes("x.weight", (g.nbytes // DTYPE_BYTES[opts.dtype] // 1024, 1024)) for g in groups)
         n4 = math.ceil(nf4 / room)
+        held = (_fitting_layout(opts, gpu, mc, range(n4, n4 + LAYOUT_TRIES), quant="nf4")
+                if advise and not (spread and n4 > 1) else None)
         out.append(f"or quantize: with --quant nf4 (a ferry store) the weights take about {_gb(nf4)}"
-                   + (f", resident on {n4} x {gpu.name}" if n4 <= 8 else ""))
+                   + (f", resident with {_flags(*held[1:3], held[0], gpu)} (planned so{default}: decode "
+                      f"{held[3].speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1)" if held else ""))
     if opts.max_model_len is None or opts.max_model_len > 8192:
         out.append("or lower --max-model-len: one full-length sequence's KV must fit beside the weights")
     return out

@@ -1154,3 +1154,27 @@ def test_advice_names_layouts_the_engine_takes_and_that_fit_when_planned():
     assert q.verdict == "offload" and "it fits resident" in note, note
     held = make_plan(PlanOptions("Qwen2-72B", gpu="4xA800-80G-PCIe", host=HOST, **_advised(note)), advise=False)
     assert held.verdict == "fits" and held.speed["decode_batch1"]["tok_s"] > 10 * q.speed["decode_batch1"]["tok_s"]
+
+
+def test_plan_takes_the_engines_budget_spelling(capsys):
+    """`--gpu-memory-budget SIZE`, read by the engine's own parser (plan took only `--gpu-memory-budget-gb`, decimal GB,
+    yet advised "--gpu-memory-budget 138GiB"); the old spelling stays, and giving both is refused. The advice, taken as
+    printed, fits."""
+    from ferrylm.config import parse_bytes
+
+    opts = dict(host=HOST, max_model_len=2048, max_num_seqs=4)
+    new = make_plan(PlanOptions("Llama-3-8B", gpu_memory_budget="16GiB", **opts), advise=False)
+    old = make_plan(PlanOptions("Llama-3-8B", gpu_memory_budget_gb=16 * 2**30 / 1e9, **opts), advise=False)
+    assert new.per_gpu["budget"] == old.per_gpu["budget"] == parse_bytes("16GiB") == 16 * 2**30
+    rc, out, err = _plan_cli(capsys, "Llama-3-8B", "--host", HOST, "--gpu-memory-budget", "16GiB", "--json")
+    assert rc == 0 and json.loads(out)["per_gpu"]["budget"] == 16 * 2**30, err
+    rc, _, err = _plan_cli(capsys, "Llama-3-8B", "--gpu-memory-budget", "16GiB", "--gpu-memory-budget-gb", "16")
+    assert rc == 2 and "not both" in err
+    rc, _, err = _plan_cli(capsys, "Llama-3-8B", "--gpu-memory-budget", "lots")
+    assert rc == 2 and "--gpu-memory-budget lots: cannot read 'lots' as a size" in err
+    q72 = make_plan(PlanOptions("Qwen2-72B", gpu="1xH200", **opts))
+    flag = next(n for n in q72.notes if "it fits resident" in n).split("with ")[1].split(" it fits")[0]
+    assert flag == "--gpu-memory-budget 138GiB"
+    rc, out, err = _plan_cli(capsys, "Qwen2-72B", "--host", HOST, "--max-model-len", "2048", "--max-num-seqs", "4",
+                             *flag.split(), "--json")
+    assert rc == 0 and json.loads(out)["verdict"] == "fits", err

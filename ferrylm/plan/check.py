@@ -50,13 +50,14 @@ def refusal(model, device: str) -> str | None:
 def engine_for(plan: Plan, model, device: str):
     """The engine with the plan's settings; `model` is a path or a `WeightSource` (e.g. `RandomSource`)."""
     from ferrylm import LLM
+    from ferrylm.plan.planner import budget_bytes
 
     o = plan.options
     return LLM(model, device=device, dtype=o.dtype, max_num_seqs=o.max_num_seqs,
                max_num_batched_tokens=o.max_num_batched_tokens, max_model_len=o.max_model_len,
                block_size=o.block_size, kv_cache_memory_gb=o.kv_cache_memory_gb, enforce_eager=o.enforce_eager,
                kv_cache_dtype=o.kv_cache_dtype,
-               gpu_memory_budget=None if o.gpu_memory_budget_gb is None else int(o.gpu_memory_budget_gb * 1e9),
+               gpu_memory_budget=budget_bytes(o),
                gpu_memory_utilization=o.gpu_memory_utilization, place=tuple(o.place), experts=o.experts,
                cpu_share=o.cpu_share, expert_profile=o.expert_profile)
 

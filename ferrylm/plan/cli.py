@@ -21,7 +21,11 @@ _HELP = {
     "measure_bandwidth": "measure this machine's pinned host-to-GPU and host memory read rates and plan with them",
     "experts": "where expert misses run, as the engine's --experts: auto (hybrid decode), gpu, cpu",
     "cpu_share": "hybrid decode: share of the misses the host computes (default: balanced as the engine does)",
-    "gpu_memory_budget_gb": "GB the engine may allocate per GPU (weights, KV, buffers); below the model's size it offloads",
+    "gpu_memory_budget": "SIZE the engine may allocate per GPU (weights, KV, buffers), as the engine's --gpu-memory-budget "
+                         "takes it: 16GiB, 512MiB or bytes (2e9); G and GB count 2^30 as there. Below the model's size "
+                         "it offloads",
+    "gpu_memory_budget_gb": "deprecated: the budget in GB (10^9 bytes); use --gpu-memory-budget SIZE",
+    "kv_cache_memory_gb": "GiB of KV cache per GPU, as the engine's --kv-cache-memory-gb (default: what the budget leaves)",
     "place": "placement rule SELECTOR=gpu|cpu, repeatable (e.g. experts=cpu)",
     "concurrency": "sequences decoding together (default --max-num-seqs)",
 }
@@ -45,7 +49,7 @@ def add_plan_parser(sub) -> None:
         if f.type.startswith("tuple"):
             p.add_argument(flag, action="append", default=[], help=_HELP.get(f.name, "repeatable"))
             continue
-        conv = int if "int" in f.type else float if "float" in f.type else None
+        conv = None if f.name == "gpu_memory_budget" else int if "int" in f.type else float if "float" in f.type else None
         alias = {"tp": ["--tensor-parallel-size"], "pp": ["--pipeline-parallel-size"]}.get(f.name, [])  # engine spelling
         p.add_argument(flag, *alias, type=conv or str, default=f.default, help=_HELP.get(f.name, f"default {f.default}"))
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")

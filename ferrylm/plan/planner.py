@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig
+from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig, parse_bytes
 from ferrylm.errors import ConfigError, UnsupportedArchitectureError
 from ferrylm.offload.memory import (activation_reserve, cublas_workspace_bytes, device_budget, fixed_kv_bytes,
                                    graph_step_floor, graph_token_limit, graph_tokens, kv_after_warmup, size_memory,
@@ -65,8 +65,11 @@ class PlanOptions:
     block_size: int = 16
     kv_cache_memory_gb: float | None = None
     """Per GPU (GiB); None: what the engine leaves after the weights."""
+    gpu_memory_budget: int | str | None = None
+    """Per GPU, what the engine may allocate (weights, KV, buffers), spelled as the engine's `--gpu-memory-budget`
+    takes it: bytes, or a size such as 16GiB, 512MiB or 2e9 (`config.parse_bytes`: G and GB count 2^30)."""
     gpu_memory_budget_gb: float | None = None
-    """Per GPU, GB the engine may allocate (weights, KV, buffers): the engine's `gpu_memory_budget`."""
+    """Deprecated spelling of `gpu_memory_budget` in GB (10^9 bytes), kept for old command lines and scripts."""
     gpu_memory_utilization: float | None = None
     """Share of the GPU's memory to use when no budget is given (engine default 0.9)."""
     place: tuple[str, ...] = ()
@@ -147,6 +150,7 @@ def _stage_groups(groups: list[TensorGroup], layers: int, tp: int, pp: int) -> l
 def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     """`advise`: also try the alternatives the notes suggest (a plan of its own each, without advice)."""
     _check_counts(opts)
+    budget_bytes(opts)  # a bad or doubled budget is refused before anything is counted
     opts, store_notes = _store_quant(opts, catalog.store_quantization(opts.model))
     if opts.dtype not in DTYPE_BYTES:
         raise ConfigError(f"--dtype {opts.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
@@ -249,8 +253,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     cc = CacheConfig(block_size=opts.block_size, kv_cache_memory_gb=opts.kv_cache_memory_gb)
     sc = SchedulerConfig(max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
                          max_model_len=max_len)
-    oc = OffloadConfig(gpu_memory_budget=None if opts.gpu_memory_budget_gb is None
-                       else int(opts.gpu_memory_budget_gb * 1e9),
+    oc = OffloadConfig(gpu_memory_budget=budget_bytes(opts),
                        gpu_memory_utilization=opts.gpu_memory_utilization, place=tuple(opts.place))
     capacity = gpu.memory_bytes
     budget = device_budget(oc, capacity, capacity - CUDA_CONTEXT_BYTES)
@@ -612,8 +615,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                      f"{_gb(d1['pcie_bytes_per_step'])} cross PCIe per decode token at batch 1")
         if not advise:
             pass
-        elif opts.gpu_memory_budget_gb is not None or opts.place:
-            free = make_plan(replace(opts, gpu_memory_budget_gb=None, place=()), advise=False)
+        elif budget_bytes(opts) is not None or opts.place:
+            free = make_plan(replace(opts, gpu_memory_budget=None, gpu_memory_budget_gb=None, place=()), advise=False)
             if free.verdict == "fits":
                 notes.append(f"warning: the budget / --place forces offload of a model that fits: decode "
                              f"{d1['tok_s']:.1f} instead of {free.speed['decode_batch1']['tok_s']:.1f} tok/s, for nothing")
@@ -625,7 +628,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                     + held - device_weights
                     + (-(-max_len // opts.block_size) + 2) * per_block)
             gib = math.ceil(need / 2**30)
-            more = (make_plan(replace(opts, gpu_memory_budget_gb=gib * 2**30 / 1e9), advise=False)
+            more = (make_plan(replace(opts, gpu_memory_budget=f"{gib}GiB"), advise=False)
                     if gib * 2**30 <= capacity - CUDA_CONTEXT_BYTES else None)
             if more is not None and more.verdict == "fits":
                 notes.append(f"with --gpu-memory-budget {gib}GiB it fits resident (the default budget is at most 90% "
@@ -822,6 +825,33 @@ def _store_quant(opts: PlanOptions, stored: dict | None) -> tuple[PlanOptions, l
     return replace(opts, quant=scheme, expert_quant=None, group_size=group), [note]
 
 
+def budget_bytes(opts: PlanOptions) -> int | None:
+    """The per-GPU budget in bytes, from the engine's spelling (`gpu_memory_budget`, read by the engine's own
+    `config.parse_bytes`) or the deprecated `gpu_memory_budget_gb` (10^9 bytes); None: the engine's default."""
+    if opts.gpu_memory_budget is not None and opts.gpu_memory_budget_gb is not None:
+        raise ConfigError("give --gpu-memory-budget SIZE or the deprecated --gpu-memory-budget-gb GB, not both")
+    if opts.gpu_memory_budget is not None:
+        flag = f"--gpu-memory-budget {opts.gpu_memory_budget}"
+        try:
+            n = parse_bytes(opts.gpu_memory_budget)
+        except ConfigError as e:
+            raise ConfigError(f"{flag}: {e}") from None
+    elif opts.gpu_memory_budget_gb is not None:
+        n, flag = int(opts.gpu_memory_budget_gb * 1e9), f"--gpu-memory-budget-gb {opts.gpu_memory_budget_gb:g}"
+    else:
+        return None
+    if n <= 0:
+        raise ConfigError(f"{flag}: a budget must be more than 0 bytes")
+    return n
+
+
+def _budget_flag(opts: PlanOptions) -> str:
+    """The budget as it was given, in the spelling it was given in."""
+    if opts.gpu_memory_budget is not None:
+        return f"--gpu-memory-budget {opts.gpu_memory_budget}"
+    return f"--gpu-memory-budget-gb {opts.gpu_memory_budget_gb:g}"
+
+
 def _check_counts(opts: PlanOptions) -> None:
     """Counts and lengths the engine (or the workload) needs positive: refused by name, before any arithmetic."""
     for flag, v, least in (("--tp", opts.tp, 1), ("--pp", opts.pp, 1), ("--block-size", opts.block_size, 1),
@@ -925,7 +955,8 @@ def _fitting_layout(opts: PlanOptions, gpu, mc: ModelConfig, counts, **change):
                 return None
             tries += 1
             try:
-                p = make_plan(replace(opts, gpu=f"{n}x{gpu.name}", tp=tp, pp=pp, gpu_memory_budget_gb=None,
+                p = make_plan(replace(opts, gpu=f"{n}x{gpu.name}", tp=tp, pp=pp, gpu_memory_budget=None,
+                                      gpu_memory_budget_gb=None,
                                       concurrency=None if opts.concurrency and opts.concurrency > opts.max_num_seqs
                                       else opts.concurrency, **change), advise=False)
             except ConfigError:
@@ -951,7 +982,7 @@ def _advice(groups, opts, gpu, mc, budget, card, reserve, min_kv, advise=True) -
     n = math.ceil(total / room)
     spread = layout_error(mc, 2, 1, opts.dtype) and layout_error(mc, 1, 2, opts.dtype)  # one process only
     found = _fitting_layout(opts, gpu, mc, range(n, n + LAYOUT_TRIES)) if advise and not (spread and n > 1) else None
-    default = " at the engine's default budget" if opts.gpu_memory_budget_gb is not None else ""
+    default = " at the engine's default budget" if budget_bytes(opts) is not None else ""
     if found:
         out = [f"to hold it resident: {_flags(*found[1:3], found[0], gpu)} (planned so{default}: decode "
                f"{found[3].speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1; weights {_gb(total)})"]
@@ -962,13 +993,13 @@ def _advice(groups, opts, gpu, mc, budget, card, reserve, min_kv, advise=True) -
         out = [f"to hold it resident: about {n} x {gpu.name} (weights {_gb(total)}; counted at each card's whole "
                "memory" + ("" if not advise else f", no layout of {n}-{n + LAYOUT_TRIES - 1} GPUs planned to fit")
                + ")"]
-    if opts.gpu_memory_budget_gb is not None and budget is not None:
+    if budget_bytes(opts) is not None and budget is not None:
         mine = budget - reserve - min_kv
         if mine <= 0:
-            out[0] += (f"; --gpu-memory-budget-gb {opts.gpu_memory_budget_gb:g} does not hold even the activation "
-                       f"reserve and one sequence's KV ({_gb(reserve + min_kv)})")
+            out[0] += (f"; {_budget_flag(opts)} does not hold even the activation reserve and one sequence's KV "
+                       f"({_gb(reserve + min_kv)})")
         elif math.ceil(total / mine) > n:
-            out[0] += f"; --gpu-memory-budget-gb {opts.gpu_memory_budget_gb:g} a GPU would need {math.ceil(total / mine)}"
+            out[0] += f"; {_budget_flag(opts)} a GPU would need {math.ceil(total / mine)}"
     if not opts.quant:
         from ferrylm.models.base import ENGINE_PACKED_FORMATS
 

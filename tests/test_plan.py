@@ -1178,3 +1178,15 @@ def test_plan_takes_the_engines_budget_spelling(capsys):
     rc, out, err = _plan_cli(capsys, "Qwen2-72B", "--host", HOST, "--max-model-len", "2048", "--max-num-seqs", "4",
                              *flag.split(), "--json")
     assert rc == 0 and json.loads(out)["verdict"] == "fits", err
+
+
+def test_a_gpu_without_bf16_is_timed_at_its_fp16_rate_and_says_so():
+    """The T4 has no bf16 tensor rate: bf16 compute was silently timed at 1 TFLOP/s (`or 1.0`), a 65x slower prefill
+    than float16's. Now both are timed at the fp16 peak, and the bf16 plan says it is an upper bound and names
+    --dtype float16."""
+    opts = dict(gpu="1xT4", host=HOST, max_model_len=4096, max_num_seqs=4)
+    bf, fp = (make_plan(PlanOptions("Yuan2-2B", dtype=d, **opts), advise=False) for d in ("bfloat16", "float16"))
+    assert bf.verdict == fp.verdict == "fits" and bf.speed["prefill_binding"] == "compute"
+    assert bf.speed["prefill_tok_s"] == pytest.approx(fp.speed["prefill_tok_s"])
+    assert any("T4 has no bf16 tensor cores" in n and "--dtype float16" in n for n in bf.notes)
+    assert not any("tensor cores" in n for n in fp.notes)

@@ -338,9 +338,19 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
 
     # -- speed ---------------------------------------------------------------------------------------
     E, k = count.num_experts, count.top_k
-    tflops = gpu.tflops.get({"bfloat16": "bf16", "float16": "fp16", "float32": "bf16"}[opts.dtype], 0) or 1.0
+    rate = {"bfloat16": "bf16", "float16": "fp16", "float32": "bf16"}[opts.dtype]
+    tflops = gpu.tflops.get(rate) or gpu.tflops.get("fp16") or gpu.tflops.get("bf16")
+    if not tflops:
+        raise ConfigError(f"the {gpu.name} profile has no bf16 or fp16 tensor rate to time compute with")
+    if rate not in gpu.tflops and opts.dtype == "bfloat16":  # e.g. the T4: the engine runs bf16 there all the same
+        early.append(f"warning: the {gpu.name} has no bf16 tensor cores: compute is timed at its fp16 peak "
+                     f"({tflops:g} TFLOP/s), an upper bound: its bf16 GEMMs run slower, at no rate measured here; "
+                     "--dtype float16 runs at that peak")
     if opts.dtype == "float32":
-        tflops /= 8  # no fp32 tensor cores: TF32 at best
+        tflops /= 8  # no fp32 tensor cores: TF32 at best (a Turing card's fp32 peak is its fp16 tensor peak / 8)
+    if gpu.source == "guess":
+        early.append(f"warning: the {gpu.name} has no built-in profile: its HBM rate ({gpu.hbm_gbs:g} GB/s) and TFLOP/s "
+                     "are guesses, so are the speeds; --gpu NAME picks a profile (ferry plan --list)")
     layers = math.ceil(mc.num_hidden_layers / opts.pp)
     act_b, link = DTYPE_BYTES[opts.dtype], gpu.nvlink_gbs or gpu.h2d_gbs
     ctx = prompt_len + (seq_tokens - prompt_len) / 2

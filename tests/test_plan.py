@@ -227,7 +227,14 @@ def test_cli_plan_json_and_errors(capsys):
     r = _ferry("plan", "Qwen2-72B", "--gpu", "4xA800-80G-PCIe", "--host", HOST, "--tp", "4", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert d["verdict"] == "fits" and d["per_gpu"]["kv_bytes_per_token"] == 327680 and d["options"]["tp"] == 4
+    assert d["verdict"] == "fits" and d["options"]["tp"] == 4
+    # per rank, as kv and kv_tokens are (2 of the 8 KV heads); it was the whole model's 320 KiB beside per-rank tokens
+    g = d["per_gpu"]
+    assert g["kv_bytes_per_token"] == 327680 // 4 and g["kv_bytes_per_token_model"] == 327680
+    assert g["kv"] == (g["kv_tokens"] + 16) * g["kv_bytes_per_token"]  # and the pool's scratch block
+    r = _ferry("plan", "Qwen2-72B", "--gpu", "4xA800-80G-PCIe", "--host", HOST, "--tp", "4")
+    flat = " ".join(r.stdout.replace("│", " ").split())  # the table's cell, its wrapping undone
+    assert f"{g['kv_tokens']:,} tokens x 80.0 KiB a rank (the model's 320.0 KiB over TP 4 x PP 1)" in flat, r.stdout
     from ferrylm.cli import main  # the same entry point, in this process
 
     assert main(["plan", "Qwen2-72B", "--gpu", "2xB999"]) == 2

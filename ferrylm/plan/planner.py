@@ -108,7 +108,8 @@ class Plan:
     kv_tokens as the CUDA engine ends with them (after its measured warm-up, predicted: step_activations, the
     warm-up step's peak, and warmup_activations, what the pool leaves for it), kv_tokens_range (the measured
     step between its floor and the reserve), kv_planned / kv_tokens_planned (the reserve-based start-up figure,
-    which the CPU engine keeps); kv_bytes_per_token, state, activations (the reserve), cuda_context, peak,
+    which the CPU engine keeps); kv_bytes_per_token (this rank's, as kv and kv_tokens: its KV heads, its stage's
+    layers), kv_bytes_per_token_model (the whole model's), state, activations (the reserve), cuda_context, peak,
     capacity, budget (bytes)."""
     verdict: str
     """fits | offload | cannot"""
@@ -330,7 +331,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                    kv_planned=kv_planned, kv_tokens_planned=kv_tokens_planned, kv_tokens_range=kv_range,
                    step_activations=step,
                    warmup_activations=warmup_activations(step, sc, mc.vocab_size, pool_tokens, ws, pool_floor),
-                   kv_bytes_per_token=kv_per_token, kv_tokens=kv_tokens, state=state, activations=reserve,
+                   kv_bytes_per_token=per_block // opts.block_size if per_block % opts.block_size == 0
+                   else per_block / opts.block_size, kv_bytes_per_token_model=kv_per_token,
+                   kv_tokens=kv_tokens, state=state, activations=reserve,
                    cuda_context=CUDA_CONTEXT_BYTES,
                    peak=held + kv + state + step + 2 * opts.max_num_seqs * mc.vocab_size * 4 + CUDA_CONTEXT_BYTES
                    + (ws if pool_tokens else 0), graph_workspace=ws if pool_tokens else 0,
@@ -548,7 +551,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         graphs = graph_base and (limit is None or batch <= limit) and (
             verdict == "fits" or (not dense_host and (not cached or x["mapped"])))
         cost = estimate.StepCost(
-            hbm_bytes=dense_gpu + streamed_bytes, kv_bytes=batch * ctx * kv_per_token / ranks, expert_hbm_bytes=x["hbm"],
+            hbm_bytes=dense_gpu + streamed_bytes, kv_bytes=batch * ctx * per_block / opts.block_size,  # this rank's KV
+            expert_hbm_bytes=x["hbm"],
             expert_all_bytes=x["all"],
             tokens_per_expert=tokens_per_expert(batch),
             pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], promotion_bytes=x["promote"],

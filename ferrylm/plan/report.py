@@ -39,7 +39,9 @@ def render(plan: Plan, console: Console) -> None:
     if g["held"] > g["weights"]:
         m.add_row("RoPE tables, cuBLAS workspace", gib(g["held"] - g["weights"]), "held from the load on")
     lo, hi = g["kv_tokens_range"]
-    m.add_row("KV cache", gib(g["kv"]), f"{g['kv_tokens']:,} tokens x {g['kv_bytes_per_token'] / 1024:.1f} KiB "
+    rank = "" if o.tp * o.pp == 1 else \
+        f" a rank (the model's {g['kv_bytes_per_token_model'] / 1024:.1f} KiB over TP {o.tp} x PP {o.pp})"
+    m.add_row("KV cache", gib(g["kv"]), f"{g['kv_tokens']:,} tokens x {g['kv_bytes_per_token'] / 1024:.1f} KiB{rank} "
               f"({o.block_size}-token blocks) after the engine's warm-up; {lo:,}-{hi:,} as the measured step "
               f"varies; planned {g['kv_tokens_planned']:,}")
     if g["state"]:

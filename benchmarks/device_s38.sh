@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The third device call of session 31: the packed prefill's host and kernel fixes (b6e23cf) against the tree before
+# The third device call of session 31 (PART=short: the tests, `decode_experts` alone and one old / new resident
+# prefill pair, for a call with little budget left): the packed prefill's host and kernel fixes (b6e23cf) against the tree before
 # them (313d69c, `git archive`), alternating. First the CUDA tests of `decode_experts`' 4-bit kernel and the packed
 # prefill; `decode_experts` alone (old tile decode / 4-bit kernel) on eight NF4 Mixtral experts; then the resident
 # 8-layer NF4 Mixtral's 512-token prefill (`profile_prefill.py`: session 31's first call 49.9 ms, `_decode_experts`
@@ -9,11 +10,11 @@
 set -u
 commit=${1:-unknown}
 budget=${2:-480}
-part=${PART:-rest}  # no issue-10 aims in this call, whatever the GPU
+part=rest  # no issue-10 aims in this call, whatever the GPU
 source "$(dirname "$0")/device_steps.sh"  # t0, left, step, h200_aims
 h200_aims
 bash benchmarks/gpu_tests.sh "$OUT/tests.txt" 90 "test_fused_moe_formats.py::decoded_experts or packed_experts_equal" \
-    70 "test_offload.py::packed_prefill"
+    $([ "${PART:-}" = short ] || echo '70 test_offload.py::packed_prefill')
 grep -E "passed|failed|^E |assert" "$OUT/tests.txt" | grep -v "^\[.*passed" | head -12
 PYTHONPATH=. step 60 python -c "
 import torch, time
@@ -49,6 +50,7 @@ prof() {  # label dir args...
 }
 prof old-a $old --tokens 512
 prof new-a . --tokens 512
+[ "${PART:-}" = short ] && { echo "short: done at $(( $(date +%s) - t0 )) s"; exit 0; }
 prof old-b $old --tokens 512
 prof new-b . --tokens 512
 (cd benchmarks && PYTHONPATH=.. step 60 python -c "

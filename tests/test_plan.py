@@ -1197,3 +1197,24 @@ def test_a_gpu_without_bf16_is_timed_at_its_fp16_rate_and_says_so():
     assert bf.speed["prefill_tok_s"] == pytest.approx(fp.speed["prefill_tok_s"])
     assert any("T4 has no bf16 tensor cores" in n and "--dtype float16" in n for n in bf.notes)
     assert not any("tensor cores" in n for n in fp.notes)
+
+
+def test_quantizing_a_model_that_fits_is_warned_and_host_memory_advised():
+    """--quant int8 on a model that fits resident in bf16 costs decode speed for nothing (Llama-3-8B on an H100: 62
+    against 141 tok/s): warned as the plan warns of other such options; not where the quantization is needed (Qwen2-72B
+    NF4 on one A800). A plan that cannot run for host memory names a --host with enough, planned."""
+    opts = dict(gpu="1xH100-80G-SXM", host=HOST, max_model_len=4096, max_num_seqs=8)
+    q = make_plan(PlanOptions("Llama-3-8B", quant="int8", **opts))
+    note = next((n for n in q.notes if "--quant int8 costs decode speed for nothing" in n), None)
+    dense = make_plan(PlanOptions("Llama-3-8B", **opts), advise=False)
+    assert note and f"decodes {dense.speed['decode_batch1']['tok_s']:.1f} instead of " \
+                    f"{q.speed['decode_batch1']['tok_s']:.1f}" in note, q.notes
+    needed = make_plan(PlanOptions("Qwen2-72B", quant="nf4", **dict(opts, gpu="1xA800-80G-PCIe")))
+    assert needed.verdict == "fits" and not any("for nothing" in n for n in needed.notes)
+    short = make_plan(PlanOptions("Qwen3-30B-A3B", gpu="1xA800-80G-PCIe", host="1xXeon-8480C,32GB",
+                                  gpu_memory_budget_gb=8))
+    more = next(n for n in short.notes if n.startswith("or more host memory"))
+    host = more.split("--host ")[1].split()[0]
+    assert host.startswith("1xXeon-8480C,") and "planned so: offload" in more, more
+    assert make_plan(PlanOptions("Qwen3-30B-A3B", gpu="1xA800-80G-PCIe", host=host, gpu_memory_budget_gb=8),
+                     advise=False).verdict == "offload"

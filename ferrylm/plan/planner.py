@@ -152,7 +152,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     """`advise`: also try the alternatives the notes suggest (a plan of its own each, without advice)."""
     _check_counts(opts)
     budget_bytes(opts)  # a bad or doubled budget is refused before anything is counted
-    opts, store_notes = _store_quant(opts, catalog.store_quantization(opts.model))
+    stored = catalog.store_quantization(opts.model)
+    opts, store_notes = _store_quant(opts, stored)
+    quant_chosen = (opts.quant or opts.expert_quant) and not (stored and (stored.get("scheme") or "none") != "none")
     if opts.dtype not in DTYPE_BYTES:
         raise ConfigError(f"--dtype {opts.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
     for flag, q in (("--quant", opts.quant), ("--expert-quant", opts.expert_quant)):
@@ -323,6 +325,16 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         verdict = "cannot"
         notes.append(f"cannot run: {_gb(host_bytes)} of weights would live in host memory, over "
                      f"{HOST_PIN_SHARE:.0%} of the host's {_gb(host.memory_bytes)}")
+        if advise:  # a host with the memory (what --host accepts: its CPU, that memory), planned
+            need = math.ceil(host_bytes / HOST_PIN_SHARE / 1e9)
+            bigger = f"{opts.host.partition(',')[0].strip()},{need}GB"
+            try:
+                roomy = make_plan(replace(opts, host=bigger), advise=False)
+            except ConfigError:
+                roomy = None
+            notes.append(f"or more host memory: --host {bigger} holds these weights in host memory"
+                         + (f" (planned so: {roomy.verdict}, decode {roomy.speed['decode_batch1']['tok_s']:.1f} tok/s "
+                            "at batch 1)" if roomy is not None and roomy.verdict != "cannot" else ""))
     else:
         verdict = "fits" if placement.fully_resident else "offload"
     device_weights = placement.device_bytes() if placement else 0
@@ -765,6 +777,16 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     if any(q["kind"] == "measured" for q in qual):
         notes.append(f"(ours: {quality.PPL_RESULTS}; {quality.MEASURED_CAVEAT}; published deltas are for calibrated "
                      "GPTQ / AWQ, ferrylm's int4 / nf4 are round-to-nearest)")
+    if advise and verdict == "fits" and quant_chosen:  # a model that fits in its own dtype too
+        full = make_plan(replace(opts, quant=None, expert_quant=None), advise=False)
+        if full.verdict == "fits" and full.per_gpu["kv_tokens"] >= conc * seq_tokens and \
+                full.speed["decode_batch1"]["tok_s"] > 1.05 * d1["tok_s"]:
+            chosen = " ".join(f"{flag} {q}" for flag, q in (("--quant", opts.quant), ("--expert-quant", opts.expert_quant))
+                              if q)
+            notes.append(f"warning: {chosen} costs decode speed for nothing: in {opts.dtype} the model fits resident "
+                         f"too, with KV for this workload ({full.per_gpu['kv_tokens']:,} tokens for {conc} x "
+                         f"{seq_tokens}), and decodes {full.speed['decode_batch1']['tok_s']:.1f} instead of "
+                         f"{d1['tok_s']:.1f} tok/s at batch 1")
     if advise and verdict != "cannot" and opts.enforce_eager and graphs_family and ranks == 1:
         graphed = make_plan(replace(opts, enforce_eager=False), advise=False)
         if graphed.speed and graphed.speed["decode_batch1"]["tok_s"] > 1.1 * d1["tok_s"]:

@@ -232,9 +232,9 @@ def test_cli_plan_json_and_errors(capsys):
     g = d["per_gpu"]
     assert g["kv_bytes_per_token"] == 327680 // 4 and g["kv_bytes_per_token_model"] == 327680
     assert g["kv"] == (g["kv_tokens"] + 16) * g["kv_bytes_per_token"]  # and the pool's scratch block
-    r = _ferry("plan", "Qwen2-72B", "--gpu", "4xA800-80G-PCIe", "--host", HOST, "--tp", "4")
-    flat = " ".join(r.stdout.replace("│", " ").split())  # the table's cell, its wrapping undone
-    assert f"{g['kv_tokens']:,} tokens x 80.0 KiB a rank (the model's 320.0 KiB over TP 4 x PP 1)" in flat, r.stdout
+    rc, out, _ = _plan_cli(capsys, "Qwen2-72B", "--gpu", "4xA800-80G-PCIe", "--host", HOST, "--tp", "4")
+    flat = " ".join(out.replace("│", " ").split())  # the table's cell, its wrapping undone
+    assert rc == 0 and f"{g['kv_tokens']:,} tokens x 80.0 KiB a rank (the model's 320.0 KiB over TP 4 x PP 1)" in flat
     from ferrylm.cli import main  # the same entry point, in this process
 
     assert main(["plan", "Qwen2-72B", "--gpu", "2xB999"]) == 2
@@ -1218,3 +1218,19 @@ def test_quantizing_a_model_that_fits_is_warned_and_host_memory_advised():
     assert host.startswith("1xXeon-8480C,") and "planned so: offload" in more, more
     assert make_plan(PlanOptions("Qwen3-30B-A3B", gpu="1xA800-80G-PCIe", host=host, gpu_memory_budget_gb=8),
                      advise=False).verdict == "offload"
+
+
+def test_every_plan_flag_has_help_and_its_default(capsys):
+    """`ferry plan --help`: the defaults --gpu 1xH200 and --host local are shown (they were not), and every flag has a
+    help line (--enforce-eager and --measure-bandwidth had none: the flag loop dropped it for booleans)."""
+    import argparse
+
+    from ferrylm.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["plan"]
+    assert [a.option_strings for a in sub._actions if a.option_strings and not a.help] == []
+    rc, out, _ = _plan_cli(capsys, "--help")
+    flat = " ".join(out.split())
+    assert rc == 0 and "(default 1xH200)" in flat and "(default local)" in flat
+    assert "--enforce-eager plan the engine's --enforce-eager" in flat and "--measure-bandwidth measure" in flat
+    assert "--gpu-memory-budget SIZE" in flat and "deprecated" in flat

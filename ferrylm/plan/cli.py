@@ -12,9 +12,22 @@ from ferrylm.plan.planner import PlanOptions
 _HELP = {
     "gpu": 'COUNTxNAME, e.g. "4xA800-80G-PCIe", or local (NVML)',
     "host": 'SOCKETSxCPU[,MEMORY], e.g. "2xXeon-8480C,1TB", or local (/proc, /sys)',
+    "dtype": "the model's dtype as the engine runs it: bfloat16, float16 or float32",
+    "kv_cache_dtype": "auto (the model's dtype), fp8 or int8 (the engine's quantized cache)",
+    "max_model_len": "context length, as the engine's --max-model-len (default: the model's)",
+    "max_num_seqs": "sequences the engine schedules together, as its --max-num-seqs",
+    "max_num_batched_tokens": "tokens in one engine step, as its --max-num-batched-tokens",
+    "block_size": "tokens per KV block, as the engine's --block-size",
+    "gpu_memory_utilization": "share of each GPU's memory to use when no budget is given (engine default 0.9)",
+    "tp": "tensor-parallel ranks, as the engine's --tensor-parallel-size",
+    "pp": "pipeline stages, as the engine's --pipeline-parallel-size",
+    "prompt_len": "the workload's prompt tokens",
+    "output_len": "the workload's generated tokens per sequence",
+    "enforce_eager": "plan the engine's --enforce-eager (no CUDA graphs)",
     "quant": "int8 | fp8 | nf4 | int4 | q8_0 (a ferry store converted with --quant; int4 / nf4 experts stay packed)",
     "expert_quant": "the experts' scheme when it differs from --quant (e.g. nf4 experts, the rest bf16)",
-    "group_size": "NF4 / int4 columns a scale covers, as the store was converted (ferry convert --group-size)",
+    "group_size": "NF4 / int4 columns a scale covers, as the store was converted (ferry convert --group-size; default: "
+                  "a ferry store's own, else 64)",
     "expert_hit_rate": "share of routed experts found on the GPU (e.g. measured); default: predicted from the routing",
     "expert_profile": "the engine's --expert-profile FILE (ferry profile): hottest experts pinned; predicts the hit rate",
     "routing": "routing that predicts the hit rate without a profile: uniform, zipf:S (e.g. zipf:1.2) or a profile FILE",
@@ -26,9 +39,12 @@ _HELP = {
                          "it offloads",
     "gpu_memory_budget_gb": "deprecated: the budget in GB (10^9 bytes); use --gpu-memory-budget SIZE",
     "kv_cache_memory_gb": "GiB of KV cache per GPU, as the engine's --kv-cache-memory-gb (default: what the budget leaves)",
-    "place": "placement rule SELECTOR=gpu|cpu, repeatable (e.g. experts=cpu)",
+    "place": "placement rule SELECTOR=gpu|cpu (e.g. experts=cpu), as the engine's --place",
     "concurrency": "sequences decoding together (default --max-num-seqs)",
 }
+
+_METAVAR = {"gpu_memory_budget": "SIZE", "gpu_memory_budget_gb": "GB", "kv_cache_memory_gb": "GIB", "gpu": "GPUS",
+            "expert_profile": "FILE"}
 
 
 def add_plan_parser(sub) -> None:
@@ -39,24 +55,30 @@ def add_plan_parser(sub) -> None:
     # a bad value is one line naming it (as the planner's own errors print), not a usage dump
     p.error = lambda message: p.exit(2, f"ferry plan: error: {message} (ferry plan --help)\n")
     p.add_argument("model", nargs="?", help="catalog name (e.g. Qwen2-72B), config.json, model directory, .gguf or ferry store")
+    from ferrylm.config import field_docs
+
+    docs = field_docs(PlanOptions)  # a flag without its own help line says what its field's docstring says first
     for f in dataclasses.fields(PlanOptions):
         if f.name == "model":
             continue
         flag = "--" + f.name.replace("_", "-")
+        text = _HELP.get(f.name) or docs.get(f.name, "").split(". ")[0].strip().rstrip(".") or None
         if f.type == "bool":
-            p.add_argument(flag, action="store_true")
+            p.add_argument(flag, action="store_true", help=text)
             continue
         if f.type.startswith("tuple"):
-            p.add_argument(flag, action="append", default=[], help=_HELP.get(f.name, "repeatable"))
+            p.add_argument(flag, action="append", default=[], help=text and text + " (repeatable)")
             continue
+        if f.default is not None and "default" not in (text or ""):
+            text = f"{text} (default {f.default})" if text else f"default {f.default}"
         conv = None if f.name == "gpu_memory_budget" else int if "int" in f.type else float if "float" in f.type else None
         alias = {"tp": ["--tensor-parallel-size"], "pp": ["--pipeline-parallel-size"]}.get(f.name, [])  # engine spelling
-        p.add_argument(flag, *alias, type=conv or str, default=f.default, help=_HELP.get(f.name, f"default {f.default}"))
+        p.add_argument(flag, *alias, type=conv or str, default=f.default, help=text, metavar=_METAVAR.get(f.name))
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     p.add_argument("--list", action="store_true", help="list the built-in models and hardware profiles")
     p.add_argument("--check", action="store_true",
-                   help="run the engine briefly with these settings (MODEL must hold weights) and print predicted "
-                        "vs measured")
+                   help="run the engine briefly with these settings and print predicted vs measured (needs a CUDA "
+                        "GPU and a MODEL with weights)")
     p.add_argument("--device", default="cuda", help="CUDA device for --check (default cuda)")
     p.set_defaults(func=cmd_plan)
 

@@ -125,7 +125,7 @@ def test_vram_guide_qwen2_72b_arithmetic():
     for kw, weights_gib, seqs, seq_range in (
             (dict(gpu="2xA800-80G-PCIe", tp=2), 67.7, 5, (3, 7)),
             (dict(gpu="1xA800-80G-PCIe", quant="nf4"), 41.4, 44, (43, 45)),
-            (dict(gpu="1xA800-80G-PCIe", quant="int8", gpu_memory_budget_gb=84), 70.1, 11, (9, 11))):
+            (dict(gpu="1xA800-80G-PCIe", quant="int8", gpu_memory_budget="84e9"), 70.1, 11, (9, 11))):
         q = make_plan(PlanOptions("Qwen2-72B", **kw, **guide))
         g = q.per_gpu
         per_rank = g["weights"] if kw.get("tp") else sum(q.weights_bytes.values())

@@ -1234,3 +1234,28 @@ def test_every_plan_flag_has_help_and_its_default(capsys):
     assert rc == 0 and "(default 1xH200)" in flat and "(default local)" in flat
     assert "--enforce-eager plan the engine's --enforce-eager" in flat and "--measure-bandwidth measure" in flat
     assert "--gpu-memory-budget SIZE" in flat and "deprecated" in flat
+
+
+def test_plan_doc_matches_the_code():
+    """docs/plan.md said FLOPs at 50% of peak and 30 us a graphed layer where `estimate.py` has 65% and 20 us, and its
+    usage line spelled the budget as the engine does while plan took only -gb: the constants as the code has them,
+    and every flag of the usage block one plan takes."""
+    import argparse
+    import re
+
+    from ferrylm.cli import build_parser
+    from ferrylm.plan import estimate
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "plan.md"), encoding="utf-8") as f:
+        doc = f.read()
+    flat = " ".join(doc.split())
+    for text in (f"({estimate.MFU:.0%} of peak, `MFU`)", f"({estimate.HBM_EFF:.0%} of peak, `HBM_EFF`",
+                 f"the KV cache at {estimate.KV_HBM_EFF:.0%}, `KV_HBM_EFF`", f"{estimate.LAUNCH_S * 1e6:.0f} us eager",
+                 f"{estimate.LAUNCH_GRAPH_S * 1e6:.0f} us in CUDA graphs", f"`MOE_HBM_EFF` {estimate.MOE_HBM_EFF:g} at one",
+                 f"{estimate.ALLREDUCE_S * 1e6:.0f} us each beyond their bytes, `ALLREDUCE_S`"):
+        assert text in flat, text
+    usage = doc.split("```bash\n", 1)[1].split("```", 1)[0]
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["plan"]
+    takes = {o for a in sub._actions for o in a.option_strings}
+    flags = set(re.findall(r"--[a-z][a-z-]*", usage))
+    assert "--gpu-memory-budget" in flags and flags <= takes, flags - takes

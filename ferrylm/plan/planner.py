@@ -803,7 +803,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         notes.append("TP / PP: the figures are the heaviest rank's; parallel layouts run without CUDA graphs")
     if n_gpu > ranks:
         # the GPUs at hand: the most of them first, TP first (decode fastest), then fewer
-        found = (_fitting_layout(opts, gpu, mc, range(n_gpu, ranks, -1))
+        found = (_fitting_layout(opts, gpu, mc, range(n_gpu, ranks, -1), same_gpus=True)
                  if advise and verdict != "fits" else None)
         if found:
             n, tp, pp, better = found
@@ -980,10 +980,10 @@ def _layouts(mc: ModelConfig, n: int, dtype: str):
             yield tp, n // tp
 
 
-def _fitting_layout(opts: PlanOptions, gpu, mc: ModelConfig, counts, **change):
+def _fitting_layout(opts: PlanOptions, gpu, mc: ModelConfig, counts, same_gpus: bool = False, **change):
     """The first layout over `counts` GPUs of the profile `gpu` that the engine takes and that fits resident when
-    planned (at the engine's default budget; `change`: other options, e.g. quant): (GPUs, TP, PP, its plan), or
-    None within LAYOUT_TRIES."""
+    planned (at the engine's default budget; `same_gpus`: on the --gpu given, of which it uses `counts`; `change`:
+    other options, e.g. quant): (GPUs, TP, PP, its plan), or None within LAYOUT_TRIES."""
     tries = 0
     for n in counts:
         for tp, pp in _layouts(mc, n, opts.dtype):
@@ -991,10 +991,8 @@ def _fitting_layout(opts: PlanOptions, gpu, mc: ModelConfig, counts, **change):
                 return None
             tries += 1
             try:
-                p = make_plan(replace(opts, gpu=f"{n}x{gpu.name}", tp=tp, pp=pp, gpu_memory_budget=None,
-                                      gpu_memory_budget_gb=None,
-                                      concurrency=None if opts.concurrency and opts.concurrency > opts.max_num_seqs
-                                      else opts.concurrency, **change), advise=False)
+                p = make_plan(replace(opts, gpu=opts.gpu if same_gpus else f"{n}x{gpu.name}", tp=tp, pp=pp,
+                                      gpu_memory_budget=None, gpu_memory_budget_gb=None, **change), advise=False)
             except ConfigError:
                 continue
             if p.verdict == "fits":
@@ -1047,6 +1045,8 @@ def _advice(groups, opts, gpu, mc, budget, card, reserve, min_kv, advise=True) -
         held = (_fitting_layout(opts, gpu, mc, range(n4, n4 + LAYOUT_TRIES), quant="nf4")
                 if advise and not (spread and n4 > 1) else None)
         out.append(f"or quantize: with --quant nf4 (a ferry store) the weights take about {_gb(nf4)}"
+                   + (f", over one {gpu.name}, and the engine runs this model in one process only" if spread and n4 > 1
+                      else "")
                    + (f", resident with {_flags(*held[1:3], held[0], gpu)} (planned so{default}: decode "
                       f"{held[3].speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1)" if held else ""))
     if opts.max_model_len is None or opts.max_model_len > 8192:

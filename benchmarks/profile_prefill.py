@@ -34,7 +34,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
+    ap.add_argument("--tile4", default=None, metavar="BN,BK",
+                    help="`fused_moe.DECODE_4BIT_TILE` for this run (default: the engine's)")
     a = ap.parse_args()
+    if a.tile4:
+        from ferrylm.layers import fused_moe
+
+        fused_moe.DECODE_4BIT_TILE = tuple(int(v) for v in a.tile4.split(","))
     from torch.profiler import ProfilerActivity, profile
 
     from ferrylm import LLM, SamplingParams

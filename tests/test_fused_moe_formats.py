@@ -82,6 +82,8 @@ def test_decoded_experts_equal_the_reference_dequantize(fmt, tile, monkeypatch):
         monkeypatch.setattr(fused_moe, "DECODE_4BIT_TILE", None)
     elif not fmt.startswith(("int4", "nf4")):
         pytest.skip("one byte a code: the plain tile decode only")
+    else:
+        monkeypatch.setattr(fused_moe, "DECODE_4BIT_TILE", (32, 256))
     torch.manual_seed(3)
     E, H, I = 5, 192, 320  # K (H or I) a multiple of every group, not of the 128- or 256-column tile
     w13, w2 = torch.randn(E, 2 * I, H) * 0.05, torch.randn(E, H, I) * 0.05

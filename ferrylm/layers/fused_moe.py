@@ -641,11 +641,14 @@ expert a group): one decode launch and one grouped GEMM per group, so a bank of 
 128 of 9.4 MB) costs a few launches, while the transient stays bounded (the warm-up profile measures it)."""
 
 
-DECODE_4BIT_TILE: tuple[int, int] | None = (32, 256)
+DECODE_4BIT_TILE: tuple[int, int] | None = None
 """(BLOCK_N, BLOCK_K) of `decode_experts`' kernel for two codes a byte (int4, int4min, NF4: `_decode_experts_4bit`,
 bytes along K, a scale a group, NF4 by the select tree); None: those formats too take `_decode_experts`, whose
 `_weight_tile` reads a transposed tile, two table loads and a scale load a byte (session 31, H100: the resident
-8-layer NF4 Mixtral's 512-token prefill spent 19.8 ms of its 37.5 ms of kernels there, 1.1 TB/s of dense output)."""
+8-layer NF4 Mixtral's 512-token prefill spent 19.8 ms of its 37.5 ms of kernels there, 1.1 TB/s of dense output).
+TODO(issue 8): None until a GPU has run it (bit-equal to `_decode_experts` under Triton's interpreter, session 31, for
+NF4 g64, int4 g32, int4min g64/g128, per-row groups and partial tiles; four starts failed that session): then (32, 256)
+or the best tile of `benchmarks/device_s38.sh`'s sweep (docs/benchmarks.md, pending item 0)."""
 
 
 def _triton_decodes(device: torch.device) -> bool:
@@ -715,15 +718,20 @@ def dequant_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights:
     # are made once: per group they cost the host more than the device's decode and GEMMs (a resident 512-token
     # NF4 Mixtral prefill left the H100 idle 25 ms of 63, in ~1200 gaps: session 31, `profile_prefill.py`)
     ids = to_device([e for g, _ in groups for e in g], x.device)
-    offs = to_device([c for _, sizes in groups for c in itertools.accumulate(sizes)], x.device, torch.int32)
+    # each group's offsets from a 16-byte boundary, as a fresh tensor of them would lie
+    at, flat_offs = [], []
+    for _, sizes in groups:
+        at.append(len(flat_offs))
+        flat_offs += list(itertools.accumulate(sizes)) + [0] * (-len(sizes) % 4)
+    offs = to_device(flat_offs, x.device, torch.int32)
     on_triton = _triton_decodes(x.device)
     args13, args2 = (_weight_args(w13, x.device), _weight_args(w2, x.device)) if on_triton else (None, None)
     start = first = 0
     h = None
-    for group, sizes in groups:
+    for (group, sizes), o in zip(groups, at):
         n, g = sum(sizes), len(group)
         rows, out = xs[start:start + n], y[start:start + n]
-        gids, goffs = ids[first:first + g], offs[first:first + g]
+        gids, goffs = ids[first:first + g], offs[o:o + g]
         # one side decoded at a time (w13's freed before w2's is made): the transient is the larger side's
         h = None  # the previous group's product: freed before this group's decode
         a13 = decode_experts(w13, group, x.dtype, ids=gids, args=args13)  # [g, 2I, H]

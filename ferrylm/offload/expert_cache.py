@@ -306,7 +306,11 @@ class CachedExperts(ExpertBackend):
     against 6031 / 6131 tok/s, 8-layer 512 6300 against 6276, 8-layer batch-1 decode 10.45 / 10.34 against 9.59 /
     9.32 ms (hit 0.896 against 0.918): no prefill gain and a decode loss, so it stays off. The 32-layer NF4 prefill's
     other side is its compute: the same model resident prefills 2k tokens at 7206 / 7487 tok/s on that box, and
-    the offloaded run's 5866 is 0.80 of that."""
+    the offloaded run's 5866 is 0.80 of that. Session 31 (H100, three pairs, two alternating; `device_s37.sh`): the
+    32-layer 2k prefill 5844 against 4816 tok/s on average (+18-23% in every pair), batch 64 211 against 206 (within
+    its 174-237 spread), 8-layer batch-1 decode 12.54 against 10.34 ms a step (hit 0.902 against 0.941; each timed
+    request's 32-token prompt stages). TODO(issue 8): keep the prefill's gain without the decode's loss (the donor's
+    restores after every staged prompt)."""
     promote_after_layer = False
     """A promotion's copy starts once its layer of the last queued step has run (`layer_done`: an event recorded
     after every forward of this layer, inside decode graphs too, read when the engine builds it), not after

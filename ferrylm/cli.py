@@ -264,21 +264,31 @@ LOG_LEVEL_ENV = "FERRY_LOG_LEVEL"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def log_level(verbose: bool, env: dict | None = None) -> int:
-    """The level `ferry` logs at: $FERRY_LOG_LEVEL (a name of LOG_LEVELS, any case; WARNING when unset or empty),
-    lowered to INFO by -v. A name that is not a level is a `ConfigError`."""
-    from ferrylm.errors import ConfigError
+def parse_log_level(raw: str | None) -> int | None:
+    """A $FERRY_LOG_LEVEL value as a logging level: a name logging knows (any case: DEBUG ... CRITICAL, WARN,
+    FATAL) or a number; WARNING when unset or empty; None when it is neither."""
+    name = (raw or "").strip().upper() or "WARNING"
+    if name.lstrip("-").isdigit():
+        return int(name)
+    level = logging.getLevelName(name)  # a known name's number, else a string
+    return level if isinstance(level, int) and name != "NOTSET" else None
 
-    raw = (os.environ if env is None else env).get(LOG_LEVEL_ENV, "")
-    name = raw.strip().upper() or "WARNING"
-    if name not in LOG_LEVELS:
-        raise ConfigError(f"{LOG_LEVEL_ENV}={raw!r}: choose one of {', '.join(LOG_LEVELS)}")
-    level = getattr(logging, name)
+
+def log_level(verbose: bool, env: dict | None = None) -> int:
+    """The level `ferry` logs at: $FERRY_LOG_LEVEL (`parse_log_level`; WARNING when unset, empty or not a level:
+    `main` says so on stderr and runs on, so a stray value never stops a server or `ferry doctor`, which judges it),
+    lowered to INFO by -v."""
+    level = parse_log_level((os.environ if env is None else env).get(LOG_LEVEL_ENV))
+    level = logging.WARNING if level is None else level
     return min(level, logging.INFO) if verbose else level
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    raw = os.environ.get(LOG_LEVEL_ENV)
+    if parse_log_level(raw) is None:
+        print(f"ferry: warning: {LOG_LEVEL_ENV}={raw!r} is not a level ({', '.join(LOG_LEVELS)} or a number); "
+              "logging at WARNING", file=sys.stderr)
     try:
         logging.basicConfig(level=log_level(args.verbose), format="%(levelname)s %(name)s: %(message)s")
         if hasattr(args, "tensor_parallel_size") and _torchrun_rank() > 0:  # a worker: serves rank 0's steps

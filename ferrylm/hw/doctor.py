@@ -245,22 +245,22 @@ def host_kernels_check(why_unavailable: str | None, nf4_bf16: bool = False, amx:
 
 
 def log_level_check(env_value: str | None) -> Check:
-    """`env_value`: $FERRY_LOG_LEVEL as the shell that starts ferry has it (None: unset); judged by the function
-    `ferry` sets its logging from (`ferrylm.cli.log_level`), without -v (a flag of each run, not of the machine)."""
+    """`env_value`: $FERRY_LOG_LEVEL as the shell that starts ferry has it (None: unset); judged by the functions
+    `ferry` sets its logging from (`ferrylm.cli.parse_log_level`, `log_level`), without -v (a flag of each run, not
+    of the machine)."""
     import logging
 
-    from ferrylm.cli import LOG_LEVEL_ENV, log_level
-    from ferrylm.errors import ConfigError
+    from ferrylm.cli import LOG_LEVEL_ENV, log_level, parse_log_level
 
     where = f"{LOG_LEVEL_ENV}={env_value}" if env_value else f"{LOG_LEVEL_ENV} unset"
     why = ("DEBUG lets every library log at the root (asyncio, httpx, torch's compiler): lines per step and "
            "request cost tokens/s")
     fix = f"unset {LOG_LEVEL_ENV}  # and drop it from the service's environment or the login's profile"
-    try:
-        level = log_level(False, {} if env_value is None else {LOG_LEVEL_ENV: env_value})
-    except ConfigError as e:
-        return Check("log_level", FAIL, f"{where}: not a level", "INFO or quieter",
-                     f"every ferry command stops at start-up on it ({e})", fix, scope=SHELL)
+    if parse_log_level(env_value) is None:
+        return Check("log_level", WARN, f"{where}: not a level", "INFO or quieter",
+                     "every ferry command warns at start-up and logs at WARNING: the value is not doing what it was "
+                     "set for", fix, scope=SHELL)
+    level = log_level(False, {} if env_value is None else {LOG_LEVEL_ENV: env_value})
     bad = level < logging.INFO
     return Check("log_level", WARN if bad else OK, f"{logging.getLevelName(level)} ({where})",
                  "INFO or quieter", why, fix if bad else "", scope=SHELL)

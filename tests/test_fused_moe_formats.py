@@ -96,6 +96,40 @@ def test_decoded_experts_equal_the_reference_dequantize(fmt, tile, monkeypatch):
             assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
 
 
+@pytest.mark.parametrize("tile", [(32, 256), (16, 64)], ids=["tile-32x256", "tile-16x64"])
+@pytest.mark.parametrize("fmt", ["int4", "int4min", "nf4"])
+def test_the_4bit_decode_runs_every_group_layout(fmt, tile, monkeypatch):
+    """`_decode_experts_4bit` itself runs (a spy on its launch) and equals `ExpertWeights.dequantize` exactly where a
+    tile holds several groups, one group, part of one (groups wider than the tile), one group a row (group >= K), and
+    where K is no whole number of tiles."""
+    from ferrylm.layers import fused_moe
+    from ferrylm.layers.fused_moe import decode_experts
+
+    make = {"nf4": lambda t, g: quant.quantize_nf4(t, g), "int4": lambda t, g: quant.quantize_int4(t, g, "sym"),
+            "int4min": lambda t, g: quant.quantize_int4(t, g, "min")}[fmt]
+    launched = []
+    kernel = fused_moe._decode_experts_4bit
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(fused_moe, "DECODE_4BIT_TILE", tile)
+    monkeypatch.setattr(fused_moe, "_decode_experts_4bit", Spy())
+    torch.manual_seed(4)
+    for group, K in ((32, 96), (64, 64), (128, 384), (256, 512), (512, 1024)):
+        if group > 256 and fmt != "nf4":  # int4 groups stop at 256
+            continue
+        w = torch.randn(3, 24, K) * 0.05
+        b = ExpertWeights.stack([[make(w[e], group)] for e in range(3)], DT).to(DEV)
+        launched.clear()
+        got = decode_experts(b, [2, 0], DT)
+        assert launched, f"group {group}, K {K}: the 4-bit kernel did not run"
+        want = b.dequantize(DT)[[2, 0]]
+        assert torch.equal(got, want), (group, K, (got.float() - want.float()).abs().max().item())
+
+
 @pytest.mark.parametrize("decode", [None, False], ids=["decode-kernel", "plain-kernel"])
 def test_columns_of_the_intermediate_add_up(decode):
     """`expert_rows(..., inter=c)` computes each expert on its first c intermediate columns (hybrid decode's

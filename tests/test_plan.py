@@ -1259,3 +1259,19 @@ def test_plan_doc_matches_the_code():
     takes = {o for a in sub._actions for o in a.option_strings}
     flags = set(re.findall(r"--[a-z][a-z-]*", usage))
     assert "--gpu-memory-budget" in flags and flags <= takes, flags - takes
+
+
+def test_layout_checks_do_not_read_the_shell_environment(monkeypatch):
+    """`ferry plan --tp 4` in a shell with torchrun's variables (WORLD_SIZE 8) was refused: the plan ran the engine's
+    start-up checks whole, its torchrun process count among them. The plan asks only the model's structure; the
+    engine's start still checks the process count."""
+    from ferrylm.config import EngineConfig, ModelConfig, ParallelConfig
+    from ferrylm.parallel.launch import _check
+
+    for k, v in dict(RANK="0", WORLD_SIZE="8", LOCAL_RANK="0", MASTER_ADDR="x", MASTER_PORT="1").items():
+        monkeypatch.setenv(k, v)
+    p = make_plan(PlanOptions("Llama-3-70B", gpu="4xH100-80G-SXM", host=HOST, tp=4), advise=False)
+    assert p.verdict == "fits"
+    mc = ModelConfig.from_hf(catalog.CATALOG["Llama-3-70B"])
+    with pytest.raises(ConfigError, match="torchrun started 8 processes"):
+        _check(EngineConfig(device="cpu", parallel=ParallelConfig(tensor_parallel_size=4)), mc)

@@ -39,27 +39,35 @@ def torchrun_env() -> dict | None:
     return {k: os.environ[k] for k in keys}
 
 
-def _check(config, model_config) -> None:
-    """What can be refused before any process starts."""
+def layout_check(model_config, parallel) -> None:
+    """Refuses a TP x PP layout (`parallel`: a `ParallelConfig`) this model's structure cannot take: a model class
+    without sharded layers, heads or KV heads (or, with expert_parallel, experts) that do not split over the TP ranks,
+    fewer layers than stages. Reads nothing of the process or machine (`ferry plan` asks it of any layout)."""
     from ferrylm.layers.parallel_linear import kv_heads_per_rank
     from ferrylm.models.registry import model_class
 
-    pc = config.parallel
     cls = model_class(model_config)
     if not getattr(cls, "tensor_parallel", False):  # sharded layers and the plain layer structure
         raise ConfigError(f"{cls.__name__} does not support tensor or pipeline parallelism yet (docs/parallel.md)")
-    if pc.pipeline_parallel_size > 1:
+    if parallel.pipeline_parallel_size > 1:
         from ferrylm.parallel.pipeline import stage_layers
 
-        stage_layers(model_config.num_hidden_layers, pc.pipeline_parallel_size, 0)
-    if pc.tensor_parallel_size > 1:
-        tp, mc = pc.tensor_parallel_size, model_config
+        stage_layers(model_config.num_hidden_layers, parallel.pipeline_parallel_size, 0)
+    if parallel.tensor_parallel_size > 1:
+        tp, mc = parallel.tensor_parallel_size, model_config
         if mc.num_attention_heads % tp:
             raise ConfigError(f"the model's {mc.num_attention_heads} attention heads are not divisible by "
                               f"tensor_parallel_size {tp}")
         kv_heads_per_rank(mc.num_key_value_heads, tp)
-        if pc.expert_parallel and mc.is_moe and mc.num_experts % tp:
+        if parallel.expert_parallel and mc.is_moe and mc.num_experts % tp:
             raise ConfigError(f"the model's {mc.num_experts} experts are not divisible by tensor_parallel_size {tp}")
+
+
+def _check(config, model_config) -> None:
+    """What can be refused before any process starts: the layout (`layout_check`), then this process's
+    environment (torchrun's process count, the GPUs torch sees)."""
+    pc = config.parallel
+    layout_check(model_config, pc)
     env = torchrun_env()
     if env and int(env["WORLD_SIZE"]) != pc.world_size:
         raise ConfigError(f"torchrun started {env['WORLD_SIZE']} processes but tensor_parallel_size x "

@@ -947,18 +947,18 @@ def _moe_layers(mine: list[TensorGroup], tier: dict, dense_of: dict, scheme: str
 
 def layout_error(mc: ModelConfig, tp: int, pp: int, dtype: str = "bfloat16") -> str | None:
     """Why the engine refuses `tp` x `pp` for this model, None where it takes it (or has no model class: the plan
-    says so apart). The engine's own checks: the start-up refusals of `parallel/launch.py` (a model class without
-    sharded layers, heads or KV heads that do not split, fewer layers than stages) and the sharded layers' splits
+    says so apart). The engine's own checks: the start-up refusals of the layout, `parallel/launch.layout_check` (a model
+    class without sharded layers, heads or KV heads that do not split, fewer layers than stages; not its checks of the
+    process, e.g. torchrun's WORLD_SIZE, which a plan made anywhere must not read) and the sharded layers' splits
     as a rank builds them (`TPGroup.split`, on meta)."""
     if tp * pp == 1:
         return None
-    from ferrylm.config import EngineConfig, ParallelConfig
+    from ferrylm.config import ParallelConfig
     from ferrylm.parallel.group import TPGroup, building
-    from ferrylm.parallel.launch import _check  # the checks `start_runner` makes before any process starts
+    from ferrylm.parallel.launch import layout_check  # `start_runner`'s checks of the layout, not of this process
 
     try:
-        _check(EngineConfig(device="cpu", parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp)),
-               mc)
+        layout_check(mc, ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
         if tp > 1:
             with building(TPGroup(rank=0, size=tp)):
                 meta_model(mc, dtype)

@@ -1038,14 +1038,15 @@ def _plan_cli(capsys, *args) -> tuple[int, str, str]:
 @pytest.mark.parametrize("args,names", [
     (["--block-size", "0"], "--block-size 0"), (["--prompt-len", "0"], "--prompt-len 0"),
     (["--output-len", "-1"], "--output-len -1"), (["--concurrency", "0"], "--concurrency 0"),
-    (["--max-model-len", "0"], "--max-model-len 0"),
+    (["--max-model-len", "0"], "--max-model-len 0"), (["--max-model-len", "1"], "--max-model-len 1: must be at least 2"),
     (["--host", "2xXeon-8480C,0GB"], "memory must be more than 0"), (["--gpu", "-1xH200"], "count must be at least 1"),
     (["--gpu", "0xH200"], "count must be at least 1"), (["--block-size", "x"], "--block-size"),
     (["--tp", "0"], "--tp 0")])
 def test_bad_values_are_one_line_errors(args, names, capsys):
     """A bad value is refused with one line naming it and a nonzero exit: never a traceback (--block-size 0 divided
-    by zero), never a silent default (--concurrency 0 planned 64, --max-model-len 0 the model's context), never
-    argparse's usage dump (--gpu -1xH200 read as an unknown flag)."""
+    by zero), never a silent default (--concurrency 0 planned 64, --max-model-len 0 the model's context), never a
+    workload the engine cannot run (--max-model-len 1 planned 0-token prompts: a sequence needs a prompt token and one
+    generated), never argparse's usage dump (--gpu -1xH200 read as an unknown flag)."""
     rc, out, err = _plan_cli(capsys, "Llama-3-8B", "--host", HOST, *args)
     print(err)
     assert rc == 2 and out == "" and names in err

@@ -889,11 +889,12 @@ def _budget_flag(opts: PlanOptions) -> str:
 
 
 def _check_counts(opts: PlanOptions) -> None:
-    """Counts and lengths the engine (or the workload) needs positive: refused by name, before any arithmetic."""
+    """Counts and lengths the engine (or the workload) needs positive: refused by name, before any arithmetic. A
+    context holds at least a prompt token and one generated (the engine refuses a prompt as long as the context)."""
     for flag, v, least in (("--tp", opts.tp, 1), ("--pp", opts.pp, 1), ("--block-size", opts.block_size, 1),
                            ("--max-num-seqs", opts.max_num_seqs, 1),
                            ("--max-num-batched-tokens", opts.max_num_batched_tokens, 1),
-                           ("--max-model-len", opts.max_model_len, 1), ("--prompt-len", opts.prompt_len, 1),
+                           ("--max-model-len", opts.max_model_len, 2), ("--prompt-len", opts.prompt_len, 1),
                            ("--output-len", opts.output_len, 0), ("--concurrency", opts.concurrency, 1)):
         if v is not None and v < least:
             raise ConfigError(f"{flag} {v}: must be at least {least}")

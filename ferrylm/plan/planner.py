@@ -872,8 +872,13 @@ def budget_bytes(opts: PlanOptions) -> int | None:
             n = parse_bytes(opts.gpu_memory_budget)
         except ConfigError as e:
             raise ConfigError(f"{flag}: {e}") from None
+        except (OverflowError, ValueError):  # inf or nan: 1e999, or a float through the API
+            raise ConfigError(f"{flag}: a budget must be a finite size over 0") from None
     elif opts.gpu_memory_budget_gb is not None:
-        n, flag = int(opts.gpu_memory_budget_gb * 1e9), f"--gpu-memory-budget-gb {opts.gpu_memory_budget_gb:g}"
+        flag = f"--gpu-memory-budget-gb {opts.gpu_memory_budget_gb:g}"
+        if not math.isfinite(opts.gpu_memory_budget_gb * 1e9):  # int() of nan or inf raises
+            raise ConfigError(f"{flag}: a budget must be a finite number of GB over 0")
+        n = int(opts.gpu_memory_budget_gb * 1e9)
     else:
         return None
     if n <= 0:
@@ -889,8 +894,9 @@ def _budget_flag(opts: PlanOptions) -> str:
 
 
 def _check_counts(opts: PlanOptions) -> None:
-    """Counts and lengths the engine (or the workload) needs positive: refused by name, before any arithmetic. A
-    context holds at least a prompt token and one generated (the engine refuses a prompt as long as the context)."""
+    """Counts, lengths and the KV size the engine (or the workload) needs positive (and finite): refused by name,
+    before any arithmetic. A context holds at least a prompt token and one generated (the engine refuses a prompt as
+    long as the context)."""
     for flag, v, least in (("--tp", opts.tp, 1), ("--pp", opts.pp, 1), ("--block-size", opts.block_size, 1),
                            ("--max-num-seqs", opts.max_num_seqs, 1),
                            ("--max-num-batched-tokens", opts.max_num_batched_tokens, 1),
@@ -898,6 +904,9 @@ def _check_counts(opts: PlanOptions) -> None:
                            ("--output-len", opts.output_len, 0), ("--concurrency", opts.concurrency, 1)):
         if v is not None and v < least:
             raise ConfigError(f"{flag} {v}: must be at least {least}")
+    kv = opts.kv_cache_memory_gb
+    if kv is not None and not (kv > 0 and math.isfinite(kv * 2**30)):  # its bytes are int(GiB * 2^30)
+        raise ConfigError(f"--kv-cache-memory-gb {kv:g}: a finite number of GiB over 0")
 
 
 def _share_why(costs, misses: float) -> str:

@@ -1041,17 +1041,19 @@ def _plan_cli(capsys, *args) -> tuple[int, str, str]:
     (["--max-model-len", "0"], "--max-model-len 0"), (["--max-model-len", "1"], "--max-model-len 1: must be at least 2"),
     (["--host", "2xXeon-8480C,0GB"], "memory must be more than 0"), (["--gpu", "-1xH200"], "count must be at least 1"),
     (["--gpu", "0xH200"], "count must be at least 1"), (["--block-size", "x"], "--block-size"),
-    (["--tp", "0"], "--tp 0"), (["--gpu-memory-budget-gb", "nan"], "--gpu-memory-budget-gb nan"),
-    (["--gpu-memory-budget-gb", "inf"], "--gpu-memory-budget-gb inf"), (["--gpu-memory-budget", "1e999"],
-                                                                        "--gpu-memory-budget 1e999"),
-    (["--kv-cache-memory-gb", "inf"], "--kv-cache-memory-gb inf"), (["--kv-cache-memory-gb", "1e300"],
-                                                                    "--kv-cache-memory-gb 1e+300")])
+    (["--tp", "0"], "--tp 0"), (["--group-size", "0"], "--group-size 0"), (["--group-size", "-64"], "--group-size -64"),
+    (["--group-size", "0", "--quant", "nf4"], "--group-size 0"),
+    (["--gpu-memory-budget-gb", "nan"], "--gpu-memory-budget-gb nan"),
+    (["--gpu-memory-budget-gb", "inf"], "--gpu-memory-budget-gb inf"),
+    (["--gpu-memory-budget", "1e999"], "--gpu-memory-budget 1e999"),
+    (["--kv-cache-memory-gb", "inf"], "--kv-cache-memory-gb inf"),
+    (["--kv-cache-memory-gb", "1e300"], "--kv-cache-memory-gb 1e+300")])
 def test_bad_values_are_one_line_errors(args, names, capsys):
     """A bad value is refused with one line naming it and a nonzero exit: never a traceback (--block-size 0 divided
-    by zero), never a silent default (--concurrency 0 planned 64, --max-model-len 0 the model's context), never a
-    workload the engine cannot run (--max-model-len 1 planned 0-token prompts: a sequence needs a prompt token and one
-    generated), never argparse's usage dump (--gpu -1xH200 read as an unknown flag), never a traceback of int()
-    (a budget or KV size of nan, inf, or one whose bytes overflow)."""
+    by zero; int() of a budget or KV size of nan, inf, or one whose bytes overflow), never a silent default
+    (--concurrency 0 planned 64, --max-model-len 0 the model's context, --group-size 0 the default 64), never a workload
+    the engine cannot run (--max-model-len 1 planned 0-token prompts: a sequence needs a prompt token and one
+    generated), never argparse's usage dump (--gpu -1xH200 read as an unknown flag)."""
     rc, out, err = _plan_cli(capsys, "Llama-3-8B", "--host", HOST, *args)
     print(err)
     assert rc == 2 and out == "" and names in err

@@ -151,6 +151,8 @@ def _stage_groups(groups: list[TensorGroup], layers: int, tp: int, pp: int) -> l
 def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     """`advise`: also try the alternatives the notes suggest (a plan of its own each, without advice)."""
     _check_counts(opts)
+    if opts.group_size is not None and (opts.group_size < 2 or opts.group_size % 2):  # 0 too: not "not given"
+        raise ConfigError(f"--group-size {opts.group_size}: an even number of columns, e.g. 32, 64 or 128")
     budget_bytes(opts)  # a bad or doubled budget is refused before anything is counted
     stored = catalog.store_quantization(opts.model)
     opts, store_notes = _store_quant(opts, stored)
@@ -160,8 +162,6 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     for flag, q in (("--quant", opts.quant), ("--expert-quant", opts.expert_quant)):
         if q is not None and q not in QUANT_SCHEMES:
             raise ConfigError(f"{flag} {q!r}: choose one of {', '.join(QUANT_SCHEMES)}")
-    if opts.group_size < 2 or opts.group_size % 2:
-        raise ConfigError(f"--group-size {opts.group_size}: an even number of columns, e.g. 32, 64 or 128")
     if opts.expert_hit_rate is not None and not 0 <= opts.expert_hit_rate <= 1:
         raise ConfigError(f"--expert-hit-rate {opts.expert_hit_rate}: a share between 0 and 1")
     quant_kv = opts.kv_cache_dtype in ("fp8", "int8")  # 1-byte codes + a 4-byte scale per token and head
@@ -827,7 +827,7 @@ def _store_quant(opts: PlanOptions, stored: dict | None) -> tuple[PlanOptions, l
     anything else): a quantized store is planned as converted (the engine loads it so), whatever --quant says (a
     different --quant or --group-size is refused); --quant on an unquantized store plans that conversion, and says
     so. Returns (options, notes)."""
-    group = opts.group_size or 64
+    group = 64 if opts.group_size is None else opts.group_size
     if stored is None:
         return replace(opts, group_size=group), []
     scheme, groups = stored.get("scheme") or "none", ("int4", "nf4")
@@ -845,7 +845,7 @@ def _store_quant(opts: PlanOptions, stored: dict | None) -> tuple[PlanOptions, l
         if given and given != scheme:
             raise ConfigError(f"{flag} {given}: the store {opts.model} was converted with --quant {scheme} (its "
                               f"ferry.json), which the engine loads as it is; drop {flag}, or plan another store")
-    if scheme in groups and opts.group_size and opts.group_size != stored.get("group_size", 64):
+    if scheme in groups and opts.group_size is not None and opts.group_size != stored.get("group_size", 64):
         raise ConfigError(f"--group-size {opts.group_size}: the store {opts.model} was converted with --group-size "
                           f"{stored.get('group_size', 64)} (its ferry.json); drop --group-size")
     group = stored.get("group_size", 64) if scheme in groups else group

@@ -1283,3 +1283,28 @@ def test_layout_checks_do_not_read_the_shell_environment(monkeypatch):
     mc = ModelConfig.from_hf(catalog.CATALOG["Llama-3-70B"])
     with pytest.raises(ConfigError, match="torchrun started 8 processes"):
         _check(EngineConfig(device="cpu", parallel=ParallelConfig(tensor_parallel_size=4)), mc)
+
+
+def _local_gpus(monkeypatch, nvml_name: str, n: int = 1, gib: float = 79.2) -> None:
+    """This machine's GPUs as `hw.probe.local_gpus` profiles them (its data-sheet profile, else a guess, named as NVML
+    names the card), faked: `n` of `nvml_name` with `gib` GiB."""
+    from dataclasses import replace
+
+    from ferrylm.hw import probe
+    from ferrylm.plan.hardware import GpuProfile
+
+    base = probe.profile_for(nvml_name) or GpuProfile(nvml_name, 0, 1000, {"bf16": 100, "fp16": 100}, 4,
+                                                      source="guess")
+    card = replace(base, name=nvml_name, memory_gb=gib * 2**30 / 1e9, memory_gib=gib, source="NVML + " + base.source)
+    monkeypatch.setattr(probe, "local_gpus", lambda: [card] * n)
+
+
+def test_a_local_gpu_without_a_profile_is_warned_of_its_guessed_rates(monkeypatch):
+    """`--gpu local` on a card with no built-in profile plans with guessed HBM and TFLOP/s rates; the warning that says
+    so never fired (the planner asked for the source "guess", `local_gpus` writes "NVML + guess")."""
+    _local_gpus(monkeypatch, "NVIDIA B200", gib=178.4)
+    p = make_plan(PlanOptions("Llama-3-8B", gpu="local", host=HOST), advise=False)
+    assert any("has no built-in profile" in n and "are guesses" in n for n in p.notes), p.notes
+    _local_gpus(monkeypatch, "NVIDIA H100 80GB HBM3")
+    p = make_plan(PlanOptions("Llama-3-8B", gpu="local", host=HOST), advise=False)
+    assert p.gpu == "NVIDIA H100 80GB HBM3" and not any("guesses" in n for n in p.notes)

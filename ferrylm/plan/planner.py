@@ -363,7 +363,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                      "--dtype float16 runs at that peak")
     if opts.dtype == "float32":
         tflops /= 8  # no fp32 tensor cores: TF32 at best (a Turing card's fp32 peak is its fp16 tensor peak / 8)
-    if gpu.source == "guess":
+    if "guess" in gpu.source:  # "guess", "NVML + guess" (`local_gpus`), "..., pinned H2D measured"
         early.append(f"warning: the {gpu.name} has no built-in profile: its HBM rate ({gpu.hbm_gbs:g} GB/s) and TFLOP/s "
                      "are guesses, so are the speeds; --gpu NAME picks a profile (ferry plan --list)")
     layers = math.ceil(mc.num_hidden_layers / opts.pp)

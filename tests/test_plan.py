@@ -1308,3 +1308,20 @@ def test_a_local_gpu_without_a_profile_is_warned_of_its_guessed_rates(monkeypatc
     _local_gpus(monkeypatch, "NVIDIA H100 80GB HBM3")
     p = make_plan(PlanOptions("Llama-3-8B", gpu="local", host=HOST), advise=False)
     assert p.gpu == "NVIDIA H100 80GB HBM3" and not any("guesses" in n for n in p.notes)
+
+
+def test_idle_gpu_advice_keeps_the_budget():
+    """Idle GPUs of --gpu were advised at the engine's default budget whatever --gpu-memory-budget said: Llama-3-70B
+    on 4 H100s at 30GiB each was "with --tp 4 it fits resident on all 4", which offloads under that budget. The layout
+    on the same GPUs is planned under the budget given, and the advice taken as printed fits."""
+    opts = dict(gpu="4xH100-80G-SXM", host=HOST)
+    for budget, fits in (("30GiB", False), ("60GiB", True)):
+        p = make_plan(PlanOptions("Llama-3-70B", gpu_memory_budget=budget, **opts))
+        note = next(n for n in p.notes if n.startswith("4 GPUs but TP x PP = 1"))
+        print(budget, note)
+        assert p.verdict == "offload" and ("it fits resident" in note) is fits, note
+        if fits:
+            assert f"--gpu-memory-budget {budget}" in note
+            held = make_plan(PlanOptions("Llama-3-70B", gpu_memory_budget=budget, **opts, **_advised(note)),
+                             advise=False)
+            assert held.verdict == "fits"

@@ -807,9 +807,10 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                  if advise and verdict != "fits" else None)
         if found:
             n, tp, pp, better = found
+            under = f", under {_budget_flag(opts)}" if budget_bytes(opts) is not None else ""
             notes.append(f"{n_gpu} GPUs but TP x PP = {ranks}: with {_flags(tp, pp)} it fits resident on "
                          f"{'all ' + str(n) if n == n_gpu else str(n) + ' of them'} "
-                         f"(planned so: decode {better.speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1"
+                         f"(planned so{under}: decode {better.speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1"
                          + (f" instead of {d1['tok_s']:.1f})" if verdict == "offload" else ")"))
         else:
             notes.append(f"{n_gpu} GPUs but TP x PP = {ranks}: the others are idle (or run replicas)")
@@ -992,8 +993,8 @@ def _layouts(mc: ModelConfig, n: int, dtype: str):
 
 def _fitting_layout(opts: PlanOptions, gpu, mc: ModelConfig, counts, same_gpus: bool = False, **change):
     """The first layout over `counts` GPUs of the profile `gpu` that the engine takes and that fits resident when
-    planned (at the engine's default budget; `same_gpus`: on the --gpu given, of which it uses `counts`; `change`:
-    other options, e.g. quant): (GPUs, TP, PP, its plan), or None within LAYOUT_TRIES."""
+    planned (at the engine's default budget; `same_gpus`: on the --gpu given, of which it uses `counts`, under the
+    budget given; `change`: other options, e.g. quant): (GPUs, TP, PP, its plan), or None within LAYOUT_TRIES."""
     tries = 0
     for n in counts:
         for tp, pp in _layouts(mc, n, opts.dtype):
@@ -1001,8 +1002,10 @@ def _fitting_layout(opts: PlanOptions, gpu, mc: ModelConfig, counts, same_gpus: 
                 return None
             tries += 1
             try:
+                # more GPUs than given: at the default budget (`_advice` says so); the GPUs given: under theirs
+                budget = {} if same_gpus else dict(gpu_memory_budget=None, gpu_memory_budget_gb=None)
                 p = make_plan(replace(opts, gpu=opts.gpu if same_gpus else f"{n}x{gpu.name}", tp=tp, pp=pp,
-                                      gpu_memory_budget=None, gpu_memory_budget_gb=None, **change), advise=False)
+                                      **budget, **change), advise=False)
             except ConfigError:
                 continue
             if p.verdict == "fits":

@@ -1325,3 +1325,40 @@ def test_idle_gpu_advice_keeps_the_budget():
             held = make_plan(PlanOptions("Llama-3-70B", gpu_memory_budget=budget, **opts, **_advised(note)),
                              advise=False)
             assert held.verdict == "fits"
+
+
+def test_local_gpu_advice_plans_more_of_them(monkeypatch):
+    """`--gpu local` advice never planned more GPUs or NF4: it planned "3xNVIDIA H100 80GB HBM3" (NVML's name, no
+    profile's), which failed to parse, swallowed as "no layout of 3-12 GPUs planned to fit". It plans COUNTxlocal
+    (this machine's GPU, as read), names it so (a --gpu the plan takes), and the advice taken as printed fits."""
+    _local_gpus(monkeypatch, "NVIDIA H100 80GB HBM3")
+    n, gpu = hardware.parse_gpu("3xlocal")
+    assert n == 3 and gpu.name == "NVIDIA H100 80GB HBM3" and hardware.parse_gpu("local")[0] == 1
+    host = "1xXeon-8480C,64GB"
+    p = make_plan(PlanOptions("Qwen2-72B", gpu="local", host=host))
+    print(*p.notes, sep="\n")
+    assert p.verdict == "cannot" and not any("planned to fit" in n for n in p.notes)
+    for prefix, extra in (("to hold it resident", {}), ("or quantize", {"quant": "nf4"})):
+        note = next(n for n in p.notes if n.startswith(prefix))
+        layout = _advised(note)
+        assert layout["gpu"].endswith("xlocal"), note
+        again = make_plan(PlanOptions("Qwen2-72B", host=host, **layout, **extra), advise=False)
+        assert again.verdict == "fits" and again.gpu == "NVIDIA H100 80GB HBM3"
+
+
+def test_advice_names_what_it_could_not_plan(monkeypatch):
+    """A layout the advice could not plan is named with the refusal, never counted as planned and not fitting."""
+    from ferrylm.plan import planner
+
+    plan = planner.make_plan
+
+    def refusing(opts, advise=True):
+        if not advise:
+            raise ConfigError("refused for this test")
+        return plan(opts, advise)
+
+    monkeypatch.setattr(planner, "make_plan", refusing)
+    p = planner.make_plan(PlanOptions("Qwen2-72B", gpu="1xA800-80G-PCIe", host="1xXeon-8480C,64GB"))
+    note = next(n for n in p.notes if n.startswith("to hold it resident"))
+    print(note)
+    assert "planned to fit" not in note and "refused when planned" in note and "refused for this test" in note

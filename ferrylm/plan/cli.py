@@ -10,7 +10,8 @@ import sys
 from ferrylm.plan.planner import PlanOptions
 
 _HELP = {
-    "gpu": 'COUNTxNAME, e.g. "4xA800-80G-PCIe", or local (NVML)',
+    "gpu": 'COUNTxNAME, e.g. "4xA800-80G-PCIe", or local (NVML: this machine\'s GPUs; COUNTxlocal: COUNT like its '
+           'first)',
     "host": 'SOCKETSxCPU[,MEMORY], e.g. "2xXeon-8480C,1TB", or local (/proc, /sys)',
     "dtype": "the model's dtype as the engine runs it: bfloat16, float16 or float32",
     "kv_cache_dtype": "auto (the model's dtype), fp8 or int8 (the engine's quantized cache)",

@@ -1,7 +1,8 @@
 """Hardware profiles: what the planner assumes about a GPU and a host, built in from vendors' data sheets
 or read from this machine (`ferrylm.hw.probe`), and the `--gpu` / `--host` spellings that pick them.
 
-    --gpu  "4xA800-80G-PCIe" | "H200" | "local"        COUNT x NAME (COUNT defaults to 1)
+    --gpu  "4xA800-80G-PCIe" | "H200" | "local"        COUNT x NAME (COUNT defaults to 1; "3xlocal": 3 GPUs
+                                                       like this machine's first, as read)
     --host "2xXeon-8480C,1TB" | "EPYC-9654" | "local"  SOCKETS x CPU [, MEMORY]
 
 Data-sheet figures are peaks: dense tensor TFLOP/s (no sparsity), HBM GB/s. `pinned_h2d_gbs` is what a
@@ -147,18 +148,25 @@ def _find(table: dict, name: str, what: str):
 
 
 def parse_gpu(spec: str) -> tuple[int, GpuProfile]:
-    """"4xA800-80G-PCIe" -> (4, profile); "local" reads this machine (NVML)."""
-    if spec.strip().lower() == "local":
-        from ferrylm.hw.probe import local_gpus
-
-        gpus = local_gpus()
-        if not gpus:
-            raise ConfigError("--gpu local: no NVIDIA GPU found here (NVML); name a profile, e.g. --gpu 1xH200")
-        return len(gpus), gpus[0]
+    """"4xA800-80G-PCIe" -> (4, profile); "local" reads this machine (NVML): its GPUs, profiled as its first;
+    "3xlocal": 3 GPUs like that one (how the advice plans more of this machine's GPUs: NVML's name for them is no
+    profile's)."""
     n, name = _count(spec)
     if n < 1:
         raise ConfigError(f"--gpu {spec!r}: the count must be at least 1")
-    return n, _find(GPUS, name, "GPU")
+    if not is_local(spec):
+        return n, _find(GPUS, name, "GPU")
+    from ferrylm.hw.probe import local_gpus
+
+    gpus = local_gpus()
+    if not gpus:
+        raise ConfigError(f"--gpu {spec}: no NVIDIA GPU found here (NVML); name a profile, e.g. --gpu 1xH200")
+    return (n if name != spec.strip() else len(gpus)), gpus[0]  # "3xlocal" counts 3, "local" what is here
+
+
+def is_local(spec: str) -> bool:
+    """Whether --gpu `spec` reads this machine's GPUs ("local", "3xlocal")."""
+    return _count(spec)[1].lower() == "local"
 
 
 def parse_host(spec: str) -> HostProfile:

@@ -803,17 +803,18 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         notes.append("TP / PP: the figures are the heaviest rank's; parallel layouts run without CUDA graphs")
     if n_gpu > ranks:
         # the GPUs at hand: the most of them first, TP first (decode fastest), then fewer
-        found = (_fitting_layout(opts, gpu, mc, range(n_gpu, ranks, -1), same_gpus=True)
-                 if advise and verdict != "fits" else None)
-        if found:
-            n, tp, pp, better = found
-            under = f", under {_budget_flag(opts)}" if budget_bytes(opts) is not None else ""
+        search = (_fitting_layout(opts, gpu, mc, range(n_gpu, ranks, -1), same_gpus=True)
+                  if advise and verdict != "fits" else None)
+        under = f", under {_budget_flag(opts)}" if budget_bytes(opts) is not None else ""
+        if search:
+            n, tp, pp, better = search.found
             notes.append(f"{n_gpu} GPUs but TP x PP = {ranks}: with {_flags(tp, pp)} it fits resident on "
                          f"{'all ' + str(n) if n == n_gpu else str(n) + ' of them'} "
                          f"(planned so{under}: decode {better.speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1"
                          + (f" instead of {d1['tok_s']:.1f})" if verdict == "offload" else ")"))
         else:
-            notes.append(f"{n_gpu} GPUs but TP x PP = {ranks}: the others are idle (or run replicas)")
+            notes.append(f"{n_gpu} GPUs but TP x PP = {ranks}: the others are idle (or run replicas)"
+                         + (f"; {search.why_none()}{under}" if search is not None else ""))
     if counted == "config":
         notes.append(f"{mc.architecture} has no model class in ferrylm yet: counted from config.json "
                      "(memory.analytical_groups); the engine cannot run it")
@@ -991,31 +992,64 @@ def _layouts(mc: ModelConfig, n: int, dtype: str):
             yield tp, n // tp
 
 
-def _fitting_layout(opts: PlanOptions, gpu, mc: ModelConfig, counts, same_gpus: bool = False, **change):
+@dataclass
+class _Search:
+    """What `_fitting_layout` planned: the layout that fits (GPUs, TP, PP, its plan) or None, the GPU counts of the
+    layouts planned, and the layouts a plan refused (flags: why)."""
+
+    found: tuple | None = None
+    counts: list[int] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return self.found is not None
+
+    def why_none(self) -> str:
+        """What was planned, when nothing fits: never "none fits" of layouts it could not plan."""
+        lo, hi = (min(self.counts), max(self.counts)) if self.counts else (0, 0)
+        out = (f"no layout of {lo}{'-' + str(hi) if hi > lo else ''} GPUs planned to fit" if self.counts
+               else "no layout planned")
+        if self.refused:
+            out += f"; {len(self.refused)} refused when planned, e.g. {self.refused[0]}"
+        return out
+
+
+def _gpu_name(opts: PlanOptions, gpu) -> str:
+    """The NAME of a --gpu COUNTxNAME of more of the GPUs `opts.gpu` names: local for this machine's (NVML's name for
+    them is no profile's: COUNTxlocal plans them as read), else the profile's."""
+    return "local" if hardware.is_local(opts.gpu) else gpu.name
+
+
+def _fitting_layout(opts: PlanOptions, gpu, mc: ModelConfig, counts, same_gpus: bool = False, **change) -> _Search:
     """The first layout over `counts` GPUs of the profile `gpu` that the engine takes and that fits resident when
     planned (at the engine's default budget; `same_gpus`: on the --gpu given, of which it uses `counts`, under the
-    budget given; `change`: other options, e.g. quant): (GPUs, TP, PP, its plan), or None within LAYOUT_TRIES."""
+    budget given; `change`: other options, e.g. quant), within LAYOUT_TRIES layouts; and what it planned."""
+    search = _Search()
     tries = 0
     for n in counts:
         for tp, pp in _layouts(mc, n, opts.dtype):
             if tries == LAYOUT_TRIES:
-                return None
+                return search
             tries += 1
+            spec = opts.gpu if same_gpus else f"{n}x{_gpu_name(opts, gpu)}"
+            # more GPUs than given: at the default budget (`_advice` says so); the GPUs given: under theirs
+            budget = {} if same_gpus else dict(gpu_memory_budget=None, gpu_memory_budget_gb=None)
             try:
-                # more GPUs than given: at the default budget (`_advice` says so); the GPUs given: under theirs
-                budget = {} if same_gpus else dict(gpu_memory_budget=None, gpu_memory_budget_gb=None)
-                p = make_plan(replace(opts, gpu=opts.gpu if same_gpus else f"{n}x{gpu.name}", tp=tp, pp=pp,
-                                      **budget, **change), advise=False)
-            except ConfigError:
+                p = make_plan(replace(opts, gpu=spec, tp=tp, pp=pp, **budget, **change), advise=False)
+            except ConfigError as e:  # said, not counted as planned
+                search.refused.append(f"{_flags(tp, pp, spec)}: {e}")
                 continue
+            if n not in search.counts:
+                search.counts.append(n)
             if p.verdict == "fits":
-                return n, tp, pp, p
-    return None
+                search.found = (n, tp, pp, p)
+                return search
+    return search
 
 
-def _flags(tp: int, pp: int, n: int = 0, gpu=None) -> str:
-    """A layout as plan's (and the engine's) flags; with `gpu`, its --gpu too."""
-    return " ".join(([f"--gpu {n}x{gpu.name}"] if gpu else []) + ([f"--tp {tp}"] if tp > 1 else [])
+def _flags(tp: int, pp: int, gpu: str | None = None) -> str:
+    """A layout as plan's (and the engine's) flags; with `gpu` (a --gpu spec), its --gpu too."""
+    return " ".join(([f"--gpu {gpu}"] if gpu else []) + ([f"--tp {tp}"] if tp > 1 else [])
                     + ([f"--pp {pp}"] if pp > 1 else [])) or "--tp 1"
 
 
@@ -1028,18 +1062,18 @@ def _advice(groups, opts, gpu, mc, budget, card, reserve, min_kv, advise=True) -
     room = max(card - reserve - min_kv, 1)
     n = math.ceil(total / room)
     spread = layout_error(mc, 2, 1, opts.dtype) and layout_error(mc, 1, 2, opts.dtype)  # one process only
-    found = _fitting_layout(opts, gpu, mc, range(n, n + LAYOUT_TRIES)) if advise and not (spread and n > 1) else None
+    search = _fitting_layout(opts, gpu, mc, range(n, n + LAYOUT_TRIES)) if advise and not (spread and n > 1) else None
     default = " at the engine's default budget" if budget_bytes(opts) is not None else ""
-    if found:
-        out = [f"to hold it resident: {_flags(*found[1:3], found[0], gpu)} (planned so{default}: decode "
-               f"{found[3].speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1; weights {_gb(total)})"]
+    if search:
+        _, tp, pp, p = search.found
+        out = [f"to hold it resident: {_flags(tp, pp, p.options.gpu)} (planned so{default}: decode "
+               f"{p.speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1; weights {_gb(total)})"]
     elif spread and n > 1:
         out = [f"it cannot be held resident: the weights take {_gb(total)}, over one {gpu.name}, and the engine runs "
                f"this model in one process only: {spread}"]
     else:
         out = [f"to hold it resident: about {n} x {gpu.name} (weights {_gb(total)}; counted at each card's whole "
-               "memory" + ("" if not advise else f", no layout of {n}-{n + LAYOUT_TRIES - 1} GPUs planned to fit")
-               + ")"]
+               "memory" + (f", {search.why_none()}" if search is not None else "") + ")"]
     if budget_bytes(opts) is not None and budget is not None:
         mine = budget - reserve - min_kv
         if mine <= 0:
@@ -1060,8 +1094,9 @@ def _advice(groups, opts, gpu, mc, budget, card, reserve, min_kv, advise=True) -
         out.append(f"or quantize: with --quant nf4 (a ferry store) the weights take about {_gb(nf4)}"
                    + (f", over one {gpu.name}, and the engine runs this model in one process only" if spread and n4 > 1
                       else "")
-                   + (f", resident with {_flags(*held[1:3], held[0], gpu)} (planned so{default}: decode "
-                      f"{held[3].speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1)" if held else ""))
+                   + (f", resident with {_flags(held.found[1], held.found[2], held.found[3].options.gpu)} (planned "
+                      f"so{default}: decode {held.found[3].speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1)"
+                      if held else f" ({held.why_none()})" if held is not None else ""))
     if opts.max_model_len is None or opts.max_model_len > 8192:
         out.append("or lower --max-model-len: one full-length sequence's KV must fit beside the weights")
     return out

@@ -9,14 +9,14 @@ from ferrylm.plan import catalog
 from ferrylm.plan.planner import PlanOptions, make_plan
 
 HOST = "2xXeon-8480C,1TB"
-ROWS = [("Qwen2-72B", "1xH200", {}), ("Qwen2-72B", "1xH200", {"gpu_memory_budget_gb": 149}),
+ROWS = [("Qwen2-72B", "1xH200", {}), ("Qwen2-72B", "1xH200", {"gpu_memory_budget": "149e9"}),
         ("Mixtral-8x7B", "1xA800-80G-PCIe", {}), ("Mixtral-8x7B", "1xA800-80G-PCIe", {"experts": "gpu"}),
         ("Mixtral-8x7B", "1xA800-80G-PCIe", {"quant": "nf4"}), ("Qwen3-30B-A3B", "1xRTX-4090", {}),
         ("Qwen3-30B-A3B", "1xRTX-4090", {"routing": "zipf:0.8"}), ("Qwen3-30B-A3B", "1xRTX-4090", {"expert_hit_rate": 0.5}),
         ("Qwen3-30B-A3B", "1xRTX-4090", {"experts": "gpu"}), ("Yuan2-M32", "1xA800-80G-PCIe", {}),
         ("Yuan2-102B", "8xA800-80G-PCIe", {"tp": 8}), ("Qwen3-235B-A22B", "1xH200", {}),
         ("Qwen3-235B-A22B", "1xH200", {"routing": "zipf:0.8"}), ("Qwen3-235B-A22B", "1xH200", {"expert_quant": "nf4"})]
-FLAGS = {"gpu_memory_budget_gb": "--gpu-memory-budget-gb", "experts": "--experts", "quant": "--quant", "routing": "--routing",
+FLAGS = {"gpu_memory_budget": "--gpu-memory-budget", "experts": "--experts", "quant": "--quant", "routing": "--routing",
         "expert_hit_rate": "--expert-hit-rate", "tp": "--tp", "expert_quant": "--expert-quant"}
 
 

@@ -219,6 +219,13 @@ def test_nvml_names_map_to_profiles():
     assert probe.profile_for("NVIDIA H200").name == "H200"
     assert probe.profile_for("NVIDIA GeForce RTX 4090").name == "RTX-4090"
     assert probe.profile_for("Tesla V100-SXM2-32GB") is None
+    # a chip is a whole word (or two joined), a stated memory size must agree
+    assert probe.profile_for("NVIDIA RTX 6000 Ada Generation") is None
+    assert probe.profile_for("NVIDIA GeForce RTX 3090") is None
+    assert probe.profile_for("NVIDIA A100-PCIE-40GB").name == "A100-40G"
+    assert probe.profile_for("NVIDIA A100-SXM4-80GB").name == "A100-80G-SXM"
+    assert probe.profile_for("NVIDIA A10").name == "A10" and probe.profile_for("NVIDIA H20").name == "H20"
+    assert probe.profile_for("Tesla T4").name == "T4" and probe.profile_for("NVIDIA L40S").name == "L40S"
 
 
 def test_local_gpus_take_cudas_view(monkeypatch):

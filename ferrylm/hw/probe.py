@@ -339,18 +339,30 @@ def _cuda_totals() -> dict:
         return {}
 
 
+FAMILY_WORDS = ("rtx",)
+"""Profile name parts that name a family, not a chip: the chip is that word and the next ("RTX-4090": rtx4090)."""
+
+
 def profile_for(nvml_name: str):
-    """The data-sheet profile an NVML name is ("NVIDIA H100 PCIe" -> H100-80G-PCIe): the chip must match,
-    then the most other name parts (memory, form factor); None when no chip matches."""
+    """The data-sheet profile an NVML name is ("NVIDIA H100 PCIe" -> H100-80G-PCIe): the chip must be one of the
+    name's words or two adjacent words joined (so A10 is not an A100, H20 not an H200, RTX-4090 not an RTX 3090 or
+    RTX 6000), a memory size the name states must be the profile's, then the most other name parts (form factor)
+    win; None when no chip matches."""
     from ferrylm.plan.hardware import GPUS
 
-    key = re.sub(r"[^a-z0-9]", "", nvml_name.lower())
+    words = re.findall(r"[a-z0-9]+", nvml_name.lower())
+    tokens = set(words) | {a + b for a, b in zip(words, words[1:])}
+    said = {m + "g" for m in re.findall(r"(\d+)gb?\b", " ".join(words))}  # "80GB" -> 80g
+    key = "".join(words)
     best, score = None, 0
     for name, prof in GPUS.items():
         parts = [re.sub(r"[^a-z0-9]", "", t) for t in name.lower().split("-")]
-        if parts[0] not in key:
+        chip, rest = (parts[0] + parts[1], parts[2:]) if parts[0] in FAMILY_WORDS and len(parts) > 1 else \
+            (parts[0], parts[1:])
+        memory = [t for t in rest if re.fullmatch(r"\d+g", t)]
+        if chip not in tokens or (said and memory and not said & set(memory)):
             continue
-        n = 1 + sum(1 for t in parts[1:] if t in key)
+        n = 1 + sum(1 for t in rest if t in key)
         if n > score:
             best, score = prof, n
     return best

@@ -19,7 +19,12 @@ this one differs where that costs requests in flight:
   selects on the code's bits with the levels as immediates (`nf4_select=True`); fp8 e4m3 by the
   hardware conversion.
 Results equal `weights/quant.py`'s dequantize-then-matmul within rounding (the scale is applied to sums,
-not to each weight). The plain kernel stays the reference and the prefill path; `decode_config` says
+not to each weight).
+TODO(issue 8): NF4 reads ~450 GB/s of codes from HBM (3.35-4.8 TB/s there), bound by the decode's ~25 integer ops a code
+(the select tree; FMA rows of one run as slow as dot tiles, so not the MMA's layout). A byte-permute lookup (PTX
+`prmt.b32` through `tl.inline_asm_elementwise`: two permutes over the 16 levels' bf16 bytes select four codes' high
+or low bytes at once) would take ~3-4 ops a code; the levels then round to bf16 before the scale, so results move by
+an ulp from the select tree's. Needs a GPU to build and time (the interpreter runs no inline asm). The plain kernel stays the reference and the prefill path; `decode_config` says
 when this one is used. Notation as in fused_moe.py: T tokens, k per token, A = T * k, E, H, I; S splits;
 CPW codes per 32-bit word; BW = BLOCK_K / CPW words per row of a tile.
 """

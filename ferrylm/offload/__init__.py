@@ -13,9 +13,11 @@ llama.cpp. Missed, in order of value (TODO):
 - hybrid batch 16: 46.7 against 51 (H100);
 - the resident NF4 decode kernel: 32L Mixtral 15.9-16.0 ms a step, ~8x its HBM roofline (latency-bound in-tile
   decode: split K further, wider loads), which the resident share of an offloaded NF4 model pays too;
-- 32L NF4 batch 64: 0.61-0.68 of the PCIe floor (session 30, H100; 0.32 before NF4 banks took the decode kernel past 32
-  tokens): two cache slots a layer queue ~4.6 misses of 99 MB behind their own compute;
-- 32L NF4 prefill: 0.80 of the binding floor (the resident model's own 2k prefill) but 0.64 of the PCIe floor;
-  staging the next layer's experts in spare slots won prefill only with slots taken from the caches, at a decode
-  cost (`expert_cache.CachedExperts.staging_slots`).
+- 32L NF4 batch 64: 0.61-0.68 of the PCIe floor (sessions 30-31, H100; 0.32 before NF4 banks took the decode kernel
+  past 32 tokens): two cache slots a layer queue ~4.6 misses of 99 MB behind their own compute;
+- 32L NF4 prefill: 0.80 of the binding floor (the resident model's own 2k prefill) but 0.63 of the PCIe floor;
+  staging the next layer's experts in spare slots gains 21% (session 31, three pairs) at a batch-1 decode cost
+  (`expert_cache.CachedExperts.staging_slots`: off); the packed prefill itself left the device idle 40% of a
+  resident 512-token prefill (host launches per expert) and decoded at 1.1 TB/s: `fused_moe.dequant_rows`' one copy
+  a call (on) and `DECODE_4BIT_TILE` (off until a GPU has run it), both unmeasured (docs/benchmarks.md, item 0).
 """

@@ -12,6 +12,13 @@ the CUDA engine ends with after its measured warm-up (`offload/memory.py` kv_aft
 and the planned figure.
 
 TODO (what is left of issue #14):
+- session 31 (`plan-check-2026-12-06-s31-h100.json`, H100): the resident NF4 refit held on an unseen run (decode
+  -0.4% / -0.3%); its prefill +58%: the device idled 25 ms of 63 while `dequant_rows` launched per expert (a host cost
+  the plan does not price; fixed in the engine, unmeasured). Offloaded NF4 batch 1 -14.8%, batch 16 -11.5%, prefill
+  +23.5%; "@profile routing" +85%: the engine split 4.65 misses a step at host share 0.40 (planned 0.55) and copied
+  0.9 promotions a step; the plan's max of the host's and the device's summed time misses the per-layer joins. An
+  audit fixed plan's and doctor's user-facing faults (docs/benchmarks.md, "Where the aims stand"); `--check` has not
+  run on a GPU since;
 - session 30 (`plan-check-2026-12-06-s30-h100.json`, H100): the resident NF4 Mixtral's first check missed decode by
   -41% / -54% (packed experts timed relative to bf16's HBM time, which scales with the HBM rate, where the decode
   kernel's in-tile decode binds at ~450 GB/s of codes on both cards): now `estimate.PACKED_DECODE_GBS` /

@@ -360,20 +360,13 @@ if triton is not None:
             offs_g = k0 // GS + tl.arange(0, G)
             g_ok = n_ok[:, None] & (offs_g * GS < K)[None, :]
         s_ptrs = rows[:, None] * stride_sn + offs_g[None, :]
-        s = tl.load(s_base + s_ptrs, mask=g_ok, other=0.0).to(tl.float32)  # [BN, G]
-        if G == 1:
-            wlo, whi = vlo * s, vhi * s
-            if FMT == 4:
-                m = tl.load(m_base + s_ptrs, mask=g_ok, other=0.0).to(tl.float32)
-                wlo, whi = wlo + m, whi + m
-        else:  # each group's GS / 2 bytes times its scale
-            s3 = s[:, :, None]
-            wlo = tl.reshape(tl.reshape(vlo, (BLOCK_N, G, HB // G)) * s3, (BLOCK_N, HB))
-            whi = tl.reshape(tl.reshape(vhi, (BLOCK_N, G, HB // G)) * s3, (BLOCK_N, HB))
-            if FMT == 4:
-                m3 = tl.load(m_base + s_ptrs, mask=g_ok, other=0.0).to(tl.float32)[:, :, None]
-                wlo = tl.reshape(tl.reshape(wlo, (BLOCK_N, G, HB // G)) + m3, (BLOCK_N, HB))
-                whi = tl.reshape(tl.reshape(whi, (BLOCK_N, G, HB // G)) + m3, (BLOCK_N, HB))
+        s = tl.load(s_base + s_ptrs, mask=g_ok, other=0.0).to(tl.float32)[:, :, None]  # [BN, G, 1]
+        # each group's GS / 2 bytes (the whole tile where G is 1) times its scale, plus its min
+        wlo = tl.reshape(vlo, (BLOCK_N, G, HB // G)) * s
+        whi = tl.reshape(vhi, (BLOCK_N, G, HB // G)) * s
+        if FMT == 4:
+            m = tl.load(m_base + s_ptrs, mask=g_ok, other=0.0).to(tl.float32)[:, :, None]
+            wlo, whi = wlo + m, whi + m
         w = tl.reshape(tl.join(wlo, whi), (BLOCK_N, BLOCK_K))  # column 2i + t: byte i's nibble t
         offs_k = k0 + tl.arange(0, BLOCK_K)
         out = out_ptr + j * stride_oe + rows[:, None] * stride_on + offs_k[None, :]

@@ -268,8 +268,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     xfmt = fmt.experts_scheme if packed else None  # a captured step's floor (`graph_step_floor`): the decode kernel's
     reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype], graph_tokens(sc, graphs_planned, False, limit), ws,
                                  xfmt)
-    resident_reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype],
-                                          graph_tokens(sc, graphs_planned, piecewise, limit), ws, xfmt)
+    resident_tokens = graph_tokens(sc, graphs_planned, piecewise, limit)  # the captured steps were it resident
+    resident_reserve = activation_reserve(mc, sc, DTYPE_BYTES[opts.dtype], resident_tokens, ws, xfmt)
     # per-sequence state (Yuan's filter) is whole on every rank; one more row is the graphs' scratch row
     state = state_per_seq * (opts.max_num_seqs + 1) if state_per_seq else 0
     notes: list[str] = []
@@ -649,8 +649,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         else:  # the engine's default budget is at most 90% of free memory; an explicit budget may go higher
             # the placement leaves the reserve for activations; the warm-up then takes what it measured
             need = (per_gpu["weights_all"] + max(resident_reserve, warmup_activations(
-                step, sc, mc.vocab_size, graph_tokens(sc, graphs_planned, piecewise, limit), ws,
-                graph_step_floor(mc, graph_tokens(sc, graphs_planned, piecewise, limit), elt, xfmt)))
+                step, sc, mc.vocab_size, resident_tokens, ws, graph_step_floor(mc, resident_tokens, elt, xfmt)))
                     + held - device_weights
                     + (-(-max_len // opts.block_size) + 2) * per_block)
             gib = math.ceil(need / 2**30)

@@ -371,22 +371,27 @@ def test_hung_worker_fails_within_the_timeout(llama, engines):
 
 
 def test_rank0_killed_leaves_no_worker(llama, tmp_path):
+    """Also: a spawned worker logs at rank 0's level (INFO here), not a fixed WARNING."""
     script = tmp_path / "rank0.py"
     script.write_text(
-        "import sys, time\n"
+        "import logging, sys, time\n"
         "from ferrylm import LLM\n"
         "if __name__ == '__main__':\n"
+        "    logging.basicConfig(level=logging.INFO)\n"
         f"    llm = LLM({llama!r}, tensor_parallel_size=2)\n"
         "    print(*[p.pid for p in llm.engine.runner.procs.values()], flush=True)\n"
         "    time.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=f, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         pid = int(proc.stdout.readline())
         assert psutil.pid_exists(pid)
     finally:
         proc.kill()
         proc.wait()
+    assert "INFO rank1 " in err.read_text(), err.read_text()[-2000:]
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:

@@ -105,7 +105,8 @@ def start_runner(config, model_config, source, max_model_len: int, progress=None
         ctx = torch.multiprocessing.get_context("spawn")
         for r in range(1, world):
             p = ctx.Process(target=worker_main, name=f"ferry-rank{r}", daemon=True,
-                            args=(r, world, (host, port), _rank_config(config, r, order), max_model_len, os.getpid()))
+                            args=(r, world, (host, port), _rank_config(config, r, order), max_model_len, os.getpid(),
+                                  logging.getLogger().getEffectiveLevel()))
             p.start()
             procs[r] = p
     d = None
@@ -174,9 +175,10 @@ def _build(rank: int, world: int, addr, config, max_model_len: int, watch) -> tu
     return d, runner
 
 
-def worker_main(rank: int, world: int, addr, config, max_model_len: int, parent_pid: int) -> None:
-    """A spawned worker's whole life."""
-    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
+def worker_main(rank: int, world: int, addr, config, max_model_len: int, parent_pid: int,
+                log_level: int = logging.WARNING) -> None:
+    """A spawned worker's whole life; it logs at rank 0's level (`ferry`'s $FERRY_LOG_LEVEL and -v)."""
+    logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
     watch = parent_watch(parent_pid)
 
     def orphan_guard():  # rank 0 killed: nobody will stop us, so go now

@@ -654,6 +654,7 @@ def test_staged_experts_equal_resident(slots, tmp_path_factory, monkeypatch):
     from ferrylm.offload.expert_cache import LENT
 
     monkeypatch.setattr(CachedExperts, "large_expert_bytes", 0)
+    monkeypatch.setattr(CachedExperts, "stage_min_tokens", 0)  # the short test prompts stage
     path, _ = build(tmp_path_factory, "qwen3_moe", num_hidden_layers=4)
     _, ref_tokens, ref_logits = run(path)
     plain, _, _ = run(path, place=("experts=cpu",))
@@ -673,3 +674,26 @@ def test_staged_experts_equal_resident(slots, tmp_path_factory, monkeypatch):
     assert all(not c.borrowed for c in placed.caches.values())
     # staging adds at most its slots' copies a prefill over the plain run (the first layer's experts copied back)
     assert stats.copied_experts <= plain.engine.runner.placed.stats.copied_experts + 2 * slots
+
+
+def test_short_steps_never_stage(tmp_path_factory, monkeypatch):
+    """Staging on, at its token gate (`CachedExperts.stage_min_tokens`): short prompts and decode steps stage nothing
+    and run as with staging off (the same hits, misses and copies, every cache's slots alike, the same logits);
+    a prompt of the gate's length stages."""
+    monkeypatch.setattr(CachedExperts, "large_expert_bytes", 0)
+    monkeypatch.setattr(CachedExperts, "stage_min_tokens", 64)
+    path, _ = build(tmp_path_factory, "qwen3_moe", num_hidden_layers=4)
+    plain, plain_tokens, plain_logits = run(path, place=("experts=cpu",))
+    monkeypatch.setattr(CachedExperts, "staging_slots", 2)
+    llm, tokens, logits = run(path, place=("experts=cpu",))
+    placed, ref = llm.engine.runner.placed, plain.engine.runner.placed
+    assert placed.staging is not None and ref.staging is None
+    got = {f: getattr(placed.stats, f) for f in ("staged_experts", "expert_hits", "expert_misses", "copied_experts")}
+    want = {f: getattr(ref.stats, f) for f in got}
+    print(f"gated: {got}; staging off: {want}")
+    assert got == {**want, "staged_experts": 0}
+    assert all(placed.caches[l].slot_of == ref.caches[l].slot_of for l in ref.caches)
+    assert tokens == plain_tokens and all(torch.equal(a, b) for a, b in zip(logits, plain_logits))
+    long_prompt = torch.randint(0, 250, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+    llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert placed.stats.staged_experts > 0

@@ -68,6 +68,13 @@ experts top-2): 512-token prompts (128 rows an expert) 31.5k tok/s in sessions 9
 2048-token prompts (512 rows) 74,953 tok/s in session 12 (0.5). One constant (0.2) had put the second at -56%."""
 
 
+DEQUANT_EFF = 0.44
+"""Share of peak HBM bandwidth the packed experts' decode pass (`fused_moe.dequant_rows`' tile decode: packed bytes
+read, dense bf16 written) moves its bytes at. Measured, not fitted to a plan check: session 31's H100 profile of the
+resident 8-layer NF4 Mixtral's 512-token prefill (`benchmarks/profile_prefill.py`), `_decode_experts` 19.8 ms for 64
+experts (6.3 GB read, 22.5 GB written: 1.46 of 3.35 TB/s). Was HBM_EFF (0.7), 12.3 ms there. Re-measure when
+`fused_moe.DECODE_4BIT_TILE` turns the 4-bit decode kernel on."""
+
 MOE_MFU_MIN = 0.2
 """`moe_mfu` below 128 rows an expert: the rate of the 512-token fit. Fewer rows are bound by weight reads, which
 the HBM term prices (decode: one or a few rows an expert); a share falling with the rows would price those reads
@@ -350,7 +357,7 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     mfu = moe_mfu(cost.tokens_per_expert)
     h2d = h2d_gbs * 1e9
 
-    dq_rate = hbm_gbs * 1e9 * HBM_EFF
+    dq_rate = hbm_gbs * 1e9 * DEQUANT_EFF
 
     def work(hbm: float, flops: float, dq: float = 0.0) -> float:  # experts read from HBM and multiplied: the
         # larger of the two, after their decode pass where they take one (`StepCost.dequant_bytes`)

@@ -1362,3 +1362,16 @@ def test_advice_names_what_it_could_not_plan(monkeypatch):
     note = next(n for n in p.notes if n.startswith("to hold it resident"))
     print(note)
     assert "planned to fit" not in note and "refused when planned" in note and "refused for this test" in note
+
+
+def test_the_packed_decode_pass_is_priced_at_its_measured_rate():
+    """`StepCost.dequant_bytes` take `estimate.dequant_gbs`: `DEQUANT_GBS` (session 31's kernel profile), at most
+    HBM_EFF of a slower card's HBM rate."""
+    from ferrylm.plan import estimate
+
+    nbytes = 29e9
+    for hbm in (3350.0, 4800.0, 2000.0):
+        t = estimate.step_time(estimate.StepCost(0.0, 0.0, 0.0, 1, dequant_bytes=nbytes), hbm, 55.0, 989.0)
+        rate = min(estimate.DEQUANT_GBS, hbm * estimate.HBM_EFF)
+        assert t.parts["dequant"] == pytest.approx(nbytes / (rate * 1e9))
+    assert estimate.dequant_gbs(2000.0) == pytest.approx(1400.0) and estimate.dequant_gbs(4800.0) == 1455.0

@@ -17,7 +17,8 @@ llama.cpp. Missed, in order of value (TODO):
   past 32 tokens): two cache slots a layer queue ~4.6 misses of 99 MB behind their own compute;
 - 32L NF4 prefill: 0.80 of the binding floor (the resident model's own 2k prefill) but 0.63 of the PCIe floor;
   staging the next layer's experts in spare slots gains 21% (session 31, three pairs) at a batch-1 decode cost
-  (`expert_cache.CachedExperts.staging_slots`: off); the packed prefill itself left the device idle 40% of a
+  (`expert_cache.CachedExperts.staging_slots`: off; since session 32 steps under `stage_min_tokens` never stage,
+  which should remove that cost: unmeasured, `benchmarks/device_s40.sh`); the packed prefill itself left the device idle 40% of a
   resident 512-token prefill (host launches per expert) and decoded at 1.1 TB/s: `fused_moe.dequant_rows`' one copy
   a call (on) and `DECODE_4BIT_TILE` (off until a GPU has run it), both unmeasured (docs/benchmarks.md, item 0).
 """

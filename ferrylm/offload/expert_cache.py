@@ -309,13 +309,15 @@ class CachedExperts(ExpertBackend):
     the offloaded run's 5866 is 0.80 of that. Session 31 (H100, three pairs, two alternating; `device_s37.sh`): the
     32-layer 2k prefill 5844 against 4816 tok/s on average (+18-23% in every pair), batch 64 211 against 206 (within
     its 174-237 spread), 8-layer batch-1 decode 12.54 against 10.34 ms a step (hit 0.902 against 0.941; each timed
-    request's 32-token prompt stages). Since session 32 only steps of `stage_min_tokens` tokens or more stage, so short
-    prompts and decode batches run as with staging off (`tests/test_offload.py`: the same copies and slots).
-    TODO(issue 8): measure the 8-layer batch-1 decode and the 2k prefill with the gate (`device_s39.sh` queues it),
-    then turn staging on."""
+    request's 32-token prompt stages). Since session 32 only steps of `stage_min_tokens` tokens or more stage, so
+    steps under it (short prompts, decode batches below it) run as with staging off (`tests/test_offload.py`: the same
+    copies and slots). TODO(issue 8): measure the 8-layer batch-1 decode and the 2k prefill with the gate
+    (`benchmarks/device_s40.sh`; its batch 64 then stages only in its prompts' prefill), then turn staging on."""
     stage_min_tokens = 256
     """Steps with fewer tokens never stage (`_stages`): a short prompt stages a few experts for a prefill the copies
-    barely dominate, and the donor's restores after it cost the decode steps that follow their hits (session 31)."""
+    barely dominate, and the donor's restores after it cost the decode steps that follow their hits (session 31).
+    Under expert parallelism a rank counts the token-expert assignments it holds (its backend's rows), not the
+    step's tokens."""
     promote_after_layer = False
     """A promotion's copy starts once its layer of the last queued step has run (`layer_done`: an event recorded
     after every forward of this layer, inside decode graphs too, read when the engine builds it), not after

@@ -106,7 +106,7 @@ def start_runner(config, model_config, source, max_model_len: int, progress=None
         for r in range(1, world):
             p = ctx.Process(target=worker_main, name=f"ferry-rank{r}", daemon=True,
                             args=(r, world, (host, port), _rank_config(config, r, order), max_model_len, os.getpid(),
-                                  logging.getLogger().getEffectiveLevel()))
+                                  logging.getLogger("ferrylm").getEffectiveLevel()))
             p.start()
             procs[r] = p
     d = None
@@ -177,7 +177,8 @@ def _build(rank: int, world: int, addr, config, max_model_len: int, watch) -> tu
 
 def worker_main(rank: int, world: int, addr, config, max_model_len: int, parent_pid: int,
                 log_level: int = logging.WARNING) -> None:
-    """A spawned worker's whole life; it logs at rank 0's level (`ferry`'s $FERRY_LOG_LEVEL and -v)."""
+    """A spawned worker's whole life; it logs at rank 0's level for `ferrylm` (`ferry`'s $FERRY_LOG_LEVEL and -v,
+    or what a library user set on the `ferrylm` logger)."""
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
     watch = parent_watch(parent_pid)
 

@@ -68,12 +68,20 @@ experts top-2): 512-token prompts (128 rows an expert) 31.5k tok/s in sessions 9
 2048-token prompts (512 rows) 74,953 tok/s in session 12 (0.5). One constant (0.2) had put the second at -56%."""
 
 
-DEQUANT_EFF = 0.44
-"""Share of peak HBM bandwidth the packed experts' decode pass (`fused_moe.dequant_rows`' tile decode: packed bytes
-read, dense bf16 written) moves its bytes at. Measured, not fitted to a plan check: session 31's H100 profile of the
-resident 8-layer NF4 Mixtral's 512-token prefill (`benchmarks/profile_prefill.py`), `_decode_experts` 19.8 ms for 64
-experts (6.3 GB read, 22.5 GB written: 1.46 of 3.35 TB/s). Was HBM_EFF (0.7), 12.3 ms there. Re-measure when
-`fused_moe.DECODE_4BIT_TILE` turns the 4-bit decode kernel on."""
+DEQUANT_GBS = 1455.0
+"""Bytes a second (GB/s: packed bytes read plus dense bf16 written) of the packed experts' decode pass
+(`fused_moe.dequant_rows`' tile decode), at most HBM_EFF of the HBM rate (`dequant_gbs`): an absolute rate like
+`PACKED_DECODE_GBS`, since the in-tile decode, not HBM, is taken to bind (measured on one card only). Measured, not
+fitted to a plan check: session 31's H100 profile of the resident 8-layer NF4 Mixtral's 512-token prefill
+(`benchmarks/profile_prefill.py`), `_decode_experts` 19.8 ms for 64 experts (6.3 GB read, 22.5 GB written). Was
+HBM_EFF of the HBM rate (2345 GB/s on the H100: 12.3 ms there). Re-measure when `fused_moe.DECODE_4BIT_TILE` turns
+the 4-bit decode kernel on."""
+
+
+def dequant_gbs(hbm_gbs: float) -> float:
+    """GB/s of the packed experts' decode pass on a GPU of this HBM rate (`DEQUANT_GBS`)."""
+    return min(DEQUANT_GBS, hbm_gbs * HBM_EFF)
+
 
 MOE_MFU_MIN = 0.2
 """`moe_mfu` below 128 rows an expert: the rate of the 512-token fit. Fewer rows are bound by weight reads, which
@@ -312,7 +320,7 @@ class StepCost:
     dequant_bytes: float = 0.0
     """HBM bytes of packed experts' decode pass into dense weights before their dense GEMMs (`fused_moe.dequant_rows`,
     eager steps of at least `PACKED_DENSE_MIN_ROWS` rows an expert on average): each expert's packed bytes read and its
-    dense weights written, at HBM_EFF, serial with the GEMMs (which then read the dense weights). Session 30's H100 check
+    dense weights written, at `dequant_gbs`, serial with the GEMMs (which then read the dense weights). Session 30's H100 check
     of the resident 8-layer NF4 Mixtral (`bench_plan.py --cases moe-nf4`, 512-token chunks, 64 experts decoded a
     chunk): prefill 12.2k tok/s measured where the GEMMs alone predicted 20.0k."""
     copy_layers: tuple = ()
@@ -357,7 +365,7 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     mfu = moe_mfu(cost.tokens_per_expert)
     h2d = h2d_gbs * 1e9
 
-    dq_rate = hbm_gbs * 1e9 * DEQUANT_EFF
+    dq_rate = dequant_gbs(hbm_gbs) * 1e9
 
     def work(hbm: float, flops: float, dq: float = 0.0) -> float:  # experts read from HBM and multiplied: the
         # larger of the two, after their decode pass where they take one (`StepCost.dequant_bytes`)

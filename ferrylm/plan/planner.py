@@ -624,7 +624,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                                   host_expert_gbs=host_gbs if share else None,
                                   host_read_gbs=host.read_rate_gbs or None,
                                   packed_experts=packed,
-                                  packed_time=estimate.packed_time(packed, gpu.fp8) if packed else None))
+                                  packed_time=estimate.packed_time(packed, gpu.fp8) if packed else None,
+                                  dequant_gbs=estimate.dequant_gbs(gpu.hbm_gbs) if packed else None))
 
     # -- placement summary and advice -----------------------------------------------------------------
     pl = dict(gpu_bytes=placement.bytes_on(GPU) if placement else 0, host_bytes=host_bytes // ranks,

@@ -2,7 +2,7 @@
 # Session 32's short call (ten starts failed; little budget left): the most telling parts of device_s38.sh and
 # device_s39.sh. The CUDA tests of `decode_experts`' 4-bit kernel; `decode_experts` alone by tile (TB/s); where the
 # hybrid batch-1 decode step of the 8-layer NF4 Mixtral under 5 GiB goes (`profile_offload.py --profile`); the plan
-# checks of the NF4 Mixtral offloaded and resident (session 32's `estimate.DEQUANT_GBS`: the prefill replayed +26%).
+# checks of the NF4 Mixtral offloaded and resident (session 32's `estimate.DEQUANT_GBS`: the prefill replayed +25%).
 #   bash benchmarks/device_s41.sh COMMIT [BUDGET]
 set -u
 commit=${1:-unknown}

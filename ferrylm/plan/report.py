@@ -86,8 +86,9 @@ def render(plan: Plan, console: Console) -> None:
            f"{a['inplace_eff']:.0%} of H2D up to {a['mapped_tokens']} token(s)" if a.get("expert_hit_rate") is not None
            and a.get("mapped_tokens") else f"; experts: hit rate {a['expert_hit_rate']:.2f} at batch 1 ({a['expert_hit_rate_from']})"
            if a.get("expert_hit_rate") is not None else "")
+    dq = (f", packed experts decoded for prefill at {a['dequant_gbs']:.0f} GB/s" if a.get("dequant_gbs") else "")
     console.print(f"[dim]assumptions: {a['hbm_eff']:.0%} of peak HBM{moe}, {a['mfu']:.0%} MFU, {a['h2d_gbs']:.0f} GB/s "
-                  f"pinned H2D, {a['launch_us_per_layer']:.0f} us launch per layer{hit}; counted from the "
+                  f"pinned H2D, {a['launch_us_per_layer']:.0f} us launch per layer{dq}{hit}; counted from the "
                   f"{'engine model on meta' if plan.counted_from == 'model' else 'config (analytical)'}[/]")
     for n in plan.notes:
         console.print(f"- {n}")

@@ -1375,3 +1375,24 @@ def test_the_packed_decode_pass_is_priced_at_its_measured_rate():
         rate = min(estimate.DEQUANT_GBS, hbm * estimate.HBM_EFF)
         assert t.parts["dequant"] == pytest.approx(nbytes / (rate * 1e9))
     assert estimate.dequant_gbs(2000.0) == pytest.approx(1400.0) and estimate.dequant_gbs(4800.0) == 1455.0
+
+
+def test_a_hybrid_layer_runs_its_hits_then_its_in_place_columns():
+    """Mapped layers with a hit rate (hybrid decode: every miss split, `CachedExperts._forward_mapped`) take the hits'
+    launch and then the misses' columns in place, one after the other; without it, one launch reads both side by
+    side (the larger of the two)."""
+    from ferrylm.plan import estimate
+
+    hbm, h2d, full, read, q, hit = 3350.0, 55.0, 2e8, 1e8, 0.5, 0.7
+    eff = hbm * 1e9 * estimate.moe_hbm_eff(1.0)
+    rate = h2d * 1e9 * estimate.INPLACE_EFF
+
+    def mapped(*layer):
+        cost = estimate.StepCost(0.0, 0.0, 0.0, 1, mapped=True, expert_all_bytes=full, mapped_layers=(layer,))
+        return estimate.step_time(cost, hbm, h2d, 989.0).parts["mapped_experts"]
+
+    serial = hit * full / eff + read / rate + (1 - q) * estimate.INPLACE_LAYER_S
+    side = q * full / eff + (1 - q) * max(full / eff, read / rate / (1 - q) + estimate.INPLACE_LAYER_S)
+    assert mapped(full, read, q, hit) == pytest.approx(serial)
+    assert mapped(full, read, q) == pytest.approx(side)
+    assert mapped(full, 0.0, 1.0, hit) == pytest.approx(full / eff)  # no miss: the layer's HBM time

@@ -16,7 +16,9 @@ TODO (what is left of issue #14):
   -0.4% / -0.3%); its prefill +58%: the device idled 25 ms of 63 while `dequant_rows` launched per expert (a host cost
   the plan does not price; fixed in the engine, unmeasured). Session 32: the decode pass at its measured rate
   (`estimate.DEQUANT_GBS`, 1455 GB/s from that run's kernel profile, not from the check) replays it at +25%, the
-  offloaded NF4 prefill at +20.4%. Session 31's offloaded NF4 batch 1 -14.8%, batch 16 -11.5%, prefill
+  offloaded NF4 prefill at +20.4%; a hybrid layer's two launches counted one after the other (`StepCost.mapped_layers`'
+  hit rate) replay batch 1 at the measured hit rate at +8.7% (was +15.0%), at uniform routing -18.8% (was -14.8%).
+  Session 31's offloaded NF4 batch 1 -14.8%, batch 16 -11.5%, prefill
   +23.5%; "@profile routing" +85%: the engine split 4.65 misses a step at host share 0.40 (planned 0.55) and copied
   0.9 promotions a step; the plan's max of the host's and the device's summed time misses the per-layer joins. An
   audit fixed plan's and doctor's user-facing faults (docs/benchmarks.md, "Where the aims stand"); `--check` has not

@@ -301,8 +301,10 @@ class StepCost:
     """Dense-equivalent bytes the fused kernel reads in place over PCIe (serial with the step's kernels)."""
     mapped_layers: tuple = ()
     """Mapped steps, per MoE layer: (dense-equivalent bytes of every expert the layer uses, in-place bytes of its
-    misses, probability that none of them misses). One launch a layer: a layer with a miss takes max(its experts
-    from HBM, its in-place reads), one without takes its HBM time, and the layers run one after another. Session 12
+    misses, probability that none of them misses[, hit rate: hybrid decode]). One launch a layer: a layer with a miss
+    takes max(its experts from HBM, its in-place reads), one without takes its HBM time, and the layers run one after
+    another. With the fourth element the host splits every miss (`CachedExperts._forward_mapped`): the hits' launch
+    (the hit rate's share of the layer's HBM time) and then the misses' columns in place, one after the other. Session 12
     (Mixtral 32L NF4, batch 1, hit 0.91): a miss in ~1 of 5 layers, so a step is ~0.8 of the layers' HBM time plus
     the in-place reads (34.2 ms measured; max over the whole step said 25.3). Empty: max over the step."""
     promotion_bytes: float = 0.0
@@ -358,9 +360,16 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     promote = (cost.promotion_bytes / (h2d_gbs * 1e9) + cost.promotions * PROMOTION_S) if cost.promotion_bytes else 0.0
     if cost.mapped and cost.mapped_layers:  # layer by layer (see StepCost.mapped_layers)
         rate = h2d_gbs * 1e9 * INPLACE_EFF
-        experts = sum(full for full, _, _ in cost.mapped_layers) / eff
-        layered = sum(q * full / eff + (1 - q) * max(full / eff, read / rate / (1 - q) + INPLACE_LAYER_S)
-                      if q < 1 else full / eff for full, read, q in cost.mapped_layers)
+        experts = sum(full for full, *_ in cost.mapped_layers) / eff
+
+        def layer(full: float, read: float, q: float, hit: float | None = None) -> float:
+            if q >= 1:
+                return full / eff
+            if hit is not None:  # hybrid's split layers: the hits' launch, then the misses' columns in place
+                return hit * full / eff + read / rate + (1 - q) * INPLACE_LAYER_S
+            return q * full / eff + (1 - q) * max(full / eff, read / rate / (1 - q) + INPLACE_LAYER_S)
+
+        layered = sum(layer(*m) for m in cost.mapped_layers)
         inplace = layered - experts  # what the in-place reads add to the experts' HBM time
     mfu = moe_mfu(cost.tokens_per_expert)
     h2d = h2d_gbs * 1e9

@@ -523,7 +523,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 continue
             if mapped:
                 gpu_misses = misses * (1 - share)
-                out["layers"].append((d * m["hbm_equiv"], gpu_misses * m["inplace_equiv"], h ** d if gpu_misses else 1.0))
+                # hybrid (share > 0): every miss split, the hits' launch then the misses' columns in place, one
+                # after the other (`CachedExperts._forward_mapped`): the hit rate says how much of the layer's
+                # HBM time the first launch takes
+                out["layers"].append((d * m["hbm_equiv"], gpu_misses * m["inplace_equiv"], h ** d if gpu_misses else 1.0,
+                                      h if share > 0 else None))
                 out["inplace"] += gpu_misses * m["nbytes"]
                 out["inplace_equiv"] += gpu_misses * m["inplace_equiv"]
                 if slots.get(l, 0):  # the tally promotes misses into the layer's slots, landing before the next step

@@ -29,6 +29,6 @@ cfg = transformers.MixtralConfig(vocab_size=32000, hidden_size=2048, intermediat
 transformers.MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained('/tmp/mix4')
 print('wrote /tmp/mix4')
 " 2>&1 | tail -1
-step 120 python -m ferrylm plan /tmp/mix4 --gpu local --gpu-memory-budget 1GiB --max-model-len 2048 --max-num-seqs 8 \
+step 120 python -m ferrylm plan /tmp/mix4 --gpu local --gpu-memory-budget 2GiB --max-model-len 2048 --max-num-seqs 8 \
     --check 2>&1 | tail -40
 echo "done at $(( $(date +%s) - t0 )) s"

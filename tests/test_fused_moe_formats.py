@@ -83,7 +83,7 @@ def test_decoded_experts_equal_the_reference_dequantize(fmt, tile, monkeypatch):
     elif not fmt.startswith(("int4", "nf4")):
         pytest.skip("one byte a code: the plain tile decode only")
     else:
-        monkeypatch.setattr(fused_moe, "DECODE_4BIT_TILE", (32, 256))
+        monkeypatch.setattr(fused_moe, "DECODE_4BIT_TILE", fused_moe.DECODE_4BIT_TILE or (32, 256))
     torch.manual_seed(3)
     E, H, I = 5, 192, 320  # K (H or I) a multiple of every group, not of the 128- or 256-column tile
     w13, w2 = torch.randn(E, 2 * I, H) * 0.05, torch.randn(E, H, I) * 0.05
@@ -96,7 +96,7 @@ def test_decoded_experts_equal_the_reference_dequantize(fmt, tile, monkeypatch):
             assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
 
 
-@pytest.mark.parametrize("tile", [(32, 256), (16, 64)], ids=["tile-32x256", "tile-16x64"])
+@pytest.mark.parametrize("tile", [(16, 512), (32, 256), (16, 64)], ids=["tile-16x512", "tile-32x256", "tile-16x64"])
 @pytest.mark.parametrize("fmt", ["int4", "int4min", "nf4"])
 def test_the_4bit_decode_runs_every_group_layout(fmt, tile, monkeypatch):
     """`_decode_experts_4bit` itself runs (a spy on its launch) and equals `ExpertWeights.dequantize` exactly where a

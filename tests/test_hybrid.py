@@ -1128,6 +1128,11 @@ def test_share_tuner_climbs_and_refines():
     assert t.best == 0.0 and min(tried) == 0.0 and max(tried) <= 0.1  # never outside [0, 1]
     t, _, _ = walk(0.5, lambda s: 1.0 + 0.001 * s, min_gain=0.02)
     assert t.best == 0.5  # differences under the margin: the start stays
+    assert 0.0 in t.measured  # hybrid off was timed last, and lost by less than the margin
+    # any share at all costs a fixed hand-off the calibration under-priced (session 33's NF4 batch 1): the climb
+    # settles at its best split, then hybrid off wins and is kept
+    t, tried, _ = walk(0.5, lambda s: 1.0 if s == 0 else 1.3 + 0.01 * abs(s - 0.5))
+    assert tried == [0.5, 0.6, 0.4, 0.55, 0.45, 0.0] and t.best == 0.0 and t.done
     with pytest.raises(ValueError, match="outside"):
         ShareTuner(1.5)
 

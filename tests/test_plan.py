@@ -1374,7 +1374,34 @@ def test_the_packed_decode_pass_is_priced_at_its_measured_rate():
         t = estimate.step_time(estimate.StepCost(0.0, 0.0, 0.0, 1, dequant_bytes=nbytes), hbm, 55.0, 989.0)
         rate = min(estimate.DEQUANT_GBS, hbm * estimate.HBM_EFF)
         assert t.parts["dequant"] == pytest.approx(nbytes / (rate * 1e9))
-    assert estimate.dequant_gbs(2000.0) == pytest.approx(1400.0) and estimate.dequant_gbs(4800.0) == 1455.0
+    assert estimate.dequant_gbs(2000.0) == pytest.approx(1400.0)
+    assert estimate.dequant_gbs(4800.0) == estimate.DEQUANT_GBS < 4800.0 * estimate.HBM_EFF
+
+
+def test_a_packed_prefill_waits_on_the_host_per_decode_group(tmp_path):
+    """The resident NF4 Mixtral's prefill decodes its experts in the engine's groups (`fused_moe.decode_group_experts`:
+    one 352 MB expert a group under `DEQUANT_BUFFER_BYTES`; a 512-token chunk uses all 8 experts of each layer), each
+    `DEQUANT_GROUP_S` of host time in the launch part; with smaller experts more share a group; a batch-1 decode step
+    (the fused kernel's in-tile decode) has none."""
+    from ferrylm.layers import fused_moe
+    from ferrylm.plan import estimate
+
+    def launch_ms(cfg, layers, expert_quant):
+        p = _shape_plan(tmp_path, cfg, layers, None, 1, expert_quant=expert_quant, prompt_len=512)
+        return p.speed["prefill_parts_ms"]["launch"], p.speed["decode_batch1"]["parts_ms"]["launch"]
+
+    base, decode = launch_ms(MIXTRAL_SHAPE, 8, None)
+    nf4, nf4_decode = launch_ms(MIXTRAL_SHAPE, 8, "nf4")
+    dense = 3 * MIXTRAL_SHAPE["intermediate_size"] * MIXTRAL_SHAPE["hidden_size"] * 2
+    assert fused_moe.decode_group_experts(dense) == 1
+    assert nf4 - base == pytest.approx(8 * 8 * estimate.DEQUANT_GROUP_S * 1e3)
+    assert nf4_decode == decode
+    per = fused_moe.decode_group_experts(3 * QWEN3_SHAPE["moe_intermediate_size"] * QWEN3_SHAPE["hidden_size"] * 2)
+    assert per > 8  # Qwen3-30B-A3B's 9.4 MB experts: many a group
+    q, _ = launch_ms(QWEN3_SHAPE, 4, "nf4")
+    q_base, _ = launch_ms(QWEN3_SHAPE, 4, None)
+    groups = (q - q_base) / (estimate.DEQUANT_GROUP_S * 1e3)
+    assert 4 <= groups <= 4 * -(-QWEN3_SHAPE["num_experts"] // per)
 
 
 def test_a_hybrid_layer_runs_its_hits_then_its_in_place_columns():

@@ -127,7 +127,7 @@ def prefill_bytes(A: int, E: int, hidden: int, inter: int, elt: int, packed: boo
         return (padded_rows(A, E) * (I + H) + A * H) * elt
     if path == "grouped":  # the gathered input is freed once gate/up exist; the product lives to the end
         return max(A * (H + 2 * I) * elt, 3 * A * I * elt, A * (I + H) * elt + A * H * 8)
-    g = min(E, max(1, DEQUANT_BUFFER_BYTES // (3 * I * H * elt)))
+    g = min(E, decode_group_experts(3 * I * H * elt))
     n = min(A, g * expert_row_cap(A, E))
     group = max(g * 2 * I * H + n * 3 * I, g * H * I + n * (I + H)) * elt
     return max(2 * A * H * elt + group, A * H * elt + weighting)
@@ -634,14 +634,23 @@ expert a group): one decode launch and one grouped GEMM per group, so a bank of 
 128 of 9.4 MB) costs a few launches, while the transient stays bounded (the warm-up profile measures it)."""
 
 
-DECODE_4BIT_TILE: tuple[int, int] | None = None
+def decode_group_experts(expert_dense_bytes: int) -> int:
+    """Experts a `dequant_rows` decode group holds: as many as `DEQUANT_BUFFER_BYTES` takes of one expert's dense
+    weights (gate, up and down), at least one. The engine and the plan (its host time a group) both count so."""
+    return max(1, DEQUANT_BUFFER_BYTES // max(1, expert_dense_bytes))
+
+
+DECODE_4BIT_TILE: tuple[int, int] | None = (16, 512)
 """(BLOCK_N, BLOCK_K) of `decode_experts`' kernel for two codes a byte (int4, int4min, NF4: `_decode_experts_4bit`,
 bytes along K, a scale a group, NF4 by the select tree); None: those formats too take `_decode_experts`, whose
 `_weight_tile` reads a transposed tile, two table loads and a scale load a byte (session 31, H100: the resident
 8-layer NF4 Mixtral's 512-token prefill spent 19.8 ms of its 37.5 ms of kernels there, 1.1 TB/s of dense output).
-TODO(issue 8): None until a GPU has run it (bit-equal to `_decode_experts` under Triton's interpreter, session 31, for
-NF4 g64, int4 g32, int4min g64/g128, per-row groups and partial tiles; four starts failed that session): then (32, 256)
-or the best tile of `benchmarks/device_s38.sh`'s sweep (docs/benchmarks.md, pending item 0)."""
+Session 33 (H200, `benchmarks/bench_decode_experts.py`, eight NF4 Mixtral w13 experts): (16, 512) 1.06 ms, 1.78 TB/s
+of bf16 written; (32, 256) 1.12; (64, 256) 1.22; (32, 128) 1.23; the tile decode 1.36 ms, 1.38 TB/s; bit-equal to
+it, and its CUDA tests pass. In the resident 8-layer NF4 512-token prefill (`profile_prefill.py --tile4`) the decode
+took 15.0 against 19.5 ms of 47.8 against 52.0 ms of device time; the offloaded 32-layer NF4 Mixtral under 16 GiB
+(copy-bound) ran its 2k prefill at 5858 / 6567 against 6432 / 6096 tok/s and batch 64 at 213 / 213 against 206 /
+214 (alternating, `benchmarks/device_s43.sh`): no change beyond noise there."""
 
 
 def _triton_decodes(device: torch.device) -> bool:
@@ -652,8 +661,9 @@ def _triton_decodes(device: torch.device) -> bool:
 def decode_experts(w, experts: list[int], dtype: torch.dtype, out: torch.Tensor | None = None,
                    ids: torch.Tensor | None = None, args: dict | None = None) -> torch.Tensor:
     """Experts `experts` of a packed bank (`ExpertWeights` or a `WeightTable` over one) dense: [n, N, K] in
-    `dtype` (into `out` when given). On CUDA one Triton launch through the fused kernel's own tile decode
-    (`_weight_tile`), the same fp32 values rounded once; elsewhere `ExpertWeights.dequantize` (the reference),
+    `dtype` (into `out` when given). On CUDA one Triton launch: two codes a byte through `_decode_experts_4bit`
+    (`DECODE_4BIT_TILE`), other formats through the fused kernel's own tile decode (`_weight_tile`), the same fp32
+    values rounded once; elsewhere `ExpertWeights.dequantize` (the reference),
     expert by expert. `ids`: `experts` already as a device tensor (no host-to-device copy: graph-capturable);
     `args`: `_weight_args(w, device)` where the caller made them already."""
     like = w.like if isinstance(w, WeightTable) else w
@@ -705,7 +715,7 @@ def dequant_rows(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights:
         raise ValueError(f"dequant_rows: counts must give each of the {E + 1} ids' assignments ({flat.numel()} in all)")
     xs = x.index_select(0, order // k)  # [A, H]
     y = torch.zeros(flat.numel(), H, dtype=x.dtype, device=x.device)
-    per = max(1, DEQUANT_BUFFER_BYTES // (3 * two_i // 2 * H * x.element_size()))
+    per = decode_group_experts(3 * two_i // 2 * H * x.element_size())
     groups = _decode_groups(counts[:E], per, expert_row_cap(flat.numel(), experts or E))
     # every group's expert ids and its GEMMs' row offsets cross in one copy each, and each side's kernel arguments
     # are made once: per group they cost the host more than the device's decode and GEMMs (a resident 512-token

@@ -8,17 +8,15 @@ the PCIe floor (bf16 16L), Zipf hit rates >= 80% of Belady, Qwen2-72B NF4 at 0.9
 fused MoE 23x transformers, hybrid decode ahead of the better side at batch 1-64 and 2k prefill, int4 32L 3.9x
 llama.cpp. Missed, in order of value (TODO):
 - batch-1 decode near the floor: copy-only is the floor plus per-step costs (Qwen3-30B bf16 0.44 of it, fp8 0.26:
-  promotions and kernels never overlap, the engine loop's host time); hybrid bf16 16L 10.6 tok/s against 14.3 (the
-  host's GEMV beside the copies; native AMX / C-pool kernels not yet measured on the H200 box);
-- hybrid batch 16: 46.7 against 51 (H100);
+  promotions and kernels never overlap, the engine loop's host time); hybrid bf16 16L 10.9 / 9.8 tok/s on the H200
+  (session 33, with the native AMX / C-pool kernels; H100 10.6) against 14.3: the host's GEMV beside the copies;
+- hybrid batch 16: 45.1 / 46.3 on the H200 (session 33; H100 46.7) against 51;
 - the resident NF4 decode kernel: 32L Mixtral 15.9-16.0 ms a step, ~8x its HBM roofline (latency-bound in-tile
   decode: split K further, wider loads), which the resident share of an offloaded NF4 model pays too;
-- 32L NF4 batch 64: 0.61-0.68 of the PCIe floor (sessions 30-31, H100; 0.32 before NF4 banks took the decode kernel
+- 32L NF4 batch 64: 0.61-0.73 of the PCIe floor (sessions 30-33; 0.32 before NF4 banks took the decode kernel
   past 32 tokens): two cache slots a layer queue ~4.6 misses of 99 MB behind their own compute;
-- 32L NF4 prefill: 0.80 of the binding floor (the resident model's own 2k prefill) but 0.63 of the PCIe floor;
-  staging the next layer's experts in spare slots gains 21% (session 31, three pairs) at a batch-1 decode cost
-  (`expert_cache.CachedExperts.staging_slots`: off; since session 32 steps under `stage_min_tokens` never stage,
-  which should remove that cost: unmeasured, `benchmarks/device_s40.sh`); the packed prefill itself left the device idle 40% of a
-  resident 512-token prefill (host launches per expert) and decoded at 1.1 TB/s: `fused_moe.dequant_rows`' one copy
-  a call (on) and `DECODE_4BIT_TILE` (off until a GPU has run it), both unmeasured (docs/benchmarks.md, item 0).
+- 32L NF4 prefill: 0.78-0.87 of the PCIe floor (mean 0.83 over six runs: the aim's 0.8 met) since staging the next
+  layer's experts in spare slots turned on (session 33, H200: 5858-6567 tok/s against 4968-5138 off; `expert_cache.CachedExperts.staging_slots`, gated by
+  `stage_min_tokens` so decode steps never stage); `DECODE_4BIT_TILE` (on since session 33) decodes NF4 experts
+  1.3x faster than the tile decode, but the copy-bound prefill does not move with it.
 """

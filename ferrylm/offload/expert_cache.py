@@ -290,7 +290,7 @@ class CachedExperts(ExpertBackend):
     first, each slot taking the next copy at once, then the pinned hits in one round; False: all hits in one round,
     the first copy waiting for all of them (session 28's timeline of that prefill: copies 50.8 ms and kernels
     33.4 ms of 107, never at once). TODO(issue 8): `profile_offload.py --rounds` each | misses | all."""
-    staging_slots = 0
+    staging_slots = 2
     """With `one_large_a_round` on CUDA: slots of the first cached layer the others share (`StagingSlots`) to stage the
     next layer's experts on a copy-road step whose tokens leave almost no expert unrouted (`_stages`); 0: off.
     Measured on the H100 in session 28, alternating runs, 2 slots: shared slots taken
@@ -311,8 +311,10 @@ class CachedExperts(ExpertBackend):
     its 174-237 spread), 8-layer batch-1 decode 12.54 against 10.34 ms a step (hit 0.902 against 0.941; each timed
     request's 32-token prompt stages). Since session 32 only steps of `stage_min_tokens` tokens or more stage, so
     steps under it (short prompts, decode batches below it) run as with staging off (`tests/test_offload.py`: the same
-    copies and slots). TODO(issue 8): measure the 8-layer batch-1 decode and the 2k prefill with the gate
-    (`benchmarks/device_s40.sh`; its batch 64 then stages only in its prompts' prefill), then turn staging on."""
+    copies and slots). Session 33 (H200, `benchmarks/device_s40.sh`, alternating, with the gate): the 32-layer 2k
+    prefill 6485 / 6066 against 5138 / 4968 tok/s (+24%), batch 64 218 / 217 against 221 / 215, the 8-layer batch-1
+    decode 13.1 / 11.3 against 10.2 / 11.0 ms a step with the same hit rate (0.930) and no step staging (the first
+    pair's gap is the first run's warm-up: 3% in the second): on since then."""
     stage_min_tokens = 256
     """Steps with fewer tokens never stage (`_stages`): a short prompt stages a few experts for a prefill the copies
     barely dominate, and the donor's restores after it cost the decode steps that follow their hits (session 31).

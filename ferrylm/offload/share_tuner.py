@@ -6,8 +6,10 @@ where 0.45 decoded 8.98; session 16's starts gave 0.51 and 0.42). So the engine 
 measures it: decode steps of one batch shape (the first seen) are timed from one step's start to the next,
 the median of `SAMPLES` of them after `SETTLE` steps on each share (the first re-captures the graphs), and the
 share moves by `STEP` toward the faster neighbour while that is faster by `MIN_GAIN`, then by `STEP / 2` once
-either side of the best. A plain function of the times it is fed (`observe`); `PlacedWeights` feeds it and
-applies what it asks for between steps."""
+either side of the best. Last it times share 0 (hybrid off) and takes it where that is faster by `MIN_GAIN`: the
+calibration's costs can favour a split that loses (session 33, H200 host, the 8-layer NF4 Mixtral under 5 GiB at
+batch 1: `--experts auto` 13.2 ms a step, `--experts gpu` 9.0; `profile_offload.py`). A plain function of the times
+it is fed (`observe`); `PlacedWeights` feeds it and applies what it asks for between steps."""
 from __future__ import annotations
 
 import statistics
@@ -26,7 +28,8 @@ class ShareTuner:
     """Feed it one period per step at the share it last asked for (`share`); `observe` returns the next
     share to apply, or None to keep the current one. The climb: the start, then one `step` above it, else
     one below; a side that won goes on by `step` while each share beats the last by `min_gain`; then half a
-    step either side of the winner. `done` once settled, at `best` (the share every later step runs)."""
+    step either side of the winner; then 0 (hybrid off) unless tried. `done` once settled, at `best` (the share
+    every later step runs)."""
 
     def __init__(self, share: float, step: float = STEP, settle: int = SETTLE, samples: int = SAMPLES,
                  min_gain: float = MIN_GAIN):
@@ -73,6 +76,8 @@ class ShareTuner:
         won = phase != "start" and self.measured[s] < self.measured[self.best] * (1 - self.min_gain)
         if phase == "start" or won:
             self.best = s
+        if phase == "off":  # hybrid off timed last: settled either way
+            return None
         if phase == "start":
             phase = "up"
             nxt = self._untried(s + self.step)
@@ -92,5 +97,7 @@ class ShareTuner:
             self._refine = [self.best + self.step / 2, self.best - self.step / 2]
         while nxt is None and self._refine:
             nxt = self._untried(self._refine.pop(0))
+        if nxt is None and self.best > 0:  # last, hybrid off (share 0: every miss read in place by the device)
+            phase, nxt = "off", self._untried(0.0)
         self._phase = phase
         return nxt

@@ -12,6 +12,16 @@ the CUDA engine ends with after its measured warm-up (`offload/memory.py` kv_aft
 and the planned figure.
 
 TODO (what is left of issue #14):
+- session 33 (`plan-check-2026-12-06-s33-h200-call1.json`, `-call4.json`: the first H200 check since session 12):
+  dense, MoE and NF4 MoE resident within every aim (weights <= 0.1%, KV <= 0.1%, peak <= 1.0%, decode -8.3% to +3.8%,
+  prefill -8.4% to +12.8%); the offloaded NF4 Mixtral's memory within them, batch 1 -14% / -26% at uniform routing
+  (hit 0.73-0.76 measured, 0.42 assumed), +16% / +23% at the measured hit, "@profile routing" +59% / +84% (still
+  open: see session 31), batch 16 -7% / -18%, prefill +16% / +56% (its measured prefill 5745 and 4281 tok/s in two
+  calls; staging, on since, raises it ~24% and the plan does not model it). The packed prefill's decode pass is now
+  the 4-bit kernel's measured 1919 GB/s plus `estimate.DEQUANT_GROUP_S` a decode group: the resident NF4 prefill
+  replays at +8.0% / +7.4%. `ferry plan DIR --check` as a user runs it (a transformers-written 4-layer Mixtral,
+  hidden 2048): a 1 GiB budget refused in one line with what would fit; at 2 GiB memory within aims, decode -29% /
+  -30%, prefill +99% (a small model's launch-bound steps: open);
 - session 31 (`plan-check-2026-12-06-s31-h100.json`, H100): the resident NF4 refit held on an unseen run (decode
   -0.4% / -0.3%); its prefill +58%: the device idled 25 ms of 63 while `dequant_rows` launched per expert (a host cost
   the plan does not price; fixed in the engine, unmeasured). Session 32: the decode pass at its measured rate
@@ -21,8 +31,7 @@ TODO (what is left of issue #14):
   Session 31's offloaded NF4 batch 1 -14.8%, batch 16 -11.5%, prefill
   +23.5%; "@profile routing" +85%: the engine split 4.65 misses a step at host share 0.40 (planned 0.55) and copied
   0.9 promotions a step; the plan's max of the host's and the device's summed time misses the per-layer joins. An
-  audit fixed plan's and doctor's user-facing faults (docs/benchmarks.md, "Where the aims stand"); `--check` has not
-  run on a GPU since;
+  audit fixed plan's and doctor's user-facing faults (docs/benchmarks.md, "Where the aims stand");
 - session 30 (`plan-check-2026-12-06-s30-h100.json`, H100): the resident NF4 Mixtral's first check missed decode by
   -41% / -54% (packed experts timed relative to bf16's HBM time, which scales with the HBM rate, where the decode
   kernel's in-tile decode binds at ~450 GB/s of codes on both cards): now `estimate.PACKED_DECODE_GBS` /

@@ -68,14 +68,24 @@ experts top-2): 512-token prompts (128 rows an expert) 31.5k tok/s in sessions 9
 2048-token prompts (512 rows) 74,953 tok/s in session 12 (0.5). One constant (0.2) had put the second at -56%."""
 
 
-DEQUANT_GBS = 1455.0
+DEQUANT_GBS = 1919.0
 """Bytes a second (GB/s: packed bytes read plus dense bf16 written) of the packed experts' decode pass
-(`fused_moe.dequant_rows`' tile decode), at most HBM_EFF of the HBM rate (`dequant_gbs`): an absolute rate like
-`PACKED_DECODE_GBS`, since the in-tile decode, not HBM, is taken to bind (measured on one card only). Measured, not
-fitted to a plan check: session 31's H100 profile of the resident 8-layer NF4 Mixtral's 512-token prefill
-(`benchmarks/profile_prefill.py`), `_decode_experts` 19.8 ms for 64 experts (6.3 GB read, 22.5 GB written). Was
-HBM_EFF of the HBM rate (2345 GB/s on the H100: 12.3 ms there). Re-measure when `fused_moe.DECODE_4BIT_TILE` turns
-the 4-bit decode kernel on."""
+(`fused_moe.decode_experts`: `_decode_experts_4bit` for two codes a byte, `DECODE_4BIT_TILE`), at most HBM_EFF of the
+HBM rate (`dequant_gbs`): an absolute rate like `PACKED_DECODE_GBS`, since the in-tile decode, not HBM, binds (the
+tile decode took 19.8 ms on the H100 and 19.5 on the H200, whose HBM is 1.4x faster). Measured, not fitted to a
+plan check: the resident 8-layer NF4 Mixtral's 512-token prefill (`benchmarks/profile_prefill.py`, 64 experts: 6.3 GB
+read, 22.5 GB written), `_decode_experts_4bit` 15.0 ms on the H200 (session 33; the tile decode before it: 1455 GB/s,
+session 31, H100). Was HBM_EFF of the HBM rate until session 32 (2345 GB/s on the H100)."""
+
+DEQUANT_GROUP_S = 0.1e-3
+"""Measured (fitted): seconds the device waits on the host per decode group of a packed prefill
+(`fused_moe.dequant_rows`: a group's decode launches, grouped GEMMs and the copies between, `decode_group_experts`
+experts a group), serial with its kernels. Session 33 (H200, `profile_prefill.py`, the resident 8-layer NF4 Mixtral's
+512-token prefill, 75 groups of one expert): the device idled 8.0 ms of 39.4 (6.9 of 42.7 with the tile decode),
+0.09-0.11 ms a group. With it and `DEQUANT_GBS` the plan's two checks of that model in the same session
+(`bench_plan.py --cases moe-nf4`: 12.5k and 12.6k tok/s measured with the tile decode; the 4-bit kernel left the
+prefill's wall time as it was, 12.5k against 12.8k in `profile_prefill.py`: the host binds) replay at +8.0% / +7.4%
+(were +12.8% / +12.1%); session 31's H100 check, before `dequant_rows`' one copy a call, at +20.1% (was +58%)."""
 
 
 def dequant_gbs(hbm_gbs: float) -> float:
@@ -325,6 +335,9 @@ class StepCost:
     dense weights written, at `dequant_gbs`, serial with the GEMMs (which then read the dense weights). Session 30's H100 check
     of the resident 8-layer NF4 Mixtral (`bench_plan.py --cases moe-nf4`, 512-token chunks, 64 experts decoded a
     chunk): prefill 12.2k tok/s measured where the GEMMs alone predicted 20.0k."""
+    dequant_groups: float = 0.0
+    """Decode groups of those passes (`fused_moe.decode_group_experts`), each `DEQUANT_GROUP_S` of host time the
+    device waits on."""
     copy_layers: tuple = ()
     """Copy-path prefill, per MoE layer with experts in host memory: (bytes its misses copy, HBM bytes of its hits,
     of its misses, FLOPs of its hits, of its misses, of the copies the bytes that fit its free slots), none of
@@ -424,7 +437,8 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
              "copy_layers": laid,
              "dequant": cost.dequant_bytes / dq_rate,
              "host": cost.host_s,
-             "launch": cost.layers * ((LAUNCH_GRAPH_S if cost.graphs else LAUNCH_S) + cost.layer_extra_s),
+             "launch": cost.layers * ((LAUNCH_GRAPH_S if cost.graphs else LAUNCH_S) + cost.layer_extra_s)
+             + cost.dequant_groups * DEQUANT_GROUP_S,
              "comm": cost.comm_s}
     roof = max(("hbm", "pcie", "compute", "host_experts"), key=parts.get)  # host experts beside the copies
     seconds = (parts[roof] + parts["mapped_experts"] + parts["promotions"] + parts["copy_layers"] + parts["dequant"]

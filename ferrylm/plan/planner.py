@@ -423,7 +423,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         return tokens * k / (sum(distinct(l, tokens) for l in moe) / len(moe))
 
     cached = [l for l, m in moe.items() if m["host"]]
-    from ferrylm.layers.fused_moe import prefill_path
+    from ferrylm.layers.fused_moe import decode_group_experts, prefill_path
     from ferrylm.offload.expert_cache import CachedExperts
 
     mapped_tokens = min((1 if moe[l]["nbytes"] > CachedExperts.large_expert_bytes else CachedExperts.mapped_tokens
@@ -504,7 +504,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         # into dense weights first (`fused_moe.prefill_path`, on the model's expert count): prefill chunks, and decode
         # batches past the graphs' bound (`graph_token_limit`: below it, never), mapped steps (tables) never
         dequant = not mapped and fused_moe and prefill_path(batch * k, E, 1, True) == "dequant"
-        out["dequant"] = 0.0
+        out["dequant"] = out["dequant_groups"] = 0.0
         for l, m in moe.items():
             d, h = distinct(l, batch), hit_of(l, batch, mapped)
             dq = m["nbytes"] + m["dense"] if m["packed"] and dequant else 0.0
@@ -519,6 +519,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             out["all"] += d * m["hbm_equiv"]
             if not m["host"]:
                 out["dequant"] += d * dq
+                out["dequant_groups"] += math.ceil(d / decode_group_experts(m["dense"])) if dq else 0.0
                 out["layers"].append((d * m["hbm_equiv"], 0.0, 1.0))
                 continue
             if mapped:
@@ -549,6 +550,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 out["road_misses"] += misses
                 if not prefill:  # the host's misses are computed where they lie, never decoded on the GPU
                     out["dequant"] += (d - on_host) * dq
+                    out["dequant_groups"] += math.ceil((d - on_host) / decode_group_experts(m["dense"])) if dq else 0.0
                 if prefill:  # layer by layer (`StepCost.copy_layers`): its copies, then its hits' and misses' work;
                     # the slots no hit holds take copies while the hits compute
                     free = max(0.0, m["resident"] + slots.get(l, 0) - hits)
@@ -574,7 +576,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             pcie_bytes=streamed_bytes + x["copy"], inplace_bytes=x["inplace_equiv"], promotion_bytes=x["promote"],
             promotions=x["promotions"],
             mapped_layers=tuple(x["layers"]) if x["mapped"] else (), host_s=x["host"], mapped=x["mapped"],
-            host_experts_s=x["host_experts_s"], dequant_bytes=x["dequant"],
+            host_experts_s=x["host_experts_s"], dequant_bytes=x["dequant"], dequant_groups=x["dequant_groups"],
             flops=2 * (body + vocab) * batch / ranks, expert_flops=2 * expert_active * batch / ranks,
             layers=layers, graphs=graphs,
             layer_extra_s=estimate.LAYER_EXTRA_S.get(mc.model_type + ("-moe" if E else ""), 0.0) if graphs else 0.0,
@@ -600,7 +602,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         tokens_per_expert=tokens_per_expert(chunk), pcie_bytes=streamed_bytes + xp["copy"] - sum(c for c, *_ in laid),
         host_s=xp["host"], host_experts_s=xp["host_experts_s"],
         copy_layers=tuple((c, hb, mb, hf * layer_flops, mf * layer_flops, f, *more) for c, hb, mb, hf, mf, f, *more in laid),
-        dequant_bytes=xp["dequant"],
+        dequant_bytes=xp["dequant"], dequant_groups=xp["dequant_groups"],
         flops=(2 * body * chunk + 2 * vocab + 2 * mc.num_hidden_layers * chunk * chunk * mc.num_attention_heads
                * mc.head_dim) / ranks, expert_flops=2 * expert_active * chunk / ranks - len(laid) * layer_flops,
         layers=layers,

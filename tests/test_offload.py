@@ -657,8 +657,9 @@ def test_staged_experts_equal_resident(slots, tmp_path_factory, monkeypatch):
     monkeypatch.setattr(CachedExperts, "stage_min_tokens", 0)  # the short test prompts stage
     path, _ = build(tmp_path_factory, "qwen3_moe", num_hidden_layers=4)
     _, ref_tokens, ref_logits = run(path)
-    monkeypatch.setattr(CachedExperts, "staging_slots", 0)  # (on by default since session 33)
-    plain, _, _ = run(path, place=("experts=cpu",))
+    plain, _, _ = run(path, place=("experts=cpu",))  # the CPU engine stages only with staging_on_cpu
+    assert plain.engine.runner.placed.staging is None and CachedExperts.staging_slots > 0
+    monkeypatch.setattr(CachedExperts, "staging_on_cpu", True)
     monkeypatch.setattr(CachedExperts, "staging_slots", slots)
     llm, tokens, logits = run(path, place=("experts=cpu",))
     placed = llm.engine.runner.placed
@@ -684,8 +685,8 @@ def test_short_steps_never_stage(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(CachedExperts, "large_expert_bytes", 0)
     monkeypatch.setattr(CachedExperts, "stage_min_tokens", 64)
     path, _ = build(tmp_path_factory, "qwen3_moe", num_hidden_layers=4)
-    monkeypatch.setattr(CachedExperts, "staging_slots", 0)
-    plain, plain_tokens, plain_logits = run(path, place=("experts=cpu",))
+    plain, plain_tokens, plain_logits = run(path, place=("experts=cpu",))  # (the CPU engine's default: no staging)
+    monkeypatch.setattr(CachedExperts, "staging_on_cpu", True)
     monkeypatch.setattr(CachedExperts, "staging_slots", 2)
     llm, tokens, logits = run(path, place=("experts=cpu",))
     placed, ref = llm.engine.runner.placed, plain.engine.runner.placed

@@ -1365,8 +1365,9 @@ def test_advice_names_what_it_could_not_plan(monkeypatch):
 
 
 def test_the_packed_decode_pass_is_priced_at_its_measured_rate():
-    """`StepCost.dequant_bytes` take `estimate.dequant_gbs`: `DEQUANT_GBS` (session 31's kernel profile), at most
-    HBM_EFF of a slower card's HBM rate."""
+    """`StepCost.dequant_bytes` take `estimate.dequant_gbs`: `DEQUANT_GBS` for two codes a byte (the 4-bit kernel,
+    session 33's profile), `DEQUANT_TILE_GBS` for one (the tile decode, session 31's), at most HBM_EFF of a slower
+    card's HBM rate."""
     from ferrylm.plan import estimate
 
     nbytes = 29e9
@@ -1376,13 +1377,17 @@ def test_the_packed_decode_pass_is_priced_at_its_measured_rate():
         assert t.parts["dequant"] == pytest.approx(nbytes / (rate * 1e9))
     assert estimate.dequant_gbs(2000.0) == pytest.approx(1400.0)
     assert estimate.dequant_gbs(4800.0) == estimate.DEQUANT_GBS < 4800.0 * estimate.HBM_EFF
+    assert estimate.dequant_gbs(4800.0, "int8") == estimate.DEQUANT_TILE_GBS < estimate.DEQUANT_GBS  # the tile decode
+    int8 = estimate.step_time(estimate.StepCost(0.0, 0.0, 0.0, 1, dequant_bytes=nbytes, dequant_scheme="fp8"),
+                              4800.0, 55.0, 989.0)
+    assert int8.parts["dequant"] == pytest.approx(nbytes / (estimate.DEQUANT_TILE_GBS * 1e9))
 
 
 def test_a_packed_prefill_waits_on_the_host_per_decode_group(tmp_path):
     """The resident NF4 Mixtral's prefill decodes its experts in the engine's groups (`fused_moe.decode_group_experts`:
     one 352 MB expert a group under `DEQUANT_BUFFER_BYTES`; a 512-token chunk uses all 8 experts of each layer), each
     `DEQUANT_GROUP_S` of host time in the launch part; with smaller experts more share a group; a batch-1 decode step
-    (the fused kernel's in-tile decode) has none."""
+    (the fused kernel's in-tile decode) has none; the copy road's rounds take theirs inside their work."""
     from ferrylm.layers import fused_moe
     from ferrylm.plan import estimate
 
@@ -1402,6 +1407,11 @@ def test_a_packed_prefill_waits_on_the_host_per_decode_group(tmp_path):
     q_base, _ = launch_ms(QWEN3_SHAPE, 4, None)
     groups = (q - q_base) / (estimate.DEQUANT_GROUP_S * 1e3)
     assert 4 <= groups <= 4 * -(-QWEN3_SHAPE["num_experts"] // per)
+    # the copy road's rounds take their groups' host time inside their work (`StepCost.copy_layers`' ninth element)
+    layer = (0.0, 1e8, 1e8, 1e12, 1e12, 0.0, None, (1e8, 1e8))
+    plain, grouped = (estimate.step_time(estimate.StepCost(0.0, 0.0, 0.0, 1, copy_layers=(layer + more,)), 4800.0,
+                                         55.0, 989.0).parts["copy_layers"] for more in ((), ((3.0, 5.0),)))
+    assert grouped - plain == pytest.approx(8 * estimate.DEQUANT_GROUP_S)
 
 
 def test_a_hybrid_layer_runs_its_hits_then_its_in_place_columns():

@@ -636,7 +636,8 @@ expert a group): one decode launch and one grouped GEMM per group, so a bank of 
 
 def decode_group_experts(expert_dense_bytes: int) -> int:
     """Experts a `dequant_rows` decode group holds: as many as `DEQUANT_BUFFER_BYTES` takes of one expert's dense
-    weights (gate, up and down), at least one. The engine and the plan (its host time a group) both count so."""
+    weights (gate, up and down), at least one. The plan prices a group's host time on this count (`estimate.
+    DEQUANT_GROUP_S`); the engine also starts a group at each piece of an expert split by `expert_row_cap`."""
     return max(1, DEQUANT_BUFFER_BYTES // max(1, expert_dense_bytes))
 
 

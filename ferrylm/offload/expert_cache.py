@@ -304,7 +304,7 @@ class CachedExperts(ExpertBackend):
     once: the bookkeeping in CI, `tests/test_offload.py`). The donor with its experts copied back at the step's end
     (`StagingSlots.release`; session 29, `benchmarks/device_s34.sh`, alternating): 32-layer 2k prefill 6400 / 5710
     against 6031 / 6131 tok/s, 8-layer 512 6300 against 6276, 8-layer batch-1 decode 10.45 / 10.34 against 9.59 /
-    9.32 ms (hit 0.896 against 0.918): no prefill gain and a decode loss, so it stays off. The 32-layer NF4 prefill's
+    9.32 ms (hit 0.896 against 0.918): no prefill gain and a decode loss, so it stayed off then. The 32-layer NF4 prefill's
     other side is its compute: the same model resident prefills 2k tokens at 7206 / 7487 tok/s on that box, and
     the offloaded run's 5866 is 0.80 of that. Session 31 (H100, three pairs, two alternating; `device_s37.sh`): the
     32-layer 2k prefill 5844 against 4816 tok/s on average (+18-23% in every pair), batch 64 211 against 206 (within
@@ -320,6 +320,9 @@ class CachedExperts(ExpertBackend):
     barely dominate, and the donor's restores after it cost the decode steps that follow their hits (session 31).
     Under expert parallelism a rank counts the token-expert assignments it holds (its backend's rows), not the
     step's tokens."""
+    staging_on_cpu = False
+    """The CPU engine stages only when set: its copies run at once, so staging overlaps nothing there and costs the
+    donor's restores (CI sets it, to check the bookkeeping on the CPU engine)."""
     promote_after_layer = False
     """A promotion's copy starts once its layer of the last queued step has run (`layer_done`: an event recorded
     after every forward of this layer, inside decode graphs too, read when the engine builds it), not after

@@ -265,9 +265,10 @@ class PlacedWeights:
     def _link_staging(self) -> None:
         """Copy-road staging (`expert_cache.StagingSlots`): for large experts computed one a round, up to
         `CachedExperts.staging_slots` slots of the first cached layer (not its pinned experts') that the others
-        share to stage the next layer's experts; no memory beyond the caches'."""
+        share to stage the next layer's experts; no memory beyond the caches'. On CUDA (the CPU engine with
+        `CachedExperts.staging_on_cpu`)."""
         order = sorted(self.caches)
-        if not order:
+        if not order or (self.device.type != "cuda" and not CachedExperts.staging_on_cpu):
             return
         donor = self.caches[order[0]]
         n = min(CachedExperts.staging_slots, donor.capacity - len(donor.pinned))

@@ -42,7 +42,7 @@ class ShareTuner:
         self.done = False
         self._seen: list[float] = []
         self._skip = settle
-        self._phase = "start"  # start -> up -> down -> climb -> refine
+        self._phase = "start"  # start -> up -> down -> climb -> refine -> off
         self._direction = 0
         self._refine: list[float] = []
 

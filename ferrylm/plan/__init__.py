@@ -18,8 +18,8 @@ TODO (what is left of issue #14):
   (hit 0.73-0.76 measured, 0.42 assumed), +16% / +23% at the measured hit, "@profile routing" +59% / +84% (still
   open: see session 31), batch 16 -7% / -18%, prefill +16% / +56% (its measured prefill 5745 and 4281 tok/s in two
   calls; staging, on since, raises it ~24% and the plan does not model it). The packed prefill's decode pass is now
-  the 4-bit kernel's measured 1919 GB/s plus `estimate.DEQUANT_GROUP_S` a decode group: the resident NF4 prefill
-  replays at +8.0% / +7.4%. `ferry plan DIR --check` as a user runs it (a transformers-written 4-layer Mixtral,
+  the 4-bit kernel's measured 1919 GB/s (int4 / NF4) plus `estimate.DEQUANT_GROUP_S` a decode group: the resident NF4
+  prefill replays at +4.5% / +3.8%. `ferry plan DIR --check` as a user runs it (a transformers-written 4-layer Mixtral,
   hidden 2048): a 1 GiB budget refused in one line with what would fit; at 2 GiB memory within aims, decode -29% /
   -30%, prefill +99% (a small model's launch-bound steps: open);
 - session 31 (`plan-check-2026-12-06-s31-h100.json`, H100): the resident NF4 refit held on an unseen run (decode

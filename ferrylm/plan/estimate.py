@@ -69,28 +69,35 @@ experts top-2): 512-token prompts (128 rows an expert) 31.5k tok/s in sessions 9
 
 
 DEQUANT_GBS = 1919.0
-"""Bytes a second (GB/s: packed bytes read plus dense bf16 written) of the packed experts' decode pass
-(`fused_moe.decode_experts`: `_decode_experts_4bit` for two codes a byte, `DECODE_4BIT_TILE`), at most HBM_EFF of the
-HBM rate (`dequant_gbs`): an absolute rate like `PACKED_DECODE_GBS`, since the in-tile decode, not HBM, binds (the
-tile decode took 19.8 ms on the H100 and 19.5 on the H200, whose HBM is 1.4x faster). Measured, not fitted to a
-plan check: the resident 8-layer NF4 Mixtral's 512-token prefill (`benchmarks/profile_prefill.py`, 64 experts: 6.3 GB
-read, 22.5 GB written), `_decode_experts_4bit` 15.0 ms on the H200 (session 33; the tile decode before it: 1455 GB/s,
-session 31, H100). Was HBM_EFF of the HBM rate until session 32 (2345 GB/s on the H100)."""
+"""Bytes a second (GB/s: packed bytes read plus dense bf16 written) of the packed experts' decode pass for two codes a
+byte (int4, NF4: `fused_moe._decode_experts_4bit`, `DECODE_4BIT_TILE`), at most HBM_EFF of the HBM rate
+(`dequant_gbs`): an absolute rate like `PACKED_DECODE_GBS`, since the in-tile decode, not HBM, binds (the tile decode
+took 19.8 ms on the H100 and 19.5 on the H200, whose HBM is 1.4x faster). Measured, not fitted to a plan check: the
+resident 8-layer NF4 Mixtral's 512-token prefill (`benchmarks/profile_prefill.py`, 64 experts: 6.3 GB read, 22.5 GB
+written), `_decode_experts_4bit` 15.0 ms on the H200 (session 33; not yet measured on the H100)."""
 
-DEQUANT_GROUP_S = 0.1e-3
+DEQUANT_TILE_GBS = 1455.0
+"""The same for one byte a code (int8, fp8, q8_0), which the fused kernel's tile decode decodes (`_decode_experts`):
+session 31's H100 profile of that prefill, 19.8 ms for the same 64 experts (before session 33 every format's rate; until
+session 32, HBM_EFF of the HBM rate: 2345 GB/s on the H100)."""
+
+DEQUANT_GROUP_S = 0.12e-3
 """Measured (fitted): seconds the device waits on the host per decode group of a packed prefill
-(`fused_moe.dequant_rows`: a group's decode launches, grouped GEMMs and the copies between, `decode_group_experts`
-experts a group), serial with its kernels. Session 33 (H200, `profile_prefill.py`, the resident 8-layer NF4 Mixtral's
-512-token prefill, 75 groups of one expert): the device idled 8.0 ms of 39.4 (6.9 of 42.7 with the tile decode),
-0.09-0.11 ms a group. With it and `DEQUANT_GBS` the plan's two checks of that model in the same session
-(`bench_plan.py --cases moe-nf4`: 12.5k and 12.6k tok/s measured with the tile decode; the 4-bit kernel left the
-prefill's wall time as it was, 12.5k against 12.8k in `profile_prefill.py`: the host binds) replay at +8.0% / +7.4%
-(were +12.8% / +12.1%); session 31's H100 check, before `dequant_rows`' one copy a call, at +20.1% (was +58%)."""
+(`fused_moe.dequant_rows`: a group's decode launches, grouped GEMMs and the copies between; `decode_group_experts`
+experts a group, or one a round on the copy road's one-large-a-round path), serial with its kernels. Session 33 (H200,
+`profile_prefill.py`, the resident 8-layer NF4 Mixtral's 512-token prefill): the device idled 8.0 ms of 39.4 (6.9 of
+42.7 with the tile decode) over the 64 groups the plan counts, 0.11-0.125 ms each (the engine ran 75: `expert_row_cap`
+splits an expert past twice its uniform share of rows into pieces, each a group, which the plan does not count). With
+it and `DEQUANT_GBS` the plan's two checks of that model in the same session (`bench_plan.py --cases moe-nf4`: 12.5k
+and 12.6k tok/s measured with the tile decode; the 4-bit kernel left the prefill's wall time as it was, 12.5k against
+12.8k in `profile_prefill.py`: the host binds) replay at +4.5% / +3.8% (were +12.8% / +12.1%); session 31's H100 check, before `dequant_rows`' one copy a call,
+at +16.2% (was +58.4%). The offloaded NF4 prefill's rounds take it inside their work (`StepCost.copy_layers`)."""
 
 
-def dequant_gbs(hbm_gbs: float) -> float:
-    """GB/s of the packed experts' decode pass on a GPU of this HBM rate (`DEQUANT_GBS`)."""
-    return min(DEQUANT_GBS, hbm_gbs * HBM_EFF)
+def dequant_gbs(hbm_gbs: float, scheme: str | None = "nf4") -> float:
+    """GB/s of the packed experts' decode pass on a GPU of this HBM rate: `DEQUANT_GBS` for two codes a byte (int4,
+    NF4), `DEQUANT_TILE_GBS` else; at most HBM_EFF of the HBM rate."""
+    return min(DEQUANT_GBS if scheme in ("nf4", "int4") else DEQUANT_TILE_GBS, hbm_gbs * HBM_EFF)
 
 
 MOE_MFU_MIN = 0.2
@@ -338,6 +345,8 @@ class StepCost:
     dequant_groups: float = 0.0
     """Decode groups of those passes (`fused_moe.decode_group_experts`), each `DEQUANT_GROUP_S` of host time the
     device waits on."""
+    dequant_scheme: str | None = "nf4"
+    """The packed experts' scheme, which picks the decode pass's rate (`dequant_gbs`)."""
     copy_layers: tuple = ()
     """Copy-path prefill, per MoE layer with experts in host memory: (bytes its misses copy, HBM bytes of its hits,
     of its misses, FLOPs of its hits, of its misses, of the copies the bytes that fit its free slots), none of
@@ -352,7 +361,8 @@ class StepCost:
     slot), the copies then stream back to back under the other hits' and the misses' work, the last miss computes
     after its copy: first hit + max(copies, the rest of the work) + last miss (session 28, the same 8L prefill: 7181
     / 7247 tok/s in that order against 5403 / 5419 in one round of all in flight). An eighth element (hits', misses'
-    bytes) is their decode pass where they take one (`dequant_bytes`), serial with their work."""
+    bytes) is their decode pass where they take one (`dequant_bytes`), serial with their work; a ninth (hits', misses'
+    decode groups) its host time (`dequant_groups`), inside their work too (under the copies where those bind)."""
 
 
 @dataclass(frozen=True)
@@ -387,11 +397,12 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     mfu = moe_mfu(cost.tokens_per_expert)
     h2d = h2d_gbs * 1e9
 
-    dq_rate = dequant_gbs(hbm_gbs) * 1e9
+    dq_rate = dequant_gbs(hbm_gbs, cost.dequant_scheme) * 1e9
 
-    def work(hbm: float, flops: float, dq: float = 0.0) -> float:  # experts read from HBM and multiplied: the
-        # larger of the two, after their decode pass where they take one (`StepCost.dequant_bytes`)
-        return max(hbm / eff, flops / (tflops * 1e12 * mfu)) + dq / dq_rate
+    def work(hbm: float, flops: float, dq: float = 0.0, groups: float = 0.0) -> float:  # experts read from HBM and
+        # multiplied: the larger of the two, after their decode pass where they take one (`StepCost.dequant_bytes`)
+        # and its groups' host time
+        return max(hbm / eff, flops / (tflops * 1e12 * mfu)) + dq / dq_rate + groups * DEQUANT_GROUP_S
 
     laid_by = {"hbm": 0.0, "compute": 0.0, "pcie": 0.0}  # the laid layers' time by the resource that binds each part
 
@@ -403,9 +414,10 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
     for c, hb, mb, hf, mf, f, *more in cost.copy_layers:
         stream = more[0] if more else None
         hd, md = more[1] if len(more) > 1 else (0.0, 0.0)
+        hg, mg = more[2] if len(more) > 2 else (0.0, 0.0)
         if stream:  # one expert a round (see StepCost.copy_layers)
             hits, misses = stream
-            wh, wm = work(hb, hf, hd), work(mb, mf, md)
+            wh, wm = work(hb, hf, hd, hg), work(mb, mf, md, mg)
             first = wh / hits if hits >= 1 and f <= 0 else 0.0
             last = wm / max(misses, 1.0)
             rest = max(0.0, wh + wm - first - last)
@@ -416,15 +428,15 @@ def step_time(cost: StepCost, hbm_gbs: float, h2d_gbs: float, tflops: float) -> 
             else:
                 credit(hb + mb, hf + mf, rest)
             continue
-        laid += max(f / h2d, work(hb, hf, hd)) + (c - f) / h2d + work(mb, mf, md)
-        if f / h2d >= work(hb, hf, hd):
+        laid += max(f / h2d, work(hb, hf, hd, hg)) + (c - f) / h2d + work(mb, mf, md, mg)
+        if f / h2d >= work(hb, hf, hd, hg):
             laid_by["pcie"] += f / h2d
         else:
             credit(hb, hf)
-            laid_by["hbm"] += hd / dq_rate
+            laid_by["hbm"] += hd / dq_rate + hg * DEQUANT_GROUP_S
         laid_by["pcie"] += (c - f) / h2d
         credit(mb, mf)
-        laid_by["hbm"] += md / dq_rate
+        laid_by["hbm"] += md / dq_rate + mg * DEQUANT_GROUP_S
     parts = {"hbm": cost.hbm_bytes / (hbm_gbs * 1e9 * HBM_EFF) + cost.kv_bytes / (hbm_gbs * 1e9 * KV_HBM_EFF)
              + (0.0 if cost.mapped else experts),
              "pcie": cost.pcie_bytes / (h2d_gbs * 1e9) if cost.pcie_bytes else 0.0,

@@ -491,6 +491,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     vocab = mc.vocab_size * mc.hidden_size
     body = max(0, count.active - expert_active - vocab * (1 if mc.tie_word_embeddings else 2))
 
+    def decode_groups(n: float, one: bool, m: dict) -> float:
+        """`dequant_rows`' decode groups for n experts: one a round for large experts computed one a round, else
+        `decode_group_experts` a group."""
+        return n if one or n <= 0 else math.ceil(n / decode_group_experts(m["dense"]))
+
     def experts_cost(batch: int, prefill: bool = False) -> dict:
         """HBM (time-equivalent) bytes of hits, copied and in-place miss bytes, host seconds of one step."""
         mapped = not prefill and mapped_tokens is not None and batch <= mapped_tokens
@@ -519,7 +524,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             out["all"] += d * m["hbm_equiv"]
             if not m["host"]:
                 out["dequant"] += d * dq
-                out["dequant_groups"] += math.ceil(d / decode_group_experts(m["dense"])) if dq else 0.0
+                out["dequant_groups"] += decode_groups(d, False, m) if dq else 0.0
                 out["layers"].append((d * m["hbm_equiv"], 0.0, 1.0))
                 continue
             if mapped:
@@ -550,14 +555,15 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 out["road_misses"] += misses
                 if not prefill:  # the host's misses are computed where they lie, never decoded on the GPU
                     out["dequant"] += (d - on_host) * dq
-                    out["dequant_groups"] += math.ceil((d - on_host) / decode_group_experts(m["dense"])) if dq else 0.0
+                    out["dequant_groups"] += decode_groups(d - on_host, False, m) if dq else 0.0
                 if prefill:  # layer by layer (`StepCost.copy_layers`): its copies, then its hits' and misses' work;
                     # the slots no hit holds take copies while the hits compute
                     free = max(0.0, m["resident"] + slots.get(l, 0) - hits)
                     one = CachedExperts.one_large_a_round and m["nbytes"] >= CachedExperts.large_expert_bytes
                     out["copy_layers"].append((misses * m["nbytes"], hits * m["hbm_equiv"], misses * m["hbm_equiv"],
                                                h, 1 - h, min(misses, free) * m["nbytes"],
-                                               (hits, misses) if one else None, (hits * dq, misses * dq)))
+                                               (hits, misses) if one else None, (hits * dq, misses * dq),
+                                               (decode_groups(hits, one, m), decode_groups(misses, one, m)) if dq else (0.0, 0.0)))
                 # prefill copies its misses in rounds, one fused launch a round: no per-expert host cost
                 # (measured: <= 0.05 ms an expert, `estimate.CACHED_EXPERT_S`)
                 out["host"] += 0.0 if prefill else estimate.CACHED_EXPERT_S * d
@@ -577,6 +583,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             promotions=x["promotions"],
             mapped_layers=tuple(x["layers"]) if x["mapped"] else (), host_s=x["host"], mapped=x["mapped"],
             host_experts_s=x["host_experts_s"], dequant_bytes=x["dequant"], dequant_groups=x["dequant_groups"],
+            dequant_scheme=fmt.experts_scheme,
             flops=2 * (body + vocab) * batch / ranks, expert_flops=2 * expert_active * batch / ranks,
             layers=layers, graphs=graphs,
             layer_extra_s=estimate.LAYER_EXTRA_S.get(mc.model_type + ("-moe" if E else ""), 0.0) if graphs else 0.0,
@@ -602,7 +609,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         tokens_per_expert=tokens_per_expert(chunk), pcie_bytes=streamed_bytes + xp["copy"] - sum(c for c, *_ in laid),
         host_s=xp["host"], host_experts_s=xp["host_experts_s"],
         copy_layers=tuple((c, hb, mb, hf * layer_flops, mf * layer_flops, f, *more) for c, hb, mb, hf, mf, f, *more in laid),
-        dequant_bytes=xp["dequant"], dequant_groups=xp["dequant_groups"],
+        dequant_bytes=xp["dequant"], dequant_groups=xp["dequant_groups"], dequant_scheme=fmt.experts_scheme,
         flops=(2 * body * chunk + 2 * vocab + 2 * mc.num_hidden_layers * chunk * chunk * mc.num_attention_heads
                * mc.head_dim) / ranks, expert_flops=2 * expert_active * chunk / ranks - len(laid) * layer_flops,
         layers=layers,
@@ -631,7 +638,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                                   host_read_gbs=host.read_rate_gbs or None,
                                   packed_experts=packed,
                                   packed_time=estimate.packed_time(packed, gpu.fp8) if packed else None,
-                                  dequant_gbs=estimate.dequant_gbs(gpu.hbm_gbs) if packed else None))
+                                  dequant_gbs=estimate.dequant_gbs(gpu.hbm_gbs, packed) if packed else None))
 
     # -- placement summary and advice -----------------------------------------------------------------
     pl = dict(gpu_bytes=placement.bytes_on(GPU) if placement else 0, host_bytes=host_bytes // ranks,

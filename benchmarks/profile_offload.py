@@ -77,7 +77,8 @@ def run(experts: str, a, variant: str = "dueling:now") -> dict:
                hit_rate=d["expert_hits"] / seen if seen else None, misses_per_layer=d["expert_misses"] / steps / a.layers,
                cpu_experts_per_step=d["cpu_experts"] / steps, cpu_wait_ms_per_step=d["cpu_wait_s"] / steps * 1e3,
                cpu_busy_ms_per_step=d["cpu_busy_s"] / steps * 1e3, mapped_per_step=d["mapped_experts"] / steps,
-               copied_per_step=d["copied_experts"] / steps, cpu_share=sn["cpu_share"],
+               # the share hybrid decode runs (not the stats' gauge: the last copy-road step's split, here the prompt's)
+               copied_per_step=d["copied_experts"] / steps, cpu_share=placed.cpu_share or 0.0,
                staging=placed.staging.n if placed.staging else 0,  # 0 where it does not apply, whatever --staging says
                calibration=placed.calibration)
     print(json.dumps({k: v for k, v in out.items() if k != "calibration"}), flush=True)

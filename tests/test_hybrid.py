@@ -1067,7 +1067,8 @@ def test_share_tuner_takes_the_share_the_step_times_favour():
     """`PlacedWeights._tune` on decode steps timed by a model of the host and device sides (the step waits for
     the slower): prefill steps and other batch shapes are not timed, a share it asks for is applied between
     steps as the runner does, and it settles within half a step of the best share, recorded in the
-    calibration; a start on either side reaches it, and measurement noise of 3% does not stop it."""
+    calibration; a start on either side reaches it, and measurement noise of 3% does not stop it; where every split
+    loses to hybrid off, it settles at share 0."""
     import random
     import types
 
@@ -1101,6 +1102,20 @@ def test_share_tuner_takes_the_share_the_step_times_favour():
         assert abs(tuned - best) <= STEP / 2 + 1e-9
         assert me.cpu_share == tuned or me.pending_share == tuned
         assert step_s(tuned) < step_s(start) or abs(start - best) <= STEP / 2
+    # every split pays a fixed cost the calibration under-priced (session 33's NF4 batch 1): the tuner ends at share 0,
+    # queued for the runner like any other share
+    me = types.SimpleNamespace(tuner=ShareTuner(0.4), caches={0: types.SimpleNamespace(mapped_tokens=1)},
+                               _prepare_threads=[], calibration={}, pending_share=None, cpu_share=0.4,
+                               _tune_last=(0.0, None), _tune_tokens=None)
+    now, steps = 0.0, 0
+    while me.tuner is not None and steps < 2000:
+        if me.pending_share is not None:
+            me.cpu_share, me.pending_share = me.pending_share, None
+        steps += 1
+        now += 0.030 if me.cpu_share == 0 else 0.045 + 0.001 * abs(me.cpu_share - 0.4)
+        pw.PlacedWeights._tune(me, now, 1)
+    assert me.tuner is None and me.calibration["tuned_share"] == 0.0 and "0.00" in me.calibration["tuned_step_ms"]
+    assert (me.pending_share if me.pending_share is not None else me.cpu_share) == 0.0
 
 
 def test_share_tuner_climbs_and_refines():

@@ -292,29 +292,28 @@ class CachedExperts(ExpertBackend):
     33.4 ms of 107, never at once). TODO(issue 8): `profile_offload.py --rounds` each | misses | all."""
     staging_slots = 2
     """With `one_large_a_round` on CUDA: slots of the first cached layer the others share (`StagingSlots`) to stage the
-    next layer's experts on a copy-road step whose tokens leave almost no expert unrouted (`_stages`); 0: off.
-    Measured on the H100 in session 28, alternating runs, 2 slots: shared slots taken
-    from the layers' caches for good ran the 2k prefill of the 32-layer NF4 Mixtral under 16 GiB at 6728 / 6786 tok/s
-    against 5076 / 5481 without (0.76 of the copy floor), the 8-layer NF4 512-token prefill at 8684 against 7302
-    (0.92), the 16-layer bf16 2k prefill at 3564 against 3344 (1.00), but cost 8-layer NF4 batch-1 decode under 5 GiB
-    10.7 against 9.3 ms a step (hit rate 0.88 against 0.92; 32 layers: equal); the donor's slots held during the step
-    only (its experts not yet copied back) ran one 32-layer prefill at 4838 against 5869 and decode 11.0 against 9.6
-    ms. Lending each layer's own freed slots to the next cost as many extra copies as it staged (the lender's
-    experts, needed again next step, were dropped): 5920-5970 against 6396. The CPU engine stages too (copies at
-    once: the bookkeeping in CI, `tests/test_offload.py`). The donor with its experts copied back at the step's end
-    (`StagingSlots.release`; session 29, `benchmarks/device_s34.sh`, alternating): 32-layer 2k prefill 6400 / 5710
-    against 6031 / 6131 tok/s, 8-layer 512 6300 against 6276, 8-layer batch-1 decode 10.45 / 10.34 against 9.59 /
-    9.32 ms (hit 0.896 against 0.918): no prefill gain and a decode loss, so it stayed off then. The 32-layer NF4 prefill's
-    other side is its compute: the same model resident prefills 2k tokens at 7206 / 7487 tok/s on that box, and
-    the offloaded run's 5866 is 0.80 of that. Session 31 (H100, three pairs, two alternating; `device_s37.sh`): the
-    32-layer 2k prefill 5844 against 4816 tok/s on average (+18-23% in every pair), batch 64 211 against 206 (within
-    its 174-237 spread), 8-layer batch-1 decode 12.54 against 10.34 ms a step (hit 0.902 against 0.941; each timed
-    request's 32-token prompt stages). Since session 32 only steps of `stage_min_tokens` tokens or more stage, so
-    steps under it (short prompts, decode batches below it) run as with staging off (`tests/test_offload.py`: the same
-    copies and slots). Session 33 (H200, `benchmarks/device_s40.sh`, alternating, with the gate): the 32-layer 2k
-    prefill 6485 / 6066 against 5138 / 4968 tok/s (+24%), batch 64 218 / 217 against 221 / 215, the 8-layer batch-1
-    decode 13.1 / 11.3 against 10.2 / 11.0 ms a step with the same hit rate (0.930) and no step staging (the first
-    pair's gap is the first run's warm-up: 3% in the second): on since then."""
+    next layer's experts on a copy-road step whose tokens leave almost no expert unrouted (`_stages`); 0: off. Measured
+    on the H100 in session 28, alternating runs, 2 slots: shared slots taken from the layers' caches for good ran the 2k
+    prefill of the 32-layer NF4 Mixtral under 16 GiB at 6728 / 6786 tok/s against 5076 / 5481 without (0.76 of the copy
+    floor), the 8-layer NF4 512-token prefill at 8684 against 7302 (0.92), the 16-layer bf16 2k prefill at 3564 against
+    3344 (1.00), but cost 8-layer NF4 batch-1 decode under 5 GiB 10.7 against 9.3 ms a step (hit rate 0.88 against 0.92;
+    32 layers: equal); the donor's slots held during the step only (its experts not yet copied back) ran one 32-layer
+    prefill at 4838 against 5869 and decode 11.0 against 9.6 ms. Lending each layer's own freed slots to the next cost
+    as many extra copies as it staged (the lender's experts, needed again next step, were dropped): 5920-5970 against
+    6396. The CPU engine stages with `staging_on_cpu` (copies at once: the bookkeeping in CI, `tests/test_offload.py`).
+    The donor with its experts copied back at the step's end (`StagingSlots.release`; session 29,
+    `benchmarks/device_s34.sh`, alternating): 32-layer 2k prefill 6400 / 5710 against 6031 / 6131 tok/s, 8-layer 512
+    6300 against 6276, 8-layer batch-1 decode 10.45 / 10.34 against 9.59 / 9.32 ms (hit 0.896 against 0.918): no prefill
+    gain and a decode loss, so it stayed off then. The 32-layer NF4 prefill's other side is its compute: the same model
+    resident prefills 2k tokens at 7206 / 7487 tok/s on that box, and the offloaded run's 5866 is 0.80 of that. Session
+    31 (H100, three pairs, two alternating; `device_s37.sh`): the 32-layer 2k prefill 5844 against 4816 tok/s on average
+    (+18-23% in every pair), batch 64 211 against 206 (within its 174-237 spread), 8-layer batch-1 decode 12.54 against
+    10.34 ms a step (hit 0.902 against 0.941; each timed request's 32-token prompt stages). Since session 32 only steps
+    of `stage_min_tokens` tokens or more stage, so steps under it (short prompts, decode batches below it) run as with
+    staging off (`tests/test_offload.py`: the same copies and slots). Session 33 (H200, `benchmarks/device_s40.sh`,
+    alternating, with the gate): the 32-layer 2k prefill 6485 / 6066 against 5138 / 4968 tok/s (+24%), batch 64 218 /
+    217 against 221 / 215, the 8-layer batch-1 decode 13.1 / 11.3 against 10.2 / 11.0 ms a step with the same hit rate
+    (0.930) and no step staging (the first pair's gap is the first run's warm-up: 3% in the second): on since then."""
     stage_min_tokens = 256
     """Steps with fewer tokens never stage (`_stages`): a short prompt stages a few experts for a prefill the copies
     barely dominate, and the donor's restores after it cost the decode steps that follow their hits (session 31).

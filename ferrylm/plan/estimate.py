@@ -90,8 +90,8 @@ experts a group, or one a round on the copy road's one-large-a-round path), seri
 splits an expert past twice its uniform share of rows into pieces, each a group, which the plan does not count). With
 it and `DEQUANT_GBS` the plan's two checks of that model in the same session (`bench_plan.py --cases moe-nf4`: 12.5k
 and 12.6k tok/s measured with the tile decode; the 4-bit kernel left the prefill's wall time as it was, 12.5k against
-12.8k in `profile_prefill.py`: the host binds) replay at +4.5% / +3.8% (were +12.8% / +12.1%); session 31's H100 check, before `dequant_rows`' one copy a call,
-at +16.2% (was +58.4%). The offloaded NF4 prefill's rounds take it inside their work (`StepCost.copy_layers`)."""
+12.8k in `profile_prefill.py`: the host binds) replay at +4.5% / +3.8% (were +12.8% / +12.1%); session 31's H100
+check, before `dequant_rows`' one copy a call, at +16.2% (was +58.4%). The offloaded NF4 prefill's rounds take it inside their work (`StepCost.copy_layers`)."""
 
 
 def dequant_gbs(hbm_gbs: float, scheme: str | None = "nf4") -> float:

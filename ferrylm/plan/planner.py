@@ -563,7 +563,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                     out["copy_layers"].append((misses * m["nbytes"], hits * m["hbm_equiv"], misses * m["hbm_equiv"],
                                                h, 1 - h, min(misses, free) * m["nbytes"],
                                                (hits, misses) if one else None, (hits * dq, misses * dq),
-                                               (decode_groups(hits, one, m), decode_groups(misses, one, m)) if dq else (0.0, 0.0)))
+                                               (decode_groups(hits, one, m), decode_groups(misses, one, m))
+                                               if dq else (0.0, 0.0)))
                 # prefill copies its misses in rounds, one fused launch a round: no per-expert host cost
                 # (measured: <= 0.05 ms an expert, `estimate.CACHED_EXPERT_S`)
                 out["host"] += 0.0 if prefill else estimate.CACHED_EXPERT_S * d

@@ -1135,19 +1135,22 @@ def test_share_tuner_climbs_and_refines():
 
     v = lambda s: 1.0 + abs(s - 0.62)  # noqa: E731
     t, tried, fed = walk(0.2, v)
-    assert tried[:5] == [0.2, 0.3, 0.4, 0.5, 0.6] and t.best == 0.6
+    assert tried[:6] == [0.2, 0.0, 0.3, 0.4, 0.5, 0.6] and t.best == 0.6  # hybrid off second, lost: climb from 0.2
     assert fed == 5 * len(t.measured)  # settle 2 + samples 3 on every share timed
     t, tried, _ = walk(0.9, v)
-    assert tried[:3] == [0.9, 1.0, 0.8] and t.best == 0.6  # above lost: down, then on down
+    assert tried[:4] == [0.9, 0.0, 1.0, 0.8] and t.best == 0.6  # above lost: down, then on down
     t, tried, _ = walk(0.0, lambda s: 1.0 + s)
     assert t.best == 0.0 and min(tried) == 0.0 and max(tried) <= 0.1  # never outside [0, 1]
     t, _, _ = walk(0.5, lambda s: 1.0 + 0.001 * s, min_gain=0.02)
     assert t.best == 0.5  # differences under the margin: the start stays
-    assert 0.0 in t.measured  # hybrid off was timed last, and lost by less than the margin
-    # any share at all costs a fixed hand-off the calibration under-priced (session 33's NF4 batch 1): the climb
-    # settles at its best split, then hybrid off wins and is kept
+    assert 0.0 in t.measured  # hybrid off was timed, and lost by less than the margin
+    # any share at all costs a fixed hand-off the calibration under-priced (session 33's NF4 batch 1): hybrid off,
+    # timed second, wins; the climb from it tries one step and half a step, and 0 is kept
     t, tried, _ = walk(0.5, lambda s: 1.0 if s == 0 else 1.3 + 0.01 * abs(s - 0.5))
-    assert tried == [0.5, 0.6, 0.4, 0.55, 0.45, 0.0] and t.best == 0.0 and t.done
+    assert tried == [0.5, 0.0, 0.1, 0.05, 0.0] and t.best == 0.0 and t.done  # last: back to the best
+    # a small share beats both the start and hybrid off: the climb from 0 finds it
+    t, tried, _ = walk(0.6, lambda s: 1.0 + abs(s - 0.12) + (0.5 if s > 0.3 else 0.0))
+    assert tried[:3] == [0.6, 0.0, 0.1] and abs(t.best - 0.1) < 1e-9 and t.done
     with pytest.raises(ValueError, match="outside"):
         ShareTuner(1.5)
 

@@ -19,6 +19,6 @@ tile decode; the copy-bound prefill does not move with it). Missed, in order of 
 - 32L NF4 batch 64: 0.61-0.73 of the PCIe floor (sessions 30-33; 0.32 before NF4 banks took the decode kernel
   past 32 tokens): two cache slots a layer queue ~4.6 misses of 99 MB behind their own compute;
 - hybrid decode's calibrated split on NF4 experts at batch 1 (8L under 5 GiB, H200): 13.2 ms a step against 9.0
-  copy-only, and the re-balance kept it on (shares 0.28-0.34); the share tuner now times hybrid off last
+  copy-only, and the re-balance kept it on (shares 0.28-0.34); the share tuner now times hybrid off second
   (`share_tuner.py`), unmeasured (`benchmarks/device_s44.sh`).
 """

@@ -4,11 +4,12 @@ The calibration prices a share from one expert's costs timed at start-up, and th
 (session 17, Mixtral 16L bf16 under 16 GiB on the H200 host: one start calibrated 0.20 and decoded 6.75 tok/s
 where 0.45 decoded 8.98; session 16's starts gave 0.51 and 0.42). So the engine that chose its own share then
 measures it: decode steps of one batch shape (the first seen) are timed from one step's start to the next,
-the median of `SAMPLES` of them after `SETTLE` steps on each share (the first re-captures the graphs), and the
-share moves by `STEP` toward the faster neighbour while that is faster by `MIN_GAIN`, then by `STEP / 2` once
-either side of the best. Last it times share 0 (hybrid off) and takes it where that is faster by `MIN_GAIN`: the
-calibration's costs can favour a split that loses (session 33, H200 host, the 8-layer NF4 Mixtral under 5 GiB at
-batch 1: `--experts auto` 13.2 ms a step, `--experts gpu` 9.0; `profile_offload.py`). A plain function of the times
+the median of `SAMPLES` of them after `SETTLE` steps on each share (the first re-captures the graphs). Second it
+times share 0 (hybrid off), which wins where it is faster by `MIN_GAIN`: the calibration's costs can favour a split
+that loses (session 33, H200 host, the 8-layer NF4 Mixtral under 5 GiB at batch 1: `--experts auto` 13.2 ms a step,
+`--experts gpu` 9.0; `profile_offload.py`), and timed second it shows within ~40 steps, not after the climb. From
+the better of the two the share moves by `STEP` toward the faster neighbour while that is faster by `MIN_GAIN`,
+then by `STEP / 2` once either side of the best. A plain function of the times
 it is fed (`observe`); `PlacedWeights` feeds it and applies what it asks for between steps."""
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ MIN_GAIN = 0.02
 
 class ShareTuner:
     """Feed it one period per step at the share it last asked for (`share`); `observe` returns the next
-    share to apply, or None to keep the current one. The climb: the start, then one `step` above it, else
-    one below; a side that won goes on by `step` while each share beats the last by `min_gain`; then half a
-    step either side of the winner; then 0 (hybrid off) unless tried. `done` once settled, at `best` (the share
+    share to apply, or None to keep the current one. The climb: the start, then 0 (hybrid off), then one `step`
+    above the better of the two, else one below; a side that won goes on by `step` while each share beats the
+    last by `min_gain`; then half a step either side of the winner. `done` once settled, at `best` (the share
     every later step runs)."""
 
     def __init__(self, share: float, step: float = STEP, settle: int = SETTLE, samples: int = SAMPLES,
@@ -42,7 +43,7 @@ class ShareTuner:
         self.done = False
         self._seen: list[float] = []
         self._skip = settle
-        self._phase = "start"  # start -> up -> down -> climb -> refine -> off
+        self._phase = "start"  # start -> off -> up -> down -> climb -> refine
         self._direction = 0
         self._refine: list[float] = []
 
@@ -76,13 +77,14 @@ class ShareTuner:
         won = phase != "start" and self.measured[s] < self.measured[self.best] * (1 - self.min_gain)
         if phase == "start" or won:
             self.best = s
-        if phase == "off":  # hybrid off timed last: settled either way
-            return None
-        if phase == "start":
-            phase = "up"
-            nxt = self._untried(s + self.step)
+        if phase == "start" and s > 0 and self._untried(0.0) is not None:
+            self._phase = "off"  # hybrid off second: a split that loses shows within a short run
+            return 0.0
+        if phase in ("start", "off"):  # the climb from the better of the two
+            b, phase = self.best, "up"
+            nxt = self._untried(b + self.step)
             if nxt is None:
-                phase, nxt = "down", self._untried(s - self.step)
+                phase, nxt = "down", self._untried(b - self.step)
         elif phase in ("up", "down") and won:
             self._direction, phase = (1 if phase == "up" else -1), "climb"
             nxt = self._untried(s + self._direction * self.step)
@@ -97,7 +99,5 @@ class ShareTuner:
             self._refine = [self.best + self.step / 2, self.best - self.step / 2]
         while nxt is None and self._refine:
             nxt = self._untried(self._refine.pop(0))
-        if nxt is None and self.best > 0:  # last, hybrid off (share 0: every miss read in place by the device)
-            phase, nxt = "off", self._untried(0.0)
         self._phase = phase
         return nxt

@@ -174,6 +174,7 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
                 hit_rate_assumed=plan.speed["assumptions"].get("expert_hit_rate"),
                 hit_rate_measured={k: got.get(f"hit_rate_{k}") for k in ("decode_batch1", "decode_concurrent")},
                 offload_per_step={k: got.get(f"offload_{k}") for k in ("decode_batch1", "decode_concurrent")},
+                settle={k: got.get(f"settle_{k}") for k in ("decode_batch1", "decode_concurrent")},  # hybrid's share
                 concurrency=plan.speed["decode_concurrent"]["batch"],
                 cpu_share_planned=plan.speed["assumptions"].get("cpu_share"),
                 cpu_share_engine=runner.placed.cpu_share if cached else None,

@@ -1073,7 +1073,7 @@ def test_share_tuner_takes_the_share_the_step_times_favour():
     import types
 
     from ferrylm.offload import placed_weights as pw
-    from ferrylm.offload.share_tuner import STEP, ShareTuner
+    from ferrylm.offload.share_tuner import SAMPLES, SETTLE, STEP, ShareTuner
 
     def step_s(share):  # device reads (1 - share) of the misses, the host computes share of them
         return 0.030 + max((1 - share) * 0.100, 0.010 + share * 0.120)
@@ -1106,9 +1106,11 @@ def test_share_tuner_takes_the_share_the_step_times_favour():
     # queued for the runner like any other share
     me = types.SimpleNamespace(tuner=ShareTuner(0.4), caches={0: types.SimpleNamespace(mapped_tokens=1)},
                                _prepare_threads=[], calibration={}, pending_share=None, cpu_share=0.4,
-                               _tune_last=(0.0, None), _tune_tokens=None)
+                               _tune_last=(0.0, None), _tune_tokens=None, host_decode=object(), _rebalance=False)
+    settling = pw.PlacedWeights.settling.fget  # what `ferry plan --check` waits on before it times decode
     now, steps = 0.0, 0
     while me.tuner is not None and steps < 2000:
+        assert settling(me)
         if me.pending_share is not None:
             me.cpu_share, me.pending_share = me.pending_share, None
         steps += 1
@@ -1116,6 +1118,11 @@ def test_share_tuner_takes_the_share_the_step_times_favour():
         pw.PlacedWeights._tune(me, now, 1)
     assert me.tuner is None and me.calibration["tuned_share"] == 0.0 and "0.00" in me.calibration["tuned_step_ms"]
     assert (me.pending_share if me.pending_share is not None else me.cpu_share) == 0.0
+    assert steps < 6 * (SETTLE + SAMPLES)  # hybrid off, timed second, ends the climb early
+    me.cpu_share, me.pending_share = me.pending_share or 0.0, None  # applied by the runner: settled
+    assert not settling(me)
+    me._rebalance = None  # armed: the re-balance has not counted its window yet
+    assert settling(me)
 
 
 def test_share_tuner_climbs_and_refines():

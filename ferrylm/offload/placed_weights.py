@@ -528,6 +528,14 @@ class PlacedWeights:
         return time.perf_counter() - t0
 
     @property
+    def settling(self) -> bool:
+        """Hybrid decode's share may still move: the re-balance has not run, or the share tuner has not settled,
+        or a share they chose waits to be applied. A measurement of the engine as it serves once settled (`ferry
+        plan --check`) decodes untimed until this is False."""
+        return self.host_decode is not None and (self._rebalance is not False or self.tuner is not None) \
+            or self.pending_share is not None
+
+    @property
     def graphable(self) -> bool:
         """Decode steps can be CUDA-graphed: no streamed layer, every cached bank reads in place."""
         return self.streamer is None and all(c.mapped for c in self.caches.values())

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Session 34, a second call after `device_s44.sh`: (1) `ferry plan DIR --check` as a user runs it on a random Mixtral
+# written by transformers (4 layers, 2.4 GB) under 2 GiB, now that `--check` decodes untimed until hybrid's share
+# settles (session 33: memory within aims, decode -29/-30%, prefill +99%); (2) the resident fused MoE on the 8-layer
+# Mixtral at batch 1 and 32 against the active-weight HBM roofline and transformers (issue 8: batch 32 was never set
+# beside the roofline; `bench_offload.case_resident`).
+#   bash benchmarks/device_s45.sh COMMIT [BUDGET]   (~330 s)
+set -u
+commit=${1:-unknown}
+budget=${2:-330}
+part=rest
+source "$(dirname "$0")/device_steps.sh"  # t0, left, step, h200_aims
+step 40 python -c "
+import torch, transformers
+torch.manual_seed(0)
+cfg = transformers.MixtralConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                                 num_attention_heads=16, num_key_value_heads=8, num_local_experts=8,
+                                 num_experts_per_tok=2, max_position_embeddings=4096)
+transformers.MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained('/tmp/mix4')
+print('wrote /tmp/mix4')
+" 2>&1 | tail -1
+step 120 python -m ferrylm plan /tmp/mix4 --gpu local --gpu-memory-budget 2GiB --max-model-len 2048 --max-num-seqs 8 \
+    --check > "$OUT/plan-check-mix4-user.txt" 2>&1
+grep -vE "Warning|warn" "$OUT/plan-check-mix4-user.txt" | tail -32
+echo "mix4 check done at $(( $(date +%s) - t0 )) s"
+(cd benchmarks && PYTHONPATH=.. step 200 python -c "
+import json
+import bench_offload
+rows = []
+bench_offload.case_resident(rows, bench_offload.hbm_bandwidth())
+json.dump({'commit': '$commit', 'rows': rows}, open('$OUT/resident-8L.json', 'w'), default=str)
+" 2>&1 | grep -E "^resident|failed" | tail -8)
+echo "done at $(( $(date +%s) - t0 )) s"

@@ -1162,6 +1162,54 @@ def test_share_tuner_climbs_and_refines():
         ShareTuner(1.5)
 
 
+def test_share_tuner_times_no_share_next_to_one_timed():
+    """The start (the re-balance's share, any float at or above `cost_model.MIN_SHARE`) and hybrid off (0) begin two
+    lattices of shares a step apart: a move onto one lattice must not time a share next to one of the other, which
+    the engine runs as the same split (the columns round to `HostExperts.split_unit`), or, next to 0, as a hand-off
+    with next to nothing for the host. Every share timed lies at least a quarter step from the others (the climb's
+    finest move is half a step), and the recorded median step times (`tuned_step_ms`, two decimals) keep one entry
+    a share: hybrid off's among them."""
+    import types
+
+    from ferrylm.offload import placed_weights as pw
+    from ferrylm.offload.share_tuner import STEP, ShareTuner
+
+    def walk(start, f):
+        t = ShareTuner(start, settle=1, samples=2)
+        tried = [start]
+        while not t.done:
+            nxt = t.observe(f(t.share))
+            if nxt is not None:
+                tried.append(nxt)
+        return t, tried
+
+    def apart(t):
+        timed = sorted(t.measured)
+        return min(b - a for a, b in zip(timed, timed[1:]))
+
+    # hybrid off wins: the climb from 0 came back to 0.1, the start's split again
+    t, tried = walk(0.1051, lambda s: 1.0 if s == 0 else 1.3 + 0.01 * abs(s - 0.5))
+    assert t.best == 0.0 and tried[:2] == [0.1051, 0.0] and apart(t) >= STEP / 4, tried
+    # the start wins, the step above loses: the step below (0.0031) was hybrid on with no column for the host
+    t, tried = walk(0.1031, lambda s: 1.0 + abs(s - 0.1031) + (0.5 if s == 0 else 0.0))
+    assert t.best == 0.1031 and 0.0 in t.measured and apart(t) >= STEP / 4, tried
+    # a start a hair off the 0-lattice: the refinement around a share of that lattice skips the start's split
+    t, tried = walk(0.1594, lambda s: 1.0 + abs(s - 0.1) + (0.1 if s == 0 else 0.0) + (0.3 if s > 0.155 else 0.0))
+    assert abs(t.best - 0.1) < 1e-9 and apart(t) >= STEP / 4, tried
+    # through the engine: the record of the step times keeps hybrid off's
+    me = types.SimpleNamespace(tuner=ShareTuner(0.1031), caches={0: types.SimpleNamespace(mapped_tokens=1)},
+                               _prepare_threads=[], calibration={}, pending_share=None, cpu_share=0.1031,
+                               _tune_last=(0.0, None), _tune_tokens=None)
+    tuner, now = me.tuner, 0.0
+    while me.tuner is not None:
+        if me.pending_share is not None:
+            me.cpu_share, me.pending_share = me.pending_share, None
+        now += 0.010 * (1.0 + abs(me.cpu_share - 0.1031) + (0.5 if me.cpu_share == 0 else 0.0))
+        pw.PlacedWeights._tune(me, now, 1)
+    periods = me.calibration["tuned_step_ms"]
+    assert periods["0.00"] == pytest.approx(16.03) and len(periods) == len(tuner.measured), periods
+
+
 def test_profile_under_decode_graphs_equals_eager(mixtral):
     """Routing counts and the decode trace through the decode graphs' path (on the CPU their steps run
     uncaptured, after the same warm-up run a capture makes) equal the eager engine's: the warm-up run records

@@ -8,8 +8,9 @@ the PCIe floor (bf16 16L), Zipf hit rates >= 80% of Belady, Qwen2-72B NF4 at 0.9
 fused MoE 23x transformers, hybrid decode ahead of the better side at batch 1-64 and 2k prefill, int4 32L 3.9x
 llama.cpp; since session 33 the 32L NF4 2k prefill at 0.78-0.87 of the PCIe floor (mean 0.83 over six H200 runs),
 with the next layer's experts staged in spare slots (`expert_cache.CachedExperts.staging_slots`, on CUDA, gated by
-`stage_min_tokens` so decode steps never stage; 4968-5138 tok/s off) and `fused_moe.DECODE_4BIT_TILE` (1.3x the
-tile decode; the copy-bound prefill does not move with it). Missed, in order of value (TODO):
+`stage_min_tokens` so steps below it, decode batches too, never stage; 4968-5138 tok/s off) and
+`fused_moe.DECODE_4BIT_TILE` (1.3x the tile decode; the copy-bound prefill does not move with it). Missed, in order
+of value (TODO):
 - batch-1 decode near the floor: copy-only is the floor plus per-step costs (Qwen3-30B bf16 0.44 of it, fp8 0.26:
   promotions and kernels never overlap, the engine loop's host time); hybrid bf16 16L 10.9 / 9.8 tok/s on the H200
   (session 33, with the native AMX / C-pool kernels; H100 10.6) against 14.3: the host's GEMV beside the copies;

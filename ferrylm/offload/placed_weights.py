@@ -376,8 +376,9 @@ class PlacedWeights:
                         tokens, tuner.best, periods)
 
     def apply_pending_share(self) -> bool:
-        """Between steps (the runner): apply the re-balance's share; True when one was applied (the caller drops
-        its captured graphs: the column split is baked into them). The device is drained first."""
+        """Between steps (the runner): apply the share the re-balance or the tuner queued (`pending_share`); True when
+        one was applied (the caller drops its captured graphs: the column split is baked into them). The device is
+        drained first."""
         share, self.pending_share = self.pending_share, None
         if share is None or self.host_decode is None:
             return False

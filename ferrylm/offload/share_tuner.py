@@ -29,8 +29,8 @@ class ShareTuner:
     """Feed it one period per step at the share it last asked for (`share`); `observe` returns the next
     share to apply, or None to keep the current one. The climb: the start, then 0 (hybrid off), then one `step`
     above the better of the two, else one below; a side that won goes on by `step` while each share beats the
-    last by `min_gain`; then half a step either side of the winner. `done` once settled, at `best` (the share
-    every later step runs)."""
+    last by `min_gain`; then half a step either side of the winner; a share within a quarter step of one timed is
+    skipped (`_untried`). `done` once settled, at `best` (the share every later step runs)."""
 
     def __init__(self, share: float, step: float = STEP, settle: int = SETTLE, samples: int = SAMPLES,
                  min_gain: float = MIN_GAIN):
@@ -68,8 +68,17 @@ class ShareTuner:
         return share
 
     def _untried(self, share: float) -> float | None:
+        """`share` (rounded) where it lies in [0, 1] and no share timed lies within a quarter step of it, else None.
+        The start (any float) and 0 begin two lattices a step apart: a share of one next to one of the other is all
+        but the same split to the engine (its columns are multiples of `HostExperts.split_unit`), or, next to 0, a
+        hand-off with next to nothing for the host, and its time would share two decimals with the other's in
+        `tuned_step_ms`. Hybrid off (0 itself) is never near a share: it skips the hand-off."""
         share = round(share, 4)
-        return share if 0.0 <= share <= 1.0 and share not in self.measured else None
+        if not 0.0 <= share <= 1.0 or share in self.measured:
+            return None
+        if share > 0 and any(abs(share - m) < self.step / 4 for m in self.measured):
+            return None
+        return share
 
     def _next(self) -> float | None:
         """The next share to time, given the one just timed (`self.share`); None: settled."""

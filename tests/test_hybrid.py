@@ -1269,3 +1269,40 @@ def test_mapped_table_points_every_part_in_one_column(fmt):
     assert where(2) == {"slot 1"} and bool(cache.in_slot[2]) and bool(cache.resident[2])
     cache._point(0, None)
     assert where(0) == {"host"} and not bool(cache.in_slot[0]) and where(2) == {"slot 1"} and where(1) == {"host"}
+
+
+def test_a_shipped_step_applies_a_queued_share_and_feeds_the_tuner():
+    """`ModelRunner.run_shipped` (every rank of a parallel engine) does `execute`'s hybrid bookkeeping: a share the
+    re-balance or tuner queued is applied before the step (graphs dropped), and a decode step's batch reaches
+    `after_step` for the tuner; a prompt step's does not. (Hybrid decode runs on CUDA only: a fake placement.)"""
+    import types
+
+    from ferrylm.engine.model_runner import ModelRunner, StepInput
+
+    calls = []
+
+    class Placed:
+        pending_share = 0.3
+
+        def apply_pending_share(self):
+            calls.append(("apply", self.pending_share))
+            self.pending_share = None
+            return True
+
+        def after_step(self, step_s, tokens=None):
+            calls.append(("after", tokens))
+
+    me = types.SimpleNamespace(placed=Placed(), graphs=types.SimpleNamespace(reset=lambda: calls.append("reset")),
+                               run=lambda step: calls.append("run"))
+    me._apply_pending_share = lambda: ModelRunner._apply_pending_share(me)
+
+    def step(new: list[int], lens: list[int]) -> StepInput:
+        return StepInput(input_ids=new, positions=[0] * len(new), slots=[0] * len(new), query_start_loc=[0],
+                         start_pos=[0] * len(lens), seq_lens=lens, block_tables=[], num_decodes=0,
+                         state_slots=[None] * len(lens), sample_rows=[])
+
+    ModelRunner.run_shipped(me, step([5, 6], [10, 12]))  # two sequences, one token each: a decode step
+    assert calls == [("apply", 0.3), "reset", "run", ("after", 2)]
+    calls.clear()
+    ModelRunner.run_shipped(me, step([1, 2, 3], [3]))  # a prompt: nothing queued, nothing for the tuner
+    assert calls == ["run", ("after", None)]

@@ -521,13 +521,17 @@ class ModelRunner:
         previous step's sampled ids on the device, for sequences whose last token is pending.
         On CUDA nothing here waits for the device: the step is queued and the logits are its output."""
         t = time.perf_counter()
-        if self.placed.pending_share is not None and self.placed.apply_pending_share() and self.graphs is not None:
-            self.graphs.reset()  # hybrid decode's re-balanced share: its column split is baked into captures
+        self._apply_pending_share()
         try:
             return self._execute(out, extra_rows, prev)
         finally:
             decode = len(out.seqs) if out.num_batched_tokens == len(out.seqs) else None  # for the share tuner
             self.placed.after_step(time.perf_counter() - t, decode)  # expert slots follow mapped steps' routing
+
+    def _apply_pending_share(self) -> None:
+        """Between steps: the share hybrid decode's re-balance or tuner queued (`PlacedWeights.pending_share`)."""
+        if self.placed.pending_share is not None and self.placed.apply_pending_share() and self.graphs is not None:
+            self.graphs.reset()  # the column split is baked into captures
 
     def recapture_graphs(self) -> None:
         """Capture the CUDA graphs again on next use: after switching on something a capture bakes in or leaves
@@ -566,12 +570,15 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def run_shipped(self, step: StepInput) -> torch.Tensor | None:
-        """`run` plus the per-step bookkeeping `execute` does: what every rank of a parallel engine runs."""
+        """`run` plus the per-step bookkeeping `execute` does: what every rank of a parallel engine runs (each
+        rank re-balances and tunes its own hybrid share on its own steps)."""
         t = time.perf_counter()
+        self._apply_pending_share()
         try:
             return self.run(step)
         finally:
-            self.placed.after_step(time.perf_counter() - t)
+            decode = len(step.seq_lens) if len(step.input_ids) == len(step.seq_lens) else None  # for the tuner
+            self.placed.after_step(time.perf_counter() - t, decode)
 
     prepare_s = 0.0
     """Host seconds the last `execute` spent building its inputs (benchmarks read it)."""

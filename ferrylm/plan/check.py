@@ -62,9 +62,10 @@ def engine_for(plan: Plan, model, device: str):
                cpu_share=o.cpu_share, expert_profile=o.expert_profile)
 
 
-SETTLE_RUNS, SETTLE_S = 12, 90.0
-"""Most untimed decode runs (and seconds) `measure` spends letting hybrid decode's share settle
-(`PlacedWeights.settling`: the re-balance after 64 mapped steps, then ~20 steps a share the tuner times)."""
+SETTLE_STEPS, SETTLE_S = 480, 120.0
+"""Most untimed decode steps (and seconds) `measure` spends letting hybrid decode's share settle
+(`PlacedWeights.settling`: the re-balance after 64 mapped steps, then `SETTLE + SAMPLES` = 20 steps for each of
+the ~4-8 shares the tuner times, and the host kernels each new share builds)."""
 
 
 def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:
@@ -114,16 +115,18 @@ def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:
         # prompt and output lengths captures the buckets the timed run replays (and lets expert slots settle)
         with steps:
             _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params, phases, f"{key} first")
-            # a hybrid engine re-balances its share on the misses it sees, then tunes it on step times: measure it
-            # as it serves once settled (untimed runs until then, bounded)
-            t_settle, runs = time.perf_counter(), 0
-            while runner.placed.settling and runs < SETTLE_RUNS and time.perf_counter() - t_settle < SETTLE_S:
-                _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params)
-                runs += 1
-            if runs:
-                got[f"settle_{key}"] = dict(runs=runs, settled=not runner.placed.settling,
-                                            share=runner.placed.cpu_share,
-                                            tuned_step_ms=(runner.placed.calibration or {}).get("tuned_step_ms"))
+        # a hybrid engine re-balances its share on the misses it sees, then tunes it on step times: measure it as
+        # it serves once settled (untimed runs until then, bounded; outside `steps`, whose per-step waits would
+        # change the times the tuner compares)
+        t_settle, runs = time.perf_counter(), 0
+        while (runner.placed.settling and runs * (out_len - 1) < SETTLE_STEPS
+               and time.perf_counter() - t_settle < SETTLE_S):
+            _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params)
+            runs += 1
+        if runs:
+            got[f"settle_{key}"] = dict(runs=runs, settled=not runner.placed.settling, share=runner.placed.cpu_share,
+                                        seconds=round(time.perf_counter() - t_settle, 1),
+                                        tuned_step_ms=(runner.placed.calibration or {}).get("tuned_step_ms"))
         rate, hit, per_step = _decode(llm, [prompt(o.prompt_len) for _ in range(batch)], params, phases,
                                       f"{key} timed")
         got[key] = rate

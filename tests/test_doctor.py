@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 import pytest
 
@@ -259,18 +260,39 @@ def test_doctor_measure_on_this_machine(capsys):
         assert any(n.startswith("node") and n.endswith("_memory_read") for n in checks)
 
 
-@pytest.mark.parametrize("where", ["missing folder", "a folder"])
+@pytest.mark.parametrize("where", ["missing folder", "a folder", "a pipe", "no name"])
 def test_write_fixes_to_a_bad_path_is_one_line(tmp_path, capsys, monkeypatch, where):
-    """A path that cannot be written says so in one line and exits 2, before any check runs."""
+    """A path that cannot be written says so in one line and exits 2, before any check runs. A pipe or a device was
+    renamed over (`--write-fixes /dev/full` as root left a regular file where the device was); an empty name was
+    ignored and nothing written."""
     from ferrylm.cli import main
     from ferrylm.hw import cli
 
     monkeypatch.setattr(cli, "run_checks", lambda a: pytest.fail("the checks ran before the path was checked"))
-    target = tmp_path / "nonexistent" / "f.sh" if where == "missing folder" else tmp_path
+    target = {"missing folder": tmp_path / "nonexistent" / "f.sh", "a folder": tmp_path, "a pipe": tmp_path / "fifo",
+              "no name": ""}[where]
+    if where == "a pipe":
+        os.mkfifo(target)
     assert main(["doctor", "--write-fixes", str(target)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("ferry: error: --write-fixes")
-    assert ("does not exist" if where == "missing folder" else "is a directory") in err
+    assert {"missing folder": "does not exist", "a folder": "is a directory", "a pipe": "is not a regular file",
+            "no name": "name a file"}[where] in err
+    if where == "a pipe":
+        assert stat.S_ISFIFO(os.lstat(target).st_mode)
+
+
+def test_write_fixes_through_a_link_replaces_its_target(tmp_path):
+    """A symbolic link names the script it points at: that file is replaced and the link stays (the rename put a
+    regular file where the link was)."""
+    from ferrylm.hw import cli
+
+    real, link = tmp_path / "real.sh", tmp_path / "fixes.sh"
+    real.write_text("old\n")
+    link.symlink_to(real)
+    cli.write_atomic(str(link), "#!/bin/sh\nnew\n")
+    assert link.is_symlink() and real.read_text() == "#!/bin/sh\nnew\n"
+    assert sorted(os.listdir(tmp_path)) == ["fixes.sh", "real.sh"]
 
 
 def test_write_fixes_replaces_the_file_whole(tmp_path, monkeypatch):

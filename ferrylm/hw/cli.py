@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 import sys
 import tempfile
 
@@ -70,10 +71,10 @@ def run_checks(a: argparse.Namespace) -> list:
 def cmd_doctor(a: argparse.Namespace) -> None:
     from ferrylm.hw import doctor
 
-    if a.write_fixes:
+    if a.write_fixes is not None:  # '' too: a path that names nothing is refused, not ignored
         fixes_target(a.write_fixes)  # a bad path fails before the checks (and --measure) take their time
     checks = run_checks(a)
-    if a.write_fixes:
+    if a.write_fixes is not None:
         write_atomic(a.write_fixes, doctor.fixes_script(checks))
     if a.json:
         print(json.dumps({"checks": [c.to_dict() for c in checks], "summary": doctor.summary(checks)}))
@@ -98,9 +99,19 @@ def cmd_doctor(a: argparse.Namespace) -> None:
 
 
 def fixes_target(path: str) -> str:
-    """`--write-fixes FILE` as an absolute path, or a `FerryError` saying why it cannot be written: FILE a folder,
-    its folder missing or not writable."""
-    p = os.path.abspath(path)
+    """`--write-fixes FILE` as an absolute path, or a `FerryError` saying why it cannot be written: no name, FILE a
+    folder or something else that is no regular file (a device, a pipe: renamed over, /dev/full became a file), its
+    folder missing or not writable. A symbolic link names its target, which is replaced; the link stays."""
+    if not path.strip():
+        raise FerryError("--write-fixes '': name a file, e.g. fixes.sh")
+    try:
+        mode = os.stat(path).st_mode  # through links: /dev/stdout is the pipe or terminal it names
+    except OSError:
+        mode = None
+    p = os.path.realpath(path)
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise FerryError(f"--write-fixes {path}: is not a regular file (a device or a pipe), which the script would "
+                         "replace; name a file, e.g. fixes.sh")
     if os.path.isdir(p):
         raise FerryError(f"--write-fixes {path}: is a directory; name a file, e.g. {os.path.join(path, 'fixes.sh')}")
     folder = os.path.dirname(p)

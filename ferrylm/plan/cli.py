@@ -13,7 +13,8 @@ _HELP = {
     "gpu": 'COUNTxNAME, e.g. "4xA800-80G-PCIe", or local (NVML: this machine\'s GPUs; COUNTxlocal: COUNT like its '
            'first)',
     "host": 'SOCKETSxCPU[,MEMORY], e.g. "2xXeon-8480C,1TB", or local (/proc, /sys)',
-    "dtype": "the model's dtype as the engine runs it: bfloat16, float16 or float32",
+    "dtype": "the model's dtype as the engine runs it: auto (as on a GPU: the checkpoint's float16, else bfloat16), "
+             "bfloat16, float16 or float32",
     "kv_cache_dtype": "auto (the model's dtype), fp8 or int8 (the engine's quantized cache)",
     "max_model_len": "context length, as the engine's --max-model-len (default: the model's)",
     "max_num_seqs": "sequences the engine schedules together, as its --max-num-seqs",
@@ -40,6 +41,11 @@ _HELP = {
                          "it offloads",
     "gpu_memory_budget_gb": "deprecated: the budget in GB (10^9 bytes); use --gpu-memory-budget SIZE",
     "kv_cache_memory_gb": "GiB of KV cache per GPU, as the engine's --kv-cache-memory-gb (default: what the budget leaves)",
+    "num_kv_blocks": "KV blocks per GPU, as the engine's --num-kv-blocks (wins over --kv-cache-memory-gb; default: what "
+                     "the budget leaves)",
+    "stream_buffers": "device buffers streamed dense layers rotate through, as the engine's --stream-buffers",
+    "dequantize": "plan the engine's --dequantize: a GGUF's, a quantized store's or an FP8 checkpoint's packed weights "
+                  "held dense",
     "place": "placement rule SELECTOR=gpu|cpu (e.g. experts=cpu), as the engine's --place",
     "concurrency": "sequences decoding together (default --max-num-seqs)",
 }
@@ -76,7 +82,8 @@ def add_plan_parser(sub) -> None:
         alias = {"tp": ["--tensor-parallel-size"], "pp": ["--pipeline-parallel-size"]}.get(f.name, [])  # engine spelling
         p.add_argument(flag, *alias, type=conv or str, default=f.default, help=text, metavar=_METAVAR.get(f.name))
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
-    p.add_argument("--list", action="store_true", help="list the built-in models and hardware profiles")
+    p.add_argument("--list", action="store_true", help="list the built-in models and hardware profiles (with --json: "
+                   "one JSON object, each profile's figures too)")
     p.add_argument("--check", action="store_true",
                    help="run the engine briefly with these settings and print predicted vs measured (needs a CUDA "
                         "GPU and a MODEL with weights)")
@@ -94,6 +101,12 @@ def cmd_plan(a: argparse.Namespace) -> None:
         from ferrylm.plan.catalog import CATALOG
         from ferrylm.plan.hardware import GPUS, HOSTS
 
+        if a.json:  # for machines: the names and each profile's figures
+            import json
+
+            print(json.dumps(dict(models=list(CATALOG), gpus={n: dataclasses.asdict(g) for n, g in GPUS.items()},
+                                  hosts={n: dataclasses.asdict(h) for n, h in HOSTS.items()})))
+            return
         print("models:", ", ".join(CATALOG))
         print("gpus:  ", ", ".join(GPUS))
         print("hosts: ", ", ".join(HOSTS))

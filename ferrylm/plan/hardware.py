@@ -183,7 +183,7 @@ def parse_host(spec: str) -> HostProfile:
         base = _find(HOSTS, cpu, "host CPU")
         host = replace(base, name=f"{n}x{base.name}", sockets=n, memory_gb=base.memory_gb * n)
     if mem.strip():
-        m = re.match(r"^\s*([\d.]+)\s*(TB|GB|TiB|GiB|T|G)\s*$", mem, re.I)
+        m = re.match(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(TB|GB|TiB|GiB|T|G)\s*$", mem, re.I)  # a number float() reads
         if not m:
             raise ConfigError(f"--host {spec!r}: memory must look like 512GB or 1TB")
         unit = m[2].upper()

@@ -10,6 +10,7 @@ cannot run (and what to change). Speed: `estimate.py`. Knows nothing about print
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field, replace
 
 from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig, parse_bytes
@@ -39,7 +40,9 @@ class PlanOptions:
     """Catalog name, config.json, model directory, .gguf or ferry store."""
     gpu: str = "1xH200"
     host: str = "local"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    """bfloat16 | float16 | float32 | auto: as the engine on a GPU (`model_runner.resolve_dtype`), the checkpoint's
+    float16, else bfloat16; the plan holds the dtype it resolved."""
     quant: str | None = None
     """int8 | fp8 | nf4 | int4 | q8_0: a ferry store converted with --quant (Linear weights packed; experts
     packed where the engine keeps them packed: int4, nf4)."""
@@ -65,6 +68,14 @@ class PlanOptions:
     block_size: int = 16
     kv_cache_memory_gb: float | None = None
     """Per GPU (GiB); None: what the engine leaves after the weights."""
+    num_kv_blocks: int | None = None
+    """KV blocks in the pool per GPU, as the engine's `--num-kv-blocks` (it wins over `kv_cache_memory_gb`); None: sized
+    from the budget."""
+    stream_buffers: int = 2
+    """Device buffers streamed (host-resident) dense layers rotate through, as the engine's `--stream-buffers`."""
+    dequantize: bool = False
+    """Plan the engine's `--dequantize`: a GGUF's blocks, a quantized store's and a block-wise FP8 checkpoint's weights
+    decoded to the dtype at load (held dense)."""
     gpu_memory_budget: int | str | None = None
     """Per GPU, what the engine may allocate (weights, KV, buffers), spelled as the engine's `--gpu-memory-budget`
     takes it: bytes, or a size such as 16GiB, 512MiB or 2e9 (`config.parse_bytes`: G and GB count 2^30)."""
@@ -110,7 +121,8 @@ class Plan:
     step between its floor and the reserve), kv_planned / kv_tokens_planned (the reserve-based start-up figure,
     which the CPU engine keeps); kv_bytes_per_token (this rank's, as kv and kv_tokens: its KV heads, its stage's
     layers), kv_bytes_per_token_model (the whole model's), state, activations (the reserve), cuda_context, peak,
-    capacity, budget (bytes)."""
+    capacity, budget (bytes); stage: the PP stage shown when --place rules chose it (the one they put the most in
+    host memory), None: the heaviest."""
     verdict: str
     """fits | offload | cannot"""
     placement: dict
@@ -132,9 +144,9 @@ class Plan:
         return d
 
 
-def _stage_groups(groups: list[TensorGroup], layers: int, tp: int, pp: int) -> list[TensorGroup]:
-    """The heaviest GPU's share: PP stage 0 (embeddings) or the last (LM head, final norm), every group
-    split over TP ranks (norms and routers replicated)."""
+def _stages(groups: list[TensorGroup], layers: int, pp: int) -> list[list[TensorGroup]]:
+    """Each PP stage's groups, as the engine splits the layers: stage 0 holds the embeddings, the last the LM head and
+    the final norm."""
     from ferrylm.parallel.pipeline import stage_layers  # the engine's split
 
     stages = []
@@ -142,7 +154,44 @@ def _stage_groups(groups: list[TensorGroup], layers: int, tp: int, pp: int) -> l
         lo, hi = stage_layers(layers, pp, s).start, stage_layers(layers, pp, s).stop
         stages.append([g for g in groups if (g.layer is not None and lo <= g.layer < hi) or (
             g.layer is None and ((g.kind == "embed" and s == 0) or (g.kind != "embed" and s == pp - 1)))])
-    worst = max(stages, key=lambda gs: sum(g.nbytes for g in gs))
+    return stages
+
+
+def _another_stages(rule, held: list[int], layers: int) -> bool:
+    """Whether a parsed --place rule names only layers of other pipeline stages than the one holding `held` (the
+    engine's own rule, `ModelRunner._place`: such a rule is that stage's; one of no layer at all is every stage's)."""
+    lo, hi = rule.layers or (None, None)
+    return rule.layers is not None and not any(lo <= i <= hi for i in held) and lo < layers
+
+
+def _planned_stage(groups: list[TensorGroup], layers: int, pp: int, rules: tuple[str, ...]) -> int | None:
+    """The PP stage the plan shows when --place rules put bytes in host memory: the one whose own rules put the most
+    there (the slowest stage, which every token waits for), the heaviest of those; None: the heaviest."""
+    from ferrylm.offload.placement import PlaceRule
+
+    parsed = [PlaceRule.parse(r) for r in rules]
+
+    def forced_host(gs: list[TensorGroup]) -> int:
+        held = sorted({g.layer for g in gs if g.layer is not None})
+        tier: dict[str, str] = {}
+        for r in parsed:
+            if not _another_stages(r, held, layers):
+                tier.update({g.name: r.tier for g in gs if r.matches(g)})
+        return sum(g.nbytes for g in gs if tier.get(g.name) == HOST)
+
+    stages = _stages(groups, layers, pp)
+    forced = [forced_host(gs) for gs in stages]
+    if not any(forced):
+        return None
+    return max(range(pp), key=lambda s: (forced[s], sum(g.nbytes for g in stages[s])))
+
+
+def _stage_groups(groups: list[TensorGroup], layers: int, tp: int, pp: int,
+                  stage: int | None = None) -> list[TensorGroup]:
+    """A GPU's share: PP stage `stage` (None: the heaviest, stage 0 or the last), every group split over TP ranks
+    (norms and routers replicated)."""
+    stages = _stages(groups, layers, pp)
+    worst = stages[stage] if stage is not None else max(stages, key=lambda gs: sum(g.nbytes for g in gs))
     if tp == 1:
         return worst
     return [g if g.kind in ("norm", "router") else replace(g, nbytes=-(-g.nbytes // tp)) for g in worst]
@@ -154,29 +203,43 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     if opts.group_size is not None and (opts.group_size < 2 or opts.group_size % 2):  # 0 too: not "not given"
         raise ConfigError(f"--group-size {opts.group_size}: an even number of columns, e.g. 32, 64 or 128")
     budget_bytes(opts)  # a bad or doubled budget is refused before anything is counted
+    if opts.dtype not in DTYPE_BYTES and opts.dtype != "auto":
+        raise ConfigError(f"--dtype {opts.dtype!r}: choose one of {', '.join(DTYPE_BYTES)} or auto")
+    name, cfg = catalog.resolve_model(opts.model)
+    mc = _model_config(name, cfg)
+    if opts.dtype == "auto":  # as the engine resolves it on a GPU (`model_runner.resolve_dtype`)
+        opts = replace(opts, dtype="float16" if mc.torch_dtype == "float16" else "bfloat16")
     stored = catalog.store_quantization(opts.model)
     opts, store_notes = _store_quant(opts, stored)
+    if opts.dequantize and (opts.quant or opts.expert_quant):  # the engine decodes what the store holds packed
+        store_notes.append(f"--dequantize: the engine decodes the {opts.quant or opts.expert_quant} weights to "
+                           f"{opts.dtype} at load: counted dense")
+        opts = replace(opts, quant=None, expert_quant=None)
     quant_chosen = (opts.quant or opts.expert_quant) and not (stored and (stored.get("scheme") or "none") != "none")
-    if opts.dtype not in DTYPE_BYTES:
-        raise ConfigError(f"--dtype {opts.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
     for flag, q in (("--quant", opts.quant), ("--expert-quant", opts.expert_quant)):
         if q is not None and q not in QUANT_SCHEMES:
             raise ConfigError(f"{flag} {q!r}: choose one of {', '.join(QUANT_SCHEMES)}")
     if opts.expert_hit_rate is not None and not 0 <= opts.expert_hit_rate <= 1:
         raise ConfigError(f"--expert-hit-rate {opts.expert_hit_rate}: a share between 0 and 1")
+    if opts.kv_cache_dtype not in ("auto", "fp8", "int8"):  # as `CacheConfig` takes it: the model's dtype or codes
+        raise ConfigError(f"--kv-cache-dtype {opts.kv_cache_dtype!r}: the engine takes auto (the model's dtype), fp8 "
+                          "or int8")
     quant_kv = opts.kv_cache_dtype in ("fp8", "int8")  # 1-byte codes + a 4-byte scale per token and head
-    kv_dtype = opts.dtype if opts.kv_cache_dtype == "auto" or quant_kv else opts.kv_cache_dtype
-    if kv_dtype not in DTYPE_BYTES:
-        raise ConfigError(f"--kv-cache-dtype {kv_dtype!r}: the engine keeps KV in {', '.join(DTYPE_BYTES)}, "
-                          f"fp8 or int8")
-    name, cfg = catalog.resolve_model(opts.model)
-    mc = ModelConfig.from_hf(cfg)
+    kv_dtype = opts.dtype
+    if opts.expert_quant and not mc.num_experts:  # as --routing: it quantized nothing, yet its quality cost was noted
+        raise ConfigError(f"--expert-quant {opts.expert_quant}: this model has no experts (--quant quantizes its "
+                          "Linear weights)")
+    if opts.max_model_len is not None and opts.max_model_len > mc.context_limit:  # `LLMEngine._max_model_len`
+        raise ConfigError(f"--max-model-len {opts.max_model_len}: the engine refuses it: over the model's "
+                          f"{mc.context_limit} positions")
     n_gpu, gpu = hardware.parse_gpu(opts.gpu)
     refused_layout = layout_error(mc, opts.tp, opts.pp, opts.dtype)
     if refused_layout:
-        takes = [t for t in range(1, max(n_gpu, opts.tp) + 1) if not layout_error(mc, t, 1, opts.dtype)]
+        # a TP degree past the attention heads never splits them: the list stops there
+        most = min(max(n_gpu, opts.tp), max(1, mc.num_attention_heads))
+        takes = [t for t in range(1, most + 1) if not layout_error(mc, t, 1, opts.dtype)]
         raise ConfigError(f"--tp {opts.tp} --pp {opts.pp}: the engine refuses it: {refused_layout}"
-                          + (f" (its --tp up to {max(n_gpu, opts.tp)}: {', '.join(map(str, takes))})"
+                          + (f" (its --tp up to {most}: {', '.join(map(str, takes))})"
                              if opts.tp > 1 else ""))
     if opts.measure_bandwidth:
         gpu = hardware.with_measured_h2d(gpu)
@@ -189,7 +252,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         raise ConfigError(f"--experts {opts.experts!r}: choose auto, gpu or cpu")
     if opts.cpu_share is not None and not 0 <= opts.cpu_share <= 1:
         raise ConfigError(f"--cpu-share {opts.cpu_share}: a share between 0 and 1")
-    block = fp8_block(name, cfg)  # a block-wise FP8 checkpoint: counted as it loads, unless planned as a store
+    block = None if opts.dequantize else fp8_block(name, cfg)  # a block-wise FP8 checkpoint: counted as it loads,
+    # unless planned as a store (or held dense: --dequantize)
     fmt = (WeightFormat(opts.dtype, "fp8", expert_quant=opts.expert_quant, fp8_block=block[1])
            if block and not opts.quant else WeightFormat(opts.dtype, opts.quant, opts.group_size, opts.expert_quant))
     tp_dense = opts.tp > 1 and fmt.experts_scheme is not None and bool(mc.num_experts)
@@ -201,6 +265,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     if unpacked:  # the engine packs expert banks for a half-precision dtype only (`ModelRunner`: the fused kernel's)
         fmt = replace(fmt, experts_packed=False)
     graphs_family = piecewise = False
+    gguf_notes: list[str] = []
     fused_moe = opts.dtype in ("bfloat16", "float16")  # `FusedExperts.supports_tensors` on a CUDA device
     try:
         model = meta_model(mc, opts.dtype)
@@ -211,9 +276,17 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         state_per_seq, counted = 0, "config"
         kv_per_token = analytical_kv_bytes_per_token(cfg, 1 if quant_kv else DTYPE_BYTES[kv_dtype])
     else:
+        dense_groups = weight_groups(model)
+        if fmt.quant is None and fmt.expert_quant is None and not opts.dequantize:  # a GGUF's packed blocks, as the
+            # CUDA engine keeps them
+            kept = _gguf_packed(opts.model, model)
+            if kept:
+                gguf_notes.append(f"the GGUF's {kept} Q4_0 / Q4_1 / Q8_0 matrices stay packed as the engine keeps them on "
+                             f"CUDA (`CausalLM.note_packed_linears`): {_gb(sum(g.nbytes for g in weight_groups(model)))}"
+                             f" instead of {_gb(sum(g.nbytes for g in dense_groups))} in {opts.dtype} (the engine's "
+                             "--dequantize holds them dense)")
         groups, count, state_per_seq, counted = weight_groups(model, fmt), param_count(model), \
             state_bytes_per_seq(model), "model"
-        dense_groups = weight_groups(model)
         kv_per_token = kv_bytes_per_block(mc, opts.block_size, kv_dtype,
                                           opts.kv_cache_dtype if quant_kv else "auto") // opts.block_size
         from ferrylm.layers.moe import Experts
@@ -223,9 +296,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         # on CUDA resident banks run the fused kernel (graph-safe), cached ones read misses in place
         graphs_family = model.cuda_graphs and (not banks or fused_moe)
         piecewise = model.piecewise
-    max_len = opts.max_model_len or mc.max_position_embeddings
+    max_len = opts.max_model_len or mc.context_limit  # the engine's default: the positions the model serves
     conc = opts.concurrency or opts.max_num_seqs
-    early = list(store_notes)  # notes on the model's store and the workload, placed after the verdict's
+    early = store_notes + gguf_notes  # notes on the model's weights and the workload, placed after the verdict's
     # the workload as the engine can run it: it refuses a prompt of the context's length or longer (`LLMEngine`: no
     # room to generate) and stops a sequence at the context
     prompt_len = min(opts.prompt_len, max_len - 1)
@@ -244,7 +317,12 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     ranks = opts.tp * opts.pp
 
     # -- memory of the heaviest GPU, decided as the engine decides ----------------------------------
-    mine = _stage_groups(groups, mc.num_hidden_layers, opts.tp, opts.pp)
+    _check_place(opts.place, groups)
+    stage = _planned_stage(groups, mc.num_hidden_layers, opts.pp, opts.place) if opts.pp > 1 and opts.place else None
+    mine = _stage_groups(groups, mc.num_hidden_layers, opts.tp, opts.pp, stage)
+    stages = _stages(groups, mc.num_hidden_layers, opts.pp)
+    shown = stage if stage is not None else max(range(opts.pp), key=lambda s: sum(g.nbytes for g in stages[s]))
+    place = _stage_rules(opts.place, stages, shown, mc.num_hidden_layers, early)
     # as the engine caches: each rank its KV heads (one, replicated, when fewer than TP ranks), its stage's layers
     from ferrylm.layers.parallel_linear import kv_heads_per_rank
     from ferrylm.parallel.pipeline import stage_layers
@@ -253,11 +331,20 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     stage_len = max(len(stage_layers(mc.num_hidden_layers, opts.pp, s)) for s in range(opts.pp))
     per_block = -(-kv_per_token * opts.block_size * kv_heads_per_rank(hk, opts.tp) * stage_len
                   // (hk * mc.num_hidden_layers))
-    cc = CacheConfig(block_size=opts.block_size, kv_cache_memory_gb=opts.kv_cache_memory_gb)
-    sc = SchedulerConfig(max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
-                         max_model_len=max_len)
-    oc = OffloadConfig(gpu_memory_budget=budget_bytes(opts),
-                       gpu_memory_utilization=opts.gpu_memory_utilization, place=tuple(opts.place))
+    cc = CacheConfig(block_size=opts.block_size, kv_cache_memory_gb=opts.kv_cache_memory_gb,
+                     num_kv_blocks=opts.num_kv_blocks)
+    try:  # the engine's own checks, said with plan's flags
+        sc = SchedulerConfig(max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
+                             max_model_len=max_len)
+    except ConfigError as e:
+        raise ConfigError(f"--max-num-batched-tokens {opts.max_num_batched_tokens} --max-num-seqs "
+                          f"{opts.max_num_seqs}: the engine refuses it: {e}") from None
+    try:
+        oc = OffloadConfig(gpu_memory_budget=budget_bytes(opts), gpu_memory_utilization=opts.gpu_memory_utilization,
+                           place=place, stream_buffers=opts.stream_buffers)
+    except ConfigError as e:
+        raise ConfigError(f"--gpu-memory-utilization {opts.gpu_memory_utilization}: the engine refuses it: {e}") \
+            from None
     capacity = gpu.memory_bytes
     budget = device_budget(oc, capacity, capacity - CUDA_CONTEXT_BYTES)
     graphs_planned = not opts.enforce_eager  # `ModelRunner._graph_tokens`: what graph pools hold beside the step
@@ -318,6 +405,20 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         kv_bytes = 0
     kv, kv_tokens = kv_pool(kv_bytes, per_block, opts.block_size)
     host_bytes = placement.bytes_on(HOST) * ranks if placement else 0
+    if placement is not None and stage is not None:  # stages whose rules differ: each one's own placement, summed
+        from ferrylm.offload.placement import PlaceRule
+
+        host_bytes = 0
+        for i, gs in enumerate(stages):
+            its = sorted({g.layer for g in gs if g.layer is not None})
+            rules = tuple(r for r in opts.place if not _another_stages(PlaceRule.parse(r), its, mc.num_hidden_layers))
+            try:
+                theirs = placement if i == stage else size_memory(
+                    _stage_groups(groups, mc.num_hidden_layers, opts.tp, opts.pp, i), per_block, max_len, cc, sc,
+                    replace(oc, place=rules), budget, reserve, on_cpu=False, resident_reserve=resident_reserve)[0]
+            except ConfigError:  # a stage that cannot be placed: its bytes counted as the shown stage's
+                theirs = placement
+            host_bytes += theirs.bytes_on(HOST) * opts.tp
     if placement is None:
         verdict = "cannot"
         notes.append(f"cannot run: {refused}")
@@ -349,7 +450,16 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                    cuda_context=CUDA_CONTEXT_BYTES,
                    peak=held + kv + state + step + 2 * opts.max_num_seqs * mc.vocab_size * 4 + CUDA_CONTEXT_BYTES
                    + (ws if pool_tokens else 0), graph_workspace=ws if pool_tokens else 0,
-                   capacity=capacity, budget=budget)
+                   capacity=capacity, budget=budget, stage=stage)
+    if verdict != "cannot" and per_gpu["peak"] > capacity:  # a budget over the card: nothing in the engine caps it
+        verdict = "cannot"
+        notes.append(f"cannot run: {_budget_flag(opts)} is more than the {gpu.name} has ({_gb(capacity)}, "
+                     f"{_gb(CUDA_CONTEXT_BYTES)} of it the CUDA context's): the engine sizes its KV cache to the budget "
+                     f"({_gb(kv)}) and would fail allocating it (peak {_gb(per_gpu['peak'])}); give at most "
+                     f"{(capacity - CUDA_CONTEXT_BYTES) // 2**30}GiB, or leave the budget to the engine"
+                     if budget_bytes(opts) is not None else
+                     f"cannot run: the predicted peak ({_gb(per_gpu['peak'])}) is over the {gpu.name}'s "
+                     f"{_gb(capacity)}")
 
     # -- speed ---------------------------------------------------------------------------------------
     E, k = count.num_experts, count.top_k
@@ -369,7 +479,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     layers = math.ceil(mc.num_hidden_layers / opts.pp)
     act_b, link = DTYPE_BYTES[opts.dtype], gpu.nvlink_gbs or gpu.h2d_gbs
     ctx = prompt_len + (seq_tokens - prompt_len) / 2
-    dense_of = {g.name: g.nbytes for g in _stage_groups(dense_groups, mc.num_hidden_layers, opts.tp, opts.pp)}
+    dense_of = {g.name: g.nbytes for g in _stage_groups(dense_groups, mc.num_hidden_layers, opts.tp, opts.pp, stage)}
     tier = placement.tier if placement else {g.name: GPU for g in mine}
 
     def hbm_cost(g: TensorGroup) -> int:
@@ -642,7 +752,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                                   dequant_gbs=estimate.dequant_gbs(gpu.hbm_gbs, packed) if packed else None))
 
     # -- placement summary and advice -----------------------------------------------------------------
-    pl = dict(gpu_bytes=placement.bytes_on(GPU) if placement else 0, host_bytes=host_bytes // ranks,
+    pl = dict(gpu_bytes=placement.bytes_on(GPU) if placement else 0,
+              host_bytes=placement.bytes_on(HOST) if placement else 0,  # this rank's
               host_groups=sorted({g.kind for g in mine if placement and placement.tier[g.name] == HOST}),
               streamed_layers=placement.streamed_layers() if placement else [],
               stream_buffer_bytes=placement.stream_buffer_bytes if placement else 0,
@@ -656,7 +767,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                      f"{_gb(d1['pcie_bytes_per_step'])} cross PCIe per decode token at batch 1")
         if not advise:
             pass
-        elif budget_bytes(opts) is not None or opts.place:
+        elif budget_bytes(opts) is not None or place:
             free = make_plan(replace(opts, gpu_memory_budget=None, gpu_memory_budget_gb=None, place=()), advise=False)
             if free.verdict == "fits":
                 notes.append(f"warning: the budget / --place forces offload of a model that fits: decode "
@@ -684,7 +795,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     if verdict == "offload" and cached:
         a = speed["assumptions"]
         path = (f"decode steps of up to {mapped_tokens} token(s) read expert misses in place over PCIe (mapped host "
-                f"memory, {estimate.INPLACE_EFF:.0%} of the copy rate, CUDA-graphed when no layer is streamed); larger "
+                f"memory, {estimate.INPLACE_EFF:.0%} of the copy rate, "
+                + ("CUDA-graphed when no layer is streamed" if ranks == 1 else "eager under TP / PP") + "); larger "
                 "steps and prefill copy them into slots (eager)" if mapped_tokens else
                 "expert misses are copied into slots (no fused kernel for this dtype / activation: eager)")
         conc_hit = dn["expert_hit_rate"]
@@ -755,7 +867,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                          f"kernel reads one in {res:.1f}x a bf16 expert's time resident and {inplace:.2f}x in place "
                          "(measured: NF4 on the H200, fp8 on the H100): fewer bytes buy more resident experts and faster in-place reads, "
                          "not faster resident ones")
-        else:
+        elif not tp_dense:  # under --tp the note below says why
             from ferrylm.models.base import ENGINE_PACKED_FORMATS
 
             notes.append(f"{fmt.experts_scheme} experts are dequantized at load (" + (
@@ -814,10 +926,12 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                          f" for {conc} x {seq_tokens}) and costs decode time: the fp8 KV decode kernel measured slower "
                          "than bf16 on the H200 (docs/benchmarks.md, paged attention)")
     if ranks > 1:
-        notes.append("TP / PP: the figures are the heaviest rank's; parallel layouts run without CUDA graphs")
+        notes.append("TP / PP: the figures are " + ("the heaviest rank's" if stage is None else
+                     f"a rank's of PP stage {stage}, the one --place puts the most in host memory")
+                     + "; parallel layouts run without CUDA graphs")
     if n_gpu > ranks:
         # the GPUs at hand: the most of them first, TP first (decode fastest), then fewer
-        search = (_fitting_layout(opts, gpu, mc, range(n_gpu, ranks, -1), same_gpus=True)
+        search = (_fitting_layout(opts, gpu, mc, range(min(n_gpu, _most_gpus(mc)), ranks, -1), same_gpus=True)
                   if advise and verdict != "fits" else None)
         under = f", under {_budget_flag(opts)}" if budget_bytes(opts) is not None else ""
         if search:
@@ -909,15 +1023,88 @@ def _budget_flag(opts: PlanOptions) -> str:
     return f"--gpu-memory-budget-gb {opts.gpu_memory_budget_gb:g}"
 
 
+def _check_place(rules: tuple[str, ...], groups: list[TensorGroup]) -> None:
+    """--place rules refused in one line where the engine refuses them: bad grammar, a rule that matches no group of
+    the model, the LM head in host memory (`placement._forced`, run through `minimum_device_bytes`)."""
+    from ferrylm.offload.placement import minimum_device_bytes
+
+    try:
+        minimum_device_bytes(groups, tuple(rules))
+    except ConfigError as e:
+        raise ConfigError(f"--place: the engine refuses it: {e}") from None
+
+
+def _stage_rules(rules: tuple[str, ...], stages: list[list[TensorGroup]], stage: int, layers: int,
+                 notes: list[str]) -> tuple[str, ...]:
+    """The --place rules PP stage `stage` applies. Every stage drops a rule whose layers are all another stage's, as
+    `ModelRunner._place` does (`notes` then says the plan does not show that stage), and refuses one that matches none
+    of its groups (embed=cpu on a later stage), as each stage's start does."""
+    from ferrylm.offload.placement import PlaceRule, minimum_device_bytes
+
+    if len(stages) == 1:
+        return tuple(rules)
+    mine = []
+    for s, gs in enumerate(stages):
+        held = sorted({g.layer for g in gs if g.layer is not None})
+        kept = tuple(r for r in rules if not _another_stages(PlaceRule.parse(r), held, layers))
+        try:
+            minimum_device_bytes(gs, kept)
+        except ConfigError as e:
+            raise ConfigError(f"--place: the engine refuses it on the stage of layers {held[0]}-{held[-1]}: {e}") \
+                from None
+        if s == stage:
+            mine = kept
+            notes += [f"--place {r} is another pipeline stage's: that stage's placement is not shown (planned here: "
+                      f"the stage of layers {held[0]}-{held[-1]})" for r in rules if r not in kept]
+    return mine
+
+
+def _gguf_packed(spec: str, model) -> int:
+    """Marks on `model` (built on meta) the Linear weights a .gguf `spec` hands out packed (Q4_0 / Q4_1 / Q8_0
+    matrices), as the CUDA engine sizes them for placement (`CausalLM.note_packed_linears`, from the file's tensor
+    table alone); how many. 0 for anything else."""
+    path = os.path.expanduser(spec)
+    if not (os.path.isfile(path) and path.endswith(".gguf")) and not (
+            os.path.isdir(path) and any(n.endswith(".gguf") for n in os.listdir(path))):
+        return 0
+    from ferrylm.weights.gguf import GGUFSource
+    from ferrylm.weights.source import open_source
+
+    with open_source(path) as src:
+        return model.note_packed_linears(src) if isinstance(src, GGUFSource) else 0
+
+
+def _model_config(name: str, cfg) -> ModelConfig:
+    """`ModelConfig.from_hf` of a model's config, or one line naming what in it cannot be planned: a config that is no
+    JSON object, a size that is no number, or a count a model cannot have (no layers, heads or vocabulary)."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{name}: config.json holds a {type(cfg).__name__}, not a JSON object of the model's "
+                          "settings")
+    try:
+        mc = ModelConfig.from_hf(cfg)
+    except (TypeError, ValueError) as e:  # int("four"), a list where a number goes
+        raise ConfigError(f"{name}: config.json has a value that is not a count: {e}") from None
+    except ZeroDivisionError:  # head_dim = hidden_size // 0 heads
+        raise ConfigError(f"{name}: config.json's num_attention_heads is {cfg.get('num_attention_heads')!r}; a model "
+                          "has at least 1") from None
+    for field_name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size",
+                       "head_dim", "max_position_embeddings"):
+        v = getattr(mc, field_name)
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name}: config.json's {field_name} is {v!r}; a model has at least 1")
+    return mc
+
+
 def _check_counts(opts: PlanOptions) -> None:
     """Counts, lengths and the KV size the engine (or the workload) needs positive (and finite): refused by name,
     before any arithmetic. A context holds at least a prompt token and one generated (the engine refuses a prompt as
-    long as the context)."""
+    long as the context), and a request generates at least one token (`SamplingParams`: max_tokens >= 1)."""
     for flag, v, least in (("--tp", opts.tp, 1), ("--pp", opts.pp, 1), ("--block-size", opts.block_size, 1),
                            ("--max-num-seqs", opts.max_num_seqs, 1),
                            ("--max-num-batched-tokens", opts.max_num_batched_tokens, 1),
                            ("--max-model-len", opts.max_model_len, 2), ("--prompt-len", opts.prompt_len, 1),
-                           ("--output-len", opts.output_len, 0), ("--concurrency", opts.concurrency, 1)):
+                           ("--output-len", opts.output_len, 1), ("--concurrency", opts.concurrency, 1),
+                           ("--num-kv-blocks", opts.num_kv_blocks, 1), ("--stream-buffers", opts.stream_buffers, 2)):
         if v is not None and v < least:
             raise ConfigError(f"{flag} {v}: must be at least {least}")
     kv = opts.kv_cache_memory_gb
@@ -999,10 +1186,17 @@ LAYOUT_TRIES = 10
 """Layouts (GPU count, TP, PP) the advice plans at most before it gives up naming one."""
 
 
+def _most_gpus(mc: ModelConfig) -> int:
+    """The most GPUs a layout of this model can use: a TP degree splits the attention heads, a PP degree the layers."""
+    return max(1, mc.num_attention_heads) * max(1, mc.num_hidden_layers)
+
+
 def _layouts(mc: ModelConfig, n: int, dtype: str):
-    """(tp, pp) over `n` GPUs that the engine takes, TP first (decode faster), then TP x PP, then PP alone."""
-    for tp in sorted((t for t in range(1, n + 1) if n % t == 0), reverse=True):
-        if not layout_error(mc, tp, n // tp, dtype):
+    """(tp, pp) over `n` GPUs that the engine takes, TP first (decode faster), then TP x PP, then PP alone. Only
+    degrees that can split the heads and the layers are asked (every divisor of the count was: `--gpu 1e23xH200` and
+    advice for a 1e11-card count never returned)."""
+    for tp in range(min(n, max(1, mc.num_attention_heads)), 0, -1):
+        if n % tp == 0 and n // tp <= max(1, mc.num_hidden_layers) and not layout_error(mc, tp, n // tp, dtype):
             yield tp, n // tp
 
 
@@ -1046,8 +1240,9 @@ def _fitting_layout(opts: PlanOptions, gpu, mc: ModelConfig, counts, same_gpus: 
                 return search
             tries += 1
             spec = opts.gpu if same_gpus else f"{n}x{_gpu_name(opts, gpu)}"
-            # more GPUs than given: at the default budget (`_advice` says so); the GPUs given: under theirs
-            budget = {} if same_gpus else dict(gpu_memory_budget=None, gpu_memory_budget_gb=None)
+            # more GPUs than given: at the default budget and without --place rules (`_advice` says so: resident is
+            # what they are planned for); the GPUs given: under theirs
+            budget = {} if same_gpus else dict(gpu_memory_budget=None, gpu_memory_budget_gb=None, place=())
             try:
                 p = make_plan(replace(opts, gpu=spec, tp=tp, pp=pp, **budget, **change), advise=False)
             except ConfigError as e:  # said, not counted as planned
@@ -1073,11 +1268,26 @@ def _advice(groups, opts, gpu, mc, budget, card, reserve, min_kv, advise=True) -
     explicit `budget`, what that budget alone would need), quantizing (experts counted packed where the engine keeps
     them packed; its layout planned too), a shorter context. `advise` False: counts only, nothing planned."""
     total = sum(g.nbytes for g in groups)
-    room = max(card - reserve - min_kv, 1)
+    fixed = (f"--num-kv-blocks {opts.num_kv_blocks}" if opts.num_kv_blocks is not None else
+             f"--kv-cache-memory-gb {opts.kv_cache_memory_gb:g}" if opts.kv_cache_memory_gb is not None else None)
+    if fixed and advise:  # the KV size asked for, not the weights, may be what fails
+        free = make_plan(replace(opts, kv_cache_memory_gb=None, num_kv_blocks=None), advise=False)
+        if free.verdict != "cannot":
+            return [f"{fixed} asks for more KV than the budget leaves beside "
+                    f"the weights: without it the engine sizes the KV cache from the budget "
+                    f"({_gb(free.per_gpu['kv'])}, {free.per_gpu['kv_tokens']:,} tokens; planned so: {free.verdict}, "
+                    f"decode {free.speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1)"]
+    if card - reserve - min_kv <= 0:  # no count of GPUs holds it: one sequence's KV alone is over a card
+        return [f"one sequence of the whole context ({opts.max_model_len or mc.context_limit} tokens) needs "
+                f"{_gb(min_kv)} of KV cache a GPU, which with the activation reserve ({_gb(reserve)}) is over one "
+                f"{gpu.name}'s {_gb(card)}: lower --max-model-len"
+                + ("" if opts.kv_cache_dtype != "auto" else " (or --kv-cache-dtype fp8: half the bytes)")]
+    room = card - reserve - min_kv
     n = math.ceil(total / room)
     spread = layout_error(mc, 2, 1, opts.dtype) and layout_error(mc, 1, 2, opts.dtype)  # one process only
     search = _fitting_layout(opts, gpu, mc, range(n, n + LAYOUT_TRIES)) if advise and not (spread and n > 1) else None
-    default = " at the engine's default budget" if budget_bytes(opts) is not None else ""
+    default = (" at the engine's default budget" if budget_bytes(opts) is not None else "") + (
+        " without --place" if opts.place else "")
     if search:
         _, tp, pp, p = search.found
         out = [f"to hold it resident: {_flags(tp, pp, p.options.gpu)} (planned so{default}: decode "

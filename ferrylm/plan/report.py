@@ -30,7 +30,9 @@ def render(plan: Plan, console: Console) -> None:
     w.add_row("[bold]total[/]", gib(sum(plan.weights_bytes.values())))
     console.print(w)
     g = plan.per_gpu
-    m = Table(title=f"per GPU (the heaviest of TP {o.tp} x PP {o.pp})")
+    which = (f"the heaviest of TP {o.tp} x PP {o.pp}" if g.get("stage") is None else
+             f"TP {o.tp} x PP {o.pp}: stage {g['stage']}, where --place puts the most in host memory")
+    m = Table(title=f"per GPU ({which})")
     m.add_column("item")
     m.add_column("bytes", justify="right")
     m.add_column("note")
@@ -57,8 +59,9 @@ def render(plan: Plan, console: Console) -> None:
         layers = p["streamed_layers"]
         console.print(f"placement (the engine's): {gib(p['gpu_bytes'])} resident, {gib(p['host_bytes'])} in host memory "
                       f"({', '.join(p['host_groups'])}); {len(layers)} layers streamed through "
-                      f"{gib(p['stream_buffer_bytes'])} of buffers; {p['expert_slots']} expert cache slots per MoE "
-                      f"layer; PCIe {gib(p['pcie_bytes_per_decode_token'])} per decode token at batch 1")
+                      f"{gib(p['stream_buffer_bytes'])} of buffers; "
+                      + (f"{p['expert_slots']} expert cache slots per MoE layer; " if p["resident_experts"] else "")
+                      + f"PCIe {gib(p['pcie_bytes_per_decode_token'])} per decode token at batch 1")
     s = plan.speed
     if s is None:
         console.print("speed: not predicted (it cannot run as planned; see below for what would)")

@@ -20,15 +20,7 @@ PYTHONPATH=benchmarks:. step 220 python benchmarks/bench_plan.py --gpu local --c
     --case-timeout 100 --time-budget "$(left 215)" --out "$OUT/plan-check-s39.json" 2>&1 \
     | grep -v '^{' | grep -E "^  [a-z_]|^(dense|moe)" | grep -E "%|^(dense|moe)" | tail -50
 echo "plan done at $(( $(date +%s) - t0 )) s"
-step 40 python -c "
-import torch, transformers
-torch.manual_seed(0)
-cfg = transformers.MixtralConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
-                                 num_attention_heads=16, num_key_value_heads=8, num_local_experts=8,
-                                 num_experts_per_tok=2, max_position_embeddings=4096)
-transformers.MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained('/tmp/mix4')
-print('wrote /tmp/mix4')
-" 2>&1 | tail -1
+write_mix4
 step 120 python -m ferrylm plan /tmp/mix4 --gpu local --gpu-memory-budget 2GiB --max-model-len 2048 --max-num-seqs 8 \
     --check 2>&1 | tail -40
 echo "done at $(( $(date +%s) - t0 )) s"

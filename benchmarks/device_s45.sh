@@ -10,15 +10,7 @@ commit=${1:-unknown}
 budget=${2:-330}
 part=rest
 source "$(dirname "$0")/device_steps.sh"  # t0, left, step, h200_aims
-step 40 python -c "
-import torch, transformers
-torch.manual_seed(0)
-cfg = transformers.MixtralConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
-                                 num_attention_heads=16, num_key_value_heads=8, num_local_experts=8,
-                                 num_experts_per_tok=2, max_position_embeddings=4096)
-transformers.MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained('/tmp/mix4')
-print('wrote /tmp/mix4')
-" 2>&1 | tail -1
+write_mix4
 step 120 python -m ferrylm plan /tmp/mix4 --gpu local --gpu-memory-budget 2GiB --max-model-len 2048 --max-num-seqs 8 \
     --check > "$OUT/plan-check-mix4-user.txt" 2>&1
 grep -vE "Warning|warn" "$OUT/plan-check-mix4-user.txt" | tail -32

@@ -94,9 +94,10 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Build from an HF config.json dict; unknown keys stay in `raw`."""
-        archs = cfg.get("architectures") or []
-        if not archs:
-            raise ConfigError("config.json has no 'architectures' entry; cannot tell the model family")
+        archs = cfg.get("architectures") or [_ARCH_OF_MODEL_TYPE.get(cfg.get("model_type") or "")]
+        if not archs[0]:  # transformers' Auto classes map model_type the same way when architectures is absent
+            raise ConfigError("config.json has neither 'architectures' nor a known 'model_type' "
+                              f"({cfg.get('model_type')!r}); cannot tell the model family")
         text = cfg.get("text_config")
         if isinstance(text, dict):  # multimodal wrappers keep the LM config nested
             cfg = {**cfg, **text}
@@ -181,6 +182,15 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             raw=dict(cfg),
         )
+
+
+# the causal-LM class transformers' Auto classes pick for a config without `architectures`
+_ARCH_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "yuan": "YuanForCausalLM", "olmoe": "OlmoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+}
 
 
 def _sliding_window(cfg: dict, model_type: str, layers: int) -> tuple[int | None, tuple[str, ...]]:

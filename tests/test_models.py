@@ -116,6 +116,16 @@ def test_sliding_window_config():
         ModelConfig.from_hf({**base, "use_sliding_window": True, "layer_types": ["chunked_attention"] * 4})
 
 
+def test_config_without_architectures_takes_the_model_type():
+    """transformers' Auto classes read `model_type` when `architectures` is absent; so does ferrylm."""
+    base = dict(model_type="qwen3_moe", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=10)
+    assert ModelConfig.from_hf(base).architecture == "Qwen3MoeForCausalLM"
+    with pytest.raises(ConfigError, match="'gpt2'"):
+        ModelConfig.from_hf({**base, "model_type": "gpt2"})
+    with pytest.raises(ConfigError, match="architectures"):
+        ModelConfig.from_hf({k: v for k, v in base.items() if k != "model_type"})
+
+
 def test_padded_decode_window_mask_matches_exact():
     """The CUDA-graph decode pads the context to a bucket and masks by length: same output on the CPU."""
     from ferrylm.kv.cache import KVCache

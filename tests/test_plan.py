@@ -203,6 +203,16 @@ def test_hardware_specs():
         make_plan(PlanOptions("NoSuchModel-7B"))
     assert catalog.lookup("Qwen/Qwen2-72B-Instruct")[0] == "Qwen2-72B"
     assert catalog.lookup("yuan2.0-m32")[0] == "Yuan2-M32"
+    # hub names carry tags that leave the shape alone: tuning, versions, release dates, Meta's prefix
+    for hub, ours in [("mistralai/Mixtral-8x7B-Instruct-v0.1", "Mixtral-8x7B"),
+                      ("meta-llama/Meta-Llama-3-70B-Instruct", "Llama-3-70B"),
+                      ("deepseek-ai/DeepSeek-V3-0324", "DeepSeek-V3"),
+                      ("Qwen/Qwen3-235B-A22B-Instruct-2507-FP8", "Qwen3-235B-A22B-FP8")]:
+        assert catalog.lookup(hub)[0] == ours, hub
+    # tags that change the model do not match; the error names the closest entries
+    assert catalog.lookup("Qwen2-72B-Instruct-AWQ") is None and catalog.lookup("Llama-3.1-70B") is None
+    with pytest.raises(ConfigError, match="closest: Llama-3-70B"):
+        make_plan(PlanOptions("Llama-3.1-70B"))
 
 
 def test_deepseek_v3_analytical_count_equals_the_module():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from ferrylm.errors import ConfigError
 from ferrylm.plan import yuan_sizes
@@ -70,14 +71,36 @@ def _key(name: str) -> str:
     return name.lower().replace("_", "-").replace(".0-", "-")
 
 
+_TAGS = re.compile(r"-(instruct|chat|hf|base|it|v\d+(\.\d+)*|\d{4})$")
+"""Trailing name tags that do not change a model's shape: tuning (-Instruct, -Chat, -it), packaging (-hf, -Base),
+versions (-v0.1) and release dates (-0324, -2507). A quantization tag (-AWQ, -GPTQ-Int4) does change it."""
+
+
 def lookup(name: str) -> tuple[str, dict] | None:
-    """Case-insensitive catalog lookup ('yuan2.0-m32', 'qwen2-72b-instruct' and 'Qwen/Qwen2-72B' also match)."""
+    """Case-insensitive catalog lookup without the organisation and the name tags of `_TAGS`: 'yuan2.0-m32',
+    'Qwen/Qwen2-72B-Instruct', 'mistralai/Mixtral-8x7B-Instruct-v0.1' and 'meta-llama/Meta-Llama-3-70B-Instruct'
+    also match."""
     want = _key(name.rsplit("/", 1)[-1])
-    for suffix in ("", "-instruct", "-chat", "-hf", "-base"):
+    want = want[len("meta-"):] if want.startswith("meta-llama") else want
+    fp8 = "-fp8" if want.endswith("-fp8") else ""  # a checkpoint format the catalog keeps: tags may sit before it
+    want = want[:len(want) - len(fp8)]
+    while True:
         for k, v in CATALOG.items():
-            if _key(k) + suffix == want:
+            if _key(k) == want + fp8:
                 return k, v
-    return None
+        shorter = _TAGS.sub("", want)
+        if shorter == want:
+            return None
+        want = shorter
+
+
+def _near(name: str) -> str:
+    """' (closest: A, B)' naming catalog models like `name`, or ''."""
+    import difflib
+
+    keys = {_key(k): k for k in CATALOG}
+    close = difflib.get_close_matches(_key(name.rsplit("/", 1)[-1]), keys, n=3, cutoff=0.6)
+    return f" (closest: {', '.join(keys[c] for c in close)})" if close else ""
 
 
 def has_weights(spec: str) -> bool:
@@ -125,5 +148,5 @@ def resolve_model(spec: str) -> tuple[str, dict]:
             return os.path.basename(os.path.normpath(path)), dict(src.config)
     found = lookup(spec)
     if found is None:
-        raise ConfigError(f"{spec!r} is neither a path nor a catalog model; catalog: {', '.join(CATALOG)}")
+        raise ConfigError(f"{spec!r} is neither a path nor a catalog model{_near(spec)}; catalog: {', '.join(CATALOG)}")
     return found

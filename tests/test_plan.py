@@ -688,6 +688,11 @@ def test_plan_states_the_kv_the_cuda_engine_ends_with():
     assert g["graph_workspace"] == 32 << 20 and eager.per_gpu["graph_workspace"] == 0
     assert eager.per_gpu["warmup_activations"] * 2 + g["graph_workspace"] == g["warmup_activations"]
     assert eager.per_gpu["kv_tokens"] > g["kv_tokens"]
+    # TP / PP ranks run eager (`ModelRunner._graph_tokens`): no graph pools are reserved for them either way
+    tp = [make_plan(PlanOptions("Llama-3-8B", gpu="2xH200", host=HOST, max_model_len=4096, max_num_seqs=16, tp=2,
+                                enforce_eager=e)).per_gpu for e in (False, True)]
+    assert tp[0]["graph_workspace"] == 0 and tp[0]["warmup_activations"] == tp[1]["warmup_activations"]
+    assert tp[0]["kv_tokens"] == tp[1]["kv_tokens"]
     fixed = make_plan(PlanOptions("Llama-3-8B", gpu="1xH200", host=HOST, max_model_len=4096, kv_cache_memory_gb=8))
     assert fixed.per_gpu["kv"] == fixed.per_gpu["kv_planned"] and fixed.per_gpu["kv_tokens_range"][0] == \
         fixed.per_gpu["kv_tokens"] == fixed.per_gpu["kv_tokens_range"][1]

@@ -274,8 +274,9 @@ class ModelRunner:
 
     def _graph_tokens(self, resident: bool) -> int:
         """Tokens of the largest graph-captured step (`offload/memory.py` graph_tokens): piecewise prefill graphs
-        only for fully resident models."""
-        graphs = self.device.type == "cuda" and not self.config.enforce_eager
+        only for fully resident models; none on TP / PP ranks, which run eager. (Asked before placement gives the
+        experts their backends, so `graph_safe` cannot narrow it yet.)"""
+        graphs = self.device.type == "cuda" and not self.config.enforce_eager and self.dist is None
         return graph_tokens(self.config.scheduler, graphs, resident and self.model.piecewise, self._graph_limit)
 
     def _warmup_peak(self) -> int:

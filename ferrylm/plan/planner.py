@@ -347,7 +347,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             from None
     capacity = gpu.memory_bytes
     budget = device_budget(oc, capacity, capacity - CUDA_CONTEXT_BYTES)
-    graphs_planned = not opts.enforce_eager  # `ModelRunner._graph_tokens`: what graph pools hold beside the step
+    # `ModelRunner._graph_tokens`: what graph pools hold beside the step (TP / PP ranks run eager)
+    graphs_planned = not opts.enforce_eager and ranks == 1
     # the graphs' side stream's cuBLAS workspace: 32 MiB from Hopper on (the profiles with fp8), 8 MiB before
     ws = cublas_workspace_bytes(9 if gpu.fp8 else 8)
     packed = bool(mc.num_experts) and fmt.expert_bytes(mc.moe_intermediate_size or 1, mc.hidden_size) is not None

@@ -275,6 +275,33 @@ def test_cli_plan_check_refuses_what_it_cannot_compare(tmp_path, capsys):
         assert ("without weights" in err) == (model == "Qwen2-72B")
 
 
+def test_check_runs_the_engine_with_every_planned_knob(monkeypatch):
+    """`--check` builds the engine from the plan's options: each engine knob the plan takes reaches the engine's
+    config (before, --num-kv-blocks, --stream-buffers, --dequantize and TP / PP were planned but not run), and a
+    layout with more ranks than the machine's GPUs is refused in one line."""
+    import dataclasses
+
+    import torch
+
+    from ferrylm.config import engine_config
+    from ferrylm.plan.check import engine_options, refusal
+
+    opts = PlanOptions("Mixtral-8x7B", gpu="2xH200", host=HOST, gpu_memory_budget="40GiB", num_kv_blocks=100,
+                       stream_buffers=3, max_num_seqs=8, kv_cache_dtype="fp8", experts="gpu", tp=2,
+                       place=("experts=cpu",))
+    cfg = engine_config(model="m", **engine_options(make_plan(opts)))
+    assert (cfg.cache.num_kv_blocks, cfg.offload.stream_buffers, cfg.scheduler.max_num_seqs) == (100, 3, 8)
+    assert (cfg.cache.kv_cache_dtype, cfg.offload.experts, cfg.offload.place) == ("fp8", "gpu", ("experts=cpu",))
+    assert cfg.offload.gpu_memory_budget == 40 * 2**30 and cfg.parallel.tensor_parallel_size == 2
+    engine_fields = {f.name for sec in (cfg, cfg.cache, cfg.scheduler, cfg.offload, cfg.parallel)
+                     for f in dataclasses.fields(sec)}
+    carried = set(engine_options(make_plan(opts)))
+    assert {f.name for f in dataclasses.fields(PlanOptions)} & engine_fields - {"model"} <= carried
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert "2 CUDA GPUs for --tp x --pp ranks, and torch finds 1 here" in refusal("/no/such/model", "cuda", 2)
+
+
 @pytest.mark.parametrize("scheme,group,inter", [("int4", 32, 192), ("nf4", 64, 192), ("nf4", 64, 96), ("int8", 64, 192),
                                                 ("fp8", 64, 192)])
 def test_quantized_store_bytes_equal_the_engines_groups(scheme, group, inter, tmp_path):

@@ -26,7 +26,7 @@ AIMS = {"weights": 0.01, "kv": 0.01, "peak": 0.05, "kv_tokens": 0.01, "step_acti
 (the expert cache's predicted hit rate, offloaded MoE) are not the issue's: their aims are first bounds."""
 
 
-def refusal(model, device: str) -> str | None:
+def refusal(model, device: str, ranks: int = 1) -> str | None:
     """Why `--check` cannot run `model` on `device` here, in one line; None where it can. It needs the CUDA engine
     (the plan's figures are a GPU profile's: the CPU engine sizes its KV pool and holds packed weights its own way,
     so a CPU run has nothing honest to compare) and weights to load."""
@@ -40,6 +40,8 @@ def refusal(model, device: str) -> str | None:
                    "pool and holds weights its own way)")
     elif not torch.cuda.is_available():
         why.append("a CUDA GPU, and torch finds none on this machine")
+    elif ranks > torch.cuda.device_count():
+        why.append(f"{ranks} CUDA GPUs for --tp x --pp ranks, and torch finds {torch.cuda.device_count()} here")
     if isinstance(model, str) and not has_weights(model):
         what = "a built-in catalog config" if not os.path.exists(os.path.expanduser(model)) and lookup(model) else \
             "a config"
@@ -47,19 +49,26 @@ def refusal(model, device: str) -> str | None:
     return "--check runs the engine: it needs " + "; and ".join(why) if why else None
 
 
+def engine_options(plan: Plan) -> dict:
+    """The engine knobs of `plan`'s options: every `PlanOptions` field that is also an engine option (the same name,
+    `config.engine_config`) as the plan has it, the budget as bytes and TP / PP by their engine names."""
+    import dataclasses
+
+    from ferrylm.config import EngineConfig, SECTIONS
+    from ferrylm.plan.planner import budget_bytes
+
+    engine = {f.name for cls in (EngineConfig, *SECTIONS.values()) for f in dataclasses.fields(cls)}
+    o = plan.options
+    shared = {f.name: getattr(o, f.name) for f in dataclasses.fields(o) if f.name in engine and f.name != "model"}
+    return {**shared, "gpu_memory_budget": budget_bytes(o), "place": tuple(o.place),
+            "tensor_parallel_size": o.tp, "pipeline_parallel_size": o.pp}
+
+
 def engine_for(plan: Plan, model, device: str):
     """The engine with the plan's settings; `model` is a path or a `WeightSource` (e.g. `RandomSource`)."""
     from ferrylm import LLM
-    from ferrylm.plan.planner import budget_bytes
 
-    o = plan.options
-    return LLM(model, device=device, dtype=o.dtype, max_num_seqs=o.max_num_seqs,
-               max_num_batched_tokens=o.max_num_batched_tokens, max_model_len=o.max_model_len,
-               block_size=o.block_size, kv_cache_memory_gb=o.kv_cache_memory_gb, enforce_eager=o.enforce_eager,
-               kv_cache_dtype=o.kv_cache_dtype,
-               gpu_memory_budget=budget_bytes(o),
-               gpu_memory_utilization=o.gpu_memory_utilization, place=tuple(o.place), experts=o.experts,
-               cpu_share=o.cpu_share, expert_profile=o.expert_profile)
+    return LLM(model, device=device, **engine_options(plan))
 
 
 SETTLE_STEPS, SETTLE_S = 480, 120.0
@@ -358,7 +367,7 @@ def run_check(plan: Plan, model, device: str) -> list[dict]:
 
     from ferrylm.errors import ConfigError
 
-    why = refusal(model, device)
+    why = refusal(model, device, plan.options.tp * plan.options.pp)
     if why:
         raise ConfigError(why)
     if plan.verdict == "cannot":

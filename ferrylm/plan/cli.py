@@ -119,7 +119,7 @@ def cmd_plan(a: argparse.Namespace) -> None:
         from ferrylm.errors import ConfigError
         from ferrylm.plan.check import refusal
 
-        why = refusal(a.model, a.device)
+        why = refusal(a.model, a.device, a.tp * a.pp)
         if why:
             raise ConfigError(why)
     values = {f.name: getattr(a, f.name) for f in dataclasses.fields(PlanOptions)}

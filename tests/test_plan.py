@@ -302,6 +302,21 @@ def test_check_runs_the_engine_with_every_planned_knob(monkeypatch):
     assert "2 CUDA GPUs for --tp x --pp ranks, and torch finds 1 here" in refusal("/no/such/model", "cuda", 2)
 
 
+def test_plan_takes_no_mapped_experts():
+    """`--no-mapped-experts` as the engine runs it: batch-1 decode copies every miss into a slot (no in-place reads,
+    no hybrid decode), which the plan says costs speed; the check's engine gets the knob."""
+    from ferrylm.plan.check import engine_options
+
+    opts = dict(gpu="1xH200", host=HOST, gpu_memory_budget="30GiB", max_model_len=4096, max_num_seqs=16)
+    on, off = (make_plan(PlanOptions("Mixtral-8x7B", **opts, mapped_experts=m)) for m in (True, False))
+    d_on, d_off = on.speed["decode_batch1"], off.speed["decode_batch1"]
+    print(f"batch 1: in place {d_on['tok_s']:.2f} tok/s, copies {d_off['tok_s']:.2f}")
+    assert (d_on["experts_path"], d_off["experts_path"]) == ("mapped", "copy") and d_off["tok_s"] < d_on["tok_s"]
+    assert any("--no-mapped-experts costs decode speed" in n for n in off.notes)
+    assert not any("mapped-experts" in n for n in on.notes)
+    assert engine_options(off)["mapped_experts"] is False
+
+
 @pytest.mark.parametrize("scheme,group,inter", [("int4", 32, 192), ("nf4", 64, 192), ("nf4", 64, 96), ("int8", 64, 192),
                                                 ("fp8", 64, 192)])
 def test_quantized_store_bytes_equal_the_engines_groups(scheme, group, inter, tmp_path):

@@ -35,6 +35,8 @@ _HELP = {
     "routing": "routing that predicts the hit rate without a profile: uniform, zipf:S (e.g. zipf:1.2) or a profile FILE",
     "measure_bandwidth": "measure this machine's pinned host-to-GPU and host memory read rates and plan with them",
     "experts": "where expert misses run, as the engine's --experts: auto (hybrid decode), gpu, cpu",
+    "mapped_experts": "plan the engine's --no-mapped-experts: every expert miss copied into a slot (no in-place "
+                      "reads, no hybrid decode)",
     "cpu_share": "hybrid decode: share of the misses the host computes (default: balanced as the engine does)",
     "gpu_memory_budget": "SIZE the engine may allocate per GPU (weights, KV, buffers), as the engine's --gpu-memory-budget "
                          "takes it: 16GiB, 512MiB or bytes (2e9); G and GB count 2^30 as there. Below the model's size "
@@ -70,8 +72,9 @@ def add_plan_parser(sub) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         text = _HELP.get(f.name) or docs.get(f.name, "").split(". ")[0].strip().rstrip(".") or None
-        if f.type == "bool":
-            p.add_argument(flag, action="store_true", help=text)
+        if f.type == "bool":  # a knob on by default is turned off as the engine's CLI spells it: --no-NAME
+            p.add_argument(flag if not f.default else "--no-" + flag[2:], dest=f.name,
+                           action="store_false" if f.default else "store_true", help=text)
             continue
         if f.type.startswith("tuple"):
             p.add_argument(flag, action="append", default=[], help=text and text + " (repeatable)")

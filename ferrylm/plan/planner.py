@@ -100,6 +100,9 @@ class PlanOptions:
     beside the GPU), gpu (GPU only), cpu (every miss on the host)."""
     cpu_share: float | None = None
     """Hybrid decode: share of the misses the host computes (the engine's `--cpu-share`); None: balanced."""
+    mapped_experts: bool = True
+    """Decode steps read missed experts in place over PCIe (the engine's default); off (`--no-mapped-experts`):
+    every miss is copied into a slot, and no hybrid decode."""
 
 
 @dataclass
@@ -538,7 +541,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     from ferrylm.offload.expert_cache import CachedExperts
 
     mapped_tokens = min((1 if moe[l]["nbytes"] > CachedExperts.large_expert_bytes else CachedExperts.mapped_tokens
-                         for l in cached), default=None) if fused_moe else None
+                         for l in cached), default=None) if fused_moe and opts.mapped_experts else None
     graph_base = graphs_family and not opts.enforce_eager and ranks == 1 and placement is not None
     # hybrid decode (offload/placed_weights.py `_start_host_decode`): cached experts on the mapped path, experts !=
     # gpu, in any format the host has a rate for (dense, or packed: `estimate.host_expert_eff`); unless a share is
@@ -919,6 +922,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         if graphed.speed and graphed.speed["decode_batch1"]["tok_s"] > 1.1 * d1["tok_s"]:
             notes.append(f"warning: --enforce-eager costs decode speed: {d1['tok_s']:.1f} instead of "
                          f"{graphed.speed['decode_batch1']['tok_s']:.1f} tok/s at batch 1 with CUDA graphs")
+    if advise and verdict != "cannot" and not opts.mapped_experts and d1.get("experts_path") == "copy":
+        inplace = make_plan(replace(opts, mapped_experts=True), advise=False).speed["decode_batch1"]
+        if inplace.get("experts_path") == "mapped" and inplace["tok_s"] > 1.1 * d1["tok_s"]:
+            notes.append(f"warning: --no-mapped-experts costs decode speed: {d1['tok_s']:.1f} instead of "
+                         f"{inplace['tok_s']:.1f} tok/s at batch 1 reading expert misses in place")
     if advise and quant_kv and verdict != "cannot":
         full = make_plan(replace(opts, kv_cache_dtype="auto"), advise=False)
         if full.verdict == verdict and full.per_gpu["kv_tokens"] >= conc * seq_tokens:

@@ -1206,6 +1206,8 @@ def test_pipeline_stages_apply_their_own_place_rules(capsys):
     stage = p.placement["host_bytes"]
     assert p.verdict == "offload" and p.per_gpu["stage"] == 0 and stage > 60 * 2**30
     assert both.placement["host_bytes"] == stage  # the same 40 layers a stage (the model's 65 GiB over 80 GB x 0.8)
+    # the speed is the shown stage's times two: said to be an upper bound where the other stage is lighter
+    assert any("that stage's times --pp, an upper bound" in n for n in p.notes), p.notes
     rc, out, err = _plan_cli(capsys, "Qwen2-72B", "--host", "2xXeon-8480C,100GB", "--gpu", "2xA800-80G-PCIe", "--pp",
                              "2", "--max-model-len", "4096", "--place", "layers.0-39=cpu")
     assert rc == 0 and "stage 0, where --place puts the most in host memory" in out, err

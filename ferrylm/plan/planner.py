@@ -937,7 +937,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     if ranks > 1:
         notes.append("TP / PP: the figures are " + ("the heaviest rank's" if stage is None else
                      f"a rank's of PP stage {stage}, the one --place puts the most in host memory")
-                     + "; parallel layouts run without CUDA graphs")
+                     + "; parallel layouts run without CUDA graphs"
+                     + ("; a token's time is that stage's times --pp, an upper bound where the other stages are "
+                        "lighter" if opts.pp > 1 else ""))
     if n_gpu > ranks:
         # the GPUs at hand: the most of them first, TP first (decode fastest), then fewer
         search = (_fitting_layout(opts, gpu, mc, range(min(n_gpu, _most_gpus(mc)), ranks, -1), same_gpus=True)

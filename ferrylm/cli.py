@@ -48,9 +48,12 @@ def _engine_fields():
                 yield f, docs.get(f.name, "")
 
 
-def add_engine_args(p: argparse.ArgumentParser, **defaults) -> None:
-    """Every engine knob as a flag; `defaults` overrides a field's default for this subcommand."""
+def add_engine_args(p, skip=frozenset(), **defaults) -> None:
+    """Every engine knob but those in `skip` as a flag on `p` (a parser or an argument group); `defaults` overrides
+    a field's default for this subcommand."""
     for f, doc in _engine_fields():
+        if f.name in skip:
+            continue
         extra = dict(FLAG_EXTRAS.get(f.name, {}))
         default = defaults.get(f.name, f.default)
         on = str(f.type) == "bool" and default is True  # a knob on by default is turned off by its flag

@@ -317,6 +317,22 @@ def test_plan_takes_no_mapped_experts():
     assert engine_options(off)["mapped_experts"] is False
 
 
+def test_plan_takes_an_engine_command_line_as_it_is(capsys):
+    """Every engine flag is a plan flag: those the plan does not model (--cpu-threads, --no-hybrid-split, ...) were
+    "unrecognized arguments"; now they are taken, noted where they change what the plan assumes, and run by --check
+    as given. Flags that change nothing the plan predicts (--seed) are taken without a note."""
+    args = ["Mixtral-8x7B", "--gpu", "1xH200", "--host", HOST, "--max-model-len", "4096", "--json"]
+    rc, out, err = _plan_cli(capsys, *args, "--cpu-threads", "8", "--no-hybrid-split", "--seed", "3",
+                             "--moe-backend", "torch", "--async-scheduling", "off")
+    assert rc == 0, err
+    notes = [n for n in json.loads(out)["notes"] if n.startswith("not modelled")]
+    assert len(notes) == 4 and "--cpu-threads 8 (the figures assume the engine's default, unset)" in notes[-2]
+    assert any("--no-hybrid-split (the figures assume the engine's default, --hybrid-split)" in n for n in notes)
+    assert not any("--seed" in n for n in notes)
+    rc, out, _ = _plan_cli(capsys, *args)
+    assert rc == 0 and not any(n.startswith("not modelled") for n in json.loads(out)["notes"])
+
+
 @pytest.mark.parametrize("scheme,group,inter", [("int4", 32, 192), ("nf4", 64, 192), ("nf4", 64, 96), ("int8", 64, 192),
                                                 ("fp8", 64, 192)])
 def test_quantized_store_bytes_equal_the_engines_groups(scheme, group, inter, tmp_path):
@@ -561,8 +577,8 @@ def test_check_times_prefill_after_a_full_length_warm_up(tiny_llama):
     plan = make_plan(PlanOptions(os.path.join(tiny_llama, "config.json"), host=HOST, dtype="float32",
                                  kv_cache_memory_gb=0.01, max_num_seqs=2, max_model_len=128, prompt_len=40,
                                  output_len=4))
-    llm = engine_for(plan, tiny_llama, "cpu")
-    assert isinstance(llm, LLM)
+    llm = engine_for(plan, tiny_llama, "cpu", seed=7, enable_prefix_caching=False)  # knobs the plan does not model
+    assert isinstance(llm, LLM) and llm.engine.config.seed == 7 and not llm.engine.config.cache.enable_prefix_caching
     seen, generate = [], llm.generate
     llm.generate = lambda prompts, params: seen.append([list(p) for p in prompts]) or generate(prompts, params)
     got = measure(plan, llm, cuda=False)

@@ -64,11 +64,12 @@ def engine_options(plan: Plan) -> dict:
             "tensor_parallel_size": o.tp, "pipeline_parallel_size": o.pp}
 
 
-def engine_for(plan: Plan, model, device: str):
-    """The engine with the plan's settings; `model` is a path or a `WeightSource` (e.g. `RandomSource`)."""
+def engine_for(plan: Plan, model, device: str, **unplanned):
+    """The engine with the plan's settings; `model` is a path or a `WeightSource` (e.g. `RandomSource`); `unplanned`:
+    engine knobs the plan took but does not model (`ferry plan --cpu-threads 8 --check`), run as given."""
     from ferrylm import LLM
 
-    return LLM(model, device=device, **engine_options(plan))
+    return LLM(model, device=device, **{**engine_options(plan), **unplanned})
 
 
 SETTLE_STEPS, SETTLE_S = 480, 120.0
@@ -356,7 +357,7 @@ def routing_rows(plan: Plan, llm, got: dict, path: str) -> tuple[list[dict], dic
     return rows, info
 
 
-def run_check(plan: Plan, model, device: str) -> list[dict]:
+def run_check(plan: Plan, model, device: str, **unplanned) -> list[dict]:
     """`ferry plan --check`: the plan's settings run briefly, predicted vs measured. An offloaded MoE model planned
     without a routing profile (none given, none saved beside the model) also gets its speeds re-predicted from the
     routing the run saw (`routing_rows`): the plan alone assumes independent, uniform routing, which real and
@@ -376,7 +377,7 @@ def run_check(plan: Plan, model, device: str) -> list[dict]:
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    llm = engine_for(plan, model, device)
+    llm = engine_for(plan, model, device, **unplanned)
     o = plan.options
     try:
         from ferrylm.offload.expert_profile import saved

@@ -52,6 +52,29 @@ _HELP = {
     "concurrency": "sequences decoding together (default --max-num-seqs)",
 }
 
+_OWN = {"model", "device", "tensor_parallel_size", "pipeline_parallel_size"}
+"""Engine knobs plan spells its own way: MODEL, --device (for --check), --tp / --pp (which take the engine's names)."""
+_NO_EFFECT = {"seed", "tokenizer", "parallel_timeout", "profile_experts", "enable_prefix_caching"}
+"""Engine knobs that change nothing the plan predicts (a profiling warm-up pays off at the next start; the plan's
+workload shares no prefixes)."""
+
+
+def _unplanned_fields():
+    """The engine's knobs `PlanOptions` has no field for: plan takes them as the engine does (an engine command line
+    plans as it is), `--check` runs them as given, and a note names those that differ from the default."""
+    from ferrylm.cli import _engine_fields
+
+    planned = {f.name for f in dataclasses.fields(PlanOptions)} | _OWN
+    return [f for f, _ in _engine_fields() if f.name not in planned]
+
+
+def _flag(f, value) -> str:
+    name = f.name.replace("_", "-")
+    if f.type == "bool":
+        return f"--{name}" if value else f"--no-{name}"
+    return f"--{name} {value}"
+
+
 _METAVAR = {"gpu_memory_budget": "SIZE", "gpu_memory_budget_gb": "GB", "kv_cache_memory_gb": "GIB", "gpu": "GPUS",
             "expert_profile": "FILE"}
 
@@ -84,6 +107,12 @@ def add_plan_parser(sub) -> None:
         conv = None if f.name == "gpu_memory_budget" else int if "int" in f.type else float if "float" in f.type else None
         alias = {"tp": ["--tensor-parallel-size"], "pp": ["--pipeline-parallel-size"]}.get(f.name, [])  # engine spelling
         p.add_argument(flag, *alias, type=conv or str, default=f.default, help=text, metavar=_METAVAR.get(f.name))
+    from ferrylm.cli import add_engine_args
+
+    engine = p.add_argument_group("engine options the plan does not model",
+                                  "taken as the engine takes them, so an engine command line plans as it is; --check "
+                                  "runs them as given, and the plan notes those that differ from the default")
+    add_engine_args(engine, skip={f.name for f in dataclasses.fields(PlanOptions)} | _OWN)
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     p.add_argument("--list", action="store_true", help="list the built-in models and hardware profiles (with --json: "
                    "one JSON object, each profile's figures too)")
@@ -128,11 +157,17 @@ def cmd_plan(a: argparse.Namespace) -> None:
     values = {f.name: getattr(a, f.name) for f in dataclasses.fields(PlanOptions)}
     opts = PlanOptions(**{**values, "place": tuple(values["place"])})
     plan = make_plan(opts)
+    unplanned = {f.name: getattr(a, f.name) for f in _unplanned_fields() if getattr(a, f.name) != f.default}
+    for f in _unplanned_fields():
+        if f.name in unplanned and f.name not in _NO_EFFECT:
+            plan.notes.append(f"not modelled: {_flag(f, unplanned[f.name])} (the figures assume the engine's default, "
+                              f"{_flag(f, f.default) if f.type == 'bool' else 'unset' if f.default is None else f.default}); "
+                              "--check runs it as given")
     check = None
     if a.check:
         from ferrylm.plan.check import run_check
 
-        check = run_check(plan, a.model, a.device)
+        check = run_check(plan, a.model, a.device, **unplanned)
     if a.json:
         print(report.to_json(plan, check))
     else:

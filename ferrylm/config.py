@@ -383,6 +383,7 @@ class EngineConfig:
     dtype: str = "auto"
     """float32 | bfloat16 | float16 | auto (float32 on CPU, the checkpoint's dtype on GPU)."""
     seed: int = 0
+    """Seed of the generator that unseeded random sampling shares (a request with its own `seed` uses that)."""
     tokenizer: str | None = None
     """Tokenizer directory if not beside the model."""
     cache: CacheConfig = CacheConfig()

@@ -59,13 +59,17 @@ _NO_EFFECT = {"seed", "tokenizer", "parallel_timeout", "profile_experts", "enabl
 workload shares no prefixes)."""
 
 
+def _planned() -> set[str]:
+    """Engine knobs plan has its own flags for."""
+    return {f.name for f in dataclasses.fields(PlanOptions)} | _OWN
+
+
 def _unplanned_fields():
     """The engine's knobs `PlanOptions` has no field for: plan takes them as the engine does (an engine command line
     plans as it is), `--check` runs them as given, and a note names those that differ from the default."""
     from ferrylm.cli import _engine_fields
 
-    planned = {f.name for f in dataclasses.fields(PlanOptions)} | _OWN
-    return [f for f, _ in _engine_fields() if f.name not in planned]
+    return [f for f, _ in _engine_fields() if f.name not in _planned()]
 
 
 def _flag(f, value) -> str:
@@ -112,7 +116,7 @@ def add_plan_parser(sub) -> None:
     engine = p.add_argument_group("engine options the plan does not model",
                                   "taken as the engine takes them, so an engine command line plans as it is; --check "
                                   "runs them as given, and the plan notes those that differ from the default")
-    add_engine_args(engine, skip={f.name for f in dataclasses.fields(PlanOptions)} | _OWN)
+    add_engine_args(engine, skip=_planned())
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     p.add_argument("--list", action="store_true", help="list the built-in models and hardware profiles (with --json: "
                    "one JSON object, each profile's figures too)")

@@ -339,6 +339,8 @@ class OffloadConfig:
             raise ConfigError(f"profile_experts must be >= 0 prompts, got {self.profile_experts}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.cpu_numa_node is not None and self.cpu_numa_node < 0:
+            raise ConfigError(f"cpu_numa_node must be >= 0, got {self.cpu_numa_node}")
         if self.cpu_share is not None and not 0 <= self.cpu_share <= 1:
             raise ConfigError(f"cpu_share must be in [0, 1], got {self.cpu_share}")
         if self.stream_buffers < 2:
@@ -424,6 +426,10 @@ class EngineConfig:
             object.__setattr__(self, "async_scheduling", "on" if self.async_scheduling else "off")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ConfigError(f"async_scheduling {self.async_scheduling!r}: choose auto, on or off")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {self.threads}")
+        if self.numa_node is not None and self.numa_node < 0:
+            raise ConfigError(f"numa_node must be >= 0, got {self.numa_node}")
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

@@ -327,10 +327,19 @@ def test_plan_takes_an_engine_command_line_as_it_is(capsys):
     assert rc == 0, err
     notes = [n for n in json.loads(out)["notes"] if n.startswith("not modelled")]
     assert len(notes) == 4 and "--cpu-threads 8 (the figures assume the engine's default, unset)" in notes[-2]
-    assert any("--no-hybrid-split (the figures assume the engine's default, --hybrid-split)" in n for n in notes)
+    assert any("--no-hybrid-split (the figures assume the engine's default, on)" in n for n in notes)
     assert not any("--seed" in n for n in notes)
     rc, out, _ = _plan_cli(capsys, *args)
     assert rc == 0 and not any(n.startswith("not modelled") for n in json.loads(out)["notes"])
+    # flags spelled as the engine's command line spells them, on by default or off
+    rc, out, _ = _plan_cli(capsys, *args, "--no-chunked-prefill", "--expert-parallel")
+    notes = " ".join(json.loads(out)["notes"])
+    assert rc == 0 and "--no-chunked-prefill (the figures assume the engine's default, on)" in notes
+    assert "--expert-parallel (the figures assume the engine's default, off)" in notes
+    # a value the engine refuses is refused by plan in one line, as the engine words it
+    for bad, why in (("--threads", "threads must be >= 1"), ("--numa-node", "numa_node must be >= 0")):
+        rc, out, err = _plan_cli(capsys, *args, bad, "-1")
+        assert rc != 0 and why in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("scheme,group,inter", [("int4", 32, 192), ("nf4", 64, 192), ("nf4", 64, 96), ("int8", 64, 192),

@@ -73,9 +73,13 @@ def _unplanned_fields():
 
 
 def _flag(f, value) -> str:
+    """`f` set to `value` (not its default) as the engine's command line spells it (`cli.FLAG_EXTRAS`:
+    --no-chunked-prefill)."""
+    from ferrylm.cli import FLAG_EXTRAS
+
     name = f.name.replace("_", "-")
-    if f.type == "bool":
-        return f"--{name}" if value else f"--no-{name}"
+    if f.type == "bool":  # on by default: its flag turns it off
+        return FLAG_EXTRAS.get(f.name, {}).get("flag", f"--no-{name}") if f.default else f"--{name}"
     return f"--{name} {value}"
 
 
@@ -160,13 +164,16 @@ def cmd_plan(a: argparse.Namespace) -> None:
             raise ConfigError(why)
     values = {f.name: getattr(a, f.name) for f in dataclasses.fields(PlanOptions)}
     opts = PlanOptions(**{**values, "place": tuple(values["place"])})
-    plan = make_plan(opts)
     unplanned = {f.name: getattr(a, f.name) for f in _unplanned_fields() if getattr(a, f.name) != f.default}
+    from ferrylm.config import engine_config
+
+    engine_config(**unplanned)  # a value the engine refuses is refused here, as the engine words it
+    plan = make_plan(opts)
     for f in _unplanned_fields():
         if f.name in unplanned and f.name not in _NO_EFFECT:
+            default = ("on" if f.default else "off") if f.type == "bool" else "unset" if f.default is None else f.default
             plan.notes.append(f"not modelled: {_flag(f, unplanned[f.name])} (the figures assume the engine's default, "
-                              f"{_flag(f, f.default) if f.type == 'bool' else 'unset' if f.default is None else f.default}); "
-                              "--check runs it as given")
+                              f"{default}); --check runs it as given")
     check = None
     if a.check:
         from ferrylm.plan.check import run_check

@@ -100,5 +100,9 @@ TODO (what is left of issue #14):
   on 16 threads, 19.7 on 8 (`host-rowblocks-threads-*-s16` results);
 - multi-GPU speed is per-rank arithmetic with assumed all-reduce costs, and the warm-up step is counted at the
   full widths under TP (an upper estimate); the engine loop's per-step host time (schedule, sample) is not
-  modelled.
+  modelled;
+- engine knobs plan takes but does not model (session 35: `--cpu-threads`, `--no-hybrid-split`,
+  `--expert-cache-policy lfu`, `--moe-backend torch`, ...) are noted as such and run as given by `--check`; next
+  for `--host local`: read the engine's calibration cache (`offload/calibration.py`, per machine, shape and format)
+  where a start there left one, and price the host side with the rates it measured instead of the assumed ones.
 """

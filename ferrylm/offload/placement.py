@@ -284,6 +284,13 @@ def _smallest(groups, forced, stream_buffers, min_expert_slots) -> _Ledger:
     return _Ledger(groups, tier, stream_buffers, min_expert_slots)
 
 
+# TODO(issue 8, found in session 35): every MoE layer with experts in host memory keeps `min_expert_slots` (2) slots
+# of its own, so the minimum budget grows with layers x expert bytes: bf16 Mixtral-8x7B needs >= 25.7 GiB even with
+# `--place experts=cpu --experts cpu` (llama.cpp's `-ot exps=CPU` runs it in a few GiB), Mixtral-8x22B 71.3 GiB.
+# `--experts cpu` copies nothing (`cost_model.split_misses`, no promotions without slots): it could place with 0
+# slots; otherwise the copy path could share one pool of slots across layers (they run one after another; the
+# copy-road staging already lends one layer's slots to the others). Needs `CachedExperts` with 0 slots checked on
+# the GPU (the tally, the decode tables, staging) before it lands.
 def minimum_device_bytes(groups: list[TensorGroup], rules: tuple[str, ...] = (), *, stream_buffers: int = 2,
                          min_expert_slots: int = 2) -> int:
     """The fewest device bytes the weights can run in (norms, routers, the LM head, forced groups, stream

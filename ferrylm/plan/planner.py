@@ -160,11 +160,24 @@ def _stages(groups: list[TensorGroup], layers: int, pp: int) -> list[list[Tensor
     return stages
 
 
-def _another_stages(rule, held: list[int], layers: int) -> bool:
-    """Whether a parsed --place rule names only layers of other pipeline stages than the one holding `held` (the
-    engine's own rule, `ModelRunner._place`: such a rule is that stage's; one of no layer at all is every stage's)."""
-    lo, hi = rule.layers or (None, None)
-    return rule.layers is not None and not any(lo <= i <= hi for i in held) and lo < layers
+def _held(gs: list[TensorGroup]) -> list[int]:
+    """The layers a PP stage's groups hold, in order."""
+    return sorted({g.layer for g in gs if g.layer is not None})
+
+
+def _rules_for(rules: tuple[str, ...], gs: list[TensorGroup], layers: int) -> tuple[str, ...]:
+    """The --place rules the PP stage holding `gs` applies: the engine's own rule (`ModelRunner._place`) drops one
+    that names only layers of other stages; one of no layer at all is every stage's."""
+    from ferrylm.offload.placement import PlaceRule
+
+    held = _held(gs)
+
+    def another(text: str) -> bool:
+        r = PlaceRule.parse(text)
+        lo, hi = r.layers or (None, None)
+        return r.layers is not None and not any(lo <= i <= hi for i in held) and lo < layers
+
+    return tuple(r for r in rules if not another(r))
 
 
 def _planned_stage(groups: list[TensorGroup], layers: int, pp: int, rules: tuple[str, ...]) -> int | None:
@@ -172,14 +185,10 @@ def _planned_stage(groups: list[TensorGroup], layers: int, pp: int, rules: tuple
     there (the slowest stage, which every token waits for), the heaviest of those; None: the heaviest."""
     from ferrylm.offload.placement import PlaceRule
 
-    parsed = [PlaceRule.parse(r) for r in rules]
-
     def forced_host(gs: list[TensorGroup]) -> int:
-        held = sorted({g.layer for g in gs if g.layer is not None})
         tier: dict[str, str] = {}
-        for r in parsed:
-            if not _another_stages(r, held, layers):
-                tier.update({g.name: r.tier for g in gs if r.matches(g)})
+        for r in map(PlaceRule.parse, _rules_for(rules, gs, layers)):
+            tier.update({g.name: r.tier for g in gs if r.matches(g)})
         return sum(g.nbytes for g in gs if tier.get(g.name) == HOST)
 
     stages = _stages(groups, layers, pp)
@@ -410,12 +419,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     kv, kv_tokens = kv_pool(kv_bytes, per_block, opts.block_size)
     host_bytes = placement.bytes_on(HOST) * ranks if placement else 0
     if placement is not None and stage is not None:  # stages whose rules differ: each one's own placement, summed
-        from ferrylm.offload.placement import PlaceRule
-
         host_bytes = 0
         for i, gs in enumerate(stages):
-            its = sorted({g.layer for g in gs if g.layer is not None})
-            rules = tuple(r for r in opts.place if not _another_stages(PlaceRule.parse(r), its, mc.num_hidden_layers))
+            rules = _rules_for(opts.place, gs, mc.num_hidden_layers)
             try:
                 theirs = placement if i == stage else size_memory(
                     _stage_groups(groups, mc.num_hidden_layers, opts.tp, opts.pp, i), per_block, max_len, cc, sc,
@@ -1050,14 +1056,13 @@ def _stage_rules(rules: tuple[str, ...], stages: list[list[TensorGroup]], stage:
     """The --place rules PP stage `stage` applies. Every stage drops a rule whose layers are all another stage's, as
     `ModelRunner._place` does (`notes` then says the plan does not show that stage), and refuses one that matches none
     of its groups (embed=cpu on a later stage), as each stage's start does."""
-    from ferrylm.offload.placement import PlaceRule, minimum_device_bytes
+    from ferrylm.offload.placement import minimum_device_bytes
 
     if len(stages) == 1:
         return tuple(rules)
     mine = []
     for s, gs in enumerate(stages):
-        held = sorted({g.layer for g in gs if g.layer is not None})
-        kept = tuple(r for r in rules if not _another_stages(PlaceRule.parse(r), held, layers))
+        held, kept = _held(gs), _rules_for(rules, gs, layers)
         try:
             minimum_device_bytes(gs, kept)
         except ConfigError as e:

@@ -889,6 +889,41 @@ def test_packed_store_host_experts_copy_path_and_decode(tmp_path_factory):
         assert [o.outputs[0].token_ids[:3] for o in out] == [r.outputs[0].token_ids[:3] for r in res_out]
 
 
+@pytest.mark.parametrize("quant", [None, "nf4"])
+def test_host_experts_with_no_device_slots(quant, tmp_path_factory):
+    """`--place experts=cpu --experts cpu` keeps no expert slot on the device (`placement.min_expert_slots`): the
+    caches have capacity 0, every miss runs on the host, through the copy path's rounds (mapped off) and through
+    hybrid decode at share 1 (mapped, graphed); close to the resident run, nothing copied in."""
+    from test_models_hf import build
+
+    from ferrylm.weights.convert import ConvertOptions, convert
+
+    path, _ = build(tmp_path_factory, "mixtral")
+    if quant:
+        store = str(tmp_path_factory.mktemp(f"no-slots-{quant}") / "s")
+        convert(path, store, ConvertOptions(quant=quant, group_size=64))
+        path = store
+    g = torch.Generator().manual_seed(19)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 3, 17)]
+    kw = dict(device="cuda", dtype="bfloat16", gpu_memory_budget="2GiB")
+    res_out, res = sampled_rows(LLM(path, **kw), prompts, 12)
+    free_engines()
+    for mapped in (False, True):
+        llm = LLM(path, place=("experts=cpu",), experts="cpu", mapped_experts=mapped, **kw)
+        runner = llm.engine.runner
+        placed = runner.placed
+        assert placed.caches and all(c.capacity == 0 for c in placed.caches.values())
+        out, got = sampled_rows(llm, prompts, 12)
+        worst, diverged = worst_while_equal(res_out, res, out, got)
+        print(f"no slots, quant {quant}, mapped {mapped}: max |logit diff| vs resident = {worst:.3e} "
+              f"({diverged} diverged); {placed.stats}")
+        assert placed.stats.cpu_experts > 0 and placed.stats.copied_experts == 0
+        assert placed.stats.mapped_experts == 0
+        assert worst < 0.1
+        assert [o.outputs[0].token_ids[:3] for o in out] == [r.outputs[0].token_ids[:3] for r in res_out]
+        free_engines()
+
+
 def _wide_mixtral(tmp_path_factory, inter: int = 512) -> str:
     """A tiny Mixtral (test_models_hf's shapes) with a wide expert intermediate, so hybrid decode's column
     split has columns to split (c a multiple of 128)."""

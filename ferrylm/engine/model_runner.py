@@ -219,7 +219,7 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv(kv_bytes)
         self.state_pool = self._allocate_state()
         text = describe(placement, self.kv_cache.nbytes, self.kv_cache.num_blocks * self.block_size,
-                        model_config.num_experts_per_tok or None)
+                        model_config.num_experts_per_tok or None, config.offload.experts == "cpu")
         (log.warning if not placement.fully_resident else log.info)("%s", text)
         self.placement_text = text
         self.graphs = self.piecewise = None

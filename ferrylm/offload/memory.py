@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig
 from ferrylm.errors import ConfigError
-from ferrylm.offload.placement import Placement, TensorGroup, minimum_device_bytes, place
+from ferrylm.offload.placement import (MIN_EXPERT_SLOTS, Placement, TensorGroup, min_expert_slots,
+                                      minimum_device_bytes, place)
 
 
 def device_budget(oc: OffloadConfig, total: int | None, free: int | None) -> int | None:
@@ -101,17 +102,18 @@ def size_memory(groups: list[TensorGroup], per_block: int, max_model_len: int, c
     default `reserve`: a resident model's graphs may hold more), else placed under the budget keeping `reserve`."""
     blocks_per_seq = (max_model_len + cc.block_size - 1) // cc.block_size
     fixed_kv = fixed_kv_bytes(cc, per_block)
+    slots = min_expert_slots(oc.experts)
     if budget is None:  # CPU engine without a budget: everything "resident" in host memory
         need = sc.max_num_seqs * blocks_per_seq  # every sequence at full length, capped at 2 GiB
         kv = fixed_kv if fixed_kv is not None else min(need, max(2, int(2 * 2**30 // per_block))) * per_block
-        return place(groups, None, oc.place, stream_buffers=oc.stream_buffers), kv
+        return place(groups, None, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=slots), kv
     min_kv = (blocks_per_seq + 2) * per_block  # one sequence at full length, and the scratch block
     kv = fixed_kv if fixed_kv is not None else min_kv
     weights = sum(g.nbytes for g in groups)
     forced_host = any(r.split("=")[-1].strip().lower() == "cpu" for r in oc.place)
     whole = reserve if resident_reserve is None else resident_reserve
     if weights + whole + kv <= budget and not forced_host:
-        placement = place(groups, None, oc.place, stream_buffers=oc.stream_buffers)
+        placement = place(groups, None, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=slots)
         if fixed_kv is None:  # resident: the KV pool takes the rest, as much as every sequence can use
             kv = max(kv, min(budget - weights - whole, sc.max_num_seqs * blocks_per_seq * per_block
                              if on_cpu else budget))
@@ -121,17 +123,30 @@ def size_memory(groups: list[TensorGroup], per_block: int, max_model_len: int, c
     room = budget - reserve - kv
     if weights <= room and not forced_host:  # all would fit, but then resident (prefill graphs): keep its reserve
         room = budget - whole - kv
-    least = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers)
+    least = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=slots)
     if room < least:
-        def gib(n):
-            return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
         raise ConfigError(
             f"GPU memory budget {gib(budget)} is too small for this model: it needs at least "
             f"{gib(least + budget - room)} ({gib(least)} of weights: norms, routers, the LM head, placement "
             f"rules, stream buffers and expert slots; {gib(kv)} of KV cache; {gib(budget - room - kv)} for "
-            f"activations)")
-    return place(groups, room, oc.place, stream_buffers=oc.stream_buffers), kv
+            f"activations){_slot_hint(groups, oc, least)}")
+    return place(groups, room, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=slots), kv
+
+
+def gib(n: int) -> str:
+    """Bytes for a memory message: GiB, or MiB below one."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _slot_hint(groups: list[TensorGroup], oc: OffloadConfig, least: int) -> str:
+    """How much less `--experts cpu` needs, when expert slots are part of `least`."""
+    if min_expert_slots(oc.experts) == 0:
+        return ""
+    fewer = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=0)
+    if fewer >= least:
+        return ""
+    return (f"; {MIN_EXPERT_SLOTS} expert slots per MoE layer take {gib(least - fewer)} of it: "
+            f"--experts cpu (every miss on the host's cores) needs none")
 
 
 def cublas_workspace_bytes(major: int) -> int:

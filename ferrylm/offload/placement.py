@@ -192,12 +192,15 @@ class Placement:
     def _expert_bytes(self, layer: int) -> int:
         return next(g.nbytes for g in self.groups if g.kind == "experts" and g.layer == layer)
 
-    def pcie_bytes_per_token(self, experts_per_token: float | None = None) -> int:
+    def pcie_bytes_per_token(self, experts_per_token: float | None = None, host_experts: bool = False) -> int:
         """Bytes that cross to the device for one decode step of one token: every streamed dense group,
         plus the expected expert misses (`experts_per_token` distinct experts needed per MoE layer,
-        each non-resident one with probability (non-resident share) under uniform routing)."""
+        each non-resident one with probability (non-resident share) under uniform routing), none when
+        `host_experts` (`--experts cpu`: the host's cores run them)."""
         total = sum(g.nbytes for g in self.groups if g.kind != "experts" and self.tier[g.name] == HOST
                     and g.kind != "embed")
+        if host_experts:
+            return total
         by_layer: dict[int, list[TensorGroup]] = {}
         for g in self.groups:
             if g.kind == "experts":
@@ -284,22 +287,29 @@ def _smallest(groups, forced, stream_buffers, min_expert_slots) -> _Ledger:
     return _Ledger(groups, tier, stream_buffers, min_expert_slots)
 
 
-# TODO(issue 8, found in session 35): every MoE layer with experts in host memory keeps `min_expert_slots` (2) slots
-# of its own, so the minimum budget grows with layers x expert bytes: bf16 Mixtral-8x7B needs >= 25.7 GiB even with
-# `--place experts=cpu --experts cpu` (llama.cpp's `-ot exps=CPU` runs it in a few GiB), Mixtral-8x22B 71.3 GiB.
-# `--experts cpu` copies nothing (`cost_model.split_misses`, no promotions without slots): it could place with 0
-# slots; otherwise the copy path could share one pool of slots across layers (they run one after another; the
-# copy-road staging already lends one layer's slots to the others). Needs `CachedExperts` with 0 slots checked on
-# the GPU (the tally, the decode tables, staging) before it lands.
+MIN_EXPERT_SLOTS = 2
+"""Device slots each MoE layer with experts in host memory keeps for the misses it copies in (a step's misses run in
+waves through them when there are more). Per layer: the minimum budget grows with layers x expert bytes (bf16
+Mixtral-8x7B: 25.7 GiB of slots alone)."""
+
+
+def min_expert_slots(experts: str) -> int:
+    """The slots a layer with host experts needs under `OffloadConfig.experts`: none with cpu, where every miss runs
+    on the host's cores and nothing is copied in (`cost_model.split_misses`; hybrid decode at share 1). Resident
+    experts still follow the routing there (`routing_tally` promotes into a resident expert's slot). So
+    `--place experts=cpu --experts cpu` needs only the dense weights on the device, as llama.cpp's `-ot exps=CPU`."""
+    return 0 if experts == "cpu" else MIN_EXPERT_SLOTS
+
+
 def minimum_device_bytes(groups: list[TensorGroup], rules: tuple[str, ...] = (), *, stream_buffers: int = 2,
-                         min_expert_slots: int = 2) -> int:
+                         min_expert_slots: int = MIN_EXPERT_SLOTS) -> int:
     """The fewest device bytes the weights can run in (norms, routers, the LM head, forced groups, stream
     buffers for the largest layer, expert slots)."""
     return _smallest(groups, _forced(groups, rules), stream_buffers, min_expert_slots).total()
 
 
 def place(groups: list[TensorGroup], budget: int | None, rules: tuple[str, ...] = (), *,
-          stream_buffers: int = 2, min_expert_slots: int = 2) -> Placement:
+          stream_buffers: int = 2, min_expert_slots: int = MIN_EXPERT_SLOTS) -> Placement:
     """Decide each group's tier so the device bytes (resident groups, stream buffers, expert slots) stay
     within `budget`. Raises `ConfigError` naming the minimum when even the smallest placement does not fit."""
     forced = _forced(groups, rules)
@@ -314,7 +324,8 @@ def place(groups: list[TensorGroup], budget: int | None, rules: tuple[str, ...] 
         raise ConfigError(
             f"GPU memory budget {budget / 2**30:.2f} GiB is too small for this model: its weights need at least "
             f"{ledger.total() / 2**30:.2f} GiB on the device (norms, routers, the LM head, forced groups, stream "
-            f"buffers for the largest layer, {min_expert_slots} expert slots per MoE layer), before the KV cache")
+            f"buffers for the largest layer{f', {min_expert_slots} expert slots per MoE layer' if min_expert_slots else ''}"
+            f"), before the KV cache")
     free = [g for g in groups if g.name not in forced and tier[g.name] == HOST]
     experts = sorted((g for g in free if g.kind == "experts"), key=lambda g: (g.expert, g.layer))
     # experts round-robin over layers: slot j of every layer before slot j + 1 of any
@@ -333,7 +344,8 @@ def _example(g: TensorGroup) -> str:
     return f"layers.N.{g.kind}" + (".N" if g.kind == "experts" else "")
 
 
-def describe(pl: Placement, kv_bytes: int = 0, kv_tokens: int = 0, experts_per_token: float | None = None) -> str:
+def describe(pl: Placement, kv_bytes: int = 0, kv_tokens: int = 0, experts_per_token: float | None = None,
+             host_experts: bool = False) -> str:
     """The start-up table: per kind, bytes on the device and in host memory; layers streamed; slots."""
     rows = []
     for kind in KINDS:
@@ -356,8 +368,9 @@ def describe(pl: Placement, kv_bytes: int = 0, kv_tokens: int = 0, experts_per_t
                  f"device weights {size(pl.device_bytes())}")
     if kv_bytes:
         lines.append(f"  KV cache {size(kv_bytes)} ({kv_tokens} tokens)")
-    lines.append(f"  predicted host->device bytes per decode token: {size(pl.pcie_bytes_per_token(experts_per_token))} "
-                 f"(uniform routing)")
+    lines.append(f"  predicted host->device bytes per decode token: "
+                 f"{size(pl.pcie_bytes_per_token(experts_per_token, host_experts))} "
+                 + ("(missed experts run on the host's cores)" if host_experts else "(uniform routing)"))
     return "\n".join(lines)
 
 

@@ -353,7 +353,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                           f"{opts.max_num_seqs}: the engine refuses it: {e}") from None
     try:
         oc = OffloadConfig(gpu_memory_budget=budget_bytes(opts), gpu_memory_utilization=opts.gpu_memory_utilization,
-                           place=place, stream_buffers=opts.stream_buffers)
+                           place=place, stream_buffers=opts.stream_buffers, experts=opts.experts)
     except ConfigError as e:
         raise ConfigError(f"--gpu-memory-utilization {opts.gpu_memory_utilization}: the engine refuses it: {e}") \
             from None

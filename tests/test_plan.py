@@ -641,6 +641,32 @@ def test_hybrid_decode_shares_misses_with_the_host(tmp_path):
         make_plan(PlanOptions("Mixtral-8x7B", host=HOST, experts="npu"))
 
 
+def test_experts_on_the_host_need_no_slots_and_prefill_there():
+    """`--place experts=cpu --experts cpu` (llama.cpp's `-ot exps=CPU`): the plan keeps no expert slot (the engine's
+    `placement.min_expert_slots`), so bf16 Mixtral-8x7B runs under a 12 GiB budget that refuses `--experts auto`
+    (its 2 slots a layer take 21 GiB, the error says so); nothing crosses PCIe at decode, and prefill's experts run
+    on the host (bound by it, at least the FLOPs at the assumed host rate), not as copies."""
+    from ferrylm.plan import estimate
+
+    kw = dict(gpu="1xA800-80G-PCIe", host="2xXeon-8480C,1TB", gpu_memory_budget_gb=12, place=("experts=cpu",))
+    auto = make_plan(PlanOptions("Mixtral-8x7B", **kw))
+    assert auto.verdict == "cannot"
+    assert any("2 expert slots per MoE layer take 21.00 GiB of it: --experts cpu" in n for n in auto.notes)
+    host = make_plan(PlanOptions("Mixtral-8x7B", experts="cpu", **kw))
+    print(f"--experts cpu under 12 GiB: {host.per_gpu['weights'] / 2**30:.2f} GiB of weights on the GPU, prefill "
+          f"{host.speed['prefill_tok_s']:.0f} tok/s ({host.speed['prefill_parts_ms']}), decode "
+          f"{host.speed['decode_batch1']['tok_s']:.2f} tok/s")
+    assert host.verdict == "offload" and host.placement["expert_slots"] == 0
+    assert host.per_gpu["weights"] < 3.5 * 2**30  # the dense weights (attention, embed, LM head: 2.99 GiB)
+    assert host.placement["pcie_bytes_per_decode_token"] == 0
+    assert host.speed["prefill_binding"] == "host" and not host.speed["prefill_parts_ms"].get("copy_layers")
+    chunk = min(host.options.max_num_batched_tokens, host.speed["prompt_len"])
+    flops = chunk * 32 * 2 * 2 * 3 * 4096 * 14336  # 32 layers, top-2 experts of 3 x H x I weights
+    rate = estimate.host_tflops(56, True, True) * 1e12
+    assert host.speed["prefill_tok_s"] < chunk / (flops / rate)
+    assert any("every miss runs on the host's cores (--experts cpu)" in n for n in host.notes)
+
+
 def _engine_costs(scheme, h2d_gbs, read_gbs):
     """The `cost_model.Costs` of one Mixtral expert packed as `scheme` as the engine builds them from a calibration
     (`calibration.costs_from` on its measurements, then the hand-off and call costs as `PlacedWeights` sets them), fed

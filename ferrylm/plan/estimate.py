@@ -251,12 +251,31 @@ def host_expert_eff(scheme: str | None, avx512: bool = True) -> float:
     return HOST_PACKED_EFF.get(scheme, 0.0)
 
 
-def host_expert_s(nbytes: float, scheme: str | None, host_gbs: float, tokens: float = 1.0) -> float:
+def host_expert_s(nbytes: float, scheme: str | None, host_gbs: float, tokens: float = 1.0, params: float = 0.0,
+                  host_tflops: float = 0.0) -> float:
     """Host seconds for one expert of `nbytes` (its format's bytes) at `tokens` tokens, beyond HOST_EXPERT_CALL_S:
     its bytes at `host_gbs` (`host_expert_eff` of the read rate), packed formats growing with the tokens
-    (`HOST_PACKED_TOKEN`)."""
+    (`HOST_PACKED_TOKEN`), or, where longer, its `params` weights' FLOPs at `host_tflops` (prefill rows on the host,
+    `--experts cpu`)."""
     grow = HOST_PACKED_TOKEN.get(scheme, 0.0) if scheme else 0.0
-    return nbytes / (host_gbs * 1e9) * (1 + grow * max(tokens - 1, 0.0))
+    flops_s = 2 * params * tokens / (host_tflops * 1e12) if params and host_tflops else 0.0
+    return max(nbytes / (host_gbs * 1e9) * (1 + grow * max(tokens - 1, 0.0)), flops_s)
+
+
+HOST_GHZ = 2.0
+"""Assumed all-core clock of a server CPU under a matmul (no data sheet gives a sustained one)."""
+HOST_FLOPS_PER_CYCLE = {"amx": 1024, "avx512": 64, "avx2": 32}
+"""Peak bf16 FLOPs a core does a cycle: AMX tiles (Sapphire Rapids on), AVX-512 FMA on fp32 (torch widens bf16),
+AVX2."""
+HOST_MFU = 0.3
+"""Assumed share of that peak torch's CPU GEMMs (oneDNN) reach on an expert's rows, all cores; not measured here
+(the lent machines' hosts run expert prefill on a GPU): a plan with `--experts cpu` says so."""
+
+
+def host_tflops(cores: int, amx: bool, avx512: bool) -> float:
+    """Assumed bf16 matmul rate of `cores` cores (`HOST_GHZ`, `HOST_FLOPS_PER_CYCLE`, `HOST_MFU`)."""
+    isa = "amx" if amx else "avx512" if avx512 else "avx2"
+    return cores * HOST_GHZ * 1e9 * HOST_FLOPS_PER_CYCLE[isa] * HOST_MFU / 1e12
 
 
 HOST_EXPERT_CALL_S = 0.3e-3

@@ -558,16 +558,20 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     packed_any = any(m["packed"] for m in moe.values())
     scheme = fmt.experts_scheme if packed_any else None  # the host bank's format (None: dense)
     host_gbs = estimate.host_expert_eff(scheme, host.avx512) * host.read_rate_gbs
+    # the host's matmul rate (assumed, one node's cores as its read rate is one node's): what bounds its experts at
+    # many rows an expert, `--experts cpu`'s prefill
+    host_tflops = estimate.host_tflops(host.cores_per_socket, host.amx, host.avx512)
     costs = None
     if cached and host_gbs > 0:
         nb = sum(moe[l]["nbytes"] for l in cached) / len(cached)
+        params = sum(moe[l]["dense"] for l in cached) / len(cached) / DTYPE_BYTES[opts.dtype]
         equiv = sum(moe[l]["inplace_equiv"] for l in cached) / len(cached)
         call = estimate.HOST_EXPERT_CALL_S
         # what the engine's calibration measures (`offload/calibration.costs_from`; the hand-off and a call's cost
         # timed through the real hand-off): one expert's copy, its host time at n tokens (the call's cost in it), its
         # bytes read in place (packed ones at their `PACKED_TIME`, in bytes a second of the packed expert)
         costs = Costs(copy_s=nb / (gpu.h2d_gbs * 1e9),
-                      cpu_s=lambda n: estimate.host_expert_s(nb, scheme, host_gbs, n) + call,
+                      cpu_s=lambda n: estimate.host_expert_s(nb, scheme, host_gbs, n, params, host_tflops) + call,
                       expert_bytes=int(nb), inplace_gbs=estimate.INPLACE_EFF * gpu.h2d_gbs * nb / equiv,
                       handoff_s=estimate.HANDOFF_S, call_s=call)
     from ferrylm.offload.placed_weights import REBALANCE_MIN_CHANGE
@@ -592,7 +596,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     # `split_misses` does (its kernels built in the background once seen: `HostExperts.build_later`, ready in the
     # steady state timed here); a dense bank's split is counted as copies: measured, it gained 6% over copies alone
     # (Mixtral 16L batch 1, docs/benchmarks.md "Hybrid CPU-GPU experts")
-    road_split = costs is not None and scheme is not None and opts.experts != "gpu"
+    road_split = costs is not None and (scheme is not None or opts.experts == "cpu") and opts.experts != "gpu"
+    # `--experts cpu`: the copy road's misses all run on the host, prefill's too (nothing is copied in)
+    host_prefill = road_split and opts.experts == "cpu"
 
     def host_takes(misses: float, tokens: float) -> float:
         """Expected misses of a copy-road layer the engine computes on the host: `split_misses` on the whole
@@ -664,10 +670,12 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 # the host runs its share of every miss (split along the intermediate: one call each) or, at
                 # share 1, every miss whole
                 out["host_experts_s"] += (misses * share * estimate.host_expert_s(
-                    m["nbytes"], scheme, host_gbs, batch * k / d) + estimate.HANDOFF_S
+                    m["nbytes"], scheme, host_gbs, batch * k / d, m["dense"] / DTYPE_BYTES[opts.dtype], host_tflops)
+                    + estimate.HANDOFF_S
                     + misses * estimate.HOST_EXPERT_CALL_S) if share else 0.0
-            else:  # the copy road: a packed bank's misses split between copies and the host (`road_split`)
-                on_host = host_takes(misses, batch * k / d) if road_split and not prefill else 0.0
+            else:  # the copy road: a packed bank's misses split between copies and the host (`road_split`); all on
+                # the host with --experts cpu, prefill's too (`host_prefill`)
+                on_host = host_takes(misses, batch * k / d) if road_split and (host_prefill or not prefill) else 0.0
                 out["copy"] += (misses - on_host) * m["nbytes"]
                 out["hbm"] -= on_host * m["hbm_equiv"]  # computed where they lie, not from a slot
                 out["host_experts_s"] += on_host * costs.cpu_s(batch * k / d) if on_host else 0.0
@@ -680,10 +688,12 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                     # the slots no hit holds take copies while the hits compute
                     free = max(0.0, m["resident"] + slots.get(l, 0) - hits)
                     one = CachedExperts.one_large_a_round and m["nbytes"] >= CachedExperts.large_expert_bytes
-                    out["copy_layers"].append((misses * m["nbytes"], hits * m["hbm_equiv"], misses * m["hbm_equiv"],
-                                               h, 1 - h, min(misses, free) * m["nbytes"],
-                                               (hits, misses) if one else None, (hits * dq, misses * dq),
-                                               (decode_groups(hits, one, m), decode_groups(misses, one, m))
+                    gm = misses - on_host  # the misses copied in and computed on the GPU
+                    out["copy_layers"].append((gm * m["nbytes"], hits * m["hbm_equiv"], gm * m["hbm_equiv"],
+                                               h, (1 - h) * gm / misses if misses else 0.0,
+                                               min(gm, free) * m["nbytes"],
+                                               (hits, gm) if one else None, (hits * dq, gm * dq),
+                                               (decode_groups(hits, one, m), decode_groups(gm, one, m))
                                                if dq else (0.0, 0.0)))
                 # prefill copies its misses in rounds, one fused launch a round: no per-expert host cost
                 # (measured: <= 0.05 ms an expert, `estimate.CACHED_EXPERT_S`)
@@ -804,7 +814,12 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                      f"once, fewer than the concurrency {conc} (the rest wait or are preempted)")
     if verdict == "offload" and cached:
         a = speed["assumptions"]
-        path = (f"decode steps of up to {mapped_tokens} token(s) read expert misses in place over PCIe (mapped host "
+        path = (f"every miss runs on the host's cores (--experts cpu), nothing is copied in and no expert slot kept: "
+                f"decode steps of up to {mapped_tokens} token(s) through hybrid decode, larger steps and prefill through "
+                f"the copy path's rounds (their rows at an assumed {host_tflops:.0f} TFLOPS: {host.cores_per_socket} "
+                f"cores x {estimate.HOST_GHZ:g} GHz x {estimate.HOST_MFU:.0%} of the ISA's peak; prefill "
+                f"{speed['prefill_tok_s']:,.0f} tok/s)" if host_prefill and mapped_tokens else
+                f"decode steps of up to {mapped_tokens} token(s) read expert misses in place over PCIe (mapped host "
                 f"memory, {estimate.INPLACE_EFF:.0%} of the copy rate, "
                 + ("CUDA-graphed when no layer is streamed" if ranks == 1 else "eager under TP / PP") + "); larger "
                 "steps and prefill copy them into slots (eager)" if mapped_tokens else
@@ -819,8 +834,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                   "or a measured --expert-hit-rate")
         how = "" if opts.expert_hit_rate is not None else f"; {hit_rate.MODEL}" + (
             "; batch 1: the engine's slot policy replayed on the profile's decode trace" if route.traces else "")
-        notes.append(f"experts: {path}; hit rate {a['expert_hit_rate']:.2f} at batch 1, {conc_hit:.2f} at batch "
-                     f"{dn['batch']} ({hit_note}{how}){advice}")
+        if any(capacity for _, capacity in cached_layers.values()):
+            notes.append(f"experts: {path}; hit rate {a['expert_hit_rate']:.2f} at batch 1, {conc_hit:.2f} at batch "
+                         f"{dn['batch']} ({hit_note}{how}){advice}")
+        else:
+            notes.append(f"experts: {path}; no cached layer holds an expert on the device (no hits)")
         rate = (f"{host_gbs:.0f} GB/s{f' of {scheme} codes' if scheme else ''}: "
                 f"{estimate.host_expert_eff(scheme, host.avx512):.0%} of the host's "
                 f"{'measured' if host.read_gbs else 'assumed'} {host.read_rate_gbs:.0f} GB/s read rate")

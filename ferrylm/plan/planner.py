@@ -878,7 +878,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 if scheme in estimate.NATIVE_HOST_FORMATS and not host.avx512 else
                 f"no host rate is measured for {scheme} experts (`estimate.HOST_PACKED_EFF`)")
                 + "; the engine will also compute a share of the misses on the host where its calibration finds one pays")
-        if road_split and dn["host_miss_share"]:
+        if road_split and dn["host_miss_share"] and not host_prefill:  # (--experts cpu: the experts note says it)
             notes.append(f"the copy road (steps over {mapped_tokens or 0} token(s), prefill apart) sends "
                          f"{dn['host_miss_share']:.0%} of batch {dn['batch']}'s misses to the host's cores, as the engine "
                          f"splits them (`cost_model.split_misses`: the host takes a miss where it finishes before the "

@@ -924,6 +924,44 @@ def test_host_experts_with_no_device_slots(quant, tmp_path_factory):
         free_engines()
 
 
+def test_auto_without_room_for_slots_runs_misses_on_the_host(tmp_path_factory):
+    """`--experts auto` under a budget with no room for 2 expert slots a layer (found from `--experts gpu`'s refusal,
+    which names both figures) places none (`memory.size_memory`): its layers run copy-road misses on the host
+    (`cpu_mode` cpu) and hybrid decode reads the rest in place; close to the resident run, nothing copied in."""
+    import re
+
+    from ferrylm.errors import ConfigError
+
+    path = _wide_mixtral(tmp_path_factory, inter=4096)  # 1.5 MiB bf16 experts: 2 slots x 2 layers = 6 MiB
+    g = torch.Generator().manual_seed(23)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 3, 17)]
+    kw = dict(device="cuda", dtype="bfloat16", place=("experts=cpu",))
+    res_out, res = sampled_rows(LLM(path, device="cuda", dtype="bfloat16"), prompts, 12)
+    free_engines()
+    with pytest.raises(ConfigError) as e:
+        LLM(path, experts="gpu", gpu_memory_budget="1MiB", **kw)
+
+    def mib(pattern):
+        n, unit = re.search(pattern, str(e.value)).groups()
+        return float(n) * (1024 if unit == "GiB" else 1)
+
+    need, slots = mib(r"needs at least ([\d.]+) (MiB|GiB)"), mib(r"take ([\d.]+) (MiB|GiB) of it")
+    print(f"--experts gpu needs {need} MiB, its slots {slots} MiB: {e.value}")
+    budget = f"{need - slots / 2:.1f}MiB"
+    with pytest.raises(ConfigError, match="too small"):
+        LLM(path, experts="gpu", gpu_memory_budget=budget, **kw)
+    llm = LLM(path, experts="auto", gpu_memory_budget=budget, **kw)
+    placed = llm.engine.runner.placed
+    assert placed.caches and all(c.capacity == 0 and c.cpu_mode == "cpu" for c in placed.caches.values())
+    out, got = sampled_rows(llm, prompts, 12)
+    worst, diverged = worst_while_equal(res_out, res, out, got)
+    print(f"auto without slots under {budget}: max |logit diff| vs resident = {worst:.3e} ({diverged} diverged); "
+          f"{placed.stats}")
+    assert placed.stats.cpu_experts > 0 and placed.stats.copied_experts == 0
+    assert worst < 0.1
+    assert [o.outputs[0].token_ids[:3] for o in out] == [r.outputs[0].token_ids[:3] for r in res_out]
+
+
 def _wide_mixtral(tmp_path_factory, inter: int = 512) -> str:
     """A tiny Mixtral (test_models_hf's shapes) with a wide expert intermediate, so hybrid decode's column
     split has columns to split (c a multiple of 128)."""

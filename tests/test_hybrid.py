@@ -31,26 +31,30 @@ def test_host_experts_equal_resident(mixtral):
     assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
 
 
-def test_host_experts_need_no_device_slots(mixtral):
-    """`--experts cpu` copies no expert in, so a layer with every expert in host memory keeps no device slot: the
-    smallest budget is the dense weights' (llama.cpp's `-ot exps=CPU`). A budget that fits that but not the copy
-    path's slots runs with `--experts cpu` and equals the resident run; with `--experts auto` it is refused, the
-    error naming what the slots take and the way out."""
+@pytest.mark.parametrize("experts", ["cpu", "auto"])
+def test_host_experts_need_no_device_slots(mixtral, experts):
+    """Misses that run on the host need no device slot, so a layer with every expert in host memory keeps none
+    under `--experts cpu`, and under `--experts auto` when the budget has no room for them: the smallest budget is
+    the dense weights' (llama.cpp's `-ot exps=CPU`). At a budget that fits that but not 2 slots a layer, both run,
+    equal to the resident run, every miss on the host; `--experts gpu` (copies only) is refused, the error naming
+    what the slots take and the way out."""
     from ferrylm.errors import ConfigError
 
     _, ref_tokens, ref_logits = run(mixtral)
-    budget = dict(gpu_memory_budget=int(0.45 * 2**20), place=("experts=cpu",))  # needs 0.3 MiB with cpu, 0.6 auto
-    with pytest.raises(ConfigError, match=r"2 expert slots per MoE layer take 0\.3 MiB of it: --experts cpu"):
-        run(mixtral, experts="auto", **budget)
-    llm, tokens, logits = run(mixtral, experts="cpu", **budget)
+    budget = dict(gpu_memory_budget=int(0.45 * 2**20), place=("experts=cpu",))  # needs 0.3 MiB so, 0.6 with slots
+    with pytest.raises(ConfigError, match=r"2 expert slots per MoE layer take 0\.3 MiB of it: --experts auto or cpu"):
+        run(mixtral, experts="gpu", **budget)
+    llm, tokens, logits = run(mixtral, experts=experts, **budget)
     runner = llm.engine.runner
     layers = sorted(runner.placed.caches)
     assert layers and not any(runner.placement.expert_slots.values())
     assert [runner.placement.cache_capacity(l) for l in layers] == [0] * len(layers)
+    assert all(c.cpu_mode == "cpu" for c in runner.placed.caches.values())
     stats = runner.placed.stats
     assert stats.cpu_experts > 0 and stats.h2d_bytes == 0 and stats.copied_experts == 0
-    assert "predicted host->device bytes per decode token: 0.0 MiB (missed experts run on the host's cores)" \
-        in runner.placement_text
+    if experts == "cpu":
+        assert "predicted host->device bytes per decode token: 0.0 MiB (missed experts run on the host's cores)" \
+            in runner.placement_text
     assert tokens == ref_tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
 

@@ -99,7 +99,9 @@ def size_memory(groups: list[TensorGroup], per_block: int, max_model_len: int, c
                 sc: SchedulerConfig, oc: OffloadConfig, budget: int | None, reserve: int,
                 on_cpu: bool, resident_reserve: int | None = None) -> tuple[Placement, int]:
     """(placement, KV bytes): the whole model resident when it fits (keeping `resident_reserve` free,
-    default `reserve`: a resident model's graphs may hold more), else placed under the budget keeping `reserve`."""
+    default `reserve`: a resident model's graphs may hold more), else placed under the budget keeping `reserve`.
+    Layers with host experts keep `min_expert_slots` device slots; with `--experts auto` a budget too small for
+    them places none (a layer without a free slot then runs its copy-road misses on the host's cores)."""
     blocks_per_seq = (max_model_len + cc.block_size - 1) // cc.block_size
     fixed_kv = fixed_kv_bytes(cc, per_block)
     slots = min_expert_slots(oc.experts)
@@ -124,6 +126,11 @@ def size_memory(groups: list[TensorGroup], per_block: int, max_model_len: int, c
     if weights <= room and not forced_host:  # all would fit, but then resident (prefill graphs): keep its reserve
         room = budget - whole - kv
     least = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=slots)
+    if room < least and oc.experts == "auto":  # no room for the slots: layers without them run their copy-road
+        # misses on the host's cores (`PlacedWeights._start_hybrid`), as --experts cpu does
+        fewer = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=0)
+        if room >= fewer:
+            slots, least = 0, fewer
     if room < least:
         raise ConfigError(
             f"GPU memory budget {gib(budget)} is too small for this model: it needs at least "
@@ -139,14 +146,14 @@ def gib(n: int) -> str:
 
 
 def _slot_hint(groups: list[TensorGroup], oc: OffloadConfig, least: int) -> str:
-    """How much less `--experts cpu` needs, when expert slots are part of `least`."""
+    """How much less `--experts auto` / `cpu` need, when expert slots are part of `least` (`--experts gpu`)."""
     if min_expert_slots(oc.experts) == 0:
         return ""
     fewer = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=0)
     if fewer >= least:
         return ""
-    return (f"; {MIN_EXPERT_SLOTS} expert slots per MoE layer take {gib(least - fewer)} of it: "
-            f"--experts cpu (every miss on the host's cores) needs none")
+    return (f"; {MIN_EXPERT_SLOTS} expert slots per MoE layer take {gib(least - fewer)} of it: --experts auto or "
+            f"cpu (misses without a slot run on the host's cores) need none")
 
 
 def cublas_workspace_bytes(major: int) -> int:

@@ -252,7 +252,9 @@ class PlacedWeights:
                                  f"and pinned ({sum(m for m, _ in moved)} changed from the default choice); they took "
                                  f"{sum(c for _, c in moved) / len(moved):.0%} of the recorded routing")
             log.warning("%s", self.profile_note)
-        if self.caches and self.experts != "gpu":  # dense or packed: host experts compute the bank's format
+        # dense or packed: host experts compute the bank's format; also where a layer has no slot to copy into
+        # (auto under a tight budget: `memory.size_memory`; on the CPU engine auto copies, `self.experts` "gpu")
+        if self.caches and (self.experts != "gpu" or any(c.capacity - len(c.pinned) <= 0 for c in self.caches.values())):
             self._start_hybrid()
         if self.caches and self.mapped_experts and all(
                 c.fused and all(self.host.is_mapped(t) for t in c.host_parts()) for c in self.caches.values()):
@@ -590,8 +592,16 @@ class PlacedWeights:
         costs, self.calibration = (self.cpu_pool.submit(calibrate, *args).result() if self.cpu_pool
                                    else calibrate(*args))
         self.costs = costs
+        slotless = []
         for c in self.caches.values():
             c.cpu_mode, c.costs, c.cpu_pool = self.experts, costs, self.cpu_pool
+            if c.capacity - len(c.pinned) <= 0:  # nothing to copy a miss into (`memory.size_memory` placed no
+                c.cpu_mode = "cpu"  # slots under a tight budget): its copy-road misses run on the host
+                slotless.append(c.layer)
+        if slotless and self.experts != "cpu":  # (auto: the CPU engine's is "gpu" here)
+            log.warning("%d MoE layer(s) have no free expert slot on the device (the budget leaves no room for "
+                        "them): the misses they would copy in (prefill, large batches) run on the host's cores, as "
+                        "with --experts cpu", len(slotless))
 
     def before_layer(self, i: int) -> None:
         if self.streamer is not None:

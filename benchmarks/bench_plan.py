@@ -161,7 +161,7 @@ def run_case(case: str, a, device: str) -> tuple[list[dict], dict]:
     t = time.perf_counter()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    llm = engine_for(plan, RandomSource(cfg, dtype=getattr(torch, opts.dtype), expert_quant=experts), device)
+    llm = engine_for(plan, RandomSource(cfg, dtype=getattr(torch, plan.options.dtype), expert_quant=experts), device)
     load_s = time.perf_counter() - t
     runner = llm.engine.runner
     cached = bool(runner.placed.caches)

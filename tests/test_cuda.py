@@ -935,7 +935,7 @@ def test_auto_without_room_for_slots_runs_misses_on_the_host(tmp_path_factory):
     path = _wide_mixtral(tmp_path_factory, inter=4096)  # 1.5 MiB bf16 experts: 2 slots x 2 layers = 6 MiB
     g = torch.Generator().manual_seed(23)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 3, 17)]
-    kw = dict(device="cuda", dtype="bfloat16", place=("experts=cpu",))
+    kw = dict(device="cuda", dtype="bfloat16", place=("experts=cpu",), num_kv_blocks=64)  # KV fixed at any budget
     res_out, res = sampled_rows(LLM(path, device="cuda", dtype="bfloat16"), prompts, 12)
     free_engines()
     with pytest.raises(ConfigError) as e:

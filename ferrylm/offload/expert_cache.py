@@ -455,7 +455,10 @@ class CachedExperts(ExpertBackend):
         held = to_device(where, self.device)
         in_slot = held >= 0
         # [P, E]: each expert's column from its slot's, else from its host rows'
-        self.ptr_rows.copy_(torch.where(in_slot, self.slot_cols[:, held.clamp(min=0)], self.host_cols))
+        if self.slot_cols.shape[1]:
+            self.ptr_rows.copy_(torch.where(in_slot, self.slot_cols[:, held.clamp(min=0)], self.host_cols))
+        else:  # no slots (`placement.min_expert_slots`): every column its host rows'
+            self.ptr_rows.copy_(self.host_cols)
         self.in_slot.copy_(in_slot)
         self.resident.copy_(torch.tensor([w >= 0 for w in where]))
 

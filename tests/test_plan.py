@@ -462,7 +462,9 @@ def test_packed_experts_fit_more_and_read_at_the_kernels_measured_time(tmp_path)
     nf4_resident = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, None, 1, expert_quant="nf4")
     r, n = resident.speed["decode_batch1"]["tok_s"], nf4_resident.speed["decode_batch1"]["tok_s"]
     assert r / 3 < n < r / 1.5  # 2.5x an expert's read, the rest of the step the same
-    big, big_nf4 = (_shape_plan(tmp_path, MIXTRAL_SHAPE, 32, 16, 1, expert_quant=q) for q in (None, "nf4"))
+    # (copies only: --experts auto runs the bf16 one with no expert slot, its copy-road misses on the host)
+    big, big_nf4 = (_shape_plan(tmp_path, MIXTRAL_SHAPE, 32, 16, 1, expert_quant=q, experts="gpu")
+                    for q in (None, "nf4"))
     assert (big.verdict, big_nf4.verdict) == ("cannot", "offload")
     int8 = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1, expert_quant="int8", experts="gpu")
     assert int8.weights_bytes["experts"] < 0.55 * dense.weights_bytes["experts"]  # kept packed, as the engine does
@@ -643,15 +645,20 @@ def test_hybrid_decode_shares_misses_with_the_host(tmp_path):
 
 def test_experts_on_the_host_need_no_slots_and_prefill_there():
     """`--place experts=cpu --experts cpu` (llama.cpp's `-ot exps=CPU`): the plan keeps no expert slot (the engine's
-    `placement.min_expert_slots`), so bf16 Mixtral-8x7B runs under a 12 GiB budget that refuses `--experts auto`
-    (its 2 slots a layer take 21 GiB, the error says so); nothing crosses PCIe at decode, and prefill's experts run
-    on the host (bound by it, at least the FLOPs at the assumed host rate), not as copies."""
+    `placement.min_expert_slots`), so bf16 Mixtral-8x7B runs under a 12 GiB budget that refuses `--experts gpu`
+    (its 2 slots a layer take 21 GiB, the error says so; `--experts auto` there places none, as the engine does);
+    nothing crosses PCIe at decode, and prefill's experts run on the host (bound by it, at least the FLOPs at the
+    assumed host rate), not as copies."""
     from ferrylm.plan import estimate
 
     kw = dict(gpu="1xA800-80G-PCIe", host="2xXeon-8480C,1TB", gpu_memory_budget_gb=12, place=("experts=cpu",))
-    auto = make_plan(PlanOptions("Mixtral-8x7B", **kw))
-    assert auto.verdict == "cannot"
-    assert any("2 expert slots per MoE layer take 21.00 GiB of it: --experts cpu" in n for n in auto.notes)
+    copies = make_plan(PlanOptions("Mixtral-8x7B", experts="gpu", **kw))
+    assert copies.verdict == "cannot"
+    assert any("2 expert slots per MoE layer take 21.00 GiB of it: --experts auto or cpu" in n for n in copies.notes)
+    auto = make_plan(PlanOptions("Mixtral-8x7B", **kw))  # no room for slots: none, as the engine places it
+    assert auto.verdict == "offload" and auto.placement["expert_slots"] == 0
+    assert any(n.startswith("32 of 32 cached MoE layers keep no expert slot") for n in auto.notes)
+    assert auto.speed["prefill_binding"] == "host"
     host = make_plan(PlanOptions("Mixtral-8x7B", experts="cpu", **kw))
     print(f"--experts cpu under 12 GiB: {host.per_gpu['weights'] / 2**30:.2f} GiB of weights on the GPU, prefill "
           f"{host.speed['prefill_tok_s']:.0f} tok/s ({host.speed['prefill_parts_ms']}), decode "

@@ -18,7 +18,7 @@ from ferrylm.errors import ConfigError, UnsupportedArchitectureError
 from ferrylm.offload.memory import (activation_reserve, cublas_workspace_bytes, device_budget, fixed_kv_bytes,
                                    graph_step_floor, graph_token_limit, graph_tokens, kv_after_warmup, size_memory,
                                    step_bound, warmup_activations)
-from ferrylm.offload.placement import GPU, HOST, TensorGroup
+from ferrylm.offload.placement import GPU, HOST, MIN_EXPERT_SLOTS, TensorGroup
 from ferrylm.plan import catalog, estimate, hardware, hit_rate, quality
 from ferrylm.plan.memory import (DTYPE_BYTES, LOAD_WORKSPACE_BYTES, QUANT_SCHEMES, WeightFormat, analytical_groups,
                                  analytical_kv_bytes_per_token, kv_bytes_per_block, kv_pool, meta_model, param_count,
@@ -597,8 +597,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     # steady state timed here); a dense bank's split is counted as copies: measured, it gained 6% over copies alone
     # (Mixtral 16L batch 1, docs/benchmarks.md "Hybrid CPU-GPU experts")
     road_split = costs is not None and (scheme is not None or opts.experts == "cpu") and opts.experts != "gpu"
-    # `--experts cpu`: the copy road's misses all run on the host, prefill's too (nothing is copied in)
+    # `--experts cpu`: the copy road's misses all run on the host, prefill's too (nothing is copied in); so do a
+    # layer's that has no slot (`--experts auto` under a budget with no room for them: `memory.size_memory`)
     host_prefill = road_split and opts.experts == "cpu"
+    slotless = sorted(l for l, (_, capacity) in cached_layers.items() if capacity == 0) if costs is not None else []
+    host_road = set(cached) if host_prefill else set(slotless)
 
     def host_takes(misses: float, tokens: float) -> float:
         """Expected misses of a copy-road layer the engine computes on the host: `split_misses` on the whole
@@ -675,7 +678,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                     + misses * estimate.HOST_EXPERT_CALL_S) if share else 0.0
             else:  # the copy road: a packed bank's misses split between copies and the host (`road_split`); all on
                 # the host with --experts cpu, prefill's too (`host_prefill`)
-                on_host = host_takes(misses, batch * k / d) if road_split and (host_prefill or not prefill) else 0.0
+                on_host = (misses if l in host_road else
+                           host_takes(misses, batch * k / d) if road_split and not prefill else 0.0)
                 out["copy"] += (misses - on_host) * m["nbytes"]
                 out["hbm"] -= on_host * m["hbm_equiv"]  # computed where they lie, not from a slot
                 out["host_experts_s"] += on_host * costs.cpu_s(batch * k / d) if on_host else 0.0
@@ -878,6 +882,10 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 if scheme in estimate.NATIVE_HOST_FORMATS and not host.avx512 else
                 f"no host rate is measured for {scheme} experts (`estimate.HOST_PACKED_EFF`)")
                 + "; the engine will also compute a share of the misses on the host where its calibration finds one pays")
+        if slotless and not host_prefill:
+            notes.append(f"{len(slotless)} of {len(cached)} cached MoE layers keep no expert slot (the budget leaves "
+                         f"no room for {MIN_EXPERT_SLOTS} a layer): the misses they would copy in (prefill, larger "
+                         f"steps) run on the host's cores, as with --experts cpu")
         if road_split and dn["host_miss_share"] and not host_prefill:  # (--experts cpu: the experts note says it)
             notes.append(f"the copy road (steps over {mapped_tokens or 0} token(s), prefill apart) sends "
                          f"{dn['host_miss_share']:.0%} of batch {dn['batch']}'s misses to the host's cores, as the engine "

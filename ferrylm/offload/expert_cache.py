@@ -843,6 +843,11 @@ class CachedExperts(ExpertBackend):
     def capacity(self) -> int:
         return len(self.owner)
 
+    @property
+    def copy_slots(self) -> int:
+        """Slots a copied miss can take: those not held by a pinned expert (0: every miss runs on the host)."""
+        return self.capacity - len(self.pinned)
+
     def _fetch(self, e: int, s: int) -> None:
         old = self.owner[s]
         if old is not None:

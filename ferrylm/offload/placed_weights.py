@@ -254,7 +254,7 @@ class PlacedWeights:
             log.warning("%s", self.profile_note)
         # dense or packed: host experts compute the bank's format; also where a layer has no slot to copy into
         # (auto under a tight budget: `memory.size_memory`; on the CPU engine auto copies, `self.experts` "gpu")
-        if self.caches and (self.experts != "gpu" or any(c.capacity - len(c.pinned) <= 0 for c in self.caches.values())):
+        if self.caches and (self.experts != "gpu" or not all(c.copy_slots for c in self.caches.values())):
             self._start_hybrid()
         if self.caches and self.mapped_experts and all(
                 c.fused and all(self.host.is_mapped(t) for t in c.host_parts()) for c in self.caches.values()):
@@ -273,7 +273,7 @@ class PlacedWeights:
         if not order or (self.device.type != "cuda" and not CachedExperts.staging_on_cpu):
             return
         donor = self.caches[order[0]]
-        n = min(CachedExperts.staging_slots, donor.capacity - len(donor.pinned))
+        n = min(CachedExperts.staging_slots, donor.copy_slots)
         if (n <= 0 or len(order) < 3 or not CachedExperts.one_large_a_round
                 or donor.expert_bytes < CachedExperts.large_expert_bytes):
             return
@@ -595,7 +595,7 @@ class PlacedWeights:
         slotless = []
         for c in self.caches.values():
             c.cpu_mode, c.costs, c.cpu_pool = self.experts, costs, self.cpu_pool
-            if c.capacity - len(c.pinned) <= 0:  # nothing to copy a miss into (`memory.size_memory` placed no
+            if not c.copy_slots:  # nothing to copy a miss into (`memory.size_memory` placed no
                 c.cpu_mode = "cpu"  # slots under a tight budget): its copy-road misses run on the host
                 slotless.append(c.layer)
         if slotless and self.experts != "cpu":  # (auto: the CPU engine's is "gpu" here)

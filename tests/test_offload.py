@@ -643,6 +643,13 @@ def test_repoint_rebuilds_the_table_from_the_slots():
     want[:, 4], want[:, 1] = c.slot_cols[:, 0], c.slot_cols[:, 2]
     assert torch.equal(c.ptr_rows, want)
     assert c.in_slot.tolist() == [False, True, False, False, True, False] and torch.equal(c.resident, c.in_slot)
+    # no slots at all (`placement.min_expert_slots`: experts on the host): every column its host rows' (the H200
+    # run of session 36 indexed the empty slot columns here)
+    c = SimpleNamespace(ptr_rows=torch.zeros(P, E, dtype=torch.long), slot_cols=torch.zeros(P, 0, dtype=torch.long),
+                        host_cols=torch.arange(P * E).view(P, E) + 1000, slot_of={}, device=torch.device("cpu"),
+                        in_slot=torch.ones(E, dtype=torch.bool), resident=torch.ones(E, dtype=torch.bool))
+    CachedExperts._repoint(c)
+    assert torch.equal(c.ptr_rows, c.host_cols) and not c.in_slot.any() and not c.resident.any()
 
 
 @pytest.mark.parametrize("slots", [1, 2])

@@ -59,6 +59,26 @@ def test_host_experts_need_no_device_slots(mixtral, experts):
     assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
 
 
+def test_auto_under_tight_budgets_mixes_copying_and_host_layers(mixtral):
+    """`--experts auto`, the budget alone deciding, swept from where no expert fits on the device to where 2 slots a
+    layer do: the fill gives layers resident experts round-robin, so some budgets leave one layer copying through
+    its one resident slot and the other with none (its misses on the host). Every run equals the resident run."""
+    _, ref_tokens, ref_logits = run(mixtral)
+    seen = set()
+    for mib in (0.36, 0.38, 0.40, 0.45, 0.53, 0.6):
+        llm, tokens, logits = run(mixtral, experts="auto", gpu_memory_budget=int(mib * 2**20))
+        placed = llm.engine.runner.placed
+        caps = tuple(placed.caches[l].capacity for l in sorted(placed.caches))
+        for c in placed.caches.values():
+            assert c.cpu_mode == ("cpu" if c.capacity == 0 else "gpu")  # (the CPU engine's auto copies)
+        print(f"{mib} MiB: capacities {caps}, {placed.stats.cpu_experts} host experts, "
+              f"{placed.stats.copied_experts} copied")
+        seen.add("none" if not any(caps) else "mixed" if 0 in caps else "all")
+        assert tokens == ref_tokens
+        assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
+    assert seen == {"none", "mixed", "all"}
+
+
 def test_host_work_on_the_worker_thread_may_write_inference_tensors(mixtral):
     """On CUDA the host experts run on a worker thread (`hw/cpu_binding.worker_pool`) and write buffers the
     engine thread made under inference mode; inference mode is per thread, so the worker must enter it too."""

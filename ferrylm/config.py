@@ -307,7 +307,8 @@ class OffloadConfig:
     """Device buffers that streamed (non-resident) dense layers rotate through."""
     experts: str = "auto"
     """Where expert misses run: auto (the measured cost model splits copies and host compute; copy-only on
-    the CPU engine), gpu (copy every miss to the device), cpu (compute every miss on the host's cores)."""
+    the CPU engine; a layer the budget leaves no expert slot computes its misses on the host), gpu (copy every
+    miss to the device: 2 slots a layer), cpu (compute every miss on the host's cores: no slots)."""
     cpu_threads: int | None = None
     """Threads for host experts (torch intra-op threads); None keeps torch's default."""
     cpu_numa_node: int | None = None

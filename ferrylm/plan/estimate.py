@@ -264,12 +264,15 @@ def host_expert_s(nbytes: float, scheme: str | None, host_gbs: float, tokens: fl
 
 HOST_GHZ = 2.0
 """Assumed all-core clock of a server CPU under a matmul (no data sheet gives a sustained one)."""
-HOST_FLOPS_PER_CYCLE = {"amx": 1024, "avx512": 64, "avx2": 32}
+HOST_FLOPS_PER_CYCLE = {"amx": 1024, "avx512": 64, "avx2": 16}
 """Peak bf16 FLOPs a core does a cycle: AMX tiles (Sapphire Rapids on), AVX-512 FMA on fp32 (torch widens bf16),
-AVX2."""
+AVX2 at half its fp32 rate (torch's bf16 GEMM without AVX512-BF16: on session 36's 2-core AVX2 EPYC, 4096x4096
+weights at 16 / 128 / 512 rows, bf16 10.6 / 19.8 / 12.4 GFLOPS against fp32 37.5 / 46.6 / 67.0; this model says
+19.2)."""
 HOST_MFU = 0.3
-"""Assumed share of that peak torch's CPU GEMMs (oneDNN) reach on an expert's rows, all cores; not measured here
-(the lent machines' hosts run expert prefill on a GPU): a plan with `--experts cpu` says so."""
+"""Assumed share of that peak torch's CPU GEMMs (oneDNN) reach on an expert's rows, all cores (the AVX2 box above:
+fp32 at 128-512 rows 24-35% of its 2 x ~3 GHz x 32 peak); not measured on an AMX or AVX-512 host (the lent machines'
+hosts run expert prefill on a GPU): a plan with `--experts cpu` says the rate is assumed."""
 
 
 def host_tflops(cores: int, amx: bool, avx512: bool) -> float:

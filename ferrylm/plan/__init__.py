@@ -104,5 +104,10 @@ TODO (what is left of issue #14):
 - engine knobs plan takes but does not model (session 35: `--cpu-threads`, `--no-hybrid-split`,
   `--expert-cache-policy lfu`, `--moe-backend torch`, ...) are noted as such and run as given by `--check`; next
   for `--host local`: read the engine's calibration cache (`offload/calibration.py`, per machine, shape and format)
-  where a start there left one, and price the host side with the rates it measured instead of the assumed ones.
+  where a start there left one, and price the host side with the rates it measured instead of the assumed ones;
+- session 36: `--experts cpu`, and layers `--experts auto` leaves no expert slot under a tight budget, run prefill's
+  experts on the host, priced at an assumed host matmul rate (`estimate.host_tflops`; measured only on a 2-core AVX2
+  box); the offloaded NF4 Mixtral check, settled (H100, `plan-check-2026-12-07-s36-h100.json`): memory within 0.6%,
+  decode b1 -5.3%, b16 -11.5%, prefill -0.8% at uniform routing, but +40% / +97% at the measured hit rate / the
+  replayed profile (hits are credited with more than the step gains).
 """

@@ -321,11 +321,11 @@ def place(groups: list[TensorGroup], budget: int | None, rules: tuple[str, ...] 
     ledger = _smallest(groups, forced, stream_buffers, min_expert_slots)
     tier = ledger.tier
     if ledger.total() > budget:
+        slots = f", {min_expert_slots} expert slots per MoE layer" if min_expert_slots else ""
         raise ConfigError(
             f"GPU memory budget {budget / 2**30:.2f} GiB is too small for this model: its weights need at least "
             f"{ledger.total() / 2**30:.2f} GiB on the device (norms, routers, the LM head, forced groups, stream "
-            f"buffers for the largest layer{f', {min_expert_slots} expert slots per MoE layer' if min_expert_slots else ''}"
-            f"), before the KV cache")
+            f"buffers for the largest layer{slots}), before the KV cache")
     free = [g for g in groups if g.name not in forced and tier[g.name] == HOST]
     experts = sorted((g for g in free if g.kind == "experts"), key=lambda g: (g.expert, g.layer))
     # experts round-robin over layers: slot j of every layer before slot j + 1 of any

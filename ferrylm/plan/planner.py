@@ -819,8 +819,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     if verdict == "offload" and cached:
         a = speed["assumptions"]
         path = (f"every miss runs on the host's cores (--experts cpu), nothing is copied in and no expert slot kept: "
-                f"decode steps of up to {mapped_tokens} token(s) through hybrid decode, larger steps and prefill through "
-                f"the copy path's rounds (their rows at an assumed {host_tflops:.0f} TFLOPS: {host.cores_per_socket} "
+                f"decode steps of up to {mapped_tokens} token(s) through hybrid decode, larger steps and prefill "
+                f"through the copy path's rounds (their rows at an assumed {host_tflops:.0f} TFLOPS: {host.cores_per_socket} "
                 f"cores x {estimate.HOST_GHZ:g} GHz x {estimate.HOST_MFU:.0%} of the ISA's peak; prefill "
                 f"{speed['prefill_tok_s']:,.0f} tok/s)" if host_prefill and mapped_tokens else
                 f"decode steps of up to {mapped_tokens} token(s) read expert misses in place over PCIe (mapped host "

@@ -68,6 +68,7 @@ CASES = {
     "moe-offload": (QWEN3_30B, 16, 4, None, 32),
     "moe-offload-nf4": (MIXTRAL, 8, 5, "nf4", 32),
     "moe-nf4": (MIXTRAL, 8, None, "nf4", 64),
+    "moe-offload-bf16": (MIXTRAL, 8, 12, None, 32),  # dense banks on the copy road (session 37)
 }
 
 
@@ -90,6 +91,7 @@ def case_options(case: str, a, cuda: bool) -> tuple[dict, str, PlanOptions]:
     opts = PlanOptions(os.path.join(d, "config.json"), gpu=a.gpu, host=a.host, max_model_len=max_len,
                        max_num_seqs=a.concurrency, prompt_len=a.prompt_len, output_len=tokens,
                        concurrency=a.concurrency, measure_bandwidth=cuda and not a.profile_h2d, experts=a.experts,
+                       mapped_experts=not getattr(a, "no_mapped_experts", False),
                        expert_quant=experts if cuda else None)  # the CPU engine dequantizes packed experts
     if budget_gib is not None and cuda:
         opts = replace(opts, gpu_memory_budget_gb=budget_gib * 2**30 / 1e9)
@@ -230,7 +232,8 @@ def run_isolated(case: str, a, timeout: float) -> tuple[list[dict], dict | None]
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), "--one-case", case, "--case-result", out, "--gpu", a.gpu,
            "--host", a.host, "--device", a.device, "--prompt-len", str(a.prompt_len), "--concurrency",
-           str(a.concurrency), "--experts", a.experts] + (["--profile-h2d"] if a.profile_h2d else [])
+           str(a.concurrency), "--experts", a.experts] + (["--profile-h2d"] if a.profile_h2d else []) \
+        + (["--no-mapped-experts"] if a.no_mapped_experts else [])
     try:
         r = subprocess.run(cmd, timeout=timeout)
         with open(out) as f:
@@ -258,6 +261,8 @@ def main() -> None:
                     help="plan with the profile's pinned H2D rate instead of measuring this machine's")
     ap.add_argument("--experts", default="auto", choices=("auto", "gpu", "cpu"),
                     help="where expert misses run (the engine's --experts; auto: hybrid decode)")
+    ap.add_argument("--no-mapped-experts", action="store_true",
+                    help="plan and run the engine's --no-mapped-experts (one-token steps copy misses in too)")
     ap.add_argument("--time-budget", type=float, default=330, help="seconds for all cases; later ones are skipped")
     ap.add_argument("--case-timeout", type=float, default=150, help="seconds one case may take")
     ap.add_argument("--out", default=None, help="results file (default benchmarks/results/plan-check-<date>.json)")

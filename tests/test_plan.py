@@ -303,12 +303,13 @@ def test_check_runs_the_engine_with_every_planned_knob(monkeypatch):
 
 
 def test_plan_takes_no_mapped_experts():
-    """`--no-mapped-experts` as the engine runs it: batch-1 decode copies every miss into a slot (no in-place reads,
-    no hybrid decode), which the plan says costs speed; the check's engine gets the knob."""
+    """`--no-mapped-experts` as the engine runs it: batch-1 decode takes the copy road (no in-place reads; the host
+    takes its split of the misses), which for Qwen3's small experts (a copy-road layer's per-expert costs) the plan
+    says costs speed; the check's engine gets the knob. (Mixtral's 352 MB experts: both roads within 10%.)"""
     from ferrylm.plan.check import engine_options
 
-    opts = dict(gpu="1xH200", host=HOST, gpu_memory_budget="30GiB", max_model_len=4096, max_num_seqs=16)
-    on, off = (make_plan(PlanOptions("Mixtral-8x7B", **opts, mapped_experts=m)) for m in (True, False))
+    opts = dict(gpu="1xH200", host=HOST, gpu_memory_budget="20GiB", max_model_len=4096, max_num_seqs=16)
+    on, off = (make_plan(PlanOptions("Qwen3-30B-A3B", **opts, mapped_experts=m)) for m in (True, False))
     d_on, d_off = on.speed["decode_batch1"], off.speed["decode_batch1"]
     print(f"batch 1: in place {d_on['tok_s']:.2f} tok/s, copies {d_off['tok_s']:.2f}")
     assert (d_on["experts_path"], d_off["experts_path"]) == ("mapped", "copy") and d_off["tok_s"] < d_on["tok_s"]
@@ -515,7 +516,8 @@ def test_bench_plan_smoke_on_cpu(tmp_path):
     d = json.loads(out.read_text())
     assert json.loads(r.stdout.strip().splitlines()[-1]) == d
     assert {"bench", "date", "commit", "machine", "rows", "cases"} <= set(d) and d["bench"] == "plan-check"
-    assert {r["case"] for r in d["rows"]} == {"dense", "moe", "moe-offload", "moe-offload-nf4", "moe-nf4"}
+    assert {r["case"] for r in d["rows"]} == {"dense", "moe", "moe-offload", "moe-offload-nf4", "moe-nf4",
+                                              "moe-offload-bf16"}
     assert all(r["within"] for r in d["rows"]) and {r["metric"] for r in d["rows"]} == {"weights", "kv", "kv_tokens"}
     for case in ("moe-offload", "moe-offload-nf4"):  # the routing the runs saw, re-planned from its profile
         assert 0 < d["cases"][case]["hit_rate_from_profile"]["decode_batch1"] <= 1
@@ -619,7 +621,8 @@ def test_hybrid_decode_shares_misses_with_the_host(tmp_path):
     gpu_only = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1, experts="gpu")
     hybrid = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1)
     a = hybrid.speed["assumptions"]
-    host_gbs = estimate.HOST_EXPERT_EFF * estimate.HOST_READ_EFF * hardware.parse_host(HOST).bandwidth_per_node_gbs
+    # an AVX-512 host: bf16 experts on the native kernels
+    host_gbs = estimate.HOST_EXPERT_EFF_NATIVE * estimate.HOST_READ_EFF * hardware.parse_host(HOST).bandwidth_per_node_gbs
     assert a["host_expert_gbs"] == pytest.approx(host_gbs)
     pure = host_gbs / (host_gbs + estimate.INPLACE_EFF * 54.6)  # the rates alone
     assert 0.9 * pure < a["cpu_share"] < pure  # a hand-off and a call per miss shave Mixtral's 352 MB experts' share
@@ -747,14 +750,16 @@ def test_packed_hybrid_share_is_the_engines_own(scheme, tmp_path):
 
 def test_packed_hybrid_without_a_host_rate_says_so(tmp_path):
     """A packed format with no measured host rate (fp8, int8) or NF4 on a host without AVX-512 (torch's decode,
-    ~0.7 GB/s of codes): no share is predicted, and the notes say why; dense experts keep their copy-road copies."""
+    ~0.7 GB/s of codes): no share is predicted, and the notes say why; dense experts' copy-road misses split with the
+    host as the engine splits them (counted as copies until session 37, when an 8-layer bf16 Mixtral's batch 16
+    under 12 GiB decoded 1.9x its copies alone)."""
     for scheme, host, why in (("fp8", HOST, "no host rate is measured for fp8"),
                               ("nf4", "2xEPYC-7763,1TB", "native AVX-512 host kernel")):
         p = _shape_plan(tmp_path, MIXTRAL_SHAPE, 32, 16, 1, expert_quant=scheme, host=host)
         assert p.speed["assumptions"]["cpu_share"] == 0
         assert any(n.startswith("hybrid decode not predicted") and why in n for n in p.notes), p.notes
     dense = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 16, 0.5).speed["decode_concurrent"]
-    assert dense["experts_path"] == "copy" and dense["host_miss_share"] is None
+    assert dense["experts_path"] == "copy" and 0 < dense["host_miss_share"] < 1
 
 
 def test_plan_states_the_kv_the_cuda_engine_ends_with():

@@ -90,7 +90,7 @@ TODO (what is left of issue #14):
 - hybrid decode (host cores beside the in-place reads, the engine's default for dense cached experts) is
   modelled as two balanced rates that add, which misses batch 1 on small experts (sessions 6, 8 and 9: a
   fixed host cost per call, `benchmarks/profile_offload.py`); its "copy" GPU side (opt-in) is not modelled; the copy path's
-  host split counts as copies (measured +6%);
+  host split is priced as the engine splits (dense banks too since session 37);
 - hybrid decode over packed experts is not modelled (the plan prices packed banks in place / copied only): the
   engine runs it where its calibration says it pays (session 15, Mixtral 32L int4 under 16 GiB batch 1: 23.0 tok/s
   against 19.1 copy-only; the host's int4 kernel 66.7 GB/s alone, NF4 0.66 GB/s: off); a per-format host rate
@@ -109,5 +109,12 @@ TODO (what is left of issue #14):
   experts on the host, priced at an assumed host matmul rate (`estimate.host_tflops`; measured only on a 2-core AVX2
   box); the offloaded NF4 Mixtral check, settled (H100, `plan-check-2026-12-07-s36-h100.json`): memory within 0.6%,
   decode b1 -5.3%, b16 -11.5%, prefill -0.8% at uniform routing, but +40% / +97% at the measured hit rate / the
-  replayed profile (hits are credited with more than the step gains).
+  replayed profile (hits are credited with more than the step gains);
+- session 37 (H100): `--check` plans with the machine's measured rates; a dense bank's copy-road split is priced (was
+  counted as copies) and bf16 experts on an AVX-512 host run at `HOST_EXPERT_EFF_NATIVE`; batch-1 promotions at
+  uniform routing come from the slot policy replayed on random tokens. The 8-layer bf16 Mixtral under 12 GiB, mapped
+  (default) / copy road / copies alone: b1 26.1 / 19.5 / 15.0 tok/s measured, planned 28.3 / 23.6 / 15.4 (were
+  20.0 / 23.6 / 15.4 in the run, which then measured the plan's first change); b16 112 / 120 / 63, planned 125 / 126 /
+  63; the resident NF4 Mixtral within 2.0% on every row. Still missed: mix4's prefill (+123%) and b1 at uniform
+  routing (its tokens reuse experts).
 """

@@ -12,16 +12,17 @@ A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_
     t_mapped  = decode steps of up to `CachedExperts.mapped_tokens` tokens with experts in host memory: one
                 fused launch reads the hits from HBM and the misses in place from mapped host memory at
                 pinned H2D GB/s * INPLACE_EFF, side by side, while (hybrid decode, the engine's default) the
-                host's cores compute a share of the misses at HOST_EXPERT_EFF of the host's read rate (packed
+                host's cores compute a share of the misses at HOST_EXPERT_EFF(_NATIVE) of the host's read rate (packed
                 experts: HOST_PACKED_EFF of their format), the share balanced as the engine balances it
                 (`offload/cost_model.cpu_share` on these figures): max(hits, GPU misses, host misses)
                 (hits at least every expert's resident time: a miss never speeds the kernel up),
                 serial with the other kernels (and then not in t_hbm); plus the routing tally's promotion
-                copies (`PROMOTIONS_PER_MISS`), which the next step waits for (they land at once) and which
+                copies (`PROMOTIONS_PER_MISS`; batch 1 at uniform routing: `hit_rate.uniform_promotions`),
+                which the next step waits for (they land at once) and which
                 share the link with the in-place reads; a layer with an in-place miss adds INPLACE_LAYER_S, a
                 promotion PROMOTION_S (latencies small experts do not hide)
     t_host    = copy-path MoE layers (larger steps, or a mapped path off): CACHED_EXPERT_S per expert touched;
-                packed experts' misses split between copies and the host's cores as the engine splits them
+                the misses split between copies and the host's cores as the engine splits them
                 (`offload/cost_model.split_misses`), the host's part a term of the roofline's max
     t_launch  = layers * LAUNCH_S (eager) or LAUNCH_GRAPH_S (CUDA graphs), plus LAYER_EXTRA_S of the family
     t_comm    = 2 all-reduces per layer under TP (ALLREDUCE_S + ring bytes over NVLink or PCIe)
@@ -220,6 +221,12 @@ the host's read rate as `hw/bandwidth.host_read_gbs` measures it (the rate the p
 keeps 45.4 GB/s beside it), against 124 GB/s that function measured on the same host (first `bench_plan` run).
 Was 0.37: 33.4 GB/s over another tool's read figure (90.7 GB/s, `bench_cpu_experts.py`), which the planner's own
 124 GB/s then turned into 46 GB/s."""
+HOST_EXPERT_EFF_NATIVE = 0.51
+"""As `HOST_EXPERT_EFF` where bf16 experts run on `layers/host_native`'s kernels (an AVX-512 host; the plain path,
+0.27, was measured before they existed): on the H100 host (session 37, `bench_plan.py --cases moe-offload-bf16`) the
+engine's calibration timed a Mixtral expert (352 MB) at one token beside copies on 16 threads at 5.23 ms, 4.93 ms
+beyond the call: 71.5 GB/s against the 140 GB/s `host_read_gbs` measured in the same run (the plain GEMM: 7.87 ms).
+With 0.27 the plan put the batch-1 share at 0.42 where the engine's tuner settled at 0.66, and decode 30% under."""
 HOST_PACKED_EFF = {"nf4": 0.52, "int4": 0.36}
 """Packed experts on the host's cores (the host computes them packed, `offload/host_experts.py`): the packed bytes a
 second of one expert at one token beyond `HOST_EXPERT_CALL_S`, as a share of the host's read rate (as
@@ -245,7 +252,7 @@ def host_expert_eff(scheme: str | None, avx512: bool = True) -> float:
     """Share of the host's read rate at which it computes one expert of the bank's format (None: dense) at one
     token; 0 where no rate is known (no share is predicted)."""
     if scheme is None:
-        return HOST_EXPERT_EFF
+        return HOST_EXPERT_EFF_NATIVE if avx512 else HOST_EXPERT_EFF
     if scheme in NATIVE_HOST_FORMATS and not avx512:
         return 0.0
     return HOST_PACKED_EFF.get(scheme, 0.0)

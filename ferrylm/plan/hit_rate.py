@@ -174,6 +174,30 @@ def replayed(route: Routing, layers: dict[int, tuple[int, int]], num_experts: in
             for i, l in enumerate(rows)}
 
 
+UNIFORM_STEPS = 256
+"""Decode steps of independent, uniformly routed tokens `uniform_promotions` replays (a quarter of them warm-up)."""
+
+
+def uniform_promotions(layers: dict[int, tuple[int, int]], num_experts: int, top_k: int) -> dict[int, float]:
+    """Promotion copies a mapped batch-1 step makes in each cached layer under uniform routing: the engine's slot
+    policy (as `replayed`) on UNIFORM_STEPS tokens each drawing `top_k` experts at random (seeded), one run per
+    layer shape (resident R, device slots C: the policy keeps a row's state to itself). Replaced a fixed 0.55
+    copies an in-place miss fitted on a Qwen3 trace (session 37: the 8-layer bf16 Mixtral under 12 GiB on an H100
+    made 0.74 copies a step where that said 2.8, and this replay 0.5; its batch-1 decode was predicted 23% slow)."""
+    import random
+
+    from ferrylm.offload.slot_policy import replay_mapped
+
+    rows, per = 2, {}
+    for R, C in sorted(set(layers.values())):
+        rng = random.Random(R * 1009 + C)
+        traces = [[rng.sample(range(num_experts), top_k) for _ in range(UNIFORM_STEPS)] for _ in range(rows)]
+        r = replay_mapped(traces, num_experts, [C] * rows, [list(range(R))] * rows, lag=1, land_lag=0,
+                          dueling=True, warmup=UNIFORM_STEPS // 4)
+        per[R, C] = sum(r.row_promotions) / rows / max(1, r.steps)
+    return {l: per[shape] for l, shape in layers.items()}
+
+
 def _scaled(weights: list[float], top_k: int) -> list[float]:
     """Weights -> per-token shares summing to top_k, none above 1 (a token picks an expert at most once): the
     excess of capped experts is spread over the others in proportion."""

@@ -548,6 +548,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
 
     mapped_tokens = min((1 if moe[l]["nbytes"] > CachedExperts.large_expert_bytes else CachedExperts.mapped_tokens
                          for l in cached), default=None) if fused_moe and opts.mapped_experts else None
+    # without a trace, uniform routing's promotions a batch-1 step: the same slot policy on random tokens
+    uniform_promos = (hit_rate.uniform_promotions(cached_layers, E, k) if replay is None and route.shares is None
+                      and cached_layers and mapped_tokens else None)
     graph_base = graphs_family and not opts.enforce_eager and ranks == 1 and placement is not None
     # hybrid decode (offload/placed_weights.py `_start_host_decode`): cached experts on the mapped path, experts !=
     # gpu, in any format the host has a rate for (dense, or packed: `estimate.host_expert_eff`); unless a share is
@@ -592,11 +595,12 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             # share moves by REBALANCE_MIN_CHANGE or to 0 (the share tuner's climb on step times is not modelled)
             seen = cpu_share(costs, misses=m1, split=True) if start > 0 else 0.0
             share = seen if start > 0 and (abs(seen - start) >= REBALANCE_MIN_CHANGE or seen <= 0) else start
-    # the copy road (steps over `mapped_tokens`) sends a packed bank's misses to the host as the engine's
-    # `split_misses` does (its kernels built in the background once seen: `HostExperts.build_later`, ready in the
-    # steady state timed here); a dense bank's split is counted as copies: measured, it gained 6% over copies alone
-    # (Mixtral 16L batch 1, docs/benchmarks.md "Hybrid CPU-GPU experts")
-    road_split = costs is not None and (scheme is not None or opts.experts == "cpu") and opts.experts != "gpu"
+    # the copy road (steps over `mapped_tokens`) sends misses to the host as the engine's `split_misses` does (a
+    # packed bank's kernels built in the background once seen: `HostExperts.build_later`, ready in the steady state
+    # timed here). A dense bank's split was counted as copies until session 37 (it had gained 6% over copies alone,
+    # Mixtral 16L batch 1); then a 4-layer Mixtral's batch 8 under 2 GiB on an H100 decoded 480 tok/s where copies
+    # alone at the hit rate measured allow at most 434 and the plan said 250
+    road_split = costs is not None and opts.experts != "gpu"
     # `--experts cpu`: the copy road's misses all run on the host, prefill's too (nothing is copied in); so do a
     # layer's that has no slot (`--experts auto` under a budget with no room for them: `memory.size_memory`)
     host_prefill = road_split and opts.experts == "cpu"
@@ -666,8 +670,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 out["inplace"] += gpu_misses * m["nbytes"]
                 out["inplace_equiv"] += gpu_misses * m["inplace_equiv"]
                 if slots.get(l, 0):  # the tally promotes misses into the layer's slots, landing before the next step
-                    n = replay[l][1] if replay is not None and batch == 1 else min(
-                        estimate.PROMOTIONS_PER_MISS * misses, estimate.PROMOTIONS_PER_LAYER)
+                    n = (replay[l][1] if replay is not None and batch == 1 else
+                         uniform_promos[l] if uniform_promos is not None and batch == 1 else
+                         min(estimate.PROMOTIONS_PER_MISS * misses, estimate.PROMOTIONS_PER_LAYER))
                     out["promotions"] += n
                     out["promote"] += n * m["nbytes"]
                 # the host runs its share of every miss (split along the intermediate: one call each) or, at
@@ -860,9 +865,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
             notes.append(f"hybrid decode: the host's cores compute {share:.0%} of the misses beside the kernel's "
                          f"in-place reads ({rate}), {chosen}; each host expert costs "
                          f"{estimate.HOST_EXPERT_CALL_S * 1e3:.1f} ms beyond its bytes, a layer's hand-off "
-                         f"{estimate.HANDOFF_S * 1e3:.2f} ms"
-                         + ("" if road_split else "; the copy path's split (larger steps, prefill) is counted as "
-                            "copies (it gained 6% over copies alone when measured)"))
+                         f"{estimate.HANDOFF_S * 1e3:.2f} ms")
             alone = make_plan(replace(opts, experts="gpu"), advise=False) if advise and opts.experts == "auto" else None
             if alone is not None and alone.speed and alone.speed["decode_batch1"]["tok_s"] > 1.05 * d1["tok_s"]:
                 notes.append(f"warning: hybrid decode costs speed here (small experts: the host's per-expert cost "

@@ -1149,6 +1149,44 @@ def test_resident_nf4_experts_are_timed_at_the_decode_kernels_rate_and_big_batch
         assert d["cuda_graphs"] is not eager and (d["parts_ms"]["dequant"] > 0) is eager
 
 
+def test_uniform_batch1_promotions_replay_the_slot_policy():
+    """Batch-1 promotions at uniform routing come from the engine's slot policy replayed on random independent tokens
+    (`hit_rate.uniform_promotions`), one seeded run per layer shape, not the fixed copies-per-miss fitted on Qwen3's
+    trace: for Mixtral's 8 experts with 2 resident and 2 slots that said 0.35 a layer, the engine made ~0.09 (session
+    37, 8 layers under 12 GiB: 0.74 a step) and the replay ~0.06. The plan's batch-1 step counts them."""
+    from ferrylm.plan import estimate, hit_rate
+
+    got = hit_rate.uniform_promotions({0: (2, 4), 1: (2, 4), 2: (1, 3)}, 8, 2)
+    assert got == hit_rate.uniform_promotions({0: (2, 4), 1: (2, 4), 2: (1, 3)}, 8, 2) and got[0] == got[1]
+    misses = 2 * (1 - 4 / 8)  # a layer's misses a step at uniform routing, C of E experts on the device
+    assert 0 < got[0] < 0.5 * min(estimate.PROMOTIONS_PER_MISS * misses, estimate.PROMOTIONS_PER_LAYER)
+    assert hit_rate.uniform_promotions({0: (8, 8)}, 8, 2) == {0: 0.0}  # every expert on the device: nothing to move
+    p = make_plan(PlanOptions("Mixtral-8x7B", gpu="1xH200", host=HOST, gpu_memory_budget="30GiB"))
+    d = p.speed["decode_batch1"]
+    assert d["experts_path"] == "mapped" and 0 < d["parts_ms"]["promotions"]
+
+
+def test_cli_plan_check_plans_with_this_machines_rates(tmp_path, capsys, monkeypatch):
+    """`--check` compares the plan with this machine, so it plans with this machine's measured pinned H2D and host
+    read rates (`--measure-bandwidth`): session 37's 4-layer Mixtral under 2 GiB was planned without a host rate
+    ("read rate is unknown") and decoded twice as fast as planned, its host taking a share. The run is replaced here
+    (CI has no GPU); what it is handed is checked."""
+    from ferrylm.plan import check
+
+    monkeypatch.setattr(check, "refusal", lambda *a, **k: None)
+    monkeypatch.setattr(hardware, "measured_h2d_gbs", lambda index=0: 41.5)
+    monkeypatch.setattr(hardware, "measured_host_read_gbs", lambda: 77.0)
+    seen = []
+    monkeypatch.setattr(check, "run_check", lambda plan, *a, **k: seen.append(plan) or [])
+    rc, out, err = _plan_cli(capsys, "Mixtral-8x7B", "--gpu", "1xH100-80G-SXM", "--host", HOST, "--check", "--json")
+    assert rc == 0, err
+    a = seen[0].speed["assumptions"]
+    assert seen[0].options.measure_bandwidth and a["h2d_gbs"] == 41.5 and a["host_read_gbs"] == 77.0
+    assert not any("read rate is unknown" in n for n in seen[0].notes)
+    plain = make_plan(PlanOptions("Mixtral-8x7B", gpu="1xH100-80G-SXM", host=HOST)).speed["assumptions"]
+    assert (plain["h2d_gbs"], plain["host_read_gbs"]) != (41.5, 77.0)
+
+
 def _plan_cli(capsys, *args) -> tuple[int, str, str]:
     """`ferry plan ARGS` through the real entry point in this process: (exit code, stdout, stderr)."""
     from ferrylm.cli import main

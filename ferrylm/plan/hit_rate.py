@@ -184,18 +184,21 @@ def uniform_promotions(layers: dict[int, tuple[int, int]], num_experts: int, top
     layer shape (resident R, device slots C: the policy keeps a row's state to itself). Replaced a fixed 0.55
     copies an in-place miss fitted on a Qwen3 trace (session 37: the 8-layer bf16 Mixtral under 12 GiB on an H100
     made 0.74 copies a step where that said 2.8, and this replay 0.5; its batch-1 decode was predicted 23% slow)."""
+    return {l: _uniform_promotions(R, C, num_experts, top_k) for l, (R, C) in layers.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _uniform_promotions(resident: int, capacity: int, num_experts: int, top_k: int, rows: int = 2) -> float:
+    """`uniform_promotions` of one layer shape (a plan and the alternatives its advice plans share them)."""
     import random
 
     from ferrylm.offload.slot_policy import replay_mapped
 
-    rows, per = 2, {}
-    for R, C in sorted(set(layers.values())):
-        rng = random.Random(R * 1009 + C)
-        traces = [[rng.sample(range(num_experts), top_k) for _ in range(UNIFORM_STEPS)] for _ in range(rows)]
-        r = replay_mapped(traces, num_experts, [C] * rows, [list(range(R))] * rows, lag=1, land_lag=0,
-                          dueling=True, warmup=UNIFORM_STEPS // 4)
-        per[R, C] = sum(r.row_promotions) / rows / max(1, r.steps)
-    return {l: per[shape] for l, shape in layers.items()}
+    rng = random.Random(resident * 1009 + capacity)
+    traces = [[rng.sample(range(num_experts), top_k) for _ in range(UNIFORM_STEPS)] for _ in range(rows)]
+    r = replay_mapped(traces, num_experts, [capacity] * rows, [list(range(resident))] * rows, lag=1, land_lag=0,
+                      dueling=True, warmup=UNIFORM_STEPS // 4)
+    return sum(r.row_promotions) / rows / max(1, r.steps)
 
 
 def _scaled(weights: list[float], top_k: int) -> list[float]:

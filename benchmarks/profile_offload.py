@@ -25,7 +25,10 @@ import torch
 
 from bench_offload import MIXTRAL, QWEN3_30B, prompts  # noqa: E402
 
-SHAPES = {"qwen3": QWEN3_30B, "mixtral": MIXTRAL}
+SHAPES = {"qwen3": QWEN3_30B, "mixtral": MIXTRAL,
+          # the 4-layer Mixtral `ferry plan --check` runs as a user (`device_steps.sh` write_mix4): 69 MB experts
+          "mix4": {**MIXTRAL, "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,
+                   "max_position_embeddings": 4096}}
 
 
 def run(experts: str, a, variant: str = "dueling:now") -> dict:
@@ -110,6 +113,8 @@ def run(experts: str, a, variant: str = "dueling:now") -> dict:
                 print(f"{k[:60]:60s} {v[i]:14.1f} {v[1]:8.1f}")
     if a.prefill_tokens and variant == a.variants[0]:
         out["prefill"] = prefill_profile(llm, placed, a)
+        if a.rounds_ab:
+            out["prefill_rounds_ab"] = rounds_ab(llm, placed, a)
     llm.close()
     del llm
     gc.collect()
@@ -200,6 +205,48 @@ def timeline(prof) -> dict:
                               for g, t in gaps[:8]])
 
 
+ROUNDS = {"each": (True, True), "misses": (True, False), "all": (False, False)}
+"""`--rounds` mode -> (`CachedExperts.one_large_a_round`, `free_hits_first`)."""
+
+
+def set_rounds(mode: str) -> None:
+    from ferrylm.offload.expert_cache import CachedExperts
+
+    CachedExperts.one_large_a_round, CachedExperts.free_hits_first = ROUNDS[mode]
+
+
+def rounds_ab(llm, placed, a) -> dict:
+    """Fresh `--prefill-tokens` prompts on this one engine, the copy-path round modes of `--rounds-ab` taking turns
+    (`--ab-reps` prompts each; the class attributes are read per forward): seconds of each prompt by mode, so the
+    modes see the same engine, slots and host state, and drift falls on all of them alike."""
+    from ferrylm import SamplingParams
+    from ferrylm.offload.expert_cache import CachedExperts
+
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    saved = CachedExperts.one_large_a_round, CachedExperts.free_hits_first
+    times: dict[str, list[float]] = {m: [] for m in a.rounds_ab}
+    copied: dict[str, list[int]] = {m: [] for m in a.rounds_ab}
+    try:
+        for rep in range(a.ab_reps):
+            for i, mode in enumerate(a.rounds_ab):
+                set_rounds(mode)
+                placed.stats.reset()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                llm.generate(prompts(1, a.prefill_tokens, 100 + rep * len(a.rounds_ab) + i), params)
+                torch.cuda.synchronize()
+                times[mode].append(time.perf_counter() - t)
+                copied[mode].append(placed.stats.copied_experts)
+    finally:
+        CachedExperts.one_large_a_round, CachedExperts.free_hits_first = saved
+    res = {m: {"seconds": [round(x, 5) for x in v], "median_tok_s": a.prefill_tokens / sorted(v)[len(v) // 2],
+               "copied_experts": copied[m]} for m, v in times.items()}
+    print("prefill rounds A/B: " + ", ".join(f"{m} {r['median_tok_s']:.0f} tok/s (median of {len(times[m])}: "
+                                             f"{', '.join(f'{x * 1e3:.1f}' for x in times[m])} ms)"
+                                             for m, r in res.items()), flush=True)
+    return res
+
+
 def prefill_profile(llm, placed, a) -> dict:
     """A fresh prompt of `--prefill-tokens` tokens (its prefill and first token), timed twice after one untimed:
     tok/s, experts copied and bytes moved; with `--profile` the device's copies against its kernels (the copies'
@@ -266,10 +313,14 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=0,
                     help="also time (and with --profile, profile) a fresh prefill of this many tokens: the copy path's "
                          "rounds, their copies' own GB/s")
-    ap.add_argument("--rounds", choices=["each", "misses", "all"], default="each",
+    ap.add_argument("--rounds", choices=sorted(ROUNDS), default="each",
                     help="large experts' copy-path rounds (`CachedExperts.one_large_a_round`, `free_hits_first`): "
                          "each expert a round, the evictable hits first (the engine's default); misses: the hits in "
                          "one round, the misses one a round; all: one round of every copy in flight")
+    ap.add_argument("--rounds-ab", nargs="+", default=None, choices=sorted(ROUNDS),
+                    help="with --prefill-tokens: also time fresh prefills on the first engine with these round modes "
+                         "taking turns (`--ab-reps` each)")
+    ap.add_argument("--ab-reps", type=int, default=4)
     ap.add_argument("--staging", type=int, default=None,
                     help="staging slots the cached layers share to copy the next layer's experts ahead of its routing "
                          "on a copy-road step (`CachedExperts.staging_slots`; 0: off; default: the engine's)")
@@ -282,7 +333,7 @@ def main() -> None:
     a = ap.parse_args()
     from ferrylm.offload.expert_cache import CachedExperts
 
-    CachedExperts.one_large_a_round, CachedExperts.free_hits_first = a.rounds != "all", a.rounds == "each"
+    set_rounds(a.rounds)
     if a.staging is not None:
         CachedExperts.staging_slots = a.staging
     rows = [run(e, a, v) for e in a.experts for v in a.variants]

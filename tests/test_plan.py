@@ -1149,18 +1149,29 @@ def test_resident_nf4_experts_are_timed_at_the_decode_kernels_rate_and_big_batch
         assert d["cuda_graphs"] is not eager and (d["parts_ms"]["dequant"] > 0) is eager
 
 
-def test_uniform_batch1_promotions_replay_the_slot_policy():
-    """Batch-1 promotions at uniform routing come from the engine's slot policy replayed on random independent tokens
-    (`hit_rate.uniform_promotions`), one seeded run per layer shape, not the fixed copies-per-miss fitted on Qwen3's
-    trace: for Mixtral's 8 experts with 2 resident and 2 slots that said 0.35 a layer, the engine made ~0.09 (session
-    37, 8 layers under 12 GiB: 0.74 a step) and the replay ~0.06. The plan's batch-1 step counts them."""
+def test_batch1_promotions_replay_the_slot_policy_on_sampled_tokens():
+    """Batch-1 promotions without a decode trace come from the engine's slot policy replayed on independent tokens
+    drawn from the routing (`hit_rate.sampled_promotions`), one seeded run per layer shape and routing, not the fixed
+    copies-per-miss fitted on Qwen3's trace: for Mixtral's 8 experts with 2 resident and 2 slots that said 0.35 a
+    layer at uniform routing, the engine made ~0.09 (session 37, 8 layers under 12 GiB: 0.74 a step) and the replay
+    ~0.06. A token draws exactly k distinct experts, each with its share as its chance; skew moves fewer experts."""
     from ferrylm.plan import estimate, hit_rate
 
-    got = hit_rate.uniform_promotions({0: (2, 4), 1: (2, 4), 2: (1, 3)}, 8, 2)
-    assert got == hit_rate.uniform_promotions({0: (2, 4), 1: (2, 4), 2: (1, 3)}, 8, 2) and got[0] == got[1]
+    uniform = hit_rate.UNIFORM
+    got = hit_rate.sampled_promotions(uniform, {0: (2, 4), 1: (2, 4), 2: (1, 3)}, 8, 2)
+    assert got == hit_rate.sampled_promotions(uniform, {0: (2, 4), 1: (2, 4), 2: (1, 3)}, 8, 2) and got[0] == got[1]
     misses = 2 * (1 - 4 / 8)  # a layer's misses a step at uniform routing, C of E experts on the device
     assert 0 < got[0] < 0.5 * min(estimate.PROMOTIONS_PER_MISS * misses, estimate.PROMOTIONS_PER_LAYER)
-    assert hit_rate.uniform_promotions({0: (8, 8)}, 8, 2) == {0: 0.0}  # every expert on the device: nothing to move
+    assert hit_rate.sampled_promotions(uniform, {0: (8, 8)}, 8, 2) == {0: 0.0}  # all on the device: nothing moves
+    skew = [1.0 / (e + 1) ** 1.5 for e in range(8)]
+    shares = tuple(hit_rate._scaled([w / sum(skew) * 2 for w in skew], 2))
+    skewed = hit_rate.sampled_promotions(hit_rate.Routing({0: shares}, False, "zipf:1.5"), {0: (2, 4)}, 8, 2)
+    assert skewed[0] < got[0]
+    # the draws the replay is fed: k distinct experts a token, each at its share
+    draws = hit_rate.sampled_tokens(shares, 8, 2, 20000, seed=0)
+    assert all(len(set(t)) == 2 for t in draws)
+    freq = [sum(e in t for t in draws) / len(draws) for e in range(8)]
+    assert all(abs(f - s) < 0.02 for f, s in zip(freq, shares)), (freq, shares)
     p = make_plan(PlanOptions("Mixtral-8x7B", gpu="1xH200", host=HOST, gpu_memory_budget="30GiB"))
     d = p.speed["decode_batch1"]
     assert d["experts_path"] == "mapped" and 0 < d["parts_ms"]["promotions"]

@@ -112,7 +112,8 @@ TODO (what is left of issue #14):
   replayed profile (hits are credited with more than the step gains);
 - session 37 (H100): `--check` plans with the machine's measured rates; a dense bank's copy-road split is priced (was
   counted as copies) and bf16 experts on an AVX-512 host run at `HOST_EXPERT_EFF_NATIVE`; batch-1 promotions at
-  uniform routing come from the slot policy replayed on random tokens. The 8-layer bf16 Mixtral under 12 GiB, mapped
+  uniform routing (and any without a decode trace) come from the slot policy replayed on tokens drawn from the
+  routing. The 8-layer bf16 Mixtral under 12 GiB, mapped
   (default) / copy road / copies alone: b1 26.1 / 19.5 / 15.0 tok/s measured, planned 28.3 / 23.6 / 15.4 (were
   20.0 / 23.6 / 15.4 in the run, which then measured the plan's first change); b16 112 / 120 / 63, planned 125 / 126 /
   63; the resident NF4 Mixtral within 2.0% on every row. Still missed: mix4's prefill (+123%) and b1 at uniform

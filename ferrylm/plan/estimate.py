@@ -17,7 +17,7 @@ A decode step of B sequences takes max(t_hbm, t_copy, t_compute) + t_mapped + t_
                 (`offload/cost_model.cpu_share` on these figures): max(hits, GPU misses, host misses)
                 (hits at least every expert's resident time: a miss never speeds the kernel up),
                 serial with the other kernels (and then not in t_hbm); plus the routing tally's promotion
-                copies (`PROMOTIONS_PER_MISS`; batch 1 at uniform routing: `hit_rate.uniform_promotions`),
+                copies (`PROMOTIONS_PER_MISS`; batch 1 without a decode trace: `hit_rate.sampled_promotions`),
                 which the next step waits for (they land at once) and which
                 share the link with the in-place reads; a layer with an in-place miss adds INPLACE_LAYER_S, a
                 promotion PROMOTION_S (latencies small experts do not hide)

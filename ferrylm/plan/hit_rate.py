@@ -174,30 +174,71 @@ def replayed(route: Routing, layers: dict[int, tuple[int, int]], num_experts: in
             for i, l in enumerate(rows)}
 
 
-UNIFORM_STEPS = 256
-"""Decode steps of independent, uniformly routed tokens `uniform_promotions` replays (a quarter of them warm-up)."""
+def flat(shares: tuple[float, ...] | None) -> bool:
+    """Whether a layer's routing shares are uniform (None: no shares, uniform routing)."""
+    return shares is None or max(shares) - min(shares) <= 1e-9 * max(1.0, max(shares))
 
 
-def uniform_promotions(layers: dict[int, tuple[int, int]], num_experts: int, top_k: int) -> dict[int, float]:
-    """Promotion copies a mapped batch-1 step makes in each cached layer under uniform routing: the engine's slot
-    policy (as `replayed`) on UNIFORM_STEPS tokens each drawing `top_k` experts at random (seeded), one run per
-    layer shape (resident R, device slots C: the policy keeps a row's state to itself). Replaced a fixed 0.55
-    copies an in-place miss fitted on a Qwen3 trace (session 37: the 8-layer bf16 Mixtral under 12 GiB on an H100
-    made 0.74 copies a step where that said 2.8, and this replay 0.5; its batch-1 decode was predicted 23% slow)."""
-    return {l: _uniform_promotions(R, C, num_experts, top_k) for l, (R, C) in layers.items()}
+SAMPLED_STEPS = 256
+"""Decode steps of independent tokens `sampled_promotions` replays (a quarter of them warm-up)."""
+
+
+def sampled_promotions(route: Routing, layers: dict[int, tuple[int, int]], num_experts: int,
+                       top_k: int) -> dict[int, float]:
+    """Promotion copies a mapped batch-1 step makes in each cached layer where no decode trace is given: the engine's
+    slot policy (as `replayed`: the R hottest pinned under pinned routing, else the first R resident) on SAMPLED_STEPS
+    independent tokens, each drawing `top_k` distinct experts with the layer's shares as their chances (uniform
+    where it has none). One run per layer shape (resident R, device slots C) and routing: the policy keeps a row's
+    state to itself. The draws are common to every routing of a shape (the same seed), so a plan moves smoothly with
+    the skew. Replaced a fixed 0.55 copies an in-place miss fitted on a Qwen3 trace (session 37: the 8-layer bf16
+    Mixtral under 12 GiB on an H100 made 0.74 copies a step at uniform routing, where that said 2.8 and this replay
+    says 0.5; its batch-1 decode had been predicted 23% slow)."""
+    out = {}
+    for l, (R, C) in layers.items():
+        shares = route.of(l)
+        out[l] = _sampled_promotions(R, C, num_experts, top_k, None if flat(shares) else tuple(shares), route.pinned)
+    return out
+
+
+def sampled_tokens(shares, num_experts: int, top_k: int, n: int, seed: int) -> list[list[int]]:
+    """n independent tokens' experts: each draws systematically over a fresh random order of the experts (one uniform
+    number, `top_k` points a unit apart on the shares laid end to end; shares sum to `top_k`, none above 1): exactly
+    `top_k` distinct experts, each with its share as its chance."""
+    import bisect
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        order = list(range(num_experts))
+        rng.shuffle(order)
+        ends, acc = [], 0.0
+        for e in order:
+            acc += shares[e]
+            ends.append(acc)
+        unit = ends[-1] / top_k  # 1, less rounding
+        u = rng.random() * unit
+        out.append(sorted({order[min(num_experts - 1, bisect.bisect_right(ends, u + j * unit))]
+                           for j in range(top_k)}))
+    return out
 
 
 @functools.lru_cache(maxsize=None)
-def _uniform_promotions(resident: int, capacity: int, num_experts: int, top_k: int, rows: int = 2) -> float:
-    """`uniform_promotions` of one layer shape (a plan and the alternatives its advice plans share them)."""
-    import random
-
+def _sampled_promotions(resident: int, capacity: int, num_experts: int, top_k: int,
+                        shares: tuple[float, ...] | None, pinned: bool, rows: int = 2) -> float:
+    """`sampled_promotions` of one layer shape and routing (cached: a plan and its advice's plans share them), on
+    `sampled_tokens`."""
     from ferrylm.offload.slot_policy import replay_mapped
 
-    rng = random.Random(resident * 1009 + capacity)
-    traces = [[rng.sample(range(num_experts), top_k) for _ in range(UNIFORM_STEPS)] for _ in range(rows)]
-    r = replay_mapped(traces, num_experts, [capacity] * rows, [list(range(resident))] * rows, lag=1, land_lag=0,
-                      dueling=True, warmup=UNIFORM_STEPS // 4)
+    E = num_experts
+    p = [top_k / E] * E if shares is None else _scaled(list(shares), top_k)
+    seed = resident * 1009 + capacity
+    traces = [sampled_tokens(p, E, top_k, SAMPLED_STEPS, seed + r) for r in range(rows)]
+    hottest = sorted(range(E), key=lambda e: (-p[e], e))[:resident]
+    first = hottest if pinned and shares is not None else list(range(resident))
+    r = replay_mapped(traces, E, [capacity] * rows, [first] * rows,
+                      pinned=[set(first) if pinned and shares is not None else set()] * rows, lag=1, land_lag=0,
+                      dueling=True, warmup=SAMPLED_STEPS // 4)
     return sum(r.row_promotions) / rows / max(1, r.steps)
 
 

@@ -548,9 +548,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
 
     mapped_tokens = min((1 if moe[l]["nbytes"] > CachedExperts.large_expert_bytes else CachedExperts.mapped_tokens
                          for l in cached), default=None) if fused_moe and opts.mapped_experts else None
-    # without a trace, uniform routing's promotions a batch-1 step: the same slot policy on random tokens
-    uniform_promos = (hit_rate.uniform_promotions(cached_layers, E, k) if replay is None and route.shares is None
-                      and cached_layers and mapped_tokens else None)
+    # without a trace, a batch-1 step's promotions: the same slot policy on independent tokens drawn from the routing
+    sampled_promos = (hit_rate.sampled_promotions(route, cached_layers, E, k) if replay is None and cached_layers
+                      and mapped_tokens else None)
     graph_base = graphs_family and not opts.enforce_eager and ranks == 1 and placement is not None
     # hybrid decode (offload/placed_weights.py `_start_host_decode`): cached experts on the mapped path, experts !=
     # gpu, in any format the host has a rate for (dense, or packed: `estimate.host_expert_eff`); unless a share is
@@ -671,7 +671,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 out["inplace_equiv"] += gpu_misses * m["inplace_equiv"]
                 if slots.get(l, 0):  # the tally promotes misses into the layer's slots, landing before the next step
                     n = (replay[l][1] if replay is not None and batch == 1 else
-                         uniform_promos[l] if uniform_promos is not None and batch == 1 else
+                         sampled_promos[l] if sampled_promos is not None and batch == 1 else
                          min(estimate.PROMOTIONS_PER_MISS * misses, estimate.PROMOTIONS_PER_LAYER))
                     out["promotions"] += n
                     out["promote"] += n * m["nbytes"]

@@ -11,7 +11,7 @@ recorded profile; `--expert-profile` pins as the engine pins) unless given (`--e
 the CUDA engine ends with after its measured warm-up (`offload/memory.py` kv_after_warmup, shared), its range,
 and the planned figure.
 
-TODO (what is left of issue #14):
+Where the plan misses (issue #14, resolved in session 37 with these documented; docs/benchmarks.md has the tables):
 - session 33 (`plan-check-2026-12-06-s33-h200-call1.json`, `-call4.json`: the first H200 check since session 12):
   dense, MoE and NF4 MoE resident within every aim (weights <= 0.1%, KV <= 0.1%, peak <= 1.0%, decode -8.3% to +3.8%,
   prefill -8.4% to +12.8%); the offloaded NF4 Mixtral's memory within them, batch 1 -14% / -26% at uniform routing

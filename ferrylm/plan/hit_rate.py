@@ -200,7 +200,8 @@ def sampled_promotions(route: Routing, layers: dict[int, tuple[int, int]], num_e
     return out
 
 
-def sampled_tokens(shares, num_experts: int, top_k: int, n: int, seed: int) -> list[list[int]]:
+def sampled_tokens(shares: list[float] | tuple[float, ...], num_experts: int, top_k: int, n: int,
+                   seed: int) -> list[list[int]]:
     """n independent tokens' experts: each draws systematically over a fresh random order of the experts (one uniform
     number, `top_k` points a unit apart on the shares laid end to end; shares sum to `top_k`, none above 1): exactly
     `top_k` distinct experts, each with its share as its chance."""

@@ -91,7 +91,7 @@ def case_options(case: str, a, cuda: bool) -> tuple[dict, str, PlanOptions]:
     opts = PlanOptions(os.path.join(d, "config.json"), gpu=a.gpu, host=a.host, max_model_len=max_len,
                        max_num_seqs=a.concurrency, prompt_len=a.prompt_len, output_len=tokens,
                        concurrency=a.concurrency, measure_bandwidth=cuda and not a.profile_h2d, experts=a.experts,
-                       mapped_experts=not getattr(a, "no_mapped_experts", False),
+                       mapped_experts=not a.no_mapped_experts,
                        expert_quant=experts if cuda else None)  # the CPU engine dequantizes packed experts
     if budget_gib is not None and cuda:
         opts = replace(opts, gpu_memory_budget_gb=budget_gib * 2**30 / 1e9)
@@ -121,6 +121,9 @@ def replay(path: str, a) -> list[dict]:
         gpu = f"1x{prof.name}"
     if gpu:  # plan for the GPU that run measured
         a = argparse.Namespace(**{**vars(a), "gpu": gpu})
+    # and with the engine options it ran (files before session 37 name none: the defaults)
+    a = argparse.Namespace(**{**vars(a), "experts": old.get("experts", "auto"),
+                              "no_mapped_experts": old.get("no_mapped_experts", False)})
     rows = []
     for case, info in old["cases"].items():
         if case not in CASES:
@@ -300,7 +303,7 @@ def main() -> None:
         cases[case] = info
         print_case(case, got, info)
     write_results("plan-check", rows, out=a.out, gpu=a.gpu, gpu_profile=gpu_profile(a), device=a.device, cases=cases,
-                  seconds=time.perf_counter() - start)
+                  experts=a.experts, no_mapped_experts=a.no_mapped_experts, seconds=time.perf_counter() - start)
 
 
 def gpu_profile(a) -> str:

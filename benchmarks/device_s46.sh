@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 37's leftovers for one device call: (1) the plan checks of session 37's constants (the copy road's split
-# priced for dense banks, `estimate.HOST_EXPERT_EFF_NATIVE`, `hit_rate.uniform_promotions`) on the offloaded bf16 and
+# priced for dense banks, `estimate.HOST_EXPERT_EFF_NATIVE`, `hit_rate.sampled_promotions`) on the offloaded bf16 and
 # NF4 8-layer Mixtrals, which session 37 ran on H100 boxes only; on the H200 box, whose host the 0.27 dense rate was
 # fitted on, they say whether 0.51 holds there; (2) the offloaded NF4 batch-1 step profiled again: session 37's
 # profile showed the device idle ~4.6 ms a step in ~2.5 ms gaps behind `cudaEventSynchronize` (is the idle real or the

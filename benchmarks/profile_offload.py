@@ -318,8 +318,8 @@ def main() -> None:
                          "each expert a round, the evictable hits first (the engine's default); misses: the hits in "
                          "one round, the misses one a round; all: one round of every copy in flight")
     ap.add_argument("--rounds-ab", nargs="+", default=None, choices=sorted(ROUNDS),
-                    help="with --prefill-tokens: also time fresh prefills on the first engine with these round modes "
-                         "taking turns (`--ab-reps` each)")
+                    help="with --prefill-tokens: also time fresh prefills with these round modes taking turns "
+                         "(`--ab-reps` each), on the engine of each --experts setting's first variant")
     ap.add_argument("--ab-reps", type=int, default=4)
     ap.add_argument("--staging", type=int, default=None,
                     help="staging slots the cached layers share to copy the next layer's experts ahead of its routing "
@@ -331,6 +331,8 @@ def main() -> None:
                          "frozen: dueling through the warm-up, no promotion after it; landing now | late | stream; a third part "
                          "'layer': copies start after their layer, e.g. dueling:now:layer)")
     a = ap.parse_args()
+    if a.rounds_ab and not a.prefill_tokens:
+        ap.error("--rounds-ab times prefills: give --prefill-tokens N")
     from ferrylm.offload.expert_cache import CachedExperts
 
     set_rounds(a.rounds)

@@ -54,7 +54,9 @@ def _plan(tmp_path, cfg=QWEN3, budget_gb=4, batch=16, **kw):
 
 def test_uniform_profile_gives_the_uniform_figure(tmp_path):
     """A profile whose counts are all equal predicts what no profile predicts: every cached layer holds C of
-    its E experts (the placement's resident ones and its extra slots), so C / E of a step's experts hit."""
+    its E experts (the placement's resident ones and its extra slots), so C / E of a step's experts hit. Given to
+    the engine (`--expert-profile`) it pins R of them, as the engine does: at batch 1 the slot policy replayed on
+    its draws (`hit_rate.sampled_promotions`) then moves no resident, so that step is at least as fast."""
     base = _plan(tmp_path)
     flat = _plan(tmp_path, expert_profile=_profile(tmp_path, QWEN3, lambda l, E: [1000] * E))
     a = base.speed["assumptions"]
@@ -69,7 +71,8 @@ def test_uniform_profile_gives_the_uniform_figure(tmp_path):
     assert a["expert_hit_rate"] == pytest.approx(want) and 0 < want < 0.5
     for key in ("decode_batch1", "decode_concurrent"):
         assert flat.speed[key]["expert_hit_rate"] == pytest.approx(base.speed[key]["expert_hit_rate"], abs=1e-9)
-        assert flat.speed[key]["tok_s"] == pytest.approx(base.speed[key]["tok_s"], rel=1e-9)
+    assert flat.speed["decode_concurrent"]["tok_s"] == pytest.approx(base.speed["decode_concurrent"]["tok_s"], rel=1e-9)
+    assert flat.speed["decode_batch1"]["tok_s"] >= base.speed["decode_batch1"]["tok_s"]
     # and uniform routing's figure does not depend on the batch or the path
     assert base.speed["decode_batch1"]["expert_hit_rate"] == pytest.approx(
         base.speed["decode_concurrent"]["expert_hit_rate"])

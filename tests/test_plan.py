@@ -622,7 +622,8 @@ def test_hybrid_decode_shares_misses_with_the_host(tmp_path):
     hybrid = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1)
     a = hybrid.speed["assumptions"]
     # an AVX-512 host: bf16 experts on the native kernels
-    host_gbs = estimate.HOST_EXPERT_EFF_NATIVE * estimate.HOST_READ_EFF * hardware.parse_host(HOST).bandwidth_per_node_gbs
+    host_gbs = (estimate.HOST_EXPERT_EFF_NATIVE * estimate.HOST_READ_EFF
+                * hardware.parse_host(HOST).bandwidth_per_node_gbs)
     assert a["host_expert_gbs"] == pytest.approx(host_gbs)
     pure = host_gbs / (host_gbs + estimate.INPLACE_EFF * 54.6)  # the rates alone
     assert 0.9 * pure < a["cpu_share"] < pure  # a hand-off and a call per miss shave Mixtral's 352 MB experts' share
@@ -1172,9 +1173,17 @@ def test_batch1_promotions_replay_the_slot_policy_on_sampled_tokens():
     assert all(len(set(t)) == 2 for t in draws)
     freq = [sum(e in t for t in draws) / len(draws) for e in range(8)]
     assert all(abs(f - s) < 0.02 for f, s in zip(freq, shares)), (freq, shares)
-    p = make_plan(PlanOptions("Mixtral-8x7B", gpu="1xH200", host=HOST, gpu_memory_budget="30GiB"))
-    d = p.speed["decode_batch1"]
+    # a pinned profile: its R hottest pinned whether its shares are flat or not (no jump at zero skew)
+    flat_pinned = hit_rate.sampled_promotions(hit_rate.Routing({0: (0.25,) * 8}, True, "flat"), {0: (2, 4)}, 8, 2)
+    near = tuple(0.25 + (1e-6 if e == 0 else -1e-6 / 7) for e in range(8))
+    near_pinned = hit_rate.sampled_promotions(hit_rate.Routing({0: near}, True, "near"), {0: (2, 4)}, 8, 2)
+    assert flat_pinned[0] == pytest.approx(near_pinned[0], rel=0.05)
+    kw = dict(gpu="1xH200", host=HOST, gpu_memory_budget="30GiB")
+    d = make_plan(PlanOptions("Mixtral-8x7B", **kw)).speed["decode_batch1"]
     assert d["experts_path"] == "mapped" and 0 < d["parts_ms"]["promotions"]
+    # a stated hit rate keeps the count per miss: every expert caught, nothing to promote
+    assert make_plan(PlanOptions("Mixtral-8x7B", expert_hit_rate=1.0, **kw)).speed["decode_batch1"]["parts_ms"][
+        "promotions"] == 0
 
 
 def test_cli_plan_check_plans_with_this_machines_rates(tmp_path, capsys, monkeypatch):

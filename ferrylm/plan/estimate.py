@@ -220,13 +220,16 @@ the host's read rate as `hw/bandwidth.host_read_gbs` measures it (the rate the p
 33.5 GB/s on the lent H200 host, 16 threads, Mixtral experts (`bench_hybrid_overlap.py`, session 4: the GPU
 keeps 45.4 GB/s beside it), against 124 GB/s that function measured on the same host (first `bench_plan` run).
 Was 0.37: 33.4 GB/s over another tool's read figure (90.7 GB/s, `bench_cpu_experts.py`), which the planner's own
-124 GB/s then turned into 46 GB/s."""
+124 GB/s then turned into 46 GB/s. Used since session 37 for hosts without AVX-512 only (torch's GEMM runs their
+experts; `HOST_EXPERT_EFF_NATIVE` for the others)."""
 HOST_EXPERT_EFF_NATIVE = 0.51
 """As `HOST_EXPERT_EFF` where bf16 experts run on `layers/host_native`'s kernels (an AVX-512 host; the plain path,
 0.27, was measured before they existed): on the H100 host (session 37, `bench_plan.py --cases moe-offload-bf16`) the
 engine's calibration timed a Mixtral expert (352 MB) at one token beside copies on 16 threads at 5.23 ms, 4.93 ms
 beyond the call: 71.5 GB/s against the 140 GB/s `host_read_gbs` measured in the same run (the plain GEMM: 7.87 ms).
-With 0.27 the plan put the batch-1 share at 0.42 where the engine's tuner settled at 0.66, and decode 30% under."""
+With 0.27 the plan put the batch-1 share at 0.42 where the engine's tuner settled at 0.66, and decode 30% under.
+Measured on an AMX host (AVX512-BF16); assumed for AVX-512 hosts without BF16 (Ice Lake), where the native kernel
+widens bf16 to fp32 and may read slower."""
 HOST_PACKED_EFF = {"nf4": 0.52, "int4": 0.36}
 """Packed experts on the host's cores (the host computes them packed, `offload/host_experts.py`): the packed bytes a
 second of one expert at one token beyond `HOST_EXPERT_CALL_S`, as a share of the host's read rate (as

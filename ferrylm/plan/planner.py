@@ -549,8 +549,9 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     mapped_tokens = min((1 if moe[l]["nbytes"] > CachedExperts.large_expert_bytes else CachedExperts.mapped_tokens
                          for l in cached), default=None) if fused_moe and opts.mapped_experts else None
     # without a trace, a batch-1 step's promotions: the same slot policy on independent tokens drawn from the routing
+    # (a stated hit rate keeps the count per miss: the policy's draws would not hold it)
     sampled_promos = (hit_rate.sampled_promotions(route, cached_layers, E, k) if replay is None and cached_layers
-                      and mapped_tokens else None)
+                      and mapped_tokens and opts.expert_hit_rate is None else None)
     graph_base = graphs_family and not opts.enforce_eager and ranks == 1 and placement is not None
     # hybrid decode (offload/placed_weights.py `_start_host_decode`): cached experts on the mapped path, experts !=
     # gpu, in any format the host has a rate for (dense, or packed: `estimate.host_expert_eff`); unless a share is
@@ -681,8 +682,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                     m["nbytes"], scheme, host_gbs, batch * k / d, m["dense"] / DTYPE_BYTES[opts.dtype], host_tflops)
                     + estimate.HANDOFF_S
                     + misses * estimate.HOST_EXPERT_CALL_S) if share else 0.0
-            else:  # the copy road: a packed bank's misses split between copies and the host (`road_split`); all on
-                # the host with --experts cpu, prefill's too (`host_prefill`)
+            else:  # the copy road: the misses split between copies and the host (`road_split`); all on the host
+                # with --experts cpu, prefill's too (`host_prefill`)
                 on_host = (misses if l in host_road else
                            host_takes(misses, batch * k / d) if road_split and not prefill else 0.0)
                 out["copy"] += (misses - on_host) * m["nbytes"]

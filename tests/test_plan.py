@@ -625,6 +625,10 @@ def test_hybrid_decode_shares_misses_with_the_host(tmp_path):
     host_gbs = (estimate.HOST_EXPERT_EFF_NATIVE * estimate.HOST_READ_EFF
                 * hardware.parse_host(HOST).bandwidth_per_node_gbs)
     assert a["host_expert_gbs"] == pytest.approx(host_gbs)
+    # a host without AVX-512 runs them on torch's GEMM, at the rate fitted on it
+    avx2 = _shape_plan(tmp_path, MIXTRAL_SHAPE, 16, 16, 1, host="2xEPYC-7763,1TB").speed["assumptions"]
+    assert avx2["host_expert_gbs"] == pytest.approx(estimate.HOST_EXPERT_EFF * estimate.HOST_READ_EFF
+                                                    * hardware.parse_host("2xEPYC-7763").bandwidth_per_node_gbs)
     pure = host_gbs / (host_gbs + estimate.INPLACE_EFF * 54.6)  # the rates alone
     assert 0.9 * pure < a["cpu_share"] < pure  # a hand-off and a call per miss shave Mixtral's 352 MB experts' share
     assert gpu_only.speed["assumptions"]["cpu_share"] == 0

@@ -192,7 +192,7 @@ def prefill_rate(llm, length: int, seed: int) -> float:
     return length / (time.perf_counter() - t)
 
 
-def active_bytes_per_token(layers: int, cfg=MIXTRAL, experts: float | None = None) -> int:
+def weight_bytes_per_step(layers: int, cfg=MIXTRAL, experts: float | None = None) -> int:
     """bf16 weight bytes one decode step reads: each layer's attention and `experts` experts (default: one token's
     top-k), and the LM head."""
     H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
@@ -208,7 +208,7 @@ def weight_roofline(hbm: float, batch: int, layers: int, cfg=MIXTRAL) -> float:
     read-only stream reaches): a batch of uniformly routed tokens touches E(1 - (1 - k/E)^batch) experts a layer."""
     E, k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
     distinct = E * (1 - (1 - k / E) ** batch)
-    return batch * hbm / active_bytes_per_token(layers, cfg, distinct)
+    return batch * hbm / weight_bytes_per_step(layers, cfg, distinct)
 
 
 def case_resident(rows: list, hbm: float) -> None:

@@ -119,10 +119,8 @@ def replay(path: str, a) -> list[dict]:
         if prof is None:
             raise SystemExit(f"{path}: ran with --gpu local and names no GPU this planner knows; pass its profile")
         gpu = f"1x{prof.name}"
-    if gpu:  # plan for the GPU that run measured
-        a = argparse.Namespace(**{**vars(a), "gpu": gpu})
-    # and with the engine options it ran (files before session 37 name none: the defaults)
-    a = argparse.Namespace(**{**vars(a), "experts": old.get("experts", "auto"),
+    # plan for the GPU that run measured, with the engine options it ran (files before session 37 name none)
+    a = argparse.Namespace(**{**vars(a), "gpu": gpu or a.gpu, "experts": old.get("experts", "auto"),
                               "no_mapped_experts": old.get("no_mapped_experts", False)})
     rows = []
     for case, info in old["cases"].items():

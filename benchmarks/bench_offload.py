@@ -414,6 +414,58 @@ def case_hybrid(rows: list, h2d: float, routing: str = "model") -> None:
     torch.cuda.empty_cache()
 
 
+def case_pool(rows: list, h2d: float, layers: int = 8, budget_gib: float = 4.0) -> None:
+    """A budget with no room for 2 expert slots a layer (bf16 Mixtral, 8 layers: 5.25 GiB of slots): the layers
+    left with no expert on the device copy their misses through one pool of slots they share
+    (`expert_cache.SlotPool`), with `--experts auto` and `gpu`, against auto with no pool (`memory.SHARED_EXPERT_SLOTS`
+    0: those layers' copy-road misses run on the host's cores, as before session 38). Per engine: a fresh 2k prefill
+    (its PCIe floor: the bytes it copied at the measured pinned rate), batch-1 and batch-16 decode."""
+    from ferrylm import LLM
+    from ferrylm.offload import memory
+    from ferrylm.weights.random_source import RandomSource
+
+    cfg = {**MIXTRAL, "num_hidden_layers": layers}
+    for name, experts, pool in (("pool-auto", "auto", True), ("pool-gpu", "gpu", True), ("no-pool-auto", "auto", False)):
+        memory.SHARED_EXPERT_SLOTS = 2 if pool else 0
+        try:
+            llm = LLM(RandomSource(cfg), device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=4096,
+                      gpu_memory_budget=f"{budget_gib}GiB", experts=experts)
+        except Exception as e:  # e.g. gpu without a pool: refused
+            rows.append({"model": f"mixtral-{layers}L", "budget_gib": budget_gib, "mode": name, "error": str(e)[:300]})
+            print(f"pool {name}: {e}", flush=True)
+            continue
+        finally:
+            memory.SHARED_EXPERT_SLOTS = 2
+        placed = llm.engine.runner.placed
+        caches = [placed.caches[l] for l in sorted(placed.caches)]
+        row = {"model": f"mixtral-{layers}L", "budget_gib": budget_gib, "mode": name, "experts": experts,
+               "pool_layers": [c.layer for c in caches if c.pool is not None],
+               "capacities": [c.capacity for c in caches], "host_layers": [c.layer for c in caches if c.cpu_mode == "cpu"]}
+        print(f"pool {name}: {row}", flush=True)
+        stats = placed.stats
+        for length in (2048,):
+            prefill_rate(llm, 64, seed=5)  # warm-up: kernels, host experts
+            stats.reset()
+            r = prefill_rate(llm, length, seed=11 + length)
+            moved = stats.h2d_bytes  # (prefill_rate's warm-up prompt counted too: both fresh, about equal)
+            row[f"prefill_{length}_tok_s"] = r
+            row[f"prefill_{length}_copied_gib"] = moved / 2 / 2**30
+            row[f"prefill_{length}_pcie_floor_tok_s"] = length / (moved / 2 / h2d) if moved else None
+            row[f"prefill_{length}_cpu_experts"] = stats.cpu_experts / 2
+            print(f"pool {name} prefill {length}: {r:8.1f} tok/s; {row}", flush=True)
+        for batch in (1, 16):
+            stats.reset()
+            r, per = decode_rate(llm, batch, 16 if batch == 1 else 6, seed=batch * 7, stats=stats)
+            row[f"b{batch}_tok_s"] = r
+            row[f"b{batch}_gib_per_step"] = per / 2**30
+            print(f"pool {name} batch {batch}: {r:7.2f} tok/s {stats}", flush=True)
+        rows.append(row)
+        llm.close()
+        del llm, placed, caches
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 GEMM_SHARE = 0.45
 """The share at which `case_hybrid_decode` compares the host GEMM paths."""
 
@@ -726,6 +778,7 @@ CASES = {
     "hybrid16-decode-zipf": lambda rows, h2d: case_hybrid_decode(rows, h2d, "zipf1.2"),
     "hybrid16-decode-copy": lambda rows, h2d: case_hybrid_decode(rows, h2d, gpu_side="copy"),
     "hybrid16": lambda rows, h2d: case_hybrid(rows, h2d),
+    "pool8": lambda rows, h2d: case_pool(rows, h2d),
     # the issue's packed hybrid case: Mixtral 32 layers, NF4 experts, 16 GiB, batch 1 and 16 (split vs each side)
     "hybrid16-decode-quick": lambda rows, h2d: case_hybrid_decode(rows, h2d, shares=(0.0,), quick=True),
     "hybrid16-decode-zipf-quick": lambda rows, h2d: case_hybrid_decode(rows, h2d, "zipf1.2", shares=(0.0,), quick=True),

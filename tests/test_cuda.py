@@ -927,9 +927,10 @@ def test_host_experts_with_no_device_slots(quant, tmp_path_factory):
 
 
 def test_auto_without_room_for_slots_runs_misses_on_the_host(tmp_path_factory):
-    """`--experts auto` under a budget with no room for 2 expert slots a layer (found from `--experts gpu`'s refusal,
-    which names both figures) places none (`memory.size_memory`): its layers run copy-road misses on the host
-    (`cpu_mode` cpu) and hybrid decode reads the rest in place; close to the resident run, nothing copied in."""
+    """`--experts auto` under a budget with no room even for one expert slot the layers share (found from `--experts
+    gpu`'s refusal, which names both figures) places none (`memory.size_memory`): its layers run copy-road misses on
+    the host (`cpu_mode` cpu) and hybrid decode reads the rest in place; close to the resident run, nothing copied
+    in."""
     import re
 
     from ferrylm.errors import ConfigError
@@ -947,7 +948,7 @@ def test_auto_without_room_for_slots_runs_misses_on_the_host(tmp_path_factory):
         n, unit = re.search(pattern, str(e.value)).groups()
         return float(n) * (1024 if unit == "GiB" else 1)
 
-    need, slots = mib(r"needs at least ([\d.]+) (MiB|GiB)"), mib(r"take ([\d.]+) (MiB|GiB) of it")
+    need, slots = mib(r"needs at least ([\d.]+) (MiB|GiB)"), mib(r"share, ([\d.]+) (MiB|GiB) of it")
     print(f"--experts gpu needs {need} MiB, its slots {slots} MiB: {e.value}")
     budget = f"{need - slots / 2:.1f}MiB"
     with pytest.raises(ConfigError, match="too small"):
@@ -962,6 +963,46 @@ def test_auto_without_room_for_slots_runs_misses_on_the_host(tmp_path_factory):
     assert placed.stats.cpu_experts > 0 and placed.stats.copied_experts == 0
     assert worst < 0.1
     assert [o.outputs[0].token_ids[:3] for o in out] == [r.outputs[0].token_ids[:3] for r in res_out]
+
+
+@pytest.mark.parametrize("experts", ["gpu", "auto"])
+def test_bare_layers_copy_through_a_shared_pool(experts, tmp_path_factory):
+    """A budget with room for 2 expert slots but not 2 a layer (from `--experts gpu`'s refusal one slot lower):
+    the layers keep no expert of their own and copy their misses through one pool of slots they share
+    (`expert_cache.SlotPool`): the copy road (mapped off; mapped, prompts over `mapped_tokens`) copies into the pool,
+    one layer after another, graphed decode reads misses in place; close to the resident run."""
+    import re
+
+    from ferrylm.errors import ConfigError
+
+    path = _wide_mixtral(tmp_path_factory, inter=4096)  # 1.5 MiB bf16 experts
+    g = torch.Generator().manual_seed(29)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (100, 3, 70)]
+    kw = dict(device="cuda", dtype="bfloat16", place=("experts=cpu",), num_kv_blocks=64)
+    res_out, res = sampled_rows(LLM(path, device="cuda", dtype="bfloat16"), prompts, 12)
+    free_engines()
+    with pytest.raises(ConfigError) as e:
+        LLM(path, experts="gpu", gpu_memory_budget="1MiB", **kw)
+    need = float(re.search(r"needs at least ([\d.]+) MiB", str(e.value))[1])
+    slot = float(re.search(r"share, ([\d.]+) MiB of it", str(e.value))[1])
+    budget = f"{need + slot + 0.2:.1f}MiB"  # two shared slots, not 2 a layer (2 layers: 4 slots)
+    for mapped in (False, True):
+        llm = LLM(path, experts=experts, gpu_memory_budget=budget, mapped_experts=mapped, **kw)
+        runner = llm.engine.runner
+        placed = runner.placed
+        assert runner.placement.shared_slots == 2 and placed.pool is not None
+        assert placed.caches and all(c.pool is placed.pool and c.cpu_mode == experts
+                                     for c in placed.caches.values())
+        out, got = sampled_rows(llm, prompts, 12)
+        worst, diverged = worst_while_equal(res_out, res, out, got)
+        print(f"shared pool, experts {experts}, mapped {mapped}, budget {budget}: max |logit diff| vs resident = "
+              f"{worst:.3e} ({diverged} diverged); {placed.stats}")
+        assert placed.stats.copied_experts > 0
+        if mapped:
+            assert placed.stats.mapped_experts > 0 or placed.stats.cpu_experts > 0  # decode read them in place
+        assert worst < 0.1
+        assert [o.outputs[0].token_ids[:3] for o in out] == [r.outputs[0].token_ids[:3] for r in res_out]
+        free_engines()
 
 
 def _wide_mixtral(tmp_path_factory, inter: int = 512) -> str:

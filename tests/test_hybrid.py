@@ -34,22 +34,23 @@ def test_host_experts_equal_resident(mixtral):
 @pytest.mark.parametrize("experts", ["cpu", "auto"])
 def test_host_experts_need_no_device_slots(mixtral, experts):
     """Misses that run on the host need no device slot, so a layer with every expert in host memory keeps none
-    under `--experts cpu`, and under `--experts auto` when the budget has no room for them: the smallest budget is
-    the dense weights' (llama.cpp's `-ot exps=CPU`). At a budget that fits that but not 2 slots a layer, both run,
-    equal to the resident run, every miss on the host; `--experts gpu` (copies only) is refused, the error naming
-    what the slots take and the way out."""
+    under `--experts cpu`, and under `--experts auto` when the budget has no room even for one slot the layers
+    share: the smallest budget is the dense weights' (llama.cpp's `-ot exps=CPU`). At a budget that fits that but
+    not one shared slot, both run, equal to the resident run, every miss on the host; `--experts gpu` (copies only)
+    is refused, the error naming what the slot takes and the way out."""
     from ferrylm.errors import ConfigError
 
     _, ref_tokens, ref_logits = run(mixtral)
-    budget = dict(gpu_memory_budget=int(0.45 * 2**20), place=("experts=cpu",))  # needs 0.3 MiB so, 0.6 with slots
-    with pytest.raises(ConfigError, match=r"2 expert slots per MoE layer take 0\.3 MiB of it: --experts auto or cpu"):
+    budget = dict(gpu_memory_budget=int(0.35 * 2**20), place=("experts=cpu",))  # needs 0.3 MiB so, 0.38 with a slot
+    with pytest.raises(ConfigError, match=r"needs at least one device slot the MoE layers share, 0\.1 MiB of it: "
+                                          r"--experts auto or cpu"):
         run(mixtral, experts="gpu", **budget)
     llm, tokens, logits = run(mixtral, experts=experts, **budget)
     runner = llm.engine.runner
     layers = sorted(runner.placed.caches)
-    assert layers and not any(runner.placement.expert_slots.values())
+    assert layers and not any(runner.placement.expert_slots.values()) and not runner.placement.shared_slots
     assert [runner.placement.cache_capacity(l) for l in layers] == [0] * len(layers)
-    assert all(c.cpu_mode == "cpu" for c in runner.placed.caches.values())
+    assert all(c.cpu_mode == "cpu" and c.pool is None for c in runner.placed.caches.values())
     stats = runner.placed.stats
     assert stats.cpu_experts > 0 and stats.h2d_bytes == 0 and stats.copied_experts == 0
     if experts == "cpu":
@@ -61,22 +62,30 @@ def test_host_experts_need_no_device_slots(mixtral, experts):
 
 def test_auto_under_tight_budgets_mixes_copying_and_host_layers(mixtral):
     """`--experts auto`, the budget alone deciding, swept from where no expert fits on the device to where 2 slots a
-    layer do: the fill gives layers resident experts round-robin, so some budgets leave one layer copying through
-    its one resident slot and the other with none (its misses on the host). Every run equals the resident run."""
+    layer do: below one shared slot every miss runs on the host; then the layers without an expert share a pool of
+    slots (`placement.SHARED_EXPERT_SLOTS`, one then two) and copy through it; then the fill gives layers resident
+    experts round-robin, some layers copying through one resident slot. Every run equals the resident run."""
     _, ref_tokens, ref_logits = run(mixtral)
     seen = set()
-    for mib in (0.36, 0.38, 0.40, 0.45, 0.53, 0.6):
+    for mib in (0.36, 0.38, 0.45, 0.53, 0.6):
         llm, tokens, logits = run(mixtral, experts="auto", gpu_memory_budget=int(mib * 2**20))
         placed = llm.engine.runner.placed
-        caps = tuple(placed.caches[l].capacity for l in sorted(placed.caches))
-        for c in placed.caches.values():
+        caches = [placed.caches[l] for l in sorted(placed.caches)]
+        kinds = tuple("pool" if c.pool is not None else "host" if c.capacity == 0 else "own" for c in caches)
+        for c in caches:
             assert c.cpu_mode == ("cpu" if c.capacity == 0 else "gpu")  # (the CPU engine's auto copies)
-        print(f"{mib} MiB: capacities {caps}, {placed.stats.cpu_experts} host experts, "
-              f"{placed.stats.copied_experts} copied")
-        seen.add("none" if not any(caps) else "mixed" if 0 in caps else "all")
+        if "pool" in kinds:  # one pool, shared, counted once
+            assert len({id(c.pool) for c in caches if c.pool is not None}) == 1
+            assert placed.stats.copied_experts > 0 and placed.stats.cpu_experts == 0
+            pl = placed.placement
+            assert placed.pool.nbytes == pl.shared_slots * pl.shared_slot_bytes > 0
+            assert all(c.slot_bytes == 0 for c in caches if c.pool is not None)
+        print(f"{mib} MiB: {kinds}, capacities {[c.capacity for c in caches]}, {placed.stats.cpu_experts} host "
+              f"experts, {placed.stats.copied_experts} copied")
+        seen.add(kinds[0] if len(set(kinds)) == 1 else "mixed")
         assert tokens == ref_tokens
         assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
-    assert seen == {"none", "mixed", "all"}
+    assert seen == {"host", "pool", "own"}
 
 
 def test_host_work_on_the_worker_thread_may_write_inference_tensors(mixtral):
@@ -1046,7 +1055,7 @@ def test_split_hybrid_chooses_the_host_gemm_on_column_windows(monkeypatch):
 
     he = types.SimpleNamespace(splittable=True, split_unit=128)
     cache = types.SimpleNamespace(host_w13=torch.zeros(E, 2 * I, H), host_w2=torch.zeros(E, H, I), pinned=set(),
-                                  host_experts=he, capacity=2)
+                                  host_experts=he, capacity=2, kept=2)
     me = types.SimpleNamespace(costs=Costs(copy_s=0.01, cpu_s=lambda n: 0.01, expert_bytes=10_000_000),
                                caches={0: cache}, model=types.SimpleNamespace(config=types.SimpleNamespace(
                                    num_experts_per_tok=2)), hybrid_split=True, calibration={})

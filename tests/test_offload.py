@@ -685,6 +685,45 @@ def test_staged_experts_equal_resident(slots, tmp_path_factory, monkeypatch):
     assert stats.copied_experts <= plain.engine.runner.placed.stats.copied_experts + 2 * slots
 
 
+def test_bare_layers_share_a_slot_pool(tmp_path_factory, monkeypatch):
+    """A budget with no room for 2 expert slots a layer: the layers left with no expert on the device share one
+    pool of slots (`expert_cache.SlotPool`, `placement.SHARED_EXPERT_SLOTS`) and copy their misses through it in
+    turn, while layers with resident experts copy through those (and stage for one another: pool layers neither stage
+    nor lend). `--experts gpu` runs there; the logits equal the resident run's bit for bit; the pool is allocated and
+    counted once, and the placement table names it."""
+    monkeypatch.setattr(CachedExperts, "large_expert_bytes", 0)
+    monkeypatch.setattr(CachedExperts, "stage_min_tokens", 0)
+    monkeypatch.setattr(CachedExperts, "staging_on_cpu", True)
+    path, _ = build(tmp_path_factory, "qwen3_moe", num_hidden_layers=6)
+    _, ref_tokens, ref_logits = run(path)
+    rules = ("experts=cpu", "layers.0-3.experts.0-1=gpu")  # layers 4-5 keep no expert of their own
+    groups = group_tensors(meta_model(path))
+    per_layer = minimum_device_bytes(groups, rules)
+    pooled = minimum_device_bytes(groups, rules, min_expert_slots=0, shared_slots=2)
+    assert pooled < per_layer
+    c = meta_model(path).config
+    kv = 64 * KVCache.bytes_per_block(c.num_hidden_layers, 16, c.num_key_value_heads, c.head_dim, torch.float32)
+    llm, tokens, logits = run(path, experts="gpu", place=rules, num_kv_blocks=64,
+                              gpu_memory_budget=(pooled + per_layer) // 2 + kv)
+    runner = llm.engine.runner
+    placed, pl = runner.placed, runner.placement
+    assert pl.shared_slots == 2 and pl.pool_layers() == [4, 5] and not any(pl.expert_slots.values())
+    assert [placed.caches[l].pool is not None for l in range(6)] == [False] * 4 + [True] * 2
+    assert placed.caches[4].pool is placed.caches[5].pool is placed.pool and placed.pool.n == 2
+    assert placed.pool.nbytes == pl.shared_slots * pl.shared_slot_bytes and placed.caches[4].slot_bytes == 0
+    assert placed.staging is not None and placed.staging.donor.layer == 0
+    assert {c.layer for c in placed.staging.linked} == {1, 2, 3}
+    assert "2 slots shared by layer(s) 4-5" in runner.placement_text
+    stats = placed.stats
+    print(f"pool: {stats}")
+    assert stats.copied_experts > 0 and stats.cpu_experts == 0 and stats.staged_experts > 0
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+    # only the pool's last user sees experts in it (the last step's layer 5)
+    assert placed.pool.user is placed.caches[5] and placed.caches[5].slot_of and not placed.caches[4].slot_of
+
+
 def test_short_steps_never_stage(tmp_path_factory, monkeypatch):
     """Staging on, at its token gate (`CachedExperts.stage_min_tokens`): short prompts and decode steps stage nothing
     and run as with staging off (the same hits, misses and copies, every cache's slots alike, the same logits);

@@ -653,20 +653,30 @@ def test_hybrid_decode_shares_misses_with_the_host(tmp_path):
 
 def test_experts_on_the_host_need_no_slots_and_prefill_there():
     """`--place experts=cpu --experts cpu` (llama.cpp's `-ot exps=CPU`): the plan keeps no expert slot (the engine's
-    `placement.min_expert_slots`), so bf16 Mixtral-8x7B runs under a 12 GiB budget that refuses `--experts gpu`
-    (its 2 slots a layer take 21 GiB, the error says so; `--experts auto` there places none, as the engine does);
-    nothing crosses PCIe at decode, and prefill's experts run on the host (bound by it, at least the FLOPs at the
-    assumed host rate), not as copies."""
+    `placement.min_expert_slots`), so bf16 Mixtral-8x7B runs under a 12 GiB budget; nothing crosses PCIe at decode,
+    and prefill's experts run on the host (bound by it, at least the FLOPs at the assumed host rate), not as copies.
+    `--experts gpu` there copies through one pool of 2 slots the layers share (`placement.SHARED_EXPERT_SLOTS`: 2
+    slots a layer would take 21 GiB), prefill bound by PCIe; under a budget with no room even for one shared slot it
+    is refused, the error saying so, and `--experts auto` there places none, as the engine does."""
     from ferrylm.plan import estimate
 
-    kw = dict(gpu="1xA800-80G-PCIe", host="2xXeon-8480C,1TB", gpu_memory_budget_gb=12, place=("experts=cpu",))
-    copies = make_plan(PlanOptions("Mixtral-8x7B", experts="gpu", **kw))
+    kw = dict(gpu="1xA800-80G-PCIe", host="2xXeon-8480C,1TB", place=("experts=cpu",))
+    tight = dict(kw, gpu_memory_budget_gb=5.75)  # 5.36 GiB: auto needs 5.18 with KV and activations, gpu 5.51
+    copies = make_plan(PlanOptions("Mixtral-8x7B", experts="gpu", **tight))
     assert copies.verdict == "cannot"
-    assert any("2 expert slots per MoE layer take 21.00 GiB of it: --experts auto or cpu" in n for n in copies.notes)
-    auto = make_plan(PlanOptions("Mixtral-8x7B", **kw))  # no room for slots: none, as the engine places it
+    assert any("copying experts in needs at least one device slot the MoE layers share, 336.0 MiB of it: --experts "
+               "auto or cpu" in n for n in copies.notes)
+    auto = make_plan(PlanOptions("Mixtral-8x7B", **tight))  # no room for slots: none, as the engine places it
     assert auto.verdict == "offload" and auto.placement["expert_slots"] == 0
+    assert auto.placement["shared_expert_slots"] == 0
     assert any(n.startswith("32 of 32 cached MoE layers keep no expert slot") for n in auto.notes)
     assert auto.speed["prefill_binding"] == "host"
+    kw["gpu_memory_budget_gb"] = 12
+    pooled = make_plan(PlanOptions("Mixtral-8x7B", experts="gpu", **kw))
+    assert pooled.verdict == "offload" and pooled.placement["expert_slots"] == 0
+    assert pooled.placement["shared_expert_slots"] == 2 and len(pooled.placement["pool_layers"]) == 32
+    assert any(n.startswith("32 of 32 cached MoE layers keep no expert on the GPU") for n in pooled.notes)
+    assert pooled.speed["prefill_binding"] == "pcie"
     host = make_plan(PlanOptions("Mixtral-8x7B", experts="cpu", **kw))
     print(f"--experts cpu under 12 GiB: {host.per_gpu['weights'] / 2**30:.2f} GiB of weights on the GPU, prefill "
           f"{host.speed['prefill_tok_s']:.0f} tok/s ({host.speed['prefill_parts_ms']}), decode "

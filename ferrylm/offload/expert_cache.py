@@ -18,6 +18,9 @@ is read back to the host, and decode steps are CUDA-graphed. The slots then foll
 promotes are copied in on the copy stream, behind the table (an evicted expert is pointed back at the host
 before its slot is overwritten; a promoted one at its slot once its copy has landed, stream-ordered).
 
+Layers that keep no expert on the device (a budget too small for slots a layer: `placement.SHARED_EXPERT_SLOTS`)
+copy their misses through one pool of slots they share (`SlotPool`), each in turn: a step's contents are its own.
+
 Eviction policies behind one interface (`EvictionPolicy`): LRU and LFU; experts pinned from a profile are
 never evicted. `belady_hits` replays a trace with the optimal offline policy (the oracle hit rate).
 """
@@ -269,6 +272,54 @@ class StagingSlots:
         self.restored = []
 
 
+class SlotPool:
+    """Device slots that the cached layers without an expert of their own (`Placement.pool_layers`) share: such a
+    layer's copy-road misses are copied into them and computed as in its own slots. Layers run one after another, so
+    each takes the pool over in turn (`claim`); its copies wait for the previous user's reads of a slot (the slots'
+    `free` events are the pool's), and what it leaves is stale for the next layer. Nothing promotes into the pool
+    (decode steps read such a layer's misses in place, or split them with the host), and a mapped layer's table never
+    points at it. One pool's memory, whatever the number of layers (`CachedExperts.slot_bytes` counts it once)."""
+
+    def __init__(self, like_w13, like_w2, n: int, device: torch.device):
+        self.w13, self.w2 = _slots(like_w13, n, device), _slots(like_w2, n, device)
+        cuda = device.type == "cuda"
+        self.ready = [torch.cuda.Event() for _ in range(n)] if cuda else []
+        self.free = [torch.cuda.Event() for _ in range(n)] if cuda else []
+        self.n = n
+        self.user: CachedExperts | None = None
+        """The layer whose experts the slots hold: its next step may hit them, another layer's may not."""
+
+    def fits(self, host_w13, host_w2) -> bool:
+        """Whether a layer's experts (every part's shape and type, a packed side's format) fit the pool's slots."""
+        def like(a, b):
+            return (getattr(a, "fmt", None), getattr(a, "group", None),
+                    [(t.shape[1:], t.dtype) for t in _parts(a).values()]) == (
+                        getattr(b, "fmt", None), getattr(b, "group", None),
+                        [(t.shape[1:], t.dtype) for t in _parts(b).values()])
+
+        return like(self.w13, host_w13) and like(self.w2, host_w2)
+
+    def claim(self, cache: CachedExperts) -> None:
+        """`cache` takes the slots over for its step: if another layer used them last, none holds its experts (and
+        that layer holds none any more: only the pool's user sees experts in it)."""
+        if self.user is not cache:
+            if self.user is not None:
+                self.leave(self.user)
+            self.user = cache
+
+    def leave(self, cache: CachedExperts) -> None:
+        """`cache` holds nothing in the pool any more. After a mapped layer's copy-road step: its table then points at
+        its host rows (a decode step reads its misses in place, never from the pool, which the next layer overwrites)."""
+        cache.owner = [None] * self.n
+        cache.slot_of = {}
+        if self.user is cache:
+            self.user = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for side in (self.w13, self.w2) for t in _parts(side).values())
+
+
 class CachedExperts(ExpertBackend):
     single_round_tokens = 64
     """Up to this many tokens the fused path waits for the misses and runs hits and misses in one launch."""
@@ -332,28 +383,33 @@ class CachedExperts(ExpertBackend):
 
     def __init__(self, bank, host_w13: torch.Tensor, host_w2: torch.Tensor, capacity: int, initial: list[int],
                  pinned: set[int], policy: str, device: torch.device, copy_stream, stats, layer: int,
-                 use_fused: bool = True):
+                 use_fused: bool = True, pool: SlotPool | None = None):
         """host_w13: [E, 2I, H], host_w2: [E, H, I] in host memory (dense, or packed `ExpertWeights`);
         `capacity` device slots, filled with `initial` (the resident experts); `pinned` experts are never
-        evicted."""
+        evicted. With `pool` (capacity 0, nothing resident) the layer's slots are the shared pool's."""
         self.host_w13, self.host_w2 = host_w13, host_w2
         self.device, self.stream, self.stats, self.layer = device, copy_stream, stats, layer
         self.use_fused, self.act_name, self.act = use_fused, bank.act_name, bank.act
         self.cpu_mode, self.costs, self.cpu_pool = "gpu", None, None
         """Hybrid: `cpu_mode` auto | cpu lets misses run on the host (`costs`, a worker `cpu_pool`)."""
         self._host_experts = None
-        C = capacity
+        self.pool = pool
+        C = capacity if pool is None else pool.n
         self.dtype = bank.w13.dtype
         self.packed = isinstance(host_w13, ExpertWeights)
-        self.w13, self.w2 = _slots(host_w13, C, device), _slots(host_w2, C, device)
-        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.host_parts())
         self.owner: list[int | None] = [None] * C
         self.slot_of: dict[int, int] = {}
         self.pinned = set(pinned)
         self.policy: EvictionPolicy = POLICIES[policy]()
         cuda = device.type == "cuda"
-        self.ready = [torch.cuda.Event() for _ in range(C)] if cuda else []
-        self.free = [torch.cuda.Event() for _ in range(C)] if cuda else []
+        if pool is not None:
+            assert not initial and not pinned, "a layer on the shared pool keeps no expert of its own"
+            self.w13, self.w2, self.ready, self.free = pool.w13, pool.w2, pool.ready, pool.free
+        else:
+            self.w13, self.w2 = _slots(host_w13, C, device), _slots(host_w2, C, device)
+            self.ready = [torch.cuda.Event() for _ in range(C)] if cuda else []
+            self.free = [torch.cuda.Event() for _ in range(C)] if cuda else []
+        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.host_parts())
         # external: recorded inside graph captures as a record node, so waits outside see each replay's record
         self.layer_done = torch.cuda.Event(external=True) if cuda and self.promote_after_layer else None
         self.trace: list[list[int]] | None = None
@@ -594,6 +650,9 @@ class CachedExperts(ExpertBackend):
 
     @property
     def slot_bytes(self) -> int:
+        """Device bytes of this layer's own slots (a pool layer's: none; `SlotPool.nbytes`)."""
+        if self.pool is not None:
+            return 0
         return sum(t.numel() * t.element_size() for side in (self.w13, self.w2) for t in _parts(side).values())
 
     def _plan(self, counts: list[int], staged: set[int] = frozenset()):
@@ -844,6 +903,11 @@ class CachedExperts(ExpertBackend):
         return len(self.owner)
 
     @property
+    def kept(self) -> int:
+        """Experts this layer keeps on the device from step to step: its slots (a pool layer: none)."""
+        return 0 if self.pool is not None else self.capacity
+
+    @property
     def copy_slots(self) -> int:
         """Slots a copied miss can take: those not held by a pinned expert (0: every miss runs on the host)."""
         return self.capacity - len(self.pinned)
@@ -889,7 +953,8 @@ class CachedExperts(ExpertBackend):
         return y
 
     def warm_experts(self) -> list[int]:
-        return list(self.slot_of)  # the experts on the device: a warm-up's hits round as full as it can be
+        # the experts on the device: a warm-up's hits round as full as it can be (a pool layer keeps none)
+        return [] if self.pool is not None else list(self.slot_of)
 
     def forward(self, bank, x, topk_ids, topk_weights):
         out = self._forward(bank, x, topk_ids, topk_weights)
@@ -898,6 +963,8 @@ class CachedExperts(ExpertBackend):
         return out
 
     def _forward(self, bank, x, topk_ids, topk_weights):
+        if self.pool is not None:
+            self.pool.claim(self)
         ring = self.staging
         if ring is not None and ring.donor is self:
             if ring.taken:  # held since a pass that stopped midway
@@ -923,6 +990,8 @@ class CachedExperts(ExpertBackend):
             self.copied_step = True
             self.land(wait=True)  # the rounds below treat slots as landed
             out = self._forward_fused(bank, x, topk_ids, topk_weights)
+            if self.pool is not None:  # decode steps read this layer's experts in place, never from the pool
+                self.pool.leave(self)
             self._repoint()  # every copy of the step has been waited for by now
             return out
         if self.fused:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ferrylm.config import CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig
 from ferrylm.errors import ConfigError
-from ferrylm.offload.placement import (MIN_EXPERT_SLOTS, Placement, TensorGroup, min_expert_slots,
+from ferrylm.offload.placement import (SHARED_EXPERT_SLOTS, Placement, TensorGroup, min_expert_slots,
                                       minimum_device_bytes, place)
 
 
@@ -100,8 +100,9 @@ def size_memory(groups: list[TensorGroup], per_block: int, max_model_len: int, c
                 on_cpu: bool, resident_reserve: int | None = None) -> tuple[Placement, int]:
     """(placement, KV bytes): the whole model resident when it fits (keeping `resident_reserve` free,
     default `reserve`: a resident model's graphs may hold more), else placed under the budget keeping `reserve`.
-    Layers with host experts keep `min_expert_slots` device slots; with `--experts auto` a budget too small for
-    them places none (a layer without a free slot then runs its copy-road misses on the host's cores)."""
+    Layers with host experts keep `min_expert_slots` device slots; a budget too small for them places none, and the
+    layers left with no expert on the device share a pool of `SHARED_EXPERT_SLOTS` slots; with `--experts auto` a
+    budget too small for that too places no pool (such a layer then runs its copy-road misses on the host's cores)."""
     blocks_per_seq = (max_model_len + cc.block_size - 1) // cc.block_size
     fixed_kv = fixed_kv_bytes(cc, per_block)
     slots = min_expert_slots(oc.experts)
@@ -126,18 +127,30 @@ def size_memory(groups: list[TensorGroup], per_block: int, max_model_len: int, c
     if weights <= room and not forced_host:  # all would fit, but then resident (prefill graphs): keep its reserve
         room = budget - whole - kv
     least = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=slots)
-    if room < least and oc.experts == "auto":  # no room for the slots: layers without them run their copy-road
-        # misses on the host's cores (`PlacedWeights._start_hybrid`), as --experts cpu does
-        fewer = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=0)
-        if room >= fewer:
-            slots, least = 0, fewer
+    shared = 0
+    if room < least and slots:  # no room for the slots a layer: the layers left bare share a pool of slots (one:
+        # each copy waits for the compute before it, still far faster than the host's cores in prefill)
+        for n in (SHARED_EXPERT_SLOTS, 1) if SHARED_EXPERT_SLOTS else ():  # (0: no pool, benchmarks' A/B)
+            pooled = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=0,
+                                          shared_slots=n)
+            if room >= pooled:
+                slots, shared, least = 0, n, pooled
+                break
+        else:
+            if oc.experts == "gpu":  # the least it could run in: one shared slot
+                least = pooled
+    if room < least and oc.experts == "auto":  # no room for the pool either: layers without a slot run their
+        # copy-road misses on the host's cores (`PlacedWeights._start_hybrid`), as --experts cpu does
+        least = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=0)
+        slots = shared = 0
     if room < least:
         raise ConfigError(
             f"GPU memory budget {gib(budget)} is too small for this model: it needs at least "
             f"{gib(least + budget - room)} ({gib(least)} of weights: norms, routers, the LM head, placement "
             f"rules, stream buffers and expert slots; {gib(kv)} of KV cache; {gib(budget - room - kv)} for "
             f"activations){_slot_hint(groups, oc, least)}")
-    return place(groups, room, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=slots), kv
+    return place(groups, room, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=slots,
+                 shared_slots=shared), kv
 
 
 def gib(n: int) -> str:
@@ -147,13 +160,13 @@ def gib(n: int) -> str:
 
 def _slot_hint(groups: list[TensorGroup], oc: OffloadConfig, least: int) -> str:
     """How much less `--experts auto` / `cpu` need, when expert slots are part of `least` (`--experts gpu`)."""
-    if min_expert_slots(oc.experts) == 0:
+    if oc.experts != "gpu":
         return ""
     fewer = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=0)
     if fewer >= least:
         return ""
-    return (f"; {MIN_EXPERT_SLOTS} expert slots per MoE layer take {gib(least - fewer)} of it: --experts auto or "
-            f"cpu (misses without a slot run on the host's cores) need none")
+    return (f"; copying experts in needs at least one device slot the MoE layers share, {gib(least - fewer)} of it: "
+            f"--experts auto or cpu (misses without a slot run on the host's cores) need none")
 
 
 def cublas_workspace_bytes(major: int) -> int:

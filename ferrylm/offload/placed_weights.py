@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ferrylm.layers.moe import Experts
-from ferrylm.offload.expert_cache import CachedExperts, StagingSlots
+from ferrylm.offload.expert_cache import CachedExperts, SlotPool, StagingSlots
 from ferrylm.offload.host_tier import HostTier
 from ferrylm.offload.placement import GPU, Placement
 from ferrylm.offload.routing_tally import RoutingTally
@@ -155,6 +155,8 @@ class PlacedWeights:
         self.caches: dict[int, CachedExperts] = {}
         self.staging: StagingSlots | None = None
         """Slots the cached layers share to stage the next layer's experts on a copy-road step (None: none)."""
+        self.pool: SlotPool | None = None
+        """Slots the cached layers without an expert on the device copy their misses into (`Placement.shared_slots`)."""
         self._closing = threading.Event()  # set by `close()`: the host-kernel build thread stops
         self._prepare_threads: list[threading.Thread] = []
         # the re-balance: False (off), None (armed), then (steps, misses) at its window's start
@@ -235,16 +237,25 @@ class PlacedWeights:
             resident = [g.expert for g in groups if self.placement.tier[g.name] == GPU]
             capacity = self.placement.cache_capacity(layer)
             pinned: set[int] = set()
+            host_w13, host_w2 = bank.packed or (bank.w13.data, bank.w2.data)
             if profile is not None:
                 counts = profile[layer]
                 hot = sorted(range(bank.num_experts), key=lambda e: (-counts[e], e))[:len(resident)]
                 covered = sum(counts[e] for e in hot) / max(sum(counts), 1)
                 moved.append((len(set(hot) - set(resident)), covered))
-                resident, pinned = hot, set(hot)
-            host_w13, host_w2 = bank.packed or (bank.w13.data, bank.w2.data)
+                # pinned where the layer keeps a slot to copy misses into besides them (or its misses run on the
+                # host): a layer placed without one copies through its residents, which must stay evictable
+                keeps = self.placement.expert_slots.get(layer) or (
+                    not self.placement.shared_slots and self.experts != "gpu")
+                resident, pinned = hot, set(hot) if keeps else set()
+            pool = None
+            if capacity == 0 and self.placement.shared_slots:  # no expert of its own: the shared pool's slots
+                if self.pool is None:
+                    self.pool = SlotPool(host_w13, host_w2, self.placement.shared_slots, self.device)
+                pool = self.pool if self.pool.fits(host_w13, host_w2) else None
             bank.backend = CachedExperts(bank, host_w13, host_w2, capacity, resident, pinned, self.policy,
                                          self.device, self.copy_stream, self.stats, layer,
-                                         use_fused=self.moe_backend == "auto")
+                                         use_fused=self.moe_backend == "auto", pool=pool)
             self.caches[layer] = bank.backend
         self._link_staging()
         if moved:
@@ -269,7 +280,7 @@ class PlacedWeights:
         `CachedExperts.staging_slots` slots of the first cached layer (not its pinned experts') that the others
         share to stage the next layer's experts; no memory beyond the caches'. On CUDA (the CPU engine with
         `CachedExperts.staging_on_cpu`)."""
-        order = sorted(self.caches)
+        order = [l for l in sorted(self.caches) if self.caches[l].pool is None]  # pool layers neither stage nor lend
         if not order or (self.device.type != "cuda" and not CachedExperts.staging_on_cpu):
             return
         donor = self.caches[order[0]]
@@ -434,7 +445,7 @@ class PlacedWeights:
         if halves:
             f = (I - half) / I  # the share of columns the host computes at `half`
             call = max(0.0, min(whole, (part[0] - handoff - f * whole) / (1 - f)))
-        misses = sum(k * (1 - min(cc.capacity, E) / E) for cc in self.caches.values()) / len(self.caches)
+        misses = sum(k * (1 - min(cc.kept, E) / E) for cc in self.caches.values()) / len(self.caches)
         self.costs = c = dataclasses.replace(c, handoff_s=max(handoff, 0.0), call_s=call)
         gbs = c.inplace_gbs or 0.85 * c.expert_bytes / c.copy_s / 1e9  # else ~0.85 of the copy engine's (H200)
         share = cpu_share(c, gbs, misses=misses, split=split)
@@ -625,6 +636,8 @@ class PlacedWeights:
             total += self.streamer.bytes
         for c in self.caches.values():
             total += c.slot_bytes
+        if self.pool is not None:
+            total += self.pool.nbytes
         return total
 
     def close(self) -> None:

@@ -6,8 +6,8 @@ layer. `place()` fills the device budget in order of how much each group would c
 if it lived in host memory: the groups that never leave the device first (norms, routers, the LM head:
 `DEVICE_KINDS`), then every layer's attention, shared experts and dense MLPs (streamed layer by layer when
 they do not fit),
-then expert slots spread evenly over the MoE layers (misses are copied into the slots on demand), and
-the embeddings last (a lookup reads only the step's rows, so host memory costs nothing per token).
+then expert slots spread evenly over the MoE layers (misses are copied into the slots on demand; under a budget
+too small for them, one pool of slots the layers share: `SHARED_EXPERT_SLOTS`), and the embeddings last (a lookup reads only the step's rows, so host memory costs nothing per token).
 
 Rules override the order (`--place`, applied in the order given, later rules win):
 
@@ -157,6 +157,19 @@ class Placement:
     """Device bytes of the buffers that streamed dense layers rotate through (all buffers)."""
     expert_slots: dict[int, int] = field(default_factory=dict)
     """MoE layer -> device slots for experts that live in host memory (0 for fully resident layers)."""
+    shared_slots: int = 0
+    """Device slots of the pool that MoE layers with no expert on the device share (`SHARED_EXPERT_SLOTS`;
+    `offload/expert_cache.SlotPool`): their copied misses land there, one layer after another."""
+    shared_slot_bytes: int = 0
+    """Bytes of one pool slot (the largest expert of those layers)."""
+
+    def pool_layers(self) -> list[int]:
+        """The MoE layers that copy their misses into the shared pool: no slot and no expert of their own."""
+        if not self.shared_slots:
+            return []
+        return sorted({g.layer for g in self.groups if g.kind == "experts"} - {
+            g.layer for g in self.groups if g.kind == "experts" and self.tier[g.name] == GPU}
+            - {l for l, n in self.expert_slots.items() if n})
 
     def on_gpu(self, g: TensorGroup) -> bool:
         return self.tier[g.name] == GPU
@@ -176,7 +189,7 @@ class Placement:
     def device_bytes(self) -> int:
         """Resident weights + stream buffers + expert slots: what the weights take on the device."""
         slot_bytes = sum(n * self._expert_bytes(layer) for layer, n in self.expert_slots.items())
-        return self.bytes_on(GPU) + self.stream_buffer_bytes + slot_bytes
+        return self.bytes_on(GPU) + self.stream_buffer_bytes + slot_bytes + self.shared_slots * self.shared_slot_bytes
 
     def cache_capacity(self, layer: int) -> int:
         """Experts a cached MoE layer's device bank holds (`offload/expert_cache.CachedExperts`): its resident
@@ -215,14 +228,19 @@ class Placement:
 class _Ledger:
     """Device bytes of a tier assignment, updated in O(layers) per change (placement tries thousands)."""
 
-    def __init__(self, groups: list[TensorGroup], tier: dict[str, str], stream_buffers: int, min_slots: int):
+    def __init__(self, groups: list[TensorGroup], tier: dict[str, str], stream_buffers: int, min_slots: int,
+                 shared_slots: int = 0):
         self.groups, self.tier, self.nbuf, self.min_slots = groups, tier, stream_buffers, min_slots
+        self.shared = shared_slots if not min_slots else 0
         self.pad = 256 * max((len(g.params) for g in groups), default=0)
         self.resident = 0
         self.streamed: dict[int, int] = {}
         self.host_experts: dict[int, int] = {}
         self.expert_bytes: dict[int, int] = {}
+        self.experts: dict[int, int] = {}  # MoE layer -> its expert count
         for g in groups:
+            if g.kind == "experts":
+                self.experts[g.layer] = self.experts.get(g.layer, 0) + 1
             self._count(g, +1)
 
     def _count(self, g: TensorGroup, sign: int) -> None:
@@ -245,16 +263,24 @@ class _Ledger:
         expert of the layer lives in host memory; more would only be resident experts by another name)."""
         return {layer: min(n, self.min_slots) for layer, n in self.host_experts.items() if n > 0}
 
+    def pool(self) -> tuple[int, int]:
+        """(slots, bytes a slot) of the shared pool: while a layer has every expert in host memory and no slot."""
+        bare = [layer for layer, n in self.host_experts.items() if n == self.experts[layer]]
+        if not self.shared or not bare:
+            return 0, 0
+        return self.shared, max(self.expert_bytes[layer] for layer in bare)
+
     def buffer_bytes(self) -> int:
         top = max((b for b in self.streamed.values() if b > 0), default=0)
         return self.nbuf * (top + self.pad) if top else 0
 
     def total(self) -> int:
         slots = sum(n * self.expert_bytes[layer] for layer, n in self.slots().items())
-        return self.resident + self.buffer_bytes() + slots
+        n, each = self.pool()
+        return self.resident + self.buffer_bytes() + slots + n * each
 
     def placement(self, budget: int | None) -> Placement:
-        return Placement(dict(self.tier), self.groups, budget, self.buffer_bytes(), self.slots())
+        return Placement(dict(self.tier), self.groups, budget, self.buffer_bytes(), self.slots(), *self.pool())
 
 
 def _forced(groups: list[TensorGroup], rules: tuple[str, ...]) -> dict[str, str]:
@@ -281,16 +307,24 @@ there each step (it is a matmul over the whole vocabulary, not a lookup: nothing
 from host memory)."""
 
 
-def _smallest(groups, forced, stream_buffers, min_expert_slots) -> _Ledger:
+def _smallest(groups, forced, stream_buffers, min_expert_slots, shared_slots=0) -> _Ledger:
     """Every group not forced in host memory, except `DEVICE_KINDS`."""
     tier = {g.name: forced.get(g.name, GPU if g.kind in DEVICE_KINDS else HOST) for g in groups}
-    return _Ledger(groups, tier, stream_buffers, min_expert_slots)
+    return _Ledger(groups, tier, stream_buffers, min_expert_slots, shared_slots)
 
 
 MIN_EXPERT_SLOTS = 2
 """Device slots each MoE layer with experts in host memory keeps for the misses it copies in (a step's misses run in
 waves through them when there are more). Per layer: the minimum budget grows with layers x expert bytes (bf16
 Mixtral-8x7B: 25.7 GiB of slots alone)."""
+
+
+SHARED_EXPERT_SLOTS = 2
+"""Where the budget has no room for `MIN_EXPERT_SLOTS` a layer (`memory.size_memory`), the layers left with no expert
+on the device share one pool of this many slots (`expert_cache.SlotPool`): the layers run one after another, so a
+layer's copied misses (prefill, large batches) stream through the pool, one slot computing while the next copy lands,
+instead of running on the host's cores. Decode steps read such a layer's misses in place (or split them with the
+host) as before: nothing is promoted into the pool."""
 
 
 def min_expert_slots(experts: str) -> int:
@@ -302,26 +336,28 @@ def min_expert_slots(experts: str) -> int:
 
 
 def minimum_device_bytes(groups: list[TensorGroup], rules: tuple[str, ...] = (), *, stream_buffers: int = 2,
-                         min_expert_slots: int = MIN_EXPERT_SLOTS) -> int:
+                         min_expert_slots: int = MIN_EXPERT_SLOTS, shared_slots: int = 0) -> int:
     """The fewest device bytes the weights can run in (norms, routers, the LM head, forced groups, stream
-    buffers for the largest layer, expert slots)."""
-    return _smallest(groups, _forced(groups, rules), stream_buffers, min_expert_slots).total()
+    buffers for the largest layer, expert slots per layer, or with none the shared pool's `shared_slots`)."""
+    return _smallest(groups, _forced(groups, rules), stream_buffers, min_expert_slots, shared_slots).total()
 
 
 def place(groups: list[TensorGroup], budget: int | None, rules: tuple[str, ...] = (), *,
-          stream_buffers: int = 2, min_expert_slots: int = MIN_EXPERT_SLOTS) -> Placement:
-    """Decide each group's tier so the device bytes (resident groups, stream buffers, expert slots) stay
-    within `budget`. Raises `ConfigError` naming the minimum when even the smallest placement does not fit."""
+          stream_buffers: int = 2, min_expert_slots: int = MIN_EXPERT_SLOTS, shared_slots: int = 0) -> Placement:
+    """Decide each group's tier so the device bytes (resident groups, stream buffers, expert slots, the shared
+    pool while a layer needs it) stay within `budget`. Raises `ConfigError` naming the minimum when even the
+    smallest placement does not fit."""
     forced = _forced(groups, rules)
     if budget is None:
         ledger = _Ledger(groups, {g.name: forced.get(g.name, GPU) for g in groups}, stream_buffers,
-                         min_expert_slots)
+                         min_expert_slots, shared_slots)
         return ledger.placement(None)
     # start from the fewest device bytes, then fill the budget in order of cost per token
-    ledger = _smallest(groups, forced, stream_buffers, min_expert_slots)
+    ledger = _smallest(groups, forced, stream_buffers, min_expert_slots, shared_slots)
     tier = ledger.tier
     if ledger.total() > budget:
-        slots = f", {min_expert_slots} expert slots per MoE layer" if min_expert_slots else ""
+        slots = (f", {min_expert_slots} expert slots per MoE layer" if min_expert_slots else
+                 f", {shared_slots} shared expert slots" if ledger.pool()[0] else "")
         raise ConfigError(
             f"GPU memory budget {budget / 2**30:.2f} GiB is too small for this model: its weights need at least "
             f"{ledger.total() / 2**30:.2f} GiB on the device (norms, routers, the LM head, forced groups, stream "
@@ -361,6 +397,10 @@ def describe(pl: Placement, kv_bytes: int = 0, kv_tokens: int = 0, experts_per_t
             total = len(gs) // len(layers)
             extra = (f"resident per layer {min(res)}-{max(res)} of {total}, "
                      f"cache slots per layer {max(pl.expert_slots.values(), default=0)}")
+            if pl.shared_slots:
+                pool = pl.pool_layers()
+                extra += (f", {pl.shared_slots} slots shared by layer(s) {_ranges(pool)} "
+                          f"({size(pl.shared_slots * pl.shared_slot_bytes)})")
         rows.append(f"  {kind:<15} gpu {size(gpu):>11}   host {size(host):>11}   {extra}".rstrip())
     streamed = pl.streamed_layers()
     lines = ["placement (weight budget " + ("none" if pl.budget is None else size(pl.budget)) + "):", *rows]

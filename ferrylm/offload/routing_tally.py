@@ -70,7 +70,7 @@ class RoutingTally:
             raise ValueError(f"unknown slot policy {name!r} (dueling | frequent)")
 
     def _empty(self) -> list[int]:
-        return [c.owner.count(None) for c in self.caches]
+        return [c.owner.count(None) if c.pool is None else 0 for c in self.caches]  # nothing promotes into a pool
 
     def after_step(self) -> None:
         """Right after a step is queued: land what has landed, read what has arrived, queue this step's counts."""

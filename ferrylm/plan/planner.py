@@ -605,7 +605,12 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
     # `--experts cpu`: the copy road's misses all run on the host, prefill's too (nothing is copied in); so do a
     # layer's that has no slot (`--experts auto` under a budget with no room for them: `memory.size_memory`)
     host_prefill = road_split and opts.experts == "cpu"
-    slotless = sorted(l for l, (_, capacity) in cached_layers.items() if capacity == 0) if costs is not None else []
+    # layers with no expert on the device copy through the slots they share (`Placement.shared_slots`) when the
+    # budget has room for them, else (auto) compute those misses on the host
+    pooled = set(placement.pool_layers()) if placement else set()
+    shared = placement.shared_slots if placement else 0
+    slotless = sorted(l for l, (_, capacity) in cached_layers.items()
+                      if capacity == 0 and l not in pooled) if costs is not None else []
     host_road = set(cached) if host_prefill else set(slotless)
 
     def host_takes(misses: float, tokens: float) -> float:
@@ -696,7 +701,7 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                     out["dequant_groups"] += decode_groups(d - on_host, False, m) if dq else 0.0
                 if prefill:  # layer by layer (`StepCost.copy_layers`): its copies, then its hits' and misses' work;
                     # the slots no hit holds take copies while the hits compute
-                    free = max(0.0, m["resident"] + slots.get(l, 0) - hits)
+                    free = max(0.0, m["resident"] + slots.get(l, 0) + (shared if l in pooled else 0) - hits)
                     one = CachedExperts.one_large_a_round and m["nbytes"] >= CachedExperts.large_expert_bytes
                     gm = misses - on_host  # the misses copied in and computed on the GPU
                     out["copy_layers"].append((gm * m["nbytes"], hits * m["hbm_equiv"], gm * m["hbm_equiv"],
@@ -788,6 +793,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
               streamed_layers=placement.streamed_layers() if placement else [],
               stream_buffer_bytes=placement.stream_buffer_bytes if placement else 0,
               expert_slots=max(placement.expert_slots.values(), default=0) if placement else 0,
+              shared_expert_slots=placement.shared_slots if placement else 0,  # (`Placement.pool_layers` share them)
+              pool_layers=placement.pool_layers() if placement else [],
               resident_experts={l: moe[l]["resident"] for l in cached},
               pcie_bytes_per_decode_token=d1["pcie_bytes_per_step"] if verdict != "cannot" else 0)
     if verdict == "fits":
@@ -886,6 +893,11 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                 if scheme in estimate.NATIVE_HOST_FORMATS and not host.avx512 else
                 f"no host rate is measured for {scheme} experts (`estimate.HOST_PACKED_EFF`)")
                 + "; the engine will also compute a share of the misses on the host where its calibration finds one pays")
+        if pooled:
+            notes.append(f"{len(pooled)} of {len(cached)} cached MoE layers keep no expert on the GPU (the budget leaves "
+                         f"no room for {MIN_EXPERT_SLOTS} slots a layer): they copy the misses of prefill and larger "
+                         f"steps through {shared} slot(s) they share, one layer after another, and read decode's in "
+                         f"place")
         if slotless and not host_prefill:
             notes.append(f"{len(slotless)} of {len(cached)} cached MoE layers keep no expert slot (the budget leaves "
                          f"no room for {MIN_EXPERT_SLOTS} a layer): the misses they would copy in (prefill, larger "

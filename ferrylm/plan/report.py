@@ -61,6 +61,8 @@ def render(plan: Plan, console: Console) -> None:
                       f"({', '.join(p['host_groups'])}); {len(layers)} layers streamed through "
                       f"{gib(p['stream_buffer_bytes'])} of buffers; "
                       + (f"{p['expert_slots']} expert cache slots per MoE layer; " if p["resident_experts"] else "")
+                      + (f"{p['shared_expert_slots']} expert slots shared by {len(p['pool_layers'])} MoE layers; "
+                         if p.get("shared_expert_slots") else "")
                       + f"PCIe {gib(p['pcie_bytes_per_decode_token'])} per decode token at batch 1")
     s = plan.speed
     if s is None:

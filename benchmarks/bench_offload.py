@@ -95,7 +95,7 @@ def oracle(runner) -> tuple[float | None, float | None]:
     hits = opt = total = 0
     for cache in runner.placed.caches.values():
         tr = cache.trace or []
-        h, n = belady_hits(tr, cache.capacity, cache.trace_initial)
+        h, n = belady_hits(tr, cache.kept, cache.trace_initial)  # (a shared pool's slots are not kept)
         opt, total = opt + h, total + n
         hits += cache.trace_hits
     return (hits / total, opt / total) if total else (None, None)

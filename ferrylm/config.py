@@ -307,8 +307,10 @@ class OffloadConfig:
     """Device buffers that streamed (non-resident) dense layers rotate through."""
     experts: str = "auto"
     """Where expert misses run: auto (the measured cost model splits copies and host compute; copy-only on
-    the CPU engine; a layer the budget leaves no expert slot computes its misses on the host), gpu (copy every
-    miss to the device: 2 slots a layer), cpu (compute every miss on the host's cores: no slots)."""
+    the CPU engine), gpu (copy every miss to the device: 2 slots a layer, or under a budget without room for them
+    one pool of slots the layers with no expert on the device share), cpu (compute every miss on the host's cores:
+    no slots). Under auto a budget with no room even for one shared slot places none: a layer left without a free
+    slot computes its copy-road misses on the host."""
     cpu_threads: int | None = None
     """Threads for host experts (torch intra-op threads); None keeps torch's default."""
     cpu_numa_node: int | None = None

@@ -88,6 +88,34 @@ def test_auto_under_tight_budgets_mixes_copying_and_host_layers(mixtral):
     assert seen == {"host", "pool", "own"}
 
 
+def test_profile_pins_only_where_a_layer_keeps_a_slot_besides(mixtral, tmp_path):
+    """An expert profile makes a layer's hottest experts resident and pins them where the layer keeps slots besides
+    them (2 a layer) or runs its misses on the host; placed without slots a layer (`Placement.slot_mode` pool) the
+    residents are the slots the layer copies through, so none is pinned, whether or not another layer still needs
+    the shared pool (a pinned layer with no copy slot would run its misses on the host). Equal to the resident run."""
+    from ferrylm.offload import expert_profile
+
+    _, ref_tokens, ref_logits = run(mixtral)
+    hot = {"format": expert_profile.FORMAT, "architecture": "MixtralForCausalLM", "num_experts": 4,
+           "layers": {str(l): [1, 50, 3, 20] for l in range(2)}}
+    path = str(tmp_path / "hot.json")
+    expert_profile.write(hot, path)
+    modes = {}
+    for mib in (0.53, 0.8):
+        llm, tokens, logits = run(mixtral, experts="auto", gpu_memory_budget=int(mib * 2**20), expert_profile=path)
+        placed = llm.engine.runner.placed
+        caches = [placed.caches[l] for l in sorted(placed.caches)]
+        mode = modes[mib] = placed.placement.slot_mode
+        print(f"{mib} MiB: {mode}, capacities {[c.capacity for c in caches]}, pinned {[sorted(c.pinned) for c in caches]}")
+        assert caches and all(c.copy_slots > 0 for c in caches)
+        assert placed.profile_note  # the profile chose the residents
+        assert mode == "pool" or all(1 in c.slot_of for c in caches)  # the hottest pinned (unpinned: evicted since)
+        assert all(bool(c.pinned) == (mode != "pool") for c in caches)
+        assert tokens == ref_tokens
+        assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
+    assert modes == {0.53: "pool", 0.8: "layer"}
+
+
 def test_host_work_on_the_worker_thread_may_write_inference_tensors(mixtral):
     """On CUDA the host experts run on a worker thread (`hw/cpu_binding.worker_pool`) and write buffers the
     engine thread made under inference mode; inference mode is per thread, so the worker must enter it too."""

@@ -722,6 +722,15 @@ def test_bare_layers_share_a_slot_pool(tmp_path_factory, monkeypatch):
         assert torch.equal(a, b), (a - b).abs().max().item()
     # only the pool's last user sees experts in it (the last step's layer 5)
     assert placed.pool.user is placed.caches[5] and placed.caches[5].slot_of and not placed.caches[4].slot_of
+    llm.close()  # the pool's slots go with the caches (and the staging slots with their donor)
+    assert placed.pool is None and placed.staging is None and not placed.caches
+    # no pool (`memory.SHARED_EXPERT_SLOTS` 0, the benchmarks' A/B): copies only is refused there, clearly
+    from ferrylm.offload import memory
+
+    monkeypatch.setattr(memory, "SHARED_EXPERT_SLOTS", 0)
+    with pytest.raises(ConfigError, match="too small"):
+        LLM(path, dtype="float32", max_num_seqs=4, experts="gpu", place=rules, num_kv_blocks=64,
+            gpu_memory_budget=(pooled + per_layer) // 2 + kv)
 
 
 def test_short_steps_never_stage(tmp_path_factory, monkeypatch):

@@ -498,6 +498,7 @@ class CachedExperts(ExpertBackend):
     def _point(self, e: int, s: int | None) -> None:
         """Table entries of expert e (every part, both sides) -> slot s, or its host rows (None): one column copy;
         stream-ordered, no host sync. The tally's host row follows at once."""
+        assert s is None or self.pool is None, "a table never points at the shared pool"
         self._point_device(e, s)
         self.resident[e] = s is not None
 
@@ -531,6 +532,7 @@ class CachedExperts(ExpertBackend):
         the kernels before that read e in place and those after it from the slot (either holds e's weights, part
         by part), and the host books the slot once it sees the copy landed (`land`; the copy road waits for it).
         Not with hybrid decode (it lands as `land` says)."""
+        assert self.pool is None, "nothing promotes into the shared pool"
         cur = torch.cuda.current_stream(self.device)
         # hybrid decode reads `in_slot` twice a layer (the host's share, then the device's): it must not flip between
         on_copy_stream = on_copy_stream and self.host_decode is None

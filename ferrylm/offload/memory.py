@@ -127,7 +127,7 @@ def size_memory(groups: list[TensorGroup], per_block: int, max_model_len: int, c
     if weights <= room and not forced_host:  # all would fit, but then resident (prefill graphs): keep its reserve
         room = budget - whole - kv
     least = minimum_device_bytes(groups, oc.place, stream_buffers=oc.stream_buffers, min_expert_slots=slots)
-    shared = 0
+    shared, pooled = 0, least
     if room < least and slots:  # no room for the slots a layer: the layers left bare share a pool of slots (one:
         # each copy waits for the compute before it, still far faster than the host's cores in prefill)
         for n in (SHARED_EXPERT_SLOTS, 1) if SHARED_EXPERT_SLOTS else ():  # (0: no pool, benchmarks' A/B)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ferrylm.errors import ConfigError
 from ferrylm.layers.moe import Experts
 from ferrylm.offload.expert_cache import CachedExperts, SlotPool, StagingSlots
 from ferrylm.offload.host_tier import HostTier
@@ -243,16 +244,23 @@ class PlacedWeights:
                 hot = sorted(range(bank.num_experts), key=lambda e: (-counts[e], e))[:len(resident)]
                 covered = sum(counts[e] for e in hot) / max(sum(counts), 1)
                 moved.append((len(set(hot) - set(resident)), covered))
-                # pinned where the layer keeps a slot to copy misses into besides them (or its misses run on the
-                # host): a layer placed without one copies through its residents, which must stay evictable
-                keeps = self.placement.expert_slots.get(layer) or (
-                    not self.placement.shared_slots and self.experts != "gpu")
-                resident, pinned = hot, set(hot) if keeps else set()
+                # pinned where the layer keeps slots to copy misses into besides them, or runs its misses on the
+                # host; placed without slots a layer (`Placement.slot_mode` pool) it copies through its residents,
+                # which must stay evictable (whether or not another layer still needs the shared pool)
+                resident, pinned = hot, set(hot) if self.placement.slot_mode != "pool" else set()
             pool = None
             if capacity == 0 and self.placement.shared_slots:  # no expert of its own: the shared pool's slots
                 if self.pool is None:
                     self.pool = SlotPool(host_w13, host_w2, self.placement.shared_slots, self.device)
                 pool = self.pool if self.pool.fits(host_w13, host_w2) else None
+                if pool is None:  # experts shaped unlike the first pool layer's (another format): no slot to copy into
+                    if self.experts == "gpu":
+                        raise ConfigError(f"MoE layer {layer}'s experts differ in shape or format from those of the "
+                                          f"other layers that share the expert slot pool: --experts gpu cannot copy "
+                                          f"them in under this budget (--experts auto runs them on the host's cores, "
+                                          f"or raise --gpu-memory-budget)")
+                    log.warning("MoE layer %d's experts differ in shape or format from the shared expert slots': its "
+                                "copy-road misses run on the host's cores", layer)
             bank.backend = CachedExperts(bank, host_w13, host_w2, capacity, resident, pinned, self.policy,
                                          self.device, self.copy_stream, self.stats, layer,
                                          use_fused=self.moe_backend == "auto", pool=pool)
@@ -659,6 +667,7 @@ class PlacedWeights:
             torch.cuda.synchronize(self.device)
         self.host.close()
         self.host_decode = self.cpu_pool = self.tally = self.streamer = None
+        self.pool = self.staging = None  # (the staging slots hold their donor and linked caches)
         self._prepare_threads = []
         self.caches = {}
         self.model = None

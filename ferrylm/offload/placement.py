@@ -162,6 +162,11 @@ class Placement:
     `offload/expert_cache.SlotPool`): their copied misses land there, one layer after another."""
     shared_slot_bytes: int = 0
     """Bytes of one pool slot (the largest expert of those layers)."""
+    slot_mode: str = "layer"
+    """How layers with host experts copy their misses in, as `memory.size_memory` chose: `layer` (`min_expert_slots`
+    slots each), `pool` (no slots a layer: through their resident experts, or the shared pool while they have none),
+    `host` (no slots, no pool: `--experts cpu`, or auto with no room even for a shared slot; a layer with no free
+    slot runs its copy-road misses on the host's cores)."""
 
     def pool_layers(self) -> list[int]:
         """The MoE layers that copy their misses into the shared pool: no slot and no expert of their own."""
@@ -280,7 +285,8 @@ class _Ledger:
         return self.resident + self.buffer_bytes() + slots + n * each
 
     def placement(self, budget: int | None) -> Placement:
-        return Placement(dict(self.tier), self.groups, budget, self.buffer_bytes(), self.slots(), *self.pool())
+        mode = "layer" if self.min_slots else "pool" if self.shared else "host"
+        return Placement(dict(self.tier), self.groups, budget, self.buffer_bytes(), self.slots(), *self.pool(), mode)
 
 
 def _forced(groups: list[TensorGroup], rules: tuple[str, ...]) -> dict[str, str]:

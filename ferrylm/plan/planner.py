@@ -896,8 +896,8 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         if pooled:
             notes.append(f"{len(pooled)} of {len(cached)} cached MoE layers keep no expert on the GPU (the budget leaves "
                          f"no room for {MIN_EXPERT_SLOTS} slots a layer): they copy the misses of prefill and larger "
-                         f"steps through {shared} slot(s) they share, one layer after another, and read decode's in "
-                         f"place")
+                         f"steps through {shared} slot(s) they share, one layer after another; decode steps read "
+                         f"theirs in place (or split them with the host; with --no-mapped-experts they copy too)")
         if slotless and not host_prefill:
             notes.append(f"{len(slotless)} of {len(cached)} cached MoE layers keep no expert slot (the budget leaves "
                          f"no room for {MIN_EXPERT_SLOTS} a layer): the misses they would copy in (prefill, larger "

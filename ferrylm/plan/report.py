@@ -60,7 +60,8 @@ def render(plan: Plan, console: Console) -> None:
         console.print(f"placement (the engine's): {gib(p['gpu_bytes'])} resident, {gib(p['host_bytes'])} in host memory "
                       f"({', '.join(p['host_groups'])}); {len(layers)} layers streamed through "
                       f"{gib(p['stream_buffer_bytes'])} of buffers; "
-                      + (f"{p['expert_slots']} expert cache slots per MoE layer; " if p["resident_experts"] else "")
+                      + (f"{p['expert_slots']} expert cache slots per MoE layer; "
+                         if p["resident_experts"] and p["expert_slots"] else "")
                       + (f"{p['shared_expert_slots']} expert slots shared by {len(p['pool_layers'])} MoE layers; "
                          if p.get("shared_expert_slots") else "")
                       + f"PCIe {gib(p['pcie_bytes_per_decode_token'])} per decode token at batch 1")

@@ -779,6 +779,7 @@ CASES = {
     "hybrid16-decode-copy": lambda rows, h2d: case_hybrid_decode(rows, h2d, gpu_side="copy"),
     "hybrid16": lambda rows, h2d: case_hybrid(rows, h2d),
     "pool8": lambda rows, h2d: case_pool(rows, h2d),
+    "pool16": lambda rows, h2d: case_pool(rows, h2d, layers=16, budget_gib=8.0),
     # the packed hybrid case: Mixtral 32 layers, NF4 experts, 16 GiB, batch 1 and 16 (split vs each side)
     "hybrid16-decode-quick": lambda rows, h2d: case_hybrid_decode(rows, h2d, shares=(0.0,), quick=True),
     "hybrid16-decode-zipf-quick": lambda rows, h2d: case_hybrid_decode(rows, h2d, "zipf1.2", shares=(0.0,), quick=True),

@@ -414,7 +414,8 @@ def case_hybrid(rows: list, h2d: float, routing: str = "model") -> None:
     torch.cuda.empty_cache()
 
 
-def case_pool(rows: list, h2d: float, layers: int = 8, budget_gib: float = 4.0) -> None:
+def case_pool(rows: list, h2d: float, layers: int = 8, budget_gib: float = 4.0,
+              modes=("pool-auto", "pool-gpu", "no-pool-auto")) -> None:
     """A budget with no room for 2 expert slots a layer (bf16 Mixtral, 8 layers: 5.25 GiB of slots): the layers
     left with no expert on the device copy their misses through one pool of slots they share
     (`expert_cache.SlotPool`), with `--experts auto` and `gpu`, against auto with no pool (`memory.SHARED_EXPERT_SLOTS`
@@ -425,7 +426,8 @@ def case_pool(rows: list, h2d: float, layers: int = 8, budget_gib: float = 4.0) 
     from ferrylm.weights.random_source import RandomSource
 
     cfg = {**MIXTRAL, "num_hidden_layers": layers}
-    for name, experts, pool in (("pool-auto", "auto", True), ("pool-gpu", "gpu", True), ("no-pool-auto", "auto", False)):
+    for name in modes:
+        experts, pool = name.rsplit("-", 1)[1], not name.startswith("no-")
         memory.SHARED_EXPERT_SLOTS = 2 if pool else 0
         try:
             llm = LLM(RandomSource(cfg), device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=4096,
@@ -779,7 +781,7 @@ CASES = {
     "hybrid16-decode-copy": lambda rows, h2d: case_hybrid_decode(rows, h2d, gpu_side="copy"),
     "hybrid16": lambda rows, h2d: case_hybrid(rows, h2d),
     "pool8": lambda rows, h2d: case_pool(rows, h2d),
-    "pool16": lambda rows, h2d: case_pool(rows, h2d, layers=16, budget_gib=8.0),
+    "pool16": lambda rows, h2d: case_pool(rows, h2d, layers=16, budget_gib=8.0, modes=("pool-auto", "no-pool-auto")),
     # the issue's packed hybrid case: Mixtral 32 layers, NF4 experts, 16 GiB, batch 1 and 16 (split vs each side)
     "hybrid16-decode-quick": lambda rows, h2d: case_hybrid_decode(rows, h2d, shares=(0.0,), quick=True),
     "hybrid16-decode-zipf-quick": lambda rows, h2d: case_hybrid_decode(rows, h2d, "zipf1.2", shares=(0.0,), quick=True),

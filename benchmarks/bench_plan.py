@@ -69,6 +69,7 @@ CASES = {
     "moe-offload-nf4": (MIXTRAL, 8, 5, "nf4", 32),
     "moe-nf4": (MIXTRAL, 8, None, "nf4", 64),
     "moe-offload-bf16": (MIXTRAL, 8, 12, None, 32),  # dense banks on the copy road (session 37)
+    "moe-pool-bf16": (MIXTRAL, 8, 4, None, 32),  # no room for 2 slots a layer: the shared slot pool (session 38)
 }
 
 

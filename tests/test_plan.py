@@ -520,7 +520,7 @@ def test_bench_plan_smoke_on_cpu(tmp_path):
     assert json.loads(r.stdout.strip().splitlines()[-1]) == d
     assert {"bench", "date", "commit", "machine", "rows", "cases"} <= set(d) and d["bench"] == "plan-check"
     assert {r["case"] for r in d["rows"]} == {"dense", "moe", "moe-offload", "moe-offload-nf4", "moe-nf4",
-                                              "moe-offload-bf16"}
+                                              "moe-offload-bf16", "moe-pool-bf16"}
     assert all(r["within"] for r in d["rows"]) and {r["metric"] for r in d["rows"]} == {"weights", "kv", "kv_tokens"}
     for case in ("moe-offload", "moe-offload-nf4"):  # the routing the runs saw, re-planned from its profile
         assert 0 < d["cases"][case]["hit_rate_from_profile"]["decode_batch1"] <= 1

@@ -45,6 +45,13 @@ def _parts(side) -> dict[str, torch.Tensor]:
     return side.parts if isinstance(side, ExpertWeights) else {"q": side}
 
 
+def _layout(side) -> tuple:
+    """What an expert slot of `side` must match to hold its experts: every part's shape and type, a packed side's
+    format and group."""
+    return (getattr(side, "fmt", None), getattr(side, "group", None),
+            [(t.shape[1:], t.dtype) for t in _parts(side).values()])
+
+
 def _slots(side, n: int, device) -> object:
     if isinstance(side, ExpertWeights):
         return side.empty_like(n, device)
@@ -290,14 +297,8 @@ class SlotPool:
         """The layer whose experts the slots hold: its next step may hit them, another layer's may not."""
 
     def fits(self, host_w13, host_w2) -> bool:
-        """Whether a layer's experts (every part's shape and type, a packed side's format) fit the pool's slots."""
-        def like(a, b):
-            return (getattr(a, "fmt", None), getattr(a, "group", None),
-                    [(t.shape[1:], t.dtype) for t in _parts(a).values()]) == (
-                        getattr(b, "fmt", None), getattr(b, "group", None),
-                        [(t.shape[1:], t.dtype) for t in _parts(b).values()])
-
-        return like(self.w13, host_w13) and like(self.w2, host_w2)
+        """Whether a layer's experts fit the pool's slots (`_layout`)."""
+        return _layout(self.w13) == _layout(host_w13) and _layout(self.w2) == _layout(host_w2)
 
     def claim(self, cache: CachedExperts) -> None:
         """`cache` takes the slots over for its step: if another layer used them last, none holds its experts (and
@@ -827,9 +828,8 @@ class CachedExperts(ExpertBackend):
     def link(self, nxt: CachedExperts, staging: StagingSlots) -> None:
         """On copy-road steps this layer stages experts of `nxt`, the next cached layer, in `staging` when their
         parts have the same shapes and types (the donor stages for none: its slots are taken after it ran)."""
-        def like(c):  # every part's shape and type, and a packed side's format and group
-            return [(getattr(side, "fmt", None), getattr(side, "group", None),
-                     [(t.shape[1:], t.dtype) for t in _parts(side).values()]) for side in (c.w13, c.w2)]
+        def like(c):
+            return [_layout(c.w13), _layout(c.w2)]
 
         if like(self) == like(nxt) == like(staging.donor) and type(self.host_w13) is type(nxt.host_w13):
             self.next, self.staging = nxt, staging

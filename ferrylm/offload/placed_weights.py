@@ -248,19 +248,7 @@ class PlacedWeights:
                 # host; placed without slots a layer (`Placement.slot_mode` pool) it copies through its residents,
                 # which must stay evictable (whether or not another layer still needs the shared pool)
                 resident, pinned = hot, set(hot) if self.placement.slot_mode != "pool" else set()
-            pool = None
-            if capacity == 0 and self.placement.shared_slots:  # no expert of its own: the shared pool's slots
-                if self.pool is None:
-                    self.pool = SlotPool(host_w13, host_w2, self.placement.shared_slots, self.device)
-                pool = self.pool if self.pool.fits(host_w13, host_w2) else None
-                if pool is None:  # experts shaped unlike the first pool layer's (another format): no slot to copy into
-                    if self.experts == "gpu":
-                        raise ConfigError(f"MoE layer {layer}'s experts differ in shape or format from those of the "
-                                          f"other layers that share the expert slot pool: --experts gpu cannot copy "
-                                          f"them in under this budget (--experts auto runs them on the host's cores, "
-                                          f"or raise --gpu-memory-budget)")
-                    log.warning("MoE layer %d's experts differ in shape or format from the shared expert slots': its "
-                                "copy-road misses run on the host's cores", layer)
+            pool = self._pool_for(layer, host_w13, host_w2) if capacity == 0 else None
             bank.backend = CachedExperts(bank, host_w13, host_w2, capacity, resident, pinned, self.policy,
                                          self.device, self.copy_stream, self.stats, layer,
                                          use_fused=self.moe_backend == "auto", pool=pool)
@@ -282,6 +270,24 @@ class PlacedWeights:
                 self._start_host_decode()
         if self.caches and self.experts == "cpu" and self.host_decode is None:  # no copies, no in-place reads:
             self._lay_host_experts(list(range(next(iter(self.caches.values())).host_w13.shape[0])))  # one int4 copy
+
+    def _pool_for(self, layer: int, host_w13, host_w2) -> SlotPool | None:
+        """The shared slots a layer with no expert of its own copies its misses into (`Placement.shared_slots`; made
+        on the first such layer), None where the placement has none or its experts do not fit them (another shape or
+        format: a warning, and its copy-road misses run on the host; `--experts gpu` refuses)."""
+        if not self.placement.shared_slots:
+            return None
+        if self.pool is None:
+            self.pool = SlotPool(host_w13, host_w2, self.placement.shared_slots, self.device)
+        if self.pool.fits(host_w13, host_w2):
+            return self.pool
+        if self.experts == "gpu":
+            raise ConfigError(f"MoE layer {layer}'s experts differ in shape or format from those of the other layers "
+                              f"that share the expert slot pool: --experts gpu cannot copy them in under this budget "
+                              f"(--experts auto runs them on the host's cores, or raise --gpu-memory-budget)")
+        log.warning("MoE layer %d's experts differ in shape or format from the shared expert slots': its copy-road "
+                    "misses run on the host's cores", layer)
+        return None
 
     def _link_staging(self) -> None:
         """Copy-road staging (`expert_cache.StagingSlots`): for large experts computed one a round, up to

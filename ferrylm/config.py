@@ -297,8 +297,9 @@ class OffloadConfig:
     expert_cache_policy: str = "lru"
     """How cached expert slots are evicted: lru | lfu."""
     expert_profile: str | None = None
-    """JSON file of per-layer expert popularity; its hottest experts start resident and stay pinned. None:
-    the profile `profile_experts` saved for this model, if there is one."""
+    """JSON file of per-layer expert popularity; its hottest experts start resident and stay pinned (not pinned
+    where a budget without slots a layer has the layer copy through them). None: the profile `profile_experts`
+    saved for this model, if there is one."""
     profile_experts: int = 0
     """At start, after loading: run this many warm-up prompts (`ferry profile`'s mix, 64 tokens each),
     record the experts' routing and save it as this model's profile (`$FERRYLM_CACHE_DIR/expert-profiles/`),

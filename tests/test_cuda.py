@@ -60,7 +60,8 @@ def worst_while_equal(ref_out, ref, out, got, flip_row: bool = True) -> tuple[fl
         n = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         diverged += n is not None
         m = len(r) if n is None else n + int(flip_row)
-        worst = max(worst, (r[:m] - g[:m]).abs().max().item())
+        if m:  # (without the flip row, a sequence whose first token differs compares no row)
+            worst = max(worst, (r[:m] - g[:m]).abs().max().item())
     return worst, diverged
 
 

@@ -291,3 +291,16 @@ def test_a_plan_reads_its_profile_once(tmp_path, monkeypatch):
     _traced(tmp_path, QWEN3, 0.5, "once.json", steps=48)
     assert "decode trace of 48 steps" in _plan(tmp_path, routing=path).speed["assumptions"]["expert_hit_rate_from"]
     assert calls == [path, path]
+
+
+def test_a_profile_pins_nothing_where_layers_keep_no_slots(tmp_path):
+    """Under a budget with no room for 2 expert slots a layer (`Placement.slot_mode` pool) the engine makes a
+    profile's hottest experts resident but pins none: a layer copies its misses through them. The plan does the
+    same (its routing unpinned, said in its assumptions); with room for the slots it pins them."""
+    prof = _profile(tmp_path, MIXTRAL, _zipf_counts(1.0), name="mixtral-profile.json")
+    tight = _plan(tmp_path, MIXTRAL, 5, expert_profile=prof)
+    roomy = _plan(tmp_path, MIXTRAL, 12, expert_profile=prof)
+    print(tight.placement, tight.speed["assumptions"]["expert_hit_rate_from"])
+    assert tight.placement["expert_slots"] == 0 and roomy.placement["expert_slots"] == 2
+    assert "resident, not pinned: the layers keep no slots" in tight.speed["assumptions"]["expert_hit_rate_from"]
+    assert "pinned, as the engine pins them" in roomy.speed["assumptions"]["expert_hit_rate_from"]

@@ -121,6 +121,7 @@ class PlacedWeights:
         self.policy, self.stream_buffers, self.moe_backend = policy, stream_buffers, moe_backend
         # on the CPU engine both tiers are host memory: "auto" has nothing to balance and copies
         self.experts = "gpu" if experts == "auto" and device.type != "cuda" else experts
+        self.experts_option = experts  # as given (`_pool_for`: only --experts gpu refuses a layer the pool cannot take)
         self.cpu_threads = cpu_threads
         self.mapped_experts = mapped_experts
         self.cpu_share, self.hybrid_split = cpu_share, hybrid_split
@@ -255,8 +256,9 @@ class PlacedWeights:
             self.caches[layer] = bank.backend
         self._link_staging()
         if moved:
-            self.profile_note = (f"expert profile {self.profile_path}: the hottest experts of each layer are resident "
-                                 f"and pinned ({sum(m for m, _ in moved)} changed from the default choice); they took "
+            pinned = "" if self.placement.slot_mode == "pool" else " and pinned"  # (no slots a layer: none pinned)
+            self.profile_note = (f"expert profile {self.profile_path}: the hottest experts of each layer are resident"
+                                 f"{pinned} ({sum(m for m, _ in moved)} changed from the default choice); they took "
                                  f"{sum(c for _, c in moved) / len(moved):.0%} of the recorded routing")
             log.warning("%s", self.profile_note)
         # dense or packed: host experts compute the bank's format; also where a layer has no slot to copy into
@@ -281,7 +283,7 @@ class PlacedWeights:
             self.pool = SlotPool(host_w13, host_w2, self.placement.shared_slots, self.device)
         if self.pool.fits(host_w13, host_w2):
             return self.pool
-        if self.experts == "gpu":
+        if self.experts_option == "gpu":
             raise ConfigError(f"MoE layer {layer}'s experts differ in shape or format from those of the other layers "
                               f"that share the expert slot pool: --experts gpu cannot copy them in under this budget "
                               f"(--experts auto runs them on the host's cores, or raise --gpu-memory-budget)")

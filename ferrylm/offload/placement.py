@@ -322,7 +322,7 @@ def _smallest(groups, forced, stream_buffers, min_expert_slots, shared_slots=0) 
 MIN_EXPERT_SLOTS = 2
 """Device slots each MoE layer with experts in host memory keeps for the misses it copies in (a step's misses run in
 waves through them when there are more). Per layer: the minimum budget grows with layers x expert bytes (bf16
-Mixtral-8x7B: 25.7 GiB of slots alone)."""
+Mixtral-8x7B: 21 GiB of slots alone; `SHARED_EXPERT_SLOTS` where the budget has no room for them)."""
 
 
 SHARED_EXPERT_SLOTS = 2

@@ -57,8 +57,9 @@ MODEL = "slots following the routing: the tally's hottest experts on the mapped 
 
 
 def routing(spec: str | None, profile: str | None, architecture: str, num_experts: int, top_k: int,
-            moe_layers: list[int]) -> Routing:
-    """The plan's routing: `profile` (the engine's --expert-profile: pinned) or `spec` (`--routing`: uniform,
+            moe_layers: list[int], pin: bool = True) -> Routing:
+    """The plan's routing: `profile` (the engine's --expert-profile: pinned, unless `pin` is False: a placement
+    without slots a layer, where the engine makes them resident but pins none) or `spec` (`--routing`: uniform,
     zipf:S, or a recorded profile FILE the engine is not given). Raises `ConfigError` naming what is wrong."""
     if profile is not None and spec is not None:
         raise ConfigError("give --expert-profile (the engine pins its hottest experts) or --routing, not both")
@@ -69,8 +70,10 @@ def routing(spec: str | None, profile: str | None, architecture: str, num_expert
     if profile is not None:
         shares = _profile_shares(profile, "--expert-profile", architecture, num_experts, top_k, moe_layers)
         traces = _profile_traces(profile, "--expert-profile", num_experts, moe_layers)
-        return Routing(shares, True, f"expert profile {profile} (recorded; its hottest experts pinned, as the engine pins "
-                             f"them{_traced(traces)})", traces)
+        how = ("pinned, as the engine pins them" if pin else
+               "resident, not pinned: the layers keep no slots besides them, as the engine places them")
+        return Routing(shares, pin, f"expert profile {profile} (recorded; its hottest experts {how}{_traced(traces)})",
+                       traces)
     if spec is None or spec == "uniform":
         return UNIFORM
     if spec.startswith("zipf:"):

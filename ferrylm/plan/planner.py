@@ -508,8 +508,10 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
         from ferrylm.offload.expert_profile import saved
 
         profile = saved(opts.model)
+    # (a placement without slots a layer: the engine pins none, a layer copies through its residents)
     route = hit_rate.routing(opts.routing, profile, mc.architecture, E, k,
-                             sorted({g.layer for g in groups if g.kind == "experts"}))
+                             sorted({g.layer for g in groups if g.kind == "experts"}),
+                             pin=placement is None or placement.slot_mode != "pool")
     slots = placement.expert_slots if placement else {}
 
     hits: dict[tuple, float] = {}

@@ -52,6 +52,11 @@ def _layout(side) -> tuple:
             [(t.shape[1:], t.dtype) for t in _parts(side).values()])
 
 
+def _nbytes(*sides) -> int:
+    """Bytes of every part of these bank sides (slots or host banks)."""
+    return sum(t.numel() * t.element_size() for side in sides for t in _parts(side).values())
+
+
 def _slots(side, n: int, device) -> object:
     if isinstance(side, ExpertWeights):
         return side.empty_like(n, device)
@@ -318,7 +323,7 @@ class SlotPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for side in (self.w13, self.w2) for t in _parts(side).values())
+        return _nbytes(self.w13, self.w2)
 
 
 class CachedExperts(ExpertBackend):
@@ -654,9 +659,7 @@ class CachedExperts(ExpertBackend):
     @property
     def slot_bytes(self) -> int:
         """Device bytes of this layer's own slots (a pool layer's: none; `SlotPool.nbytes`)."""
-        if self.pool is not None:
-            return 0
-        return sum(t.numel() * t.element_size() for side in (self.w13, self.w2) for t in _parts(side).values())
+        return 0 if self.pool is not None else _nbytes(self.w13, self.w2)
 
     def _plan(self, counts: list[int], staged: set[int] = frozenset()):
         """Hits, the copied misses' queue, the slots free to take a miss now (policy order), host misses. `staged`

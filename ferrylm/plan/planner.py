@@ -691,6 +691,10 @@ def make_plan(opts: PlanOptions, advise: bool = True) -> Plan:
                     + misses * estimate.HOST_EXPERT_CALL_S) if share else 0.0
             else:  # the copy road: the misses split between copies and the host (`road_split`); all on the host
                 # with --experts cpu, prefill's too (`host_prefill`)
+                # TODO(issue 8): a prefill's split is not priced: the engine's auto sends a layer's copy-road misses
+                # to the host where `split_misses` finds it faster beside the copies (an AMX host behind a slow link:
+                # RTX 4090 + Xeon 8480C), in parallel with that layer's copies; pricing it needs the host's time per
+                # layer in `StepCost.copy_layers` (max of the two queues), not step-wide in `host_experts_s`
                 on_host = (misses if l in host_road else
                            host_takes(misses, batch * k / d) if road_split and not prefill else 0.0)
                 out["copy"] += (misses - on_host) * m["nbytes"]

@@ -172,9 +172,8 @@ class Placement:
         """The MoE layers that copy their misses into the shared pool: no slot and no expert of their own."""
         if not self.shared_slots:
             return []
-        return sorted({g.layer for g in self.groups if g.kind == "experts"} - {
-            g.layer for g in self.groups if g.kind == "experts" and self.tier[g.name] == GPU}
-            - {l for l, n in self.expert_slots.items() if n})
+        experts = [g for g in self.groups if g.kind == "experts"]  # (a pool means no slots a layer)
+        return sorted({g.layer for g in experts} - {g.layer for g in experts if self.tier[g.name] == GPU})
 
     def on_gpu(self, g: TensorGroup) -> bool:
         return self.tier[g.name] == GPU

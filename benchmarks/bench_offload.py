@@ -423,12 +423,13 @@ def case_pool(rows: list, h2d: float, layers: int = 8, budget_gib: float = 4.0,
     (its PCIe floor: the bytes it copied at the measured pinned rate), batch-1 and batch-16 decode."""
     from ferrylm import LLM
     from ferrylm.offload import memory
+    from ferrylm.offload.placement import SHARED_EXPERT_SLOTS
     from ferrylm.weights.random_source import RandomSource
 
     cfg = {**MIXTRAL, "num_hidden_layers": layers}
     for name in modes:
         experts, pool = name.rsplit("-", 1)[1], not name.startswith("no-")
-        memory.SHARED_EXPERT_SLOTS = 2 if pool else 0
+        memory.SHARED_EXPERT_SLOTS = SHARED_EXPERT_SLOTS if pool else 0
         try:
             llm = LLM(RandomSource(cfg), device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=4096,
                       gpu_memory_budget=f"{budget_gib}GiB", experts=experts)
@@ -437,7 +438,7 @@ def case_pool(rows: list, h2d: float, layers: int = 8, budget_gib: float = 4.0,
             print(f"pool {name}: {e}", flush=True)
             continue
         finally:
-            memory.SHARED_EXPERT_SLOTS = 2
+            memory.SHARED_EXPERT_SLOTS = SHARED_EXPERT_SLOTS
         placed = llm.engine.runner.placed
         caches = [placed.caches[l] for l in sorted(placed.caches)]
         row = {"model": f"mixtral-{layers}L", "budget_gib": budget_gib, "mode": name, "experts": experts,

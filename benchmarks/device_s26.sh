@@ -5,7 +5,7 @@
 # Writes under $OUT. Each step gets at most its own limit and what is left of BUDGET seconds (skipped under 30).
 #
 #   bash benchmarks/device_s26.sh COMMIT [BUDGET] [PARTS]
-# PARTS (default "aims checks fp8"): aims (H200 only), checks (tests, the mixed in-place layer, NF4 prefill), fp8.
+# PARTS (default "aims checks fp8"): aims (H200 only; on any GPU with ANY_GPU=1), checks (tests, the mixed in-place layer, NF4 prefill), fp8.
 set -u
 commit=${1:-unknown}
 budget=${2:-560}
@@ -13,7 +13,7 @@ parts=${3:-aims checks fp8}
 source "$(dirname "$0")/device_steps.sh"  # t0, left, step
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "gpu: $gpu; $(lscpu | grep -m1 'Model name')"
-if [[ $gpu == *H200* && $parts == *aims* ]]; then
+if [[ ($gpu == *H200* || ${ANY_GPU:-} == 1) && $parts == *aims* ]]; then
     (cd benchmarks && PYTHONPATH=.. step 290 python bench_offload.py --cases hybrid16-b16 --commit "$commit" \
         --out "$OUT/offload-s26-h200-b16.json" 2>&1 | grep -v '^{' | tail -12)
     echo "b16 done at $(( $(date +%s) - t0 )) s"

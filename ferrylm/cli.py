@@ -183,22 +183,36 @@ def cmd_profile(a: argparse.Namespace) -> None:
     from ferrylm.errors import ConfigError
     from ferrylm.offload import expert_profile
 
-    llm = load_llm(a)
+    # everything that can be wrong with the flags is said before the model loads and the workload runs
+    if a.repeat < 1:
+        raise ConfigError(f"--repeat {a.repeat}: run the prompts 1 or more times")
+    if a.trace_steps is not None and a.trace_steps < 0:
+        raise ConfigError(f"--trace-steps {a.trace_steps}: a number of decode steps, 0 or more")
+    out = os.path.abspath(a.output)
+    if os.path.isdir(out):
+        raise ConfigError(f"--output {a.output}: is a directory; name a file, e.g. "
+                          f"{os.path.join(a.output, 'experts.json')}")
+    if not os.path.isdir(os.path.dirname(out)) or not os.access(os.path.dirname(out), os.W_OK | os.X_OK):
+        raise ConfigError(f"--output {a.output}: folder {os.path.dirname(out)} does not exist or is not writable")
     if a.prompts:
         try:
             with open(a.prompts) as f:
                 prompts = [line.rstrip("\n") for line in f if line.strip()]
-        except OSError as e:
-            raise ConfigError(f"--prompts {a.prompts}: {e.strerror}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--prompts {a.prompts}: {getattr(e, 'strerror', None) or e}") from None
+        if not prompts:
+            raise ConfigError(f"--prompts {a.prompts}: no prompt in it (one a line)")
     else:
         prompts = expert_profile.PROMPTS
+    llm = load_llm(a)
     if llm.engine.tokenizer is None:
         print("ferry profile: the model has no tokenizer: profiling on random token ids", file=sys.stderr)
-    if a.trace_steps is not None and a.trace_steps < 0:
-        raise ConfigError(f"--trace-steps {a.trace_steps}: a number of decode steps, 0 or more")
     profile = expert_profile.record(llm, prompts * a.repeat, sampling_params(a, seed=a.seed), a.seed,
                                     **({} if a.trace_steps is None else {"trace_steps": a.trace_steps}))
-    expert_profile.write(profile, a.output)
+    try:
+        expert_profile.write(profile, a.output)
+    except OSError as e:
+        raise ConfigError(f"--output {a.output}: cannot write it ({e.strerror or e})") from None
     total = sum(sum(v) for v in profile["layers"].values())
     traced = len(next(iter(profile.get("decode_trace", {}).values()), []))
     print(f"wrote {a.output}: {len(profile['layers'])} MoE layers, {total} routed assignments over "
@@ -218,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap the prompt in the chat template (default when the model has one)")
     mode.add_argument("--raw", dest="chat", action="store_false", help="plain completion, no chat template")
-    g.add_argument("--stats", action="store_true", help="print tokens/s to stderr at the end")
+    g.add_argument("--stats", action="store_true", help="print tokens/s to stderr at the end (an offloaded model: "
+                   "also the bytes moved, the expert hit rate and where each step's experts ran)")
     add_engine_args(g, max_num_seqs=1)  # one prompt: a KV pool for one sequence
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)

@@ -291,7 +291,8 @@ class OffloadConfig:
     """Bytes ferrylm may allocate on the device (weights, KV cache, buffers); None: the whole model if it
     fits in `gpu_memory_utilization` of the device, else placed under that share."""
     gpu_memory_utilization: float | None = None
-    """Share of the device's total memory to use (vLLM's spelling); ignored when a budget is given."""
+    """Share of the device's total memory to use (vLLM's spelling); ignored when a budget is given, and on the CPU
+    engine (no device memory: the model stays whole in host memory)."""
     place: tuple[str, ...] = ()
     """Placement rules `SELECTOR=gpu|cpu`, applied in order (grammar in `offload/placement.py`)."""
     expert_cache_policy: str = "lru"

@@ -37,6 +37,19 @@ def test_threads_and_node_binding(caplog):
         torch.set_num_threads(before)
 
 
+def test_more_threads_than_cores_is_warned(caplog):
+    """`--threads` past the CPUs the process runs on (the threads take turns) is said at start; as many is not."""
+    before, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
+    try:
+        with caplog.at_level(logging.WARNING):
+            bind_cpu(threads=cores)
+            assert "more threads" not in caplog.text
+            bind_cpu(threads=cores + 1)
+        assert f"--threads {cores + 1}: more threads than the {cores} CPU(s)" in caplog.text
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_values_are_clear_errors():
     with pytest.raises(ConfigError, match="no such NUMA node"):
         bind_cpu(numa_node=999)

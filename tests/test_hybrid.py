@@ -481,6 +481,11 @@ def test_hybrid_stats_reach_metrics(mixtral, tmp_path, monkeypatch):
     try:
         s.wait_ready()
         name = httpx.get(s.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        # every offload series from the start (a counter that appears with its first request loses it to rate()),
+        # at 0 after the warm-up
+        text = httpx.get(s.url + "/metrics", timeout=30).text
+        assert metric(text, "ferry:offload_steps_total", model_name=name) == 0
+        assert metric(text, "ferry:offload_cpu_experts_total", model_name=name) == 0
         body = {"model": name, "prompt": [1, 2, 3], "max_tokens": 4}
         r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
@@ -1015,6 +1020,53 @@ def test_profile_experts_saves_the_profile_the_next_start_pins(mixtral, tmp_path
     assert engine_kwargs(a)["profile_experts"] == 3
     with pytest.raises(ConfigError, match="profile_experts must be >= 0"):
         LLM(mixtral, profile_experts=-1)
+
+
+def test_profile_experts_runs_on_where_the_cache_cannot_be_written(mixtral, tmp_path, monkeypatch, caplog):
+    """A cache folder that cannot be made (`$FERRYLM_CACHE_DIR` under a file) costs `--profile-experts` its saved
+    profile, not the start: a warning names the path and the way out, the engine serves."""
+    from ferrylm import SamplingParams
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("FERRYLM_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    llm = LLM(mixtral, place=("experts=cpu",), profile_experts=1)
+    assert "cannot save it to" in caplog.text and "FERRYLM_CACHE_DIR" in caplog.text
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids
+
+
+def test_profile_file_is_written_whole_or_not_at_all(tmp_path):
+    """`expert_profile.write`: the whole JSON renamed into place with a plain file's mode (0666 less the umask, not a
+    temporary file's 0600); a write that fails leaves no temporary file behind."""
+    from ferrylm.offload import expert_profile
+
+    prof = {"format": expert_profile.FORMAT, "architecture": "X", "num_experts": 2, "layers": {"0": [1, 2]}}
+    out = tmp_path / "p.json"
+    old = os.umask(0o022)
+    try:
+        expert_profile.write(prof, str(out))
+    finally:
+        os.umask(old)
+    assert json.loads(out.read_text()) == prof and out.stat().st_mode & 0o777 == 0o644
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(IsADirectoryError):
+        expert_profile.write(prof, str(tmp_path / "dir"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "p.json"]
+
+
+def test_ferry_profile_refuses_bad_flags_before_loading(tmp_path, capsys):
+    """`ferry profile`'s own flags are checked before the model loads (the model here does not exist): an output
+    that is a folder or in a missing one, no run (`--repeat 0`), a prompts file with no prompt; one line each."""
+    from ferrylm.cli import main
+
+    (tmp_path / "empty.txt").write_text("\n")
+    base = ["profile", "--model", str(tmp_path / "no-model")]
+    for args, says in ((["-o", str(tmp_path)], "is a directory; name a file"),
+                       (["-o", str(tmp_path / "no" / "p.json")], "does not exist or is not writable"),
+                       (["-o", str(tmp_path / "p.json"), "--repeat", "0"], "--repeat 0: run the prompts 1 or more"),
+                       (["-o", str(tmp_path / "p.json"), "--prompts", str(tmp_path / "empty.txt")], "no prompt in it")):
+        assert main(base + args) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and "no-model" not in err, err
 
 
 def test_profile_counts_skip_padded_graph_rows():

@@ -92,7 +92,7 @@ def test_rules_apply_and_must_match(ckpts):
     experts = [g for g in groups if g.kind == "experts"]
     assert [g.name for g in experts if pl.tier[g.name] == GPU] == ["layers.1.experts.0"]
     assert all(pl.tier[g.name] == GPU for g in groups if g.kind != "experts")
-    with pytest.raises(ConfigError, match="matches no tensor group"):
+    with pytest.raises(ConfigError, match=r"matches no tensor group.*; layers 0-1, experts 0-3\)"):  # what there is
         place(groups, None, ("layers.9=gpu",))
     with pytest.raises(ConfigError, match="matches no tensor group"):
         place(group_tensors(meta_model(ckpts["llama3"])), None, ("experts=cpu",))
@@ -517,6 +517,27 @@ def test_budget_errors_and_cli(ckpts, tmp_path):
     assert "streamed layers 0-29" in streamed.stderr  # the placement table is printed at start
     bad = subprocess.run(cmd + ["--place", "experts=cpu"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "matches no tensor group" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_knobs_that_change_nothing_say_so(ckpts, caplog):
+    """On the CPU engine `--gpu-memory-utilization` has no device memory to share out (the model stays whole in
+    host memory) and `--cpu-threads` past the cores makes the threads take turns: each says so at start."""
+    import logging
+
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        with caplog.at_level(logging.WARNING):
+            llm = LLM(ckpts["mixtral"], gpu_memory_utilization=0.5)
+            assert llm.engine.runner.placement.fully_resident
+            assert "--gpu-memory-utilization 0.5: the CPU engine has no device memory" in caplog.text
+            caplog.clear()
+            LLM(ckpts["mixtral"], place=("experts=cpu",), experts="cpu", cpu_threads=cores)
+            assert "--cpu-threads" not in caplog.text
+            LLM(ckpts["mixtral"], place=("experts=cpu",), experts="cpu", cpu_threads=cores + 1)
+            assert f"--cpu-threads {cores + 1}: more threads than the {cores} CPU(s)" in caplog.text
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_server_reports_offload_traffic():

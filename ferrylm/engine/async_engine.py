@@ -313,6 +313,7 @@ class AsyncEngine:
             return
         self.engine = engine
         self._max_num_seqs = engine.config.scheduler.max_num_seqs
+        self.stats = self._snapshot(engine)  # /metrics has every series (the offload counters at 0) before a request
         self._post(self._on_loaded)
         try:
             self._run(engine)

@@ -348,6 +348,9 @@ class ModelRunner:
 
             oc = dataclasses.replace(oc, place=tuple(r for r in oc.place if not elsewhere(r)))
         total = free = None
+        if oc.gpu_memory_budget is None and oc.gpu_memory_utilization is not None and self.device.type != "cuda":
+            log.warning("--gpu-memory-utilization %g: the CPU engine has no device memory to share out; it changes "
+                        "nothing (--gpu-memory-budget places the model under a budget)", oc.gpu_memory_utilization)
         if oc.gpu_memory_budget is None and self.device.type == "cuda":
             import gc
 

@@ -17,6 +17,7 @@ token, which popularity alone does not say. `ferry plan` replays the engine's sl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -97,9 +98,10 @@ def record(llm, prompts: list, params, seed: int = 0, trace_steps: int = TRACE_S
     return profile
 
 
-def warm_up(llm, n: int, model: str | None, seed: int = 0) -> str:
+def warm_up(llm, n: int, model: str | None, seed: int = 0) -> str | None:
     """`profile_experts`: n prompts of the built-in mix, greedy, 64 tokens each; saves the profile for the
-    next start (`saved_path`) and zeroes the offload counters (the warm-up is not the workload). -> the path."""
+    next start (`saved_path`) and zeroes the offload counters (the warm-up is not the workload). -> the path (None,
+    with a warning, where it cannot be written: the start goes on)."""
     from ferrylm.errors import ConfigError
     from ferrylm.sampling_params import SamplingParams
 
@@ -111,10 +113,15 @@ def warm_up(llm, n: int, model: str | None, seed: int = 0) -> str:
     # no decode trace: start-up time (the placement reads the counts; `ferry profile` writes a trace for the plan)
     profile = record(llm, prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, seed=seed), seed,
                      trace_steps=0)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    write(profile, path)
     llm.engine.runner.placed.stats.reset()
     total = sum(sum(v) for v in profile["layers"].values())
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write(profile, path)
+    except OSError as e:  # the profile only serves the next start: this one runs on
+        log.warning("expert profile: cannot save it to %s (%s): set $FERRYLM_CACHE_DIR to a writable folder; "
+                    "this start runs on without it", path, e.strerror or e)
+        return None
     log.warning("expert profile: recorded %d routed assignments in %d MoE layers over %d warm-up prompt%s into %s; "
                 "the next start pins each layer's hottest experts on the device", total, len(profile["layers"]), n,
                 "s" * (n != 1), path)
@@ -173,11 +180,24 @@ def collect(model: nn.Module, architecture: str) -> dict:
 
 
 def write(profile: dict, path: str) -> None:
+    """`profile` as JSON at `path`, atomically: a temporary file beside it, synced, renamed over it (a reader or a
+    crash sees the old file or the whole new one; none is left behind if a step fails), with the mode a plain
+    `open(path, "w")` gives (0666 less the umask: a server run as another user reads it). Raises `OSError`."""
     d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(profile, f, indent=1)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(profile, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def load(path: str) -> object:

@@ -599,9 +599,10 @@ class PlacedWeights:
             self._maybe_rebalance()
 
     def _start_hybrid(self) -> None:
-        from ferrylm.hw.cpu_binding import worker_pool
+        from ferrylm.hw.cpu_binding import check_threads, worker_pool
         from ferrylm.offload.calibration import calibrate
 
+        check_threads(self.cpu_threads, self.expert_cpus, "--cpu-threads")
         if self.device.type == "cuda":  # one worker (torch's intra-op threads inside) beside the GPU work
             self.cpu_pool = worker_pool(self.expert_cpus, self.cpu_threads)
         else:  # the CPU engine computes experts on its own thread (bound by --numa-node, if at all)

@@ -294,8 +294,12 @@ def _forced(groups: list[TensorGroup], rules: tuple[str, ...]) -> dict[str, str]
     for r in (PlaceRule.parse(r) for r in rules):
         hit = [g for g in groups if r.matches(g)]
         if not hit:
+            layers = sorted({g.layer for g in groups if g.layer is not None})
+            experts = sorted({g.expert for g in groups if g.expert is not None})
+            have = ((f"; layers {_ranges(layers)}" if layers else "")
+                    + (f", experts {_ranges(experts)}" if experts else ""))
             raise ConfigError(f"placement rule {r.text!r} matches no tensor group of this model "
-                              f"(groups look like: {', '.join(sorted({_example(g) for g in groups}))})")
+                              f"(groups look like: {', '.join(sorted({_example(g) for g in groups}))}{have})")
         for g in hit:
             forced[g.name] = r.tier
             if g.kind == "lm_head" and r.tier == HOST:

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from ferrylm.layers.fused_moe import ExpertWeights, expert_format
-from ferrylm.layers.moe import Experts
 from ferrylm.weights import quant
 from ferrylm.weights.convert import ConvertOptions, convert
 from ferrylm.weights.source import open_source

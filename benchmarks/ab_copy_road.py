@@ -1,8 +1,9 @@
 """Why a batched decode step of the 32-layer NF4 Mixtral (16 GiB) runs slower through mapped caches' copy road than
 through the same caches with mapped off (session 39, H100: batch 16 at 58.7 tok/s against 72.6; session 14 on the
-H200, batch 64: 195.5 against 215.7). One engine per `--experts` setting; batch-16 decode windows alternate between
-the caches mapped (as served: batch-1 steps read in place, larger ones take the copy road) and mapped off, with the
-per-step counters of each window (experts copied, computed on the host, the host kernels' background builds).
+H200, batch 64: 195.5 against 215.7). Per `--experts` setting two engines side by side, one as served (batch-1 steps
+read in place, larger ones take the copy road of mapped caches) and one with mapped off from the start; batch-16
+decode windows alternate between them, the same prompts for both in a round, with each window's counters (experts
+copied, computed on the host, the host kernels' background builds).
 
     cd benchmarks && PYTHONPATH=.. python ab_copy_road.py --experts auto gpu --rounds 3 --out FILE.json
 """
@@ -19,14 +20,14 @@ import torch
 from bench_offload import MIXTRAL, TALLY_WARMUP_TOKENS, decode_window, h2d_bandwidth, prompts
 
 
-def set_mapped(placed, on: bool) -> None:
-    """Mapped caches on or off between steps: off, the caches copy every step's misses (`_forward_fused`); back on,
-    the tables point at whatever the copy steps left in the slots (`_repoint`)."""
+def mapped_off(llm) -> None:
+    """An engine's caches copy every step's misses from here on (`_forward_fused`), as `bench_offload.case_offload`'s
+    "copy (mapped off)" rows: no tally, no graphs."""
+    placed = llm.engine.runner.placed
     for c in placed.caches.values():
         c.land(wait=True)
-        c.mapped = on
-        if on:
-            c._repoint()
+        c.mapped = False
+    placed.tally, llm.engine.runner.graphs = None, None
 
 
 def window(llm, batch: int, steps: int, seed: int) -> dict:
@@ -58,25 +59,31 @@ def main() -> None:
     h2d = h2d_bandwidth()
     result = {"gpu": torch.cuda.get_device_name(), "commit": a.commit, "h2d_gb_s": h2d / 1e9, "batch": a.batch,
               "layers": a.layers, "runs": []}
-    for experts in a.experts:
+    for experts in a.experts:  # two engines at once (2 x 16 GiB): one mapped as served, one mapped off
         t = time.perf_counter()
         cfg = {**MIXTRAL, "num_hidden_layers": a.layers}
-        llm = LLM(RandomSource(cfg, expert_quant="nf4"), device="cuda", dtype="bfloat16", max_num_seqs=max(16, a.batch),
-                  max_model_len=4096, max_num_batched_tokens=2048, gpu_memory_budget="16GiB", experts=experts)
-        placed = llm.engine.runner.placed
-        print(f"{experts}: loaded in {time.perf_counter() - t:.1f} s", flush=True)
-        llm.generate(prompts(1, 32, 999), SamplingParams(temperature=0, max_tokens=TALLY_WARMUP_TOKENS, ignore_eos=True))
-        llm.generate(prompts(a.batch, 32, 998), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        engines = {}
+        for mode in ("mapped", "off"):
+            engines[mode] = LLM(RandomSource(cfg, expert_quant="nf4"), device="cuda", dtype="bfloat16",
+                                max_num_seqs=max(16, a.batch), max_model_len=4096, max_num_batched_tokens=2048,
+                                gpu_memory_budget="16GiB", experts=experts)
+            if mode == "off":
+                mapped_off(engines[mode])
+            engines[mode].generate(prompts(1, 32, 999), SamplingParams(temperature=0, max_tokens=TALLY_WARMUP_TOKENS,
+                                                                       ignore_eos=True))
+            engines[mode].generate(prompts(a.batch, 32, 998), SamplingParams(temperature=0, max_tokens=4,
+                                                                             ignore_eos=True))
+        print(f"{experts}: loaded and warmed in {time.perf_counter() - t:.1f} s", flush=True)
         for r in range(a.rounds):
             for mode in (("mapped", "off") if r % 2 == 0 else ("off", "mapped")):
-                set_mapped(placed, mode == "mapped")
-                row = {"experts": experts, "round": r, "mode": mode, **window(llm, a.batch, a.steps, 5000 + 10 * r)}
+                row = {"experts": experts, "round": r, "mode": mode, **window(engines[mode], a.batch, a.steps,
+                                                                              5000 + 10 * r)}
                 row["floor_tok_s"] = a.batch * h2d / (row["h2d_gib_per_step"] * 2**30) if row["h2d_gib_per_step"] else None
                 result["runs"].append(row)
                 print(json.dumps(row), flush=True)
-        set_mapped(placed, True)
-        llm.close()
-        del llm, placed
+        for llm in engines.values():
+            llm.close()
+        del engines, llm
         gc.collect()
         torch.cuda.empty_cache()
         if a.out:

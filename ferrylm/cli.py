@@ -147,7 +147,8 @@ def cmd_generate(a: argparse.Namespace) -> None:
             st = runner.placed.stats
             hit = "n/a" if st.hit_rate is None else f"{st.hit_rate:.1%}"
             print(f"[offload: {st.h2d_bytes / max(n, 1) / 2**20:.1f} MiB host->device per token, expert cache hit "
-                  f"rate {hit}, {st.weight_waits} waits on copies]", file=sys.stderr)
+                  f"rate {hit}, {st.weight_waits} waits on copies, {st.weight_wait_s * 1e3:.1f} ms in all]",
+                  file=sys.stderr)
             if st.expert_hits + st.expert_misses:
                 print(f"[experts {st.per_step()}]", file=sys.stderr)
 

@@ -221,6 +221,35 @@ def test_offloaded_on_cuda_equals_resident(tiny_llama, tmp_path_factory):
     print(f"cuda offloaded mixtral: {stats}")
     assert stats.expert_misses > 0
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert 0 <= stats.weight_wait_s <= stats.step_s and not stats._stalls  # every timed wait read back
+
+
+def test_a_weight_wait_is_timed_on_the_device():
+    """`OffloadStats.wait`: a compute stream told to wait for a copy still in flight counts one weight wait and,
+    once its events completed (`collect_waits`), about the copy's time in `weight_wait_s` (the stream sat idle for
+    it); a copy that has landed costs neither."""
+    from ferrylm.offload.placed_weights import OffloadStats
+
+    st, side, cur = OffloadStats(), torch.cuda.Stream(), torch.cuda.current_stream()
+    host = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+    dev = torch.empty_like(host, device="cuda")
+    ready = torch.cuda.Event()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(side):
+        t0.record(side)
+        dev.copy_(host, non_blocking=True)
+        t1.record(side)
+        ready.record(side)
+    st.wait(cur, ready)
+    dev.add_(1)  # queued behind the wait
+    torch.cuda.synchronize()
+    st.collect_waits()
+    copy_s = t0.elapsed_time(t1) / 1e3
+    print(f"copy {copy_s * 1e3:.2f} ms, waited {st.weight_wait_s * 1e3:.2f} ms")
+    assert st.weight_waits == 1 and not st._stalls
+    assert 0.5 * copy_s < st.weight_wait_s <= copy_s * 1.05 + 1e-4
+    st.wait(cur, ready)  # landed: neither counted nor timed
+    assert st.weight_waits == 1 and not st._stalls
 
 
 def test_resident_moe_fused_and_graphed(tmp_path_factory):

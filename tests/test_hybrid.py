@@ -496,6 +496,9 @@ def test_hybrid_stats_reach_metrics(mixtral, tmp_path, monkeypatch):
         assert metric(text, "ferry:offload_cpu_busy_s_total", model_name=name) > 0
         assert metric(text, "ferry:offload_copied_experts_total", model_name=name) == 0
         assert 0 < metric(text, "ferry:offload_cpu_busy_share", model_name=name) <= 1
+        # the CPU engine copies nothing on a stream: no device wait for weights (the series are there, at 0)
+        assert metric(text, "ferry:offload_weight_wait_s_total", model_name=name) == 0
+        assert metric(text, "ferry:offload_weight_wait_share", model_name=name) == 0
         # 4 tokens of one request, not the warm-up's 2 x 64: the counters restarted after it
         assert metric(text, "ferry:offload_steps_total", model_name=name) <= 5
         assert "2 warm-up prompts" in s.log_all()

@@ -280,7 +280,7 @@ class StagingSlots:
         """The donor's stream waits for the copies `release` queued into its slots (a non-mapped donor's rounds
         read its hits without waiting)."""
         for s in self.restored:
-            torch.cuda.current_stream(self.donor.device).wait_event(self.donor.ready[s])
+            self.donor.stats.wait(torch.cuda.current_stream(self.donor.device), self.donor.ready[s])
         self.restored = []
 
 
@@ -563,7 +563,7 @@ class CachedExperts(ExpertBackend):
         if on_copy_stream:
             self.landing.append((e, s))
         elif land:  # stream-ordered: the next kernel reads e from its slot, never in place as well
-            cur.wait_event(self.ready[s])
+            self.stats.wait(cur, self.ready[s])
             self.slot_of[e] = s
             self._point(e, s)
         else:
@@ -579,7 +579,7 @@ class CachedExperts(ExpertBackend):
         still = []
         for e, s in self.landing:
             if wait:
-                cur.wait_event(self.ready[s])
+                self.stats.wait(cur, self.ready[s])
             elif not self.ready[s].query():
                 still.append((e, s))
                 continue
@@ -787,7 +787,7 @@ class CachedExperts(ExpertBackend):
         if hits and not pending and inflight and not staged and topk_ids.shape[0] <= self.single_round_tokens:
             # few tokens: the hits' compute is too short to hide anything; one round costs half the launches
             for e, s in inflight:
-                cur.wait_event(self.ready[s])
+                self.stats.wait(cur, self.ready[s])
             run(hits + [e for e, _ in inflight])
             return sum_rows(self._add_host_rows(out, futures, T * k, x), k)
         # large experts one a round: its slot frees for the next copy while the copies already queued land, so the
@@ -802,9 +802,7 @@ class CachedExperts(ExpertBackend):
                 issue()
             hits = first + [e for e in hits if e in self.pinned]
         for e, s in staged:  # copied while the layer before computed its last misses: landed first
-            if not ring.ready[s].query():
-                self.stats.weight_waits += 1
-            cur.wait_event(ring.ready[s])
+            self.stats.wait(cur, ring.ready[s])
             run([e], ring, {e: s})
         if self.borrowed:
             self._give_back()
@@ -817,9 +815,7 @@ class CachedExperts(ExpertBackend):
         while inflight:
             batch, inflight[:] = (inflight[:1], inflight[1:]) if one else (list(inflight), [])
             for e, s in batch:
-                if not self.ready[s].query():
-                    self.stats.weight_waits += 1
-                cur.wait_event(self.ready[s])
+                self.stats.wait(cur, self.ready[s])
             run([e for e, _ in batch])
             if pending:
                 avail.extend(s for _, s in batch)
@@ -945,9 +941,7 @@ class CachedExperts(ExpertBackend):
         src = src or self
         if wait and self.stream is not None:
             cur = torch.cuda.current_stream(self.device)
-            if not src.ready[s].query():
-                self.stats.weight_waits += 1
-            cur.wait_event(src.ready[s])
+            self.stats.wait(cur, src.ready[s])
         if self.packed:  # the plain path: slot s decoded (fused_moe's reference dequantizers)
             w13, w2 = (side.expert(s).dequantize(x.dtype)[0] for side in (src.w13, src.w2))
         else:

@@ -44,6 +44,9 @@ class OffloadStats:
     expert_misses: int = 0
     weight_waits: int = 0
     """Times the compute stream had to wait for a copy that had not landed when the layer was enqueued."""
+    weight_wait_s: float = 0.0
+    """Seconds the compute stream sat waiting for those copies: the device idle for weights, timed by a CUDA event
+    pair around each such wait (`wait`) and counted once the step's events have completed (`collect_waits`)."""
     cpu_experts: int = 0
     """Misses computed on the host's cores (hybrid)."""
     cpu_busy_s: float = 0.0
@@ -68,7 +71,32 @@ class OffloadStats:
     """Seconds the steps took, wall clock (the denominator of the CPU busy share)."""
 
     def __post_init__(self) -> None:
-        self._lock = threading.Lock()  # not a field: `asdict` and `reset` never see it
+        self._lock = threading.Lock()  # not fields: `asdict` and `reset` never see them
+        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def wait(self, stream, ready) -> None:
+        """`stream` waits for `ready`, a weight copy's event. One that has not landed when the wait is enqueued
+        counts in `weight_waits`, and the time `stream` then sits waiting, between an event recorded before the
+        wait and one after it, in `weight_wait_s` (read once both have completed: `collect_waits`)."""
+        if ready.query():
+            stream.wait_event(ready)
+            return
+        self.weight_waits += 1
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(ready)
+        after.record(stream)
+        self._stalls.append((before, after))
+
+    def collect_waits(self) -> None:
+        """Add the timed waits whose events have completed to `weight_wait_s` (the others wait for a later call)."""
+        still = []
+        for before, after in self._stalls:
+            if after.query():
+                self.weight_wait_s += before.elapsed_time(after) / 1e3
+            else:
+                still.append((before, after))
+        self._stalls = still
 
     def add(self, **counts) -> None:
         """counter += value for each `counter=value`, atomically: safe from any thread."""
@@ -77,8 +105,9 @@ class OffloadStats:
                 setattr(self, name, getattr(self, name) + v)
 
     def reset(self) -> None:
-        """Counters to 0 (the gauge `cpu_share` keeps its value)."""
+        """Counters to 0 (the gauge `cpu_share` keeps its value; waits not yet read back are dropped)."""
         with self._lock:
+            self._stalls = []
             for f in dataclasses.fields(self):
                 if f.name != "cpu_share":
                     setattr(self, f.name, type(getattr(self, f.name))())
@@ -93,13 +122,19 @@ class OffloadStats:
         """Fraction of the steps' wall time the host spent computing experts."""
         return self.cpu_busy_s / self.step_s if self.step_s > 0 else None
 
+    @property
+    def weight_wait_share(self) -> float | None:
+        """Fraction of the steps' wall time the device sat waiting for weight copies."""
+        return self.weight_wait_s / self.step_s if self.step_s > 0 else None
+
     def per_step(self) -> str:
         """One line of per-step figures for `--stats`."""
         n = max(self.steps, 1)
         busy = "n/a" if self.cpu_busy_share is None else f"{self.cpu_busy_share:.0%}"
         return (f"per step: {self.expert_hits / n:.1f} experts hit on the device, {self.copied_experts / n:.1f} "
                 f"copied, {self.mapped_experts / n:.1f} read in place, {self.cpu_experts / n:.1f} on the CPU; CPU busy "
-                f"{busy}, device waited {self.cpu_wait_s / n * 1e3:.2f} ms for CPU results")
+                f"{busy}, device waited {self.cpu_wait_s / n * 1e3:.2f} ms for CPU results and "
+                f"{self.weight_wait_s / n * 1e3:.2f} ms for weight copies")
 
 
 REBALANCE_WINDOW = (16, 64)
@@ -594,6 +629,7 @@ class PlacedWeights:
     def after_results(self) -> None:
         """Once a step's results are on the host: its routing counts have landed too (the slots follow them
         a step sooner than from `after_step` under async scheduling)."""
+        self.stats.collect_waits()
         if self.tally is not None:
             self.tally.after_results()
             self._maybe_rebalance()

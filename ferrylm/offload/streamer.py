@@ -69,9 +69,7 @@ class LayerStreamer:
             self._issue(layer)
         self.issued.discard(layer)
         if self.stream is not None:
-            if not self.ready[layer].query():
-                self.stats.weight_waits += 1
-            torch.cuda.current_stream(self.device).wait_event(self.ready[layer])
+            self.stats.wait(torch.cuda.current_stream(self.device), self.ready[layer])
 
     def after_layer(self, layer: int) -> None:
         if layer not in self.rank:

@@ -90,6 +90,7 @@ class _EngineCollector:
         "expert_misses": "Routed experts not on the device (copied or computed on the host).",
         "cpu_experts": "Expert misses computed on the host's cores.",
         "weight_waits": "Layers that waited for a weight copy still in flight.",
+        "weight_wait_s": "Seconds the device's compute stream sat waiting for weight copies still in flight.",
         "cpu_busy_s": "Seconds the host spent computing experts.",
         "cpu_wait_s": "Seconds steps waited for host expert results.",
         "copied_experts": "Expert misses copied into a device slot.",
@@ -116,6 +117,10 @@ class _EngineCollector:
         g = GaugeMetricFamily("ferry:offload_cpu_busy_share", "Share of the offload steps' wall time the host "
                               "spent computing experts (cpu_busy_s over step_s).", labels=["model_name"])
         g.add_metric(self.labels, stats["cpu_busy_s"] / stats["step_s"] if stats["step_s"] > 0 else 0.0)
+        yield g
+        g = GaugeMetricFamily("ferry:offload_weight_wait_share", "Share of the offload steps' wall time the device "
+                              "sat waiting for weight copies (weight_wait_s over step_s).", labels=["model_name"])
+        g.add_metric(self.labels, stats["weight_wait_s"] / stats["step_s"] if stats["step_s"] > 0 else 0.0)
         yield g
 
 

@@ -34,13 +34,15 @@ def window(llm, batch: int, steps: int, seed: int) -> dict:
     placed = llm.engine.runner.placed
     s = placed.stats
     before = {k: getattr(s, k) for k in ("h2d_bytes", "copied_experts", "cpu_experts", "expert_hits",
-                                         "expert_misses", "mapped_experts")}
+                                         "expert_misses", "mapped_experts", "weight_wait_s")}
     builds = placed.wait_host_builds()
     seconds, tokens, moved = decode_window(llm, batch, steps, seed, 32, s)
     d = {k: getattr(s, k) - v for k, v in before.items()}  # (the prompt's step included, but for h2d_bytes)
     return {"tok_s": tokens / seconds if seconds else 0.0, "h2d_gib_per_step": moved / max(tokens / batch, 1) / 2**30,
             "copied": d["copied_experts"], "cpu_experts": d["cpu_experts"], "hits": d["expert_hits"],
-            "misses": d["expert_misses"], "mapped": d["mapped_experts"], "build_wait_s": round(builds, 2)}
+            "misses": d["expert_misses"], "mapped": d["mapped_experts"], "build_wait_s": round(builds, 2),
+            # the device's waits for weight copies (`OffloadStats.wait`), ms a decode step
+            "weight_wait_ms_per_step": d["weight_wait_s"] * 1e3 / max(tokens / batch, 1)}
 
 
 def main() -> None:

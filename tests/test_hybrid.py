@@ -1429,6 +1429,9 @@ def test_a_shipped_step_applies_a_queued_share_and_feeds_the_tuner():
             self.pending_share = None
             return True
 
+        def before_step(self):
+            calls.append("before")
+
         def after_step(self, step_s, tokens=None):
             calls.append(("after", tokens))
 
@@ -1442,7 +1445,7 @@ def test_a_shipped_step_applies_a_queued_share_and_feeds_the_tuner():
                          state_slots=[None] * len(lens), sample_rows=[])
 
     ModelRunner.run_shipped(me, step([5, 6], [10, 12]))  # two sequences, one token each: a decode step
-    assert calls == [("apply", 0.3), "reset", "run", ("after", 2)]
+    assert calls == [("apply", 0.3), "reset", "before", "run", ("after", 2)]
     calls.clear()
     ModelRunner.run_shipped(me, step([1, 2, 3], [3]))  # a prompt: nothing queued, nothing for the tuner
-    assert calls == ["run", ("after", None)]
+    assert calls == ["before", "run", ("after", None)]

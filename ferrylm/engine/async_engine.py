@@ -313,9 +313,9 @@ class AsyncEngine:
             return
         self.engine = engine
         self._max_num_seqs = engine.config.scheduler.max_num_seqs
-        self.stats = self._snapshot(engine)  # /metrics has every series (the offload counters at 0) before a request
-        self._post(self._on_loaded)
         try:
+            self.stats = self._snapshot(engine)  # /metrics has every series (offload counters at 0) before a request
+            self._post(self._on_loaded)
             self._run(engine)
         except BaseException as e:  # noqa: BLE001
             log.exception("the engine loop died")

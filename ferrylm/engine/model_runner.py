@@ -526,6 +526,7 @@ class ModelRunner:
         On CUDA nothing here waits for the device: the step is queued and the logits are its output."""
         t = time.perf_counter()
         self._apply_pending_share()
+        self.placed.before_step()
         try:
             return self._execute(out, extra_rows, prev)
         finally:
@@ -578,6 +579,7 @@ class ModelRunner:
         rank re-balances and tunes its own hybrid share on its own steps)."""
         t = time.perf_counter()
         self._apply_pending_share()
+        self.placed.before_step()
         try:
             return self.run(step)
         finally:

@@ -4,14 +4,13 @@ or as a script of fixes. Exit status 1 when a check fails."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import stat
 import sys
-import tempfile
 
+from ferrylm import files
 from ferrylm.errors import FerryError
 
 
@@ -123,25 +122,9 @@ def fixes_target(path: str) -> str:
 
 
 def write_atomic(path: str, text: str) -> None:
-    """Writes `text` to a temporary file beside `path` and renames it over `path`: a reader (or a crash) sees the
-    old file or the whole new one. The file gets the mode a plain `open(path, "w")` would (0666 less the umask)."""
+    """`--write-fixes`: `files.write_atomic` into the checked target, its failure a `FerryError` naming the flag."""
     p = fixes_target(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(p)}.", suffix=".tmp", dir=os.path.dirname(p))
+        files.write_atomic(p, text)
     except OSError as e:
-        raise FerryError(f"--write-fixes {path}: {e.strerror}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, p)
-    except BaseException as e:  # an interrupt too: no temporary file left behind
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise FerryError(f"--write-fixes {path}: {e.strerror}") from None
-        raise
+        raise FerryError(f"--write-fixes {path}: {e.strerror or e}") from None

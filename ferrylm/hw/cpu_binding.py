@@ -56,8 +56,10 @@ def _bind_memory(node: int) -> bool:
 def check_threads(threads: int | None, cpus: list[int] | None = None, what: str = "--threads") -> None:
     """A warning when `threads` (a flag's value; None: not given) exceed the CPUs they run on (`cpus`, None: those this
     thread may run on): threads past the cores take turns (64 on 2 cores: a small MoE decoded 2.7x slower)."""
+    if threads is None:
+        return
     have = len(cpus) if cpus else len(os.sched_getaffinity(0))
-    if threads is not None and threads > have:
+    if threads > have:
         log.warning("%s %d: more threads than the %d CPU(s) they run on, so they take turns (slower); use %d or fewer",
                     what, threads, have, have)
 

@@ -42,12 +42,12 @@ import json
 import logging
 import os
 import platform
-import tempfile
 import threading
 import time
 
 import torch
 
+from ferrylm.files import write_atomic
 from ferrylm.layers import cpu_experts, host_native
 from ferrylm.offload.cost_model import Costs
 from ferrylm.offload.host_experts import HostExperts
@@ -381,10 +381,7 @@ def calibrate(host_w13, host_w2, act, device: torch.device, host_experts: HostEx
     measured = measure(host_w13, host_w2, act, device, he, mapped, choose_threads)
     try:
         os.makedirs(cache_dir(), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache_dir(), suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, "measured": measured}, f, indent=1)
-        os.replace(tmp, path)  # temp-then-rename: never a half-written cache
+        write_atomic(path, json.dumps({"key": key, "measured": measured}, indent=1))  # never a half-written cache
     except OSError as e:
         log.warning("cannot write the calibration cache %s (%s)", path, str(e))
     log.info("calibrated (%s, %d threads, %s GEMM): expert copy %.2f ms, CPU expert %s ms, %.2f ms at 1 token "

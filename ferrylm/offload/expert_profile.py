@@ -17,17 +17,16 @@ token, which popularity alone does not say. `ferry plan` replays the engine's sl
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import random
-import tempfile
 
 import torch
 from torch import nn
 
+from ferrylm.files import write_atomic
 from ferrylm.layers.moe import Experts
 
 log = logging.getLogger(__name__)
@@ -180,24 +179,9 @@ def collect(model: nn.Module, architecture: str) -> dict:
 
 
 def write(profile: dict, path: str) -> None:
-    """`profile` as JSON at `path`, atomically: a temporary file beside it, synced, renamed over it (a reader or a
-    crash sees the old file or the whole new one; none is left behind if a step fails), with the mode a plain
-    `open(path, "w")` gives (0666 less the umask: a server run as another user reads it). Raises `OSError`."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(profile, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """`profile` as JSON at `path`, whole or not at all, with a plain file's mode (`files.write_atomic`: a server
+    run as another user reads it). Raises `OSError`."""
+    write_atomic(path, json.dumps(profile, indent=1))
 
 
 def load(path: str) -> object:

@@ -46,7 +46,7 @@ class OffloadStats:
     """Times the compute stream had to wait for a copy that had not landed when the layer was enqueued."""
     weight_wait_s: float = 0.0
     """Seconds the compute stream sat waiting for those copies: the device idle for weights, timed by a CUDA event
-    pair around each such wait (`wait`) and counted once the step's events have completed (`collect_waits`)."""
+    pair around each such wait (`wait`) and counted once the step's events have completed (`collect`)."""
     cpu_experts: int = 0
     """Misses computed on the host's cores (hybrid)."""
     cpu_busy_s: float = 0.0
@@ -68,35 +68,72 @@ class OffloadStats:
     steps: int = 0
     """Steps run (the denominator of the per-step figures)."""
     step_s: float = 0.0
-    """Seconds the steps took, wall clock (the denominator of the CPU busy share)."""
+    """Host seconds of the steps' `execute` (on CUDA mostly their launch: the device runs behind it)."""
+    device_step_s: float = 0.0
+    """CUDA: seconds the device spent on the steps, event-timed from each step's start to the next one's (what the
+    stream ran between them too: landing promotions), or to its own end where the host idled `IDLE_GAP_S` before
+    the next (`begin_step`, `end_step`). 0 on the CPU engine, whose steps' `step_s` is the device's time."""
+
+    IDLE_GAP_S = 1.0
+    """A host gap between steps longer than this is idle (no request), not part of a step's device time."""
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()  # not fields: `asdict` and `reset` never see them
-        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._clear_events()
+
+    def _clear_events(self) -> None:
+        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (before, after) a weight wait
+        self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (start, end) of a step on the device
+        self._start = None  # the running step's start event
+        self._ended = None  # (start, end event, host time) of the last step, until the next starts
+
+    @staticmethod
+    def _mark(stream) -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def begin_step(self, stream) -> None:
+        """A step starts on `stream`: the last step's device span ends here, unless the host idled in between."""
+        start = self._mark(stream)
+        if self._ended is not None:
+            first, end, at = self._ended
+            self._spans.append((first, start if time.perf_counter() - at < self.IDLE_GAP_S else end))
+            self._ended = None
+        self._start = start
+
+    def end_step(self, stream) -> None:
+        """The step begun last has all its work queued on `stream`."""
+        if self._start is not None:
+            self._ended, self._start = (self._start, self._mark(stream), time.perf_counter()), None
 
     def wait(self, stream, ready) -> None:
         """`stream` waits for `ready`, a weight copy's event. One that has not landed when the wait is enqueued
         counts in `weight_waits`, and the time `stream` then sits waiting, between an event recorded before the
-        wait and one after it, in `weight_wait_s` (read once both have completed: `collect_waits`)."""
+        wait and one after it, in `weight_wait_s` (read once both have completed: `collect`)."""
         if ready.query():
             stream.wait_event(ready)
             return
         self.weight_waits += 1
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record(stream)
+        before = self._mark(stream)
         stream.wait_event(ready)
-        after.record(stream)
-        self._stalls.append((before, after))
+        self._stalls.append((before, self._mark(stream)))
 
-    def collect_waits(self) -> None:
-        """Add the timed waits whose events have completed to `weight_wait_s` (the others wait for a later call)."""
-        still = []
-        for before, after in self._stalls:
-            if after.query():
-                self.weight_wait_s += before.elapsed_time(after) / 1e3
-            else:
-                still.append((before, after))
-        self._stalls = still
+    def collect(self) -> None:
+        """Add the timed waits and step spans whose events have completed to `weight_wait_s` and `device_step_s`
+        (the others wait for a later call; never blocks). A last step followed by `IDLE_GAP_S` of idle host ends
+        at its own end."""
+        if self._ended is not None and time.perf_counter() - self._ended[2] >= self.IDLE_GAP_S:
+            self._spans.append(self._ended[:2])
+            self._ended = None
+        for pairs, field in ((self._stalls, "weight_wait_s"), (self._spans, "device_step_s")):
+            still = []
+            for a, b in pairs:
+                if b.query():
+                    setattr(self, field, getattr(self, field) + a.elapsed_time(b) / 1e3)
+                else:
+                    still.append((a, b))
+            pairs[:] = still
 
     def add(self, **counts) -> None:
         """counter += value for each `counter=value`, atomically: safe from any thread."""
@@ -107,7 +144,7 @@ class OffloadStats:
     def reset(self) -> None:
         """Counters to 0 (the gauge `cpu_share` keeps its value; waits not yet read back are dropped)."""
         with self._lock:
-            self._stalls = []
+            self._clear_events()
             for f in dataclasses.fields(self):
                 if f.name != "cpu_share":
                     setattr(self, f.name, type(getattr(self, f.name))())
@@ -118,14 +155,19 @@ class OffloadStats:
         return self.expert_hits / n if n else None
 
     @property
+    def busy_s(self) -> float:
+        """Seconds the steps kept the device: `device_step_s` on CUDA, `step_s` on the CPU engine."""
+        return self.device_step_s or self.step_s
+
+    @property
     def cpu_busy_share(self) -> float | None:
-        """Fraction of the steps' wall time the host spent computing experts."""
-        return self.cpu_busy_s / self.step_s if self.step_s > 0 else None
+        """Host seconds computing experts per second of the steps' device time (above 1: more than one worker)."""
+        return self.cpu_busy_s / self.busy_s if self.busy_s > 0 else None
 
     @property
     def weight_wait_share(self) -> float | None:
-        """Fraction of the steps' wall time the device sat waiting for weight copies."""
-        return self.weight_wait_s / self.step_s if self.step_s > 0 else None
+        """Fraction of the steps' device time the device sat waiting for weight copies."""
+        return self.weight_wait_s / self.busy_s if self.busy_s > 0 else None
 
     def per_step(self) -> str:
         """One line of per-step figures for `--stats`."""
@@ -610,6 +652,16 @@ class PlacedWeights:
         """The most tokens a graphed step may have (mapped caches copy larger steps), None: no limit."""
         return min((c.mapped_tokens for c in self.caches.values()), default=None)
 
+    @property
+    def _timed(self) -> bool:
+        return self.device.type == "cuda" and not self.placement.fully_resident
+
+    def before_step(self) -> None:
+        """A step starts (the runner, before it queues anything): its device time is timed from here (CUDA, weights
+        off the device: a resident model's steps time nothing)."""
+        if self._timed:
+            self.stats.begin_step(torch.cuda.current_stream(self.device))
+
     def after_step(self, step_s: float | None = None, tokens: int | None = None) -> None:
         """After every step (`step_s`: its wall time, for the per-step figures; `tokens`: its batch when it
         was a decode step of one token a sequence, for the share tuner)."""
@@ -621,6 +673,9 @@ class PlacedWeights:
         if step_s is not None:
             self.stats.steps += 1
             self.stats.step_s += step_s
+        if self._timed:
+            self.stats.end_step(torch.cuda.current_stream(self.device))
+            self.stats.collect()  # every step, whichever rank: the timed events never pile up
         if self.host_decode is not None:
             self.host_decode.check()
         if self.tally is not None:
@@ -629,7 +684,7 @@ class PlacedWeights:
     def after_results(self) -> None:
         """Once a step's results are on the host: its routing counts have landed too (the slots follow them
         a step sooner than from `after_step` under async scheduling)."""
-        self.stats.collect_waits()
+        self.stats.collect()
         if self.tally is not None:
             self.tally.after_results()
             self._maybe_rebalance()
@@ -638,14 +693,15 @@ class PlacedWeights:
         from ferrylm.hw.cpu_binding import check_threads, worker_pool
         from ferrylm.offload.calibration import calibrate
 
-        check_threads(self.cpu_threads, self.expert_cpus, "--cpu-threads")
         if self.device.type == "cuda":  # one worker (torch's intra-op threads inside) beside the GPU work
+            check_threads(self.cpu_threads, self.expert_cpus, "--cpu-threads")  # (its CPUs: the node's, if bound)
             self.cpu_pool = worker_pool(self.expert_cpus, self.cpu_threads)
         else:  # the CPU engine computes experts on its own thread (bound by --numa-node, if at all)
             if self.expert_cpus:
                 log.warning("--cpu-numa-node: the CPU engine computes experts on its engine thread; bind it "
                             "with --numa-node (the host tier's memory is bound)")
             if self.cpu_threads:
+                check_threads(self.cpu_threads, None, "--cpu-threads")  # (this thread's CPUs)
                 torch.set_num_threads(self.cpu_threads)
         first = next(iter(self.caches.values()))
         mapped = all(self.host.is_mapped(t) for t in first.host_parts())

@@ -98,7 +98,8 @@ class _EngineCollector:
         "staged_experts": "Experts copied into a staging slot ahead of their layer's routing.",
         "staged_unused": "Staged experts their layer's step did not route to.",
         "steps": "Steps run by the offload engine.",
-        "step_s": "Seconds the offload engine's steps took (the CPU busy share is cpu_busy_s over this).",
+        "step_s": "Host seconds of the offload engine's steps (their launch on CUDA; the whole step on the CPU).",
+        "device_step_s": "Seconds the device spent on the offload engine's steps (CUDA; 0 on the CPU engine).",
     }
 
     def _offload(self, stats: dict | None):
@@ -114,13 +115,15 @@ class _EngineCollector:
                               "on the host's cores.", labels=["model_name"])
         g.add_metric(self.labels, stats["cpu_share"])
         yield g
-        g = GaugeMetricFamily("ferry:offload_cpu_busy_share", "Share of the offload steps' wall time the host "
-                              "spent computing experts (cpu_busy_s over step_s).", labels=["model_name"])
-        g.add_metric(self.labels, stats["cpu_busy_s"] / stats["step_s"] if stats["step_s"] > 0 else 0.0)
+        busy = stats["device_step_s"] or stats["step_s"]  # `OffloadStats.busy_s`
+        g = GaugeMetricFamily("ferry:offload_cpu_busy_share", "Host seconds computing experts per second of the "
+                              "offload steps (cpu_busy_s over device_step_s, step_s on the CPU engine).",
+                              labels=["model_name"])
+        g.add_metric(self.labels, stats["cpu_busy_s"] / busy if busy > 0 else 0.0)
         yield g
-        g = GaugeMetricFamily("ferry:offload_weight_wait_share", "Share of the offload steps' wall time the device "
-                              "sat waiting for weight copies (weight_wait_s over step_s).", labels=["model_name"])
-        g.add_metric(self.labels, stats["weight_wait_s"] / stats["step_s"] if stats["step_s"] > 0 else 0.0)
+        g = GaugeMetricFamily("ferry:offload_weight_wait_share", "Share of the offload steps' device time the device "
+                              "sat waiting for weight copies (weight_wait_s over device_step_s).", labels=["model_name"])
+        g.add_metric(self.labels, stats["weight_wait_s"] / busy if busy > 0 else 0.0)
         yield g
 
 

@@ -181,6 +181,7 @@ def cmd_chat(a: argparse.Namespace) -> None:
 
 
 def cmd_profile(a: argparse.Namespace) -> None:
+    from ferrylm import files
     from ferrylm.errors import ConfigError
     from ferrylm.offload import expert_profile
 
@@ -189,12 +190,7 @@ def cmd_profile(a: argparse.Namespace) -> None:
         raise ConfigError(f"--repeat {a.repeat}: run the prompts 1 or more times")
     if a.trace_steps is not None and a.trace_steps < 0:
         raise ConfigError(f"--trace-steps {a.trace_steps}: a number of decode steps, 0 or more")
-    out = os.path.abspath(a.output)
-    if os.path.isdir(out):
-        raise ConfigError(f"--output {a.output}: is a directory; name a file, e.g. "
-                          f"{os.path.join(a.output, 'experts.json')}")
-    if not os.path.isdir(os.path.dirname(out)) or not os.access(os.path.dirname(out), os.W_OK | os.X_OK):
-        raise ConfigError(f"--output {a.output}: folder {os.path.dirname(out)} does not exist or is not writable")
+    out = files.writable_target("--output", a.output, "experts.json")
     if a.prompts:
         try:
             with open(a.prompts) as f:
@@ -211,7 +207,7 @@ def cmd_profile(a: argparse.Namespace) -> None:
     profile = expert_profile.record(llm, prompts * a.repeat, sampling_params(a, seed=a.seed), a.seed,
                                     **({} if a.trace_steps is None else {"trace_steps": a.trace_steps}))
     try:
-        expert_profile.write(profile, a.output)
+        expert_profile.write(profile, out)
     except OSError as e:
         raise ConfigError(f"--output {a.output}: cannot write it ({e.strerror or e})") from None
     total = sum(sum(v) for v in profile["layers"].values())

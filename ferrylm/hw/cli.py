@@ -7,7 +7,6 @@ import argparse
 import json
 import math
 import os
-import stat
 import sys
 
 from ferrylm import files
@@ -98,27 +97,9 @@ def cmd_doctor(a: argparse.Namespace) -> None:
 
 
 def fixes_target(path: str) -> str:
-    """`--write-fixes FILE` as an absolute path, or a `FerryError` saying why it cannot be written: no name, FILE a
-    folder or something else that is no regular file (a device, a pipe: renamed over, /dev/full became a file), its
-    folder missing or not writable. A symbolic link names its target, which is replaced; the link stays."""
-    if not path.strip():
-        raise FerryError("--write-fixes '': name a file, e.g. fixes.sh")
-    try:
-        mode = os.stat(path).st_mode  # through links: /dev/stdout is the pipe or terminal it names
-    except OSError:
-        mode = None
-    p = os.path.realpath(path)
-    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        raise FerryError(f"--write-fixes {path}: is not a regular file (a device or a pipe), which the script would "
-                         "replace; name a file, e.g. fixes.sh")
-    if os.path.isdir(p):
-        raise FerryError(f"--write-fixes {path}: is a directory; name a file, e.g. {os.path.join(path, 'fixes.sh')}")
-    folder = os.path.dirname(p)
-    if not os.path.isdir(folder):
-        raise FerryError(f"--write-fixes {path}: directory {folder} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise FerryError(f"--write-fixes {path}: directory {folder} is not writable")
-    return p
+    """`--write-fixes FILE` as an absolute path, or a `FerryError` saying why it cannot be written
+    (`files.writable_target`)."""
+    return files.writable_target("--write-fixes", path, "fixes.sh")
 
 
 def write_atomic(path: str, text: str) -> None:

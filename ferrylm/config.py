@@ -408,9 +408,9 @@ class EngineConfig:
     """Never use CUDA graphs (they serve pure decode steps of dense models on CUDA)."""
     async_scheduling: str = "auto"
     """auto | on | off: schedule and launch step N+1 while the device runs step N, reading step N's tokens one
-    step late (a stop costs one dropped token, never shown). auto: on for one CUDA process holding the whole
-    model, off on the CPU (nothing to overlap), for offloaded models and under tensor / pipeline parallelism
-    (never supported there). Structured outputs and penalties fall back to synchronous steps while such a
+    step late (a stop costs one dropped token, never shown). auto: on for one CUDA process, the model resident
+    or offloaded; off on the CPU (nothing to overlap) and under tensor / pipeline parallelism (never supported
+    there). Structured outputs and penalties fall back to synchronous steps while such a
     request runs (engine/llm_engine.py)."""
     dequantize: bool = False
     """Dequantize packed weights (GGUF Q4_0/Q4_1/Q8_0 blocks, a quantized store) to dense `dtype` at load:

@@ -321,8 +321,8 @@ def test_prefix_cache_registers_the_same_blocks(model):
 
 
 def test_offloaded_moe_matches_sync(tmp_path_factory):
-    """An offloaded MoE (streamed layers, cached experts copied on the copy road) under async scheduling, on where
-    `auto` leaves it off (`LLMEngine._async_scheduling`: the benchmarks' A/B, `benchmarks/ab_async_offload.py`): the
+    """An offloaded MoE (streamed layers, cached experts copied on the copy road) under async scheduling (on
+    by default on CUDA since session 40's A/B, `benchmarks/ab_async_offload.py`; the CPU runs it when asked): the
     same greedy and seeded tokens as the synchronous loop, with steps really in flight."""
     from test_models_hf import build
 

@@ -224,6 +224,31 @@ def test_offloaded_on_cuda_equals_resident(tiny_llama, tmp_path_factory):
     assert stats.device_step_s > 0 and not stats._stalls  # every timed wait read back, the steps timed
 
 
+def test_offloaded_async_equals_sync_on_cuda(tmp_path_factory):
+    """Async scheduling, on by default for offloaded engines too: an offloaded Mixtral (a streamed layer, cached
+    experts) gives the logits of the synchronous loop with every miss copied and with every miss on the host's
+    cores, eager and graphed (the choice of side is fixed, so the math is the same step for step)."""
+    from test_models_hf import build
+
+    path, _ = build(tmp_path_factory, "mixtral")
+    p = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 3, 7, 200, 11], [42] * 30]
+    for experts in ("gpu", "cpu"):
+        for eager in (True, False):
+            kw = dict(device="cuda", dtype="float32", place=("experts=cpu", "layers.0.experts.0=gpu"),
+                      experts=experts, enforce_eager=eager, kv_cache_memory_gb=1)
+            on, off = LLM(path, **kw), LLM(path, async_scheduling="off", **kw)
+            assert on.engine.async_scheduling and not off.engine.async_scheduling
+            a_out, a = sampled_rows(off, p, [16, 9, 20])
+            b_out, b = sampled_rows(on, p, [16, 9, 20])
+            st = on.engine.runner.placed.stats
+            worst = max((x - y).abs().max().item() for x, y in zip(a, b))
+            print(f"offloaded async vs sync (experts={experts}, {'eager' if eager else 'graphs'}): "
+                  f"max |logit diff| = {worst:.3e}; {st}")
+            assert (st.cpu_experts if experts == "cpu" else st.copied_experts) > 0
+            assert token_ids(a_out) == token_ids(b_out) and worst < 1e-5
+            del on, off
+
+
 def test_a_weight_wait_is_timed_on_the_device():
     """`OffloadStats.wait`: a compute stream told to wait for a copy still in flight counts one weight wait and,
     once its events completed (`collect`), about the copy's time in `weight_wait_s` (the stream sat idle for

@@ -156,7 +156,9 @@ def decode_window(llm, batch: int, steps: int, seed: int, prompt_len: int, stats
     the difference of two runs and the bytes from a third, other prompts: the tally rows of the Yuan2.0-M32 case
     then read faster than their own PCIe floor), and no prefill's misses are counted (a prefill copies most
     experts, which swamped the decode steps' bytes on that case, session 11). The caches' traces restart there
-    too, so the hit rates count the same steps (until session 13 they counted the warm-up and prompt steps)."""
+    too, so the hit rates count the same steps (until session 13 they counted the warm-up and prompt steps). Under
+    async scheduling the step after that one is already launched at the start, its bytes counted before it: its
+    tokens are not the window's either (until session 40 they were: one step of `steps` too many)."""
     from ferrylm import SamplingParams
 
     eng = llm.engine
@@ -174,7 +176,7 @@ def decode_window(llm, batch: int, steps: int, seed: int, prompt_len: int, stats
                 placed.after_results()
                 for c in placed.caches.values():
                     c.start_trace()
-            t0, b0, n0 = time.perf_counter(), stats.h2d_bytes if stats else 0, sum(got.values())
+            t0, b0, n0 = time.perf_counter(), stats.h2d_bytes if stats else 0, sum(got.values()) + eng.rows_in_flight
     torch.cuda.synchronize()
     if t0 is None:
         return 0.0, 0, 0.0

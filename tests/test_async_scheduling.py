@@ -81,9 +81,9 @@ def drive(llm: LLM, prompts, params) -> tuple[list, int]:
             assert o.request_id not in final, "an output after the request finished"
             if o.finished:
                 final[o.request_id] = o
-        overlapped += e._inflight is not None
+        overlapped += e.rows_in_flight > 0
     e.step()  # resolves a step still in flight: it must emit nothing
-    assert e._inflight is None
+    assert e._inflight is None and e.rows_in_flight == 0
     assert e.block_manager.num_free_blocks == e.block_manager.num_blocks, "KV blocks leaked"
     return [final[i] for i in ids], overlapped
 

@@ -286,6 +286,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def rows_in_flight(self) -> int:
+        """Sampled rows of a launched step the host has not read yet (async scheduling): their tokens come with the
+        next `step()`, though the device may have computed them already."""
+        return len(self._inflight.seqs) if self._inflight is not None else 0
+
     def check_health(self) -> None:
         """Raises when the engine can no longer run steps (a parallel engine that lost a worker)."""
         if hasattr(self.runner, "check_health"):

@@ -21,6 +21,22 @@ if os.environ.get("FERRY_TEST_TRACE"):  # set by benchmarks/gpu_tests.sh: a grou
 
 
 @pytest.fixture(scope="session")
+def hf_smollm2():
+    """transformers' own load of the embedded default GGUF (fp32, eval mode), the reference of test_gguf,
+    test_prompt_logprobs and test_smollm2. It dequantizes the file in Python (~35 s on the 2-core box), so
+    once a session; the tests only read it."""
+    pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from ferrylm.default_model import default_model_path
+
+    path = default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     """A tiny random-weight Llama checkpoint (no tokenizer files), as transformers writes it."""
     transformers = pytest.importorskip("transformers")

@@ -3,13 +3,10 @@ forward of transformers over the same GGUF in fp32: at every prompt position, th
 token and the top-n, with chunked prefill (a small `max_num_batched_tokens`), in a batch with rows that do
 not ask, for a prompt whose prefix an earlier request left in the prefix cache, and under preemption."""
 
-import os
-
 import pytest
 import torch
 
 from ferrylm import LLM, SamplingParams
-from ferrylm.default_model import default_model_path
 
 CHUNK = 16
 """Step budget: the prompts below are prefilled in 3-5 chunks."""
@@ -25,11 +22,8 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def reference():
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+def reference(hf_smollm2):
+    model = hf_smollm2
 
     def logprobs(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():

@@ -47,12 +47,8 @@ def test_quantized_default_agrees_with_fp32_path(llm, fp32_llm):
     assert kinds == {"int4pack", "int8group"}  # Q4_1 projections, the Q8_0 embedding as LM head
 
 
-def test_greedy_chat_equals_transformers(fp32_llm):
-    llm = fp32_llm
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+def test_greedy_chat_equals_transformers(fp32_llm, hf_smollm2):
+    llm, ref = fp32_llm, hf_smollm2
     prompts = _chat_prompts(llm.tokenizer)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
     for p, o in zip(prompts, outs):

@@ -196,8 +196,9 @@ class LLMEngine:
         if mode == "on" and not single:  # workers build their inputs from shipped host lists
             log.warning("async scheduling is not supported with tensor / pipeline parallelism: steps run synchronously")
         if mode == "auto":  # on the CPU the host is the device: there is nothing to overlap. Offloaded models
-            # gain most (H100, 8-layer Mixtral, copy-only and hybrid, batch 1 and 16: +7-37%, session 40's
-            # `benchmarks/ab_async_offload.py`): the device no longer idles while the host reads a step's results
+            # gain at batch 1, where the device idled while the host read a step's results (H100, 8-layer Mixtral
+            # NF4 and bf16, copy-only and hybrid: medians +3% to +19%), and about break even at batch 16 (-3% to
+            # +4.5%; session 40's `benchmarks/ab_async_offload.py`, docs/benchmarks.md)
             return single and self.runner.device.type == "cuda"
         return mode == "on" and single
 

@@ -484,12 +484,14 @@ class PlacedWeights:
     def apply_pending_share(self) -> bool:
         """Between steps (the runner): apply the share the re-balance or the tuner queued (`pending_share`); True when
         one was applied (the caller drops its captured graphs: the column split is baked into them). The device is
-        drained first."""
+        drained first, and a step still in flight (async scheduling) has its routing counts read under the classes
+        it ran with."""
         share, self.pending_share = self.pending_share, None
         if share is None or self.host_decode is None:
             return False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.after_results()
         self._set_share(share)
         return True
 

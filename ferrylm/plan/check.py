@@ -118,7 +118,7 @@ def measure(plan: Plan, llm, cuda: bool, max_decode_tokens: int = 64) -> dict:
     phases.end("prefill timed")
     if not cuda:
         return got
-    out_len = max(2, min(o.output_len, max_decode_tokens))
+    out_len = max(3, min(o.output_len, max_decode_tokens))  # under async scheduling the first decode step is untimed
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     for key, batch in (("decode_batch1", 1), ("decode_concurrent", plan.speed["decode_concurrent"]["batch"])):
         # decode graphs are captured on a (batch, context) bucket's first use: an untimed run of the same batch,
@@ -248,11 +248,13 @@ def _sync(cuda: bool) -> None:
 def _decode(llm, prompts: list[list[int]], params, phases: _Phases | None = None,
             name: str = "decode") -> tuple[float, float | None, dict]:
     """(decode tok/s, expert hit rate, the offload engine's counters per decode step) of the steps after every
-    prompt has its first token: prefill steps, whose misses are copied, count in none. `phases` records the
-    prefill steps' and the decode steps' peaks as "`name` prefill" and "`name` decode"."""
+    prompt has its first token: prefill steps, whose misses are copied, count in none. Under async scheduling the
+    step after those is already launched then: it runs before the clock starts and counts in none either.
+    `phases` records the prefill steps' and the decode steps' peaks as "`name` prefill" and "`name` decode"."""
     import torch
 
-    eng, stats = llm.engine, llm.engine.runner.placed.stats
+    eng, placed = llm.engine, llm.engine.runner.placed
+    stats = placed.stats
     for p in prompts:
         eng.add_request(p, params)
     started: set[str] = set()
@@ -262,8 +264,9 @@ def _decode(llm, prompts: list[list[int]], params, phases: _Phases | None = None
         torch.cuda.synchronize()
     if phases is not None:
         phases.end(f"{name} prefill")
+    placed.after_results()  # the launched step's routing counts land before the reset
     stats.reset()
-    t, tokens = time.perf_counter(), 0
+    t, tokens = time.perf_counter(), -eng.rows_in_flight  # its tokens come with the first step below
     while eng.has_unfinished_requests():
         tokens += len(eng.step())  # one token for every request that advanced
     rate = tokens / (time.perf_counter() - t)

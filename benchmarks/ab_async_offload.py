@@ -1,9 +1,10 @@
-"""Async scheduling on an offloaded engine, A/B. `EngineConfig.async_scheduling` auto leaves it off for offloaded
-models (their host work, the hybrid worker's experts beside the graphs, wants the host's time), so the device idles
-while the host reads a step's results and prepares the next: sessions 37 and 39 profiled the 8-layer NF4 Mixtral's
-batch-1 step under 5 GiB at 6.4-8.8 ms with the device idle 2.0-4.6 ms of it, in ~2.3 ms gaps behind
-`cudaEventSynchronize`. Per `--experts` setting two engines side by side (async off, async on), decode windows
-alternating between them on the same prompts, each window's rate against its own PCIe floor.
+"""Async scheduling on an offloaded engine, A/B. Until session 40 `EngineConfig.async_scheduling` auto left it off
+for offloaded models, so the device idled while the host read a step's results and prepared the next: sessions 37
+and 39 profiled the 8-layer NF4 Mixtral's batch-1 step under 5 GiB at 6.4-8.8 ms with the device idle 2.0-4.6 ms
+of it, in ~2.3 ms gaps behind `cudaEventSynchronize`. This A/B (session 40: batch 1 gains, batch 16 breaks about
+even) turned it on. Per `--experts` setting two engines side by side (async off, async on), decode windows
+alternating between them on the same prompts (24 steps at batch 1, 12 batched), each window's rate against its
+own PCIe floor.
 
     cd benchmarks && PYTHONPATH=.. python ab_async_offload.py --layers 8 --expert-quant nf4 --budget-gib 5 \
         --experts gpu auto --batches 1 16 --rounds 3 --out FILE.json
@@ -65,7 +66,7 @@ def main() -> None:
             for r in range(a.rounds):
                 for mode in (("sync", "async") if r % 2 == 0 else ("async", "sync")):
                     row = {"experts": experts, "batch": batch, "round": r, "mode": mode,
-                           **window(engines[mode], batch, a.steps if batch == 1 else 8, 6000 + 10 * r + batch)}
+                           **window(engines[mode], batch, a.steps if batch == 1 else 12, 6000 + 10 * r + batch)}
                     row["floor_tok_s"] = (batch * h2d / (row["h2d_gib_per_step"] * 2**30)
                                           if row["h2d_gib_per_step"] else None)
                     result["runs"].append(row)

@@ -7,9 +7,8 @@
 set -u
 commit=${1:-unknown}
 budget=${2:-560}
-source "$(dirname "$0")/device_steps.sh"  # t0, left, step
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-echo "gpu: $gpu; $(lscpu | grep -m1 'Model name'); commit $commit"
+source "$(dirname "$0")/device_steps.sh"  # t0, left, step, machine
+machine
 bash benchmarks/gpu_tests.sh "$OUT/tests-s49.txt" "$(left 170)" \
     "offloaded_async_equals_sync or hybrid_share_tuner or offloaded_on_cuda_equals_resident or graph_decode_equals_eager"
 grep -E "passed|FAILED|^E |async vs sync" "$OUT/tests-s49.txt" | cut -c1-260 | head -24

@@ -3,7 +3,8 @@
 # step's output goes through.
 #   left N          the seconds a step may take: at most N and what is left of the budget; 0 when under 30
 #   step N cmd...   run cmd under `timeout` when there is time for it, else say it was skipped
-#   h200_aims       say the GPU, CPU and commit; on the H200 with PART auto, run the issue-10 aims alone and stop
+#   machine         say the GPU (and set $gpu), CPU and commit
+#   h200_aims       `machine`; on the H200 with PART auto, run the issue-10 aims alone and stop
 #   write_mix4      a random 4-layer Mixtral (2.4 GB) written by transformers into /tmp/mix4, for `ferry plan --check`
 export TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1
 exec 3>&1
@@ -14,9 +15,12 @@ step() {
     if [ "$t" -eq 0 ]; then echo "skipped (no time left): $*" >&3; return; fi
     timeout "$t" "$@"
 }
-h200_aims() {
+machine() {
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
     echo "gpu: $gpu; $(lscpu | grep -m1 'Model name'); commit $commit"
+}
+h200_aims() {
+    machine
     if [[ $gpu == *H200* && $part == auto ]]; then
         bash "$(dirname "${BASH_SOURCE[0]}")/device_s26.sh" "$commit" "$(left 550)" aims
         echo "aims done at $(( $(date +%s) - t0 )) s; call again with PART=rest for the rest"

@@ -801,6 +801,9 @@ CASES = {
     # M32 16 of its 24 layers, ~51 GB bf16), and M32's 24 layers with int4 experts
     "hybrid-qwen3-30b": lambda rows, h2d: case_hybrid_packed(rows, h2d, layers=48, expert_quant=None, budget_gib=8,
                                                              cfg=QWEN3_30B, model="qwen3-30b-a3b"),
+    # against llama.cpp's Q4_K_M with experts on the CPU (benchmarks/device_llamacpp.sh)
+    "hybrid-qwen3-30b-int4": lambda rows, h2d: case_hybrid_packed(rows, h2d, layers=48, expert_quant="int4",
+                                                                  budget_gib=8, cfg=QWEN3_30B, model="qwen3-30b-a3b"),
     "hybrid-yuan-m32": lambda rows, h2d: case_hybrid_packed(rows, h2d, layers=16, expert_quant=None, budget_gib=8,
                                                             cfg=_yuan_m32(), model="yuan2-m32"),
     "hybrid-yuan-m32-int4": lambda rows, h2d: case_hybrid_packed(rows, h2d, layers=24, expert_quant="int4",

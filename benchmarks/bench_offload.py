@@ -170,10 +170,9 @@ def decode_window(llm, batch: int, steps: int, seed: int, prompt_len: int, stats
         for o in eng.step():
             got[o.request_id] = len(o.outputs[0].token_ids)
         if t0 is None and len(got) == batch and all(got.get(i, 0) >= 1 for i in ids):
-            torch.cuda.synchronize()
+            eng.wait_idle()  # the launched step's counts read and the copies they queue landed before the clock starts
             placed = getattr(eng.runner, "placed", None)
-            if placed is not None:  # the hit rates (`oracle`) from these steps too: read the counts in flight, restart
-                placed.after_results()
+            if placed is not None:  # the hit rates (`oracle`) from these steps too: restart the traces
                 for c in placed.caches.values():
                     c.start_trace()
             t0, b0, n0 = time.perf_counter(), stats.h2d_bytes if stats else 0, sum(got.values()) + eng.rows_in_flight

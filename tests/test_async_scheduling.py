@@ -71,19 +71,28 @@ def logprob_diff(a, b) -> float:
     return worst
 
 
-def drive(llm: LLM, prompts, params) -> tuple[list, int]:
-    """Generate step by step; returns (final outputs in prompt order, steps that ended with one in flight)."""
+def drive(llm: LLM, prompts, params, wait_idle: bool = False) -> tuple[list, int]:
+    """Generate step by step; returns (final outputs in prompt order, steps that ended with one in flight).
+    `wait_idle`: `LLMEngine.wait_idle` (a timed window's start) after every third step, which leaves a launched
+    step in flight."""
     e = llm.engine
     ids = [e.add_request(p, sp) for p, sp in zip(prompts, params)]
-    final, overlapped = {}, 0
+    final, overlapped, steps = {}, 0, 0
     while e.has_unfinished_requests():
         for o in e.step():
             assert o.request_id not in final, "an output after the request finished"
             if o.finished:
                 final[o.request_id] = o
         overlapped += e.rows_in_flight > 0
-    e.step()  # resolves a step still in flight: it must emit nothing
+        steps += 1
+        if wait_idle and steps % 3 == 0:
+            rows = e.rows_in_flight
+            e.wait_idle()
+            assert e.rows_in_flight == rows
+    # the last requests stopped one step late: the step launched beside their last one was dropped before step()
+    # returned, so nothing outlives them (an offloaded model's registered host memory, a hybrid step's worker)
     assert e._inflight is None and e.rows_in_flight == 0
+    assert e.step() == []
     assert e.block_manager.num_free_blocks == e.block_manager.num_blocks, "KV blocks leaked"
     return [final[i] for i in ids], overlapped
 
@@ -137,6 +146,18 @@ def test_stops_are_found_one_step_late_and_never_leak(model):
     assert any(isinstance(r, str) for r in reasons) and any(isinstance(r, int) for r in reasons), reasons
     for o, f in zip(got, free):  # each output is a prefix of the free run: nothing past the stop
         assert o.outputs[0].token_ids == f.outputs[0].token_ids[:len(o.outputs[0].token_ids)]
+
+
+def test_generate_returns_with_nothing_in_flight(model):
+    """The last request stops on a token, found one step late: the step launched beside it is dropped before
+    `generate` returns, so no step outlives the requests (on CUDA it could read an offloaded model's host memory
+    after the engine is dropped, or wait for a hybrid step's host worker that is gone)."""
+    sync, asyn = pair(model, max_num_seqs=2)
+    free = sync.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[free.outputs[0].token_ids[5]])
+    got = asyn.generate([PROMPTS[0]], sp)[0]
+    assert got.outputs[0].finish_reason == "stop"
+    assert asyn.engine.rows_in_flight == 0 and not asyn.engine.requests
 
 
 def test_preemption_under_a_small_pool(model):
@@ -335,7 +356,7 @@ def test_offloaded_moe_matches_sync(tmp_path_factory):
               SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=1)]
     want, _ = drive(sync, prompts, params)
-    got, overlapped = drive(asyn, prompts, params)
+    got, overlapped = drive(asyn, prompts, params, wait_idle=True)
     assert overlapped > 3, "async scheduling never had a step in flight"
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     st = asyn.engine.runner.placed.stats

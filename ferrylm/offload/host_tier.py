@@ -97,6 +97,7 @@ class HostTier:
 
     def close(self) -> None:
         if self.registered:
+            torch.cuda.synchronize()  # no kernel or copy may still read a page it unregisters
             cudart = torch.cuda.cudart()
             for ptr in self.registered:
                 cudart.cudaHostUnregister(ptr)

@@ -251,8 +251,6 @@ def _decode(llm, prompts: list[list[int]], params, phases: _Phases | None = None
     prompt has its first token: prefill steps, whose misses are copied, count in none. Under async scheduling the
     step after those is already launched then: it runs before the clock starts and counts in none either.
     `phases` records the prefill steps' and the decode steps' peaks as "`name` prefill" and "`name` decode"."""
-    import torch
-
     eng, placed = llm.engine, llm.engine.runner.placed
     stats = placed.stats
     for p in prompts:
@@ -260,11 +258,9 @@ def _decode(llm, prompts: list[list[int]], params, phases: _Phases | None = None
     started: set[str] = set()
     while len(started) < len(prompts) and eng.has_unfinished_requests():
         started.update(o.request_id for o in eng.step())
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    eng.wait_idle()  # the launched step's routing counts, host waits and the copies they queue land before the reset
     if phases is not None:
         phases.end(f"{name} prefill")
-    placed.after_results()  # the launched step's routing counts land before the reset
     stats.reset()
     t, tokens = time.perf_counter(), -eng.rows_in_flight  # its tokens come with the first step below
     while eng.has_unfinished_requests():

@@ -85,6 +85,29 @@ def test_bad_requests_are_refused_and_leave_nothing(llm):
     assert llm.engine.block_manager.num_free_blocks == free
 
 
+def test_a_failed_step_leaves_nothing_and_the_next_call_runs(llm, monkeypatch):
+    """A step that raises mid-generate (a host expert worker's failure, out of memory, Ctrl-C): the call's
+    requests are withdrawn, so a later call neither steps them nor takes their outputs for its own."""
+    eng = llm.engine
+    free = eng.block_manager.num_free_blocks
+    want = llm.generate(P, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    real, calls = eng.runner.execute, []
+
+    def fail_third(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected step failure")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(eng.runner, "execute", fail_third)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(P, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert not eng.has_unfinished_requests()
+    assert eng.block_manager.num_free_blocks == free
+    got = llm.generate(P[:1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert ids(got) == ids(want[:1])
+
+
 def test_abort_frees_blocks(llm):
     eng = llm.engine
     free = eng.block_manager.num_free_blocks

@@ -95,13 +95,18 @@ class LLM:
             bar = Progress(transient=True)
             task = bar.add_task("generating", total=len(ids))
             bar.start()
+        mine = set(ids)
         try:
             while len(final) < len(ids):
                 for o in self.engine.step(final_only=True):  # only finished outputs are kept
-                    if o.finished:
+                    if o.finished and o.request_id in mine:
                         final[o.request_id] = o
                         if bar:
                             bar.advance(task)
+        except BaseException:  # a failed step or Ctrl-C: nothing of this call stays in the engine
+            for rid in mine.difference(final):
+                self.engine.abort_request(rid)
+            raise
         finally:
             if bar:
                 bar.stop()

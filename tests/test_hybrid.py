@@ -1094,7 +1094,7 @@ def test_profile_counts_skip_padded_graph_rows():
 def test_tally_skips_padding_rows_of_a_graph_step():
     """The mapped path's tally (`expert_cache.tally_step`) under a padded graph step: the padding rows route
     (token 0's ids) but count neither as uses nor as hits."""
-    from ferrylm.layers.context import ForwardContext, forward_context, live_assignments
+    from ferrylm.layers.context import ForwardContext, forward_context, live_assignments, recording_off
     from ferrylm.offload.expert_cache import tally_step
 
     E = 4
@@ -1108,6 +1108,9 @@ def test_tally_skips_padding_rows_of_a_graph_step():
         tally_step(counts, hits, in_slot, ids, live_assignments(ids))
     assert counts.tolist() == [1, 1, 1, 1] and hits.tolist() == [1, 0, 0, 1]
     tally_step(counts, hits, in_slot, ids, live_assignments(ids))  # no context: every row counts
+    assert counts.tolist() == [4, 4, 2, 2] and hits.tolist() == [4, 0, 0, 2]
+    with recording_off():  # a graph's warm-up run: its replay is the step's counted run
+        tally_step(counts, hits, in_slot, ids, live_assignments(ids))
     assert counts.tolist() == [4, 4, 2, 2] and hits.tolist() == [4, 0, 0, 2]
 
 

@@ -33,6 +33,7 @@ from collections import deque
 import torch
 
 from ferrylm.engine.staging import download
+from ferrylm.layers.context import recording
 from ferrylm.layers.fused_moe import ExpertWeights
 from ferrylm.layers.moe import ExpertBackend, combine, dispatch, expert_mlp, row_cap
 from ferrylm.layers.transfer import to_device
@@ -80,7 +81,10 @@ def tally_step(counts: torch.Tensor, hits: torch.Tensor, in_slot: torch.Tensor, 
                real: torch.Tensor) -> None:
     """A mapped step's routing into the tally's device rows: `counts` [E] += assignments per expert, `hits` [E]
     += those whose expert the kernel reads from a slot; `real` [T * k] weighs out a padded graph step's padding
-    rows (they route too). No host sync, graph-capturable."""
+    rows (they route too). Nothing under `recording_off` (a graph's warm-up run, which the replay repeats: the
+    step counted twice). No host sync, graph-capturable."""
+    if not recording():
+        return
     flat = topk_ids.flatten()
     counts.scatter_add_(0, flat, real.to(counts.dtype))
     hits.scatter_add_(0, flat, (in_slot[flat] & (real > 0)).to(hits.dtype))

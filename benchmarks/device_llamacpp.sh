@@ -21,6 +21,8 @@ L=/tmp/lcpp
 mkdir -p $L && tar -xJf benchmarks/llamacpp-cuda.tar.xz -C $L || { echo "no llama.cpp build carried"; exit 1; }
 site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
 export LD_LIBRARY_PATH=$(find "$site/nvidia" -name 'libcublas.so.*' -o -name 'libcudart.so.*' | xargs -n1 dirname | sort -u | paste -sd:)
+ldconfig -p | grep -q 'libgomp.so.1 ' || LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$L/lib-extra
+ldd $L/bin/llama-bench | grep "not found" && { echo "llama.cpp cannot load a library"; exit 1; }
 export PYTHONPATH=$L/gguf-py
 df -h /tmp /dev/shm | sed 's/^/  /'
 gen() { step "$1" python3 benchmarks/llamacpp_gguf.py --shape "$2" --quant "$3" --out "$4" ${5:+--layers $5} 2>&1 | grep -v Writing | tail -2; }

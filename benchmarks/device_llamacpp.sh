@@ -21,8 +21,9 @@ source "$(dirname "$0")/device_steps.sh"  # t0, left, step, machine
 machine
 L=/tmp/lcpp
 mkdir -p $L && tar -xJf benchmarks/llamacpp-cuda.tar.xz -C $L || { echo "no llama.cpp build carried"; exit 1; }
-site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
-export LD_LIBRARY_PATH=$(find "$site/nvidia" -name 'libcublas.so.*' -o -name 'libcudart.so.*' | xargs -n1 dirname | sort -u | paste -sd:)
+site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')  # torch's CUDA 13 libraries
+cuda_libs=$(find "$site/nvidia" -name 'libcublas.so.*' -o -name 'libcudart.so.*' | xargs -n1 dirname | sort -u | paste -sd:)
+export LD_LIBRARY_PATH=$cuda_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 ldconfig -p | grep -q 'libgomp.so.1 ' || LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$L/lib-extra
 ldd $L/bin/llama-bench | grep "not found" && { echo "llama.cpp cannot load a library"; exit 1; }
 export PYTHONPATH=$L/gguf-py

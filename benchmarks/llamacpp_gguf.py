@@ -3,8 +3,8 @@
 Qwen3-30B-A3B shape (`qwen3moe`), `--layers` of them, as bf16 or as llama.cpp's Q4_K_M mixture.
 
 Quantized tensors are written block by block as random bytes with their scales set to small fixed values, so the
-weights are finite and bounded and the activations stay finite (the routers, f32, are random normal: each token
-picks its own experts). No quantizer runs, so a 17 GB file takes the time of writing it. Every layer shares one
+weights are finite, bounded and zero-mean and the activations stay finite (the routers, f32, are random normal:
+each token picks its own experts). No quantizer runs, so a 17 GB file takes the time of writing it. Every layer shares one
 random buffer per tensor shape and type (llama.cpp's speed does not depend on the values; the routers differ).
 The Q4_K_M mixture follows llama.cpp's `llama_tensor_get_type_impl`: experts' gate and up Q4_K, their down Q6_K
 on the "more bits" layers, attention v Q6_K there, k and v Q8_0 for 8-expert models, output Q6_K. Standalone: it
@@ -31,9 +31,13 @@ SHAPES = {  # the fields of benchmarks/bench_offload.py's MIXTRAL and QWEN3_30B 
                          head_dim=64, experts=4, used=2, layers=4, eps=1e-5, rope=1e6, qk_norm=False),
 }
 Q = gguf.GGMLQuantizationType
-# Byte offsets of each block's fp16 scale fields (ggml-common.h's block_q4_K, block_q5_K, block_q6_K, block_q8_0).
-HALF_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: (0,)}
-SCALE = {Q.Q4_K: 1e-4, Q.Q5_K: 1e-4, Q.Q6_K: 1e-5, Q.Q8_0: 1e-4}
+# Each block's fp16 scale fields: (byte offset, value) (ggml-common.h's block_q4_K, block_q5_K, block_q6_K,
+# block_q8_0). The K-quants with a min (w = d * sc * q - dmin * m, sc and m 6-bit) get dmin = E[q] * d, so random
+# bytes give zero-mean weights: with dmin = d every weight leaned positive, the residual stream turned nearly
+# constant after a few Q4_K layers, and the routers sent every token to the same experts (a review's simulation of
+# the Qwen3 shape: 17 distinct experts a layer at 16 tokens, where bf16 gives ~80).
+HALF_FIELDS = {Q.Q4_K: ((0, 1e-4), (2, 7.5 * 1e-4)), Q.Q5_K: ((0, 1e-4), (2, 15.5 * 1e-4)),
+               Q.Q6_K: ((208, 1e-5),), Q.Q8_0: ((0, 1e-4),)}
 
 
 def more_bits(i: int, n: int) -> bool:
@@ -64,9 +68,8 @@ class Buffers:
         rows, cols = int(np.prod(shape[:-1])), shape[-1]
         assert cols % block == 0, f"{shape} does not split into {qtype.name} blocks of {block}"
         b = self.rng.integers(0, 256, (rows * (cols // block), size), np.uint8)
-        half = np.frombuffer(np.float16(SCALE[qtype]).tobytes(), np.uint8)
-        for off in HALF_FIELDS[qtype]:
-            b[:, off:off + 2] = half
+        for off, value in HALF_FIELDS[qtype]:
+            b[:, off:off + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
         return b.reshape(*shape[:-1], cols // block * size)
 
 

@@ -158,6 +158,20 @@ def test_generate_returns_with_nothing_in_flight(model):
     got = asyn.generate([PROMPTS[0]], sp)[0]
     assert got.outputs[0].finish_reason == "stop"
     assert asyn.engine.rows_in_flight == 0 and not asyn.engine.requests
+    # that dropped step failing (a hybrid step's host worker, say) loses none of the outputs that just finished
+    e, real = asyn.engine, asyn.engine.runner.check_step
+
+    def check_step():
+        if not e.requests:
+            raise RuntimeError("injected: the dropped step failed")
+        real()
+
+    e.runner.check_step = check_step
+    try:
+        again = asyn.generate([PROMPTS[0]], sp)[0]
+    finally:
+        del e.runner.check_step
+    assert again.outputs[0].token_ids == got.outputs[0].token_ids and e.rows_in_flight == 0
 
 
 def test_preemption_under_a_small_pool(model):

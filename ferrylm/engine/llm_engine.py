@@ -333,20 +333,26 @@ class LLMEngine:
             # every row of the launched step stopped one step late: nothing would resolve it, and it must not
             # outlive what it reads (an offloaded model's registered host memory, a hybrid step's host worker)
             inflight, self._inflight = self._inflight, None
-            outputs += self._resolve(inflight, time.perf_counter(), final_only)  # drops its rows: []
+            try:
+                self._resolve(inflight, time.perf_counter(), final_only)  # drops its rows: no outputs
+            except Exception:
+                if not outputs:
+                    raise
+                # its tokens are dropped anyway: the outputs of the requests that just finished must not be lost
+                log.exception("a step launched after the last requests stopped failed (its tokens were dropped)")
         return outputs
 
     def wait_idle(self) -> None:
         """Before a timed window: wait for the device, with a launched step's bookkeeping done (an offloaded
         model's routing counts read and the copies they queue landed), so the window holds only the steps after
         it. A step in flight stays unresolved: its `rows_in_flight` tokens come with the next `step()`."""
-        cuda = self.runner.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
+        device = self.runner.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         if hasattr(self.runner, "check_step"):
             self.runner.check_step()
-            if cuda:
-                torch.cuda.synchronize()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
     def _tick(self, phase: str, t0: float) -> float:
         t = time.perf_counter()

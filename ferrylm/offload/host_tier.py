@@ -26,8 +26,10 @@ _PORTABLE, _MAPPED = 1, 2  # cudaHostRegisterPortable, cudaHostRegisterMapped
 
 
 class HostTier:
-    def __init__(self, pin: bool, piece_bytes: int = 1 << 30, numa_node: int | None = None):
+    def __init__(self, pin: bool, piece_bytes: int = 1 << 30, numa_node: int | None = None,
+                 device: torch.device | None = None):
         self.pin = pin and torch.cuda.is_available()
+        self.device = device  # the GPU whose kernels and copies read the registered memory
         self.numa_node = numa_node
         """Bind every tensor's pages to this NUMA node before they are touched or pinned (None: no binding)."""
         self._numa_warned = False
@@ -97,7 +99,7 @@ class HostTier:
 
     def close(self) -> None:
         if self.registered:
-            torch.cuda.synchronize()  # no kernel or copy may still read a page it unregisters
+            torch.cuda.synchronize(self.device)  # no kernel or copy may still read a page it unregisters
             cudart = torch.cuda.cudart()
             for ptr in self.registered:
                 cudart.cudaHostUnregister(ptr)

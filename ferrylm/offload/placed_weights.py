@@ -212,7 +212,8 @@ class PlacedWeights:
 
         # the node's CPUs run the expert worker; its memory holds the host tier (bound before pinning)
         self.expert_cpus = node_cpus(cpu_numa_node) if cpu_numa_node is not None else None
-        self.host = HostTier(pin=device.type == "cuda", numa_node=cpu_numa_node if self.expert_cpus else None)
+        self.host = HostTier(pin=device.type == "cuda", numa_node=cpu_numa_node if self.expert_cpus else None,
+                             device=device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.name_of = {id(p): n for n, p in model.named_parameters()}
         tier_of_param: dict[str, str] = {}

@@ -52,11 +52,11 @@ class Buffers:
         self.rng = np.random.default_rng(seed)
         self.cache: dict = {}
 
-    def get(self, shape: tuple, qtype) -> tuple[np.ndarray, object]:
+    def get(self, shape: tuple, qtype) -> np.ndarray:
         key = (shape, qtype)
         if key not in self.cache:
             self.cache[key] = self._make(shape, qtype)
-        return self.cache[key], qtype
+        return self.cache[key]
 
     def _make(self, shape: tuple, qtype) -> np.ndarray:
         if qtype == Q.F32:
@@ -116,8 +116,7 @@ def write(shape: str, quant: str, out: str, layers: int | None = None) -> None:
     big = (lambda t: t) if q4 else (lambda t: Q.BF16)
 
     def add(name: str, shape_: tuple, qtype) -> None:
-        arr, qt = bufs.get(shape_, qtype)
-        w.add_tensor(name, arr, raw_dtype=qt)
+        w.add_tensor(name, bufs.get(shape_, qtype), raw_dtype=qtype)
 
     add("token_embd.weight", (v, h), big(Q.Q4_K))
     add("output_norm.weight", (h,), Q.F32)

@@ -860,12 +860,18 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None, help="the tree's commit, where the checkout's HEAD is not it (the "
                     "device's copy of a working tree reports its base commit)")
+    ap.add_argument("--one-call-an-expert", action="store_true", help="host experts one native call each "
+                    "(`cpu_experts.native_batched_experts` off): the baseline of the batched call")
     a = ap.parse_args()
+    if a.one_call_an_expert:
+        from ferrylm.layers import cpu_experts
+        cpu_experts.native_batched_experts = False
     h2d, hbm = h2d_bandwidth(), hbm_bandwidth()
     print(f"pinned H2D {h2d / 1e9:.1f} GB/s; HBM copy (read+write) {hbm / 1e12:.2f} TB/s", flush=True)
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True).stdout.strip()
     result = {"gpu": torch.cuda.get_device_name(), "commit": commit, "h2d_gb_s": h2d / 1e9,
+              "host_experts_batched": not a.one_call_an_expert,
               "hbm_copy_tb_s": hbm / 1e12, "cases": []}
     rows = result["cases"]
 

@@ -139,6 +139,35 @@ def test_native_expert_equals_gemvs_and_torch_silu(T):
 
 
 @pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
+@pytest.mark.parametrize("cols", [0, 64])
+def test_native_experts_in_one_call_equal_one_by_one(cols):
+    """Several experts of a bank in one call (`experts_silu_bf16`: one pass of the pool over all their h columns, one
+    over all their w2 rows) give each expert the bits of its own `expert_silu_bf16` call: 1, 3 and 16 tokens side by
+    side (AMX for those above one where the CPU has it), chunks that span two experts, on one thread and several,
+    bf16 and fp32 outputs, the hybrid split's column window; mismatched shapes refused."""
+    torch.manual_seed(30 + cols)
+    E, H, I = 6, 96, 32 * 9
+    w13 = (torch.randn(E, 2 * I, H) * .1).bfloat16()
+    w2 = (torch.randn(E, H, I) * .1).bfloat16()
+    ids, Ts = [4, 0, 5, 2], [3, 1, 16, 1]
+    xs = [torch.randn(T, H, dtype=torch.bfloat16) for T in Ts]
+    amx = [hn.amx() and T > 1 for T in Ts]
+    for dtype in (torch.float32, torch.bfloat16):
+        one = [hn.expert_silu_bf16(x, w13[e], w2[e], torch.empty(x.shape[0], H, dtype=dtype), (1, I), (1, H),
+                                   amx=a, cols=cols) for x, e, a in zip(xs, ids, amx)]
+        for split13, split2 in (((1, I), (1, H)), ((3, 40), (2, 56)), ((4, 32), (3, 96))):
+            outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
+            got = hn.experts_silu_bf16(xs, [w13[e] for e in ids], [w2[e] for e in ids], outs, split13, split2, 0, 2,
+                                       amx=amx, cols=cols)
+            assert all(torch.equal(g, o) for g, o in zip(got, one)), (dtype, split13, split2)
+    with pytest.raises(ValueError, match="native experts"):
+        hn.experts_silu_bf16(xs[:2], [w13[0], w13[1][:, :64]], [w2[0], w2[1]],
+                             [torch.empty(T, H) for T in Ts[:2]], (1, I), (1, H))
+    with pytest.raises(ValueError, match="native experts"):
+        hn.experts_silu_bf16(xs, [w13[e] for e in ids], [w2[e] for e in ids], [torch.empty(1, H)] * 4, (1, I), (1, H))
+
+
+@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
 @pytest.mark.parametrize("T", [1, 5])
 def test_host_expert_fused_equals_unfused_and_plain(T, monkeypatch):
     """`HostExpert` under "native" runs one fused call (`native_fused_expert`) where it did two GEMVs and torch's

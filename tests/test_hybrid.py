@@ -673,6 +673,7 @@ def test_host_rows_on_a_column_range_run_one_native_call(T, monkeypatch):
     ids = torch.tensor([[0, 2], [2, -1], [1, 0]])[:T]
     w = torch.rand(T, k, generator=g)
     monkeypatch.setattr(C, "dense_gemm", "native")
+    monkeypatch.setattr(C, "native_batched_experts", False)  # (one call an expert here; batched: the next test)
     calls = []
     real = hn.expert_silu_bf16
     monkeypatch.setattr(hn, "expert_silu_bf16", lambda *a, **kw: calls.append(a[-1]) or real(*a, **kw))
@@ -684,6 +685,44 @@ def test_host_rows_on_a_column_range_run_one_native_call(T, monkeypatch):
     assert len(calls) == n
     diff = (fused.float() - plain.float()).abs()
     assert (diff <= 2 ** -7 * plain.float().abs().max()).all() and (diff == 0).float().mean() > 0.95
+
+
+@pytest.mark.skipif(not __import__("ferrylm.layers.host_native", fromlist=["x"]).nf4_bf16(),
+                    reason="no AVX512-BF16 kernels on this CPU")
+@pytest.mark.parametrize("T,cols", [(1, 0), (4, 0), (4, 128), (24, 0)])
+def test_host_rows_run_a_layers_native_experts_in_one_call(T, cols, monkeypatch):
+    """bf16 SiLU banks under "native": `rows` runs all the experts of a call that would each take one native call as
+    one (`cpu_experts.native_batched_experts`, `host_native.experts_silu_bf16`), whole or on a column window, and gives
+    the bits of one call an expert; an expert with more tokens than a native call takes (24 tokens without AMX)
+    keeps its own path beside them."""
+    import torch.nn.functional as F
+
+    from ferrylm.layers import cpu_experts as C
+    from ferrylm.layers import host_native as hn
+    from ferrylm.offload.host_experts import HostExperts
+
+    g = torch.Generator().manual_seed(6 + T)
+    E, H, I, k = 8, 64, 512, 2
+    he = HostExperts((torch.randn(E, 2 * I, H, generator=g) * .1).bfloat16(),
+                     (torch.randn(E, H, I, generator=g) * .1).bfloat16(), F.silu)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.randint(0, E, (T, k), generator=g)
+    ids[0, 1] = -1  # computed elsewhere
+    if T == 24:
+        ids[:, 0] = 3  # expert 3 at 24 tokens
+    w = torch.rand(T, k, generator=g)
+    monkeypatch.setattr(C, "dense_gemm", "native")
+    monkeypatch.setattr(C, "dense_gemm_max_t", 64)
+    many = []
+    real = hn.experts_silu_bf16
+    monkeypatch.setattr(hn, "experts_silu_bf16", lambda xs, *a, **kw: many.append(len(xs)) or real(xs, *a, **kw))
+    batched, one_by_one = torch.full((T * k, H), float("nan")), torch.full((T * k, H), float("nan"))
+    n = he.rows(x, ids, w, batched, cols=cols)
+    used = set(ids[ids >= 0].tolist())
+    assert n == len(used) and len(many) == 1 and many[0] >= len(used) - (T == 24)
+    monkeypatch.setattr(C, "native_batched_experts", False)
+    assert he.rows(x, ids, w, one_by_one, cols=cols) == n and len(many) == 1
+    assert torch.equal(batched, one_by_one) and not batched[1].any()
 
 
 PACKED = {"int8": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_int8(t),

@@ -86,6 +86,12 @@ torch's SiLU between) rather than two GEMV calls and torch's ops between them. W
 on the calling thread's OpenMP team leaves that team spinning for a while, and the spinners take cores from the C
 pool's workers. 2-core box, a Mixtral w13 at 2 and 4 tokens: 7.3-9.9 ms against 5.4-6.3 after an
 `out.to(bfloat16)` of the GEMV's [T, 2I] output, as fast as without it under `OMP_WAIT_POLICY=PASSIVE`."""
+native_batched_experts = True
+"""Whether a layer's host experts that each run as one native call (`native_fused_expert` on dense bf16) run as one
+call together (`host_native.experts_silu_bf16`, from `offload/host_experts.HostExperts.rows`): the same bits, one
+wake-up of the C pool a pass for all of them. Why: an expert call costs the pool's wake-up and hand-offs twice and
+Python's ops around it, ~0.35 ms a 9.4 MB Qwen3-30B-A3B expert on the H200 host where its bytes take ~0.1 at the
+host's read rate (docs/benchmarks.md, session 28); many small experts a layer pay that each."""
 native_amx = True
 """Whether "native" runs bf16 calls of 2-64 tokens on the C pool on AMX tiles where the CPU has them
 (`host_native.amx()`: `gemv_bf16_bx_mt(amx=True)`, `expert_silu_bf16(amx=True)`) instead of the AVX512-BF16 kernel,
@@ -653,6 +659,22 @@ def native_expert_fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act
             and w13.dtype == torch.bfloat16 and w2.dtype == torch.bfloat16 and w13.stride(1) == 1
             and w2.stride(1) == 1 and tuple(w13.shape) == (2 * I, H) and H % 32 == 0 and I % 32 == 0
             and cols % 32 == 0 and 0 <= cols < I and host_native.nf4_bf16())
+
+
+def native_experts(x: torch.Tensor, tokens: list[int], w13s: list[torch.Tensor], w2s: list[torch.Tensor],
+                   cols: int = 0) -> torch.Tensor:
+    """`native_expert` for several experts at once in one native call (`native_batched_experts`), the pool's rows
+    counted over all of them: x [sum(tokens), H] bf16, expert i's rows next after expert i - 1's (each fits
+    `native_expert_fits`; one shape). [sum(tokens), H] bf16, each expert's rows the bits `native_expert` gives."""
+    threads = torch.get_num_threads()
+    H, I = w2s[0].shape
+    n, m = I - cols, len(tokens)
+    y = torch.empty(x.shape[0], H, dtype=torch.bfloat16)
+    host_native.experts_silu_bf16(
+        list(x.contiguous().split(tokens)), w13s, w2s, list(y.split(tokens)), c_pool_split(m * n, 4 * H, threads),
+        c_pool_split(m * H, 2 * n, threads), NATIVE_PREFETCH_ROWS, NATIVE_PREFETCH_ROWS_MULTI,
+        [use_amx(t) for t in tokens], cols)
+    return y
 
 
 def native_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, cols: int = 0) -> torch.Tensor:

@@ -863,6 +863,7 @@ static inline __m512 exp16(__m512 x) {
 typedef struct {
     const uint16_t* x; int T, H, I; const uint16_t* w13; int64_t ld13, up; const uint16_t* w2; int64_t ld2;
     uint16_t* h; float* y32; uint16_t* y16; int pf, amx;
+    uint16_t* hb;  /* `ferry_experts_silu_bf16`: h packed for the down pass (T > 1) */
 } expert_args;
 /* h[t, j] = bf16(bf16(silu(bf16(g[t, j]))) * bf16(u[t, j])) for m columns (g, u rows of EXPERT_SUB), h row stride I */
 static inline void silu_mul(const float* g, const float* u, int T, int m, uint16_t* h, int I) {
@@ -931,6 +932,77 @@ int ferry_expert_silu_bf16(const uint16_t* x, int T, int H, int I, const uint16_
     }
     par_rows(expert_down_task, &e, H, threads2, chunk2);
     free(buf);
+    return 0;
+}
+
+/* Several SiLU experts of one bank in one call (a layer's host experts at a step): expert i at its own T[i] tokens,
+   x[i] [T[i], H] bf16 contiguous, its weights at w13[i] / w2[i] (the same H, I, row strides and `up` for all, as
+   `ferry_expert_silu_bf16` reads one), out[i] [T[i], H]; amx[i]: expert i on the AMX kernel. Each pass over the pool
+   takes all the experts' rows as one range (expert i's h columns at [i I, (i + 1) I), its w2 rows at [i H, (i + 1) H)),
+   so a chunk never waits for another expert's pass and the pool is woken twice a call, not twice an expert: with
+   many small experts (Qwen3-30B-A3B's are 9.4 MB in bf16) two wake-ups an expert cost more than reading it. Each
+   expert's bits are `ferry_expert_silu_bf16`'s (the same kernels on the same rows; the chunking moves no sum). */
+typedef struct { int n, I, H; expert_args* e; } experts_args;
+static void experts_up_task(const void* p, int a, int c) {
+    const experts_args* m = (const experts_args*)p;
+    while (c > 0) {  /* a chunk may span the end of one expert's columns and the start of the next's */
+        const int i = a / m->I, j = a - i * m->I, r = m->I - j < c ? m->I - j : c;
+        expert_up_task(&m->e[i], j, r);
+        a += r;
+        c -= r;
+    }
+}
+static void experts_down_task(const void* p, int a, int c) {
+    const experts_args* m = (const experts_args*)p;
+    while (c > 0) {
+        const int i = a / m->H, j = a - i * m->H, r = m->H - j < c ? m->H - j : c;
+        expert_down_task(&m->e[i], j, r);
+        a += r;
+        c -= r;
+    }
+}
+int ferry_experts_silu_bf16(int n, const uint16_t* const* x, const int* T, int H, int I, const uint16_t* const* w13,
+                            int64_t ld13, int64_t up, const uint16_t* const* w2, int64_t ld2, void* const* out,
+                            int out_bf16, int pf1, int pfm, int threads13, int chunk13, int threads2, int chunk2,
+                            const int* amx) {
+    if (n < 1 || H % 32 || I % 32 || pf1 < 0 || pfm < 0 || threads13 < 1 || chunk13 < 1 || threads2 < 1 || chunk2 < 1
+        || up < I || (int64_t)n * (H > I ? H : I) > 0x7FFFFFFF)
+        return -1;
+    size_t total = 0;
+    for (int i = 0; i < n; i++) {
+        if (T[i] < 1 || T[i] > (amx[i] ? AMX_MAXT : MAXT)) return -1;
+#ifdef FERRY_NO_AMX
+        if (amx[i]) return -2;
+#endif
+        total += ((size_t)T[i] * (H + 2 * I) * 2 + 63) / 64 * 64;
+    }
+    expert_args* e = malloc(sizeof(expert_args) * n);
+    uint16_t* buf = aligned_alloc(64, total);
+    if (!e || !buf) {
+        free(e);
+        free(buf);
+        return -3;
+    }
+    uint16_t* at = buf;
+    for (int i = 0; i < n; i++) {
+        uint16_t *xb = at, *h = xb + (size_t)T[i] * H, *hb = h + (size_t)T[i] * I;
+        at += ((size_t)T[i] * (H + 2 * I) * 2 + 63) / 64 * 32;
+        if (T[i] > 1) bx_pack(x[i], T[i], H, xb, amx[i]);
+        e[i] = (expert_args){T[i] > 1 ? xb : x[i], T[i], H, I, w13[i], ld13, up, w2[i], ld2, h,
+                             out_bf16 ? NULL : (float*)out[i], out_bf16 ? (uint16_t*)out[i] : NULL,
+                             T[i] > 1 ? pfm : pf1, amx[i]};
+        e[i].hb = hb;
+    }
+    experts_args m = {n, I, H, e};
+    par_rows(experts_up_task, &m, n * I, threads13, chunk13);
+    for (int i = 0; i < n; i++)
+        if (T[i] > 1) {
+            bx_pack(e[i].h, T[i], I, e[i].hb, amx[i]);
+            e[i].h = e[i].hb;
+        }
+    par_rows(experts_down_task, &m, n * H, threads2, chunk2);
+    free(buf);
+    free(e);
     return 0;
 }
 
@@ -1276,6 +1348,9 @@ def _load():
             lib.ferry_expert_silu_bf16.argtypes = [p, i32, i32, i32, p, i64, i64, p, i64, p, i32, i32, i32, i32, i32,
                                                    i32, i32, i32]
             lib.ferry_expert_silu_bf16.restype = i32
+            lib.ferry_experts_silu_bf16.argtypes = [i32, p, p, i32, i32, p, i64, i64, p, i64, p, i32, i32, i32, i32,
+                                                    i32, i32, i32, p]
+            lib.ferry_experts_silu_bf16.restype = i32
             lib.ferry_gemv_bf16_bx_mt.restype = i32
         global _amx
         _amx = _bf16 and bool(lib.ferry_has_amx()) and {"amx_tile", "amx_bf16"} <= _cpu_flags()
@@ -1406,6 +1481,51 @@ def expert_silu_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: 
                                       int(out.dtype == torch.bfloat16), prefetch, prefetch_multi, *split13, *split2,
                                       int(amx)), "expert (SiLU, bf16)")
     return out
+
+
+def experts_silu_bf16(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: list[torch.Tensor],
+                      outs: list[torch.Tensor], split13: tuple[int, int], split2: tuple[int, int], prefetch: int = 0,
+                      prefetch_multi: int = 0, amx: list[bool] | None = None, cols: int = 0) -> list[torch.Tensor]:
+    """`expert_silu_bf16` for several experts of one bank in one call: outs[i] = expert (w13s[i], w2s[i]) of xs[i]
+    (each as `expert_silu_bf16` takes it; one H and I, one row stride a side, one `cols`, one out dtype for all;
+    amx[i]: expert i on the AMX kernel, default none). Each pass of the C pool takes every expert's rows as one range
+    (split13 = (threads, h columns a chunk), split2 = (threads, w2 rows a chunk), counted over all the experts), so a
+    layer's host experts wake the pool twice, not twice each. The same bits as `expert_silu_bf16` expert by expert."""
+    lib = _load()
+    n = len(xs)
+    amx = [False] * n if amx is None else list(amx)
+    if not _bf16:
+        raise ValueError("native experts: need the AVX512-BF16 kernel (nf4_bf16() is False)")
+    if not n or not len(w13s) == len(w2s) == len(outs) == len(amx) == n:
+        raise ValueError(f"native experts: {n} x, {len(w13s)} w13, {len(w2s)} w2, {len(outs)} out, {len(amx)} amx")
+    if any(amx):
+        _amx_check(True)
+    H, I = w2s[0].shape
+    ld13, ld2, odt = w13s[0].stride(0), w2s[0].stride(0), outs[0].dtype
+    for x, w13, w2, out, a in zip(xs, w13s, w2s, outs, amx):
+        T = x.shape[0]
+        if (x.dtype != torch.bfloat16 or not x.is_contiguous() or x.dim() != 2 or x.shape[1] != H
+                or not 1 <= T <= max_tokens(a) or w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16
+                or tuple(w13.shape) != (2 * I, H) or tuple(w2.shape) != (H, I) or w13.stride() != (ld13, 1)
+                or w2.stride() != (ld2, 1) or out.dtype != odt or odt not in (torch.bfloat16, torch.float32)
+                or not out.is_contiguous() or tuple(out.shape) != (T, H)):
+            raise ValueError("native experts: each x [T, H] bf16 contiguous (T <= max_tokens), w13 [2I, H] and w2 "
+                             "[H, I] bf16 with the first's row strides and unit column strides, out [T, H] contiguous "
+                             "in the first's dtype (bf16 or fp32)")
+    if H % 32 or I % 32 or cols % 32 or not 0 <= cols < I:
+        raise ValueError(f"native experts: H {H} and I {I} multiples of 32, cols {cols} a multiple of 32 below I")
+    e = w2s[0].element_size()
+
+    def ptrs(ts, offset: int = 0) -> torch.Tensor:
+        return torch.tensor([t.data_ptr() + offset for t in ts], dtype=torch.int64)
+
+    keep = (ptrs(xs), torch.tensor([x.shape[0] for x in xs], dtype=torch.int32), ptrs(w13s, cols * ld13 * e),
+            ptrs(w2s, cols * e), ptrs(outs), torch.tensor(amx, dtype=torch.int32))
+    _check(lib.ferry_experts_silu_bf16(n, keep[0].data_ptr(), keep[1].data_ptr(), H, I - cols, keep[2].data_ptr(),
+                                       ld13, I, keep[3].data_ptr(), ld2, keep[4].data_ptr(),
+                                       int(odt == torch.bfloat16), prefetch, prefetch_multi, *split13, *split2,
+                                       keep[5].data_ptr()), "experts (SiLU, bf16)")
+    return outs
 
 
 def expert_silu_fp8(x: torch.Tensor, w13: tuple, w2: tuple, out: torch.Tensor, split13: tuple[int, int],

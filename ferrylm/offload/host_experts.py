@@ -39,7 +39,8 @@ import torch
 
 from ferrylm.layers.cpu_experts import (HostExpert, Int4InPlace, RowBlocks, dense_linear, int4_from_cpu_layout_,
                                         int4_layout_matches, int4_to_cpu_layout_, native_expert, native_expert_fits,
-                                        split_pool)
+                                        native_experts, split_pool)
+from ferrylm.layers import cpu_experts
 from ferrylm.layers.fused_moe import ExpertWeights
 from ferrylm.layers.qmatmul import QuantKernel
 from ferrylm.weights import quant as Q
@@ -349,6 +350,16 @@ class HostExperts:
                     got = self._split[e] = (c, (gate, up, _matmul(_column_window_kernel(self.w2, e, c))))
         return got[1]
 
+    def _native_batch(self, x: torch.Tensor, groups: dict[int, list[int]], cols: int) -> list[int]:
+        """The experts of `groups` (expert -> its assignment rows) that `rows` runs together in one native call: on a
+        dense bf16 bank, each one that would run as one native call alone (`native_expert_fits` at its token count)."""
+        if not (cpu_experts.native_batched_experts and isinstance(self.w13, torch.Tensor) and x.dtype == torch.bfloat16):
+            return []
+        w13, w2, fits = self.w13[0], self.w2[0], {}
+        for n in {len(a) for a in groups.values()}:
+            fits[n] = native_expert_fits(x[:1].expand(n, -1), w13, w2, self.act, cols)
+        return [e for e, a in groups.items() if fits[len(a)]]
+
     def rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
              cols: int = 0) -> int:
         """x: [T, H]; ids, weights: [T, k] (ids -1 where another side computes); out: [>= T * k, H], written
@@ -365,6 +376,13 @@ class HostExperts:
             if e >= 0:
                 groups.setdefault(e, []).append(a)
         wflat = weights.reshape(-1)  # [T * k]
+        batched = self._native_batch(x, groups, cols)
+        if batched:  # one native call for these experts (`cpu_experts.native_batched_experts`): the same bits
+            rows_of = [groups.pop(e) for e in batched]
+            idx = torch.tensor([i for r in rows_of for i in r])  # their assignment rows, expert by expert
+            y = native_experts(x.index_select(0, idx // k), [len(r) for r in rows_of], [self.w13[e] for e in batched],
+                               [self.w2[e] for e in batched], cols)  # [len(idx), H] bf16
+            out.index_copy_(0, idx, y.float().mul_(wflat.index_select(0, idx).float()[:, None]).to(out.dtype))
         for e, a in groups.items():
             if len(a) == 1:  # decode: views, no index tensors
                 i = a[0]
@@ -374,4 +392,4 @@ class HostExperts:
                 idx = torch.tensor(a)
                 y = run(e, x.index_select(0, idx // k))  # [n, H]
                 out.index_copy_(0, idx, y.float().mul_(wflat.index_select(0, idx).float()[:, None]).to(out.dtype))
-        return len(groups)
+        return len(groups) + len(batched)

@@ -1,0 +1,87 @@
+"""A layer's host experts in one native call against one call an expert (`layers/cpu_experts.native_batched_experts`),
+through `offload/host_experts.HostExperts.rows` as the hybrid engine calls it, on a bf16 bank of a many-small-expert
+shape (Qwen3-30B-A3B: 128 experts of 9.4 MB a layer) under "native". Each round routes fresh tokens (top-k of E,
+uniform) and takes the experts left after `--gpu-share` of them are marked computed elsewhere (-1), so the bank
+(1.2 GB) comes from DRAM, not cache. Baseline in the same run: a plain multi-threaded read of the host's memory
+(the roofline: the experts' bytes at that rate).
+
+    python benchmarks/bench_host_batched.py [--shape qwen3-30b] [--tokens 1 4 16 64] [--threads 16] [--out FILE]
+
+Per token count: experts run a call, ms a call batched and one by one (medians), GB/s of expert bytes, and their
+ratio to the read rate. The last line printed is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ferrylm.layers import cpu_experts as C
+from ferrylm.layers import host_native
+from ferrylm.offload.host_experts import HostExperts
+from bench_cpu_experts import read_bandwidth  # benchmarks/ (scripts run as python benchmarks/x.py)
+from results import write_results  # benchmarks/results.py
+
+SHAPES = {"qwen3-30b": (128, 8, 2048, 768), "qwen3-235b": (128, 8, 4096, 1536), "deepseek-v2-lite": (64, 6, 2048, 1408),
+          "mixtral": (8, 2, 4096, 14336)}  # experts, k, hidden, intermediate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-30b", choices=sorted(SHAPES))
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--gpu-share", type=float, default=0.5, help="fraction of a round's experts computed elsewhere")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not host_native.nf4_bf16():
+        raise SystemExit(f"needs the native AVX512-BF16 kernels: {host_native.why_unavailable() or 'no AVX512-BF16'}")
+    E, k, H, I = SHAPES[args.shape]
+    g = torch.Generator().manual_seed(0)
+    he = HostExperts(torch.empty(E, 2 * I, H, dtype=torch.bfloat16).normal_(0, .02, generator=g),
+                     torch.empty(E, H, I, dtype=torch.bfloat16).normal_(0, .02, generator=g), F.silu)
+    C.dense_gemm, C.dense_gemm_max_t = "native", 64
+    read = read_bandwidth(1.0)
+    print(f"{args.shape}: {E} experts of {he.expert_bytes / 1e6:.1f} MB, k {k}, {torch.get_num_threads()} threads, "
+          f"plain read {read:.1f} GB/s, AMX {host_native.amx()}")
+    rows = []
+    for T in args.tokens:
+        times: dict[bool, list[float]] = {True: [], False: []}
+        used = []
+        for r in range(args.rounds):
+            ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+            experts = ids.unique()
+            elsewhere = experts[torch.randperm(len(experts), generator=g)[:int(args.gpu_share * len(experts))]]
+            ids[torch.isin(ids, elsewhere)] = -1
+            used.append(len(ids[ids >= 0].unique()))
+            x, w = torch.randn(T, H, generator=g).bfloat16(), torch.rand(T, k, generator=g)
+            out = torch.empty(T * k, H, dtype=torch.bfloat16)
+            for batched in ((True, False) if r % 2 else (False, True)):  # alternate which goes first
+                C.native_batched_experts = batched
+                t0 = time.perf_counter()
+                he.rows(x, ids, w, out)
+                times[batched].append(time.perf_counter() - t0)
+        n = statistics.median(used)
+        row = {"tokens": T, "experts_a_call": n}
+        for batched, name in ((True, "batched"), (False, "one_by_one")):
+            ms = statistics.median(times[batched][1:]) * 1e3  # (the first round builds the per-expert kernels)
+            gb_s = n * he.expert_bytes / ms / 1e6
+            row |= {f"{name}_ms": round(ms, 3), f"{name}_gb_s": round(gb_s, 1), f"{name}_of_read": round(gb_s / read, 2)}
+        row["speedup"] = round(row["one_by_one_ms"] / row["batched_ms"], 2)
+        rows.append(row)
+        print(f"  {T:3d} tokens, {n:5.1f} experts: batched {row['batched_ms']:7.3f} ms ({row['batched_gb_s']:5.1f} GB/s, "
+              f"{row['batched_of_read']:.2f} of read), one by one {row['one_by_one_ms']:7.3f} ms "
+              f"({row['one_by_one_gb_s']:5.1f} GB/s): {row['speedup']:.2f}x")
+    write_results("host_batched", rows, args.out, shape=args.shape, read_gb_s=round(read, 1),
+                  threads=torch.get_num_threads(), amx=host_native.amx(), gpu_share=args.gpu_share)
+
+
+if __name__ == "__main__":
+    main()

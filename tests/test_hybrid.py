@@ -723,6 +723,13 @@ def test_host_rows_run_a_layers_native_experts_in_one_call(T, cols, monkeypatch)
     monkeypatch.setattr(C, "native_batched_experts", False)
     assert he.rows(x, ids, w, one_by_one, cols=cols) == n and len(many) == 1
     assert torch.equal(batched, one_by_one) and not batched[1].any()
+    # the copy road's host experts (`outputs`: unweighted, an expert's rows as given) likewise
+    rows = {e: (ids == e).any(1).nonzero()[:, 0] for e in sorted(used)}
+    alone = he.outputs(x, rows)
+    monkeypatch.setattr(C, "native_batched_experts", True)
+    together = he.outputs(x, rows)
+    assert len(many) == 2 and sorted(together) == sorted(alone) == sorted(used)
+    assert all(torch.equal(together[e], alone[e]) and together[e].shape == (len(rows[e]), H) for e in used)
 
 
 PACKED = {"int8": lambda t: __import__("ferrylm.weights.quant", fromlist=["q"]).quantize_int8(t),

@@ -1013,8 +1013,8 @@ class CachedExperts(ExpertBackend):
         if on_cpu:  # per expert, unweighted: `combine` weighs and adds them in expert order like every backend
             x_host, rows_host = x.cpu(), rows.cpu()
             host = self.host_experts
-            future = self._on_host(lambda: {e: host.expert(e)(x_host[rows_host[starts[e]:starts[e] + counts[e]]])
-                                            for e in on_cpu})
+            future = self._on_host(lambda: host.outputs(x_host, {e: rows_host[starts[e]:starts[e] + counts[e]]
+                                                                 for e in on_cpu}))
 
         def issue():
             while pending and avail:

@@ -350,15 +350,31 @@ class HostExperts:
                     got = self._split[e] = (c, (gate, up, _matmul(_column_window_kernel(self.w2, e, c))))
         return got[1]
 
-    def _native_batch(self, x: torch.Tensor, groups: dict[int, list[int]], cols: int) -> list[int]:
-        """The experts of `groups` (expert -> its assignment rows) that `rows` runs together in one native call: on a
-        dense bf16 bank, each one that would run as one native call alone (`native_expert_fits` at its token count)."""
+    def _native_batch(self, x: torch.Tensor, counts: dict[int, int], cols: int) -> list[int]:
+        """The experts of `counts` (expert -> its tokens) that run together in one native call: on a dense bf16 bank,
+        each one that would run as one native call alone (`native_expert_fits` at its token count)."""
         if not (cpu_experts.native_batched_experts and isinstance(self.w13, torch.Tensor) and x.dtype == torch.bfloat16):
             return []
         w13, w2, fits = self.w13[0], self.w2[0], {}
-        for n in {len(a) for a in groups.values()}:
+        for n in set(counts.values()):
             fits[n] = native_expert_fits(x[:1].expand(n, -1), w13, w2, self.act, cols)
-        return [e for e, a in groups.items() if fits[len(a)]]
+        return [e for e, n in counts.items() if fits[n]]
+
+    def outputs(self, x: torch.Tensor, rows: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Expert e of `rows` (expert -> index tensor of x's rows) on its rows of x, unweighted: {e: [n, H] in x's
+        dtype}, as `expert(e)(x[rows[e]])` gives it; the experts that each take one native call take one together
+        (`native_experts`), the rest theirs."""
+        batched = self._native_batch(x, {e: len(r) for e, r in rows.items()}, 0)
+        got = {}
+        if batched:
+            counts = [len(rows[e]) for e in batched]
+            y = native_experts(x.index_select(0, torch.cat([rows[e] for e in batched])), counts,
+                               [self.w13[e] for e in batched], [self.w2[e] for e in batched])
+            got = dict(zip(batched, y.split(counts)))
+        for e, r in rows.items():
+            if e not in got:
+                got[e] = self.expert(e)(x[r])
+        return got
 
     def rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
              cols: int = 0) -> int:
@@ -376,7 +392,7 @@ class HostExperts:
             if e >= 0:
                 groups.setdefault(e, []).append(a)
         wflat = weights.reshape(-1)  # [T * k]
-        batched = self._native_batch(x, groups, cols)
+        batched = self._native_batch(x, {e: len(a) for e, a in groups.items()}, cols)
         if batched:  # one native call for these experts (`cpu_experts.native_batched_experts`): the same bits
             rows_of = [groups.pop(e) for e in batched]
             idx = torch.tensor([i for r in rows_of for i in r])  # their assignment rows, expert by expert

@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=None, help="the tree's commit (a device checkout reports its base commit)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -56,14 +57,15 @@ def main() -> None:
         times: dict[bool, list[float]] = {True: [], False: []}
         used = []
         for r in range(args.rounds):
-            ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-            experts = ids.unique()
-            elsewhere = experts[torch.randperm(len(experts), generator=g)[:int(args.gpu_share * len(experts))]]
-            ids[torch.isin(ids, elsewhere)] = -1
-            used.append(len(ids[ids >= 0].unique()))
-            x, w = torch.randn(T, H, generator=g).bfloat16(), torch.rand(T, k, generator=g)
-            out = torch.empty(T * k, H, dtype=torch.bfloat16)
             for batched in ((True, False) if r % 2 else (False, True)):  # alternate which goes first
+                # fresh routing for each: the other's experts may still sit in the last-level cache
+                ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+                experts = ids.unique()
+                elsewhere = experts[torch.randperm(len(experts), generator=g)[:int(args.gpu_share * len(experts))]]
+                ids[torch.isin(ids, elsewhere)] = -1
+                used.append(len(ids[ids >= 0].unique()))
+                x, w = torch.randn(T, H, generator=g).bfloat16(), torch.rand(T, k, generator=g)
+                out = torch.empty(T * k, H, dtype=torch.bfloat16)
                 C.native_batched_experts = batched
                 t0 = time.perf_counter()
                 he.rows(x, ids, w, out)
@@ -79,7 +81,7 @@ def main() -> None:
         print(f"  {T:3d} tokens, {n:5.1f} experts: batched {row['batched_ms']:7.3f} ms ({row['batched_gb_s']:5.1f} GB/s, "
               f"{row['batched_of_read']:.2f} of read), one by one {row['one_by_one_ms']:7.3f} ms "
               f"({row['one_by_one_gb_s']:5.1f} GB/s): {row['speedup']:.2f}x")
-    write_results("host_batched", rows, args.out, shape=args.shape, read_gb_s=round(read, 1),
+    write_results("host_batched", rows, args.out, **({"commit": args.commit} if args.commit else {}), shape=args.shape, read_gb_s=round(read, 1),
                   threads=torch.get_num_threads(), amx=host_native.amx(), gpu_share=args.gpu_share)
 
 

@@ -637,6 +637,39 @@ def test_fp8_split_window_in_one_call_equals_the_window_kernels(w2_group, monkey
 
 
 @pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
+@pytest.mark.parametrize("cols", [0, 128])
+def test_nf4_experts_in_one_call_equal_one_by_one(cols):
+    """Several NF4 experts of a bank in one call (`experts_silu_nf4`) give each expert the bits of its own
+    `expert_silu_nf4` call (1, 5 and 16 tokens side by side; chunks spanning two experts; bf16 and fp32 out; a column
+    window); experts of different groups refused."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+
+    torch.manual_seed(19 + cols)
+    E, H, I = 4, 256, 384
+    w13 = ExpertWeights.stack([[Q.quantize_nf4(torch.randn(I, H) * .05, 64), Q.quantize_nf4(torch.randn(I, H) * .05, 64)]
+                               for _ in range(E)], torch.bfloat16)
+    w2 = ExpertWeights.stack([[Q.quantize_nf4(torch.randn(H, I) * .05, 128)] for _ in range(E)], torch.bfloat16)
+
+    def side(bank, e):
+        return bank.parts["q"][e], bank.parts["scale"][e].float().contiguous(), bank.group
+
+    ids, Ts = [3, 0, 2], [5, 1, 16]
+    xs = [hn.nf4_x(torch.randn(T, H, dtype=torch.bfloat16), 64, bf16=True) for T in Ts]
+    for dtype in (torch.float32, torch.bfloat16):
+        one = [hn.expert_silu_nf4(x, side(w13, e), side(w2, e), torch.empty(x.shape[0], H, dtype=dtype), (1, 64),
+                                  (1, 64), cols=cols) for x, e in zip(xs, ids)]
+        for split13, split2 in (((1, I), (1, H)), ((3, 64), (2, 96)), ((4, 128), (3, 320))):
+            outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
+            got = hn.experts_silu_nf4(xs, [side(w13, e) for e in ids], [side(w2, e) for e in ids], outs, split13,
+                                      split2, cols=cols)
+            assert all(torch.equal(g, o) for g, o in zip(got, one)), (dtype, split13, split2)
+    other = ExpertWeights.stack([[Q.quantize_nf4(torch.randn(H, I) * .05, 64)]], torch.bfloat16)
+    with pytest.raises(ValueError, match="native NF4 experts"):
+        hn.experts_silu_nf4(xs[:2], [side(w13, 3), side(w13, 0)], [side(w2, 3), side(other, 0)],
+                            [torch.empty(T, H) for T in Ts[:2]], (1, 64), (1, 64))
+
+
+@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
 def test_nf4_host_expert_in_one_call_equals_its_three_kernels(monkeypatch):
     """A host expert over NF4 banks under "native" runs whole in one native call (`host_native.expert_silu_nf4`):
     the same bits as its two native GEMVs with torch's SiLU and product between, at 1-16 tokens, to bf16 and fp32

@@ -689,12 +689,13 @@ def test_host_rows_on_a_column_range_run_one_native_call(T, monkeypatch):
 
 @pytest.mark.skipif(not __import__("ferrylm.layers.host_native", fromlist=["x"]).nf4_bf16(),
                     reason="no AVX512-BF16 kernels on this CPU")
+@pytest.mark.parametrize("fmt", ["bf16", "nf4-g64"])
 @pytest.mark.parametrize("T,cols", [(1, 0), (4, 0), (4, 128), (70, 0)])
-def test_host_rows_run_a_layers_native_experts_in_one_call(T, cols, monkeypatch):
-    """bf16 SiLU banks under "native": `rows` runs all the experts of a call that would each take one native call as
-    one (`cpu_experts.native_batched_experts`, `host_native.experts_silu_bf16`), whole or on a column window, and gives
-    the bits of one call an expert; an expert with more tokens than a native call takes (70: more than AMX's 64)
-    keeps its own path beside them."""
+def test_host_rows_run_a_layers_native_experts_in_one_call(fmt, T, cols, monkeypatch):
+    """bf16 and NF4 SiLU banks under "native": `rows` runs all the experts of a call that would each take one native
+    call as one (`cpu_experts.native_batched_experts`: `host_native.experts_silu_bf16` / `experts_silu_nf4`), whole
+    or on a column window, and gives the bits of one call an expert; an expert with more tokens than a native call
+    takes (70: more than AMX's 64) keeps its own path beside them."""
     import torch.nn.functional as F
 
     from ferrylm.layers import cpu_experts as C
@@ -702,20 +703,26 @@ def test_host_rows_run_a_layers_native_experts_in_one_call(T, cols, monkeypatch)
     from ferrylm.offload.host_experts import HostExperts
 
     g = torch.Generator().manual_seed(6 + T)
-    E, H, I, k = 8, 64, 512, 2
-    he = HostExperts((torch.randn(E, 2 * I, H, generator=g) * .1).bfloat16(),
-                     (torch.randn(E, H, I, generator=g) * .1).bfloat16(), F.silu)
+    E, H, I, k = 8, 128, 512, 2
+    if fmt == "bf16":
+        he = HostExperts((torch.randn(E, 2 * I, H, generator=g) * .1).bfloat16(),
+                         (torch.randn(E, H, I, generator=g) * .1).bfloat16(), F.silu)
+    else:
+        he = HostExperts(*_packed_bank(fmt, E, H, I)[:2], F.silu)
     x = torch.randn(T, H, generator=g).bfloat16()
     ids = torch.randint(0, E, (T, k), generator=g)
-    ids[0, 1] = -1  # computed elsewhere
     if T == 70:
-        ids[:, 0] = 3  # expert 3 at 70 tokens
+        ids[:, 0] = 3  # expert 3 at 70 tokens, the other 7 at 10 each
+        ids[:, 1] = torch.tensor([0, 1, 2, 4, 5, 6, 7])[torch.arange(T) % 7]
+    ids[0, 1] = -1  # computed elsewhere
     w = torch.rand(T, k, generator=g)
     monkeypatch.setattr(C, "dense_gemm", "native")
     monkeypatch.setattr(C, "dense_gemm_max_t", 64)
+    monkeypatch.setattr(C, "row_blocks_gemm", "native")
     many = []
-    real = hn.experts_silu_bf16
-    monkeypatch.setattr(hn, "experts_silu_bf16", lambda xs, *a, **kw: many.append(len(xs)) or real(xs, *a, **kw))
+    name = "experts_silu_bf16" if fmt == "bf16" else "experts_silu_nf4"
+    real = getattr(hn, name)
+    monkeypatch.setattr(hn, name, lambda xs, *a, **kw: many.append(len(xs)) or real(xs, *a, **kw))
     batched, one_by_one = torch.full((T * k, H), float("nan")), torch.full((T * k, H), float("nan"))
     n = he.rows(x, ids, w, batched, cols=cols)
     used = set(ids[ids >= 0].tolist())

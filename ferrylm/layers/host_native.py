@@ -935,6 +935,22 @@ int ferry_expert_silu_bf16(const uint16_t* x, int T, int H, int I, const uint16_
     return 0;
 }
 
+/* one pass over n experts' rows as one range [0, n * rows): expert i's rows [j, j + r) are `task`'s on the i-th of
+   `args` (an array of n structs of `size` bytes); a chunk may span the end of one expert's rows and the next's */
+typedef struct { int rows; const char* args; size_t size; ferry_task task; } multi_args;
+static void multi_task(const void* p, int a, int c) {
+    const multi_args* m = (const multi_args*)p;
+    while (c > 0) {
+        const int i = a / m->rows, j = a - i * m->rows, r = m->rows - j < c ? m->rows - j : c;
+        m->task(m->args + (size_t)i * m->size, j, r);
+        a += r;
+        c -= r;
+    }
+}
+static void par_experts(ferry_task task, const void* args, size_t size, int n, int rows, int threads, int chunk) {
+    multi_args m = {rows, (const char*)args, size, task};
+    par_rows(multi_task, &m, n * rows, threads, chunk);
+}
 /* Several SiLU experts of one bank in one call (a layer's host experts at a step): expert i at its own T[i] tokens,
    x[i] [T[i], H] bf16 contiguous, its weights at w13[i] / w2[i] (the same H, I, row strides and `up` for all, as
    `ferry_expert_silu_bf16` reads one), out[i] [T[i], H]; amx[i]: expert i on the AMX kernel. Each pass over the pool
@@ -942,31 +958,12 @@ int ferry_expert_silu_bf16(const uint16_t* x, int T, int H, int I, const uint16_
    so a chunk never waits for another expert's pass and the pool is woken twice a call, not twice an expert: with
    many small experts (Qwen3-30B-A3B's are 9.4 MB in bf16) two wake-ups an expert cost more than reading it. Each
    expert's bits are `ferry_expert_silu_bf16`'s (the same kernels on the same rows; the chunking moves no sum). */
-typedef struct { int n, I, H; expert_args* e; } experts_args;
-static void experts_up_task(const void* p, int a, int c) {
-    const experts_args* m = (const experts_args*)p;
-    while (c > 0) {  /* a chunk may span the end of one expert's columns and the start of the next's */
-        const int i = a / m->I, j = a - i * m->I, r = m->I - j < c ? m->I - j : c;
-        expert_up_task(&m->e[i], j, r);
-        a += r;
-        c -= r;
-    }
-}
-static void experts_down_task(const void* p, int a, int c) {
-    const experts_args* m = (const experts_args*)p;
-    while (c > 0) {
-        const int i = a / m->H, j = a - i * m->H, r = m->H - j < c ? m->H - j : c;
-        expert_down_task(&m->e[i], j, r);
-        a += r;
-        c -= r;
-    }
-}
 int ferry_experts_silu_bf16(int n, const uint16_t* const* x, const int* T, int H, int I, const uint16_t* const* w13,
                             int64_t ld13, int64_t up, const uint16_t* const* w2, int64_t ld2, void* const* out,
                             int out_bf16, int pf1, int pfm, int threads13, int chunk13, int threads2, int chunk2,
                             const int* amx) {
     if (n < 1 || H % 32 || I % 32 || pf1 < 0 || pfm < 0 || threads13 < 1 || chunk13 < 1 || threads2 < 1 || chunk2 < 1
-        || up < I || (int64_t)n * (H > I ? H : I) > 0x7FFFFFFF)
+        || up < I || (int64_t)n * (H > I ? H : I) > 0x3FFFFFFF)  /* (par_rows' counter passes n by its chunks) */
         return -1;
     size_t total = 0;
     for (int i = 0; i < n; i++) {
@@ -990,17 +987,15 @@ int ferry_experts_silu_bf16(int n, const uint16_t* const* x, const int* T, int H
         if (T[i] > 1) bx_pack(x[i], T[i], H, xb, amx[i]);
         e[i] = (expert_args){T[i] > 1 ? xb : x[i], T[i], H, I, w13[i], ld13, up, w2[i], ld2, h,
                              out_bf16 ? NULL : (float*)out[i], out_bf16 ? (uint16_t*)out[i] : NULL,
-                             T[i] > 1 ? pfm : pf1, amx[i]};
-        e[i].hb = hb;
+                             T[i] > 1 ? pfm : pf1, amx[i], hb};
     }
-    experts_args m = {n, I, H, e};
-    par_rows(experts_up_task, &m, n * I, threads13, chunk13);
+    par_experts(expert_up_task, e, sizeof *e, n, I, threads13, chunk13);
     for (int i = 0; i < n; i++)
         if (T[i] > 1) {
             bx_pack(e[i].h, T[i], I, e[i].hb, amx[i]);
             e[i].h = e[i].hb;
         }
-    par_rows(experts_down_task, &m, n * H, threads2, chunk2);
+    par_experts(expert_down_task, e, sizeof *e, n, H, threads2, chunk2);
     free(buf);
     free(e);
     return 0;
@@ -1125,6 +1120,15 @@ static void nf4_expert_down_task(const void* p, int a, int c) {
             }
     }
 }
+/* h [T, I] in the NF4 kernel's layout for the down GEMV: per 64 columns the 32 even, then the 32 odd */
+static void nf4_h_layout(const uint16_t* h, int T, int I, uint16_t* hl) {
+    for (int t = 0; t < T; t++)
+        for (int b = 0; b < I; b += 64)
+            for (int i = 0; i < 32; i++) {
+                hl[(int64_t)t * I + b + i] = h[(int64_t)t * I + b + 2 * i];
+                hl[(int64_t)t * I + b + 32 + i] = h[(int64_t)t * I + b + 2 * i + 1];
+            }
+}
 /* x [T, H] bf16 in `nf4_x`'s layout; gate rows j of w13 at q13 + j * ld13 (absmax a13 + j * lds13), up rows at
    up + j; w2 [H, I] codes q2 (ld2 bytes a row), absmax a2 (lds2); g13, g2: each side's group (multiples of 64,
    dividing H and I); I a multiple of 64; out [T, H] bf16 (out_bf16) or fp32. 0, -1 on bad arguments, -3 without
@@ -1143,15 +1147,51 @@ int ferry_expert_silu_nf4(const uint16_t* x, int T, int H, int I, const uint8_t*
     nf4_expert_args e = {x, T, H, I, q13, ld13, up, a13, lds13, g13, q2, ld2, a2, lds2, g2, levels32, h,
                          out_bf16 ? NULL : (float*)out, out_bf16 ? (uint16_t*)out : NULL};
     par_rows(nf4_expert_up_task, &e, I, threads13, chunk13);
-    for (int t = 0; t < T; t++)  /* h in the kernel's layout: per 64 columns the 32 even, then the 32 odd */
-        for (int b = 0; b < I; b += 64)
-            for (int i = 0; i < 32; i++) {
-                hl[(int64_t)t * I + b + i] = h[(int64_t)t * I + b + 2 * i];
-                hl[(int64_t)t * I + b + 32 + i] = h[(int64_t)t * I + b + 2 * i + 1];
-            }
+    nf4_h_layout(h, T, I, hl);
     e.h = hl;
     par_rows(nf4_expert_down_task, &e, H, threads2, chunk2);
     free(h);
+    return 0;
+}
+/* `ferry_expert_silu_nf4` for several experts of one bank in one call, as `ferry_experts_silu_bf16` is for bf16 ones:
+   expert i at T[i] tokens (x[i] in `nf4_x`'s layout), its codes and absmax at q13[i], a13[i], q2[i], a2[i] (the same
+   shapes, strides and groups for all), out[i] [T[i], H]; each expert's bits are its own call's. */
+int ferry_experts_silu_nf4(int n, const uint16_t* const* x, const int* T, int H, int I, const uint8_t* const* q13,
+                           int64_t ld13, int64_t up, const float* const* a13, int64_t lds13, int g13,
+                           const uint8_t* const* q2, int64_t ld2, const float* const* a2, int64_t lds2, int g2,
+                           const uint16_t* levels32, void* const* out, int out_bf16, int threads13, int chunk13,
+                           int threads2, int chunk2) {
+    if (n < 1 || H % 64 || I % 64 || g13 < 64 || g2 < 64 || g13 % 64 || g2 % 64 || H % g13 || I % g2
+        || threads13 < 1 || chunk13 < 1 || threads2 < 1 || chunk2 < 1 || up < I
+        || (int64_t)n * (H > I ? H : I) > 0x3FFFFFFF)
+        return -1;
+    size_t total = 0;
+    for (int i = 0; i < n; i++) {
+        if (T[i] < 1 || T[i] > MAXT) return -1;
+        total += ((size_t)T[i] * I * 4 + 63) / 64 * 64;
+    }
+    nf4_expert_args* e = malloc(sizeof(nf4_expert_args) * n);
+    uint16_t* buf = aligned_alloc(64, total);
+    if (!e || !buf) {
+        free(e);
+        free(buf);
+        return -3;
+    }
+    uint16_t* at = buf;
+    for (int i = 0; i < n; i++) {
+        e[i] = (nf4_expert_args){x[i], T[i], H, I, q13[i], ld13, up, a13[i], lds13, g13, q2[i], ld2, a2[i], lds2, g2,
+                                 levels32, at, out_bf16 ? NULL : (float*)out[i], out_bf16 ? (uint16_t*)out[i] : NULL};
+        at += ((size_t)T[i] * I * 4 + 63) / 64 * 32;
+    }
+    par_experts(nf4_expert_up_task, e, sizeof *e, n, I, threads13, chunk13);
+    for (int i = 0; i < n; i++) {
+        uint16_t* hl = e[i].h + (size_t)T[i] * I;
+        nf4_h_layout(e[i].h, T[i], I, hl);
+        e[i].h = hl;
+    }
+    par_experts(nf4_expert_down_task, e, sizeof *e, n, H, threads2, chunk2);
+    free(buf);
+    free(e);
     return 0;
 }
 #pragma GCC pop_options
@@ -1336,6 +1376,9 @@ def _load():
             lib.ferry_expert_silu_nf4.argtypes = [p, i32, i32, i32, p, i64, i64, p, i64, i32, p, i64, p, i64, i32, p,
                                                   p, i32, i32, i32, i32, i32]
             lib.ferry_expert_silu_nf4.restype = i32
+            lib.ferry_experts_silu_nf4.argtypes = [i32, p, p, i32, i32, p, i64, i64, p, i64, i32, p, i64, p, i64, i32,
+                                                   p, p, i32, i32, i32, i32, i32]
+            lib.ferry_experts_silu_nf4.restype = i32
             lib.ferry_gemv_fp8.argtypes = [p, i32, i32, p, i64, p, i64, i32, i32, p, i32, p, i64]
             lib.ferry_gemv_fp8.restype = i32
             lib.ferry_gemv_fp8_mt.argtypes = [p, i32, i32, p, i64, p, i64, i32, i32, p, i32, p, i64, i32, i32, i32]
@@ -1675,16 +1718,9 @@ def gemv_fp8(xb: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
     return out
 
 
-def expert_silu_nf4(x: torch.Tensor, w13: tuple, w2: tuple, out: torch.Tensor, split13: tuple[int, int],
-                    split2: tuple[int, int], cols: int = 0) -> torch.Tensor:
-    """`expert_silu_fp8` over NF4 weights on the AVX512-BF16 kernel: w13 = (codes [2I, H/2] uint8, absmax [2I, H / g13]
-    fp32, g13) with the gate rows then the up rows, w2 = (codes [H, I/2], absmax [H, I / g2], g2), as `gemv_nf4` reads
-    each; x [T, H] bf16 as `nf4_x` lays it (per 64 columns the 32 even, then the 32 odd), T <= MAX_TOKENS; out [T, H]
-    bf16 or fp32. The same bits as `gemv_nf4` twice with torch's bf16 SiLU and product between. `cols` > 0 (a multiple
-    of 64 and of g2): the intermediate columns [cols, I) only (the hybrid split's host part)."""
-    lib = _load()
-    if not _bf16:
-        raise ValueError("native NF4 expert: needs the AVX512-BF16 kernel (nf4_bf16() is False)")
+def _nf4_expert(x: torch.Tensor, w13: tuple, w2: tuple, out: torch.Tensor, cols: int) -> tuple:
+    """`expert_silu_nf4`'s arguments checked -> (T, H, n, the C call's weight arguments from q13 to g2) for the window
+    [cols, I) (n = I - cols columns)."""
     (q13, a13, g13), (q2, a2, g2) = w13, w2
     T, H = x.shape
     I = q2.shape[1] * 2
@@ -1702,14 +1738,57 @@ def expert_silu_nf4(x: torch.Tensor, w13: tuple, w2: tuple, out: torch.Tensor, s
                          "multiples of 64, out [T, H]")
     if cols % 64 or cols % g2 or not 0 <= cols < I:
         raise ValueError(f"native NF4 expert: cols {cols} must be a multiple of 64 and of w2's group {g2} below I = {I}")
-    n = I - cols  # the window: gate rows [cols, I), up rows [I + cols, 2I), w2's columns [cols, I)
-    _check(lib.ferry_expert_silu_nf4(x.data_ptr(), T, H, n, q13.data_ptr() + cols * q13.stride(0), q13.stride(0), I,
-                                     a13.data_ptr() + cols * a13.stride(0) * 4, a13.stride(0), g13,
-                                     q2.data_ptr() + cols // 2, q2.stride(0), a2.data_ptr() + cols // g2 * 4,
-                                     a2.stride(0), g2, _levels_bf16().data_ptr(), out.data_ptr(),
-                                     int(out.dtype == torch.bfloat16), *split13, *split2),
-           "expert (SiLU, NF4)")
+    # the window: gate rows [cols, I), up rows [I + cols, 2I), w2's columns [cols, I)
+    return T, H, I - cols, (q13.data_ptr() + cols * q13.stride(0), q13.stride(0), I,
+                            a13.data_ptr() + cols * a13.stride(0) * 4, a13.stride(0), g13, q2.data_ptr() + cols // 2,
+                            q2.stride(0), a2.data_ptr() + cols // g2 * 4, a2.stride(0), g2)
+
+
+def expert_silu_nf4(x: torch.Tensor, w13: tuple, w2: tuple, out: torch.Tensor, split13: tuple[int, int],
+                    split2: tuple[int, int], cols: int = 0) -> torch.Tensor:
+    """`expert_silu_fp8` over NF4 weights on the AVX512-BF16 kernel: w13 = (codes [2I, H/2] uint8, absmax [2I, H / g13]
+    fp32, g13) with the gate rows then the up rows, w2 = (codes [H, I/2], absmax [H, I / g2], g2), as `gemv_nf4` reads
+    each; x [T, H] bf16 as `nf4_x` lays it (per 64 columns the 32 even, then the 32 odd), T <= MAX_TOKENS; out [T, H]
+    bf16 or fp32. The same bits as `gemv_nf4` twice with torch's bf16 SiLU and product between. `cols` > 0 (a multiple
+    of 64 and of g2): the intermediate columns [cols, I) only (the hybrid split's host part)."""
+    lib = _load()
+    if not _bf16:
+        raise ValueError("native NF4 expert: needs the AVX512-BF16 kernel (nf4_bf16() is False)")
+    T, H, n, weights = _nf4_expert(x, w13, w2, out, cols)
+    _check(lib.ferry_expert_silu_nf4(x.data_ptr(), T, H, n, *weights, _levels_bf16().data_ptr(), out.data_ptr(),
+                                     int(out.dtype == torch.bfloat16), *split13, *split2), "expert (SiLU, NF4)")
     return out
+
+
+def experts_silu_nf4(xs: list[torch.Tensor], w13s: list[tuple], w2s: list[tuple], outs: list[torch.Tensor],
+                     split13: tuple[int, int], split2: tuple[int, int], cols: int = 0) -> list[torch.Tensor]:
+    """`expert_silu_nf4` for several experts of one bank in one call, as `experts_silu_bf16` is for bf16 ones (one
+    shape, strides and groups for all; split13 / split2 counted over all the experts' rows): each expert's bits are
+    its own call's."""
+    lib = _load()
+    if not _bf16:
+        raise ValueError("native NF4 experts: need the AVX512-BF16 kernel (nf4_bf16() is False)")
+    n = len(xs)
+    if not n or not len(w13s) == len(w2s) == len(outs) == n:
+        raise ValueError(f"native NF4 experts: {n} x, {len(w13s)} w13, {len(w2s)} w2, {len(outs)} out")
+    calls = [_nf4_expert(*args, cols) for args in zip(xs, w13s, w2s, outs)]
+    _, H, cn, first = calls[0]
+    strides = lambda w: w[1:3] + w[4:6] + w[7:8] + w[9:]  # noqa: E731 (all but the pointers)
+    if any(c[1:3] != (H, cn) or strides(c[3]) != strides(first) for c in calls) or len({o.dtype for o in outs}) > 1:
+        raise ValueError("native NF4 experts: one H, I, group, row stride and out dtype for all")
+
+    def ptrs(at: int) -> torch.Tensor:
+        return torch.tensor([c[3][at] for c in calls], dtype=torch.int64)
+
+    keep = (torch.tensor([x.data_ptr() for x in xs], dtype=torch.int64),
+            torch.tensor([c[0] for c in calls], dtype=torch.int32), ptrs(0), ptrs(3), ptrs(6), ptrs(8),
+            torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64))
+    (ld13, up), (lds13, g13), (ld2,), (lds2, g2) = first[1:3], first[4:6], first[7:8], first[9:]
+    _check(lib.ferry_experts_silu_nf4(n, keep[0].data_ptr(), keep[1].data_ptr(), H, cn, keep[2].data_ptr(), ld13, up,
+                                      keep[3].data_ptr(), lds13, g13, keep[4].data_ptr(), ld2, keep[5].data_ptr(),
+                                      lds2, g2, _levels_bf16().data_ptr(), keep[6].data_ptr(),
+                                      int(outs[0].dtype == torch.bfloat16), *split13, *split2), "experts (SiLU, NF4)")
+    return outs
 
 
 def gemv_nf4(x32: torch.Tensor, q: torch.Tensor, absmax: torch.Tensor, group: int, levels: torch.Tensor,

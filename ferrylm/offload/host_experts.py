@@ -39,7 +39,7 @@ import torch
 
 from ferrylm.layers.cpu_experts import (HostExpert, Int4InPlace, RowBlocks, dense_linear, int4_from_cpu_layout_,
                                         int4_layout_matches, int4_to_cpu_layout_, native_expert, native_expert_fits,
-                                        native_experts, split_pool)
+                                        native_experts, native_nf4_experts, split_pool)
 from ferrylm.layers import cpu_experts
 from ferrylm.layers.fused_moe import ExpertWeights
 from ferrylm.layers.qmatmul import QuantKernel
@@ -351,25 +351,40 @@ class HostExperts:
         return got[1]
 
     def _native_batch(self, x: torch.Tensor, counts: dict[int, int], cols: int) -> list[int]:
-        """The experts of `counts` (expert -> its tokens) that run together in one native call: on a dense bf16 bank,
-        each one that would run as one native call alone (`native_expert_fits` at its token count)."""
-        if not (cpu_experts.native_batched_experts and isinstance(self.w13, torch.Tensor) and x.dtype == torch.bfloat16):
+        """The experts of `counts` (expert -> its tokens) that run together in one native call (`_batched`): each one
+        that would run as one native call alone at its token count (dense bf16: `native_expert_fits`; NF4:
+        `HostExpert.window_fits`)."""
+        if not cpu_experts.native_batched_experts or x.dtype != torch.bfloat16 or not counts:
             return []
-        w13, w2, fits = self.w13[0], self.w2[0], {}
-        for n in set(counts.values()):
-            fits[n] = native_expert_fits(x[:1].expand(n, -1), w13, w2, self.act, cols)
+        fits = {}
+        if isinstance(self.w13, torch.Tensor):
+            w13, w2 = self.w13[0], self.w2[0]
+            for n in set(counts.values()):
+                fits[n] = native_expert_fits(x[:1].expand(n, -1), w13, w2, self.act, cols)
+        elif self.w13.fmt == "nf4":  # (an NF4 expert's kernels are views of the bank: building them copies nothing)
+            first = self.expert(next(iter(counts)))
+            for n in set(counts.values()):
+                fits[n] = first.gate_up.nf4 is not None and first.window_fits(x[:1].expand(n, -1), cols)
+        else:
+            return []
         return [e for e, n in counts.items() if fits[n]]
+
+    def _batched(self, x: torch.Tensor, tokens: list[int], experts: list[int], cols: int) -> torch.Tensor:
+        """`experts` (from `_native_batch`) on x's rows, expert i's `tokens[i]` rows after expert i - 1's, in one native
+        call: [sum(tokens), H] bf16, unweighted."""
+        if isinstance(self.w13, torch.Tensor):
+            return native_experts(x, tokens, [self.w13[e] for e in experts], [self.w2[e] for e in experts], cols)
+        return native_nf4_experts(x, tokens, [self.expert(e) for e in experts], cols)
 
     def outputs(self, x: torch.Tensor, rows: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Expert e of `rows` (expert -> index tensor of x's rows) on its rows of x, unweighted: {e: [n, H] in x's
         dtype}, as `expert(e)(x[rows[e]])` gives it; the experts that each take one native call take one together
-        (`native_experts`), the rest theirs."""
+        (`_batched`), the rest theirs."""
         batched = self._native_batch(x, {e: len(r) for e, r in rows.items()}, 0)
         got = {}
         if batched:
             counts = [len(rows[e]) for e in batched]
-            y = native_experts(x.index_select(0, torch.cat([rows[e] for e in batched])), counts,
-                               [self.w13[e] for e in batched], [self.w2[e] for e in batched])
+            y = self._batched(x.index_select(0, torch.cat([rows[e] for e in batched])), counts, batched, 0)
             got = dict(zip(batched, y.split(counts)))
         for e, r in rows.items():
             if e not in got:
@@ -396,8 +411,7 @@ class HostExperts:
         if batched:  # one native call for these experts (`cpu_experts.native_batched_experts`): the same bits
             rows_of = [groups.pop(e) for e in batched]
             idx = torch.tensor([i for r in rows_of for i in r])  # their assignment rows, expert by expert
-            y = native_experts(x.index_select(0, idx // k), [len(r) for r in rows_of], [self.w13[e] for e in batched],
-                               [self.w2[e] for e in batched], cols)  # [len(idx), H] bf16
+            y = self._batched(x.index_select(0, idx // k), [len(r) for r in rows_of], batched, cols)  # [len(idx), H]
             out.index_copy_(0, idx, y.float().mul_(wflat.index_select(0, idx).float()[:, None]).to(out.dtype))
         for e, a in groups.items():
             if len(a) == 1:  # decode: views, no index tensors

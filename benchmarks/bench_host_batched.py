@@ -1,11 +1,12 @@
 """A layer's host experts in one native call against one call an expert (`layers/cpu_experts.native_batched_experts`),
-through `offload/host_experts.HostExperts.rows` as the hybrid engine calls it, on a bf16 bank of a many-small-expert
-shape (Qwen3-30B-A3B: 128 experts of 9.4 MB a layer) under "native". Each round routes fresh tokens (top-k of E,
+through `offload/host_experts.HostExperts.rows` as the hybrid engine calls it, on a bf16 or NF4 bank of a many-small-expert
+shape (Qwen3-30B-A3B: 128 experts of 9.4 MB a layer in bf16) under "native". Each round routes fresh tokens (top-k of E,
 uniform) and takes the experts left after `--gpu-share` of them are marked computed elsewhere (-1), so the bank
 (1.2 GB) comes from DRAM, not cache. Baseline in the same run: a plain multi-threaded read of the host's memory
 (the roofline: the experts' bytes at that rate).
 
-    python benchmarks/bench_host_batched.py [--shape qwen3-30b] [--tokens 1 4 16 64] [--threads 16] [--out FILE]
+    python benchmarks/bench_host_batched.py [--shape qwen3-30b] [--format bf16|nf4] [--tokens 1 4 16 64] [--threads 16]
+        [--out FILE]
 
 Per token count: experts run a call, ms a call batched and one by one (medians), GB/s of expert bytes, and their
 ratio to the read rate. The last line printed is JSON.
@@ -23,7 +24,9 @@ import torch.nn.functional as F
 from ferrylm.layers import cpu_experts as C
 from ferrylm.layers import host_native
 from ferrylm.offload.host_experts import HostExperts
+from ferrylm.offload.host_tier import HostTier
 from bench_cpu_experts import read_bandwidth  # benchmarks/ (scripts run as python benchmarks/x.py)
+from bench_host_experts import side
 from results import write_results  # benchmarks/results.py
 
 SHAPES = {"qwen3-30b": (128, 8, 2048, 768), "qwen3-235b": (128, 8, 4096, 1536), "deepseek-v2-lite": (64, 6, 2048, 1408),
@@ -33,6 +36,7 @@ SHAPES = {"qwen3-30b": (128, 8, 2048, 768), "qwen3-235b": (128, 8, 4096, 1536), 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-30b", choices=sorted(SHAPES))
+    ap.add_argument("--format", default="bf16", choices=["bf16", "nf4"], help="the bank's (random bytes in its layout)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--gpu-share", type=float, default=0.5, help="fraction of a round's experts computed elsewhere")
     ap.add_argument("--rounds", type=int, default=15)
@@ -46,11 +50,12 @@ def main() -> None:
         raise SystemExit(f"needs the native AVX512-BF16 kernels: {host_native.why_unavailable() or 'no AVX512-BF16'}")
     E, k, H, I = SHAPES[args.shape]
     g = torch.Generator().manual_seed(0)
-    he = HostExperts(torch.empty(E, 2 * I, H, dtype=torch.bfloat16).normal_(0, .02, generator=g),
-                     torch.empty(E, H, I, dtype=torch.bfloat16).normal_(0, .02, generator=g), F.silu)
-    C.dense_gemm, C.dense_gemm_max_t = "native", 64
+    host = HostTier(pin=False)
+    he = HostExperts(side(host, args.format, E, 2 * I, H), side(host, args.format, E, H, I), F.silu)
+    he.prepare()  # (NF4: each expert's kernels over views of the bank, built once)
+    C.dense_gemm, C.dense_gemm_max_t, C.row_blocks_gemm = "native", 64, "native"
     read = read_bandwidth(1.0)
-    print(f"{args.shape}: {E} experts of {he.expert_bytes / 1e6:.1f} MB, k {k}, {torch.get_num_threads()} threads, "
+    print(f"{args.shape} {args.format}: {E} experts of {he.expert_bytes / 1e6:.1f} MB, k {k}, {torch.get_num_threads()} threads, "
           f"plain read {read:.1f} GB/s, AMX {host_native.amx()}")
     rows = []
     for T in args.tokens:
@@ -81,7 +86,7 @@ def main() -> None:
         print(f"  {T:3d} tokens, {n:5.1f} experts: batched {row['batched_ms']:7.3f} ms ({row['batched_gb_s']:5.1f} GB/s, "
               f"{row['batched_of_read']:.2f} of read), one by one {row['one_by_one_ms']:7.3f} ms "
               f"({row['one_by_one_gb_s']:5.1f} GB/s): {row['speedup']:.2f}x")
-    write_results("host_batched", rows, args.out, **({"commit": args.commit} if args.commit else {}), shape=args.shape, read_gb_s=round(read, 1),
+    write_results("host_batched", rows, args.out, **({"commit": args.commit} if args.commit else {}), shape=args.shape, format=args.format, read_gb_s=round(read, 1),
                   threads=torch.get_num_threads(), amx=host_native.amx(), gpu_share=args.gpu_share)
 
 

@@ -5,7 +5,7 @@
 # expert on the Qwen3-30B-A3B shape (benchmarks/bench_host_batched.py), then the engine's Qwen3 hybrid case with it
 # on and off (bench_offload.py hybrid-qwen3-30b, --one-call-an-expert).
 #   bash benchmarks/device_s51.sh COMMIT [BUDGET] [PART]
-# PART "first" (default, ~450 s): the tests, then bench_host_batched; "engine" (~560 s): the Qwen3 hybrid case batched,
+# PART "first" (default, ~510 s): the tests, then bench_host_batched (bf16, NF4); "engine" (~560 s): the Qwen3 hybrid case batched,
 # then one call an expert.
 set -u
 commit=${1:-unknown}
@@ -26,7 +26,9 @@ bash benchmarks/gpu_tests.sh "$OUT/tests-s51.txt" 150 "test_host_native.py" 60 "
 grep -E "^[0-9]+ (passed|failed)|[0-9] (passed|failed|skipped)|FAILED|^E |async vs sync|Error|^=== " "$OUT/tests-s51.txt" \
     | grep -v "^PASSED\|^SKIPPED" | cut -c1-260 | tail -40
 echo "tests done at $(( $(date +%s) - t0 )) s"
-(cd benchmarks && PYTHONPATH=.. step 90 python bench_host_batched.py --threads 16 --commit "$commit" --out "$OUT/host-batched-s51.json" \
-    2>&1 | grep -v '^{' | tail -8)
+for fmt in bf16 nf4; do
+    (cd benchmarks && PYTHONPATH=.. step 75 python bench_host_batched.py --format $fmt --threads 16 --commit "$commit" \
+        --out "$OUT/host-batched-$fmt-s51.json" 2>&1 | grep -v '^{' | tail -6)
+done
 echo "host batched done at $(( $(date +%s) - t0 )) s"
 echo "all done at $(( $(date +%s) - t0 )) s"

@@ -1,11 +1,11 @@
 """A layer's host experts in one native call against one call an expert (`layers/cpu_experts.native_batched_experts`),
-through `offload/host_experts.HostExperts.rows` as the hybrid engine calls it, on a bf16 or NF4 bank of a many-small-expert
+through `offload/host_experts.HostExperts.rows` as the hybrid engine calls it, on a bf16, NF4 or fp8 bank of a many-small-expert
 shape (Qwen3-30B-A3B: 128 experts of 9.4 MB a layer in bf16) under "native". Each round routes fresh tokens (top-k of E,
 uniform) and takes the experts left after `--gpu-share` of them are marked computed elsewhere (-1), so the bank
 (1.2 GB) comes from DRAM, not cache. Baseline in the same run: a plain multi-threaded read of the host's memory
 (the roofline: the experts' bytes at that rate).
 
-    python benchmarks/bench_host_batched.py [--shape qwen3-30b] [--format bf16|nf4] [--tokens 1 4 16 64] [--threads 16]
+    python benchmarks/bench_host_batched.py [--shape qwen3-30b] [--format bf16|nf4|fp8] [--tokens 1 4 16 64] [--threads 16]
         [--out FILE]
 
 Per token count: experts run a call, ms a call batched and one by one (medians), GB/s of expert bytes, and their
@@ -36,7 +36,7 @@ SHAPES = {"qwen3-30b": (128, 8, 2048, 768), "qwen3-235b": (128, 8, 4096, 1536), 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-30b", choices=sorted(SHAPES))
-    ap.add_argument("--format", default="bf16", choices=["bf16", "nf4"], help="the bank's (random bytes in its layout)")
+    ap.add_argument("--format", default="bf16", choices=["bf16", "nf4", "fp8"], help="the bank's (random bytes in its layout)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--gpu-share", type=float, default=0.5, help="fraction of a round's experts computed elsewhere")
     ap.add_argument("--rounds", type=int, default=15)

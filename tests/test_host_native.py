@@ -601,6 +601,40 @@ def test_fp8_host_expert_fused_equals_unfused(monkeypatch):
 
 
 @pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
+@pytest.mark.parametrize("w2_group,cols", [(128, 0), (128, 128), (None, 96)])
+def test_fp8_experts_in_one_call_equal_one_by_one(w2_group, cols):
+    """Several fp8 experts of a bank in one call (`experts_silu_fp8`) give each expert the bits of its own
+    `expert_silu_fp8` call: 1, 5 and 16 tokens side by side, on AMX tiles where the CPU has them (and not), chunks
+    spanning two experts, bf16 and fp32 out, group-wise and per-channel w2, a column window; mixed groups refused."""
+    from ferrylm.layers.fused_moe import ExpertWeights
+
+    torch.manual_seed(29 + cols)
+    E, H, I = 4, 256, 384
+    w13 = ExpertWeights.stack([[Q.quantize_fp8(torch.randn(I, H) * .05, 128), Q.quantize_fp8(torch.randn(I, H) * .05, 128)]
+                               for _ in range(E)], torch.bfloat16)
+    w2 = ExpertWeights.stack([[Q.quantize_fp8(torch.randn(H, I) * .05, w2_group)] for _ in range(E)], torch.bfloat16)
+
+    def side(bank, e):
+        return bank.parts["q"][e], bank.parts["scale"][e].float().contiguous(), bank.group
+
+    ids, Ts = [3, 0, 2], [5, 1, 16]
+    xs = [torch.randn(T, H, dtype=torch.bfloat16) for T in Ts]
+    for amx in ([False] * 3, [hn.amx()] * 3, [hn.amx(), False, hn.amx()]):
+        for dtype in (torch.float32, torch.bfloat16):
+            one = [hn.expert_silu_fp8(x, side(w13, e), side(w2, e), torch.empty(x.shape[0], H, dtype=dtype), (1, 64),
+                                      (1, 64), amx=a, cols=cols) for x, e, a in zip(xs, ids, amx)]
+            for split13, split2 in (((1, I), (1, H)), ((3, 64), (2, 96)), ((4, 96), (3, 320))):
+                outs = [torch.full((x.shape[0], H), float("nan"), dtype=dtype) for x in xs]
+                got = hn.experts_silu_fp8(xs, [side(w13, e) for e in ids], [side(w2, e) for e in ids], outs, split13,
+                                          split2, amx=amx, cols=cols)
+                assert all(torch.equal(g, o) for g, o in zip(got, one)), (amx, dtype, split13, split2)
+    other = ExpertWeights.stack([[Q.quantize_fp8(torch.randn(H, I) * .05, 64)]], torch.bfloat16)
+    with pytest.raises(ValueError, match="native fp8 experts"):
+        hn.experts_silu_fp8(xs[:2], [side(w13, 3), side(w13, 0)], [side(w2, 3), side(other, 0)],
+                            [torch.empty(T, H) for T in Ts[:2]], (1, 64), (1, 64))
+
+
+@pytest.mark.skipif(not hn.nf4_bf16(), reason="no AVX512-BF16 kernels on this CPU")
 @pytest.mark.parametrize("w2_group", [128, None])
 def test_fp8_split_window_in_one_call_equals_the_window_kernels(w2_group, monkeypatch):
     """Hybrid decode's host part of an fp8 expert (its intermediate columns [c, I)) runs in one native call

@@ -689,11 +689,11 @@ def test_host_rows_on_a_column_range_run_one_native_call(T, monkeypatch):
 
 @pytest.mark.skipif(not __import__("ferrylm.layers.host_native", fromlist=["x"]).nf4_bf16(),
                     reason="no AVX512-BF16 kernels on this CPU")
-@pytest.mark.parametrize("fmt", ["bf16", "nf4-g64"])
+@pytest.mark.parametrize("fmt", ["bf16", "nf4-g64", "fp8-g64", "fp8"])
 @pytest.mark.parametrize("T,cols", [(1, 0), (4, 0), (4, 128), (70, 0)])
 def test_host_rows_run_a_layers_native_experts_in_one_call(fmt, T, cols, monkeypatch):
-    """bf16 and NF4 SiLU banks under "native": `rows` runs all the experts of a call that would each take one native
-    call as one (`cpu_experts.native_batched_experts`: `host_native.experts_silu_bf16` / `experts_silu_nf4`), whole
+    """bf16, NF4 and fp8 SiLU banks under "native": `rows` runs all the experts of a call that would each take one
+    native call as one (`cpu_experts.native_batched_experts`: `host_native.experts_silu_bf16` / `_nf4` / `_fp8`), whole
     or on a column window, and gives the bits of one call an expert; an expert with more tokens than a native call
     takes (70: more than AMX's 64) keeps its own path beside them."""
     import torch.nn.functional as F
@@ -720,7 +720,7 @@ def test_host_rows_run_a_layers_native_experts_in_one_call(fmt, T, cols, monkeyp
     monkeypatch.setattr(C, "dense_gemm_max_t", 64)
     monkeypatch.setattr(C, "row_blocks_gemm", "native")
     many = []
-    name = "experts_silu_bf16" if fmt == "bf16" else "experts_silu_nf4"
+    name = "experts_silu_" + fmt.split("-")[0]
     real = getattr(hn, name)
     monkeypatch.setattr(hn, name, lambda xs, *a, **kw: many.append(len(xs)) or real(xs, *a, **kw))
     batched, one_by_one = torch.full((T * k, H), float("nan")), torch.full((T * k, H), float("nan"))

@@ -87,8 +87,8 @@ on the calling thread's OpenMP team leaves that team spinning for a while, and t
 pool's workers. 2-core box, a Mixtral w13 at 2 and 4 tokens: 7.3-9.9 ms against 5.4-6.3 after an
 `out.to(bfloat16)` of the GEMV's [T, 2I] output, as fast as without it under `OMP_WAIT_POLICY=PASSIVE`."""
 native_batched_experts = True
-"""Whether a layer's host experts that each run as one native call (`native_fused_expert`: dense bf16, NF4) run as one
-call together (`host_native.experts_silu_bf16` / `experts_silu_nf4`, from `offload/host_experts.HostExperts.rows` and
+"""Whether a layer's host experts that each run as one native call (`native_fused_expert`: dense bf16, NF4, fp8) run as
+one call together (`host_native.experts_silu_bf16` / `experts_silu_nf4` / `experts_silu_fp8`, from `offload/host_experts.HostExperts.rows` and
 `outputs`): the same bits, one wake-up of the C pool a pass for all of them. Why: an expert call costs the pool's wake-up and hand-offs twice and
 Python's ops around it, ~0.35 ms a 9.4 MB Qwen3-30B-A3B expert on the H200 host where its bytes take ~0.1 at the
 host's read rate (docs/benchmarks.md, session 28); many small experts a layer pay that each."""
@@ -677,18 +677,24 @@ def native_experts(x: torch.Tensor, tokens: list[int], w13s: list[torch.Tensor],
     return y
 
 
-def native_nf4_experts(x: torch.Tensor, tokens: list[int], experts: list[HostExpert], cols: int = 0) -> torch.Tensor:
-    """`native_experts` for NF4 SiLU experts (each one whose window [cols, I) runs as one native call alone:
-    `HostExpert.window_fits`, `window`): one native call (`host_native.experts_silu_nf4`). [sum(tokens), H] bf16, each
-    expert's rows the bits its `window` gives."""
+def native_packed_experts(x: torch.Tensor, tokens: list[int], experts: list[HostExpert], cols: int = 0) -> torch.Tensor:
+    """`native_experts` for NF4 or fp8 SiLU experts of one bank (each one whose window [cols, I) runs as one native
+    call alone: `HostExpert.window_fits`, `window`): one native call (`host_native.experts_silu_nf4` /
+    `experts_silu_fp8`). [sum(tokens), H] bf16, each expert's rows the bits its `window` gives."""
     threads = torch.get_num_threads()
     first = experts[0]
     H, n, m = first.hidden, first.inter - cols, len(experts)
-    xn = host_native.nf4_x(x, first.gate_up.nf4[2], bf16=True)
     y = torch.empty(x.shape[0], H, dtype=torch.bfloat16)
-    host_native.experts_silu_nf4(list(xn.split(tokens)), [e.gate_up.nf4 for e in experts],
-                                 [e.down.nf4 for e in experts], list(y.split(tokens)), c_pool_split(m * n, H, threads),
-                                 c_pool_split(m * H, n // 2, threads), cols)
+    outs = list(y.split(tokens))
+    if first.gate_up.nf4 is not None:
+        xs = list(host_native.nf4_x(x, first.gate_up.nf4[2], bf16=True).split(tokens))
+        host_native.experts_silu_nf4(xs, [e.gate_up.nf4 for e in experts], [e.down.nf4 for e in experts], outs,
+                                     c_pool_split(m * n, H, threads), c_pool_split(m * H, n // 2, threads), cols)
+    else:
+        xs = list(x.to(torch.bfloat16).contiguous().split(tokens))
+        host_native.experts_silu_fp8(xs, [e.gate_up.fp8 for e in experts], [e.down.fp8 for e in experts], outs,
+                                     c_pool_split(m * n, 2 * H, threads), c_pool_split(m * H, n, threads),
+                                     [first.gate_up.fp8_amx(t) for t in tokens], cols)
     return y
 
 

@@ -1085,6 +1085,61 @@ int ferry_expert_silu_fp8(const uint16_t* x, int T, int H, int I, const uint8_t*
     free(buf);
     return 0;
 }
+/* `ferry_expert_silu_fp8` for several experts of one bank in one call, as `ferry_experts_silu_bf16` is for bf16 ones:
+   expert i at T[i] tokens (x[i] [T[i], H] bf16), its codes and scales at q13[i], s13[i], q2[i], s2[i] (the same
+   shapes, strides and groups for all), out[i] [T[i], H]; amx[i]: expert i on AMX tiles. Each expert's bits are its own
+   call's. */
+int ferry_experts_silu_fp8(int n, const uint16_t* const* x, const int* T, int H, int I, const uint8_t* const* q13,
+                           int64_t ld13, int64_t up, const float* const* s13, int64_t lds13, int g13, int gs13,
+                           const uint8_t* const* q2, int64_t ld2, const float* const* s2, int64_t lds2, int g2, int gs2,
+                           const uint16_t* subtab32, void* const* out, int out_bf16, int threads13, int chunk13,
+                           int threads2, int chunk2, const int* amx) {
+    if (n < 1 || H % 32 || I % 32 || g13 < 32 || g2 < 32 || g13 % 32 || g2 % 32 || H % g13 || I % g2
+        || (gs13 != 0 && gs13 != 1) || (gs2 != 0 && gs2 != 1) || threads13 < 1 || chunk13 < 1 || threads2 < 1
+        || chunk2 < 1 || up < I || (int64_t)n * (H > I ? H : I) > 0x3FFFFFFF)
+        return -1;
+    size_t total = 0;
+    for (int i = 0; i < n; i++) {
+        if (T[i] < 1 || T[i] > MAXT) return -1;
+#ifdef FERRY_NO_AMX
+        if (amx[i]) return -2;
+#else
+        if (amx[i] && (g13 > FP8_AMX_G || g2 > FP8_AMX_G)) return -1;
+#endif
+        total += ((size_t)T[i] * (H + 2 * I) * 2 + 63) / 64 * 64;
+    }
+    fp8_expert_args* e = malloc(sizeof(fp8_expert_args) * n);
+    uint16_t* buf = aligned_alloc(64, total);
+    if (!e || !buf) {
+        free(e);
+        free(buf);
+        return -3;
+    }
+    uint16_t* at = buf;
+    for (int i = 0; i < n; i++) {
+        uint16_t *xb = at, *h = xb + (size_t)T[i] * H;
+        at += ((size_t)T[i] * (H + 2 * I) * 2 + 63) / 64 * 32;
+#ifndef FERRY_NO_AMX
+        if (amx[i]) amx_pack(x[i], T[i], H, xb);
+#endif
+        e[i] = (fp8_expert_args){amx[i] ? xb : x[i], T[i], H, I, q13[i], ld13, up, s13[i], lds13, g13, gs13, q2[i], ld2,
+                                 s2[i], lds2, g2, gs2, subtab32, h, out_bf16 ? NULL : (float*)out[i],
+                                 out_bf16 ? (uint16_t*)out[i] : NULL, amx[i]};
+    }
+    par_experts(fp8_expert_up_task, e, sizeof *e, n, I, threads13, chunk13);
+#ifndef FERRY_NO_AMX
+    for (int i = 0; i < n; i++)
+        if (amx[i]) {
+            uint16_t* hb = e[i].h + (size_t)T[i] * I;
+            amx_pack(e[i].h, T[i], I, hb);
+            e[i].h = hb;
+        }
+#endif
+    par_experts(fp8_expert_down_task, e, sizeof *e, n, H, threads2, chunk2);
+    free(buf);
+    free(e);
+    return 0;
+}
 /* The SiLU expert over NF4 weights (`ferry_gemv_nf4_bf16`'s rows: codes two a byte, an fp32 absmax a group of g
    columns), as `ferry_expert_silu_fp8` is over fp8: x [T, H] bf16 in the kernel's layout (per 64 columns the 32 even
    then the 32 odd, `nf4_x`); h is made in order (`silu_mul`), then laid out so for the down GEMV. */
@@ -1373,6 +1428,9 @@ def _load():
             lib.ferry_expert_silu_fp8.argtypes = [p, i32, i32, i32, p, i64, i64, p, i64, i32, i32, p, i64, p, i64, i32,
                                                   i32, p, p, i32, i32, i32, i32, i32, i32]
             lib.ferry_expert_silu_fp8.restype = i32
+            lib.ferry_experts_silu_fp8.argtypes = [i32, p, p, i32, i32, p, i64, i64, p, i64, i32, i32, p, i64, p, i64,
+                                                   i32, i32, p, p, i32, i32, i32, i32, i32, p]
+            lib.ferry_experts_silu_fp8.restype = i32
             lib.ferry_expert_silu_nf4.argtypes = [p, i32, i32, i32, p, i64, i64, p, i64, i32, p, i64, p, i64, i32, p,
                                                   p, i32, i32, i32, i32, i32]
             lib.ferry_expert_silu_nf4.restype = i32
@@ -1571,18 +1629,9 @@ def experts_silu_bf16(xs: list[torch.Tensor], w13s: list[torch.Tensor], w2s: lis
     return outs
 
 
-def expert_silu_fp8(x: torch.Tensor, w13: tuple, w2: tuple, out: torch.Tensor, split13: tuple[int, int],
-                    split2: tuple[int, int], amx: bool = False, cols: int = 0) -> torch.Tensor:
-    """`expert_silu_bf16` over fp8 weights: w13 = (codes [2I, H] uint8, scales [2I, H / g13] fp32, g13) with the gate
-    rows then the up rows, w2 = (codes [H, I], scales [H, I / g2], g2), as `gemv_fp8` reads each (g = K: one scale a
-    row); x [T, H] bf16 contiguous, T <= MAX_TOKENS; out [T, H] bf16 or fp32. The same bits as `gemv_fp8` twice with
-    torch's bf16 SiLU and product between (where libm's expf and torch's agree); `amx`: on AMX tiles. `cols` > 0 (a
-    multiple of 32, and of g2 where w2 is group-wise): the intermediate columns [cols, I) only, as
-    `expert_silu_bf16`'s (the hybrid split's host part); split13 then counts the window's columns."""
-    lib = _load()
-    _amx_check(amx)
-    if not _bf16:
-        raise ValueError("native fp8 expert: needs the AVX512-BF16 kernel (nf4_bf16() is False)")
+def _fp8_expert(x: torch.Tensor, w13: tuple, w2: tuple, out: torch.Tensor, cols: int, amx: bool) -> tuple:
+    """`expert_silu_fp8`'s arguments checked -> (T, H, n, the C call's weight arguments from q13 to gs2) for the window
+    [cols, I) (n = I - cols columns)."""
     (q13, s13, g13), (q2, s2, g2) = w13, w2
     T, H = x.shape
     I = q2.shape[1]
@@ -1603,13 +1652,63 @@ def expert_silu_fp8(x: torch.Tensor, w13: tuple, w2: tuple, out: torch.Tensor, s
     if amx and max(ga, gb) > FP8_AMX_GROUP:
         raise ValueError(f"native fp8 expert on AMX: groups of at most {FP8_AMX_GROUP}")
     s2_at = s2.data_ptr() + (0 if per_channel else cols // g2 * 4)  # fp32 scales
-    _check(lib.ferry_expert_silu_fp8(x.data_ptr(), T, H, n, q13.data_ptr() + cols * q13.stride(0), q13.stride(0), I,
-                                     s13.data_ptr() + cols * s13.stride(0) * 4, s13.stride(0), ga, sa,
-                                     q2.data_ptr() + cols, q2.stride(0), s2_at, s2.stride(0), gb, sb,
-                                     _FP8_SUBNORMALS_BF16.data_ptr(), out.data_ptr(),
+    return T, H, n, (q13.data_ptr() + cols * q13.stride(0), q13.stride(0), I, s13.data_ptr() + cols * s13.stride(0) * 4,
+                     s13.stride(0), ga, sa, q2.data_ptr() + cols, q2.stride(0), s2_at, s2.stride(0), gb, sb)
+
+
+def expert_silu_fp8(x: torch.Tensor, w13: tuple, w2: tuple, out: torch.Tensor, split13: tuple[int, int],
+                    split2: tuple[int, int], amx: bool = False, cols: int = 0) -> torch.Tensor:
+    """`expert_silu_bf16` over fp8 weights: w13 = (codes [2I, H] uint8, scales [2I, H / g13] fp32, g13) with the gate
+    rows then the up rows, w2 = (codes [H, I], scales [H, I / g2], g2), as `gemv_fp8` reads each (g = K: one scale a
+    row); x [T, H] bf16 contiguous, T <= MAX_TOKENS; out [T, H] bf16 or fp32. The same bits as `gemv_fp8` twice with
+    torch's bf16 SiLU and product between (where libm's expf and torch's agree); `amx`: on AMX tiles. `cols` > 0 (a
+    multiple of 32, and of g2 where w2 is group-wise): the intermediate columns [cols, I) only, as
+    `expert_silu_bf16`'s (the hybrid split's host part); split13 then counts the window's columns."""
+    lib = _load()
+    _amx_check(amx)
+    if not _bf16:
+        raise ValueError("native fp8 expert: needs the AVX512-BF16 kernel (nf4_bf16() is False)")
+    T, H, n, weights = _fp8_expert(x, w13, w2, out, cols, amx)
+    _check(lib.ferry_expert_silu_fp8(x.data_ptr(), T, H, n, *weights, _FP8_SUBNORMALS_BF16.data_ptr(), out.data_ptr(),
                                      int(out.dtype == torch.bfloat16), *split13, *split2, int(amx)),
            "expert (SiLU, fp8)")
     return out
+
+
+def experts_silu_fp8(xs: list[torch.Tensor], w13s: list[tuple], w2s: list[tuple], outs: list[torch.Tensor],
+                     split13: tuple[int, int], split2: tuple[int, int], amx: list[bool] | None = None,
+                     cols: int = 0) -> list[torch.Tensor]:
+    """`expert_silu_fp8` for several experts of one bank in one call, as `experts_silu_bf16` is for bf16 ones (one
+    shape, strides and groups for all; amx[i]: expert i on AMX tiles, default none; split13 / split2 counted over all
+    the experts' rows): each expert's bits are its own call's."""
+    lib = _load()
+    if not _bf16:
+        raise ValueError("native fp8 experts: need the AVX512-BF16 kernel (nf4_bf16() is False)")
+    n = len(xs)
+    amx = [False] * n if amx is None else list(amx)
+    if not n or not len(w13s) == len(w2s) == len(outs) == len(amx) == n:
+        raise ValueError(f"native fp8 experts: {n} x, {len(w13s)} w13, {len(w2s)} w2, {len(outs)} out, {len(amx)} amx")
+    if any(amx):
+        _amx_check(True)
+    calls = [_fp8_expert(*args, cols) for args in zip(xs, w13s, w2s, outs, amx)]
+    _, H, cn, first = calls[0]
+    strides = lambda w: w[1:3] + w[4:7] + w[8:9] + w[10:]  # noqa: E731 (all but the pointers)
+    if any(c[1:3] != (H, cn) or strides(c[3]) != strides(first) for c in calls) or len({o.dtype for o in outs}) > 1:
+        raise ValueError("native fp8 experts: one H, I, group, row stride and out dtype for all")
+
+    def ptrs(at: int) -> torch.Tensor:
+        return torch.tensor([c[3][at] for c in calls], dtype=torch.int64)
+
+    keep = (torch.tensor([x.data_ptr() for x in xs], dtype=torch.int64),
+            torch.tensor([c[0] for c in calls], dtype=torch.int32), ptrs(0), ptrs(3), ptrs(7), ptrs(9),
+            torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64), torch.tensor(amx, dtype=torch.int32))
+    (ld13, up), (lds13, g13, gs13), (ld2,), (lds2, g2, gs2) = first[1:3], first[4:7], first[8:9], first[10:]
+    _check(lib.ferry_experts_silu_fp8(n, keep[0].data_ptr(), keep[1].data_ptr(), H, cn, keep[2].data_ptr(), ld13, up,
+                                      keep[3].data_ptr(), lds13, g13, gs13, keep[4].data_ptr(), ld2,
+                                      keep[5].data_ptr(), lds2, g2, gs2, _FP8_SUBNORMALS_BF16.data_ptr(),
+                                      keep[6].data_ptr(), int(outs[0].dtype == torch.bfloat16), *split13, *split2,
+                                      keep[7].data_ptr()), "experts (SiLU, fp8)")
+    return outs
 
 
 def amx() -> bool:

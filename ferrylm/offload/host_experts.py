@@ -39,7 +39,7 @@ import torch
 
 from ferrylm.layers.cpu_experts import (HostExpert, Int4InPlace, RowBlocks, dense_linear, int4_from_cpu_layout_,
                                         int4_layout_matches, int4_to_cpu_layout_, native_expert, native_expert_fits,
-                                        native_experts, native_nf4_experts, split_pool)
+                                        native_experts, native_packed_experts, split_pool)
 from ferrylm.layers import cpu_experts
 from ferrylm.layers.fused_moe import ExpertWeights
 from ferrylm.layers.qmatmul import QuantKernel
@@ -352,7 +352,7 @@ class HostExperts:
 
     def _native_batch(self, x: torch.Tensor, counts: dict[int, int], cols: int) -> list[int]:
         """The experts of `counts` (expert -> its tokens) that run together in one native call (`_batched`): each one
-        that would run as one native call alone at its token count (dense bf16: `native_expert_fits`; NF4:
+        that would run as one native call alone at its token count (dense bf16: `native_expert_fits`; NF4, fp8:
         `HostExpert.window_fits`)."""
         if not cpu_experts.native_batched_experts or x.dtype != torch.bfloat16 or not counts:
             return []
@@ -361,10 +361,10 @@ class HostExperts:
             w13, w2 = self.w13[0], self.w2[0]
             for n in set(counts.values()):
                 fits[n] = native_expert_fits(x[:1].expand(n, -1), w13, w2, self.act, cols)
-        elif self.w13.fmt == "nf4":  # (an NF4 expert's kernels are views of the bank: building them copies nothing)
+        elif self.w13.fmt in ("nf4", "fp8"):  # (their kernels are views of the bank: building them copies nothing)
             first = self.expert(next(iter(counts)))
             for n in set(counts.values()):
-                fits[n] = first.gate_up.nf4 is not None and first.window_fits(x[:1].expand(n, -1), cols)
+                fits[n] = first.window_fits(x[:1].expand(n, -1), cols)
         else:
             return []
         return [e for e, n in counts.items() if fits[n]]
@@ -374,7 +374,7 @@ class HostExperts:
         call: [sum(tokens), H] bf16, unweighted."""
         if isinstance(self.w13, torch.Tensor):
             return native_experts(x, tokens, [self.w13[e] for e in experts], [self.w2[e] for e in experts], cols)
-        return native_nf4_experts(x, tokens, [self.expert(e) for e in experts], cols)
+        return native_packed_experts(x, tokens, [self.expert(e) for e in experts], cols)
 
     def outputs(self, x: torch.Tensor, rows: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Expert e of `rows` (expert -> index tensor of x's rows) on its rows of x, unweighted: {e: [n, H] in x's

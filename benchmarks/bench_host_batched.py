@@ -36,7 +36,8 @@ SHAPES = {"qwen3-30b": (128, 8, 2048, 768), "qwen3-235b": (128, 8, 4096, 1536), 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-30b", choices=sorted(SHAPES))
-    ap.add_argument("--format", default="bf16", choices=["bf16", "nf4", "fp8"], help="the bank's (random bytes in its layout)")
+    ap.add_argument("--format", default="bf16", choices=["bf16", "nf4", "fp8"],
+                    help="the bank's (random bytes in its layout)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--gpu-share", type=float, default=0.5, help="fraction of a round's experts computed elsewhere")
     ap.add_argument("--rounds", type=int, default=15)

@@ -1690,7 +1690,7 @@ def experts_silu_fp8(xs: list[torch.Tensor], w13s: list[tuple], w2s: list[tuple]
         raise ValueError(f"native fp8 experts: {n} x, {len(w13s)} w13, {len(w2s)} w2, {len(outs)} out, {len(amx)} amx")
     if any(amx):
         _amx_check(True)
-    calls = [_fp8_expert(*args, cols) for args in zip(xs, w13s, w2s, outs, amx)]
+    calls = [_fp8_expert(x, w13, w2, out, cols, a) for x, w13, w2, out, a in zip(xs, w13s, w2s, outs, amx)]
     _, H, cn, first = calls[0]
     strides = lambda w: w[1:3] + w[4:7] + w[8:9] + w[10:]  # noqa: E731 (all but the pointers)
     if any(c[1:3] != (H, cn) or strides(c[3]) != strides(first) for c in calls) or len({o.dtype for o in outs}) > 1:

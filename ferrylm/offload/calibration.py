@@ -63,8 +63,9 @@ GEMM_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 """Token counts at which a split dense GEMM is checked against the plain one (`dense_gemm_max_t`)."""
 CYCLE = 4
 """Distinct experts each CPU figure cycles over."""
-VERSION = 12  # 12: fp8 row blocks race "native" (AMX tiles) against "native-avx" at one token; 11: fp8 banks'
-#   "native" row blocks run a kernel (before, the choice fell back to split); 10: bf16
+VERSION = 13  # 13: the cycle's experts timed as a step runs them (`HostExperts.outputs`: one native call for all
+#   where each takes one alone); 12: fp8 row blocks race "native" (AMX tiles) against "native-avx" at one token;
+#   11: fp8 banks' "native" row blocks run a kernel (before, the choice fell back to split); 10: bf16
 #   "native" at 2-64 tokens on AMX tiles (its timings changed; races at 32 and 64 tokens)
 """Bumped when what is measured changes (older cache files are measured again)."""
 KNOBS = (("dense_gemm", cpu_experts.DENSE_GEMMS), ("packed_gemm", cpu_experts.PACKED_GEMMS),
@@ -223,10 +224,11 @@ def measure(host_w13, host_w2, act, device: torch.device, host_experts: HostExpe
     copy_s = _timeit(copy)
 
     def run_experts(n: int):
-        """A call running each of `cycle`'s experts on n tokens (-> its time / len(cycle) is one expert's)."""
+        """A call running each of `cycle`'s experts on n tokens as a step's host experts run (`HostExperts.outputs`:
+        one native call for them all where each takes one alone) (-> its time / len(cycle) is one expert's)."""
         x = torch.randn(n, H, dtype=dtype)
-        experts = [he.expert(e) for e in cycle]
-        return lambda: [ex(x) for ex in experts]
+        rows = {e: torch.arange(n) for e in cycle}
+        return lambda: he.outputs(x, rows)
 
     def cpu_time(n: int, reps: int = 3) -> float:
         return _timeit(run_experts(n), reps) / len(cycle)

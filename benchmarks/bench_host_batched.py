@@ -8,8 +8,9 @@ uniform) and takes the experts left after `--gpu-share` of them are marked compu
     python benchmarks/bench_host_batched.py [--shape qwen3-30b] [--format bf16|nf4|fp8] [--tokens 1 4 16 64] [--threads 16]
         [--out FILE]
 
-Per token count: experts run a call, ms a call batched and one by one (medians), GB/s of expert bytes, and their
-ratio to the read rate. The last line printed is JSON.
+Per token count: experts run a call, ms a call batched and one by one (medians), and the batched native call alone
+(its inputs gathered beforehand: what `rows`' Python around it costs), GB/s of expert bytes, and their ratio to the
+read rate. The last line printed is JSON.
 """
 
 from __future__ import annotations
@@ -56,14 +57,15 @@ def main() -> None:
     he.prepare()  # (NF4: each expert's kernels over views of the bank, built once)
     C.dense_gemm, C.dense_gemm_max_t, C.row_blocks_gemm = "native", 64, "native"
     read = read_bandwidth(1.0)
-    print(f"{args.shape} {args.format}: {E} experts of {he.expert_bytes / 1e6:.1f} MB, k {k}, {torch.get_num_threads()} threads, "
-          f"plain read {read:.1f} GB/s, AMX {host_native.amx()}")
+    print(f"{args.shape} {args.format}: {E} experts of {he.expert_bytes / 1e6:.1f} MB, k {k}, "
+          f"{torch.get_num_threads()} threads, plain read {read:.1f} GB/s, AMX {host_native.amx()}")
     rows = []
+    modes = ("batched", "one_by_one", "kernel")
     for T in args.tokens:
-        times: dict[bool, list[float]] = {True: [], False: []}
+        times: dict[str, list[float]] = {m: [] for m in modes}
         used = []
         for r in range(args.rounds):
-            for batched in ((True, False) if r % 2 else (False, True)):  # alternate which goes first
+            for mode in modes[r % 3:] + modes[:r % 3]:  # rotate which goes first
                 # fresh routing for each: the other's experts may still sit in the last-level cache
                 ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
                 experts = ids.unique()
@@ -72,23 +74,32 @@ def main() -> None:
                 used.append(len(ids[ids >= 0].unique()))
                 x, w = torch.randn(T, H, generator=g).bfloat16(), torch.rand(T, k, generator=g)
                 out = torch.empty(T * k, H, dtype=torch.bfloat16)
-                C.native_batched_experts = batched
-                t0 = time.perf_counter()
-                he.rows(x, ids, w, out)
-                times[batched].append(time.perf_counter() - t0)
+                C.native_batched_experts = mode != "one_by_one"
+                if mode == "kernel":  # the native call alone, its inputs gathered beforehand (`rows` less its Python)
+                    tokens = {e: (ids == e).sum().item() for e in ids[ids >= 0].unique().tolist()}
+                    batch = he._native_batch(x, tokens, 0)
+                    xs = x.index_select(0, torch.cat([(ids == e).any(1).nonzero()[:, 0] for e in batch]))
+                    t0 = time.perf_counter()
+                    he._batched(xs, [tokens[e] for e in batch], batch, 0)
+                else:
+                    t0 = time.perf_counter()
+                    he.rows(x, ids, w, out)
+                times[mode].append(time.perf_counter() - t0)
         n = statistics.median(used)
         row = {"tokens": T, "experts_a_call": n}
-        for batched, name in ((True, "batched"), (False, "one_by_one")):
-            ms = statistics.median(times[batched][1:]) * 1e3  # (the first round builds the per-expert kernels)
+        for mode in modes:
+            ms = statistics.median(times[mode][1:]) * 1e3  # (the first round builds the per-expert kernels)
             gb_s = n * he.expert_bytes / ms / 1e6
-            row |= {f"{name}_ms": round(ms, 3), f"{name}_gb_s": round(gb_s, 1), f"{name}_of_read": round(gb_s / read, 2)}
+            row |= {f"{mode}_ms": round(ms, 3), f"{mode}_gb_s": round(gb_s, 1), f"{mode}_of_read": round(gb_s / read, 2)}
         row["speedup"] = round(row["one_by_one_ms"] / row["batched_ms"], 2)
         rows.append(row)
         print(f"  {T:3d} tokens, {n:5.1f} experts: batched {row['batched_ms']:7.3f} ms ({row['batched_gb_s']:5.1f} GB/s, "
-              f"{row['batched_of_read']:.2f} of read), one by one {row['one_by_one_ms']:7.3f} ms "
+              f"{row['batched_of_read']:.2f} of read; the native call alone {row['kernel_ms']:.3f} ms, "
+              f"{row['kernel_of_read']:.2f}), one by one {row['one_by_one_ms']:7.3f} ms "
               f"({row['one_by_one_gb_s']:5.1f} GB/s): {row['speedup']:.2f}x")
-    write_results("host_batched", rows, args.out, **({"commit": args.commit} if args.commit else {}), shape=args.shape, format=args.format, read_gb_s=round(read, 1),
-                  threads=torch.get_num_threads(), amx=host_native.amx(), gpu_share=args.gpu_share)
+    write_results("host_batched", rows, args.out, **({"commit": args.commit} if args.commit else {}), shape=args.shape,
+                  format=args.format, read_gb_s=round(read, 1), threads=torch.get_num_threads(),
+                  amx=host_native.amx(), gpu_share=args.gpu_share)
 
 
 if __name__ == "__main__":

@@ -690,7 +690,7 @@ def test_host_rows_on_a_column_range_run_one_native_call(T, monkeypatch):
 @pytest.mark.skipif(not __import__("ferrylm.layers.host_native", fromlist=["x"]).nf4_bf16(),
                     reason="no AVX512-BF16 kernels on this CPU")
 @pytest.mark.parametrize("fmt", ["bf16", "nf4-g64", "fp8-g64", "fp8"])
-@pytest.mark.parametrize("T,cols", [(1, 0), (4, 0), (4, 128), (70, 0)])
+@pytest.mark.parametrize("T,cols", [(1, 0), (2, 0), (4, 0), (4, 128), (70, 0)])
 def test_host_rows_run_a_layers_native_experts_in_one_call(fmt, T, cols, monkeypatch):
     """bf16, NF4 and fp8 SiLU banks under "native": `rows` runs all the experts of a call that would each take one
     native call as one (`cpu_experts.native_batched_experts`: `host_native.experts_silu_bf16` / `_nf4` / `_fp8`), whole
@@ -714,6 +714,8 @@ def test_host_rows_run_a_layers_native_experts_in_one_call(fmt, T, cols, monkeyp
     if T == 70:
         ids[:, 0] = 3  # expert 3 at 70 tokens, the other 7 at 10 each
         ids[:, 1] = torch.tensor([0, 1, 2, 4, 5, 6, 7])[torch.arange(T) % 7]
+    if T == 2:
+        ids = torch.tensor([[0, 7], [5, 6]])  # three experts of one token each (one token's kernel, batched)
     ids[0, 1] = -1  # computed elsewhere
     w = torch.rand(T, k, generator=g)
     monkeypatch.setattr(C, "dense_gemm", "native")
@@ -726,16 +728,18 @@ def test_host_rows_run_a_layers_native_experts_in_one_call(fmt, T, cols, monkeyp
     batched, one_by_one = torch.full((T * k, H), float("nan")), torch.full((T * k, H), float("nan"))
     n = he.rows(x, ids, w, batched, cols=cols)
     used = set(ids[ids >= 0].tolist())
-    assert n == len(used) and many == [len(used) - (T == 70)]
+    fit = len(used) - (T == 70)  # (one expert alone keeps its own call: `cpu_experts.native_batch_min`)
+    expect = [fit] if fit >= C.native_batch_min else []
+    assert n == len(used) and many == expect and (T > 1 or not expect)
     monkeypatch.setattr(C, "native_batched_experts", False)
-    assert he.rows(x, ids, w, one_by_one, cols=cols) == n and len(many) == 1
+    assert he.rows(x, ids, w, one_by_one, cols=cols) == n and many == expect
     assert torch.equal(batched, one_by_one) and not batched[1].any()
     # the copy road's host experts (`outputs`: unweighted, an expert's rows as given) likewise
     rows = {e: (ids == e).any(1).nonzero()[:, 0] for e in sorted(used)}
     alone = he.outputs(x, rows)
     monkeypatch.setattr(C, "native_batched_experts", True)
     together = he.outputs(x, rows)
-    assert len(many) == 2 and sorted(together) == sorted(alone) == sorted(used)
+    assert many == expect * 2 and sorted(together) == sorted(alone) == sorted(used)
     assert all(torch.equal(together[e], alone[e]) and together[e].shape == (len(rows[e]), H) for e in used)
 
 

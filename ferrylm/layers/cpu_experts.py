@@ -92,6 +92,10 @@ one call together (`host_native.experts_silu_bf16` / `experts_silu_nf4` / `exper
 `outputs`): the same bits, one wake-up of the C pool a pass for all of them. Why: an expert call costs the pool's wake-up and hand-offs twice and
 Python's ops around it, ~0.35 ms a 9.4 MB Qwen3-30B-A3B expert on the H200 host where its bytes take ~0.1 at the
 host's read rate (docs/benchmarks.md, session 28); many small experts a layer pay that each."""
+native_batch_min = 2
+"""Fewest experts `native_batched_experts` batches into one call (fewer take their own calls: one expert batched is its
+own call plus the batching's Python: the gather, the pointer arrays, the weighting; a decode layer often has one miss).
+Not yet tuned on a machine."""
 native_amx = True
 """Whether "native" runs bf16 calls of 2-64 tokens on the C pool on AMX tiles where the CPU has them
 (`host_native.amx()`: `gemv_bf16_bx_mt(amx=True)`, `expert_silu_bf16(amx=True)`) instead of the AVX512-BF16 kernel,

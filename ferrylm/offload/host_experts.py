@@ -353,7 +353,7 @@ class HostExperts:
     def _native_batch(self, x: torch.Tensor, counts: dict[int, int], cols: int) -> list[int]:
         """The experts of `counts` (expert -> its tokens) that run together in one native call (`_batched`): each one
         that would run as one native call alone at its token count (dense bf16: `native_expert_fits`; NF4, fp8:
-        `HostExpert.window_fits`)."""
+        `HostExpert.window_fits`), where there are `cpu_experts.native_batch_min` of them (else none)."""
         if not cpu_experts.native_batched_experts or x.dtype != torch.bfloat16 or not counts:
             return []
         fits = {}
@@ -367,7 +367,8 @@ class HostExperts:
                 fits[n] = first.window_fits(x[:1].expand(n, -1), cols)
         else:
             return []
-        return [e for e, n in counts.items() if fits[n]]
+        got = [e for e, n in counts.items() if fits[n]]
+        return got if len(got) >= cpu_experts.native_batch_min else []
 
     def _batched(self, x: torch.Tensor, tokens: list[int], experts: list[int], cols: int) -> torch.Tensor:
         """`experts` (from `_native_batch`) on x's rows, expert i's `tokens[i]` rows after expert i - 1's, in one native
@@ -412,7 +413,7 @@ class HostExperts:
             rows_of = [groups.pop(e) for e in batched]
             idx = torch.tensor([i for r in rows_of for i in r])  # their assignment rows, expert by expert
             y = self._batched(x.index_select(0, idx // k), [len(r) for r in rows_of], batched, cols)  # [len(idx), H]
-            out.index_copy_(0, idx, y.float().mul_(wflat.index_select(0, idx).float()[:, None]).to(out.dtype))
+            out.index_copy_(0, idx, torch.mul(y, wflat.index_select(0, idx).float()[:, None]).to(out.dtype))
         for e, a in groups.items():
             if len(a) == 1:  # decode: views, no index tensors
                 i = a[0]

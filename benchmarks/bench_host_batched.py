@@ -1,12 +1,12 @@
 """A layer's host experts in one native call against one call an expert (`layers/cpu_experts.native_batched_experts`),
-through `offload/host_experts.HostExperts.rows` as the hybrid engine calls it, on a bf16, NF4 or fp8 bank of a many-small-expert
-shape (Qwen3-30B-A3B: 128 experts of 9.4 MB a layer in bf16) under "native". Each round routes fresh tokens (top-k of E,
-uniform) and takes the experts left after `--gpu-share` of them are marked computed elsewhere (-1), so the bank
+through `offload/host_experts.HostExperts.rows` as the hybrid engine calls it, on a bf16, NF4 or fp8 bank of a
+many-small-expert shape (Qwen3-30B-A3B: 128 experts of 9.4 MB a layer in bf16) under "native". Each round routes
+fresh tokens (top-k of E, uniform) and takes the experts left after `--gpu-share` of them are marked computed elsewhere (-1), so the bank
 (1.2 GB) comes from DRAM, not cache. Baseline in the same run: a plain multi-threaded read of the host's memory
 (the roofline: the experts' bytes at that rate).
 
-    python benchmarks/bench_host_batched.py [--shape qwen3-30b] [--format bf16|nf4|fp8] [--tokens 1 4 16 64] [--threads 16]
-        [--out FILE]
+    python benchmarks/bench_host_batched.py [--shape qwen3-30b] [--format bf16|nf4|fp8] [--tokens 1 4 16 64]
+        [--threads 16] [--out FILE]
 
 Per token count: experts run a call, ms a call batched and one by one (medians), and the batched native call alone
 (its inputs gathered beforehand: what `rows`' Python around it costs), GB/s of expert bytes, and their ratio to the
@@ -63,7 +63,7 @@ def main() -> None:
     modes = ("batched", "one_by_one", "kernel")
     for T in args.tokens:
         times: dict[str, list[float]] = {m: [] for m in modes}
-        used = []
+        used, kernel_used = [], []
         for r in range(args.rounds):
             for mode in modes[r % 3:] + modes[:r % 3]:  # rotate which goes first
                 # fresh routing for each: the other's experts may still sit in the last-level cache
@@ -78,6 +78,9 @@ def main() -> None:
                 if mode == "kernel":  # the native call alone, its inputs gathered beforehand (`rows` less its Python)
                     tokens = {e: (ids == e).sum().item() for e in ids[ids >= 0].unique().tolist()}
                     batch = he._native_batch(x, tokens, 0)
+                    if not batch:  # fewer than `cpu_experts.native_batch_min` experts: no batched call to time
+                        continue
+                    kernel_used.append(len(batch))
                     xs = x.index_select(0, torch.cat([(ids == e).any(1).nonzero()[:, 0] for e in batch]))
                     t0 = time.perf_counter()
                     he._batched(xs, [tokens[e] for e in batch], batch, 0)
@@ -88,15 +91,19 @@ def main() -> None:
         n = statistics.median(used)
         row = {"tokens": T, "experts_a_call": n}
         for mode in modes:
+            if len(times[mode]) < 2:
+                row |= {f"{mode}_ms": None, f"{mode}_gb_s": None, f"{mode}_of_read": None}
+                continue
             ms = statistics.median(times[mode][1:]) * 1e3  # (the first round builds the per-expert kernels)
-            gb_s = n * he.expert_bytes / ms / 1e6
-            row |= {f"{mode}_ms": round(ms, 3), f"{mode}_gb_s": round(gb_s, 1), f"{mode}_of_read": round(gb_s / read, 2)}
-        row["speedup"] = round(row["one_by_one_ms"] / row["batched_ms"], 2)
+            gb_s = (statistics.median(kernel_used) if mode == "kernel" else n) * he.expert_bytes / ms / 1e6
+            row |= {f"{mode}_ms": round(ms, 3), f"{mode}_gb_s": round(gb_s, 1),
+                    f"{mode}_of_read": round(gb_s / read, 2)}
+        row["speedup"] = round(row["one_by_one_ms"] / row["batched_ms"], 2) if row["batched_ms"] else None
         rows.append(row)
-        print(f"  {T:3d} tokens, {n:5.1f} experts: batched {row['batched_ms']:7.3f} ms ({row['batched_gb_s']:5.1f} GB/s, "
-              f"{row['batched_of_read']:.2f} of read; the native call alone {row['kernel_ms']:.3f} ms, "
-              f"{row['kernel_of_read']:.2f}), one by one {row['one_by_one_ms']:7.3f} ms "
-              f"({row['one_by_one_gb_s']:5.1f} GB/s): {row['speedup']:.2f}x")
+        print(f"  {T:3d} tokens, {n:5.1f} experts: batched {row['batched_ms']} ms ({row['batched_gb_s']} GB/s, "
+              f"{row['batched_of_read']} of read; the native call alone {row['kernel_ms']} ms, "
+              f"{row['kernel_of_read']}), one by one {row['one_by_one_ms']} ms ({row['one_by_one_gb_s']} GB/s): "
+              f"{row['speedup']}x")
     write_results("host_batched", rows, args.out, **({"commit": args.commit} if args.commit else {}), shape=args.shape,
                   format=args.format, read_gb_s=round(read, 1), threads=torch.get_num_threads(),
                   amx=host_native.amx(), gpu_share=args.gpu_share)

@@ -88,10 +88,12 @@ pool's workers. 2-core box, a Mixtral w13 at 2 and 4 tokens: 7.3-9.9 ms against 
 `out.to(bfloat16)` of the GEMV's [T, 2I] output, as fast as without it under `OMP_WAIT_POLICY=PASSIVE`."""
 native_batched_experts = True
 """Whether a layer's host experts that each run as one native call (`native_fused_expert`: dense bf16, NF4, fp8) run as
-one call together (`host_native.experts_silu_bf16` / `experts_silu_nf4` / `experts_silu_fp8`, from `offload/host_experts.HostExperts.rows` and
-`outputs`): the same bits, one wake-up of the C pool a pass for all of them. Why: an expert call costs the pool's wake-up and hand-offs twice and
-Python's ops around it, ~0.35 ms a 9.4 MB Qwen3-30B-A3B expert on the H200 host where its bytes take ~0.1 at the
-host's read rate (docs/benchmarks.md, session 28); many small experts a layer pay that each."""
+one call together (`host_native.experts_silu_bf16` / `experts_silu_nf4` / `experts_silu_fp8`, from
+`offload/host_experts.HostExperts.rows` and `outputs`): the same bits, one wake-up of the C pool a pass for all of
+them. Why: an expert call costs the pool's wake-up and hand-offs twice and Python's ops around it, ~0.35 ms a 9.4
+MB Qwen3-30B-A3B expert on the H200 host where its bytes take ~0.1 at the host's read rate (docs/benchmarks.md,
+session 28); many small experts a layer pay that each. Session 42, H100 box (`benchmarks/bench_host_batched.py`):
+1.6-4.8x on a Qwen3 layer's experts; the engine's Qwen3 batch 16 with every miss on the host 8.82 -> 21.35 tok/s."""
 native_batch_min = 2
 """Fewest experts `native_batched_experts` batches into one call (fewer take their own calls: one expert batched is its
 own call plus the batching's Python: the gather, the pointer arrays, the weighting; a decode layer often has one miss).
@@ -693,12 +695,12 @@ def native_packed_experts(x: torch.Tensor, tokens: list[int], experts: list[Host
     if first.gate_up.nf4 is not None:
         xs = list(host_native.nf4_x(x, first.gate_up.nf4[2], bf16=True).split(tokens))
         host_native.experts_silu_nf4(xs, [e.gate_up.nf4 for e in experts], [e.down.nf4 for e in experts], outs,
-                                     c_pool_split(m * n, H, threads), c_pool_split(m * H, n // 2, threads), cols)
+                                     c_pool_split(m * n, H, threads), c_pool_split(m * H, n // 2, threads), cols=cols)
     else:
         xs = list(x.to(torch.bfloat16).contiguous().split(tokens))
         host_native.experts_silu_fp8(xs, [e.gate_up.fp8 for e in experts], [e.down.fp8 for e in experts], outs,
                                      c_pool_split(m * n, 2 * H, threads), c_pool_split(m * H, n, threads),
-                                     [first.gate_up.fp8_amx(t) for t in tokens], cols)
+                                     amx=[first.gate_up.fp8_amx(t) for t in tokens], cols=cols)
     return y
 
 

@@ -3,7 +3,9 @@
 Measures, for one expert of the bank as it is held (dense or packed: `offload/host_experts.HostExperts`, the
 kernels the hybrid path runs):
 - `copy_s`: seconds to copy its bytes to the device (pinned host -> device; a host memcpy on the CPU engine);
-- `cpu_s`: the host's seconds to run it on 1, 4, 16 and 64 tokens;
+- `cpu_s`: the host's seconds to run it on 1, 4, 16, 64 and 256 tokens, as a step runs a few of them (`CYCLE`
+  experts in one `HostExperts.outputs` call: one native call for them all where each takes one alone); one expert
+  alone in a call (a layer's single miss) runs slower than this;
 - `cpu_s_beside_copy`: the same at 1 token while another thread keeps copies running (host -> device, or a
   large memcpy on the CPU engine): the copies take memory bandwidth from the cores, and on the lent GPU host
   the packed kernels slow down most beside them (docs/benchmarks.md);

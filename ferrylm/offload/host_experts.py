@@ -22,8 +22,10 @@ them ahead), over views of the bank's own bytes:
 device adds them to its own rows exactly. `rows(..., cols=c)` computes only the intermediate columns [c, I)
 (hybrid decode's column split; the device computes [0, c)): dense banks through views, packed ones through
 kernels over windows of their parts (gate rows [c, I), up rows [I + c, 2I), w2's K columns [c, I); c a
-multiple of `split_unit`, so the window starts on a group). Its Python work grows with the assignments and
-the experts used, never with E. Thread-safe: each expert's kernels are built once, under that expert's own lock.
+multiple of `split_unit`, so the window starts on a group). `outputs(x, rows)` gives each expert's unweighted rows
+(the copy road's host experts). Both run the experts of a call that each run as one native call alone (dense bf16,
+NF4, fp8 SiLU experts under "native"), two or more, as one native call (`layers/cpu_experts.native_batched_experts`:
+the same bits). Its Python work grows with the assignments and the experts used, never with E. Thread-safe: each expert's kernels are built once, under that expert's own lock.
 It knows nothing about caches, streams or which thread runs it. Shapes: T tokens, k experts a token,
 H hidden, I the expert's intermediate size, E experts.
 """
@@ -422,5 +424,5 @@ class HostExperts:
             else:
                 idx = torch.tensor(a)
                 y = run(e, x.index_select(0, idx // k))  # [n, H]
-                out.index_copy_(0, idx, y.float().mul_(wflat.index_select(0, idx).float()[:, None]).to(out.dtype))
+                out.index_copy_(0, idx, torch.mul(y, wflat.index_select(0, idx).float()[:, None]).to(out.dtype))
         return len(groups) + len(batched)
